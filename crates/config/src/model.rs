@@ -1,0 +1,277 @@
+//! The config model: what a flatmesh node is told to do.
+//!
+//! These types are both the YAML schema (serde, unknown keys rejected) and the
+//! in-memory model that `flatmesh-rules` compiles and `flatmesh-proxy` runs.
+//! The field names are a contract (see issue 2): extend, never rename.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// A whole node configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Admin listener: /metrics, /ready, /config, /rules.
+    #[serde(default = "default_admin")]
+    pub admin: SocketAddr,
+    /// Worker threads, one per core. `None` means "number of cores".
+    #[serde(default)]
+    pub workers: Option<usize>,
+    /// Access log as JSON lines. `None` means no access log.
+    #[serde(default)]
+    pub access_log: Option<AccessLog>,
+    /// Limits that protect workers from bad or slow clients.
+    #[serde(default)]
+    pub limits: Limits,
+    #[serde(default)]
+    pub listeners: Vec<Listener>,
+    #[serde(default)]
+    pub clusters: Vec<Cluster>,
+}
+
+pub fn default_admin() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 15000))
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AccessLog {
+    /// `stdout`, `stderr`, or a file path (appended).
+    pub path: String,
+}
+
+/// Protection limits. Every field has a safe default.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Largest request header block accepted; larger gets 431.
+    pub max_header_bytes: usize,
+    /// A client must send its full request head within this time.
+    #[serde(with = "crate::duration")]
+    pub header_read_timeout: Duration,
+    /// An idle downstream connection is closed after this time.
+    #[serde(with = "crate::duration")]
+    pub idle_timeout: Duration,
+    /// Upstream TCP connect timeout.
+    #[serde(with = "crate::duration")]
+    pub connect_timeout: Duration,
+    /// Default per-request timeout for routes that set none.
+    #[serde(with = "crate::duration")]
+    pub request_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_header_bytes: 64 * 1024,
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(15),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Listener {
+    pub name: String,
+    pub address: SocketAddr,
+    pub protocol: ListenerProtocol,
+    /// HTTP listeners: routes tried in order, first match wins.
+    #[serde(default)]
+    pub routes: Vec<Route>,
+    /// TCP listeners: the cluster every connection goes to.
+    #[serde(default)]
+    pub cluster: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ListenerProtocol {
+    /// HTTP/1.1 and HTTP/2 (h2c prior knowledge) on one port; gRPC rides on HTTP/2.
+    Http,
+    /// Plain L4 relay.
+    Tcp,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Route {
+    /// Optional name used in metrics and `--explain`; defaults to `<listener>/<index>`.
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(rename = "match", default)]
+    pub matches: RouteMatch,
+    // Exactly one of `cluster`, `split`, `direct_response` (checked by validation).
+    #[serde(default)]
+    pub cluster: Option<String>,
+    #[serde(default)]
+    pub split: Option<Vec<WeightedCluster>>,
+    #[serde(default)]
+    pub direct_response: Option<DirectResponse>,
+    /// Whole-request timeout; exceeded gives 504.
+    #[serde(default, with = "crate::duration::option")]
+    pub timeout: Option<Duration>,
+    #[serde(default)]
+    pub request_headers_to_add: BTreeMap<String, String>,
+    #[serde(default)]
+    pub request_headers_to_remove: Vec<String>,
+    #[serde(default)]
+    pub response_headers_to_add: BTreeMap<String, String>,
+    #[serde(default)]
+    pub retries: Option<RetryPolicy>,
+}
+
+/// All conditions must hold for a route to match. An empty match matches everything.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteMatch {
+    /// Exact host (`api.local`) or wildcard suffix (`*.example.com`). Port is ignored.
+    #[serde(default)]
+    pub host: Option<String>,
+    #[serde(default)]
+    pub path: Option<PathMatch>,
+    /// HTTP method, e.g. `GET`.
+    #[serde(default)]
+    pub method: Option<String>,
+    #[serde(default)]
+    pub headers: Vec<NamedMatch>,
+    /// Query parameters.
+    #[serde(default)]
+    pub query: Vec<NamedMatch>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum PathMatch {
+    Exact(String),
+    Prefix(String),
+    Regex(String),
+}
+
+/// A header or query-parameter condition. Exactly one of `exact`, `prefix`,
+/// `present`, `regex` is set (checked by validation).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamedMatch {
+    pub name: String,
+    #[serde(default)]
+    pub exact: Option<String>,
+    #[serde(default)]
+    pub prefix: Option<String>,
+    #[serde(default)]
+    pub present: Option<bool>,
+    #[serde(default)]
+    pub regex: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WeightedCluster {
+    pub cluster: String,
+    pub weight: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DirectResponse {
+    pub status: u16,
+    #[serde(default)]
+    pub body: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryPolicy {
+    /// Extra attempts after the first (default 1).
+    #[serde(default = "default_retry_attempts")]
+    pub attempts: u32,
+    /// When to retry: `connect-failure`, `reset`, `5xx`, `gateway-error` (502/503/504).
+    #[serde(default = "default_retry_on")]
+    pub on: Vec<RetryOn>,
+}
+
+fn default_retry_attempts() -> u32 {
+    1
+}
+fn default_retry_on() -> Vec<RetryOn> {
+    vec![RetryOn::ConnectFailure]
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RetryOn {
+    ConnectFailure,
+    Reset,
+    #[serde(rename = "5xx")]
+    Status5xx,
+    GatewayError,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cluster {
+    pub name: String,
+    #[serde(default)]
+    pub lb: LbPolicy,
+    pub endpoints: Vec<SocketAddr>,
+    /// Upstream protocol for HTTP traffic; default http1.
+    #[serde(default)]
+    pub protocol: UpstreamProtocol,
+    /// ring_hash / maglev: what to hash. Falls back to the client address.
+    #[serde(default)]
+    pub hash_on: Option<HashOn>,
+    /// Overrides `limits.connect_timeout` for this cluster.
+    #[serde(default, with = "crate::duration::option")]
+    pub connect_timeout: Option<Duration>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LbPolicy {
+    #[default]
+    RoundRobin,
+    LeastRequest,
+    Random,
+    RingHash,
+    Maglev,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UpstreamProtocol {
+    #[default]
+    Http1,
+    Http2,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HashOn {
+    /// Request header whose value is hashed, e.g. `x-user`.
+    pub header: String,
+}
+
+impl Config {
+    /// Number of workers to run: the configured count, else the number of cores.
+    pub fn worker_count(&self) -> usize {
+        self.workers
+            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
+            .max(1)
+    }
+
+    pub fn cluster(&self, name: &str) -> Option<&Cluster> {
+        self.clusters.iter().find(|c| c.name == name)
+    }
+}
+
+impl Route {
+    /// The route's display name: its own, or `<listener>/<index>`.
+    pub fn display_name(&self, listener: &str, index: usize) -> String {
+        self.name.clone().unwrap_or_else(|| format!("{listener}/{index}"))
+    }
+}

@@ -1,0 +1,38 @@
+//! flatmesh: the binary. Each subcommand lives in `cmd/<name>.rs` and only calls into the libraries.
+
+use clap::{Parser, Subcommand};
+
+mod cmd;
+
+#[derive(Parser)]
+#[command(name = "flatmesh", version, about = "A sidecar-free service mesh node proxy")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the node proxy.
+    Node(cmd::node::Args),
+    /// Validate a config; --explain prints the compiled rule program.
+    Check(cmd::check::Args),
+    /// Start built-in services and a node proxy, drive load, print a report.
+    Demo(cmd::demo::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Node(args) => cmd::node::run(args),
+        Command::Check(args) => cmd::check::run(args),
+        Command::Demo(args) => cmd::demo::run(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

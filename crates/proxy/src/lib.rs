@@ -1,0 +1,1 @@
+//! Node data plane (being written).

@@ -1,0 +1,1 @@
+//! RuleProgram (being written).
