@@ -145,13 +145,47 @@ pub struct RouteMatch {
     pub query: Vec<NamedMatch>,
 }
 
+/// Written as a one-key map: `{ prefix: /api }`. (serde_norway reads a plain
+/// externally tagged enum only from a YAML tag like `!prefix /api`, so reading
+/// goes through [`PathMatchRepr`]; writing stays `{"prefix": "/api"}` in JSON.)
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", deny_unknown_fields)]
+#[serde(rename_all = "snake_case", try_from = "PathMatchRepr")]
 pub enum PathMatch {
     Exact(String),
     Prefix(String),
     Regex(String),
 }
+
+/// The YAML shape of [`PathMatch`]: exactly one of the three keys.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PathMatchRepr {
+    #[serde(default)]
+    pub exact: Option<String>,
+    #[serde(default)]
+    pub prefix: Option<String>,
+    #[serde(default)]
+    pub regex: Option<String>,
+}
+
+impl TryFrom<PathMatchRepr> for PathMatch {
+    type Error = String;
+
+    fn try_from(repr: PathMatchRepr) -> Result<Self, String> {
+        match (repr.exact, repr.prefix, repr.regex) {
+            (Some(p), None, None) => Ok(PathMatch::Exact(p)),
+            (None, Some(p), None) => Ok(PathMatch::Prefix(p)),
+            (None, None, Some(p)) => Ok(PathMatch::Regex(p)),
+            (None, None, None) => Err(PATH_MATCH_NONE.to_string()),
+            _ => Err(PATH_MATCH_MANY.to_string()),
+        }
+    }
+}
+
+pub(crate) const PATH_MATCH_NONE: &str =
+    "path match is empty: it needs one of `exact`, `prefix`, `regex`";
+pub(crate) const PATH_MATCH_MANY: &str =
+    "path match sets more than one of `exact`, `prefix`, `regex`: a path match is exactly one of them";
 
 /// A header or query-parameter condition. Exactly one of `exact`, `prefix`,
 /// `present`, `regex` is set (checked by validation).
@@ -260,18 +294,36 @@ impl Config {
     /// Number of workers to run: the configured count, else the number of cores.
     pub fn worker_count(&self) -> usize {
         self.workers
-            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
+            .unwrap_or_else(|| {
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(1)
+            })
             .max(1)
     }
 
     pub fn cluster(&self, name: &str) -> Option<&Cluster> {
         self.clusters.iter().find(|c| c.name == name)
     }
+
+    /// The config as pretty JSON, for the admin `/config` endpoint. Durations are
+    /// written as `2s`/`250ms` and path matches as `{"prefix": "/api"}`, the same
+    /// shape the YAML takes, so the output parses back into an equal `Config`.
+    pub fn to_json(&self) -> String {
+        // Serializing these types cannot fail (all map keys are strings); if it ever
+        // did, say so in the JSON rather than panicking in the admin server.
+        serde_json::to_string_pretty(self).unwrap_or_else(|error| {
+            serde_json::json!({ "error": format!("config could not be serialized: {error}") })
+                .to_string()
+        })
+    }
 }
 
 impl Route {
     /// The route's display name: its own, or `<listener>/<index>`.
     pub fn display_name(&self, listener: &str, index: usize) -> String {
-        self.name.clone().unwrap_or_else(|| format!("{listener}/{index}"))
+        self.name
+            .clone()
+            .unwrap_or_else(|| format!("{listener}/{index}"))
     }
 }

@@ -19,6 +19,12 @@ enum Command {
     Check(cmd::check::Args),
     /// Start built-in services and a node proxy, drive load, print a report.
     Demo(cmd::demo::Args),
+    /// QingNiao: IDL compiler, skip-and-check rules and their RAM/CAM image.
+    Qnp(cmd::qnp::Args),
+    /// Place microservice DAGs on hosts and SmartNICs (E3: hcm, anneal, ilp).
+    Place(cmd::place::Args),
+    /// Reproduce E3's Table 6 (placement at scale) and Table 5 / Fig. 10 (energy, cost).
+    Simulate(cmd::simulate::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -27,6 +33,9 @@ fn main() -> std::process::ExitCode {
         Command::Node(args) => cmd::node::run(args),
         Command::Check(args) => cmd::check::run(args),
         Command::Demo(args) => cmd::demo::run(args),
+        Command::Qnp(args) => cmd::qnp::run(args),
+        Command::Place(args) => cmd::place::run(args),
+        Command::Simulate(args) => cmd::simulate::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -1,1 +1,23 @@
-//! Node data plane (being written).
+//! flatmesh node data plane: listeners, shared-nothing workers, the L4 relay, the L7 HTTP
+//! path, upstream pools and load balancing, telemetry and the admin endpoint.
+//!
+//! Follow one request: [`worker`] accepts it on a SO_REUSEPORT socket → [`http::serve`]
+//! parses it and asks the rule program (crate `flatmesh-rules`) for a route → the route's
+//! action picks a cluster, [`lb`] an endpoint, [`upstream`] a pooled connection → the
+//! response streams back. [`node`] swaps config snapshots ([`snapshot`]) under all of it.
+
+pub mod access_log;
+mod admin;
+pub mod error;
+pub mod http;
+pub mod lb;
+pub mod listener;
+pub mod metrics;
+pub mod node;
+pub mod snapshot;
+pub mod tcp;
+pub mod upstream;
+pub mod worker;
+
+pub use error::ProxyError;
+pub use node::{ConfigSource, Node};

@@ -1,6 +1,36 @@
-#[derive(clap::Args)]
-pub struct Args {}
+//! `flatmesh demo`: built-in services, an in-process node proxy with the built-in config,
+//! load with a progress bar, and a report. The work is in the `flatmesh-demo` crate.
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("not written yet")
+use std::time::Duration;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// How long to drive load, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 10)]
+    duration: u64,
+    /// Concurrent HTTP keep-alive connections.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    connections: usize,
+    /// Do not draw the progress bar.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let options = flatmesh_demo::Options {
+        duration: Duration::from_secs(args.duration),
+        connections: args.connections,
+        progress: !args.no_progress,
+    };
+    let report = flatmesh_demo::run(&options)?;
+    println!("{report}");
+    let problems = report.problems();
+    if problems.is_empty() {
+        println!("all routes answered without errors and every split is within tolerance");
+        return Ok(());
+    }
+    anyhow::bail!(
+        "the demo's results are not sane:\n  - {}",
+        problems.join("\n  - ")
+    )
 }

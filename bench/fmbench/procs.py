@@ -1,0 +1,215 @@
+"""Starting pinned processes, waiting for readiness, and reading CPU and memory from /proc.
+
+Every process the harness starts gets its own session (process group), is
+recorded here, and is stopped by its own id when the run ends, even on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+SUT_CPU = "1"
+LOAD_CPU = "0"
+
+_started: list[subprocess.Popen] = []
+
+
+class ProcError(RuntimeError):
+    pass
+
+
+def pinned(cpu: str, argv: list[str]) -> list[str]:
+    return ["taskset", "-c", cpu, *argv]
+
+
+def start(name: str, cpu: str, argv: list[str], logdir: Path, env: dict | None = None) -> subprocess.Popen:
+    """Start argv pinned to `cpu`, output to logdir/<name>.log."""
+    log = open(logdir / f"{name}.log", "wb")
+    full_env = dict(os.environ, **(env or {}))
+    try:
+        p = subprocess.Popen(
+            pinned(cpu, argv), stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
+    except OSError as e:
+        raise ProcError(f"cannot start {name} ({argv[0]}): {e}. Is it installed? Run bench/run without --no-install.")
+    finally:
+        log.close()
+    p.name = name  # type: ignore[attr-defined]
+    _started.append(p)
+    return p
+
+
+def stop(p: subprocess.Popen, timeout: float = 5.0) -> None:
+    """Stop a process we started: SIGTERM to its own process group, then SIGKILL."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout)
+    else:
+        # The leader exited; children (nginx workers) may still hold the group.
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if p in _started:
+        _started.remove(p)
+
+
+def stop_all() -> None:
+    for p in list(reversed(_started)):
+        stop(p, timeout=3.0)
+
+
+atexit.register(stop_all)
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def ensure_free(ports: list[int], who: str) -> None:
+    busy = [p for p in ports if port_open(p)]
+    if busy:
+        raise ProcError(
+            f"port(s) {busy} on 127.0.0.1 are already in use, so {who} cannot start. "
+            f"Stop whatever listens there (`ss -ltnp | grep -E ':({'|'.join(map(str, busy))})'`) and rerun."
+        )
+
+
+def wait_ready(p: subprocess.Popen, ports: list[int], url: str | None, timeout: float, logdir: Path) -> None:
+    """Wait until the readiness URL answers 200 (if any) and every port accepts connections."""
+    deadline = time.monotonic() + timeout
+    name = getattr(p, "name", "process")
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            tail = _log_tail(logdir / f"{name}.log")
+            raise ProcError(f"{name} exited with code {p.returncode} during start-up. Its log ends with:\n{tail}")
+        ok = all(port_open(port) for port in ports)
+        if ok and url:
+            try:
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    ok = r.status == 200
+            except (urllib.error.URLError, OSError):
+                ok = False
+        if ok:
+            return
+        time.sleep(0.05)
+    tail = _log_tail(logdir / f"{name}.log")
+    raise ProcError(
+        f"{name} was not ready within {timeout:.0f}s (ports {ports}{', ' + url if url else ''}). Log tail:\n{tail}"
+    )
+
+
+def _log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# ---------------------------------------------------------------- /proc sampling
+
+
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def tree(root: int) -> list[int]:
+    """root and all its descendants (taskset execs in place, so root is the system itself)."""
+    kids = _children_map()
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(kids.get(pid, []))
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """utime+stime of the processes (all their threads), in seconds."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After the ")" field 0 is state; utime and stime are fields 14 and 15 of stat (1-based).
+        total += int(fields[11]) + int(fields[12])
+    return total / CLK_TCK
+
+
+def _status_kb(pid: int, key: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def rss_kb(pids: list[int]) -> int:
+    return sum(_status_kb(pid, "VmRSS") for pid in pids)
+
+
+def peak_rss_kb(pids: list[int]) -> int:
+    """Sum of VmHWM (peak resident set) over the processes."""
+    return sum(_status_kb(pid, "VmHWM") for pid in pids)
+
+
+@dataclass
+class Usage:
+    cpu_s: float
+    peak_rss_kb: int
+
+
+class Meter:
+    """CPU and peak memory of a system's process tree across one measurement."""
+
+    def __init__(self, root: int | None):
+        self.root = root
+        self.pids: list[int] = tree(root) if root else []
+        self.cpu0 = cpu_seconds(self.pids) if root else 0.0
+
+    def finish(self) -> Usage | None:
+        if not self.root:
+            return None
+        # Re-walk the tree: a system may have forked helpers during the run.
+        pids = sorted(set(self.pids) | set(tree(self.root)))
+        return Usage(cpu_seconds(pids) - self.cpu0, peak_rss_kb(pids))

@@ -1,0 +1,324 @@
+"""Turning raw records into medians, ratios to Envoy, a Markdown report, SVG plots and a terminal table."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from . import svg
+from .scenarios import Scenario
+from .systems import REFERENCE
+
+LAT_KEYS = ("p50", "p90", "p99", "p999")
+LAT_NAMES = {"p50": "p50", "p90": "p90", "p99": "p99", "p999": "p99.9"}
+
+
+def _median(vals):
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Median over repeats per (scenario, x, system), with ratios to Envoy from the same run."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["scenario"], r["x"], r["system"])].append(r)
+    rows = []
+    for (scn, x, system), rs in groups.items():
+        rows.append(
+            {
+                "scenario": scn,
+                "x": x,
+                "system": system,
+                "repeats": len(rs),
+                "rate": _median([r["rate"] for r in rs]),
+                "lat_us": {k: _median([(r["lat_us"] or {}).get(k) for r in rs]) for k in LAT_KEYS},
+                "cpu_per_unit": _median([r["cpu_per_unit"] for r in rs]),
+                "peak_rss_kb": _median([r["peak_rss_kb"] for r in rs]),
+                "idle_rss_kb": _median([r["idle_rss_kb"] for r in rs]),
+                "errors": sum(r["errors"] for r in rs),
+                "ops": sum(r["ops"] for r in rs),
+            }
+        )
+    ref = {(r["scenario"], r["x"]): r for r in rows if r["system"] == REFERENCE}
+    direct = {(r["scenario"], r["x"]): r for r in rows if r["system"] == "direct"}
+    for r in rows:
+        e = ref.get((r["scenario"], r["x"]))
+        r["rate_vs_envoy"] = _ratio(r["rate"], e["rate"] if e else None)
+        r["p99_vs_envoy"] = _ratio(r["lat_us"]["p99"], e["lat_us"]["p99"] if e else None)
+        r["cpu_vs_envoy"] = _ratio(r["cpu_per_unit"], e["cpu_per_unit"] if e else None)
+        d = direct.get((r["scenario"], r["x"]))
+        p50, dp50 = r["lat_us"]["p50"], (d["lat_us"]["p50"] if d else None)
+        r["added_p50_us"] = (p50 - dp50) if (p50 is not None and dp50 is not None and r["system"] != "direct") else None
+    return rows
+
+
+def _ratio(a, b):
+    return a / b if (a is not None and b) else None
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def f_lat(us) -> str:
+    if us is None:
+        return "–"
+    return f"{us:.1f} µs" if us < 1000 else f"{us / 1000:.2f} ms"
+
+
+def f_rate(v, unit: str) -> str:
+    if v is None:
+        return "–"
+    if unit == "byte":
+        return f"{v / 1e9:.2f} Gbit/s"
+    return f"{v:,.0f}"
+
+
+def f_x(v) -> str:
+    return "–" if v is None else f"{v:.2f}×"
+
+
+def f_mb(kb) -> str:
+    return "–" if kb is None else f"{kb / 1024:.1f}"
+
+
+def f_cpu(v) -> str:
+    return "–" if v is None else f"{v:.3f}"
+
+
+def rate_header(s: Scenario) -> str:
+    return {"byte": "throughput", "round trip": "round trips/s", "stream": "streams/s"}.get(s.unit, "req/s")
+
+
+def cpu_header(s: Scenario) -> str:
+    return "CPU s / GB" if s.unit == "byte" else f"CPU s / 10k {s.unit}s" if s.unit != "req" else "CPU s / 10k req"
+
+
+def _order(systems: list[str], present: set[str]) -> list[str]:
+    return [s for s in systems if s in present]
+
+
+def scenario_table(s: Scenario, rows: list[dict], systems: list[str]) -> list[str]:
+    rs = {r["system"]: r for r in rows if r["scenario"] == s.name}
+    if not rs:
+        return []
+    if s.sweep:
+        return sweep_table(s, rows, systems)
+    cols = [rate_header(s), "× Envoy", *(LAT_NAMES[k] for k in LAT_KEYS), "p99 × Envoy", cpu_header(s), "CPU × Envoy", "peak RSS MB", "idle RSS MB", "errors"]
+    if s.name == "tcp_pingpong":
+        cols.insert(6, "added p50 vs direct")
+    out = ["| system | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name in _order(systems, set(rs)):
+        r = rs[name]
+        cells = [
+            f_rate(r["rate"], s.unit),
+            f_x(r["rate_vs_envoy"]),
+            *(f_lat(r["lat_us"][k]) for k in LAT_KEYS),
+            f_x(r["p99_vs_envoy"]),
+            f_cpu(r["cpu_per_unit"]),
+            f_x(r["cpu_vs_envoy"]),
+            f_mb(r["peak_rss_kb"]),
+            f_mb(r["idle_rss_kb"]),
+            str(r["errors"]),
+        ]
+        if s.name == "tcp_pingpong":
+            cells.insert(6, f_lat(r["added_p50_us"]))
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def sweep_table(s: Scenario, rows: list[dict], systems: list[str]) -> list[str]:
+    xs = sorted({r["x"] for r in rows if r["scenario"] == s.name})
+    by = {(r["system"], r["x"]): r for r in rows if r["scenario"] == s.name}
+    present = {r["system"] for r in rows if r["scenario"] == s.name}
+    out = []
+    if s.name == "fixed_rate":
+        out.append("p50 / p99 latency at each offered rate (achieved rate below):")
+        out.append("")
+        head = [f"{x:,.0f}/s" for x in xs]
+        out += ["| system | " + " | ".join(head) + " |", "|---" * (len(xs) + 1) + "|"]
+        for name in _order(systems, present):
+            cells = []
+            for x in xs:
+                r = by.get((name, x))
+                cells.append("–" if not r else f"{f_lat(r['lat_us']['p50'])} / {f_lat(r['lat_us']['p99'])}")
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+        out += ["", "| achieved req/s | " + " | ".join(head) + " |", "|---" * (len(xs) + 1) + "|"]
+        for name in _order(systems, present):
+            cells = [f_rate(by[(name, x)]["rate"], s.unit) if (name, x) in by else "–" for x in xs]
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+    else:
+        out.append("req/s (p99) at each number of concurrent connections:")
+        out.append("")
+        head = [f"{x:g}" for x in xs]
+        out += ["| system | " + " | ".join(head) + " |", "|---" * (len(xs) + 1) + "|"]
+        for name in _order(systems, present):
+            cells = []
+            for x in xs:
+                r = by.get((name, x))
+                cells.append("–" if not r else f"{f_rate(r['rate'], s.unit)} ({f_lat(r['lat_us']['p99'])})")
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+# ---------------------------------------------------------------- issue-2 targets
+
+
+MB15_KB = 15 * 1024
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue-2 targets, each with the measured value and pass / FAIL / n/a."""
+
+    def get(scn, system):
+        for r in rows:
+            if r["scenario"] == scn and r["system"] == system and r["x"] is None:
+                return r
+        return None
+
+    fm, env, hap = get("http1_keepalive", "flatmesh"), get("http1_keepalive", "envoy"), get("http1_keepalive", "haproxy")
+    out = []
+
+    def add(name, ok, measured):
+        out.append({"target": name, "status": "n/a" if ok is None else ("pass" if ok else "FAIL"), "measured": measured})
+
+    if fm and env:
+        x = fm["rate"] / env["rate"]
+        add("req/s ≥ 2.5× Envoy (HTTP/1.1 keep-alive, 10 routes)", x >= 2.5, f"{fm['rate']:,.0f} vs {env['rate']:,.0f} req/s = {x:.2f}×")
+        p, pe = fm["lat_us"]["p99"], env["lat_us"]["p99"]
+        add("p99 ≤ ½ Envoy's", p <= pe / 2 if p and pe else None, f"{f_lat(p)} vs {f_lat(pe)} = {p / pe:.2f}×" if p and pe else "–")
+    else:
+        add("req/s ≥ 2.5× Envoy (HTTP/1.1 keep-alive, 10 routes)", None, "flatmesh or Envoy not measured")
+        add("p99 ≤ ½ Envoy's", None, "flatmesh or Envoy not measured")
+    if fm and hap:
+        add("req/s ≥ HAProxy", fm["rate"] >= hap["rate"], f"{fm['rate']:,.0f} vs {hap['rate']:,.0f} req/s = {fm['rate'] / hap['rate']:.2f}×")
+    else:
+        add("req/s ≥ HAProxy", None, "flatmesh or HAProxy not measured")
+    if fm and fm["idle_rss_kb"]:
+        add("idle RSS ≤ 15 MB", fm["idle_rss_kb"] <= MB15_KB, f"{fm['idle_rss_kb'] / 1024:.1f} MB" + (f" (Envoy {env['idle_rss_kb'] / 1024:.1f} MB)" if env and env["idle_rss_kb"] else ""))
+    else:
+        add("idle RSS ≤ 15 MB", None, "flatmesh not measured")
+    fp, ep = get("tcp_pingpong", "flatmesh"), get("tcp_pingpong", "envoy")
+    if fp and ep and fp["added_p50_us"] is not None and ep["added_p50_us"] is not None:
+        a, b = fp["added_p50_us"], ep["added_p50_us"]
+        add("sockperf added p50 ≤ ½ Envoy's added p50 (TCP, 64 B)", a <= b / 2, f"+{a:.1f} µs vs +{b:.1f} µs over direct")
+    else:
+        add("sockperf added p50 ≤ ½ Envoy's added p50 (TCP, 64 B)", None, "flatmesh, Envoy or direct not measured")
+    return out
+
+
+# ---------------------------------------------------------------- plots
+
+
+def plots(outdir: Path, scenarios: list[Scenario], rows: list[dict], systems: list[str]) -> list[str]:
+    written = []
+    present = _order(systems, {r["system"] for r in rows})
+    names = {s.name for s in scenarios}
+
+    if "fixed_rate" in names:
+        series = []
+        for i, name in enumerate(present):
+            pts99 = [(r["x"], r["lat_us"]["p99"] / 1000) for r in rows if r["scenario"] == "fixed_rate" and r["system"] == name and r["lat_us"]["p99"]]
+            pts50 = [(r["x"], r["lat_us"]["p50"] / 1000) for r in rows if r["scenario"] == "fixed_rate" and r["system"] == name and r["lat_us"]["p50"]]
+            if pts99:
+                series.append((f"{name} p99", svg.color(name, i), pts99, ""))
+                series.append((f"{name} p50", svg.color(name, i), pts50, "5,4"))
+        doc = svg.line_chart(series, "Latency vs offered load (HTTP/1.1, fortio)", "offered load (requests/s)", "latency (ms, log scale)", log_y=True)
+        if doc:
+            (outdir / "latency_vs_qps.svg").write_text(doc)
+            written.append("latency_vs_qps.svg")
+
+    if "connections" in names:
+        series = []
+        for i, name in enumerate(present):
+            pts = [(r["x"], r["rate"]) for r in rows if r["scenario"] == "connections" and r["system"] == name]
+            if pts:
+                series.append((name, svg.color(name, i), pts, ""))
+        doc = svg.line_chart(series, "Throughput vs concurrent connections (HTTP/1.1 keep-alive, wrk)", "concurrent connections (log2 scale)", "throughput (requests/s)", log_x=True)
+        if doc:
+            (outdir / "throughput_vs_connections.svg").write_text(doc)
+            written.append("throughput_vs_connections.svg")
+
+    cpu_scn = [s for s in scenarios if not s.sweep and s.unit != "byte"]
+    groups, bars = [], []
+    proxies = [n for n in present if n != "direct"]
+    for s in cpu_scn:
+        if any(r["scenario"] == s.name and r["cpu_per_unit"] is not None for r in rows):
+            groups.append(s.name)
+    for i, name in enumerate(proxies):
+        vals = []
+        for g in groups:
+            r = next((r for r in rows if r["scenario"] == g and r["system"] == name and r["x"] is None), None)
+            vals.append(r["cpu_per_unit"] if r else None)
+        bars.append((name, svg.color(name, i), vals))
+    doc = svg.bar_chart(groups, bars, "CPU cost of the proxy per request (lower is better)", "CPU seconds per 10k requests", "scenario (gRPC stream: per 10k streams; TCP: per 10k round trips)")
+    if doc:
+        (outdir / "cpu_per_request.svg").write_text(doc)
+        written.append("cpu_per_request.svg")
+    return written
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def markdown(meta: dict, scenarios: list[Scenario], rows: list[dict], systems: list[str], outcome, plot_files: list[str]) -> str:
+    out = [
+        f"# flatmesh side-by-side benchmark — {meta['date']}",
+        "",
+        f"- machine: {meta['nproc']} CPUs, {meta['cpu_model']}, kernel {meta['kernel']}",
+        f"- command: `{meta['command']}`",
+        f"- repeats: {meta['repeats']} (median reported); system under test on CPU 1, load generator and backends on CPU 0",
+        f"- versions: " + "; ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        "",
+        "## issue-2 targets",
+        "",
+        "| target | measured | status |",
+        "|---|---|---|",
+    ]
+    for t in targets(rows):
+        out.append(f"| {t['target']} | {t['measured']} | {t['status']} |")
+    for s in scenarios:
+        table = scenario_table(s, rows, systems)
+        if table:
+            out += ["", f"## {s.name}: {s.title}", ""] + table
+    if plot_files:
+        out += ["", "## plots", ""] + [f"![{p}]({p})" for p in plot_files]
+    if outcome.failures:
+        out += ["", "## failures", ""] + [f"- {f['system']} / {f['scenario']} (repeat {f['repeat']}, {f['stage']}): {f['error']}" for f in outcome.failures]
+    if outcome.skipped:
+        out += ["", "## skipped", ""] + [f"- {s['system']} / {s['scenario']}: {s['why']}" for s in outcome.skipped]
+    return "\n".join(out) + "\n"
+
+
+def terminal(scenarios: list[Scenario], rows: list[dict], systems: list[str]) -> str:
+    head = f"{'scenario':<22} {'system':<10} {'rate':>14} {'xEnvoy':>7} {'p50':>10} {'p99':>10} {'p99.9':>10} {'cpu/unit':>9} {'peakMB':>7} {'err':>5}"
+    lines = [head, "-" * len(head)]
+    for s in scenarios:
+        for name in systems:
+            for r in sorted((r for r in rows if r["scenario"] == s.name and r["system"] == name), key=lambda r: r["x"] or 0):
+                label = s.name if r["x"] is None else f"{s.name}@{r['x']:g}"
+                lines.append(
+                    f"{label:<22} {name:<10} {f_rate(r['rate'], s.unit):>14} {f_x(r['rate_vs_envoy']):>7} "
+                    f"{f_lat(r['lat_us']['p50']):>10} {f_lat(r['lat_us']['p99']):>10} {f_lat(r['lat_us']['p999']):>10} "
+                    f"{f_cpu(r['cpu_per_unit']):>9} {f_mb(r['peak_rss_kb']):>7} {r['errors']:>5}"
+                )
+    return "\n".join(lines)
+
+
+def write_all(outdir: Path, meta: dict, scenarios: list[Scenario], systems: list[str], outcome) -> tuple[list[dict], str]:
+    rows = summarize(outcome.records)
+    plot_files = plots(outdir, scenarios, rows, systems)
+    doc = {
+        "meta": meta,
+        "summary": rows,
+        "targets": targets(rows),
+        "records": outcome.records,
+        "failures": outcome.failures,
+        "skipped": outcome.skipped,
+    }
+    (outdir / "results.json").write_text(json.dumps(doc, indent=1))
+    md = markdown(meta, scenarios, rows, systems, outcome, plot_files)
+    (outdir / "results.md").write_text(md)
+    return rows, md

@@ -1,0 +1,326 @@
+"""The scenario definitions: one data structure each, from which every system's config is generated.
+
+A scenario is a topology (listeners -> routes -> clusters -> backend ports), one
+or more load points (the tool and its parameters; sweeps have several points),
+and the checks that prove a system routes correctly before it is timed.
+
+Port plan (all on 127.0.0.1):
+  18080+i   backend nginx, HTTP/1.1, answers "svc-i\\n" for cluster svc-i
+  18180+i   the same backend speaking h2c (prior knowledge), for "direct" HTTP/2
+  18090     gRPC echo backend (grpc-backend/)
+  18100     sockperf server
+  18110     iperf3 server
+  19080     system under test: HTTP listener
+  19100     system under test: TCP listener
+  19000/1   admin ports of flatmesh / Envoy
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+HOST = "127.0.0.1"
+N_SERVICES = 10
+HTTP_BACKEND_BASE = 18080
+H2C_BACKEND_BASE = 18180
+GRPC_BACKEND_PORT = 18090
+SOCKPERF_PORT = 18100
+IPERF_PORT = 18110
+SUT_HTTP_PORT = 19080
+SUT_TCP_PORT = 19100
+NO_ROUTE_PATH = "/no-such-route/x"
+
+
+def svc_body(i: int) -> str:
+    """Body the backend answers for cluster svc-i; the checks compare against it."""
+    return f"svc-{i}\n"
+
+
+@dataclass(frozen=True)
+class Route:
+    kind: str  # "exact" | "prefix" | "regex" (regex is matched against the whole path)
+    value: str
+    cluster: str
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    port: int
+    protocol: str = "http1"  # upstream protocol: "http1" | "http2" | "tcp"
+
+
+@dataclass(frozen=True)
+class Listener:
+    name: str
+    port: int
+    protocol: str  # "http" | "tcp"
+    routes: tuple[Route, ...] = ()
+    cluster: str | None = None  # tcp listeners only
+    # Downstream speaks HTTP/2 (h2c prior knowledge). flatmesh and Envoy detect it
+    # on their own; nginx 1.22 needs an h2-only port, so its generator reads this.
+    h2: bool = False
+
+
+@dataclass(frozen=True)
+class Topology:
+    listeners: tuple[Listener, ...]
+    clusters: tuple[Cluster, ...]
+
+    def cluster(self, name: str) -> Cluster:
+        for c in self.clusters:
+            if c.name == name:
+                return c
+        raise KeyError(f"scenario topology has no cluster {name!r}")
+
+
+@dataclass(frozen=True)
+class Check:
+    """A correctness check run against every system before it is timed.
+
+    kind "http":  GET path over HTTP/1.1, expect status and body.
+    kind "h2":    GET path over h2c (nghttp), expect body.
+    kind "grpc":  grpc-backend -check: unary and bidi echo round trips.
+    kind "tcp":   a short run of the scenario's own tool must succeed.
+    """
+
+    kind: str
+    path: str = "/"
+    status: int = 200
+    body: str | None = None
+    routed_only: bool = False  # skip for "direct" (the backend answers every path)
+
+
+@dataclass(frozen=True)
+class Load:
+    tool: str  # wrk | h2load | ghz | fortio | sockperf | iperf3
+    duration: float  # seconds
+    params: dict = field(default_factory=dict)
+    x: float | None = None  # sweep coordinate (QPS, connections)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    topology: Topology
+    listener: str  # the SUT listener the load goes to
+    path: str  # request path (HTTP scenarios)
+    direct_port: int  # where "direct" sends the same load
+    points: tuple[Load, ...]
+    checks: tuple[Check, ...]
+    backends: frozenset[str]  # which backends must run: http, grpc, sockperf, iperf3
+    unit: str = "req"  # what one "request" is: req, round trip, stream; "byte" for iperf3
+    sweep: str | None = None  # axis name for sweep scenarios
+    quick: bool = False  # part of --quick
+
+    def listener_port(self) -> int:
+        for lst in self.topology.listeners:
+            if lst.name == self.listener:
+                return lst.port
+        raise KeyError(f"scenario {self.name} has no listener {self.listener!r}")
+
+
+# ---------------------------------------------------------------- topologies
+
+
+def _services() -> tuple[Cluster, ...]:
+    return tuple(Cluster(f"svc-{i}", HTTP_BACKEND_BASE + i) for i in range(N_SERVICES))
+
+
+def ten_routes(h2: bool = False) -> Topology:
+    """Issue 2's benchmark table: 10 prefix routes, each to its own cluster."""
+    routes = tuple(Route("prefix", f"/svc{i}/", f"svc-{i}") for i in range(N_SERVICES))
+    return Topology((Listener("web", SUT_HTTP_PORT, "http", routes, h2=h2),), _services())
+
+
+THOUSAND_TARGET = 998  # a late route, and a regex one: every earlier route is tried first
+
+
+def thousand_routes() -> Topology:
+    """1,000 routes cycling exact / prefix / regex; route i goes to svc-(i % 10)."""
+    routes = []
+    for i in range(1000):
+        cluster = f"svc-{i % N_SERVICES}"
+        kind = ("exact", "prefix", "regex")[i % 3]
+        value = {"exact": f"/r{i}/exact", "prefix": f"/r{i}/", "regex": f"^/r{i}/[0-9]+$"}[kind]
+        routes.append(Route(kind, value, cluster))
+    return Topology((Listener("web", SUT_HTTP_PORT, "http", tuple(routes)),), _services())
+
+
+def grpc_topology() -> Topology:
+    return Topology(
+        (Listener("grpc", SUT_HTTP_PORT, "http", (Route("prefix", "/", "grpc"),), h2=True),),
+        (Cluster("grpc", GRPC_BACKEND_PORT, "http2"),),
+    )
+
+
+def tcp_topology(name: str, port: int) -> Topology:
+    return Topology((Listener(name, SUT_TCP_PORT, "tcp", cluster=name),), (Cluster(name, port, "tcp"),))
+
+
+# ---------------------------------------------------------------- scenarios
+
+TARGET = N_SERVICES - 1  # the 10-route scenarios hit the last route
+TEN_PATH = f"/svc{TARGET}/item"
+TEN_CHECKS = (
+    Check("http", TEN_PATH, 200, svc_body(TARGET)),
+    Check("http", f"/svc3/other", 200, svc_body(3), routed_only=True),
+    Check("http", NO_ROUTE_PATH, 404, None, routed_only=True),
+)
+FIXED_QPS = (1000, 2500, 5000, 10000, 15000)
+CONNECTIONS = (1, 2, 4, 8, 16, 32, 64)
+WRK_CONNS = 32
+
+
+def all_scenarios(scale: float = 1.0) -> list[Scenario]:
+    """Every scenario; `scale` multiplies all durations (quick mode shortens them)."""
+
+    def d(seconds: float) -> float:
+        return max(1.0, round(seconds * scale, 1))
+
+    thousand_path = f"/r{THOUSAND_TARGET}/42"
+    return [
+        Scenario(
+            name="http1_keepalive",
+            title="HTTP/1.1 keep-alive, 10 prefix routes (wrk, 32 connections)",
+            topology=ten_routes(),
+            listener="web",
+            path=TEN_PATH,
+            direct_port=HTTP_BACKEND_BASE + TARGET,
+            points=(Load("wrk", d(10), {"connections": WRK_CONNS}),),
+            checks=TEN_CHECKS,
+            backends=frozenset({"http"}),
+            quick=True,
+        ),
+        Scenario(
+            name="http1_1000_routes",
+            title=f"HTTP/1.1 keep-alive, 1,000 routes (exact/prefix/regex), request hits route #{THOUSAND_TARGET} (regex)",
+            topology=thousand_routes(),
+            listener="web",
+            path=thousand_path,
+            direct_port=HTTP_BACKEND_BASE + THOUSAND_TARGET % N_SERVICES,
+            points=(Load("wrk", d(10), {"connections": WRK_CONNS}),),
+            checks=(
+                Check("http", thousand_path, 200, svc_body(THOUSAND_TARGET % N_SERVICES)),
+                Check("http", "/r0/exact", 200, svc_body(0), routed_only=True),
+                Check("http", "/r0/exact/no", 404, None, routed_only=True),
+                Check("http", "/r997/anything", 200, svc_body(7), routed_only=True),
+                Check("http", "/r998/not-a-number", 404, None, routed_only=True),
+            ),
+            backends=frozenset({"http"}),
+        ),
+        Scenario(
+            name="http1_new_connection",
+            title="HTTP/1.1, a new connection per request (wrk, Connection: close, 16 connections)",
+            topology=ten_routes(),
+            listener="web",
+            path=TEN_PATH,
+            direct_port=HTTP_BACKEND_BASE + TARGET,
+            points=(Load("wrk", d(6), {"connections": 16, "close": True}),),
+            checks=TEN_CHECKS,
+            backends=frozenset({"http"}),
+        ),
+        Scenario(
+            name="http2",
+            title="HTTP/2 (h2c), 16 connections x 10 streams (h2load)",
+            topology=ten_routes(h2=True),
+            listener="web",
+            path=TEN_PATH,
+            direct_port=H2C_BACKEND_BASE + TARGET,
+            points=(Load("h2load", d(10), {"connections": 16, "streams": 10}),),
+            checks=(Check("h2", TEN_PATH, 200, svc_body(TARGET)),),
+            backends=frozenset({"http"}),
+        ),
+        Scenario(
+            name="grpc_unary",
+            title="gRPC unary, 16 connections (ghz)",
+            topology=grpc_topology(),
+            listener="grpc",
+            path="/bench.Echo/Unary",
+            direct_port=GRPC_BACKEND_PORT,
+            points=(Load("ghz", d(10), {"call": "bench.Echo.Unary", "connections": 16, "concurrency": 16}),),
+            checks=(Check("grpc"),),
+            backends=frozenset({"grpc"}),
+        ),
+        Scenario(
+            name="grpc_stream",
+            title="gRPC bidi streaming, 10 messages per stream, 16 connections (ghz)",
+            topology=grpc_topology(),
+            listener="grpc",
+            path="/bench.Echo/Bidi",
+            direct_port=GRPC_BACKEND_PORT,
+            points=(
+                Load("ghz", d(10), {"call": "bench.Echo.Bidi", "connections": 16, "concurrency": 16, "messages": 10}),
+            ),
+            checks=(Check("grpc"),),
+            backends=frozenset({"grpc"}),
+            unit="stream",
+        ),
+        Scenario(
+            name="fixed_rate",
+            title="Latency at fixed request rates, HTTP/1.1, 16 connections (fortio; FlatProxy Fig. 17)",
+            topology=ten_routes(),
+            listener="web",
+            path=TEN_PATH,
+            direct_port=HTTP_BACKEND_BASE + TARGET,
+            points=tuple(Load("fortio", d(6), {"qps": q, "connections": 16}, x=q) for q in FIXED_QPS),
+            checks=TEN_CHECKS,
+            backends=frozenset({"http"}),
+            sweep="offered load (req/s)",
+        ),
+        Scenario(
+            name="connections",
+            title="Throughput as concurrent connections grow, HTTP/1.1 keep-alive (wrk; FlatProxy Fig. 18b)",
+            topology=ten_routes(),
+            listener="web",
+            path=TEN_PATH,
+            direct_port=HTTP_BACKEND_BASE + TARGET,
+            points=tuple(Load("wrk", d(4), {"connections": c}, x=c) for c in CONNECTIONS),
+            checks=TEN_CHECKS,
+            backends=frozenset({"http"}),
+            sweep="concurrent connections",
+        ),
+        Scenario(
+            name="tcp_pingpong",
+            title="TCP ping-pong, 64 B messages (sockperf; latency is sockperf's half round trip)",
+            topology=tcp_topology("sockperf", SOCKPERF_PORT),
+            listener="sockperf",
+            path="",
+            direct_port=SOCKPERF_PORT,
+            points=(Load("sockperf", d(10), {"msg_size": 64}),),
+            checks=(Check("tcp"),),
+            backends=frozenset({"sockperf"}),
+            unit="round trip",
+            quick=True,
+        ),
+        Scenario(
+            name="tcp_throughput",
+            title="TCP bulk throughput, one stream (iperf3)",
+            topology=tcp_topology("iperf3", IPERF_PORT),
+            listener="iperf3",
+            path="",
+            direct_port=IPERF_PORT,
+            points=(Load("iperf3", d(6), {}),),
+            checks=(Check("tcp"),),
+            backends=frozenset({"iperf3"}),
+            unit="byte",
+        ),
+    ]
+
+
+QUICK_SCALE = 0.3
+
+
+def select(names: list[str] | None, quick: bool, scale: float | None = None) -> list[Scenario]:
+    """The scenarios to run: the named ones, else all (or the quick ones with --quick)."""
+    pool = all_scenarios(scale if scale is not None else (QUICK_SCALE if quick else 1.0))
+    if not names:
+        return [s for s in pool if s.quick] if quick else pool
+    by_name = {s.name: s for s in pool}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SystemExit(
+            f"unknown scenario(s): {', '.join(unknown)}. Known: {', '.join(by_name)} (see bench/run --list)."
+        )
+    return [by_name[n] for n in names]

@@ -1,0 +1,428 @@
+"""Systems under test: each turns a scenario topology into its own config and a start command.
+
+Adding a system (e.g. "flatmesh+kernel" or "flatmesh+shm" once those tiers exist)
+means adding one entry to `registry()`: a `Flatmesh` with extra top-level config
+keys and/or an environment for the load generator (an LD_PRELOAD for the
+shared-memory path), or a new `System` subclass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import paths
+from .scenarios import HOST, NO_ROUTE_PATH, Listener, Scenario, Topology
+
+FLATMESH_ADMIN = 19000
+ENVOY_ADMIN = 19001
+NGINX_STREAM_MODULE = "/usr/lib/nginx/modules/ngx_stream_module.so"
+
+
+class SystemError_(RuntimeError):
+    """A system cannot be set up; the message says what to do."""
+
+
+@dataclass
+class Launch:
+    """How to start a system: argv (without taskset), an optional readiness URL, env additions."""
+
+    argv: list[str]
+    ready_url: str | None = None
+    env: dict = field(default_factory=dict)
+
+
+class System:
+    name: str = ""
+    is_proxy: bool = True  # "direct" is the only non-proxy
+    # Environment for the load generator (e.g. LD_PRELOAD of a shared-memory shim).
+    client_env: dict = {}
+
+    def supports(self, scenario: Scenario) -> tuple[bool, str]:
+        return True, ""
+
+    def available(self) -> tuple[bool, str]:
+        return True, ""
+
+    def target_port(self, scenario: Scenario) -> int:
+        return scenario.listener_port()
+
+    def launch(self, scenario: Scenario, workdir: Path) -> Launch | None:
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------- direct
+
+
+class Direct(System):
+    name = "direct"
+    is_proxy = False
+
+    def target_port(self, scenario: Scenario) -> int:
+        return scenario.direct_port
+
+    def launch(self, scenario: Scenario, workdir: Path) -> Launch | None:
+        return None
+
+
+# ---------------------------------------------------------------- flatmesh
+
+
+def _yaml_scalar(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return str(v)
+    # JSON strings are valid YAML double-quoted scalars.
+    return json.dumps(str(v))
+
+
+def to_yaml(obj, indent: int = 0) -> str:
+    """A small YAML emitter for plain dicts/lists/scalars, so the generated config reads like the docs."""
+    pad = "  " * indent
+    lines: list[str] = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if isinstance(v, (dict, list)) and v:
+                lines.append(f"{pad}{k}:")
+                lines.append(to_yaml(v, indent + 1))
+            elif isinstance(v, (dict, list)):
+                lines.append(f"{pad}{k}: {'{}' if isinstance(v, dict) else '[]'}")
+            else:
+                lines.append(f"{pad}{k}: {_yaml_scalar(v)}")
+    elif isinstance(obj, list):
+        for item in obj:
+            if isinstance(item, (dict, list)) and item:
+                body = to_yaml(item, indent + 1).lstrip()
+                lines.append(f"{pad}- {body}")
+            else:
+                lines.append(f"{pad}- {_yaml_scalar(item)}")
+    else:
+        lines.append(f"{pad}{_yaml_scalar(obj)}")
+    return "\n".join(lines)
+
+
+def flatmesh_config(topo: Topology, extra: dict | None = None) -> dict:
+    listeners = []
+    for lst in topo.listeners:
+        entry: dict = {"name": lst.name, "address": f"{HOST}:{lst.port}", "protocol": lst.protocol}
+        if lst.protocol == "tcp":
+            entry["cluster"] = lst.cluster
+        else:
+            entry["routes"] = [{"match": {"path": {r.kind: r.value}}, "cluster": r.cluster} for r in lst.routes]
+        listeners.append(entry)
+    clusters = []
+    for c in topo.clusters:
+        entry = {"name": c.name, "endpoints": [f"{HOST}:{c.port}"]}
+        if c.protocol == "http2":
+            entry["protocol"] = "http2"
+        clusters.append(entry)
+    cfg: dict = {"admin": f"{HOST}:{FLATMESH_ADMIN}", "workers": 1}
+    cfg.update(extra or {})
+    cfg["listeners"] = listeners
+    cfg["clusters"] = clusters
+    return cfg
+
+
+def find_flatmesh() -> Path | None:
+    """The release binary: $FLATMESH_BIN, else $CARGO_TARGET_DIR/release, else target/release."""
+    candidates = []
+    if os.environ.get("FLATMESH_BIN"):
+        candidates.append(Path(os.environ["FLATMESH_BIN"]))
+    if os.environ.get("CARGO_TARGET_DIR"):
+        candidates.append(Path(os.environ["CARGO_TARGET_DIR"]) / "release" / "flatmesh")
+    candidates.append(paths.REPO / "target" / "release" / "flatmesh")
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+class Flatmesh(System):
+    def __init__(self, name: str = "flatmesh", extra: dict | None = None, client_env: dict | None = None):
+        self.name = name
+        self.extra = extra or {}
+        self.client_env = client_env or {}
+        self.binary: Path | None = None
+
+    def available(self) -> tuple[bool, str]:
+        if self.binary is None:
+            self.binary = find_flatmesh()
+        if self.binary is None:
+            return False, (
+                "flatmesh release binary not found; build it with `cargo build --release -p flatmesh`, "
+                "or pass --flatmesh PATH / set FLATMESH_BIN"
+            )
+        return True, str(self.binary)
+
+    def launch(self, scenario: Scenario, workdir: Path) -> Launch:
+        cfg = workdir / f"{self.name.replace('+', '-')}.yaml"
+        cfg.write_text(
+            f"# generated by bench/run for scenario {scenario.name}\n" + to_yaml(flatmesh_config(scenario.topology, self.extra)) + "\n"
+        )
+        return Launch([str(self.binary), "node", "--config", str(cfg)], f"http://{HOST}:{FLATMESH_ADMIN}/ready")
+
+
+# ---------------------------------------------------------------- Envoy
+
+
+def _envoy_route(r) -> dict:
+    if r.kind == "exact":
+        m = {"path": r.value}
+    elif r.kind == "prefix":
+        m = {"prefix": r.value}
+    else:
+        m = {"safe_regex": {"regex": r.value}}
+    return {"match": m, "route": {"cluster": r.cluster}}
+
+
+def _envoy_listener(lst: Listener) -> dict:
+    addr = {"socket_address": {"address": HOST, "port_value": lst.port}}
+    if lst.protocol == "tcp":
+        flt = {
+            "name": "envoy.filters.network.tcp_proxy",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                "stat_prefix": lst.name,
+                "cluster": lst.cluster,
+            },
+        }
+    else:
+        flt = {
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": lst.name,
+                "codec_type": "AUTO",
+                "route_config": {
+                    "name": lst.name,
+                    "virtual_hosts": [
+                        {"name": "all", "domains": ["*"], "routes": [_envoy_route(r) for r in lst.routes]}
+                    ],
+                },
+                "http_filters": [
+                    {
+                        "name": "envoy.filters.http.router",
+                        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+                    }
+                ],
+            },
+        }
+    return {"name": lst.name, "address": addr, "filter_chains": [{"filters": [flt]}]}
+
+
+def envoy_config(topo: Topology) -> dict:
+    clusters = []
+    for c in topo.clusters:
+        entry = {
+            "name": c.name,
+            "type": "STATIC",
+            "connect_timeout": "2s",
+            "load_assignment": {
+                "cluster_name": c.name,
+                "endpoints": [
+                    {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": HOST, "port_value": c.port}}}}]}
+                ],
+            },
+        }
+        if c.protocol == "http2":
+            entry["typed_extension_protocol_options"] = {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}},
+                }
+            }
+        clusters.append(entry)
+    return {
+        "admin": {"address": {"socket_address": {"address": HOST, "port_value": ENVOY_ADMIN}}},
+        "static_resources": {"listeners": [_envoy_listener(lst) for lst in topo.listeners], "clusters": clusters},
+    }
+
+
+class Envoy(System):
+    name = "envoy"
+
+    def available(self) -> tuple[bool, str]:
+        b = paths.envoy_bin()
+        return (b.exists(), str(b) if b.exists() else "envoy not installed; run bench/run without --no-install")
+
+    def launch(self, scenario: Scenario, workdir: Path) -> Launch:
+        cfg = workdir / "envoy.json"
+        cfg.write_text(json.dumps(envoy_config(scenario.topology), indent=1))
+        argv = [
+            str(paths.envoy_bin()),
+            "-c", str(cfg),
+            "--concurrency", "1",
+            "--disable-hot-restart",
+            "--log-level", "warning",
+        ]
+        return Launch(argv, f"http://{HOST}:{ENVOY_ADMIN}/ready")
+
+
+# ---------------------------------------------------------------- HAProxy
+
+
+def haproxy_config(topo: Topology) -> str:
+    out = [
+        "# generated by bench/run",
+        "global",
+        "  nbthread 1",
+        "  maxconn 8000",
+        "defaults",
+        "  timeout connect 2s",
+        "  timeout client 60s",
+        "  timeout server 60s",
+        "  timeout http-keep-alive 60s",
+    ]
+    backends_mode = {}
+    for lst in topo.listeners:
+        if lst.protocol == "tcp":
+            c = topo.cluster(lst.cluster)
+            out += [f"listen {lst.name}", "  mode tcp", f"  bind {HOST}:{lst.port}", f"  server s1 {HOST}:{c.port}"]
+            continue
+        out += [f"frontend {lst.name}", "  mode http", f"  bind {HOST}:{lst.port}"]
+        for i, r in enumerate(lst.routes):
+            fetch = {"exact": "path", "prefix": "path_beg", "regex": "path_reg"}[r.kind]
+            out.append(f"  acl r{i} {fetch} {r.value}")
+        for i, r in enumerate(lst.routes):
+            out.append(f"  use_backend {r.cluster} if r{i}")
+            backends_mode[r.cluster] = "http"
+        out.append("  default_backend no_route")
+    for name in backends_mode:
+        c = topo.cluster(name)
+        proto = " proto h2" if c.protocol == "http2" else ""
+        out += [f"backend {name}", "  mode http", f"  server s1 {HOST}:{c.port}{proto}"]
+    if backends_mode:
+        out += [
+            "backend no_route",
+            "  mode http",
+            '  http-request return status 404 content-type text/plain string "no route matched"',
+        ]
+    return "\n".join(out) + "\n"
+
+
+class Haproxy(System):
+    name = "haproxy"
+
+    def available(self) -> tuple[bool, str]:
+        b = shutil.which("haproxy")
+        return (b is not None, b or "haproxy not installed (apt-get install haproxy)")
+
+    def launch(self, scenario: Scenario, workdir: Path) -> Launch:
+        cfg = workdir / "haproxy.cfg"
+        cfg.write_text(haproxy_config(scenario.topology))
+        # -db: stay in the foreground as one process (no master/worker, no daemon).
+        return Launch(["haproxy", "-db", "-f", str(cfg)])
+
+
+# ---------------------------------------------------------------- nginx (as a proxy)
+
+
+def _nginx_location(r, grpc: bool) -> str:
+    head = {"exact": f"location = {r.value}", "prefix": f"location ^~ {r.value}", "regex": f"location ~ {r.value}"}[r.kind]
+    if grpc:
+        body = f"grpc_pass grpc://{r.cluster};"
+    else:
+        body = f'proxy_pass http://{r.cluster}; proxy_http_version 1.1; proxy_set_header Connection "";'
+    return f"    {head} {{ {body} }}"
+
+
+def nginx_common(workdir: Path) -> list[str]:
+    return [
+        "worker_processes 1;",
+        "daemon off;",
+        f"pid {workdir}/nginx.pid;",
+        f"error_log {workdir}/nginx-error.log warn;",
+    ]
+
+
+def nginx_http_tmp(workdir: Path) -> list[str]:
+    t = workdir / "nginx-tmp"
+    return [
+        f"  client_body_temp_path {t}/body;",
+        f"  proxy_temp_path {t}/proxy;",
+        f"  fastcgi_temp_path {t}/fastcgi;",
+        f"  uwsgi_temp_path {t}/uwsgi;",
+        f"  scgi_temp_path {t}/scgi;",
+    ]
+
+
+def nginx_proxy_config(topo: Topology, workdir: Path) -> str:
+    http_listeners = [lst for lst in topo.listeners if lst.protocol == "http"]
+    tcp_listeners = [lst for lst in topo.listeners if lst.protocol == "tcp"]
+    out = ["# generated by bench/run"]
+    if tcp_listeners:
+        out.append(f"load_module {NGINX_STREAM_MODULE};")
+    out += nginx_common(workdir)
+    out.append("events { worker_connections 8192; }")
+    if http_listeners:
+        out += ["http {", "  access_log off;", "  keepalive_requests 10000000;"] + nginx_http_tmp(workdir)
+        used = {r.cluster for lst in http_listeners for r in lst.routes}
+        for c in topo.clusters:
+            if c.name in used:
+                out.append(
+                    f"  upstream {c.name} {{ server {HOST}:{c.port}; keepalive 64; keepalive_requests 10000000; }}"
+                )
+        for lst in http_listeners:
+            grpc = any(topo.cluster(r.cluster).protocol == "http2" for r in lst.routes)
+            h2 = " http2" if (lst.h2 or grpc) else ""
+            out += ["  server {", f"    listen {HOST}:{lst.port}{h2};", "    default_type text/plain;"]
+            out += [_nginx_location(r, grpc) for r in lst.routes]
+            if not any(r.kind == "prefix" and r.value == "/" for r in lst.routes):
+                out.append('    location / { return 404 "no route matched\\n"; }')
+            out.append("  }")
+        out.append("}")
+    if tcp_listeners:
+        out.append("stream {")
+        for lst in tcp_listeners:
+            c = topo.cluster(lst.cluster)
+            out.append(f"  server {{ listen {HOST}:{lst.port}; proxy_pass {HOST}:{c.port}; }}")
+        out.append("}")
+    return "\n".join(out) + "\n"
+
+
+class Nginx(System):
+    name = "nginx"
+
+    def available(self) -> tuple[bool, str]:
+        b = shutil.which("nginx")
+        return (b is not None, b or "nginx not installed (apt-get install nginx)")
+
+    def supports(self, scenario: Scenario) -> tuple[bool, str]:
+        tcp = any(lst.protocol == "tcp" for lst in scenario.topology.listeners)
+        if tcp and not os.path.exists(NGINX_STREAM_MODULE):
+            return False, "nginx stream module missing (apt-get install libnginx-mod-stream)"
+        return True, ""
+
+    def launch(self, scenario: Scenario, workdir: Path) -> Launch:
+        (workdir / "nginx-tmp").mkdir(exist_ok=True)
+        cfg = workdir / "nginx-proxy.conf"
+        cfg.write_text(nginx_proxy_config(scenario.topology, workdir))
+        return Launch(["nginx", "-c", str(cfg), "-p", str(workdir)])
+
+
+# ---------------------------------------------------------------- registry
+
+
+def registry() -> dict[str, System]:
+    """Every known system, in report order. Envoy is the reference for ratios."""
+    systems: list[System] = [
+        Flatmesh(),
+        # Later tiers plug in here, e.g.:
+        #   Flatmesh("flatmesh+kernel", extra={"kernel": {...}}),
+        #   Flatmesh("flatmesh+shm", extra={"shm": {...}}, client_env={"LD_PRELOAD": ".../libflatmesh_shm.so"}),
+        Envoy(),
+        Haproxy(),
+        Nginx(),
+        Direct(),
+    ]
+    return {s.name: s for s in systems}
+
+
+DEFAULT_SYSTEMS = ["flatmesh", "envoy", "haproxy", "nginx", "direct"]
+QUICK_SYSTEMS = ["flatmesh", "envoy", "direct"]
+REFERENCE = "envoy"

@@ -1,0 +1,751 @@
+//! Parse + validate tests: every rule, each asserting the exact line:column.
+
+use super::*;
+
+/// Clusters every test can refer to. Kept last so they never shift line numbers above.
+const CLUSTERS: &str = "\
+clusters:
+  - name: api
+    endpoints: [127.0.0.1:9001]
+  - name: api-canary
+    endpoints: [127.0.0.1:9003]
+  - name: db
+    endpoints: [127.0.0.1:5432]
+";
+
+/// One http listener; `routes` starts on line 6, each route line indented by 6.
+fn http(routes: &str) -> String {
+    format!(
+        "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    routes:\n{routes}{CLUSTERS}"
+    )
+}
+
+fn errors(yaml: &str) -> Vec<Diagnostic> {
+    match parse(yaml, "t.yaml") {
+        Ok(_) => panic!("expected errors, config was accepted:\n{yaml}"),
+        Err(e) => e.diagnostics().to_vec(),
+    }
+}
+
+/// Exactly one diagnostic, at `line:column`, whose message contains `message`.
+#[track_caller]
+fn only(yaml: &str, line: usize, column: usize, message: &str) -> Diagnostic {
+    let all = errors(yaml);
+    assert_eq!(all.len(), 1, "expected one diagnostic, got {all:#?}");
+    let d = all.into_iter().next().unwrap_or_else(|| unreachable!());
+    assert_eq!((d.line, d.column), (line, column), "wrong position for {d}");
+    assert!(
+        d.message.contains(message),
+        "message `{}` lacks `{message}`",
+        d.message
+    );
+    assert!(!d.hint.is_empty());
+    d
+}
+
+#[test]
+fn example_from_issue_parses() {
+    let text = include_str!("../tests/data/example.yaml");
+    let config = parse(text, "example.yaml").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(config.workers, Some(2));
+    assert_eq!(config.listeners.len(), 2);
+    let web = &config.listeners[0];
+    assert_eq!(web.routes.len(), 4);
+    assert_eq!(
+        web.routes[0].matches.path,
+        Some(PathMatch::Prefix("/api".into()))
+    );
+    assert_eq!(web.routes[0].matches.headers[0].exact.as_deref(), Some("1"));
+    assert_eq!(
+        web.routes[1].timeout,
+        Some(std::time::Duration::from_secs(2))
+    );
+    assert_eq!(web.routes[1].split.as_ref().map(|s| s[0].weight), Some(90));
+    assert_eq!(
+        web.routes[2].direct_response.as_ref().map(|d| d.status),
+        Some(200)
+    );
+    assert_eq!(web.routes[3].matches.host.as_deref(), Some("*.example.com"));
+    assert_eq!(config.listeners[1].protocol, ListenerProtocol::Tcp);
+    assert_eq!(
+        config.cluster("api-canary").map(|c| c.protocol),
+        Some(UpstreamProtocol::Http2)
+    );
+    assert_eq!(
+        config.cluster("api").map(|c| c.lb),
+        Some(LbPolicy::RoundRobin)
+    );
+}
+
+#[test]
+fn json_round_trips() {
+    let text = include_str!("../tests/data/example.yaml");
+    let config = parse(text, "example.yaml").unwrap_or_else(|e| panic!("{e}"));
+    let json = config.to_json();
+    assert!(json.contains(r#""prefix": "/api""#), "{json}");
+    assert!(json.contains(r#""timeout": "2s""#), "{json}");
+    assert!(json.contains(r#""lb": "round_robin""#), "{json}");
+    let back: Config = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}\n{json}"));
+    assert_eq!(back, config);
+}
+
+#[test]
+fn display_format() {
+    let d = only(
+        &http("      - cluster: apii\n"),
+        6,
+        18,
+        "route references unknown cluster `apii`",
+    );
+    assert_eq!(
+        d.to_string(),
+        "t.yaml:6:18: route references unknown cluster `apii`\n  hint: did you mean `api`? defined clusters: api, api-canary, db"
+    );
+}
+
+// ---- deserialization errors -------------------------------------------------
+
+#[test]
+fn unknown_key_suggests_the_closest() {
+    let d = only(&http("      - clustr: api\n"), 6, 9, "unknown key `clustr`");
+    assert!(
+        d.hint
+            .starts_with("did you mean `cluster`? allowed keys here: name, match, cluster"),
+        "{}",
+        d.hint
+    );
+    let d = only("listenrs: []\n", 1, 1, "unknown key `listenrs`");
+    assert!(
+        d.hint.starts_with("did you mean `listeners`?"),
+        "{}",
+        d.hint
+    );
+    // Deep in a flow mapping.
+    let d = only(
+        &http("      - match: { path: { prefx: /a } }\n        cluster: api\n"),
+        6,
+        26,
+        "unknown key `prefx`",
+    );
+    assert!(d.hint.starts_with("did you mean `prefix`?"), "{}", d.hint);
+    // A word that resembles nothing gets the list only.
+    let d = only(
+        &http("      - banana: 1\n        cluster: api\n"),
+        6,
+        9,
+        "unknown key `banana`",
+    );
+    assert!(d.hint.starts_with("allowed keys here:"), "{}", d.hint);
+}
+
+#[test]
+fn unknown_enum_value_suggests_the_closest() {
+    let yaml = format!("{}    lb: round_robbin\n", http("      - cluster: api\n"));
+    // CLUSTERS starts on line 7 and ends on line 13; lb is appended on line 14.
+    let d = only(&yaml, 14, 9, "unknown value `round_robbin`");
+    assert!(
+        d.hint
+            .starts_with("did you mean `round_robin`? allowed values: round_robin, least_request"),
+        "{}",
+        d.hint
+    );
+}
+
+#[test]
+fn bad_socket_address() {
+    let yaml = "listeners:\n  - name: web\n    address: localhost:80\n";
+    let d = only(yaml, 3, 14, "invalid socket address");
+    assert!(d.hint.contains("IP:PORT"));
+}
+
+#[test]
+fn bad_duration_points_at_the_value() {
+    let d = only(
+        &http("      - cluster: api\n        timeout: 2\n"),
+        7,
+        18,
+        "duration `2` has no unit",
+    );
+    assert!(d.hint.contains("250ms"));
+    only("limits:\n  idle_timeout: 5x\n", 2, 17, "unknown unit `x`");
+}
+
+#[test]
+fn wrong_type() {
+    let d = only("workers: two\n", 1, 10, "invalid type");
+    assert!(d.hint.contains("whole number"));
+    only("listeners:\n  - name: [a]\n", 2, 11, "expected a string");
+}
+
+#[test]
+fn missing_required_key() {
+    let d = only(
+        "listeners:\n  - name: web\n    protocol: tcp\n",
+        2,
+        5,
+        "missing required key `address`",
+    );
+    assert!(d.hint.contains("add `address: ...`"));
+}
+
+#[test]
+fn duplicate_key() {
+    only(
+        "workers: 2\nworkers: 3\n",
+        2,
+        1,
+        "key `workers` is written twice",
+    );
+}
+
+#[test]
+fn path_match_needs_exactly_one_kind() {
+    only(
+        &http("      - match: { path: { prefix: /a, exact: /b } }\n        cluster: api\n"),
+        6,
+        24,
+        "more than one",
+    );
+    only(
+        &http("      - match: { path: {} }\n        cluster: api\n"),
+        6,
+        24,
+        "path match is empty",
+    );
+}
+
+#[test]
+fn yaml_syntax_error() {
+    let d = only("listeners: [\n", 2, 1, "YAML syntax error");
+    assert!(d.hint.contains("indentation"));
+}
+
+#[test]
+fn empty_document() {
+    for text in [
+        "",
+        "\n\n",
+        "# only a comment\n",
+        "{}\n",
+        "~\n",
+        "---\n...\n",
+    ] {
+        only(
+            text,
+            1,
+            1,
+            "config is empty: it needs at least one listener",
+        );
+    }
+}
+
+#[test]
+fn unreadable_file_names_path_and_reason() {
+    let err = load(Path::new("/nonexistent/flatmesh.yaml"))
+        .err()
+        .map(|e| e.to_string());
+    let err = err.unwrap_or_default();
+    assert!(err.contains("/nonexistent/flatmesh.yaml"), "{err}");
+    assert!(err.contains("No such file or directory"), "{err}");
+}
+
+#[test]
+fn load_names_the_file_in_diagnostics() {
+    let dir = std::env::temp_dir().join(format!("flatmesh-config-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let file = dir.join("web.yaml");
+    std::fs::write(&file, "workers: two\n").unwrap_or_else(|e| panic!("{e}"));
+    let err = load(&file).err().map(|e| e.to_string()).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        err.starts_with(&format!("{}:1:10: invalid type", file.display())),
+        "{err}"
+    );
+}
+
+// ---- validation rules ---------------------------------------------------------
+
+fn two_tcp(first: &str, second: &str) -> String {
+    format!(
+        "listeners:\n  - name: {first}\n    address: 127.0.0.1:8080\n    protocol: tcp\n    cluster: db\n  - name: {second}\n    address: 127.0.0.1:8081\n    protocol: tcp\n    cluster: db\n{CLUSTERS}"
+    )
+}
+
+#[test]
+fn listener_names_unique() {
+    let d = only(
+        &two_tcp("web", "web"),
+        6,
+        11,
+        "listener name `web` is used twice",
+    );
+    assert!(
+        d.hint.ends_with("(the first is at line 2, column 11)"),
+        "{}",
+        d.hint
+    );
+}
+
+#[test]
+fn listener_name_not_empty() {
+    only(&two_tcp("\"\"", "b"), 2, 11, "listener name is empty");
+}
+
+#[test]
+fn cluster_names_unique() {
+    let yaml = format!(
+        "{}  - name: api\n    endpoints: [127.0.0.1:1]\n",
+        two_tcp("a", "b")
+    );
+    // CLUSTERS starts on line 10; its `api` is on line 11, the copy on line 17.
+    let d = only(&yaml, 17, 11, "cluster name `api` is used twice");
+    assert!(d.hint.contains("line 11, column 11"), "{}", d.hint);
+}
+
+#[test]
+fn listener_addresses_unique() {
+    let yaml = two_tcp("a", "b").replace("127.0.0.1:8081", "127.0.0.1:8080");
+    only(&yaml, 7, 14, "clashes with listener `a`");
+    // A wildcard address takes the port on every address.
+    let yaml = two_tcp("a", "b").replace("127.0.0.1:8081", "0.0.0.0:8080");
+    only(&yaml, 7, 14, "clashes with listener `a`");
+    // Port 0 lets the OS pick, so two of them do not clash.
+    let yaml = two_tcp("a", "b")
+        .replace(":8080", ":0")
+        .replace(":8081", ":0");
+    assert!(parse(&yaml, "t.yaml").is_ok());
+}
+
+#[test]
+fn admin_address_not_a_listener_address() {
+    let yaml = format!("admin: 127.0.0.1:8081\n{}", two_tcp("a", "b"));
+    only(
+        &yaml,
+        8,
+        14,
+        "clashes with the admin address 127.0.0.1:8081",
+    );
+}
+
+#[test]
+fn http_listener_needs_routes_and_no_cluster() {
+    let yaml = format!(
+        "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n{CLUSTERS}"
+    );
+    only(&yaml, 2, 5, "http listener `web` has no routes");
+    let yaml = format!("listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    cluster: db\n    routes: [ {{ cluster: api }} ]\n{CLUSTERS}");
+    only(&yaml, 5, 5, "sets `cluster`, which only tcp listeners use");
+}
+
+#[test]
+fn tcp_listener_needs_cluster_and_no_routes() {
+    let yaml = format!(
+        "listeners:\n  - name: db\n    address: 127.0.0.1:8080\n    protocol: tcp\n{CLUSTERS}"
+    );
+    only(&yaml, 2, 5, "tcp listener `db` has no `cluster`");
+    let yaml = format!("listeners:\n  - name: db\n    address: 127.0.0.1:8080\n    protocol: tcp\n    cluster: db\n    routes: [ {{ cluster: api }} ]\n{CLUSTERS}");
+    only(&yaml, 6, 5, "has routes, which only http listeners use");
+    let yaml = two_tcp("a", "b").replacen("cluster: db", "cluster: dbb", 1);
+    let d = only(&yaml, 5, 14, "listener references unknown cluster `dbb`");
+    assert!(d.hint.starts_with("did you mean `db`?"), "{}", d.hint);
+}
+
+#[test]
+fn route_needs_exactly_one_action() {
+    only(
+        &http("      - match: { method: GET }\n"),
+        6,
+        9,
+        "route has no action",
+    );
+    let d = only(
+        &http("      - cluster: api\n        direct_response: { status: 200 }\n"),
+        7,
+        9,
+        "route sets both `cluster` and `direct_response`",
+    );
+    assert!(d.hint.contains("exactly one"));
+}
+
+#[test]
+fn referenced_clusters_exist() {
+    let d = only(
+        &http("      - cluster: nope\n"),
+        6,
+        18,
+        "unknown cluster `nope`",
+    );
+    assert_eq!(d.hint, "defined clusters: api, api-canary, db");
+    // With no clusters at all, the hint says so.
+    let yaml = "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    routes:\n      - cluster: api\n";
+    let d = only(yaml, 6, 18, "unknown cluster `api`");
+    assert!(d.hint.contains("no clusters are defined"));
+}
+
+#[test]
+fn split_rules() {
+    only(&http("      - split: []\n"), 6, 16, "split is empty");
+    only(
+        &http("      - split: [ { cluster: api, weight: 0 }, { cluster: db, weight: 1 } ]\n"),
+        6,
+        42,
+        "split weight for `api` is 0",
+    );
+    only(
+        &http("      - split: [ { cluster: api, weight: 999999 }, { cluster: db, weight: 2 } ]\n"),
+        6,
+        9,
+        "split weights add up to 1000001",
+    );
+    let d = only(
+        &http(
+            "      - split: [ { cluster: api, weight: 9 }, { cluster: api-canery, weight: 1 } ]\n",
+        ),
+        6,
+        58,
+        "unknown cluster `api-canery`",
+    );
+    assert!(
+        d.hint.starts_with("did you mean `api-canary`?"),
+        "{}",
+        d.hint
+    );
+}
+
+#[test]
+fn direct_response_status_range() {
+    only(
+        &http("      - direct_response: { status: 600 }\n"),
+        6,
+        36,
+        "600 is not an HTTP status",
+    );
+    only(
+        &http("      - direct_response: { status: 99 }\n"),
+        6,
+        36,
+        "99 is not an HTTP status",
+    );
+    assert!(parse(&http("      - direct_response: { status: 599 }\n"), "t").is_ok());
+}
+
+#[test]
+fn named_match_exactly_one_condition() {
+    only(
+        &http("      - match: { headers: [ { name: x-a } ] }\n        cluster: api\n"),
+        6,
+        29,
+        "match on `x-a` has no condition",
+    );
+    only(
+        &http("      - match: { query: [ { name: v, exact: \"1\", regex: \"^1\" } ] }\n        cluster: api\n"),
+        6,
+        50,
+        "sets both `exact` and `regex`",
+    );
+}
+
+#[test]
+fn named_match_names() {
+    only(
+        &http("      - match: { headers: [ { name: \"x a\", present: true } ] }\n        cluster: api\n"),
+        6,
+        37,
+        "`x a` is not a valid HTTP header name",
+    );
+    only(
+        &http(
+            "      - match: { query: [ { name: \"\", present: true } ] }\n        cluster: api\n",
+        ),
+        6,
+        35,
+        "query parameter name is empty",
+    );
+    only(
+        &http(
+            "      - match: { headers: [ { name: \"\", present: true } ] }\n        cluster: api\n",
+        ),
+        6,
+        37,
+        "is not a valid HTTP header name",
+    );
+    // Mixed case is a valid header name (matched case-insensitively later).
+    assert!(parse(&http("      - match: { headers: [ { name: X-Canary, present: true } ] }\n        cluster: api\n"), "t").is_ok());
+}
+
+#[test]
+fn regexes_compile() {
+    let d = only(
+        &http(
+            "      - match: { headers: [ { name: x-a, regex: \"(a\" } ] }\n        cluster: api\n",
+        ),
+        6,
+        49,
+        "regex `(a` does not compile: unclosed group",
+    );
+    assert!(d.hint.contains("regex"));
+    only(
+        &http("      - match: { path: { regex: \"[z-a]\" } }\n        cluster: api\n"),
+        6,
+        33,
+        "regex `[z-a]` does not compile",
+    );
+}
+
+#[test]
+fn paths_start_with_slash() {
+    let d = only(
+        &http("      - match: { path: { prefix: api } }\n        cluster: api\n"),
+        6,
+        34,
+        "path prefix `api` does not start with `/`",
+    );
+    assert!(d.hint.contains("`/api`"));
+    only(
+        &http("      - match: { path: { exact: healthz } }\n        cluster: api\n"),
+        6,
+        33,
+        "path exact `healthz`",
+    );
+}
+
+#[test]
+fn host_exact_or_wildcard_suffix() {
+    for good in ["api.local", "*.example.com", "localhost"] {
+        let yaml = http(&format!(
+            "      - match: {{ host: \"{good}\" }}\n        cluster: api\n"
+        ));
+        assert!(parse(&yaml, "t").is_ok(), "{good} rejected");
+    }
+    for (bad, hint) in [
+        ("a*.example.com", "leading `*.`"),
+        ("*", "leading `*.`"),
+        ("api.local:8080", "port"),
+        ("*.", "write a host"),
+        ("a..b", "labels"),
+    ] {
+        let yaml = http(&format!(
+            "      - match: {{ host: \"{bad}\" }}\n        cluster: api\n"
+        ));
+        let d = only(&yaml, 6, 24, "is not a host name");
+        assert!(d.hint.contains(hint), "{bad}: {}", d.hint);
+    }
+}
+
+#[test]
+fn method_is_a_token() {
+    only(
+        &http("      - match: { method: \"GE T\" }\n        cluster: api\n"),
+        6,
+        26,
+        "`GE T` is not a valid HTTP method",
+    );
+    let d = only(
+        &http("      - match: { method: get }\n        cluster: api\n"),
+        6,
+        26,
+        "lowercase",
+    );
+    assert!(d.hint.contains("`GET`"));
+    assert!(parse(
+        &http("      - match: { method: PURGE }\n        cluster: api\n"),
+        "t"
+    )
+    .is_ok());
+}
+
+#[test]
+fn clusters_need_endpoints() {
+    let yaml = format!("{}  - name: empty\n    endpoints: []\n", two_tcp("a", "b"));
+    only(&yaml, 18, 16, "cluster `empty` has no endpoints");
+    let yaml = format!(
+        "{}  - name: zero\n    endpoints: [ 127.0.0.1:0 ]\n",
+        two_tcp("a", "b")
+    );
+    only(&yaml, 18, 18, "cannot be connected to");
+}
+
+#[test]
+fn hash_on_needs_a_hashing_policy() {
+    let yaml = format!(
+        "{}  - name: h\n    endpoints: [127.0.0.1:1]\n    hash_on: {{ header: x-user }}\n",
+        two_tcp("a", "b")
+    );
+    let d = only(
+        &yaml,
+        19,
+        5,
+        "sets `hash_on` but its lb policy does not hash",
+    );
+    assert!(d.hint.contains("ring_hash"));
+    for lb in ["ring_hash", "maglev"] {
+        let yaml = format!("{}  - name: h\n    lb: {lb}\n    endpoints: [127.0.0.1:1]\n    hash_on: {{ header: x-user }}\n", two_tcp("a", "b"));
+        assert!(parse(&yaml, "t").is_ok());
+    }
+    let yaml = format!("{}  - name: h\n    lb: maglev\n    endpoints: [127.0.0.1:1]\n    hash_on: {{ header: \"x user\" }}\n", two_tcp("a", "b"));
+    only(&yaml, 20, 24, "`x user` is not a valid HTTP header name");
+}
+
+#[test]
+fn workers_range() {
+    let base = two_tcp("a", "b");
+    only(&format!("workers: 0\n{base}"), 1, 10, "workers is 0");
+    only(&format!("workers: 1025\n{base}"), 1, 10, "workers is 1025");
+    assert!(parse(&format!("workers: 1024\n{base}"), "t").is_ok());
+}
+
+#[test]
+fn limits_sane() {
+    let base = two_tcp("a", "b");
+    only(
+        &format!("limits: {{ max_header_bytes: 1000 }}\n{base}"),
+        1,
+        29,
+        "max_header_bytes is 1000",
+    );
+    only(
+        &format!("limits: {{ max_header_bytes: 1048577 }}\n{base}"),
+        1,
+        29,
+        "max_header_bytes is 1048577",
+    );
+    assert!(parse(
+        &format!("limits: {{ max_header_bytes: 1024 }}\n{base}"),
+        "t"
+    )
+    .is_ok());
+    only(
+        &format!("limits:\n  idle_timeout: 0s\n{base}"),
+        2,
+        17,
+        "limits.idle_timeout is zero",
+    );
+    only(
+        &http("      - cluster: api\n        timeout: 0ms\n"),
+        7,
+        18,
+        "timeout is zero",
+    );
+}
+
+#[test]
+fn header_edits_are_valid() {
+    only(
+        &http("      - cluster: api\n        request_headers_to_add: { \"x bad\": v }\n"),
+        7,
+        35,
+        "`x bad` is not a valid HTTP header name",
+    );
+    only(
+        &http("      - cluster: api\n        response_headers_to_add: { x-ok: \"a\\nb\" }\n"),
+        7,
+        42,
+        "value of header `x-ok` is not a valid HTTP header value",
+    );
+    only(
+        &http(
+            "      - cluster: api\n        request_headers_to_remove: [ x-ok, Content-Length ]\n",
+        ),
+        7,
+        44,
+        "`Content-Length` cannot be added or removed",
+    );
+}
+
+#[test]
+fn retries_bounded() {
+    only(
+        &http("      - cluster: api\n        retries: { attempts: 11 }\n"),
+        7,
+        30,
+        "retries.attempts is 11",
+    );
+    only(
+        &http("      - cluster: api\n        retries: { on: [] }\n"),
+        7,
+        24,
+        "retries.on is empty",
+    );
+    assert!(parse(
+        &http("      - cluster: api\n        retries: { attempts: 10, on: [5xx, reset] }\n"),
+        "t"
+    )
+    .is_ok());
+}
+
+#[test]
+fn no_listeners() {
+    only(CLUSTERS, 1, 1, "config has no listeners");
+    only(
+        &format!("listeners: []\n{CLUSTERS}"),
+        1,
+        1,
+        "config has no listeners",
+    );
+}
+
+#[test]
+fn every_problem_reported_in_file_order() {
+    let yaml =
+        http("      - cluster: apii\n      - split: []\n      - direct_response: { status: 1 }\n");
+    let found: Vec<(usize, usize)> = errors(&yaml).iter().map(|d| (d.line, d.column)).collect();
+    assert_eq!(found, vec![(6, 18), (7, 16), (8, 36)]);
+}
+
+#[test]
+fn full_example_from_docs_parses_and_round_trips() {
+    // The same text as the example in docs/config.md; keep the two in sync.
+    let text = include_str!("../tests/data/full.yaml");
+    let config = parse(text, "full.yaml").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        config.limits.request_timeout,
+        std::time::Duration::from_secs(15)
+    );
+    let retries = config.listeners[0].routes[1].retries.clone();
+    assert_eq!(
+        retries.map(|r| (r.attempts, r.on)),
+        Some((2, vec![RetryOn::ConnectFailure, RetryOn::GatewayError]))
+    );
+    let sessions = config
+        .cluster("sessions")
+        .map(|c| (c.lb, c.hash_on.clone()));
+    assert_eq!(
+        sessions,
+        Some((
+            LbPolicy::RingHash,
+            Some(HashOn {
+                header: "x-user".into()
+            })
+        ))
+    );
+    let back: Config = serde_json::from_str(&config.to_json()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(back, config);
+}
+
+#[test]
+fn defaults_apply() {
+    let config = parse(&two_tcp("a", "b"), "t").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(config.admin, default_admin());
+    assert_eq!(config.workers, None);
+    assert_eq!(config.limits, Limits::default());
+    assert_eq!(config.clusters[0].lb, LbPolicy::RoundRobin);
+    assert_eq!(config.clusters[0].protocol, UpstreamProtocol::Http1);
+    let config = parse(&http("      - cluster: api\n        retries: {}\n"), "t")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let retries = config.listeners[0].routes[0].retries.clone();
+    assert_eq!(
+        retries.map(|r| (r.attempts, r.on)),
+        Some((1, vec![RetryOn::ConnectFailure]))
+    );
+}
+
+#[test]
+fn ipv6_addresses_and_flow_style_config() {
+    let text = "{ admin: \"[::1]:15000\", listeners: [ { name: t, address: \"[::1]:8080\", protocol: tcp, cluster: c } ], clusters: [ { name: c, endpoints: [\"[::1]:9000\"] } ] }";
+    let config = parse(text, "t").unwrap_or_else(|e| panic!("{e}"));
+    assert!(config.listeners[0].address.is_ipv6());
+    // Errors inside flow style are located too.
+    let bad = text.replace("cluster: c }", "cluster: d }");
+    let d = only(&bad, 1, 96, "unknown cluster `d`");
+    assert_eq!(d.hint, "defined clusters: c");
+}

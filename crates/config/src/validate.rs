@@ -1,0 +1,716 @@
+//! Semantic checks on a deserialized [`Config`]. Every problem is reported, each
+//! with the config path it is about; `lib.rs` turns paths into line:column.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use crate::locate::Target;
+use crate::model::*;
+use crate::suggest;
+
+pub const MAX_WORKERS: usize = 1024;
+pub const MIN_HEADER_BYTES: usize = 1024;
+pub const MAX_HEADER_BYTES: usize = 1024 * 1024;
+pub const MAX_TOTAL_WEIGHT: u64 = 1_000_000;
+pub const MAX_RETRY_ATTEMPTS: u32 = 10;
+
+/// Headers that frame the message or belong to one hop. Letting a route add or
+/// remove them would let config break framing (request smuggling) or hop semantics.
+const HOP_HEADERS: &[&str] = &[
+    "connection",
+    "content-length",
+    "host",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// One semantic problem, located by config path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// e.g. `listeners[0].routes[1].cluster`.
+    pub path: String,
+    pub target: Target,
+    pub message: String,
+    pub hint: String,
+    /// For duplicates: the path of the first occurrence, cited in the hint.
+    pub first: Option<String>,
+}
+
+impl std::fmt::Display for Problem {
+    /// `listeners[0].routes[1].cluster: message` then `  hint: ...`, for configs
+    /// that were built in code or came from elsewhere and have no file positions.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}\n  hint: {}", self.path, self.message, self.hint)
+    }
+}
+
+/// Check everything; problems come back in the order they were found.
+/// [`crate::parse`] calls this and adds file positions; call it directly to check
+/// a `Config` built in code (an empty result means valid).
+pub fn validate(config: &Config) -> Vec<Problem> {
+    let mut check = Checker {
+        config,
+        problems: Vec::new(),
+    };
+    check.root();
+    check.limits();
+    check.listeners();
+    check.clusters();
+    check.problems
+}
+
+struct Checker<'a> {
+    config: &'a Config,
+    problems: Vec<Problem>,
+}
+
+impl Checker<'_> {
+    fn report(&mut self, path: impl Into<String>, target: Target, message: String, hint: String) {
+        self.problems.push(Problem {
+            path: path.into(),
+            target,
+            message,
+            hint,
+            first: None,
+        });
+    }
+
+    fn report_duplicate(&mut self, path: String, first: String, message: String, hint: String) {
+        self.problems.push(Problem {
+            path,
+            target: Target::Value,
+            message,
+            hint,
+            first: Some(first),
+        });
+    }
+
+    fn root(&mut self) {
+        let config = self.config;
+        if config.listeners.is_empty() {
+            self.report(
+                "listeners",
+                Target::Key,
+                "config has no listeners: it needs at least one listener".into(),
+                "add a `listeners:` list, e.g. `listeners: [ { name: web, address: 127.0.0.1:8080, protocol: tcp, cluster: api } ]`".into(),
+            );
+        }
+        if let Some(workers) = config.workers {
+            if !(1..=MAX_WORKERS).contains(&workers) {
+                self.report(
+                    "workers",
+                    Target::Value,
+                    format!("workers is {workers}: it must be between 1 and {MAX_WORKERS}"),
+                    "leave `workers` out to run one worker per core".into(),
+                );
+            }
+        }
+        if let Some(log) = &config.access_log {
+            if log.path.trim().is_empty() {
+                self.report(
+                    "access_log.path",
+                    Target::Value,
+                    "access_log.path is empty".into(),
+                    "write `stdout`, `stderr` or a file path, or remove `access_log` to log nothing".into(),
+                );
+            }
+        }
+    }
+
+    fn limits(&mut self) {
+        let limits = &self.config.limits;
+        if !(MIN_HEADER_BYTES..=MAX_HEADER_BYTES).contains(&limits.max_header_bytes) {
+            self.report(
+                "limits.max_header_bytes",
+                Target::Value,
+                format!(
+                    "limits.max_header_bytes is {}: it must be between {MIN_HEADER_BYTES} (1 KiB) and {MAX_HEADER_BYTES} (1 MiB)",
+                    limits.max_header_bytes
+                ),
+                "the default, 65536 (64 KiB), suits almost every client".into(),
+            );
+        }
+        let timeouts = [
+            ("header_read_timeout", limits.header_read_timeout),
+            ("idle_timeout", limits.idle_timeout),
+            ("connect_timeout", limits.connect_timeout),
+            ("request_timeout", limits.request_timeout),
+        ];
+        for (name, value) in timeouts {
+            self.positive_duration(&format!("limits.{name}"), value);
+        }
+    }
+
+    fn positive_duration(&mut self, path: &str, value: Duration) {
+        if value.is_zero() {
+            self.report(
+                path,
+                Target::Value,
+                format!("{path} is zero: a timeout must be longer than zero"),
+                "write a positive duration such as `500ms` or `5s`, or remove the key to use the default".into(),
+            );
+        }
+    }
+
+    fn listeners(&mut self) {
+        let config = self.config;
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        for (i, listener) in config.listeners.iter().enumerate() {
+            let at = format!("listeners[{i}]");
+            let name = listener.name.as_str();
+            if name.trim().is_empty() {
+                self.report(
+                    format!("{at}.name"),
+                    Target::Value,
+                    "listener name is empty".into(),
+                    "give the listener a short name such as `web`; it labels metrics and logs"
+                        .into(),
+                );
+            } else if let Some(first) = names.get(name) {
+                self.report_duplicate(
+                    format!("{at}.name"),
+                    format!("listeners[{first}].name"),
+                    format!("listener name `{name}` is used twice"),
+                    "rename one of them: listener names must be unique".into(),
+                );
+            } else {
+                names.insert(name, i);
+            }
+
+            self.listener_address(i, listener.address);
+
+            match listener.protocol {
+                ListenerProtocol::Http => self.http_listener(i, listener),
+                ListenerProtocol::Tcp => self.tcp_listener(i, listener),
+            }
+        }
+    }
+
+    fn listener_address(&mut self, i: usize, address: SocketAddr) {
+        let config = self.config;
+        let path = format!("listeners[{i}].address");
+        if let Some(first) = config.listeners[..i]
+            .iter()
+            .position(|other| addresses_clash(other.address, address))
+        {
+            self.report_duplicate(
+                path,
+                format!("listeners[{first}].address"),
+                format!(
+                    "listener address {address} clashes with listener `{}` ({})",
+                    config.listeners[first].name, config.listeners[first].address
+                ),
+                "give each listener its own port".into(),
+            );
+        } else if addresses_clash(config.admin, address) {
+            self.report(
+                path,
+                Target::Value,
+                format!("listener address {address} clashes with the admin address {}", config.admin),
+                "move the listener to another port, or set `admin:` to another address (default 127.0.0.1:15000)".into(),
+            );
+        }
+    }
+
+    fn http_listener(&mut self, i: usize, listener: &Listener) {
+        let at = format!("listeners[{i}]");
+        let name = &listener.name;
+        if listener.routes.is_empty() {
+            self.report(
+                at.clone(),
+                Target::Key,
+                format!("http listener `{name}` has no routes"),
+                "add `routes:` with at least one route, or use `protocol: tcp` with a `cluster:`"
+                    .into(),
+            );
+        }
+        if listener.cluster.is_some() {
+            self.report(
+                format!("{at}.cluster"),
+                Target::Key,
+                format!("http listener `{name}` sets `cluster`, which only tcp listeners use"),
+                "send HTTP traffic with a route instead: `routes: [ { cluster: NAME } ]`".into(),
+            );
+        }
+        for (j, route) in listener.routes.iter().enumerate() {
+            self.route(&format!("{at}.routes[{j}]"), route);
+        }
+    }
+
+    fn tcp_listener(&mut self, i: usize, listener: &Listener) {
+        let at = format!("listeners[{i}]");
+        let name = &listener.name;
+        match &listener.cluster {
+            None => self.report(
+                at.clone(),
+                Target::Key,
+                format!("tcp listener `{name}` has no `cluster`"),
+                "add `cluster: NAME`: every connection is relayed to that cluster".into(),
+            ),
+            Some(cluster) => self.cluster_ref(&format!("{at}.cluster"), cluster),
+        }
+        if !listener.routes.is_empty() {
+            self.report(
+                format!("{at}.routes"),
+                Target::Key,
+                format!("tcp listener `{name}` has routes, which only http listeners use"),
+                "remove `routes`, or set `protocol: http` to route HTTP requests".into(),
+            );
+        }
+    }
+
+    fn cluster_ref(&mut self, path: &str, name: &str) {
+        let clusters = &self.config.clusters;
+        if clusters.iter().any(|c| c.name == name) {
+            return;
+        }
+        let hint = if clusters.is_empty() {
+            "no clusters are defined: add one under `clusters:`".to_string()
+        } else {
+            let defined: Vec<&str> = clusters.iter().map(|c| c.name.as_str()).collect();
+            format!(
+                "{}defined clusters: {}",
+                suggest::did_you_mean(name, defined.iter().copied()),
+                defined.join(", ")
+            )
+        };
+        let what = if path.contains(".routes[") {
+            "route"
+        } else {
+            "listener"
+        };
+        self.report(
+            path,
+            Target::Value,
+            format!("{what} references unknown cluster `{name}`"),
+            hint,
+        );
+    }
+
+    fn route(&mut self, at: &str, route: &Route) {
+        let actions: Vec<&str> = [
+            route.cluster.as_ref().map(|_| "cluster"),
+            route.split.as_ref().map(|_| "split"),
+            route.direct_response.as_ref().map(|_| "direct_response"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        match actions.as_slice() {
+            [] => self.report(
+                at,
+                Target::Key,
+                "route has no action: it needs one of `cluster`, `split`, `direct_response`".into(),
+                "add `cluster: NAME` to forward matching requests".into(),
+            ),
+            [_] => {}
+            [first, second, ..] => self.report(
+                format!("{at}.{second}"),
+                Target::Key,
+                format!("route sets both `{first}` and `{second}`"),
+                "a route does exactly one thing: keep one of `cluster`, `split`, `direct_response`"
+                    .into(),
+            ),
+        }
+
+        if let Some(cluster) = &route.cluster {
+            self.cluster_ref(&format!("{at}.cluster"), cluster);
+        }
+        if let Some(split) = &route.split {
+            self.split(&format!("{at}.split"), split);
+        }
+        if let Some(response) = &route.direct_response {
+            if !(100..=599).contains(&response.status) {
+                self.report(
+                    format!("{at}.direct_response.status"),
+                    Target::Value,
+                    format!(
+                        "direct_response status {} is not an HTTP status",
+                        response.status
+                    ),
+                    "use a status between 100 and 599, e.g. 200 or 404".into(),
+                );
+            }
+        }
+        if let Some(timeout) = route.timeout {
+            self.positive_duration(&format!("{at}.timeout"), timeout);
+        }
+        self.route_match(&format!("{at}.match"), &route.matches);
+        self.headers_to_add(
+            &format!("{at}.request_headers_to_add"),
+            &route.request_headers_to_add,
+        );
+        self.headers_to_add(
+            &format!("{at}.response_headers_to_add"),
+            &route.response_headers_to_add,
+        );
+        for (k, name) in route.request_headers_to_remove.iter().enumerate() {
+            self.header_name(
+                &format!("{at}.request_headers_to_remove[{k}]"),
+                Target::Value,
+                name,
+                true,
+            );
+        }
+        if let Some(retries) = &route.retries {
+            if retries.attempts > MAX_RETRY_ATTEMPTS {
+                self.report(
+                    format!("{at}.retries.attempts"),
+                    Target::Value,
+                    format!(
+                        "retries.attempts is {}: at most {MAX_RETRY_ATTEMPTS} retries are allowed",
+                        retries.attempts
+                    ),
+                    "a few retries (1 to 3) are enough; more only multiply load on a failing upstream".into(),
+                );
+            }
+            if retries.on.is_empty() {
+                self.report(
+                    format!("{at}.retries.on"),
+                    Target::Value,
+                    "retries.on is empty, so nothing would be retried".into(),
+                    "list at least one of connect-failure, reset, 5xx, gateway-error, or remove `retries`".into(),
+                );
+            }
+        }
+    }
+
+    fn split(&mut self, at: &str, split: &[WeightedCluster]) {
+        if split.is_empty() {
+            self.report(
+                at,
+                Target::Value,
+                "split is empty".into(),
+                "list weighted clusters, e.g. `split: [ { cluster: api, weight: 90 }, { cluster: canary, weight: 10 } ]`".into(),
+            );
+        }
+        let mut total: u64 = 0;
+        for (k, part) in split.iter().enumerate() {
+            self.cluster_ref(&format!("{at}[{k}].cluster"), &part.cluster);
+            if part.weight == 0 {
+                self.report(
+                    format!("{at}[{k}].weight"),
+                    Target::Value,
+                    format!("split weight for `{}` is 0", part.cluster),
+                    "weights must be at least 1; remove the entry to send it nothing".into(),
+                );
+            }
+            total += u64::from(part.weight);
+        }
+        if total > MAX_TOTAL_WEIGHT {
+            self.report(
+                at,
+                Target::Key,
+                format!("split weights add up to {total}, more than {MAX_TOTAL_WEIGHT}"),
+                "weights are relative: scale them down, e.g. 90 and 10".into(),
+            );
+        }
+    }
+
+    fn route_match(&mut self, at: &str, m: &RouteMatch) {
+        if let Some(host) = &m.host {
+            if let Err(hint) = check_host(host) {
+                self.report(
+                    format!("{at}.host"),
+                    Target::Value,
+                    format!("host `{host}` is not a host name or `*.suffix` wildcard"),
+                    hint,
+                );
+            }
+        }
+        if let Some(path) = &m.path {
+            let (key, value) = match path {
+                PathMatch::Exact(p) => ("exact", p),
+                PathMatch::Prefix(p) => ("prefix", p),
+                PathMatch::Regex(p) => ("regex", p),
+            };
+            let here = format!("{at}.path.{key}");
+            if key == "regex" {
+                self.regex(&here, value);
+            } else if !value.starts_with('/') {
+                self.report(
+                    here,
+                    Target::Value,
+                    format!("path {key} `{value}` does not start with `/`"),
+                    format!("request paths always start with `/`: write `/{value}`"),
+                );
+            }
+        }
+        if let Some(method) = &m.method {
+            self.method(&format!("{at}.method"), method);
+        }
+        for (k, header) in m.headers.iter().enumerate() {
+            let here = format!("{at}.headers[{k}]");
+            self.header_name(&format!("{here}.name"), Target::Value, &header.name, false);
+            self.named_match(&here, header);
+        }
+        for (k, query) in m.query.iter().enumerate() {
+            let here = format!("{at}.query[{k}]");
+            if query.name.is_empty() {
+                self.report(
+                    format!("{here}.name"),
+                    Target::Value,
+                    "query parameter name is empty".into(),
+                    "write the parameter's name, e.g. `name: version`".into(),
+                );
+            }
+            self.named_match(&here, query);
+        }
+    }
+
+    fn named_match(&mut self, at: &str, m: &NamedMatch) {
+        let set: Vec<&str> = [
+            m.exact.as_ref().map(|_| "exact"),
+            m.prefix.as_ref().map(|_| "prefix"),
+            m.present.as_ref().map(|_| "present"),
+            m.regex.as_ref().map(|_| "regex"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        match set.as_slice() {
+            [] => self.report(
+                at,
+                Target::Key,
+                format!("match on `{}` has no condition", m.name),
+                "add one of `exact`, `prefix`, `present: true`, `regex`".into(),
+            ),
+            [_] => {}
+            [first, second, ..] => self.report(
+                format!("{at}.{second}"),
+                Target::Key,
+                format!("match on `{}` sets both `{first}` and `{second}`", m.name),
+                "keep exactly one of `exact`, `prefix`, `present`, `regex`; use two entries to require both".into(),
+            ),
+        }
+        if let Some(regex) = &m.regex {
+            self.regex(&format!("{at}.regex"), regex);
+        }
+    }
+
+    fn regex(&mut self, path: &str, pattern: &str) {
+        if let Err(error) = regex::Regex::new(pattern) {
+            self.report(
+                path,
+                Target::Value,
+                format!(
+                    "regex `{pattern}` does not compile: {}",
+                    regex_reason(&error)
+                ),
+                "fix the pattern (Rust `regex` syntax: no look-around or backreferences)".into(),
+            );
+        }
+    }
+
+    fn method(&mut self, path: &str, method: &str) {
+        const KNOWN: &[&str] = &[
+            "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",
+        ];
+        let upper = method.to_ascii_uppercase();
+        if http::Method::from_bytes(method.as_bytes()).is_err() {
+            self.report(
+                path,
+                Target::Value,
+                format!("method `{method}` is not a valid HTTP method"),
+                "write a method name such as GET or POST".into(),
+            );
+        } else if upper != method && KNOWN.contains(&upper.as_str()) {
+            // Methods are case-sensitive: `get` would never match a real GET.
+            self.report(
+                path,
+                Target::Value,
+                format!("method `{method}` is lowercase, so it would never match `{upper}`"),
+                format!("HTTP methods are case-sensitive: write `{upper}`"),
+            );
+        }
+    }
+
+    fn header_name(&mut self, path: &str, target: Target, name: &str, changes_it: bool) {
+        if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+            self.report(
+                path,
+                target,
+                format!("`{name}` is not a valid HTTP header name"),
+                "header names are letters, digits and !#$%&'*+-.^_`|~ (no spaces or colons), e.g. `x-request-id`".into(),
+            );
+        } else if changes_it && HOP_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+            self.report(
+                path,
+                target,
+                format!("header `{name}` cannot be added or removed by a route"),
+                "it frames the message or belongs to one hop; the proxy manages it itself".into(),
+            );
+        }
+    }
+
+    fn headers_to_add(&mut self, at: &str, headers: &BTreeMap<String, String>) {
+        for (name, value) in headers {
+            let path = format!("{at}.{name}");
+            self.header_name(&path, Target::Key, name, true);
+            if http::HeaderValue::from_str(value).is_err() {
+                self.report(
+                    path,
+                    Target::Value,
+                    format!("value of header `{name}` is not a valid HTTP header value"),
+                    "header values are visible ASCII, spaces and tabs: no line breaks or control characters".into(),
+                );
+            }
+        }
+    }
+
+    fn clusters(&mut self) {
+        let config = self.config;
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        for (i, cluster) in config.clusters.iter().enumerate() {
+            let at = format!("clusters[{i}]");
+            let name = cluster.name.as_str();
+            if name.trim().is_empty() {
+                self.report(
+                    format!("{at}.name"),
+                    Target::Value,
+                    "cluster name is empty".into(),
+                    "give the cluster a short name such as `api`; routes refer to it by name"
+                        .into(),
+                );
+            } else if let Some(first) = names.get(name) {
+                self.report_duplicate(
+                    format!("{at}.name"),
+                    format!("clusters[{first}].name"),
+                    format!("cluster name `{name}` is used twice"),
+                    "rename one of them, or merge their endpoints: cluster names must be unique"
+                        .into(),
+                );
+            } else {
+                names.insert(name, i);
+            }
+            if cluster.endpoints.is_empty() {
+                self.report(
+                    format!("{at}.endpoints"),
+                    Target::Value,
+                    format!("cluster `{name}` has no endpoints"),
+                    "list at least one upstream address, e.g. `endpoints: [ 127.0.0.1:9001 ]`"
+                        .into(),
+                );
+            }
+            for (k, endpoint) in cluster.endpoints.iter().enumerate() {
+                if endpoint.port() == 0 || endpoint.ip().is_unspecified() {
+                    self.report(
+                        format!("{at}.endpoints[{k}]"),
+                        Target::Value,
+                        format!("endpoint {endpoint} cannot be connected to"),
+                        "an endpoint needs a concrete IP address and a non-zero port, e.g. 127.0.0.1:9001".into(),
+                    );
+                }
+            }
+            if let Some(hash_on) = &cluster.hash_on {
+                if !matches!(cluster.lb, LbPolicy::RingHash | LbPolicy::Maglev) {
+                    self.report(
+                        format!("{at}.hash_on"),
+                        Target::Key,
+                        format!("cluster `{name}` sets `hash_on` but its lb policy does not hash"),
+                        "set `lb: ring_hash` or `lb: maglev`, or remove `hash_on`".into(),
+                    );
+                }
+                self.header_name(
+                    &format!("{at}.hash_on.header"),
+                    Target::Value,
+                    &hash_on.header,
+                    false,
+                );
+            }
+            if let Some(timeout) = cluster.connect_timeout {
+                self.positive_duration(&format!("{at}.connect_timeout"), timeout);
+            }
+        }
+    }
+}
+
+/// Two listen addresses clash when they share a port and either the same IP or
+/// an unspecified one (0.0.0.0 / [::] takes the port on every address).
+/// Port 0 asks the OS for a free port, so it never clashes.
+fn addresses_clash(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() != 0
+        && a.port() == b.port()
+        && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
+/// `api.local` or `*.example.com`; on failure, the hint.
+fn check_host(host: &str) -> Result<(), String> {
+    let name = host.strip_prefix("*.").unwrap_or(host);
+    if name.is_empty() {
+        return Err(
+            "write a host such as `api.local` or a wildcard such as `*.example.com`".into(),
+        );
+    }
+    if name.contains('*') {
+        return Err("only a leading `*.` wildcard is supported, e.g. `*.example.com`; leave `host` out to match any host".into());
+    }
+    if name.contains(':') {
+        return Err("leave the port out: host matching ignores the port".into());
+    }
+    let valid_label = |label: &str| {
+        !label.is_empty()
+            && label
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    };
+    if !name.split('.').all(valid_label) {
+        return Err("a host is dot-separated labels of letters, digits, `-` and `_`".into());
+    }
+    Ok(())
+}
+
+/// The last line of a regex error: the short reason without the caret diagram.
+fn regex_reason(error: &regex::Error) -> String {
+    let text = error.to_string();
+    text.lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .map(|l| l.trim().trim_start_matches("error: ").to_string())
+        .unwrap_or(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_built_in_code_is_checked_by_path() {
+        let config = Config {
+            admin: default_admin(),
+            workers: None,
+            access_log: None,
+            limits: Limits::default(),
+            listeners: vec![Listener {
+                name: "t".into(),
+                address: SocketAddr::from(([127, 0, 0, 1], 7000)),
+                protocol: ListenerProtocol::Tcp,
+                routes: vec![],
+                cluster: Some("nope".into()),
+            }],
+            clusters: vec![],
+        };
+        let problems = validate(&config);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(
+            problems[0].to_string(),
+            "listeners[0].cluster: listener references unknown cluster `nope`\n  hint: no clusters are defined: add one under `clusters:`"
+        );
+    }
+
+    #[test]
+    fn address_clash_rules() {
+        let a = |s: &str| s.parse::<SocketAddr>().unwrap_or_else(|e| panic!("{e}"));
+        assert!(addresses_clash(a("127.0.0.1:80"), a("127.0.0.1:80")));
+        assert!(addresses_clash(a("0.0.0.0:80"), a("127.0.0.1:80")));
+        assert!(addresses_clash(a("[::1]:80"), a("[::]:80")));
+        assert!(!addresses_clash(a("127.0.0.1:80"), a("127.0.0.2:80")));
+        assert!(!addresses_clash(a("127.0.0.1:80"), a("127.0.0.1:81")));
+        assert!(!addresses_clash(a("127.0.0.1:0"), a("127.0.0.1:0")));
+    }
+}

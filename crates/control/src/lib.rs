@@ -1,0 +1,18 @@
+//! flatmesh control center (E3, papers/001): models of clusters, microservices and application
+//! DAGs; placement on heterogeneous compute nodes (HCM, simulated annealing, ILP); the energy and
+//! cost model; the data-plane orchestrator and failover; and the simulator behind `flatmesh simulate`.
+
+pub mod endpoints;
+pub mod energy;
+pub mod error;
+pub mod failover;
+pub mod heartbeat;
+pub mod model;
+pub mod orchestrator;
+pub mod placement;
+pub mod simulate;
+pub mod svg;
+pub mod topology;
+pub mod workload;
+
+pub use error::{ControlError, Result};

@@ -1,0 +1,680 @@
+//! The data-plane orchestrator (E3 §3.4): detects SmartNIC overload from heartbeats and migrates the
+//! hottest microservice to the host; it also notices dead nodes and hands them to failover (§3.5).
+//!
+//! Detection, per heartbeat (O(1) each, so 50,000 servers every 50 ms is cheap):
+//! - host starvation: a standing queue at the traffic manager (queue length at or above a threshold
+//!   for several heartbeats in a row) while network bandwidth is under-used;
+//! - microservice overload: an execution time more than 20% above its exponential moving average
+//!   (the paper's "difference is negative and larger than 20%"), after a warm-up.
+//!
+//! Migration is cold, in the paper's steps: push the binary to the destination; tell the old node
+//! to remove the instance from its execution engine, clean up local resources and migrate its working
+//! state; on its confirmation, restart the instance on the new node and update connections. We
+//! restart before publishing the new endpoints so proxies never route to an instance that is not
+//! running yet.
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::endpoints::{snapshot, EndpointSink};
+use crate::error::{ControlError, Result};
+use crate::failover::{fail_nodes, Moved, Ring};
+use crate::heartbeat::Heartbeat;
+use crate::placement::State;
+use crate::topology::NodeKind;
+
+#[derive(Debug, Clone)]
+pub struct DetectorConfig {
+    /// Heartbeat period (E3: 50 ms).
+    pub interval: Duration,
+    /// Queue length that counts as "standing" when it persists.
+    pub standing_queue: u16,
+    /// Consecutive heartbeats with a standing queue before starvation is declared.
+    pub standing_beats: u32,
+    /// Bandwidth utilisation below which the network counts as under-used.
+    pub bw_underused_pct: u8,
+    /// Overload when exec > EMA x (1 + ratio); E3 found 20% empirically.
+    pub overload_ratio: f64,
+    /// EMA weight of a new sample.
+    pub ema_alpha: f64,
+    /// Samples per slot before the EMA is trusted.
+    pub warmup: u32,
+    /// A node is dead after this long without a heartbeat.
+    pub dead_after: Duration,
+}
+
+impl Default for DetectorConfig {
+    fn default() -> Self {
+        DetectorConfig {
+            interval: Duration::from_millis(50),
+            standing_queue: 32,
+            standing_beats: 3,
+            bw_underused_pct: 50,
+            overload_ratio: 0.2,
+            ema_alpha: 0.125,
+            warmup: 5,
+            dead_after: Duration::from_millis(150),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Signal {
+    HostStarvation {
+        node: usize,
+        queue_len: u16,
+        bw_util_pct: u8,
+    },
+    Overload {
+        node: usize,
+        slot: usize,
+        exec_us: u16,
+        ema_us: f64,
+    },
+    NodeDead {
+        node: usize,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct Health {
+    last_seen: Instant,
+    standing: u32,
+    /// Per slot: (EMA µs, samples).
+    ema: Vec<(f64, u32)>,
+    dead: bool,
+}
+
+/// Heartbeat bookkeeping and the two overload tests. Pure: no I/O, time passed in.
+#[derive(Debug)]
+pub struct Detector {
+    pub cfg: DetectorConfig,
+    health: Vec<Option<Health>>,
+}
+
+impl Detector {
+    pub fn new(cfg: DetectorConfig, nodes: usize) -> Self {
+        Detector {
+            cfg,
+            health: vec![None; nodes],
+        }
+    }
+
+    /// Records one heartbeat; returns a signal when the node is overloaded.
+    pub fn observe(&mut self, hb: &Heartbeat, now: Instant) -> Result<Option<Signal>> {
+        let node = hb.node as usize;
+        let slots = self.health.len();
+        let Some(entry) = self.health.get_mut(node) else {
+            return Err(ControlError::Heartbeat {
+                node: hb.node,
+                message: format!("unknown node (the cluster has {slots} nodes); the agent runs with a stale topology, restart it"),
+            });
+        };
+        let h = entry.get_or_insert_with(|| Health {
+            last_seen: now,
+            standing: 0,
+            ema: Vec::new(),
+            dead: false,
+        });
+        h.last_seen = now;
+        h.dead = false;
+        let cfg = &self.cfg;
+        if hb.queue_len >= cfg.standing_queue && hb.bw_util_pct < cfg.bw_underused_pct {
+            h.standing += 1;
+        } else {
+            h.standing = 0;
+        }
+        let mut signal = None;
+        if h.standing >= cfg.standing_beats {
+            h.standing = 0;
+            signal = Some(Signal::HostStarvation {
+                node,
+                queue_len: hb.queue_len,
+                bw_util_pct: hb.bw_util_pct,
+            });
+        }
+        for (slot, exec) in hb.samples() {
+            if h.ema.len() <= slot {
+                h.ema.resize(slot + 1, (0.0, 0));
+            }
+            let (ema, n) = &mut h.ema[slot];
+            let x = f64::from(exec);
+            if *n >= cfg.warmup && x > *ema * (1.0 + cfg.overload_ratio) && signal.is_none() {
+                signal = Some(Signal::Overload {
+                    node,
+                    slot,
+                    exec_us: exec,
+                    ema_us: *ema,
+                });
+            }
+            *ema = if *n == 0 { x } else { *ema + cfg.ema_alpha * (x - *ema) };
+            *n = n.saturating_add(1);
+        }
+        Ok(signal)
+    }
+
+    /// Nodes whose heartbeats stopped, each reported once.
+    pub fn sweep(&mut self, now: Instant) -> Vec<Signal> {
+        let mut out = Vec::new();
+        for (node, h) in self.health.iter_mut().enumerate() {
+            if let Some(h) = h {
+                if !h.dead && now.duration_since(h.last_seen) >= self.cfg.dead_after {
+                    h.dead = true;
+                    out.push(Signal::NodeDead { node });
+                }
+            }
+        }
+        out
+    }
+
+    /// Forgets a node's statistics (its slots changed after a migration).
+    pub fn reset(&mut self, node: usize) {
+        if let Some(Some(h)) = self.health.get_mut(node) {
+            h.ema.clear();
+            h.standing = 0;
+        }
+    }
+}
+
+/// The primaries on `node`, in slot order (the order agents report execution times in).
+pub fn slots(st: &State, node: usize) -> Vec<usize> {
+    (0..st.wl.instances.len())
+        .filter(|&i| st.assign[i] == Some(node) && st.wl.instances[i].is_primary())
+        .collect()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    PushBinary,
+    Remove,
+    Cleanup,
+    MigrateState,
+    Restart,
+}
+
+impl Step {
+    pub fn name(self) -> &'static str {
+        match self {
+            Step::PushBinary => "push binary",
+            Step::Remove => "remove from execution engine",
+            Step::Cleanup => "clean up local resources",
+            Step::MigrateState => "migrate working state",
+            Step::Restart => "restart on new node",
+        }
+    }
+}
+
+/// The node runtimes, as the orchestrator drives them. The demo implements it with processes.
+pub trait Runtime {
+    fn step(
+        &self,
+        step: Step,
+        instance: &str,
+        from: &str,
+        to: &str,
+    ) -> impl Future<Output = std::result::Result<(), String>> + Send;
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum LogEntry {
+    Detected(Signal),
+    Migrated {
+        instance: String,
+        from: String,
+        to: String,
+        at: Duration,
+    },
+    NotMigrated {
+        node: String,
+        reason: String,
+    },
+    FailedOver {
+        node: String,
+        moved: Vec<Moved>,
+        at: Duration,
+    },
+    Error(String),
+}
+
+/// The control loop: heartbeats in, migrations and failovers out, endpoints published.
+pub struct Controller<'a, R: Runtime, E: EndpointSink> {
+    pub state: State<'a>,
+    pub detector: Detector,
+    pub ring: Ring,
+    pub runtime: R,
+    pub sink: E,
+    pub version: u64,
+    pub log: Vec<LogEntry>,
+    started: Instant,
+    /// No new migration from a node until its statistics have re-settled.
+    cooldown_until: Vec<Instant>,
+}
+
+impl<'a, R: Runtime, E: EndpointSink> Controller<'a, R, E> {
+    pub fn new(state: State<'a>, cfg: DetectorConfig, runtime: R, sink: E) -> Result<Self> {
+        let nodes = state.topo.nodes.len();
+        let now = Instant::now();
+        let mut c = Controller {
+            ring: Ring::new(0..state.topo.servers.len()),
+            detector: Detector::new(cfg, nodes),
+            state,
+            runtime,
+            sink,
+            version: 0,
+            log: Vec::new(),
+            started: now,
+            cooldown_until: vec![now; nodes],
+        };
+        c.publish()?;
+        Ok(c)
+    }
+
+    fn publish(&mut self) -> Result<()> {
+        self.version += 1;
+        let snap = snapshot(&self.state, self.version);
+        self.sink.publish(&snap)
+    }
+
+    /// Runs until the heartbeat channel closes. `raw` carries 16-byte messages as received.
+    /// Errors of one decision (a failover with no room, an unwritable endpoints file) are logged and
+    /// the loop goes on: the controller must outlive them.
+    pub async fn run(&mut self, mut raw: mpsc::Receiver<Vec<u8>>) -> Result<()> {
+        let mut tick = tokio::time::interval(self.detector.cfg.interval);
+        loop {
+            // Biased: drain queued heartbeats before judging liveness, so a controller that was busy
+            // migrating does not mistake its own delay for silent nodes.
+            tokio::select! {
+                biased;
+                msg = raw.recv() => {
+                    let Some(bytes) = msg else { return Ok(()) };
+                    // A malformed heartbeat is logged and dropped; it must not stop the controller.
+                    match Heartbeat::decode(&bytes) {
+                        Ok(hb) => self.on_heartbeat(&hb).await,
+                        Err(e) => tracing::warn!("dropping heartbeat: {e}"),
+                    }
+                }
+                _ = tick.tick() => {
+                    for s in self.detector.sweep(Instant::now()) {
+                        self.handle_logged(s).await;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn handle_logged(&mut self, signal: Signal) {
+        if let Err(e) = self.handle(signal).await {
+            tracing::error!("{e}");
+            self.log.push(LogEntry::Error(e.to_string()));
+        }
+    }
+
+    pub async fn on_heartbeat(&mut self, hb: &Heartbeat) {
+        match self.detector.observe(hb, Instant::now()) {
+            Ok(Some(signal)) => self.handle_logged(signal).await,
+            Ok(None) => {}
+            Err(e) => tracing::warn!("{e}"),
+        }
+    }
+
+    async fn handle(&mut self, signal: Signal) -> Result<()> {
+        self.log.push(LogEntry::Detected(signal.clone()));
+        match signal {
+            Signal::HostStarvation { node, .. } | Signal::Overload { node, .. } => {
+                if Instant::now() < self.cooldown_until[node] {
+                    return Ok(());
+                }
+                self.migrate_hottest(node).await
+            }
+            Signal::NodeDead { node } => self.fail_over(node).await,
+        }
+    }
+
+    /// Migrates the primary with the highest CPU use on `node` to a host (§3.4).
+    async fn migrate_hottest(&mut self, node: usize) -> Result<()> {
+        let topo = self.state.topo;
+        let n = &topo.nodes[node];
+        if n.kind == NodeKind::Host {
+            self.log.push(LogEntry::NotMigrated {
+                node: n.id.clone(),
+                reason: "overload on a host; E3 migrates only from SmartNICs to hosts".into(),
+            });
+            return Ok(());
+        }
+        let Some(hot) = slots(&self.state, node)
+            .into_iter()
+            .max_by(|&a, &b| {
+                let (ia, ib) = (&self.state.wl.instances[a], &self.state.wl.instances[b]);
+                ia.cores_on(n.core).total_cmp(&ib.cores_on(n.core))
+            })
+        else {
+            return Ok(());
+        };
+        // The host of the same server first (one PCIe hop away), then hosts by distance.
+        let host = topo.servers[n.server].nodes[0];
+        let target = if self.state.fits(hot, host) {
+            Some(host)
+        } else {
+            let mut found = None;
+            for level in topo.levels(node) {
+                level.for_each(|m| {
+                    if found.is_none()
+                        && topo.nodes[m].kind == NodeKind::Host
+                        && self.state.fits(hot, m)
+                    {
+                        found = Some(m);
+                    }
+                });
+                if found.is_some() {
+                    break;
+                }
+            }
+            found
+        };
+        let Some(to) = target else {
+            self.log.push(LogEntry::NotMigrated {
+                node: n.id.clone(),
+                reason: format!("no host has room for {}", self.state.wl.instances[hot].id),
+            });
+            return Ok(());
+        };
+        let (id, from_id, to_id) = (
+            self.state.wl.instances[hot].id.clone(),
+            n.id.clone(),
+            topo.nodes[to].id.clone(),
+        );
+        let steps = [
+            Step::PushBinary,
+            Step::Remove,
+            Step::Cleanup,
+            Step::MigrateState,
+            Step::Restart,
+        ];
+        for (k, step) in steps.iter().enumerate() {
+            if let Err(message) = self.runtime.step(*step, &id, &from_id, &to_id).await {
+                // After Remove the old node no longer runs it: restart it there before giving up.
+                if k >= 1 {
+                    let _ = self.runtime.step(Step::Restart, &id, &from_id, &from_id).await;
+                }
+                let err = ControlError::Migration {
+                    instance: id.clone(),
+                    step: step.name(),
+                    message,
+                };
+                self.log.push(LogEntry::NotMigrated {
+                    node: from_id.clone(),
+                    reason: err.to_string(),
+                });
+                return Ok(());
+            }
+        }
+        self.state.place(hot, to);
+        self.detector.reset(node);
+        self.detector.reset(to);
+        let settle = self.detector.cfg.interval * (self.detector.cfg.warmup + 2);
+        self.cooldown_until[node] = Instant::now() + settle;
+        self.publish()?;
+        self.log.push(LogEntry::Migrated {
+            instance: id,
+            from: from_id,
+            to: to_id,
+            at: self.started.elapsed(),
+        });
+        Ok(())
+    }
+
+    /// A dead host takes its whole server (fault domain) with it; a dead SmartNIC only itself.
+    async fn fail_over(&mut self, node: usize) -> Result<()> {
+        let topo = self.state.topo;
+        let n = &topo.nodes[node];
+        let at = self.started.elapsed();
+        let dead: Vec<usize> = if n.kind == NodeKind::Host {
+            self.ring.remove(n.server);
+            topo.servers[n.server].nodes.clone()
+        } else {
+            vec![node]
+        };
+        let moved = fail_nodes(&mut self.state, &dead)?;
+        for m in &moved {
+            let id = self.state.wl.instances[m.instance].id.clone();
+            let (from, to) = (&topo.nodes[m.from].id, &topo.nodes[m.to].id);
+            if let Err(e) = self.runtime.step(Step::Restart, &id, from, to).await {
+                tracing::warn!("restarting {id} on {to} after failover: {e}");
+            }
+        }
+        self.publish()?;
+        self.log.push(LogEntry::FailedOver {
+            node: n.id.clone(),
+            moved,
+            at,
+        });
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoints::MemorySink;
+    use crate::heartbeat::{NO_SAMPLE, SLOTS_PER_HEARTBEAT};
+    use crate::placement::hcm;
+    use crate::placement::tests::setup;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    fn hb(node: u32, queue_len: u16, bw: u8, base: u8, exec: [u16; 4]) -> Heartbeat {
+        Heartbeat {
+            node,
+            queue_len,
+            bw_util_pct: bw,
+            slot_base: base,
+            exec_us: exec,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn overload_needs_warmup_and_20_percent() {
+        let mut d = Detector::new(DetectorConfig::default(), 4);
+        let t = Instant::now();
+        for _ in 0..5 {
+            assert_eq!(d.observe(&hb(1, 0, 10, 0, [100, NO_SAMPLE, NO_SAMPLE, NO_SAMPLE]), t).unwrap(), None);
+        }
+        // 119 µs is within 20% of 100: no signal. 121 is not.
+        assert_eq!(d.observe(&hb(1, 0, 10, 0, [119, NO_SAMPLE, NO_SAMPLE, NO_SAMPLE]), t).unwrap(), None);
+        let s = d.observe(&hb(1, 0, 10, 0, [130, NO_SAMPLE, NO_SAMPLE, NO_SAMPLE]), t).unwrap();
+        assert!(matches!(s, Some(Signal::Overload { node: 1, slot: 0, exec_us: 130, .. })), "{s:?}");
+        // Faster than the EMA is never overload.
+        assert_eq!(d.observe(&hb(1, 0, 10, 0, [10, NO_SAMPLE, NO_SAMPLE, NO_SAMPLE]), t).unwrap(), None);
+        assert!(d.observe(&hb(9, 0, 0, 0, [0; 4]), t).is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn starvation_is_a_standing_queue_with_idle_links() {
+        let mut d = Detector::new(DetectorConfig::default(), 2);
+        let t = Instant::now();
+        let none = [NO_SAMPLE; SLOTS_PER_HEARTBEAT];
+        // Busy links explain the queue: no starvation.
+        for _ in 0..10 {
+            assert_eq!(d.observe(&hb(0, 100, 90, 0, none), t).unwrap(), None);
+        }
+        // A transient queue is not standing.
+        assert_eq!(d.observe(&hb(0, 100, 10, 0, none), t).unwrap(), None);
+        assert_eq!(d.observe(&hb(0, 0, 10, 0, none), t).unwrap(), None);
+        assert_eq!(d.observe(&hb(0, 100, 10, 0, none), t).unwrap(), None);
+        assert_eq!(d.observe(&hb(0, 100, 10, 0, none), t).unwrap(), None);
+        assert!(matches!(
+            d.observe(&hb(0, 100, 10, 0, none), t).unwrap(),
+            Some(Signal::HostStarvation { node: 0, .. })
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn silence_means_dead_once() {
+        let mut d = Detector::new(DetectorConfig::default(), 2);
+        d.observe(&hb(0, 0, 0, 0, [NO_SAMPLE; 4]), Instant::now()).unwrap();
+        tokio::time::advance(Duration::from_millis(149)).await;
+        assert!(d.sweep(Instant::now()).is_empty());
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(d.sweep(Instant::now()), vec![Signal::NodeDead { node: 0 }]);
+        assert!(d.sweep(Instant::now()).is_empty());
+    }
+
+    /// Records every step; fails the named step once if asked.
+    #[derive(Clone, Default)]
+    struct FakeRuntime {
+        steps: Arc<parking_lot_free::Log>,
+        fail: Option<Step>,
+    }
+
+    mod parking_lot_free {
+        /// A step log shared with the test (tokio's Mutex: std's is banned in this workspace).
+        #[derive(Default)]
+        pub struct Log(pub tokio::sync::Mutex<Vec<(super::Step, String, String, String)>>);
+    }
+
+    impl Runtime for FakeRuntime {
+        fn step(
+            &self,
+            step: Step,
+            instance: &str,
+            from: &str,
+            to: &str,
+        ) -> impl Future<Output = std::result::Result<(), String>> + Send {
+            let log = self.steps.clone();
+            let fail = self.fail == Some(step);
+            let entry = (step, instance.to_string(), from.to_string(), to.to_string());
+            async move {
+                // A migration step takes time on real nodes; the paused clock makes it free.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                log.0.lock().await.push(entry);
+                if fail {
+                    Err("node unreachable".into())
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    /// Agents: one task per node sending heartbeats every 50 ms; `slow` makes one node's slot-0
+    /// execution time jump after `after` heartbeats, `silent` stops one node after `after`.
+    fn spawn_agents(
+        nodes: usize,
+        tx: mpsc::Sender<Vec<u8>>,
+        slow: Option<usize>,
+        silent: Option<usize>,
+        after: usize,
+        beats: Arc<AtomicUsize>,
+    ) {
+        for node in 0..nodes {
+            let tx = tx.clone();
+            let beats = beats.clone();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_millis(50));
+                for k in 0..60usize {
+                    tick.tick().await;
+                    if silent == Some(node) && k >= after {
+                        return;
+                    }
+                    let exec = if slow == Some(node) && k >= after { 400 } else { 100 };
+                    let msg = hb(node as u32, 0, 20, 0, [exec, 100, 100, 100]).encode().to_vec();
+                    beats.fetch_add(1, Ordering::Relaxed);
+                    if tx.send(msg).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn overloaded_smartnic_migrates_hottest_to_host() {
+        let (topo, wl) = setup("preset:3xType1-SmartNIC", "preset:NFV-FIN");
+        let mut st = State::new(&topo, &wl);
+        hcm::run(&mut st).unwrap();
+        let nic = topo.first_fit_order[0];
+        let before = slots(&st, nic);
+        assert!(!before.is_empty());
+        let rt = FakeRuntime::default();
+        let mut c = Controller::new(st, DetectorConfig::default(), rt.clone(), MemorySink::default()).unwrap();
+        let (tx, rx) = mpsc::channel(1024);
+        let beats = Arc::new(AtomicUsize::new(0));
+        spawn_agents(topo.nodes.len(), tx, Some(nic), None, 10, beats);
+        c.run(rx).await.unwrap();
+        let migrated: Vec<_> = c
+            .log
+            .iter()
+            .filter_map(|e| match e {
+                LogEntry::Migrated { instance, from, to, at } => Some((instance.clone(), from.clone(), to.clone(), *at)),
+                _ => None,
+            })
+            .collect();
+        assert!(!migrated.is_empty(), "{:?}", c.log);
+        let (inst, from, to, at) = &migrated[0];
+        assert_eq!(from, &topo.nodes[nic].id);
+        assert_eq!(to, &topo.nodes[topo.nodes[nic].server * 2].id, "same server's host");
+        // Detected one heartbeat after the slowdown (warm-up done), migrated within 5 steps x 5 ms.
+        assert!(*at <= Duration::from_millis(50 * 11 + 30), "{at:?}");
+        // The paper's step order, all on this instance.
+        let steps: Vec<Step> = rt.steps.0.lock().await.iter().filter(|s| &s.1 == inst).map(|s| s.0).collect();
+        assert_eq!(&steps[..5], &[Step::PushBinary, Step::Remove, Step::Cleanup, Step::MigrateState, Step::Restart]);
+        // Endpoints moved: the last snapshot lists the instance on the host.
+        let last = c.sink.published.last().unwrap();
+        let svc = crate::endpoints::service_of(inst);
+        assert!(last.services[svc].iter().any(|e| &e.instance == inst && &e.node == to));
+        assert!(c.sink.published.len() >= 2);
+        crate::placement::verify(&topo, &wl, &c.state.complete().unwrap()).unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failed_step_keeps_the_instance_where_it_was() {
+        let (topo, wl) = setup("preset:3xType1-SmartNIC", "preset:NFV-FIN");
+        let mut st = State::new(&topo, &wl);
+        hcm::run(&mut st).unwrap();
+        let nic = topo.first_fit_order[0];
+        let before = st.assign.clone();
+        let rt = FakeRuntime {
+            fail: Some(Step::MigrateState),
+            ..Default::default()
+        };
+        let mut c = Controller::new(st, DetectorConfig::default(), rt.clone(), MemorySink::default()).unwrap();
+        c.migrate_hottest(nic).await.unwrap();
+        assert_eq!(c.state.assign, before);
+        assert!(matches!(c.log.last(), Some(LogEntry::NotMigrated { reason, .. }) if reason.contains("migrate working state")));
+        // The old node was told to restart it.
+        let last = rt.steps.0.lock().await.last().cloned().unwrap();
+        assert_eq!((last.0, last.2.clone()), (Step::Restart, last.3.clone()));
+        assert_eq!(c.sink.published.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn silent_host_fails_over_its_whole_server() {
+        let (topo, wl) = setup("preset:3xType1-SmartNIC", "preset:IOT-TS");
+        let mut st = State::new(&topo, &wl);
+        hcm::run(&mut st).unwrap();
+        let rt = FakeRuntime::default();
+        let mut c = Controller::new(st, DetectorConfig::default(), rt, MemorySink::default()).unwrap();
+        let (tx, rx) = mpsc::channel(1024);
+        let beats = Arc::new(AtomicUsize::new(0));
+        // Node 0 is rack0-s0/host; its SmartNIC (node 1) also goes silent with it.
+        spawn_agents(topo.nodes.len(), tx.clone(), None, Some(0), 5, beats.clone());
+        drop(tx);
+        c.run(rx).await.unwrap();
+        let fo: Vec<_> = c.log.iter().filter(|e| matches!(e, LogEntry::FailedOver { .. })).collect();
+        assert_eq!(fo.len(), 1, "only the silent server fails: {:?}", c.log);
+        assert!(!c.log.iter().any(|e| matches!(e, LogEntry::Error(_))), "{:?}", c.log);
+        let LogEntry::FailedOver { node, at, moved } = fo[0] else { unreachable!() };
+        assert_eq!(node, "rack0-s0/host");
+        // Last beat at 200 ms; declared dead 150 ms later, at the next 50 ms sweep (detection time;
+        // the restarts that follow take 5 ms each on the fake runtime).
+        assert!(*at >= Duration::from_millis(350) && *at <= Duration::from_millis(400), "{at:?}");
+        assert!(!moved.is_empty());
+        let assign = c.state.complete().unwrap_or_else(|e| panic!("{e}: {:?}", c.log));
+        crate::placement::verify(&topo, &wl, &assign).unwrap();
+        assert!(assign.iter().all(|&n| topo.nodes[n].server != 0));
+        assert!(!c.ring.contains(0));
+    }
+}

@@ -1,0 +1,204 @@
+//! `flatmesh simulate scale|energy`: E3's Table 6 (placement time at scale) and Table 5 / Fig. 10
+//! (energy and cost efficiency by cluster), with SVG plots.
+
+use anyhow::Context;
+use flatmesh_control::model::{load_app, TABLE5_CLUSTERS};
+use flatmesh_control::placement::Algorithm;
+use flatmesh_control::simulate::{self, PAPER_TABLE5, PAPER_TABLE6, TABLE6_SERVERS, YEARS};
+use flatmesh_control::svg;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    what: What,
+}
+
+#[derive(clap::Subcommand)]
+enum What {
+    /// Table 6: per-microservice deployment time of hcm, anneal and ilp at 100-1,000 servers.
+    Scale {
+        /// Server counts (Type2-SmartNIC servers, 40 per rack).
+        #[arg(long, value_delimiter = ',', default_values_t = TABLE6_SERVERS.to_vec())]
+        servers: Vec<u32>,
+        /// Microservice instances to deploy.
+        #[arg(long, default_value_t = 10_000)]
+        microservices: usize,
+        /// Algorithms to run.
+        #[arg(long, value_delimiter = ',', default_values_t = ["hcm".to_string(), "anneal".to_string(), "ilp".to_string()])]
+        algos: Vec<String>,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Write the plot here.
+        #[arg(long, default_value = "table6.svg")]
+        svg: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Table 5 and Fig. 10: energy and cost efficiency of NFV-FIN, RTA-SHM and IOT-TS per cluster.
+    Energy {
+        /// Directory for table5.svg and fig10-APP.svg.
+        #[arg(long, default_value = ".")]
+        svg_dir: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    match args.what {
+        What::Scale {
+            servers,
+            microservices,
+            algos,
+            seed,
+            svg,
+            json,
+        } => scale(&servers, microservices, &algos, seed, &svg, json),
+        What::Energy { svg_dir, json } => energy(&svg_dir, json),
+    }
+}
+
+fn scale(
+    servers: &[u32],
+    microservices: usize,
+    algos: &[String],
+    seed: u64,
+    svg_path: &str,
+    json: bool,
+) -> anyhow::Result<()> {
+    let algos: Vec<Algorithm> = algos.iter().map(|a| a.parse()).collect::<Result<_, _>>()?;
+    let mut rows = Vec::new();
+    for &algo in &algos {
+        for &n in servers {
+            let row = simulate::scale(n, microservices, algo, seed)
+                .with_context(|| format!("{} at {n} servers", algo.name()))?;
+            if !json {
+                let paper = PAPER_TABLE6
+                    .iter()
+                    .find(|(a, _)| *a == algo.name())
+                    .and_then(|(_, v)| TABLE6_SERVERS.iter().position(|&s| s == n).map(|k| v[k]));
+                println!(
+                    "{:>6} {:>5} servers  {:>6} microservices  {:>10} ms/microservice  avg hops {:>6}  paper {:>8}  {}",
+                    row.algorithm,
+                    row.servers,
+                    row.microservices,
+                    row.ms_per_microservice.map_or(">>1s".into(), |v| format!("{v:.4}")),
+                    row.avg_hops.map_or("-".into(), |v| format!("{v:.3}")),
+                    match paper {
+                        Some(Some(v)) => format!("{v} ms"),
+                        Some(None) => ">>1s".into(),
+                        None => "-".into(),
+                    },
+                    row.note
+                );
+            }
+            rows.push(row);
+        }
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    }
+    let xs: Vec<f64> = servers.iter().map(|&s| f64::from(s)).collect();
+    let series: Vec<(String, Vec<Option<f64>>)> = algos
+        .iter()
+        .map(|a| {
+            let v = servers
+                .iter()
+                .map(|&s| {
+                    rows.iter()
+                        .find(|r| r.algorithm == a.name() && r.servers == s)
+                        .and_then(|r| r.ms_per_microservice)
+                })
+                .collect();
+            (a.name().to_string(), v)
+        })
+        .collect();
+    let chart = svg::line_chart(
+        "Per-microservice deployment time (Table 6)",
+        "servers",
+        "ms (log)",
+        &xs,
+        &series,
+        true,
+    );
+    std::fs::write(svg_path, chart).with_context(|| format!("writing {svg_path}"))?;
+    eprintln!("wrote {svg_path}");
+    Ok(())
+}
+
+fn energy(svg_dir: &str, json: bool) -> anyhow::Result<()> {
+    let mut rows = Vec::new();
+    for (app, paper) in PAPER_TABLE5 {
+        let spec = load_app(&format!("preset:{app}"))?;
+        for (k, cluster) in TABLE5_CLUSTERS.iter().enumerate() {
+            let row = simulate::energy(&spec, &format!("preset:{cluster}"))?;
+            if !json {
+                println!(
+                    "{:<8} {:<18} peak {:>10.0} req/s  {:>7.1} W  {:>7.3} KRPJ (paper {:>4} KRPJ)  5-year cost efficiency {:.3e} req/$",
+                    app, cluster, row.peak_rps, row.power_watts, row.krpj, paper[k],
+                    row.cost_efficiency.last().map_or(0.0, |c| c.1)
+                );
+            }
+            rows.push(row);
+        }
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    }
+    let apps: Vec<String> = PAPER_TABLE5.iter().map(|(a, _)| a.to_string()).collect();
+    let series: Vec<(String, Vec<f64>)> = TABLE5_CLUSTERS
+        .iter()
+        .map(|c| {
+            (
+                c.to_string(),
+                apps.iter()
+                    .map(|a| {
+                        rows.iter()
+                            .find(|r| &r.app == a && r.cluster == *c)
+                            .map_or(0.0, |r| r.krpj)
+                    })
+                    .collect(),
+            )
+        })
+        .collect();
+    let dir = std::path::Path::new(svg_dir);
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {svg_dir}"))?;
+    let path = dir.join("table5.svg");
+    std::fs::write(
+        &path,
+        svg::bar_chart(
+            "Energy efficiency by cluster (Table 5)",
+            "KRPJ",
+            &apps,
+            &series,
+        ),
+    )
+    .with_context(|| format!("writing {}", path.display()))?;
+    for app in &apps {
+        let series: Vec<(String, Vec<Option<f64>>)> = TABLE5_CLUSTERS
+            .iter()
+            .filter_map(|c| rows.iter().find(|r| &r.app == app && r.cluster == *c))
+            .map(|r| {
+                (
+                    r.cluster.clone(),
+                    r.cost_efficiency.iter().map(|c| Some(c.1)).collect(),
+                )
+            })
+            .collect();
+        let path = dir.join(format!("fig10-{app}.svg"));
+        std::fs::write(
+            &path,
+            svg::line_chart(
+                &format!("Cost efficiency, {app} (Fig. 10)"),
+                "years of ownership",
+                "requests per $",
+                YEARS,
+                &series,
+                false,
+            ),
+        )
+        .with_context(|| format!("writing {}", path.display()))?;
+    }
+    eprintln!("wrote table5.svg and fig10-*.svg to {svg_dir}");
+    Ok(())
+}

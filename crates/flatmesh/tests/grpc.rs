@@ -1,0 +1,219 @@
+//! gRPC through the proxy against a tonic backend: unary, client/server/bidi streaming,
+//! trailers and non-OK grpc-status passed through.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::grpc::{self, EchoRequest, GrpcBackend};
+use common::*;
+use tokio_stream::StreamExt;
+
+const STEP: Duration = Duration::from_secs(10);
+
+async fn setup() -> (GrpcBackend, Proxy, SocketAddr) {
+    let backend = GrpcBackend::start("g1").await;
+    let (admin, web) = (free_addr(), free_addr());
+    let yaml = format!(
+        r#"
+admin: {admin}
+workers: 2
+listeners:
+  - name: grpc
+    address: {web}
+    protocol: http
+    routes:
+      - match: {{ path: {{ prefix: /test.Echo/ }} }}
+        cluster: echo
+clusters:
+  - name: echo
+    protocol: http2
+    endpoints: [ {b} ]
+"#,
+        b = backend.addr
+    );
+    let proxy = Proxy::start(admin, &yaml).await;
+    (backend, proxy, web)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unary_ok_and_metadata() {
+    let (_b, _p, web) = setup().await;
+    let mut client = grpc::connect(web).await;
+    for i in 0..20 {
+        let resp = tokio::time::timeout(STEP, grpc::unary(&mut client, &format!("hello{i}")))
+            .await
+            .expect("unary within time")
+            .unwrap_or_else(|s| panic!("unary failed through the proxy: {s:?}"));
+        assert_eq!(
+            resp.metadata()
+                .get("x-backend")
+                .and_then(|v| v.to_str().ok()),
+            Some("g1")
+        );
+        assert_eq!(resp.into_inner().message, format!("g1:hello{i}"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unary_non_ok_status_passes_through() {
+    let (_b, _p, web) = setup().await;
+    let mut client = grpc::connect(web).await;
+    let status = tokio::time::timeout(STEP, grpc::unary(&mut client, "fail"))
+        .await
+        .expect("unary within time")
+        .expect_err("backend answers NOT_FOUND");
+    assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+    assert_eq!(status.message(), "no such thing: fail");
+    // The channel still works after an error status.
+    let ok = tokio::time::timeout(STEP, grpc::unary(&mut client, "again"))
+        .await
+        .expect("in time");
+    assert_eq!(ok.expect("ok after error").into_inner().message, "g1:again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_streaming() {
+    let (_b, _p, web) = setup().await;
+    let mut client = grpc::connect(web).await;
+    let messages: Vec<String> = (0..200).map(|i| format!("m{i}")).collect();
+    let reply = tokio::time::timeout(STEP, grpc::client_stream(&mut client, messages.clone()))
+        .await
+        .expect("client stream within time")
+        .unwrap_or_else(|s| panic!("client streaming failed: {s:?}"));
+    assert_eq!(reply.index, 200);
+    assert_eq!(reply.message, messages.join(","));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_streaming() {
+    let (_b, _p, web) = setup().await;
+    let mut client = grpc::connect(web).await;
+    let mut stream = tokio::time::timeout(STEP, grpc::server_stream(&mut client, "s", 500))
+        .await
+        .expect("in time")
+        .unwrap_or_else(|s| panic!("server streaming failed to start: {s:?}"));
+    let mut n = 0;
+    while let Some(item) = tokio::time::timeout(STEP, stream.next())
+        .await
+        .expect("next message in time")
+    {
+        let reply = item.unwrap_or_else(|s| panic!("stream error after {n} messages: {s:?}"));
+        assert_eq!(reply.index, n);
+        assert_eq!(reply.message, format!("s#{n}"));
+        n += 1;
+    }
+    assert_eq!(n, 500, "expected 500 streamed replies");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trailers_with_error_status_after_messages() {
+    let (_b, _p, web) = setup().await;
+    let mut client = grpc::connect(web).await;
+    let mut stream = tokio::time::timeout(STEP, grpc::server_stream(&mut client, "fail-after", 3))
+        .await
+        .expect("in time")
+        .unwrap_or_else(|s| panic!("server streaming failed to start: {s:?}"));
+    let mut got = 0;
+    let status = loop {
+        match tokio::time::timeout(STEP, stream.next()).await.expect("next item in time") {
+            Some(Ok(reply)) => {
+                assert_eq!(reply.index, got);
+                got += 1;
+            }
+            Some(Err(status)) => break status,
+            None => panic!("stream ended with OK after {got} messages; expected RESOURCE_EXHAUSTED in trailers"),
+        }
+    };
+    assert_eq!(got, 3, "all messages before the trailers arrive");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert_eq!(status.message(), "stopped on purpose");
+    assert_eq!(
+        status
+            .metadata()
+            .get("x-trailer")
+            .and_then(|v| v.to_str().ok()),
+        Some("t1"),
+        "custom trailer lost: {status:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bidi_streaming_ping_pong() {
+    let (_b, _p, web) = setup().await;
+    let mut client = grpc::connect(web).await;
+    let (tx, mut replies) = tokio::time::timeout(STEP, grpc::bidi(&mut client))
+        .await
+        .expect("bidi opens in time")
+        .unwrap_or_else(|s| panic!("bidi failed to open: {s:?}"));
+    // Each reply must arrive before the next request is sent: a proxy that buffers the
+    // request stream (or the response stream) stalls here.
+    for i in 0..50 {
+        tx.send(EchoRequest {
+            message: format!("p{i}"),
+            count: 0,
+        })
+        .await
+        .expect("send");
+        let reply = tokio::time::timeout(Duration::from_secs(5), replies.next())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("no reply to message {i} within 5 s: the stream is buffered")
+            })
+            .expect("stream still open")
+            .unwrap_or_else(|s| panic!("bidi error at {i}: {s:?}"));
+        assert_eq!(reply.index, i);
+        assert_eq!(reply.message, format!("re:p{i}"));
+    }
+    drop(tx);
+    let end = tokio::time::timeout(STEP, replies.next())
+        .await
+        .expect("stream ends in time");
+    assert!(
+        end.is_none(),
+        "expected a clean end after the client closed, got {end:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_calls_on_one_channel() {
+    let (_b, _p, web) = setup().await;
+    let client = grpc::connect(web).await;
+    let mut tasks = Vec::new();
+    for i in 0..50 {
+        let mut c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = tokio::time::timeout(STEP, grpc::unary(&mut c, &format!("c{i}"))).await;
+            (i, r)
+        }));
+    }
+    for t in tasks {
+        let (i, r) = t.await.expect("task");
+        let reply = r
+            .expect("in time")
+            .unwrap_or_else(|s| panic!("call {i} failed: {s:?}"));
+        assert_eq!(reply.into_inner().message, format!("g1:c{i}"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_messages_cross_flow_control_windows() {
+    let (_b, _p, web) = setup().await;
+    let mut client = grpc::connect(web).await;
+    // 1 MiB is 16 times HTTP/2's default 64 KiB window: the proxy must honour WINDOW_UPDATEs.
+    let big = "z".repeat(1024 * 1024);
+    let reply = tokio::time::timeout(STEP, grpc::unary(&mut client, &big))
+        .await
+        .expect("1 MiB unary within time")
+        .unwrap_or_else(|s| panic!("1 MiB unary failed: {s:?}"));
+    assert_eq!(reply.into_inner().message.len(), big.len() + 3);
+    let parts: Vec<String> = (0..8)
+        .map(|i| format!("{i}{}", "y".repeat(256 * 1024)))
+        .collect();
+    let reply = tokio::time::timeout(STEP, grpc::client_stream(&mut client, parts.clone()))
+        .await
+        .expect("2 MiB client stream within time")
+        .unwrap_or_else(|s| panic!("2 MiB client stream failed: {s:?}"));
+    assert_eq!(reply.message, parts.join(","));
+}

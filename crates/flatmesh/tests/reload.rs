@@ -1,0 +1,335 @@
+//! Config reload: SIGHUP and file change, under continuous load with zero failed requests,
+//! in-flight requests finishing on the old snapshot, and bad configs refused.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::backends::{HttpBackend, Proto};
+use common::*;
+use http::StatusCode;
+
+/// Config generation `version`: a `/version` route answering it, a route only this generation
+/// has, and a catch-all to the backend that stamps the generation on forwarded requests.
+fn config(admin: SocketAddr, web: SocketAddr, app: SocketAddr, version: u32) -> String {
+    format!(
+        r#"
+admin: {admin}
+workers: 2
+listeners:
+  - name: web
+    address: {web}
+    protocol: http
+    routes:
+      - name: version
+        match: {{ path: {{ exact: /version }} }}
+        direct_response: {{ status: 200, body: "v{version}" }}
+      - name: only-v{version}
+        match: {{ path: {{ prefix: /only-v{version} }} }}
+        direct_response: {{ status: 200, body: "only-v{version}" }}
+      - name: slow-v{version}
+        match: {{ path: {{ prefix: /slow-v{version} }} }}
+        cluster: app
+      - name: main
+        match: {{ path: {{ prefix: / }} }}
+        cluster: app
+        request_headers_to_add: {{ x-config-version: "v{version}" }}
+clusters:
+  - name: app
+    endpoints: [ {app} ]
+"#
+    )
+}
+
+async fn body_of(client: &Client, url: &str) -> Option<(StatusCode, String)> {
+    send(client, get_req(url))
+        .await
+        .ok()
+        .map(|r| (r.status, r.body))
+}
+
+/// Wait until GET /version answers `want`, bounded.
+async fn wait_for_version(web: SocketAddr, want: &str, limit: Duration) -> bool {
+    let client = h1_client();
+    let url = format!("http://{web}/version");
+    eventually(limit, || {
+        let client = client.clone();
+        let url = url.clone();
+        let want = want.to_owned();
+        async move { body_of(&client, &url).await == Some((StatusCode::OK, want)) }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_under_load_drops_nothing_and_new_routes_take_effect() {
+    let app = HttpBackend::start("app", Proto::H1).await;
+    let (admin, web) = (free_addr(), free_addr());
+    let mut proxy = Proxy::start(admin, &config(admin, web, app.addr, 0)).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let ok = Arc::new(AtomicU64::new(0));
+    let mut loaders = Vec::new();
+    // Four HTTP/1.1 keep-alive clients and one h2c client, each in a bounded loop.
+    for c in 0..5 {
+        let stop = stop.clone();
+        let ok = ok.clone();
+        loaders.push(tokio::spawn(async move {
+            let client = if c == 4 { h2c_client() } else { h1_client() };
+            let mut failures = Vec::new();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline && i < 50_000 {
+                let url = format!("http://{web}/load/{c}/{i}");
+                match send(&client, get_req(&url)).await {
+                    Ok(r) if r.status == StatusCode::OK && r.backend() == Some("app") => {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(r) => failures.push(format!("{url}: {} {:?}", r.status, r.body)),
+                    Err(e) => failures.push(format!("{url}: {e}")),
+                }
+                i += 1;
+            }
+            failures
+        }));
+    }
+
+    let started = Instant::now();
+    let mut seen_versions = Vec::new();
+    for version in 1..=3u32 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        proxy.write_config(&config(admin, web, app.addr, version));
+        proxy.sighup();
+        let want = format!("v{version}");
+        assert!(
+            wait_for_version(web, &want, Duration::from_secs(5)).await,
+            "reload {version}: /version never answered {want} within 5 s"
+        );
+        let client = h1_client();
+        let new_route = body_of(&client, &format!("http://{web}/only-v{version}")).await;
+        assert_eq!(
+            new_route,
+            Some((StatusCode::OK, format!("only-v{version}"))),
+            "new route of v{version}"
+        );
+        let old_route = body_of(&client, &format!("http://{web}/only-v{}", version - 1)).await;
+        let old_route = old_route.expect("request for the removed route");
+        // The removed route now falls through to the catch-all (the backend), not its old body.
+        assert_ne!(
+            old_route.1,
+            format!("only-v{}", version - 1),
+            "route of v{} still in force",
+            version - 1
+        );
+        let stamped = get(&client, &format!("http://{web}/stamp"), &[]).await;
+        assert_eq!(stamped.echo()["headers"]["x-config-version"], want.as_str());
+        seen_versions.push(want);
+        proxy.assert_alive("during reloads");
+    }
+    // Keep the load going a little after the last reload, then stop it.
+    let elapsed = started.elapsed();
+    if elapsed < Duration::from_secs(3) {
+        tokio::time::sleep(Duration::from_secs(3) - elapsed).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut failures = Vec::new();
+    for l in loaders {
+        failures.extend(l.await.expect("load task"));
+    }
+    let ok = ok.load(Ordering::Relaxed);
+    assert!(
+        failures.is_empty(),
+        "{} request(s) failed during reloads ({} ok); first ones:\n{}",
+        failures.len(),
+        ok,
+        failures
+            .iter()
+            .take(20)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert!(
+        ok >= 200,
+        "only {ok} requests completed under load; the load loop barely ran"
+    );
+    eprintln!("{ok} requests, 0 failed, across reloads to {seen_versions:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_change_alone_triggers_reload() {
+    let app = HttpBackend::start("app", Proto::H1).await;
+    let (admin, web) = (free_addr(), free_addr());
+    let proxy = Proxy::start(admin, &config(admin, web, app.addr, 0)).await;
+    assert!(wait_for_version(web, "v0", Duration::from_secs(2)).await);
+    // Give a change watcher based on mtime a distinct timestamp.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    proxy.write_config(&config(admin, web, app.addr, 7));
+    let t0 = Instant::now();
+    assert!(
+        wait_for_version(web, "v7", Duration::from_secs(5)).await,
+        "a changed config file (no SIGHUP) was not picked up within 5 s"
+    );
+    eprintln!("file change picked up after {:?}", t0.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_request_finishes_on_the_old_snapshot() {
+    let app = HttpBackend::start("app", Proto::H1).await;
+    let (admin, web) = (free_addr(), free_addr());
+    let proxy = Proxy::start(admin, &config(admin, web, app.addr, 0)).await;
+
+    // A slow request on a route that the next config removes.
+    let slow = tokio::spawn(async move {
+        let client = h1_client();
+        get(
+            &client,
+            &format!("http://{web}/slow-v0/x"),
+            &[("x-delay-ms", "1500")],
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.write_config(&config(admin, web, app.addr, 1));
+    proxy.sighup();
+    assert!(
+        wait_for_version(web, "v1", Duration::from_secs(5)).await,
+        "reload to v1 did not happen"
+    );
+    let resp = tokio::time::timeout(Duration::from_secs(10), slow)
+        .await
+        .expect("slow request done")
+        .expect("task");
+    assert_eq!(
+        resp.status,
+        StatusCode::OK,
+        "in-flight request broken by reload: {resp:?}"
+    );
+    assert_eq!(resp.backend(), Some("app"));
+    assert_eq!(resp.echo()["path"], "/slow-v0/x");
+}
+
+/// Find `key` anywhere in a JSON tree.
+fn find_key<'a>(v: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
+    match v {
+        serde_json::Value::Object(map) => map
+            .get(key)
+            .or_else(|| map.values().find_map(|child| find_key(child, key))),
+        serde_json::Value::Array(items) => items.iter().find_map(|child| find_key(child, key)),
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_new_config_is_refused_and_the_old_stays() {
+    let app = HttpBackend::start("app", Proto::H1).await;
+    let (admin, web) = (free_addr(), free_addr());
+    let mut proxy = Proxy::start(admin, &config(admin, web, app.addr, 0)).await;
+
+    let good_v1 = config(admin, web, app.addr, 1);
+    let bad_variants = [
+        // unknown key
+        good_v1.replace(
+            "cluster: app\n        request_headers_to_add",
+            "clustr: app\n        request_headers_to_add",
+        ),
+        // route to a cluster that does not exist
+        good_v1.replace(
+            "cluster: app\n        request_headers_to_add",
+            "cluster: nope\n        request_headers_to_add",
+        ),
+        // not YAML at all
+        "listeners: [ {{{ nope".to_owned(),
+    ];
+    for (i, bad) in bad_variants.iter().enumerate() {
+        assert_ne!(
+            bad, &good_v1,
+            "bad variant {i} must differ from the good config"
+        );
+        proxy.write_config(bad);
+        proxy.sighup();
+        // Give the reload (signal and file watcher) time to be attempted.
+        let refused = eventually(Duration::from_secs(5), || {
+            let admin = proxy.admin;
+            async move {
+                let Ok(resp) = send(&h1_client(), get_req(&format!("http://{admin}/config"))).await
+                else {
+                    return false;
+                };
+                let Ok(json) = serde_json::from_str::<serde_json::Value>(&resp.body) else {
+                    return false;
+                };
+                matches!(find_key(&json, "last_reload_error"), Some(v) if !v.is_null())
+            }
+        })
+        .await;
+        proxy.assert_alive("after a bad reload");
+        assert!(
+            refused,
+            "bad variant {i}: /config never showed a last_reload_error"
+        );
+        let json = proxy.config_json().await;
+        let err = find_key(&json, "last_reload_error")
+            .expect("last_reload_error")
+            .to_string();
+        assert!(
+            err.len() > 10,
+            "bad variant {i}: the reload error says nothing useful: {err}"
+        );
+        // The old config is still in force.
+        assert!(
+            wait_for_version(web, "v0", Duration::from_millis(200)).await,
+            "bad variant {i} replaced v0"
+        );
+        let resp = get(&h1_client(), &format!("http://{web}/only-v0"), &[]).await;
+        assert_eq!(resp.body, "only-v0");
+        let stamped = get(&h1_client(), &format!("http://{web}/x"), &[]).await;
+        assert_eq!(stamped.status, StatusCode::OK);
+        assert_eq!(stamped.echo()["headers"]["x-config-version"], "v0");
+        // Clear the state between variants so each one is judged on its own.
+        proxy.write_config(&config(admin, web, app.addr, 0));
+        proxy.sighup();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
+    // A good config afterwards is accepted.
+    proxy.write_config(&good_v1);
+    proxy.sighup();
+    assert!(
+        wait_for_version(web, "v1", Duration::from_secs(5)).await,
+        "good config after bad ones not applied"
+    );
+    let log = proxy.output();
+    assert!(!log.is_empty(), "the refused reloads should be logged");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_moves_traffic_to_new_endpoints() {
+    let old = HttpBackend::start("old", Proto::H1).await;
+    let new = HttpBackend::start("new", Proto::H1).await;
+    let (admin, web) = (free_addr(), free_addr());
+    let proxy = Proxy::start(admin, &config(admin, web, old.addr, 0)).await;
+    // One keep-alive client throughout: its downstream connection outlives the reload.
+    let client = h1_client();
+    let resp = get(&client, &format!("http://{web}/x"), &[]).await;
+    assert_eq!(resp.backend(), Some("old"));
+
+    proxy.write_config(&config(admin, web, new.addr, 1));
+    proxy.sighup();
+    assert!(
+        wait_for_version(web, "v1", Duration::from_secs(5)).await,
+        "reload to v1 did not happen"
+    );
+    for i in 0..20 {
+        let resp = get(&client, &format!("http://{web}/x/{i}"), &[]).await;
+        assert_eq!(resp.status, StatusCode::OK, "{resp:?}");
+        assert_eq!(
+            resp.backend(),
+            Some("new"),
+            "request {i} after the reload still went to the old endpoint"
+        );
+    }
+}

@@ -1,0 +1,240 @@
+/* Capture: cgroup/connect4+6 send connections to configured service addresses to the node
+ * proxy, and remember where they were going so the proxy can recover it, by socket cookie
+ * or with getsockopt(SO_ORIGINAL_DST) answered by cgroup/getsockopt. */
+#include "common.h"
+
+#define FM_SO_ORIGINAL_DST 80
+#define FM_SOL_IP 0
+#define FM_SOL_IPV6 41
+
+/* service address -> proxy address to send it to */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct fm_addr);
+	__type(value, struct fm_addr);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} fm_services SEC(".maps");
+
+/* tgid -> 1: processes whose connections are never captured (the proxy itself). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u8);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} fm_bypass_pids SEC(".maps");
+
+/* socket cookie -> original destination, for both the captured client socket and the
+ * proxy's accepted socket. LRU so a lost close event cannot fill it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, __u64);
+	__type(value, struct fm_addr);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} fm_orig_by_cookie SEC(".maps");
+
+/* (client, proxy) -> original destination: how the proxy side finds what the client wanted. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct fm_tuple);
+	__type(value, struct fm_addr);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} fm_orig_by_tuple SEC(".maps");
+
+static __always_inline int fm_bypassed(void)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	return bpf_map_lookup_elem(&fm_bypass_pids, &tgid) != 0;
+}
+
+SEC("cgroup/connect4")
+int fm_connect4(struct bpf_sock_addr *ctx)
+{
+	if (ctx->protocol != IPPROTO_TCP || fm_bypassed()) {
+		fm_count(FM_ST_CONNECT4, 1, 0, 0, 0);
+		return 1;
+	}
+	struct fm_addr key = {};
+	key.family = FM_AF_INET;
+	key.ip[0] = ctx->user_ip4;
+	key.port = bpf_ntohs((__u16)ctx->user_port);
+	struct fm_addr *proxy = bpf_map_lookup_elem(&fm_services, &key);
+	if (!proxy) {
+		fm_count(FM_ST_CONNECT4, 1, 0, 0, 0);
+		return 1;
+	}
+	__u64 cookie = bpf_get_socket_cookie(ctx);
+	bpf_map_update_elem(&fm_orig_by_cookie, &cookie, &key, BPF_ANY);
+	ctx->user_ip4 = proxy->ip[0];
+	ctx->user_port = bpf_htons(proxy->port);
+	fm_count(FM_ST_CONNECT4, 1, 0, 1, 0);
+	return 1;
+}
+
+SEC("cgroup/connect6")
+int fm_connect6(struct bpf_sock_addr *ctx)
+{
+	if (ctx->protocol != IPPROTO_TCP || fm_bypassed()) {
+		fm_count(FM_ST_CONNECT6, 1, 0, 0, 0);
+		return 1;
+	}
+	struct fm_addr key = {};
+	key.family = FM_AF_INET6;
+	key.ip[0] = ctx->user_ip6[0];
+	key.ip[1] = ctx->user_ip6[1];
+	key.ip[2] = ctx->user_ip6[2];
+	key.ip[3] = ctx->user_ip6[3];
+	key.port = bpf_ntohs((__u16)ctx->user_port);
+	struct fm_addr *proxy = bpf_map_lookup_elem(&fm_services, &key);
+	if (!proxy) {
+		fm_count(FM_ST_CONNECT6, 1, 0, 0, 0);
+		return 1;
+	}
+	__u64 cookie = bpf_get_socket_cookie(ctx);
+	bpf_map_update_elem(&fm_orig_by_cookie, &cookie, &key, BPF_ANY);
+	ctx->user_ip6[0] = proxy->ip[0];
+	ctx->user_ip6[1] = proxy->ip[1];
+	ctx->user_ip6[2] = proxy->ip[2];
+	ctx->user_ip6[3] = proxy->ip[3];
+	ctx->user_port = bpf_htons(proxy->port);
+	fm_count(FM_ST_CONNECT6, 1, 0, 1, 0);
+	return 1;
+}
+
+/* Local and remote endpoint of a sock_ops socket, ports in host order. */
+static __always_inline void fm_sockops_ends(struct bpf_sock_ops *skops, struct fm_addr *local,
+					    struct fm_addr *remote)
+{
+	__u32 family = skops->family;
+	local->family = family;
+	remote->family = family;
+	if (family == FM_AF_INET) {
+		local->ip[0] = skops->local_ip4;
+		remote->ip[0] = skops->remote_ip4;
+	} else {
+		local->ip[0] = skops->local_ip6[0];
+		local->ip[1] = skops->local_ip6[1];
+		local->ip[2] = skops->local_ip6[2];
+		local->ip[3] = skops->local_ip6[3];
+		remote->ip[0] = skops->remote_ip6[0];
+		remote->ip[1] = skops->remote_ip6[1];
+		remote->ip[2] = skops->remote_ip6[2];
+		remote->ip[3] = skops->remote_ip6[3];
+	}
+	local->port = (__u16)skops->local_port;
+	/* remote_port holds the big-endian port in its upper half on little-endian hosts. */
+	remote->port = (__u16)bpf_ntohl(skops->remote_port);
+}
+
+SEC("sockops")
+int fm_sockops_capture(struct bpf_sock_ops *skops)
+{
+	__u32 op = skops->op;
+	if (skops->family != FM_AF_INET && skops->family != FM_AF_INET6)
+		return 1;
+	struct fm_tuple t = {};
+	__u64 cookie = bpf_get_socket_cookie(skops);
+	if (op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB) {
+		/* The client side: if connect4/6 captured it, publish the (client, proxy) tuple. */
+		struct fm_addr *orig = bpf_map_lookup_elem(&fm_orig_by_cookie, &cookie);
+		if (!orig) {
+			fm_count(FM_ST_SOCKOPS_CAPTURE, 1, 0, 0, 0);
+			return 1;
+		}
+		struct fm_addr o = *orig;
+		fm_sockops_ends(skops, &t.client, &t.server);
+		bpf_map_update_elem(&fm_orig_by_tuple, &t, &o, BPF_ANY);
+		bpf_sock_ops_cb_flags_set(skops, BPF_SOCK_OPS_STATE_CB_FLAG);
+		fm_count(FM_ST_SOCKOPS_CAPTURE, 1, 0, 1, 0);
+	} else if (op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB) {
+		/* The proxy side: copy the original destination under the accepted socket's cookie. */
+		fm_sockops_ends(skops, &t.server, &t.client);
+		struct fm_addr *orig = bpf_map_lookup_elem(&fm_orig_by_tuple, &t);
+		if (!orig) {
+			fm_count(FM_ST_SOCKOPS_CAPTURE, 1, 0, 0, 0);
+			return 1;
+		}
+		struct fm_addr o = *orig;
+		bpf_map_update_elem(&fm_orig_by_cookie, &cookie, &o, BPF_ANY);
+		bpf_sock_ops_cb_flags_set(skops, BPF_SOCK_OPS_STATE_CB_FLAG);
+		fm_count(FM_ST_SOCKOPS_CAPTURE, 1, 0, 1, 0);
+	} else if (op == BPF_SOCK_OPS_STATE_CB && skops->args[1] == BPF_TCP_CLOSE) {
+		/* Forget a socket's entries when it closes. The tuple entry belongs to the proxy
+		 * side, which may still ask for it after the client has gone. */
+		if (bpf_map_lookup_elem(&fm_orig_by_cookie, &cookie)) {
+			bpf_map_delete_elem(&fm_orig_by_cookie, &cookie);
+			fm_sockops_ends(skops, &t.server, &t.client);
+			bpf_map_delete_elem(&fm_orig_by_tuple, &t);
+		}
+		fm_count(FM_ST_SOCKOPS_CAPTURE, 1, 0, 0, 0);
+	}
+	return 1;
+}
+
+SEC("cgroup/getsockopt")
+int fm_getsockopt(struct bpf_sockopt *ctx)
+{
+	if (ctx->optname != FM_SO_ORIGINAL_DST ||
+	    (ctx->level != FM_SOL_IP && ctx->level != FM_SOL_IPV6))
+		return 1;
+	struct bpf_sock *sk = ctx->sk;
+	if (!sk)
+		return 1;
+	struct fm_tuple t = {};
+	__u32 family = sk->family;
+	t.client.family = family;
+	t.server.family = family;
+	if (family == FM_AF_INET) {
+		t.client.ip[0] = sk->dst_ip4;
+		t.server.ip[0] = sk->src_ip4;
+	} else if (family == FM_AF_INET6) {
+		t.client.ip[0] = sk->dst_ip6[0];
+		t.client.ip[1] = sk->dst_ip6[1];
+		t.client.ip[2] = sk->dst_ip6[2];
+		t.client.ip[3] = sk->dst_ip6[3];
+		t.server.ip[0] = sk->src_ip6[0];
+		t.server.ip[1] = sk->src_ip6[1];
+		t.server.ip[2] = sk->src_ip6[2];
+		t.server.ip[3] = sk->src_ip6[3];
+	} else {
+		return 1;
+	}
+	t.client.port = bpf_ntohs((__u16)sk->dst_port);
+	t.server.port = (__u16)sk->src_port;
+	struct fm_addr *o = bpf_map_lookup_elem(&fm_orig_by_tuple, &t);
+	if (!o) {
+		fm_count(FM_ST_GETSOCKOPT, 1, 0, 0, 1);
+		return 1; /* keep the kernel's own answer (conntrack or ENOENT) */
+	}
+	if (ctx->level == FM_SOL_IP && o->family == FM_AF_INET) {
+		struct sockaddr_in *sa = ctx->optval;
+		if ((void *)(sa + 1) > ctx->optval_end)
+			return 1;
+		sa->sin_family = FM_AF_INET;
+		sa->sin_port = bpf_htons(o->port);
+		sa->sin_addr.s_addr = o->ip[0];
+		ctx->optlen = sizeof(*sa);
+	} else if (ctx->level == FM_SOL_IPV6 && o->family == FM_AF_INET6) {
+		struct sockaddr_in6 *sa6 = ctx->optval;
+		if ((void *)(sa6 + 1) > ctx->optval_end)
+			return 1;
+		__builtin_memset(sa6, 0, sizeof(*sa6));
+		sa6->sin6_family = FM_AF_INET6;
+		sa6->sin6_port = bpf_htons(o->port);
+		sa6->sin6_addr.in6_u.u6_addr32[0] = o->ip[0];
+		sa6->sin6_addr.in6_u.u6_addr32[1] = o->ip[1];
+		sa6->sin6_addr.in6_u.u6_addr32[2] = o->ip[2];
+		sa6->sin6_addr.in6_u.u6_addr32[3] = o->ip[3];
+		ctx->optlen = sizeof(*sa6);
+	} else {
+		return 1;
+	}
+	/* One store site: clang would otherwise merge per-branch stores into a computed
+	 * context pointer, which the verifier rejects. */
+	ctx->retval = 0;
+	fm_count(FM_ST_GETSOCKOPT, 1, 0, 1, 0);
+	return 1;
+}

@@ -1,0 +1,559 @@
+/* In-kernel L7 dispatch (tier K, after "Application Layer Processing Offload in the Kernel"):
+ * an sk_skb stream parser/verdict pair reads the first request of a connection, the HTTP/1.1
+ * request line or the gRPC :path in the first HTTP/2 HEADERS frame (literal, non-Huffman
+ * HPACK, static table only), and picks a backend from the tier-K route table. Once the proxy's
+ * slow path has opened the upstream socket and paired the two, every later byte is spliced
+ * between them in the kernel. Whatever the kernel cannot decide is left to user space. */
+#include "common.h"
+
+#define FM_PATH_MAX 64
+#define FM_METHOD_MAX 8
+#define FM_ROUTES_MAX 64
+#define FM_SCAN 256
+#define FM_MAX_FRAMES 8
+#define FM_MAX_FIELDS 16
+
+enum { FM_MATCH_END = 0, FM_MATCH_EXACT = 1, FM_MATCH_PREFIX = 2 };
+enum { FM_ACT_BACKEND = 1, FM_ACT_PUNT = 2 };
+enum { FM_L7_PENDING = 0, FM_L7_DECIDED = 1, FM_L7_FALLBACK = 2 };
+enum { FM_PROTO_UNKNOWN = 0, FM_PROTO_H1 = 1, FM_PROTO_H2 = 2 };
+enum {
+	FM_WHY_NONE = 0,
+	FM_WHY_NO_MATCH = 1,
+	FM_WHY_HUFFMAN = 2,
+	FM_WHY_TRUNCATED = 3,
+	FM_WHY_MALFORMED = 4,
+	FM_WHY_PUNT_RULE = 5,
+	FM_WHY_DYNAMIC_TABLE = 6,
+	FM_WHY_TOO_LONG = 7,
+	FM_WHY_BUSY = 8,
+};
+
+/* One tier-K route, in rule order; the first entry with kind END ends the table. */
+struct fm_route {
+	__u8 method[FM_METHOD_MAX]; /* zero-padded; all zero matches any method */
+	__u8 path[FM_PATH_MAX];
+	__u32 path_len;
+	__u32 kind;
+	__u32 action;
+	__u32 backend;
+	__u32 route_id;
+	__u32 pad;
+};
+
+/* Per-connection state, keyed by socket cookie; written by the proxy, advanced here. */
+struct fm_l7_conn {
+	__u64 peer;       /* cookie of the socket to splice to; 0 while not paired */
+	__u64 stream_pos; /* bytes of this stream the verdict has seen */
+	__u64 next_frame; /* HTTP/2: stream offset of the next frame header */
+	__u32 state;
+	__u32 proto;
+	__u32 backend;
+	__u32 route_id;
+	__u32 reason; /* FM_WHY_* when state is FALLBACK */
+	__u32 pad;
+};
+
+struct fm_scratch {
+	__u8 buf[FM_SCAN * 2];
+	__u8 path[FM_PATH_MAX];
+	__u8 method[FM_METHOD_MAX];
+	__u32 path_len; /* may exceed FM_PATH_MAX: then only prefixes can match */
+	__u32 busy;
+	/* bpf_loop state lives here, not on the stack: map values are not tracked precisely,
+	 * so the verifier checks each callback once instead of once per distinct position. */
+	__u32 pos, end, have_path, have_method, why; /* HTTP/2 header-block walk */
+	__u32 n, sp1, sp2, crlf;                     /* HTTP/1.1 request-line scan */
+	__u32 hit;                                   /* route match */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SOCKHASH);
+	__uint(max_entries, 65536);
+	__type(key, __u64);
+	__type(value, __u32); /* socket fd on update */
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} fm_l7_socks SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, __u64);
+	__type(value, struct fm_l7_conn);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} fm_l7_conns SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, FM_ROUTES_MAX);
+	__type(key, __u32);
+	__type(value, struct fm_route);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} fm_routes SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct fm_scratch);
+} fm_scratch SEC(".maps");
+
+static const char fm_h2_preface[24] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+static __always_inline void fm_fallback(struct fm_l7_conn *c, __u32 why)
+{
+	c->state = FM_L7_FALLBACK;
+	c->reason = why;
+	fm_count(FM_ST_VERDICT, 0, 0, 0, 1);
+}
+
+static long fm_match_one(__u32 i, void *unused)
+{
+	__u32 zero = 0;
+	struct fm_route *r = bpf_map_lookup_elem(&fm_routes, &i);
+	struct fm_scratch *s = bpf_map_lookup_elem(&fm_scratch, &zero);
+	if (!r || !s || r->kind == FM_MATCH_END)
+		return 1;
+	if (r->method[0]) {
+		for (int j = 0; j < FM_METHOD_MAX; j++)
+			if (r->method[j] != s->method[j])
+				return 0;
+	}
+	__u32 rlen = r->path_len;
+	if (rlen > FM_PATH_MAX)
+		return 0;
+	if (r->kind == FM_MATCH_EXACT && rlen != s->path_len)
+		return 0;
+	if (rlen > s->path_len)
+		return 0;
+	for (int j = 0; j < FM_PATH_MAX; j++) {
+		if (j >= rlen)
+			break;
+		if (r->path[j] != s->path[j])
+			return 0;
+	}
+	s->hit = i;
+	return 1;
+}
+
+/* Runs the route table over s->method / s->path, first match wins as in the user tier. */
+static __always_inline void fm_route(struct fm_scratch *s, struct fm_l7_conn *c)
+{
+	s->hit = FM_ROUTES_MAX;
+	bpf_loop(FM_ROUTES_MAX, fm_match_one, NULL, 0);
+	__u32 hit = s->hit;
+	struct fm_route *r = bpf_map_lookup_elem(&fm_routes, &hit);
+	if (!r) {
+		fm_fallback(c, FM_WHY_NO_MATCH);
+		return;
+	}
+	if (r->action != FM_ACT_BACKEND) {
+		c->route_id = r->route_id;
+		fm_fallback(c, FM_WHY_PUNT_RULE);
+		return;
+	}
+	c->state = FM_L7_DECIDED;
+	c->backend = r->backend;
+	c->route_id = r->route_id;
+	fm_count(FM_ST_VERDICT, 0, 0, 1, 0);
+}
+
+/* Copies a path (stopping at '?') of `len` bytes at buf[pos] into s->path. */
+static __always_inline void fm_take_path(struct fm_scratch *s, __u32 pos, __u32 len)
+{
+	__u32 plen = len;
+	for (int j = 0; j < FM_PATH_MAX; j++) {
+		if (j >= len)
+			break;
+		__u8 ch = s->buf[(pos + j) & (FM_SCAN * 2 - 1)];
+		if (ch == '?') {
+			plen = j;
+			break;
+		}
+		s->path[j] = ch;
+	}
+	/* A longer path with its '?' beyond the copied bytes: exact rules cannot match it and
+	 * prefix rules only look at the first FM_PATH_MAX bytes, so its full length is enough. */
+	s->path_len = plen;
+}
+
+/* One byte of the request line per bpf_loop iteration (state in struct fm_scratch). */
+static long fm_h1_byte(__u32 i, void *unused)
+{
+	__u32 zero = 0;
+	struct fm_scratch *s = bpf_map_lookup_elem(&fm_scratch, &zero);
+	if (!s || i >= s->n)
+		return 1;
+	__u8 ch = s->buf[i & (FM_SCAN * 2 - 1)];
+	if (ch == ' ') {
+		if (!s->sp1)
+			s->sp1 = i;
+		else if (!s->sp2)
+			s->sp2 = i;
+	} else if (ch == '\r' || ch == '\n') {
+		s->crlf = i;
+		return 1;
+	}
+	return 0;
+}
+
+/* HTTP/1.1: "METHOD SP request-target SP HTTP/1.x CRLF" within the first FM_SCAN bytes. */
+static __always_inline void fm_h1(struct fm_scratch *s, __u32 n, struct fm_l7_conn *c)
+{
+	s->n = n;
+	s->sp1 = 0;
+	s->sp2 = 0;
+	s->crlf = 0;
+	bpf_loop(FM_SCAN, fm_h1_byte, NULL, 0);
+	__u32 sp1 = s->sp1, sp2 = s->sp2, crlf = s->crlf;
+	if (!crlf) {
+		fm_fallback(c, n >= FM_SCAN ? FM_WHY_TOO_LONG : FM_WHY_TRUNCATED);
+		return;
+	}
+	if (!sp1 || !sp2 || sp2 <= sp1 + 1 || sp1 > FM_METHOD_MAX || sp2 + 9 > crlf ||
+	    crlf > FM_SCAN) {
+		fm_fallback(c, FM_WHY_MALFORMED);
+		return;
+	}
+	for (int i = 0; i < FM_METHOD_MAX; i++) {
+		if (i >= sp1)
+			break;
+		s->method[i] = s->buf[i];
+	}
+	/* An absolute-form or '*' target is left to the user tier, which knows what it means. */
+	if (s->buf[(sp1 + 1) & (FM_SCAN * 2 - 1)] != '/') {
+		fm_fallback(c, FM_WHY_MALFORMED);
+		return;
+	}
+	fm_take_path(s, sp1 + 1, sp2 - sp1 - 1);
+	fm_route(s, c);
+}
+
+/* Reads an HPACK integer with an N-bit prefix at buf[*pos]. One continuation byte at most
+ * (values up to prefix max + 127): enough for static-table indexes and for strings that fit
+ * the scan window; anything larger ends the walk, which then falls back. No inner loop, so the
+ * verifier does not multiply states per field. */
+static __always_inline int fm_hpack_int(struct fm_scratch *s, __u32 *pos, __u32 end, __u8 mask,
+					__u32 *out)
+{
+	__u32 p = *pos;
+	if (p >= end)
+		return -1;
+	__u32 v = s->buf[p & (FM_SCAN * 2 - 1)] & mask;
+	p++;
+	if (v == mask) {
+		if (p >= end)
+			return -1;
+		__u8 b = s->buf[p & (FM_SCAN * 2 - 1)];
+		p++;
+		if (b & 0x80)
+			return -1;
+		v += b;
+	}
+	*pos = p;
+	*out = v;
+	return 0;
+}
+
+enum { FM_FIELD_OTHER = 0, FM_FIELD_METHOD = 1, FM_FIELD_PATH = 2 };
+
+/* One header field per bpf_loop iteration; the walk state is in the scratch map (s->pos ..). */
+static long fm_h2_field(__u32 unused, void *unused_ctx)
+{
+	__u32 zero = 0;
+	struct fm_scratch *s = bpf_map_lookup_elem(&fm_scratch, &zero);
+	if (!s)
+		return 1;
+	struct fm_scratch *w = s;
+	if (w->have_path && w->have_method)
+		return 1;
+	__u32 pos = w->pos, end = w->end;
+	if (end > FM_SCAN)
+		end = FM_SCAN;
+	if (pos >= end)
+		return 1;
+	__u8 b = s->buf[pos & (FM_SCAN * 2 - 1)];
+	__u32 idx = 0;
+	if (b & 0x80) {
+		/* Indexed field: only static entries exist in a connection's first block. */
+		if (fm_hpack_int(s, &pos, end, 0x7f, &idx) < 0)
+			return 1;
+		w->pos = pos;
+		if (idx > 61) {
+			w->why = FM_WHY_DYNAMIC_TABLE;
+			return 1;
+		}
+		if (idx == 2 || idx == 3) {
+			s->method[0] = idx == 2 ? 'G' : 'P';
+			s->method[1] = idx == 2 ? 'E' : 'O';
+			s->method[2] = idx == 2 ? 'T' : 'S';
+			s->method[3] = idx == 2 ? 0 : 'T';
+			w->have_method = 1;
+		} else if (idx == 4) {
+			s->path[0] = '/';
+			s->path_len = 1;
+			w->have_path = 1;
+		} else if (idx == 5) {
+			w->why = FM_WHY_TOO_LONG; /* "/index.html" from the static table: rare */
+			return 1;
+		}
+		return 0;
+	}
+	if ((b & 0xe0) == 0x20) {
+		/* Dynamic table size update. */
+		if (fm_hpack_int(s, &pos, end, 0x1f, &idx) < 0)
+			return 1;
+		w->pos = pos;
+		return 0;
+	}
+	__u8 mask = (b & 0xc0) == 0x40 ? 0x3f : 0x0f;
+	if (fm_hpack_int(s, &pos, end, mask, &idx) < 0)
+		return 1;
+	int field = FM_FIELD_OTHER;
+	if (idx == 2 || idx == 3) {
+		field = FM_FIELD_METHOD;
+	} else if (idx == 4 || idx == 5) {
+		field = FM_FIELD_PATH;
+	} else if (idx > 61) {
+		w->why = FM_WHY_DYNAMIC_TABLE;
+		return 1;
+	} else if (idx == 0) {
+		/* Literal name. */
+		if (pos >= end)
+			return 1;
+		int huff = s->buf[pos & (FM_SCAN * 2 - 1)] & 0x80;
+		__u32 nlen = 0;
+		if (fm_hpack_int(s, &pos, end, 0x7f, &nlen) < 0)
+			return 1;
+		if (huff) {
+			/* Cannot tell whether this is :path without decoding it. */
+			w->why = FM_WHY_HUFFMAN;
+			return 1;
+		}
+		if (nlen > FM_SCAN || pos + nlen > end)
+			return 1;
+		__u8 c0 = s->buf[pos & (FM_SCAN * 2 - 1)];
+		__u8 c1 = s->buf[(pos + 1) & (FM_SCAN * 2 - 1)];
+		__u8 c2 = s->buf[(pos + 2) & (FM_SCAN * 2 - 1)];
+		__u8 c3 = s->buf[(pos + 3) & (FM_SCAN * 2 - 1)];
+		__u8 c4 = s->buf[(pos + 4) & (FM_SCAN * 2 - 1)];
+		__u8 c5 = s->buf[(pos + 5) & (FM_SCAN * 2 - 1)];
+		__u8 c6 = s->buf[(pos + 6) & (FM_SCAN * 2 - 1)];
+		if (nlen == 5 && c0 == ':' && c1 == 'p' && c2 == 'a' && c3 == 't' && c4 == 'h')
+			field = FM_FIELD_PATH;
+		else if (nlen == 7 && c0 == ':' && c1 == 'm' && c2 == 'e' && c3 == 't' && c4 == 'h' &&
+			 c5 == 'o' && c6 == 'd')
+			field = FM_FIELD_METHOD;
+		pos += nlen;
+	}
+	if (pos >= end)
+		return 1;
+	int vhuff = s->buf[pos & (FM_SCAN * 2 - 1)] & 0x80;
+	__u32 vlen = 0;
+	if (fm_hpack_int(s, &pos, end, 0x7f, &vlen) < 0)
+		return 1;
+	if (field != FM_FIELD_OTHER && vhuff) {
+		w->why = FM_WHY_HUFFMAN;
+		return 1;
+	}
+	if (vlen > FM_SCAN || (pos + vlen > end && field != FM_FIELD_OTHER))
+		return 1;
+	if (field == FM_FIELD_PATH) {
+		if (vlen == 0 || s->buf[pos & (FM_SCAN * 2 - 1)] != '/') {
+			w->why = FM_WHY_MALFORMED;
+			return 1;
+		}
+		fm_take_path(s, pos, vlen);
+		w->have_path = 1;
+	} else if (field == FM_FIELD_METHOD) {
+		if (vlen == 0 || vlen > FM_METHOD_MAX) {
+			w->why = FM_WHY_MALFORMED;
+			return 1;
+		}
+		for (int i = 0; i < FM_METHOD_MAX; i++) {
+			if (i >= vlen)
+				break;
+			s->method[i] = s->buf[(pos + i) & (FM_SCAN * 2 - 1)];
+		}
+		w->have_method = 1;
+	}
+	w->pos = pos + vlen;
+	return 0;
+}
+
+/* Walks the header block of the first HEADERS frame (s->buf[pos..end]). */
+static __always_inline void fm_h2_block(__u32 pos, __u32 end, int truncated, struct fm_l7_conn *c)
+{
+	__u32 zero = 0;
+	struct fm_scratch *s = bpf_map_lookup_elem(&fm_scratch, &zero);
+	if (!s)
+		return;
+	s->pos = pos;
+	s->end = end;
+	s->have_path = 0;
+	s->have_method = 0;
+	s->why = 0;
+	bpf_loop(FM_MAX_FIELDS, fm_h2_field, NULL, 0);
+	if (s->why) {
+		fm_fallback(c, s->why);
+		return;
+	}
+	if (s->have_path && s->have_method) {
+		fm_route(s, c);
+		return;
+	}
+	fm_fallback(c, truncated ? FM_WHY_TRUNCATED : FM_WHY_MALFORMED);
+}
+
+/* HTTP/2: skip frames (SETTINGS, WINDOW_UPDATE, ...) up to the first HEADERS frame, which may
+ * arrive in a later chunk than the preface. */
+static __always_inline void fm_h2(struct __sk_buff *skb, struct fm_scratch *s, struct fm_l7_conn *c)
+{
+	__u32 len = skb->len;
+	__u32 off = 0, flen = 0;
+	__u8 flags = 0;
+	int found = 0;
+	for (int i = 0; i < FM_MAX_FRAMES; i++) {
+		if (c->next_frame < c->stream_pos) {
+			fm_fallback(c, FM_WHY_MALFORMED);
+			return;
+		}
+		__u64 off64 = c->next_frame - c->stream_pos;
+		if (off64 >= len)
+			return; /* the next frame starts in a later chunk */
+		off = off64;
+		__u8 hdr[9];
+		if (off + 9 > len || bpf_skb_load_bytes(skb, off, hdr, 9) < 0) {
+			fm_fallback(c, FM_WHY_TRUNCATED);
+			return;
+		}
+		flen = ((__u32)hdr[0] << 16) | ((__u32)hdr[1] << 8) | hdr[2];
+		flags = hdr[4];
+		if (hdr[3] == 1) {
+			found = 1;
+			break;
+		}
+		if (hdr[3] == 9) { /* CONTINUATION before any HEADERS: not a valid stream */
+			fm_fallback(c, FM_WHY_MALFORMED);
+			return;
+		}
+		c->next_frame += 9 + (__u64)flen;
+	}
+	if (!found) {
+		fm_fallback(c, FM_WHY_TOO_LONG);
+		return;
+	}
+	__u32 start = off + 9;
+	__u32 avail = len > start ? len - start : 0;
+	int truncated = flen > avail;
+	if (avail > flen)
+		avail = flen;
+	if (avail > FM_SCAN) {
+		avail = FM_SCAN;
+		truncated = 1;
+	}
+	if (avail == 0) {
+		fm_fallback(c, FM_WHY_TRUNCATED);
+		return;
+	}
+	if (bpf_skb_load_bytes(skb, start, s->buf, ((avail - 1) & (FM_SCAN - 1)) + 1) < 0) {
+		fm_fallback(c, FM_WHY_TRUNCATED);
+		return;
+	}
+	/* Padding length and priority fields come before the header block. */
+	__u32 pos = 0, end = avail, pad = 0;
+	if (flags & 0x8) {
+		pad = s->buf[0];
+		pos = 1;
+	}
+	if (flags & 0x20)
+		pos += 5;
+	if (!truncated && pad + pos <= end)
+		end -= pad;
+	if (pos >= end) {
+		fm_fallback(c, FM_WHY_MALFORMED);
+		return;
+	}
+	fm_h2_block(pos, end, truncated, c);
+}
+
+static __always_inline void fm_decide(struct __sk_buff *skb, struct fm_l7_conn *c)
+{
+	__u32 zero = 0;
+	struct fm_scratch *s = bpf_map_lookup_elem(&fm_scratch, &zero);
+	if (!s)
+		return;
+	/* The scratch buffer is per CPU; a nested run on the same CPU must not share it. */
+	if (s->busy) {
+		fm_fallback(c, FM_WHY_BUSY);
+		return;
+	}
+	s->busy = 1;
+	__builtin_memset(s->path, 0, sizeof(s->path));
+	__builtin_memset(s->method, 0, sizeof(s->method));
+	s->path_len = 0;
+	__u32 len = skb->len;
+	if (c->proto == FM_PROTO_UNKNOWN) {
+		if (c->stream_pos != 0 || len == 0) {
+			fm_fallback(c, FM_WHY_MALFORMED);
+			goto out;
+		}
+		__u32 n = len > FM_SCAN ? FM_SCAN : len;
+		if (bpf_skb_load_bytes(skb, 0, s->buf, ((n - 1) & (FM_SCAN - 1)) + 1) < 0) {
+			fm_fallback(c, FM_WHY_TRUNCATED);
+			goto out;
+		}
+		int h2 = n >= 24;
+		for (int i = 0; i < 24 && h2; i++)
+			if (s->buf[i] != fm_h2_preface[i])
+				h2 = 0;
+		if (!h2) {
+			c->proto = FM_PROTO_H1;
+			fm_h1(s, n, c);
+			goto out;
+		}
+		c->proto = FM_PROTO_H2;
+		c->next_frame = 24;
+	}
+	if (c->proto == FM_PROTO_H2)
+		fm_h2(skb, s, c);
+	else
+		fm_fallback(c, FM_WHY_MALFORMED);
+out:
+	s->busy = 0;
+}
+
+SEC("sk_skb/stream_parser")
+int fm_parser(struct __sk_buff *skb)
+{
+	/* Every chunk is one message: the verdict keeps the stream position itself. */
+	fm_count(FM_ST_PARSER, 1, 0, 0, 0);
+	return skb->len;
+}
+
+SEC("sk_skb/stream_verdict")
+int fm_verdict(struct __sk_buff *skb)
+{
+	__u64 cookie = bpf_get_socket_cookie(skb);
+	struct fm_l7_conn *c = bpf_map_lookup_elem(&fm_l7_conns, &cookie);
+	__u32 len = skb->len;
+	if (!c) {
+		fm_count(FM_ST_VERDICT, 1, 0, 0, 1);
+		return FM_SK_PASS;
+	}
+	__u64 peer = c->peer;
+	if (peer) {
+		if (bpf_sk_redirect_hash(skb, &fm_l7_socks, &peer, 0) == FM_SK_PASS) {
+			fm_count(FM_ST_VERDICT, 1, len, 0, 0);
+			return FM_SK_PASS;
+		}
+		/* The peer closed: hand the bytes to the proxy, which tears the pair down. */
+		fm_count(FM_ST_VERDICT, 1, 0, 0, 1);
+		return FM_SK_PASS;
+	}
+	fm_count(FM_ST_VERDICT, 1, 0, 0, 0);
+	if (c->state == FM_L7_PENDING)
+		fm_decide(skb, c);
+	c->stream_pos += len;
+	return FM_SK_PASS;
+}

@@ -1,0 +1,171 @@
+//! `#[repr(C)]` twins of the structs in `bpf/common.h` and `bpf/dispatch.bpf.c`.
+//! Field order and sizes must match the C side byte for byte; the layout tests below pin them.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+pub(crate) const AF_INET: u8 = 2;
+pub(crate) const AF_INET6: u8 = 10;
+
+/// Indexes into `fm_stats`, one per program (enum fm_stat_id).
+pub(crate) const STAT_NAMES: [&str; 8] = [
+    "fm_connect4",
+    "fm_connect6",
+    "fm_getsockopt",
+    "fm_sockops_capture",
+    "fm_sockops_redirect",
+    "fm_sk_msg",
+    "fm_parser",
+    "fm_verdict",
+];
+
+/// struct fm_addr: IPv4 in ip[0] (network order), ports in host order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct FmAddr {
+    pub ip: [u32; 4],
+    pub port: u16,
+    pub family: u8,
+    pub pad: u8,
+}
+
+// SAFETY: plain integers, no padding holes beyond the explicit `pad` byte.
+unsafe impl aya::Pod for FmAddr {}
+
+impl FmAddr {
+    pub(crate) fn from_socket_addr(addr: SocketAddr) -> Self {
+        match addr.ip() {
+            IpAddr::V4(v4) => FmAddr {
+                ip: [u32::from_ne_bytes(v4.octets()), 0, 0, 0],
+                port: addr.port(),
+                family: AF_INET,
+                pad: 0,
+            },
+            IpAddr::V6(v6) => {
+                let o = v6.octets();
+                let mut ip = [0u32; 4];
+                for (i, w) in ip.iter_mut().enumerate() {
+                    *w = u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]);
+                }
+                FmAddr { ip, port: addr.port(), family: AF_INET6, pad: 0 }
+            }
+        }
+    }
+
+    pub(crate) fn to_socket_addr(self) -> Option<SocketAddr> {
+        match self.family {
+            AF_INET => Some(SocketAddr::new(
+                IpAddr::V4(Ipv4Addr::from(self.ip[0].to_ne_bytes())),
+                self.port,
+            )),
+            AF_INET6 => {
+                let mut o = [0u8; 16];
+                for (i, w) in self.ip.iter().enumerate() {
+                    o[4 * i..4 * i + 4].copy_from_slice(&w.to_ne_bytes());
+                }
+                Some(SocketAddr::new(IpAddr::V6(Ipv6Addr::from(o)), self.port))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// struct fm_stat
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FmStat {
+    pub runs: u64,
+    pub bytes: u64,
+    pub hits: u64,
+    pub fallbacks: u64,
+}
+
+// SAFETY: four u64, no padding.
+unsafe impl aya::Pod for FmStat {}
+
+pub(crate) const PATH_MAX: usize = 64;
+pub(crate) const METHOD_MAX: usize = 8;
+pub(crate) const ROUTES_MAX: usize = 64;
+
+pub(crate) const MATCH_END: u32 = 0;
+pub(crate) const MATCH_EXACT: u32 = 1;
+pub(crate) const MATCH_PREFIX: u32 = 2;
+pub(crate) const ACT_BACKEND: u32 = 1;
+pub(crate) const ACT_PUNT: u32 = 2;
+
+/// struct fm_route
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct FmRoute {
+    pub method: [u8; METHOD_MAX],
+    pub path: [u8; PATH_MAX],
+    pub path_len: u32,
+    pub kind: u32,
+    pub action: u32,
+    pub backend: u32,
+    pub route_id: u32,
+    pub pad: u32,
+}
+
+impl Default for FmRoute {
+    fn default() -> Self {
+        FmRoute {
+            method: [0; METHOD_MAX],
+            path: [0; PATH_MAX],
+            path_len: 0,
+            kind: MATCH_END,
+            action: 0,
+            backend: 0,
+            route_id: 0,
+            pad: 0,
+        }
+    }
+}
+
+// SAFETY: byte arrays and u32s, sizes chosen so there is no implicit padding.
+unsafe impl aya::Pod for FmRoute {}
+
+pub(crate) const L7_PENDING: u32 = 0;
+pub(crate) const L7_DECIDED: u32 = 1;
+pub(crate) const L7_FALLBACK: u32 = 2;
+
+/// struct fm_l7_conn
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct FmL7Conn {
+    pub peer: u64,
+    pub stream_pos: u64,
+    pub next_frame: u64,
+    pub state: u32,
+    pub proto: u32,
+    pub backend: u32,
+    pub route_id: u32,
+    pub reason: u32,
+    pub pad: u32,
+}
+
+// SAFETY: integers only, explicit trailing pad keeps the size a multiple of 8.
+unsafe impl aya::Pod for FmL7Conn {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_match_the_c_side() {
+        assert_eq!(std::mem::size_of::<FmAddr>(), 20);
+        assert_eq!(std::mem::size_of::<FmStat>(), 32);
+        assert_eq!(std::mem::size_of::<FmRoute>(), 8 + 64 + 6 * 4);
+        assert_eq!(std::mem::size_of::<FmL7Conn>(), 3 * 8 + 6 * 4);
+    }
+
+    #[test]
+    fn addresses_round_trip() {
+        for a in ["127.0.0.1:80", "10.1.2.3:65535", "[::1]:8080", "[2001:db8::7]:1"] {
+            let sa: SocketAddr = a.parse().unwrap_or_else(|e| panic!("{a}: {e}"));
+            assert_eq!(FmAddr::from_socket_addr(sa).to_socket_addr(), Some(sa));
+        }
+        let v4 = FmAddr::from_socket_addr("127.0.0.1:80".parse().unwrap_or_else(|e| panic!("{e}")));
+        // Network byte order in memory, as the kernel's user_ip4.
+        assert_eq!(v4.ip[0].to_ne_bytes(), [127, 0, 0, 1]);
+    }
+}

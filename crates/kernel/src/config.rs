@@ -1,0 +1,52 @@
+//! What to attach: the `kernel:` section of the node config, lowered to paths and switches.
+
+use std::path::{Path, PathBuf};
+
+/// Where tier K pins its programs and maps unless the config says otherwise.
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/flatmesh";
+
+/// Tier-K configuration. `Default` gives the production layout with everything on except
+/// capture, which needs to know which workloads to capture.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelConfig {
+    /// bpffs directory for this node's pins. One node per directory.
+    pub pin_dir: PathBuf,
+    /// cgroup v2 directory whose sockets the node sees: sockops (redirect, capture bookkeeping)
+    /// and the SO_ORIGINAL_DST getsockopt program attach here.
+    pub cgroup_root: PathBuf,
+    /// Capture workloads' connections to service addresses; `None` leaves connect() alone.
+    pub capture: Option<CaptureConfig>,
+    /// Shorten local hops with sockops + sk_msg.
+    pub redirect: bool,
+    /// Decide `http` listeners' first request in the kernel (sk_skb parser/verdict).
+    pub l7_dispatch: bool,
+}
+
+/// Which workloads are captured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CaptureConfig {
+    /// cgroup v2 directory of the workloads; connect4/connect6 attach here.
+    pub cgroup: PathBuf,
+}
+
+impl Default for KernelConfig {
+    fn default() -> Self {
+        KernelConfig {
+            pin_dir: PathBuf::from(DEFAULT_PIN_DIR),
+            cgroup_root: default_cgroup_root(),
+            capture: None,
+            redirect: true,
+            l7_dispatch: true,
+        }
+    }
+}
+
+/// The cgroup v2 root: `/sys/fs/cgroup` on a unified layout, `/sys/fs/cgroup/unified` on a
+/// hybrid one (as on these machines).
+pub fn default_cgroup_root() -> PathBuf {
+    if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        PathBuf::from("/sys/fs/cgroup")
+    } else {
+        PathBuf::from("/sys/fs/cgroup/unified")
+    }
+}

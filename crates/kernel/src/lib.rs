@@ -1,0 +1,53 @@
+//! Tier K of flatmesh: the kernel eBPF tier (DESIGN.md, "tier K").
+//!
+//! - **capture** (`bpf/capture.bpf.c`): cgroup/connect4+6 send workloads' connections to
+//!   service addresses to the node proxy; the original destination is kept by socket cookie
+//!   and answered to `getsockopt(SO_ORIGINAL_DST)` by a cgroup/getsockopt program.
+//! - **redirect** (`bpf/redirect.bpf.c`): sockops + sk_msg move bytes between the two ends of
+//!   a local hop without the TCP/IP stack (FlatProxy §IV-E "socket direct", on Linux).
+//! - **dispatch** (`bpf/dispatch.bpf.c`): sk_skb parser/verdict decide a connection's first
+//!   HTTP/1.1 or gRPC request from the tier-K route table and splice it in the kernel.
+//!
+//! [`KernelTier::attach`] loads and pins everything under [`KernelConfig::pin_dir`];
+//! [`KernelTier::detach`] removes it; [`cleanup_stale`] clears a crashed node's pins.
+
+mod abi;
+mod capture;
+mod config;
+mod dispatch;
+mod error;
+mod redirect;
+mod routes;
+mod sockopt;
+mod status;
+mod tier;
+
+pub use abi::FmStat;
+pub use config::{default_cgroup_root, CaptureConfig, KernelConfig, DEFAULT_PIN_DIR};
+pub use dispatch::{FallbackReason, L7Decision};
+pub use error::KernelError;
+pub use routes::{decide, lower_routes, KernelRoute, PathMatch, RouteSpec};
+pub use sockopt::{original_dst_sockopt, socket_cookie};
+pub use status::{status, KernelStatus, MapStatus, ProgramStatus};
+pub use tier::{cleanup_stale, CleanupReport, KernelTier};
+
+/// What this host lacks for tier K, as one line for the node's log, or `None` if it has
+/// everything. The node logs it and runs on the user tiers.
+pub fn probe() -> Option<String> {
+    let mut missing = Vec::new();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        missing.push("root privileges (run as root)");
+    }
+    if !std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
+        missing.push("kernel BTF (/sys/kernel/btf/vmlinux; needs CONFIG_DEBUG_INFO_BTF=y)");
+    }
+    if !default_cgroup_root().join("cgroup.procs").exists() {
+        missing.push("a cgroup v2 mount (/sys/fs/cgroup or /sys/fs/cgroup/unified)");
+    }
+    if missing.is_empty() {
+        None
+    } else {
+        Some(format!("tier K (eBPF) disabled, missing: {}; running on the user tiers", missing.join(", ")))
+    }
+}

@@ -1,0 +1,149 @@
+//! `flatmesh kernel status`: programs, maps, entries and per-program counters, read from the
+//! pins so any process can show them.
+
+use std::fmt;
+use std::path::Path;
+
+use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, SockHash};
+use aya::programs::ProgramInfo;
+
+use crate::abi::{FmAddr, FmL7Conn, FmRoute, FmStat, STAT_NAMES, MATCH_END};
+use crate::error::KernelError;
+use crate::tier::{pinned_owner, KernelTier};
+
+/// One pinned program.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProgramStatus {
+    pub name: String,
+    pub id: u32,
+    /// Kernel run count/time; non-zero only while `sysctl kernel.bpf_stats_enabled=1`.
+    pub kernel_run_count: u64,
+    pub kernel_run_time_ns: u64,
+    /// flatmesh's own counters (always on), summed over CPUs.
+    pub stats: FmStat,
+}
+
+/// One pinned map.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapStatus {
+    pub name: String,
+    pub entries: usize,
+    pub max_entries: u32,
+}
+
+/// Everything under a pin directory.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KernelStatus {
+    pub owner: Option<u32>,
+    pub programs: Vec<ProgramStatus>,
+    pub maps: Vec<MapStatus>,
+}
+
+impl KernelStatus {
+    /// Counters of one program by name (`fm_sk_msg`, ...), zero if it is not loaded.
+    pub fn stat(&self, program: &str) -> FmStat {
+        self.programs.iter().find(|p| p.name == program).map(|p| p.stats).unwrap_or_default()
+    }
+
+    /// Entries of one map by name, zero if it is not pinned.
+    pub fn entries(&self, map: &str) -> usize {
+        self.maps.iter().find(|m| m.name == map).map(|m| m.entries).unwrap_or(0)
+    }
+}
+
+impl KernelTier {
+    /// Status of this tier.
+    pub fn status(&self) -> Result<KernelStatus, KernelError> {
+        status(&self.inner.cfg.pin_dir)
+    }
+}
+
+fn count<K: aya::Pod, V: aya::Pod>(data: MapData, lru: bool) -> usize {
+    let map = if lru { Map::LruHashMap(data) } else { Map::HashMap(data) };
+    HashMap::<MapData, K, V>::try_from(map).map(|m| m.keys().filter(Result::is_ok).count()).unwrap_or(0)
+}
+
+fn count_sock<K: aya::Pod>(data: MapData) -> usize {
+    SockHash::<MapData, K>::try_from(Map::SockHash(data)).map(|m| m.keys().filter(Result::is_ok).count()).unwrap_or(0)
+}
+
+/// Reads the status of the tier pinned at `pin_dir`; empty if nothing is pinned there.
+pub fn status(pin_dir: &Path) -> Result<KernelStatus, KernelError> {
+    let mut st = KernelStatus { owner: pinned_owner(pin_dir), ..KernelStatus::default() };
+    let entries = match std::fs::read_dir(pin_dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(st),
+        Err(e) => return Err(KernelError::io(format!("listing {}", pin_dir.display()), e)),
+    };
+    let stats: Option<PerCpuArray<MapData, FmStat>> = MapData::from_pin(pin_dir.join("fm_stats"))
+        .ok()
+        .and_then(|d| PerCpuArray::try_from(Map::PerCpuArray(d)).ok());
+    let mut names: Vec<String> = entries.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    for name in names {
+        let path = pin_dir.join(&name);
+        if let Some(prog) = name.strip_prefix("prog_") {
+            let info = ProgramInfo::from_pin(&path).map_err(|e| KernelError::program("status", "read a pinned program", e))?;
+            let mut sum = FmStat::default();
+            if let (Some(stats), Some(idx)) = (&stats, STAT_NAMES.iter().position(|n| *n == prog)) {
+                if let Ok(per_cpu) = stats.get(&(idx as u32), 0) {
+                    for s in per_cpu.iter() {
+                        sum.runs += s.runs;
+                        sum.bytes += s.bytes;
+                        sum.hits += s.hits;
+                        sum.fallbacks += s.fallbacks;
+                    }
+                }
+            }
+            st.programs.push(ProgramStatus {
+                name: prog.to_string(),
+                id: info.id(),
+                kernel_run_count: info.run_count(),
+                kernel_run_time_ns: info.run_time().as_nanos() as u64,
+                stats: sum,
+            });
+            continue;
+        }
+        let data = MapData::from_pin(&path).map_err(|e| KernelError::map("status", "open a pinned map", e))?;
+        let max_entries = data.info().map(|i| i.max_entries()).unwrap_or(0);
+        let entries = match name.as_str() {
+            "fm_services" => count::<FmAddr, FmAddr>(data, false),
+            "fm_bypass_pids" => count::<u32, u8>(data, false),
+            "fm_orig_by_cookie" => count::<u64, FmAddr>(data, true),
+            "fm_orig_by_tuple" => count::<[u8; 40], FmAddr>(data, true),
+            "fm_redirect_ports" => count::<u16, u8>(data, false),
+            "fm_l7_conns" => count::<u64, FmL7Conn>(data, true),
+            "fm_redirect_socks" => count_sock::<[u8; 48]>(data),
+            "fm_l7_socks" => count_sock::<u64>(data),
+            "fm_routes" => Array::<MapData, FmRoute>::try_from(Map::Array(data))
+                .map(|a| a.iter().take_while(|r| r.as_ref().is_ok_and(|r| r.kind != MATCH_END)).count())
+                .unwrap_or(0),
+            _ => max_entries as usize,
+        };
+        st.maps.push(MapStatus { name, entries, max_entries });
+    }
+    Ok(st)
+}
+
+impl fmt::Display for KernelStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.owner {
+            Some(pid) => writeln!(f, "tier K attached by pid {pid}")?,
+            None if self.programs.is_empty() => return writeln!(f, "tier K is not attached"),
+            None => writeln!(f, "tier K pins without an owner (stale?)")?,
+        }
+        writeln!(f, "{:<22} {:>6} {:>12} {:>14} {:>10} {:>10}", "program", "id", "runs", "bytes", "hits", "fallbacks")?;
+        for p in &self.programs {
+            writeln!(
+                f,
+                "{:<22} {:>6} {:>12} {:>14} {:>10} {:>10}",
+                p.name, p.id, p.stats.runs, p.stats.bytes, p.stats.hits, p.stats.fallbacks
+            )?;
+        }
+        writeln!(f, "{:<22} {:>10} {:>10}", "map", "entries", "max")?;
+        for m in &self.maps {
+            writeln!(f, "{:<22} {:>10} {:>10}", m.name, m.entries, m.max_entries)?;
+        }
+        Ok(())
+    }
+}

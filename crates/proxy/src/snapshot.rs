@@ -1,0 +1,125 @@
+//! A config snapshot: the validated config, its compiled rule program, and everything derived
+//! from them that workers read on the request path. Snapshots are immutable and swapped
+//! atomically (arc-swap), so a request that started on one finishes on it.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use flatmesh_config::{Config, LbPolicy, ListenerProtocol, UpstreamProtocol};
+use flatmesh_rules::{ClusterId, ListenerId, RuleProgram};
+use http::HeaderName;
+
+use crate::error::ProxyError;
+use crate::lb::HashTable;
+use crate::metrics::{ClusterStats, ListenerStats, Metrics, RequestStats};
+
+pub struct Snapshot {
+    pub generation: u64,
+    pub config: Arc<Config>,
+    pub program: RuleProgram,
+    pub listeners: Vec<ListenerPlan>,
+    pub clusters: Vec<ClusterPlan>,
+}
+
+pub struct ListenerPlan {
+    pub name: String,
+    pub address: SocketAddr,
+    pub protocol: ListenerProtocol,
+    pub stats: Arc<ListenerStats>,
+    /// Per route: the request counters for each cluster the route can send to
+    /// (`None` = answered by the proxy itself).
+    pub route_stats: Vec<Vec<(Option<ClusterId>, Arc<RequestStats>)>>,
+    pub no_route_stats: Arc<RequestStats>,
+}
+
+pub struct ClusterPlan {
+    pub name: String,
+    pub endpoints: Arc<[SocketAddr]>,
+    /// `ip:port` of each endpoint, pre-parsed for upstream request URIs.
+    pub authorities: Vec<http::uri::Authority>,
+    pub policy: LbPolicy,
+    pub protocol: UpstreamProtocol,
+    pub hash_header: Option<HeaderName>,
+    pub table: HashTable,
+    pub connect_timeout: Duration,
+    pub stats: Arc<ClusterStats>,
+}
+
+impl Snapshot {
+    pub fn build(config: Config, generation: u64, metrics: &Metrics) -> Result<Snapshot, ProxyError> {
+        let program = flatmesh_rules::compile(&config).map_err(|e| ProxyError::Rules(e.to_string()))?;
+        let clusters = config
+            .clusters
+            .iter()
+            .map(|c| {
+                let endpoints: Arc<[SocketAddr]> = c.endpoints.iter().copied().collect();
+                let hash_header = match &c.hash_on {
+                    Some(h) => Some(HeaderName::try_from(h.header.as_str()).map_err(|_| {
+                        ProxyError::Config(format!("cluster `{}`: hash_on.header `{}` is not a valid header name", c.name, h.header))
+                    })?),
+                    None => None,
+                };
+                let authorities = endpoints
+                    .iter()
+                    .map(|e| {
+                        http::uri::Authority::try_from(e.to_string().as_str())
+                            .map_err(|_| ProxyError::Config(format!("cluster `{}`: endpoint {e} is not a usable address", c.name)))
+                    })
+                    .collect::<Result<_, _>>()?;
+                Ok(ClusterPlan {
+                    name: c.name.clone(),
+                    authorities,
+                    table: HashTable::build(c.lb, &endpoints),
+                    endpoints,
+                    policy: c.lb,
+                    protocol: c.protocol,
+                    hash_header,
+                    connect_timeout: c.connect_timeout.unwrap_or(config.limits.connect_timeout),
+                    stats: metrics.cluster(&c.name),
+                })
+            })
+            .collect::<Result<Vec<_>, ProxyError>>()?;
+        let mut listeners = Vec::with_capacity(config.listeners.len());
+        for l in config.listeners.iter() {
+            let mut route_stats = Vec::with_capacity(l.routes.len());
+            for (rid, route) in l.routes.iter().enumerate() {
+                let name = route.display_name(&l.name, rid);
+                let targets: Vec<Option<ClusterId>> = match (&route.cluster, &route.split) {
+                    (Some(c), _) => vec![program.cluster_id(c)],
+                    (None, Some(split)) => split.iter().map(|w| program.cluster_id(&w.cluster)).collect(),
+                    (None, None) => vec![None],
+                };
+                route_stats.push(
+                    targets
+                        .into_iter()
+                        .map(|c| {
+                            let cname = c.map(|c| clusters[c].name.as_str()).unwrap_or("");
+                            (c, metrics.requests(&l.name, &name, cname))
+                        })
+                        .collect(),
+                );
+            }
+            listeners.push(ListenerPlan {
+                name: l.name.clone(),
+                address: l.address,
+                protocol: l.protocol,
+                stats: metrics.listener(&l.name),
+                route_stats,
+                no_route_stats: metrics.requests(&l.name, "none", ""),
+            });
+        }
+        Ok(Snapshot { generation, config: Arc::new(config), program, listeners, clusters })
+    }
+
+    /// The listener configured at `address` (the address as written in the config).
+    pub fn listener_at(&self, address: SocketAddr, protocol: ListenerProtocol) -> Option<ListenerId> {
+        self.listeners.iter().position(|l| l.address == address && l.protocol == protocol)
+    }
+
+    pub fn request_stats(&self, listener: ListenerId, route: usize, cluster: Option<ClusterId>) -> Option<&Arc<RequestStats>> {
+        let plan = self.listeners.get(listener)?;
+        let targets = plan.route_stats.get(route)?;
+        targets.iter().find(|(c, _)| *c == cluster).or(targets.first()).map(|(_, s)| s)
+    }
+}

@@ -1,0 +1,209 @@
+//! Shared-nothing workers: one thread per core, each with its own single-threaded tokio
+//! runtime, its own SO_REUSEPORT listening sockets, upstream pools and counter slots.
+//! The only thing a worker shares is the pointer to the config snapshot it reads.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use flatmesh_config::ListenerProtocol;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::sync::mpsc;
+
+use crate::access_log::AccessLog;
+use crate::error::ProxyError;
+use crate::snapshot::Snapshot;
+use crate::upstream::Upstreams;
+
+/// What one worker reads per request: the snapshot and its own upstream state for it.
+pub struct WorkerView {
+    pub snapshot: Arc<Snapshot>,
+    pub upstreams: Upstreams,
+}
+
+/// Per-connection context handed to the L4 / L7 handlers.
+pub struct ConnContext {
+    pub worker: usize,
+    /// The listener's address as written in the config (its identity across reloads).
+    pub listener_address: SocketAddr,
+    pub protocol: ListenerProtocol,
+    pub peer: SocketAddr,
+    pub view: Arc<ArcSwap<WorkerView>>,
+    pub access_log: AccessLog,
+}
+
+/// The identity of a listener across reloads.
+pub type ListenerKey = (SocketAddr, ListenerProtocol);
+
+pub enum Command {
+    Listen { key: ListenerKey, socket: std::net::TcpListener },
+    Unlisten { key: ListenerKey },
+    Shutdown { drain: Duration },
+}
+
+pub struct WorkerHandle {
+    pub id: usize,
+    pub view: Arc<ArcSwap<WorkerView>>,
+    commands: mpsc::UnboundedSender<Command>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl WorkerHandle {
+    pub fn send(&self, command: Command) {
+        // A worker that is gone has nothing left to listen on; ignoring is correct.
+        let _ = self.commands.send(command);
+    }
+
+    pub fn join(mut self, drain: Duration) {
+        self.send(Command::Shutdown { drain });
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+pub fn spawn(id: usize, view: WorkerView, access_log: AccessLog) -> Result<WorkerHandle, ProxyError> {
+    let view = Arc::new(ArcSwap::from_pointee(view));
+    let (tx, rx) = mpsc::unbounded_channel();
+    let worker_view = view.clone();
+    let thread = std::thread::Builder::new()
+        .name(format!("flatmesh-worker-{id}"))
+        .spawn(move || run(id, worker_view, access_log, rx))
+        .map_err(|source| ProxyError::Thread { worker: id, source })?;
+    Ok(WorkerHandle { id, view, commands: tx, thread: Some(thread) })
+}
+
+fn run(id: usize, view: Arc<ArcSwap<WorkerView>>, access_log: AccessLog, mut rx: mpsc::UnboundedReceiver<Command>) {
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(err) => {
+            tracing::error!(worker = id, error = %err, "cannot build the worker runtime; this worker serves nothing");
+            return;
+        }
+    };
+    rt.block_on(async move {
+        let active = Arc::new(AtomicUsize::new(0));
+        let mut accepting: HashMap<ListenerKey, tokio::task::JoinHandle<()>> = HashMap::new();
+        let mut drain = Duration::ZERO;
+        while let Some(command) = rx.recv().await {
+            match command {
+                Command::Listen { key, socket } => match tokio::net::TcpListener::from_std(socket) {
+                    Ok(listener) => {
+                        let task = tokio::spawn(accept_loop(
+                            id,
+                            key,
+                            listener,
+                            view.clone(),
+                            access_log.clone(),
+                            active.clone(),
+                        ));
+                        if let Some(old) = accepting.insert(key, task) {
+                            old.abort();
+                        }
+                    }
+                    Err(err) => tracing::error!(worker = id, address = %key.0, error = %err, "cannot use listening socket"),
+                },
+                Command::Unlisten { key } => {
+                    if let Some(task) = accepting.remove(&key) {
+                        task.abort();
+                    }
+                }
+                Command::Shutdown { drain: d } => {
+                    drain = d;
+                    break;
+                }
+            }
+        }
+        for (_, task) in accepting.drain() {
+            task.abort();
+        }
+        // Let in-flight connections finish, up to the drain time.
+        let deadline = tokio::time::Instant::now() + drain;
+        while active.load(Ordering::Relaxed) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}
+
+/// Decrements the worker's active-connection count when the connection task ends, however it ends.
+struct ActiveGuard(Arc<AtomicUsize>);
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn accept_loop(
+    worker: usize,
+    key: ListenerKey,
+    listener: tokio::net::TcpListener,
+    view: Arc<ArcSwap<WorkerView>>,
+    access_log: AccessLog,
+    active: Arc<AtomicUsize>,
+) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(err) => {
+                // EMFILE / ENFILE / ECONNABORTED: back off briefly instead of spinning.
+                tracing::warn!(worker, address = %key.0, error = %err, "accept failed; if this is 'too many open files', raise `ulimit -n`");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        active.fetch_add(1, Ordering::Relaxed);
+        let guard = ActiveGuard(active.clone());
+        let ctx = Arc::new(ConnContext {
+            worker,
+            listener_address: key.0,
+            protocol: key.1,
+            peer,
+            view: view.clone(),
+            access_log: access_log.clone(),
+        });
+        tokio::spawn(async move {
+            let _guard = guard;
+            let current = ctx.view.load_full();
+            let stats = current
+                .snapshot
+                .listener_at(key.0, key.1)
+                .map(|l| current.snapshot.listeners[l].stats.clone());
+            if let Some(s) = &stats {
+                s.connections_opened.add_shared(worker, 1);
+            }
+            match key.1 {
+                ListenerProtocol::Tcp => crate::tcp::relay(ctx, stream).await,
+                ListenerProtocol::Http => serve_http(ctx, stream, &current.snapshot).await,
+            }
+            if let Some(s) = &stats {
+                s.connections_closed.add_shared(worker, 1);
+            }
+        });
+    }
+}
+
+async fn serve_http(ctx: Arc<ConnContext>, stream: tokio::net::TcpStream, snapshot: &Snapshot) {
+    let _ = stream.set_nodelay(true);
+    let limits = &snapshot.config.limits;
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        // hyper answers 431 when the request head does not fit this buffer (min 8 KiB).
+        .max_buf_size(limits.max_header_bytes.max(8192))
+        .keep_alive(true);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
+        .max_concurrent_streams(1024);
+    let service = service_fn(move |req| crate::http::serve(ctx.clone(), req));
+    if let Err(err) = builder.serve_connection(TokioIo::new(stream), service).await {
+        tracing::debug!(error = %err, "downstream connection ended with an error");
+    }
+}

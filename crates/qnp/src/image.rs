@@ -1,0 +1,619 @@
+//! The Matcher's tables (§4.2.1–4.2.2) and a bit-exact reference model of the Matcher.
+//!
+//! Layout, as in the paper: a RAM and a CAM of at most 512 entries each. A RAM entry is 32 bits:
+//! `field index (8) | skip count (8) | check count (8) | state (8)`. A CAM entry is 96 bits:
+//! `app_id (8) | req_type (8) | field index (8) | state (8) | string (64)`, the first string byte
+//! in the most significant position. Entry *i* of the CAM and entry *i* of the RAM form a pair,
+//! as in the TCAM+RAM packet parsers the paper builds on: a CAM hit at *i* executes RAM[*i*].
+//!
+//! The Matcher (documented in docs/qnp.md, "Matcher model"):
+//! 1. Look up the start key `(app, type, field 0, state 0, 0)`.
+//! 2. On a hit at *i*, read RAM[*i*]. `skip = check = 0` is an exit: `state` is the queue.
+//!    Otherwise it is a skip-and-check: if the hit key's state was 0 or had the miss bit (0x80)
+//!    set, rewind to the start of field `field`. Skip `skip` bytes, inspect `check` bytes
+//!    (zero-padded to 8), and look up `(app, type, field, state, window)`. A value too short for
+//!    the skip and check is a mismatch.
+//! 3. On a miss (or mismatch) of a check state *s*, look up `(app, type, field, s | 0x80, 0)`:
+//!    the fall-through to the next rule in file order, or to the default. A miss there drops.
+//!
+//! The compiler gives each rule its own chain of states (1..=127 per app, type and field), so the
+//! first-match-wins order of the rule file holds by construction. A rule costs two entries per
+//! skip-and-check (its hit entry and its fall-through entry), plus one start entry per app/type.
+
+use crate::rules::{Decision, PatByte, Rule, RuleSet};
+use crate::QnpError;
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+/// Entries in each table (the paper's prototype).
+pub const TABLE_ENTRIES: usize = 512;
+/// Bytes one CAM entry compares.
+pub const CHECK_BYTES: usize = 8;
+/// State bit that marks the fall-through (miss) key of a state.
+pub const MISS_BIT: u8 = 0x80;
+/// Check states available per app, type and field.
+pub const MAX_STATES: usize = 127;
+const MAGIC: &[u8; 8] = b"QNPIMG01";
+
+/// A 32-bit RAM entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RamEntry {
+    pub field: u8,
+    pub skip: u8,
+    pub check: u8,
+    /// The next state, or the queue of an exit entry.
+    pub state: u8,
+}
+
+impl RamEntry {
+    fn exit(queue: u8) -> RamEntry {
+        RamEntry {
+            field: 0,
+            skip: 0,
+            check: 0,
+            state: queue,
+        }
+    }
+    pub fn is_exit(&self) -> bool {
+        self.skip == 0 && self.check == 0
+    }
+    pub fn to_word(self) -> u32 {
+        u32::from_be_bytes([self.field, self.skip, self.check, self.state])
+    }
+    pub fn from_word(w: u32) -> RamEntry {
+        let [field, skip, check, state] = w.to_be_bytes();
+        RamEntry {
+            field,
+            skip,
+            check,
+            state,
+        }
+    }
+}
+
+/// A 96-bit CAM entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CamEntry {
+    pub app_id: u8,
+    pub req_type: u8,
+    pub field: u8,
+    pub state: u8,
+    pub string: [u8; CHECK_BYTES],
+}
+
+impl CamEntry {
+    /// The 96 bits, right-aligned in a u128.
+    pub fn to_bits(self) -> u128 {
+        u128::from(self.app_id) << 88
+            | u128::from(self.req_type) << 80
+            | u128::from(self.field) << 72
+            | u128::from(self.state) << 64
+            | u128::from(u64::from_be_bytes(self.string))
+    }
+    pub fn to_bytes(self) -> [u8; 12] {
+        let b = self.to_bits().to_be_bytes();
+        let mut out = [0; 12];
+        out.copy_from_slice(&b[4..]);
+        out
+    }
+    pub fn from_bytes(b: &[u8; 12]) -> CamEntry {
+        let mut string = [0; CHECK_BYTES];
+        string.copy_from_slice(&b[4..]);
+        CamEntry {
+            app_id: b[0],
+            req_type: b[1],
+            field: b[2],
+            state: b[3],
+            string,
+        }
+    }
+}
+
+/// The compiled tables: `ram[i]` is executed when `cam[i]` hits.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Image {
+    pub ram: Vec<RamEntry>,
+    pub cam: Vec<CamEntry>,
+}
+
+/// One skip-and-check of a rule: skip `skip` bytes, then compare `lit` (≤ 8 bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Step {
+    skip: u8,
+    lit: Vec<u8>,
+}
+
+fn steps_of(pattern: &[PatByte]) -> Vec<Step> {
+    fn push(steps: &mut Vec<Step>, mut skip: usize, lit: Vec<u8>) {
+        while skip > usize::from(u8::MAX) {
+            steps.push(Step {
+                skip: u8::MAX,
+                lit: Vec::new(),
+            });
+            skip -= usize::from(u8::MAX);
+        }
+        // The loop above leaves skip ≤ 255.
+        steps.push(Step {
+            skip: skip as u8,
+            lit,
+        });
+    }
+    let mut steps = Vec::new();
+    let (mut skip, mut lit) = (0usize, Vec::new());
+    for p in pattern {
+        match p {
+            PatByte::Skip => {
+                if !lit.is_empty() {
+                    push(&mut steps, skip, std::mem::take(&mut lit));
+                    skip = 0;
+                }
+                skip += 1;
+            }
+            PatByte::Byte(b) => {
+                if lit.len() == CHECK_BYTES {
+                    push(&mut steps, skip, std::mem::take(&mut lit));
+                    skip = 0;
+                }
+                lit.push(*b);
+            }
+        }
+    }
+    if !lit.is_empty() || skip > 0 {
+        push(&mut steps, skip, lit);
+    }
+    steps
+}
+
+/// How many skip-and-checks a rule compiles to.
+pub fn skip_and_checks(rule: &Rule) -> usize {
+    steps_of(&rule.pattern).len()
+}
+
+impl Image {
+    /// Compiles a rule set into tables of [`TABLE_ENTRIES`] entries.
+    pub fn compile(set: &RuleSet) -> Result<Image, QnpError> {
+        Self::compile_with_capacity(set, TABLE_ENTRIES)
+    }
+
+    /// Compiles into tables of `capacity` entries.
+    pub fn compile_with_capacity(set: &RuleSet, capacity: usize) -> Result<Image, QnpError> {
+        let mut img = Image::default();
+        for (app, ty) in set.groups() {
+            let rules: Vec<&Rule> = set
+                .rules
+                .iter()
+                .filter(|r| r.app_id == app && r.req_type == ty)
+                .collect();
+            let steps: Vec<Vec<Step>> = rules.iter().map(|r| steps_of(&r.pattern)).collect();
+            // Consecutive rules on one field whose first skip-and-check has the same shape and
+            // pairwise different bytes share their first state: the CAM compares the window with
+            // all of them in one lookup (the CAM's reason to exist, §5.2.1). First-match order
+            // still holds: at most one of them can equal the window.
+            let mut runs: Vec<Vec<usize>> = Vec::new();
+            for i in 0..rules.len() {
+                let joins = runs.last().is_some_and(|run| {
+                    let j = run[0];
+                    match (steps[j].first(), steps[i].first()) {
+                        (Some(a), Some(b)) => {
+                            rules[j].field == rules[i].field
+                                && a.skip == b.skip
+                                && a.lit.len() == b.lit.len()
+                                && run.iter().all(|&k| steps[k][0].lit != b.lit)
+                        }
+                        _ => false,
+                    }
+                });
+                match runs.last_mut() {
+                    Some(run) if joins => run.push(i),
+                    _ => runs.push(vec![i]),
+                }
+            }
+            // State numbers: per run its shared first state, per rule its later steps' states.
+            let mut next_state: HashMap<u8, usize> = HashMap::new();
+            let mut states: Vec<Vec<u8>> = vec![Vec::new(); rules.len()];
+            for run in &runs {
+                let field = rules[run[0]].field;
+                let next = next_state.entry(field).or_insert(1);
+                let first = *next;
+                *next += 1;
+                for &i in run {
+                    let later = *next..*next + steps[i].len().saturating_sub(1);
+                    *next = later.end;
+                    if *next - 1 > MAX_STATES {
+                        return Err(QnpError::TableFull(format!(
+                            "app {app} type {ty} field {field} needs {} check states by rule line {} but the 8-bit state (high bit reserved) allows {MAX_STATES}; use fewer or shorter rules on this field",
+                            *next - 1,
+                            rules[i].line
+                        )));
+                    }
+                    // Bounded by MAX_STATES just above.
+                    states[i] = std::iter::once(first).chain(later).map(|s| s as u8).collect();
+                }
+            }
+            let default = set.defaults.get(&(app, ty)).map(|(q, _)| *q);
+            // The RAM entry that starts run `r` (or the default after the last run).
+            let entry_of = |r: usize| -> Option<RamEntry> {
+                let Some(run) = runs.get(r) else {
+                    return default.map(RamEntry::exit);
+                };
+                let i = run[0];
+                Some(match steps[i].first() {
+                    None => RamEntry::exit(rules[i].queue),
+                    Some(s) => RamEntry {
+                        field: rules[i].field,
+                        skip: s.skip,
+                        // A step holds at most CHECK_BYTES bytes.
+                        check: s.lit.len() as u8,
+                        state: states[i][0],
+                    },
+                })
+            };
+            let mut push = |cam: CamEntry, ram: RamEntry| {
+                img.cam.push(cam);
+                img.ram.push(ram);
+            };
+            let key = |field: u8, state: u8, lit: &[u8]| {
+                let mut string = [0; CHECK_BYTES];
+                string[..lit.len()].copy_from_slice(lit);
+                CamEntry {
+                    app_id: app,
+                    req_type: ty,
+                    field,
+                    state,
+                    string,
+                }
+            };
+            if let Some(start) = entry_of(0) {
+                push(key(0, 0, &[]), start);
+            }
+            for (r, run) in runs.iter().enumerate() {
+                // A rule that fails falls past its whole run: the run's other rules need other
+                // bytes in the window this rule already matched.
+                let fall_through = entry_of(r + 1);
+                for (pos_in_run, &i) in run.iter().enumerate() {
+                    let rule = rules[i];
+                    for (j, step) in steps[i].iter().enumerate() {
+                        let hit = match steps[i].get(j + 1) {
+                            Some(n) => RamEntry {
+                                field: rule.field,
+                                skip: n.skip,
+                                check: n.lit.len() as u8,
+                                state: states[i][j + 1],
+                            },
+                            None => RamEntry::exit(rule.queue),
+                        };
+                        push(key(rule.field, states[i][j], &step.lit), hit);
+                        // The shared first state gets one fall-through, after the run's last hit.
+                        let owns_miss = j > 0 || pos_in_run + 1 == run.len();
+                        if let (Some(ft), true) = (fall_through, owns_miss) {
+                            push(key(rule.field, states[i][j] | MISS_BIT, &[]), ft);
+                        }
+                    }
+                }
+            }
+        }
+        if img.cam.len() > capacity {
+            return Err(QnpError::TableFull(format!(
+                "the rules need {} RAM and {} CAM entries but each table holds {capacity}: {} entries over; remove rules, shorten patterns (each skip-and-check costs 2 entries) or merge app/types",
+                img.ram.len(),
+                img.cam.len(),
+                img.cam.len() - capacity
+            )));
+        }
+        Ok(img)
+    }
+
+    /// Runs the Matcher on a request; see the module docs. Returns the decision and the number of
+    /// CAM lookups it took (the Matcher's work, which grows with skip-and-checks as in Table 1).
+    pub fn run<'a>(
+        &self,
+        app_id: u8,
+        req_type: u8,
+        field: impl Fn(u8) -> Option<&'a [u8]>,
+    ) -> (Decision, usize) {
+        let mut key = CamEntry {
+            app_id,
+            req_type,
+            field: 0,
+            state: 0,
+            string: [0; CHECK_BYTES],
+        };
+        let (mut cur, mut pos): (Option<(u8, &[u8])>, usize) = (None, 0);
+        // Every non-exit step either advances through the value or falls through to a later rule,
+        // so a well-formed image needs fewer lookups than entries; the bound stops corrupt images.
+        for lookups in 1..=2 * self.cam.len() + 2 {
+            let Some(i) = self.cam.iter().position(|e| *e == key) else {
+                if key.state != 0 && key.state & MISS_BIT == 0 {
+                    key.state |= MISS_BIT;
+                    key.string = [0; CHECK_BYTES];
+                    continue;
+                }
+                return (Decision::Drop, lookups);
+            };
+            let ram = self.ram[i];
+            if ram.is_exit() {
+                return (Decision::Queue(ram.state), lookups);
+            }
+            if key.state == 0 || key.state & MISS_BIT != 0 || cur.map(|(f, _)| f) != Some(ram.field) {
+                // A missing field reads as empty, as in the plain semantics.
+                cur = Some((ram.field, field(ram.field).unwrap_or_default()));
+                pos = 0;
+            }
+            let (skip, check) = (usize::from(ram.skip), usize::from(ram.check).min(CHECK_BYTES));
+            key.field = ram.field;
+            key.string = [0; CHECK_BYTES];
+            match cur {
+                Some((_, v)) if pos + skip + check <= v.len() => {
+                    key.state = ram.state;
+                    key.string[..check].copy_from_slice(&v[pos + skip..pos + skip + check]);
+                    pos += skip + check;
+                }
+                _ => key.state = ram.state | MISS_BIT,
+            }
+        }
+        (Decision::Drop, 2 * self.cam.len() + 2)
+    }
+
+    /// The image file: `QNPIMG01`, entry count (u16 BE), RAM words (4 bytes BE each), then CAM
+    /// entries (12 bytes BE each).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = MAGIC.to_vec();
+        // compile() caps the entries at the table size, far below u16::MAX.
+        out.extend_from_slice(&(self.ram.len() as u16).to_be_bytes());
+        for r in &self.ram {
+            out.extend_from_slice(&r.to_word().to_be_bytes());
+        }
+        for c in &self.cam {
+            out.extend_from_slice(&c.to_bytes());
+        }
+        out
+    }
+
+    /// Reads an image file.
+    pub fn from_bytes(b: &[u8]) -> Result<Image, QnpError> {
+        let rest = b
+            .strip_prefix(&MAGIC[..])
+            .ok_or_else(|| QnpError::Image("it does not start with QNPIMG01".into()))?;
+        let Some((n, rest)) = rest.split_first_chunk::<2>() else {
+            return Err(QnpError::Image("it ends before the entry count".into()));
+        };
+        let n = usize::from(u16::from_be_bytes(*n));
+        if n > TABLE_ENTRIES {
+            return Err(QnpError::Image(format!(
+                "it has {n} entries, the tables hold {TABLE_ENTRIES}"
+            )));
+        }
+        if rest.len() != n * 16 {
+            return Err(QnpError::Image(format!(
+                "{n} entries need {} bytes after the header, found {}",
+                n * 16,
+                rest.len()
+            )));
+        }
+        let (ram, cam) = rest.split_at(n * 4);
+        Ok(Image {
+            ram: ram
+                .chunks_exact(4)
+                .map(|w| RamEntry::from_word(u32::from_be_bytes([w[0], w[1], w[2], w[3]])))
+                .collect(),
+            cam: cam
+                .chunks_exact(12)
+                .map(|c| {
+                    let mut e = [0; 12];
+                    e.copy_from_slice(c);
+                    CamEntry::from_bytes(&e)
+                })
+                .collect(),
+        })
+    }
+
+    /// Both tables, readably.
+    pub fn explain(&self) -> String {
+        let mut o = String::new();
+        let n = self.ram.len();
+        let _ = writeln!(o, "RAM: {n} of {TABLE_ENTRIES} entries (32 bits: field | skip | check | state)");
+        let _ = writeln!(o, "  idx  word        field skip check state  meaning");
+        for (i, r) in self.ram.iter().enumerate() {
+            let meaning = if r.is_exit() {
+                format!("exit -> queue {}", r.state)
+            } else {
+                format!(
+                    "field {}: skip {}, check {}, look up state {}",
+                    r.field, r.skip, r.check, r.state
+                )
+            };
+            let _ = writeln!(
+                o,
+                "  {i:>3}  0x{:08x}  {:>5} {:>4} {:>5} {:>5}  {meaning}",
+                r.to_word(),
+                r.field,
+                r.skip,
+                r.check,
+                r.state
+            );
+        }
+        let _ = writeln!(o, "CAM: {} of {TABLE_ENTRIES} entries (96 bits: app | type | field | state | string)", self.cam.len());
+        let _ = writeln!(o, "  idx  bits                        app type field state  string            meaning");
+        for (i, c) in self.cam.iter().enumerate() {
+            let meaning = if c.state == 0 {
+                format!("start of app {} type {}", c.app_id, c.req_type)
+            } else if c.state & MISS_BIT != 0 {
+                format!("state {} missed: fall through", c.state & !MISS_BIT)
+            } else {
+                // Trailing zeros are the padding of checks shorter than 8 bytes.
+                let len = c.string.iter().rposition(|b| *b != 0).map_or(0, |p| p + 1);
+                format!("state {} matched \"{}\"", c.state, c.string[..len].escape_ascii())
+            };
+            let hex: String = c.string.iter().map(|b| format!("{b:02x}")).collect();
+            let _ = writeln!(
+                o,
+                "  {i:>3}  0x{:024x}  {:>3} {:>4} {:>5} {:>5}  {hex}  {meaning} -> RAM {i}",
+                c.to_bits(),
+                c.app_id,
+                c.req_type,
+                c.field,
+                c.state
+            );
+        }
+        o
+    }
+}
+
+/// One line of a `flatmesh qnp rules eval` input file: `app_id req_type hex-of-field-value`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EvalInput {
+    pub app_id: u8,
+    pub req_type: u8,
+    /// The field value. The Matcher reads it for whichever field index the rules name.
+    pub value: Vec<u8>,
+}
+
+/// Parses an eval input file; blank lines and `#` comments are skipped.
+pub fn parse_eval_inputs(file: &str, src: &str) -> Result<Vec<EvalInput>, QnpError> {
+    let mut out = Vec::new();
+    for (i, raw) in src.lines().enumerate() {
+        let text = raw.trim();
+        if text.is_empty() || text.starts_with('#') {
+            continue;
+        }
+        let err = |msg: String| QnpError::Rules {
+            file: file.to_owned(),
+            line: i + 1,
+            msg,
+        };
+        let words: Vec<&str> = text.split_whitespace().collect();
+        let (app, ty, hex) = match words[..] {
+            [a, t] => (a, t, ""),
+            [a, t, h] => (a, t, h),
+            _ => {
+                return Err(err(format!(
+                    "expected `app_id req_type hex-of-field-value`, found {} words",
+                    words.len()
+                )))
+            }
+        };
+        let num = |s: &str, what: &str| {
+            s.parse::<u8>()
+                .map_err(|_| err(format!("{what} `{s}` is not a number in 0..=255")))
+        };
+        if hex.len() % 2 != 0 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(err(format!(
+                "`{hex}` is not hex; write the value as pairs of hex digits, like 757365723a"
+            )));
+        }
+        let value = (0..hex.len())
+            .step_by(2)
+            .map(|j| u8::from_str_radix(&hex[j..j + 2], 16).map_err(|e| err(e.to_string())))
+            .collect::<Result<Vec<u8>, _>>()?;
+        out.push(EvalInput {
+            app_id: num(app, "app_id")?,
+            req_type: num(ty, "req_type")?,
+            value,
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = "rule 1 0 0 \"...AAA.BB\" -> 3\nrule 1 0 0 \"user:\" -> 1\ndefault 1 0 -> 0\n";
+
+    #[test]
+    fn compiles_the_issue_example() {
+        let set = RuleSet::parse("r", EXAMPLE).unwrap();
+        let img = Image::compile(&set).unwrap();
+        // start + rule 1 (2 steps × hit+miss) + rule 2 (1 step × hit+miss)
+        assert_eq!(img.cam.len(), 7);
+        assert_eq!(img.ram[0], RamEntry { field: 0, skip: 3, check: 3, state: 1 });
+        assert_eq!(&img.cam[1].string[..3], b"AAA");
+        for (v, want) in [
+            (&b"FEFAAACBB"[..], Decision::Queue(3)),
+            (b"FEFBAACBB", Decision::Queue(0)),
+            (b"user:x", Decision::Queue(1)),
+            (b"FEFAAACB", Decision::Queue(0)),
+        ] {
+            assert_eq!(img.run(1, 0, |_| Some(v)).0, want, "{v:?}");
+        }
+        assert_eq!(img.run(2, 0, |_| Some(b"x")).0, Decision::Drop);
+        let back = Image::from_bytes(&img.to_bytes()).unwrap();
+        assert_eq!(back, img);
+        let text = img.explain();
+        assert!(text.contains("exit -> queue 3"), "{text}");
+        assert!(text.contains("state 1 matched \"AAA\" -> RAM 1"), "{text}");
+    }
+
+    #[test]
+    fn bit_layout_is_the_papers() {
+        let r = RamEntry { field: 1, skip: 2, check: 3, state: 4 };
+        assert_eq!(r.to_word(), 0x0102_0304);
+        assert_eq!(RamEntry::from_word(0x0102_0304), r);
+        let c = CamEntry { app_id: 0xaa, req_type: 0xbb, field: 0xcc, state: 0xdd, string: *b"12345678" };
+        assert_eq!(c.to_bits() >> 96, 0, "96 bits");
+        assert_eq!(c.to_bits() >> 72, 0xaabbcc, "24-bit app/type/field key on top");
+        assert_eq!(c.to_bytes()[..4], [0xaa, 0xbb, 0xcc, 0xdd]);
+        assert_eq!(CamEntry::from_bytes(&c.to_bytes()), c);
+    }
+
+    #[test]
+    fn long_checks_and_skips_are_split() {
+        let pat: Vec<PatByte> = std::iter::repeat_n(PatByte::Skip, 300)
+            .chain(b"0123456789".iter().map(|b| PatByte::Byte(*b)))
+            .chain([PatByte::Skip, PatByte::Skip])
+            .collect();
+        let steps = steps_of(&pat);
+        let shape: Vec<(u8, usize)> = steps.iter().map(|s| (s.skip, s.lit.len())).collect();
+        assert_eq!(shape, [(255, 0), (45, 8), (0, 2), (2, 0)]);
+        assert!(steps_of(&[]).is_empty());
+    }
+
+    #[test]
+    fn reports_how_far_over_the_table_a_rule_set_is() {
+        let src: String = (0..300).map(|i| format!("rule 1 0 {} \"k{i}\" -> 1\n", i % 3)).collect();
+        let set = RuleSet::parse("r", &src).unwrap();
+        let e = Image::compile(&set).unwrap_err().to_string();
+        assert!(e.contains("need 600 RAM and 600 CAM entries") && e.contains("88 entries over"), "{e}");
+        let src: String = (0..70).map(|i| format!("rule 1 0 0 \"a.b{i}\" -> 1\n")).collect();
+        let e = Image::compile(&RuleSet::parse("r", &src).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("needs 128 check states by rule line 64"), "{e}");
+    }
+
+    #[test]
+    fn rules_with_one_shape_share_a_state_and_one_lookup() {
+        // 500 single-check rules: one shared state, 500 hit entries, one start entry.
+        let src: String = (0..500).map(|i| format!("rule 1 0 0 \"..\\x{:02x}\\x{:02x}\" -> {}\n", i / 256, i % 256, i % 7)).collect();
+        let set = RuleSet::parse("r", &src).unwrap();
+        let img = Image::compile(&set).unwrap();
+        assert_eq!(img.cam.len(), 501);
+        for i in [0usize, 250, 499] {
+            let v = [b'x', b'y', (i / 256) as u8, (i % 256) as u8];
+            let (d, lookups) = img.run(1, 0, |_| Some(&v[..]));
+            assert_eq!(d, Decision::Queue((i % 7) as u8));
+            assert_eq!(lookups, 2, "start + one CAM lookup, whatever the rule's position");
+        }
+        assert_eq!(img.run(1, 0, |_| Some(&b"xy\x02\x00"[..])).0, Decision::Drop);
+    }
+
+    #[test]
+    fn parses_eval_inputs() {
+        let v = parse_eval_inputs("in", "# c\n1 0 757365723a\n\n2 3\n").unwrap();
+        assert_eq!(v[0], EvalInput { app_id: 1, req_type: 0, value: b"user:".to_vec() });
+        assert!(v[1].value.is_empty());
+        let e = parse_eval_inputs("in", "1 0 7g").unwrap_err().to_string();
+        assert!(e.starts_with("in:1: `7g` is not hex"), "{e}");
+        assert!(parse_eval_inputs("in", "1 0 abc").is_err());
+        assert!(parse_eval_inputs("in", "1").is_err());
+        assert!(parse_eval_inputs("in", "1 0 00 00").is_err());
+        assert!(parse_eval_inputs("in", "1 x 00").unwrap_err().to_string().contains("req_type `x`"));
+    }
+
+    #[test]
+    fn rejects_bad_image_files() {
+        assert!(Image::from_bytes(b"nope").is_err());
+        let mut b = Image::default().to_bytes();
+        assert_eq!(Image::from_bytes(&b).unwrap(), Image::default());
+        b[9] = 1;
+        assert!(Image::from_bytes(&b).is_err());
+    }
+}

@@ -1,0 +1,29 @@
+//! QingNiao (papers/002) for flatmesh: a request protocol co-designed with its dispatcher so that an
+//! L7 dispatch decision needs only the first packet of a request.
+//!
+//! - [`tlv`]: the on-wire field encoding (docs/qnp.md) and [`QnpMessage`], the trait generated code implements.
+//! - [`idl`]: the IDL parser and the Rust code generator (`flatmesh qnp idl compile`).
+//! - [`header`]: the QNP packet header, exactly Fig. 11.
+//! - [`transport`]: reliable request delivery over UDP (segmentation, per-request ACKs, retransmit).
+//! - [`rules`]: skip-and-check dispatch rules: file parser, plain semantics, fast matcher.
+//! - [`image`]: the Matcher's RAM/CAM tables (§4.2.2), compiler and bit-exact reference executor.
+//! - [`dispatch`]: receive-side dispatch across per-core shared-nothing workers.
+//! - [`load`]: a closed-loop load generator (PingPong, Zipf key-value GETs).
+//! - [`apps`]: generated messages of the example applications.
+
+pub mod apps;
+pub mod dispatch;
+pub mod error;
+pub mod header;
+pub mod idl;
+pub mod image;
+pub mod load;
+pub mod rules;
+pub mod tlv;
+pub mod transport;
+
+// Generated code names this crate `flatmesh_qnp`, also when it is compiled inside it (apps).
+extern crate self as flatmesh_qnp;
+
+pub use error::QnpError;
+pub use tlv::QnpMessage;

@@ -1,0 +1,164 @@
+//! Compile arbitrary routes, then route arbitrary requests: never panic, and the indexed
+//! executor must give the same answer as the linear one.
+#![no_main]
+
+use flatmesh_config::{
+    Config, DirectResponse, Listener, ListenerProtocol, NamedMatch, PathMatch, Route, RouteMatch,
+    WeightedCluster,
+};
+use flatmesh_rules::{compile, Request, RouteAction};
+use libfuzzer_sys::arbitrary::{self, Arbitrary};
+use libfuzzer_sys::fuzz_target;
+
+#[derive(Arbitrary, Debug)]
+struct Named {
+    name: String,
+    kind: u8,
+    value: String,
+    present: bool,
+}
+
+#[derive(Arbitrary, Debug)]
+struct FRoute {
+    host: Option<String>,
+    path: Option<(u8, String)>,
+    method: Option<String>,
+    headers: Vec<Named>,
+    query: Vec<Named>,
+    action: u8,
+    weights: Vec<u32>,
+    status: u16,
+    add: Vec<(String, String)>,
+}
+
+#[derive(Arbitrary, Debug)]
+struct FRequest {
+    method: String,
+    host: Option<String>,
+    path: String,
+    query: Option<String>,
+    headers: Vec<(String, Vec<u8>)>,
+    random: u32,
+}
+
+#[derive(Arbitrary, Debug)]
+struct Case {
+    routes: Vec<FRoute>,
+    requests: Vec<FRequest>,
+}
+
+fn named(n: &Named) -> NamedMatch {
+    let mut m = NamedMatch { name: n.name.clone(), exact: None, prefix: None, present: None, regex: None };
+    match n.kind % 6 {
+        0 => m.exact = Some(n.value.clone()),
+        1 => m.prefix = Some(n.value.clone()),
+        2 => m.present = Some(n.present),
+        3 => m.regex = Some(n.value.clone()),
+        4 => {}
+        _ => {
+            m.exact = Some(n.value.clone());
+            m.present = Some(n.present);
+        }
+    }
+    m
+}
+
+fn route(r: &FRoute) -> Route {
+    let path = r.path.as_ref().map(|(k, p)| match k % 3 {
+        0 => PathMatch::Exact(p.clone()),
+        1 => PathMatch::Prefix(p.clone()),
+        _ => PathMatch::Regex(p.clone()),
+    });
+    let clusters = ["a", "b", "missing"];
+    let mut route = Route {
+        name: None,
+        matches: RouteMatch {
+            host: r.host.clone(),
+            path,
+            method: r.method.clone(),
+            headers: r.headers.iter().take(4).map(named).collect(),
+            query: r.query.iter().take(4).map(named).collect(),
+        },
+        cluster: None,
+        split: None,
+        direct_response: None,
+        timeout: None,
+        request_headers_to_add: r.add.iter().take(4).cloned().collect(),
+        request_headers_to_remove: vec![],
+        response_headers_to_add: Default::default(),
+        retries: None,
+    };
+    match r.action % 4 {
+        0 => route.cluster = Some(clusters[(r.status % 3) as usize].into()),
+        1 => {
+            route.split = Some(
+                r.weights
+                    .iter()
+                    .take(4)
+                    .enumerate()
+                    .map(|(i, w)| WeightedCluster { cluster: clusters[i % 2].into(), weight: *w })
+                    .collect(),
+            )
+        }
+        2 => route.direct_response = Some(DirectResponse { status: r.status, body: "x".into() }),
+        _ => {}
+    }
+    route
+}
+
+fuzz_target!(|case: Case| {
+    let cfg = Config {
+        admin: flatmesh_config::default_admin(),
+        workers: None,
+        access_log: None,
+        limits: Default::default(),
+        listeners: vec![Listener {
+            name: "web".into(),
+            address: ([127, 0, 0, 1], 1).into(),
+            protocol: ListenerProtocol::Http,
+            routes: case.routes.iter().take(16).map(route).collect(),
+            cluster: None,
+        }],
+        clusters: ["a", "b"]
+            .iter()
+            .map(|n| flatmesh_config::Cluster {
+                name: n.to_string(),
+                lb: Default::default(),
+                endpoints: vec![],
+                protocol: Default::default(),
+                hash_on: None,
+                connect_timeout: None,
+            })
+            .collect(),
+    };
+    let Ok(program) = compile(&cfg) else { return };
+    let _ = program.explain();
+    let _ = program.to_json();
+    for r in case.requests.iter().take(8) {
+        let method = http::Method::from_bytes(r.method.as_bytes()).unwrap_or(http::Method::GET);
+        let mut headers = http::HeaderMap::new();
+        for (k, v) in &r.headers {
+            if let (Ok(k), Ok(v)) =
+                (http::HeaderName::from_bytes(k.as_bytes()), http::HeaderValue::from_bytes(v))
+            {
+                headers.append(k, v);
+            }
+        }
+        let req = Request {
+            method: &method,
+            host: r.host.as_deref(),
+            path: &r.path,
+            query: r.query.as_deref(),
+            headers: &headers,
+        };
+        let fast = program.route(0, &req).map(|c| c.id);
+        let linear = program.route_linear(0, &req).map(|c| c.id);
+        assert_eq!(fast, linear, "indexed and linear executors disagree");
+        if let Some(c) = program.route(0, &req) {
+            if let RouteAction::Split(s) = &c.action {
+                let picked = s.pick(r.random);
+                assert!(program.cluster_name(picked) == "a" || program.cluster_name(picked) == "b");
+            }
+        }
+    }
+});

@@ -1,0 +1,448 @@
+//! The RuleProgram: one table per listener, compiled once from the config, run by every tier.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use flatmesh_config::{
+    Config, LbPolicy, Listener, ListenerProtocol, NamedMatch, PathMatch, RetryPolicy, Route,
+    UpstreamProtocol,
+};
+use http::{HeaderName, HeaderValue, Method, StatusCode};
+
+use crate::index::{IndexStats, PathIndex};
+use crate::matcher::{HeaderCond, HostMatch, PathCond, Pattern, QueryCond, RuleMatch, ValueMatch};
+use crate::split::WeightedSplit;
+use crate::tier::{classify_http, classify_tcp, Placement, Tier};
+use crate::{ClusterId, ListenerId, Request, RouteId, RulesError};
+
+/// The compiled program. Immutable: a reload compiles a new one and swaps it in whole.
+#[derive(Debug, Clone)]
+pub struct RuleProgram {
+    pub(crate) listeners: Vec<ListenerTable>,
+    pub(crate) clusters: Vec<ClusterInfo>,
+    listener_ids: HashMap<String, ListenerId>,
+    cluster_ids: HashMap<String, ClusterId>,
+}
+
+/// What the program keeps about a cluster (endpoints and LB live in the proxy).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClusterInfo {
+    pub name: String,
+    pub lb: LbPolicy,
+    pub protocol: UpstreamProtocol,
+    pub endpoints: Vec<SocketAddr>,
+}
+
+/// One listener's table.
+#[derive(Debug, Clone)]
+pub struct ListenerTable {
+    pub name: String,
+    pub address: SocketAddr,
+    pub kind: TableKind,
+}
+
+#[derive(Debug, Clone)]
+pub enum TableKind {
+    /// L4: every connection goes to one cluster.
+    Tcp(TcpRule),
+    /// L7: routes in order, first match wins.
+    Http(HttpTable),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpRule {
+    pub cluster: ClusterId,
+    pub placement: Placement,
+}
+
+#[derive(Debug, Clone)]
+pub struct HttpTable {
+    pub routes: Vec<CompiledRoute>,
+    index: PathIndex,
+}
+
+impl HttpTable {
+    /// How many routes sit in each path bucket of the executor's index.
+    pub fn index_stats(&self) -> IndexStats {
+        self.index.stats()
+    }
+}
+
+/// One compiled http rule: its match, its action, and where it runs.
+#[derive(Debug, Clone)]
+pub struct CompiledRoute {
+    pub id: RouteId,
+    pub name: String,
+    pub action: RouteAction,
+    /// The route's own timeout; `None` means the proxy's `limits.request_timeout`.
+    pub timeout: Option<Duration>,
+    pub request_headers_to_add: Vec<(HeaderName, HeaderValue)>,
+    pub request_headers_to_remove: Vec<HeaderName>,
+    pub response_headers_to_add: Vec<(HeaderName, HeaderValue)>,
+    pub retries: Option<RetryPolicy>,
+    /// Where the rule runs today (same as `placement.tier`).
+    pub tier: Tier,
+    /// The match half of the rule, for lowerings, explain and the reference executor.
+    pub matches: RuleMatch,
+    /// Eligible tiers and why not cheaper.
+    pub placement: Placement,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RouteAction {
+    Forward(ClusterId),
+    Split(WeightedSplit),
+    DirectResponse { status: StatusCode, body: Bytes },
+}
+
+/// Routes per listener are indexed with `u32` ids.
+const MAX_ROUTES: usize = u32::MAX as usize - 1;
+
+impl RuleProgram {
+    pub fn listener_id(&self, name: &str) -> Option<ListenerId> {
+        self.listener_ids.get(name).copied()
+    }
+
+    pub fn cluster_id(&self, name: &str) -> Option<ClusterId> {
+        self.cluster_ids.get(name).copied()
+    }
+
+    /// The cluster's name; `""` for an id this program never handed out.
+    pub fn cluster_name(&self, id: ClusterId) -> &str {
+        self.clusters.get(id).map_or("", |c| c.name.as_str())
+    }
+
+    pub fn clusters(&self) -> &[ClusterInfo] {
+        &self.clusters
+    }
+
+    pub fn listeners(&self) -> &[ListenerTable] {
+        &self.listeners
+    }
+
+    /// User-tier (U7) executor: the first route of an http listener whose match holds.
+    /// `None` means no route matched (answer 404), or the listener is not an http listener.
+    pub fn route(&self, listener: ListenerId, req: &Request<'_>) -> Option<&CompiledRoute> {
+        let TableKind::Http(table) = &self.listeners.get(listener)?.kind else {
+            return None;
+        };
+        let routes = &table.routes;
+        let id = table.index.first(req.path, |id| {
+            routes[id as usize].matches.matches_except_path(req)
+        })?;
+        routes.get(id as usize)
+    }
+
+    /// The same answer as [`route`](Self::route), found by trying every route in order with no index.
+    /// The executor's oracle in tests and fuzzing; never use it on the request path.
+    pub fn route_linear(&self, listener: ListenerId, req: &Request<'_>) -> Option<&CompiledRoute> {
+        let TableKind::Http(table) = &self.listeners.get(listener)?.kind else {
+            return None;
+        };
+        table.routes.iter().find(|r| r.matches.matches(req))
+    }
+
+    /// A tcp listener's cluster (tier K/U4 rule); `None` for http listeners.
+    pub fn tcp_cluster(&self, listener: ListenerId) -> Option<ClusterId> {
+        match &self.listeners.get(listener)?.kind {
+            TableKind::Tcp(rule) => Some(rule.cluster),
+            TableKind::Http(_) => None,
+        }
+    }
+}
+
+/// Compile a config into a RuleProgram. Refuses what it cannot run, with a message that says what to fix.
+pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
+    let mut cluster_ids = HashMap::new();
+    let mut clusters = Vec::with_capacity(cfg.clusters.len());
+    for (id, c) in cfg.clusters.iter().enumerate() {
+        if cluster_ids.insert(c.name.clone(), id).is_some() {
+            return Err(RulesError::DuplicateName {
+                what: "cluster",
+                name: c.name.clone(),
+            });
+        }
+        clusters.push(ClusterInfo {
+            name: c.name.clone(),
+            lb: c.lb,
+            protocol: c.protocol,
+            endpoints: c.endpoints.clone(),
+        });
+    }
+    let mut listener_ids = HashMap::new();
+    let mut listeners = Vec::with_capacity(cfg.listeners.len());
+    for (id, l) in cfg.listeners.iter().enumerate() {
+        if listener_ids.insert(l.name.clone(), id).is_some() {
+            return Err(RulesError::DuplicateName {
+                what: "listener",
+                name: l.name.clone(),
+            });
+        }
+        let kind = match l.protocol {
+            ListenerProtocol::Tcp => TableKind::Tcp(compile_tcp(l, &cluster_ids)?),
+            ListenerProtocol::Http => TableKind::Http(compile_http(l, &cluster_ids)?),
+        };
+        listeners.push(ListenerTable {
+            name: l.name.clone(),
+            address: l.address,
+            kind,
+        });
+    }
+    Ok(RuleProgram {
+        listeners,
+        clusters,
+        listener_ids,
+        cluster_ids,
+    })
+}
+
+fn compile_tcp(l: &Listener, clusters: &HashMap<String, ClusterId>) -> Result<TcpRule, RulesError> {
+    let name = l
+        .cluster
+        .as_ref()
+        .ok_or_else(|| RulesError::TcpWithoutCluster {
+            listener: l.name.clone(),
+        })?;
+    let cluster = *clusters
+        .get(name)
+        .ok_or_else(|| RulesError::UnknownTcpCluster {
+            listener: l.name.clone(),
+            cluster: name.clone(),
+        })?;
+    Ok(TcpRule {
+        cluster,
+        placement: classify_tcp(),
+    })
+}
+
+fn compile_http(
+    l: &Listener,
+    clusters: &HashMap<String, ClusterId>,
+) -> Result<HttpTable, RulesError> {
+    if l.routes.len() > MAX_ROUTES {
+        return Err(RulesError::TooManyRoutes {
+            listener: l.name.clone(),
+            count: l.routes.len(),
+            max: MAX_ROUTES,
+        });
+    }
+    let routes = l
+        .routes
+        .iter()
+        .enumerate()
+        .map(|(id, r)| compile_route(r, id, r.display_name(&l.name, id), clusters))
+        .collect::<Result<Vec<_>, _>>()?;
+    let index = PathIndex::build(routes.iter().map(|r| &r.matches)).map_err(|reason| {
+        RulesError::RegexSetTooLarge {
+            listener: l.name.clone(),
+            count: routes
+                .iter()
+                .filter(|r| matches!(r.matches.path, Some(PathCond::Regex(_))))
+                .count(),
+            reason,
+        }
+    })?;
+    Ok(HttpTable { routes, index })
+}
+
+fn compile_route(
+    r: &Route,
+    id: RouteId,
+    name: String,
+    clusters: &HashMap<String, ClusterId>,
+) -> Result<CompiledRoute, RulesError> {
+    let matches = compile_match(r, &name)?;
+    let action = compile_action(r, &name, clusters)?;
+    let header_name = |n: &str| {
+        HeaderName::from_bytes(n.as_bytes()).map_err(|_| RulesError::BadHeaderName {
+            route: name.clone(),
+            name: n.to_string(),
+        })
+    };
+    let header_pairs = |map: &std::collections::BTreeMap<String, String>| {
+        map.iter()
+            .map(|(k, v)| {
+                let value = HeaderValue::from_str(v).map_err(|_| RulesError::BadHeaderValue {
+                    route: name.clone(),
+                    name: k.clone(),
+                })?;
+                Ok((header_name(k)?, value))
+            })
+            .collect::<Result<Vec<_>, RulesError>>()
+    };
+    let placement = classify_http(r);
+    Ok(CompiledRoute {
+        id,
+        action,
+        timeout: r.timeout,
+        request_headers_to_add: header_pairs(&r.request_headers_to_add)?,
+        request_headers_to_remove: r
+            .request_headers_to_remove
+            .iter()
+            .map(|n| header_name(n))
+            .collect::<Result<_, _>>()?,
+        response_headers_to_add: header_pairs(&r.response_headers_to_add)?,
+        retries: r.retries.clone(),
+        tier: placement.tier,
+        matches,
+        placement,
+        name,
+    })
+}
+
+fn compile_match(r: &Route, route: &str) -> Result<RuleMatch, RulesError> {
+    let m = &r.matches;
+    let regex = |what: &str, pattern: &str| {
+        Pattern::new(pattern).map_err(|reason| RulesError::BadRegex {
+            route: route.to_string(),
+            what: what.to_string(),
+            pattern: pattern.to_string(),
+            reason,
+        })
+    };
+    let host = match &m.host {
+        None => None,
+        Some(h) => Some(HostMatch::parse(h).ok_or_else(|| RulesError::BadHost {
+            route: route.to_string(),
+            host: h.clone(),
+        })?),
+    };
+    let path = match &m.path {
+        None => None,
+        Some(PathMatch::Exact(p)) => Some(PathCond::Exact(p.clone())),
+        Some(PathMatch::Prefix(p)) => Some(PathCond::Prefix(p.clone())),
+        Some(PathMatch::Regex(p)) => Some(PathCond::Regex(regex("path", p)?)),
+    };
+    let method =
+        match &m.method {
+            None => None,
+            Some(text) => Some(Method::from_bytes(text.trim().as_bytes()).map_err(|_| {
+                RulesError::BadMethod {
+                    route: route.to_string(),
+                    method: text.clone(),
+                }
+            })?),
+        };
+    let value = |what: &str, n: &NamedMatch| -> Result<ValueMatch, RulesError> {
+        let set = [
+            n.exact.is_some(),
+            n.prefix.is_some(),
+            n.present.is_some(),
+            n.regex.is_some(),
+        ];
+        let count = set.iter().filter(|s| **s).count();
+        let kind_error = || RulesError::MatcherKind {
+            route: route.to_string(),
+            what: what.to_string(),
+            name: n.name.clone(),
+            count,
+        };
+        if count != 1 {
+            return Err(kind_error());
+        }
+        Ok(match (&n.exact, &n.prefix, n.present, &n.regex) {
+            (Some(v), ..) => ValueMatch::Exact(v.clone()),
+            (_, Some(v), ..) => ValueMatch::Prefix(v.clone()),
+            (_, _, Some(p), _) => ValueMatch::Present(p),
+            (.., Some(v)) => ValueMatch::Regex(regex(&format!("{what} `{}`", n.name), v)?),
+            _ => return Err(kind_error()),
+        })
+    };
+    let headers = m
+        .headers
+        .iter()
+        .map(|n| {
+            let name = HeaderName::from_bytes(n.name.as_bytes()).map_err(|_| {
+                RulesError::BadHeaderName {
+                    route: route.to_string(),
+                    name: n.name.clone(),
+                }
+            })?;
+            Ok(HeaderCond {
+                name,
+                value: value("header", n)?,
+            })
+        })
+        .collect::<Result<Vec<_>, RulesError>>()?;
+    let query = m
+        .query
+        .iter()
+        .map(|n| {
+            Ok(QueryCond {
+                name: n.name.clone(),
+                value: value("query parameter", n)?,
+            })
+        })
+        .collect::<Result<Vec<_>, RulesError>>()?;
+    Ok(RuleMatch {
+        host,
+        path,
+        method,
+        headers,
+        query,
+    })
+}
+
+fn compile_action(
+    r: &Route,
+    route: &str,
+    clusters: &HashMap<String, ClusterId>,
+) -> Result<RouteAction, RulesError> {
+    let cluster = |name: &String| {
+        clusters
+            .get(name)
+            .copied()
+            .ok_or_else(|| RulesError::UnknownCluster {
+                route: route.to_string(),
+                cluster: name.clone(),
+            })
+    };
+    match (&r.cluster, &r.split, &r.direct_response) {
+        (Some(c), None, None) => Ok(RouteAction::Forward(cluster(c)?)),
+        (None, Some(split), None) => {
+            let entries = split
+                .iter()
+                .map(|w| Ok((cluster(&w.cluster)?, w.weight)))
+                .collect::<Result<Vec<_>, RulesError>>()?;
+            let total: u64 = entries.iter().map(|(_, w)| u64::from(*w)).sum();
+            WeightedSplit::new(entries)
+                .map(RouteAction::Split)
+                .ok_or(RulesError::SplitWeights {
+                    route: route.to_string(),
+                    total,
+                    max: WeightedSplit::MAX_TOTAL,
+                })
+        }
+        (None, None, Some(d)) => {
+            let status = StatusCode::from_u16(d.status).map_err(|_| RulesError::BadStatus {
+                route: route.to_string(),
+                status: d.status,
+            })?;
+            Ok(RouteAction::DirectResponse {
+                status,
+                body: Bytes::from(d.body.clone()),
+            })
+        }
+        (c, s, d) => {
+            let found: Vec<&str> = [
+                (c.is_some(), "`cluster`"),
+                (s.is_some(), "`split`"),
+                (d.is_some(), "`direct_response`"),
+            ]
+            .into_iter()
+            .filter_map(|(set, name)| set.then_some(name))
+            .collect();
+            let found = if found.is_empty() {
+                "none of them".to_string()
+            } else {
+                found.join(" and ")
+            };
+            Err(RulesError::ActionCount {
+                route: route.to_string(),
+                found,
+            })
+        }
+    }
+}

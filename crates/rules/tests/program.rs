@@ -1,0 +1,481 @@
+//! The compiled program end to end: the issue's example config, every match kind through the
+//! executor, order semantics, errors, explain and JSON.
+
+// Test helpers may unwrap: the workspace allows it in tests (clippy.toml), helpers included.
+#![allow(clippy::unwrap_used)]
+
+use flatmesh_config::Config;
+use flatmesh_rules::{compile, Decidable, Request, RouteAction, RulesError, Tier};
+use http::{HeaderMap, HeaderName, HeaderValue, Method};
+
+const EXAMPLE: &str = r#"
+listeners:
+  - name: web
+    address: 127.0.0.1:8080
+    protocol: http
+    routes:
+      - match: { path: { prefix: /api }, headers: [ { name: x-canary, exact: "1" } ] }
+        cluster: api-canary
+      - match: { path: { regex: "^/v[0-9]+/items" }, method: GET }
+        split: [ { cluster: api, weight: 90 }, { cluster: api-canary, weight: 10 } ]
+        timeout: 2s
+      - match: { path: { exact: /healthz } }
+        direct_response: { status: 200, body: "ok" }
+      - match: { host: "*.example.com", path: { prefix: / } }
+        cluster: api
+        request_headers_to_add: { x-via: flatmesh }
+  - name: db
+    address: 127.0.0.1:8081
+    protocol: tcp
+    cluster: db
+clusters:
+  - name: api
+    lb: round_robin
+    endpoints: [ 127.0.0.1:9001, 127.0.0.1:9002 ]
+  - name: api-canary
+    endpoints: [ 127.0.0.1:9003 ]
+    protocol: http2
+  - name: db
+    endpoints: [ 127.0.0.1:5432 ]
+"#;
+
+fn cfg(yaml: &str) -> Config {
+    serde_norway::from_str(yaml).unwrap()
+}
+
+/// A one-listener http config with the given route list (YAML lines, indented by 6).
+fn routes(list: &str) -> Config {
+    cfg(&format!(
+        "listeners:\n  - name: web\n    address: 127.0.0.1:1\n    protocol: http\n    routes:\n{list}\
+         clusters:\n  - {{ name: a, endpoints: [127.0.0.1:2] }}\n  - {{ name: b, endpoints: [127.0.0.1:3] }}\n"
+    ))
+}
+
+struct Req {
+    method: Method,
+    host: Option<String>,
+    path: String,
+    query: Option<String>,
+    headers: HeaderMap,
+}
+
+impl Req {
+    fn get(path: &str) -> Req {
+        let (path, query) = match path.split_once('?') {
+            Some((p, q)) => (p.to_string(), Some(q.to_string())),
+            None => (path.to_string(), None),
+        };
+        Req {
+            method: Method::GET,
+            host: None,
+            path,
+            query,
+            headers: HeaderMap::new(),
+        }
+    }
+    fn method(mut self, m: Method) -> Req {
+        self.method = m;
+        self
+    }
+    fn host(mut self, h: &str) -> Req {
+        self.host = Some(h.to_string());
+        self
+    }
+    fn header(mut self, k: &str, v: &str) -> Req {
+        self.headers.append(
+            HeaderName::from_bytes(k.as_bytes()).unwrap(),
+            HeaderValue::from_str(v).unwrap(),
+        );
+        self
+    }
+    fn view(&self) -> Request<'_> {
+        Request {
+            method: &self.method,
+            host: self.host.as_deref(),
+            path: &self.path,
+            query: self.query.as_deref(),
+            headers: &self.headers,
+        }
+    }
+}
+
+/// The winning route's id under both executors (they must agree).
+fn hit(program: &flatmesh_rules::RuleProgram, req: &Req) -> Option<usize> {
+    let fast = program.route(0, &req.view()).map(|r| r.id);
+    let linear = program.route_linear(0, &req.view()).map(|r| r.id);
+    assert_eq!(
+        fast, linear,
+        "index and linear executor disagree on {}",
+        req.path
+    );
+    fast
+}
+
+#[test]
+fn issue_example_compiles_and_routes() {
+    let p = compile(&cfg(EXAMPLE)).unwrap();
+    let web = p.listener_id("web").unwrap();
+    let db = p.listener_id("db").unwrap();
+    assert_eq!((web, db), (0, 1));
+    assert_eq!(p.listener_id("nope"), None);
+    let api = p.cluster_id("api").unwrap();
+    let canary = p.cluster_id("api-canary").unwrap();
+    assert_eq!(p.cluster_name(canary), "api-canary");
+    assert_eq!(p.cluster_name(99), "");
+    assert_eq!(p.tcp_cluster(db), p.cluster_id("db"));
+    assert_eq!(p.tcp_cluster(web), None);
+    assert!(
+        p.route(db, &Req::get("/").view()).is_none(),
+        "tcp listener has no http routes"
+    );
+    assert!(
+        p.route(7, &Req::get("/").view()).is_none(),
+        "unknown listener"
+    );
+
+    let r = p
+        .route(web, &Req::get("/api/x").header("X-Canary", "1").view())
+        .unwrap();
+    assert_eq!((r.id, r.name.as_str()), (0, "web/0"));
+    assert_eq!(r.action, RouteAction::Forward(canary));
+
+    let r = p.route(web, &Req::get("/v2/items").view()).unwrap();
+    assert_eq!(r.id, 1);
+    assert_eq!(r.timeout, Some(std::time::Duration::from_secs(2)));
+    let RouteAction::Split(split) = &r.action else {
+        panic!("expected a split")
+    };
+    assert_eq!(split.entries(), &[(api, 90), (canary, 10)]);
+    // Full-path regex: a tail after /items does not match, and POST does not either.
+    assert_eq!(hit(&p, &Req::get("/v2/items/7")), None);
+    assert_eq!(hit(&p, &Req::get("/v2/items").method(Method::POST)), None);
+
+    let r = p.route(web, &Req::get("/healthz").view()).unwrap();
+    assert_eq!(
+        r.action,
+        RouteAction::DirectResponse {
+            status: http::StatusCode::OK,
+            body: "ok".into()
+        }
+    );
+
+    let r = p
+        .route(
+            web,
+            &Req::get("/anything").host("Shop.Example.com:8080").view(),
+        )
+        .unwrap();
+    assert_eq!(r.id, 3);
+    assert_eq!(
+        r.request_headers_to_add,
+        vec![(
+            HeaderName::from_static("x-via"),
+            HeaderValue::from_static("flatmesh")
+        )]
+    );
+    assert_eq!(hit(&p, &Req::get("/anything").host("example.com")), None);
+    assert_eq!(
+        hit(&p, &Req::get("/api/x")),
+        None,
+        "canary header missing and no host"
+    );
+}
+
+#[test]
+fn first_match_wins_in_route_order_across_index_buckets() {
+    let p = compile(&routes(
+        "      - match: { path: { regex: \"/a/.*\" }, method: POST }\n        cluster: a\n\
+         \x20     - match: { path: { prefix: /a/b } }\n        cluster: a\n\
+         \x20     - match: { path: { exact: /a/b/c } }\n        cluster: b\n\
+         \x20     - match: { path: { prefix: /a } }\n        cluster: b\n\
+         \x20     - match: { path: { regex: \"/a/b/c\" } }\n        cluster: b\n\
+         \x20     - match: {}\n        cluster: b\n",
+    ))
+    .unwrap();
+    assert_eq!(hit(&p, &Req::get("/a/b/c").method(Method::POST)), Some(0));
+    assert_eq!(
+        hit(&p, &Req::get("/a/b/c")),
+        Some(1),
+        "prefix /a/b comes before exact /a/b/c"
+    );
+    assert_eq!(hit(&p, &Req::get("/a/x")), Some(3));
+    assert_eq!(
+        hit(&p, &Req::get("/zzz")),
+        Some(5),
+        "the empty match catches everything"
+    );
+    assert_eq!(hit(&p, &Req::get("")), Some(5));
+}
+
+#[test]
+fn every_match_kind() {
+    let p = compile(&routes(
+        r#"      - match: { host: api.local, path: { exact: /h } }
+        cluster: a
+      - match: { path: { prefix: /p }, method: DELETE }
+        cluster: a
+      - match: { path: { exact: /hdr }, headers: [ { name: X-Exact, exact: "v" } ] }
+        cluster: a
+      - match: { path: { exact: /hdr }, headers: [ { name: x-prefix, prefix: "pre" } ] }
+        cluster: a
+      - match: { path: { exact: /hdr }, headers: [ { name: x-present, present: true } ] }
+        cluster: a
+      - match: { path: { exact: /hdr }, headers: [ { name: x-absent, present: false }, { name: x-re, regex: "[0-9]{3}" } ] }
+        cluster: a
+      - match: { path: { exact: /q }, query: [ { name: user, exact: "jo ann" } ] }
+        cluster: a
+      - match: { path: { exact: /q }, query: [ { name: tag, prefix: "beta" } ] }
+        cluster: a
+      - match: { path: { exact: /q }, query: [ { name: debug, present: true } ] }
+        cluster: a
+      - match: { path: { exact: /q }, query: [ { name: id, regex: "[a-f0-9]+" }, { name: off, present: false } ] }
+        cluster: a
+      - match: { path: { regex: "/items/[0-9]+" } }
+        cluster: b
+"#,
+    ))
+    .unwrap();
+    assert_eq!(hit(&p, &Req::get("/h").host("API.local:80")), Some(0));
+    assert_eq!(hit(&p, &Req::get("/h").host("other.local")), None);
+    assert_eq!(hit(&p, &Req::get("/h")), None);
+    assert_eq!(hit(&p, &Req::get("/pxyz").method(Method::DELETE)), Some(1));
+    assert_eq!(hit(&p, &Req::get("/pxyz")), None);
+    assert_eq!(hit(&p, &Req::get("/hdr").header("x-exact", "v")), Some(2));
+    assert_eq!(
+        hit(
+            &p,
+            &Req::get("/hdr")
+                .header("x-exact", "v")
+                .header("x-exact", "w")
+        ),
+        None,
+        "joined as v,w"
+    );
+    assert_eq!(
+        hit(&p, &Req::get("/hdr").header("x-prefix", "prefix")),
+        Some(3)
+    );
+    assert_eq!(hit(&p, &Req::get("/hdr").header("x-present", "")), Some(4));
+    assert_eq!(hit(&p, &Req::get("/hdr").header("x-re", "123")), Some(5));
+    assert_eq!(
+        hit(&p, &Req::get("/hdr").header("x-re", "1234")),
+        None,
+        "regex must match the whole value"
+    );
+    assert_eq!(
+        hit(
+            &p,
+            &Req::get("/hdr")
+                .header("x-re", "123")
+                .header("x-absent", "1")
+        ),
+        None
+    );
+    assert_eq!(hit(&p, &Req::get("/q?user=jo%20ann")), Some(6));
+    assert_eq!(hit(&p, &Req::get("/q?user=jo+ann")), Some(6));
+    assert_eq!(hit(&p, &Req::get("/q?user=jo")), None);
+    assert_eq!(hit(&p, &Req::get("/q?x=1&tag=beta2")), Some(7));
+    assert_eq!(
+        hit(&p, &Req::get("/q?tag=alpha&tag=beta")),
+        None,
+        "first occurrence counts"
+    );
+    assert_eq!(hit(&p, &Req::get("/q?debug")), Some(8));
+    assert_eq!(
+        hit(&p, &Req::get("/q?id=%61%62%63")),
+        Some(9),
+        "decoded abc matches [a-f0-9]+"
+    );
+    assert_eq!(hit(&p, &Req::get("/q?id=abc&off=1")), None);
+    assert_eq!(hit(&p, &Req::get("/q?id=xyz")), None);
+    assert_eq!(hit(&p, &Req::get("/items/42")), Some(10));
+    assert_eq!(hit(&p, &Req::get("/items/42/")), None);
+    assert_eq!(hit(&p, &Req::get("/items/")), None);
+}
+
+#[test]
+fn compile_errors_say_what_to_fix() {
+    let err = |list: &str| compile(&routes(list)).unwrap_err();
+    let e = err("      - match: {}\n        cluster: nope\n");
+    assert!(
+        matches!(&e, RulesError::UnknownCluster { cluster, .. } if cluster == "nope"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("add it under `clusters:`"));
+    let e = err("      - match: { path: { regex: \"(\" } }\n        cluster: a\n");
+    assert!(matches!(e, RulesError::BadRegex { .. }), "{e}");
+    let e = err("      - match: { method: \"G T\" }\n        cluster: a\n");
+    assert!(matches!(e, RulesError::BadMethod { .. }), "{e}");
+    let e = err("      - match: {}\n");
+    assert!(e.to_string().contains("none of them"), "{e}");
+    let e =
+        err("      - match: {}\n        cluster: a\n        direct_response: { status: 200 }\n");
+    assert!(
+        e.to_string().contains("`cluster` and `direct_response`"),
+        "{e}"
+    );
+    let e = err("      - match: {}\n        split: [ { cluster: a, weight: 0 } ]\n");
+    assert!(
+        matches!(e, RulesError::SplitWeights { total: 0, .. }),
+        "{e}"
+    );
+    let e = err("      - match: {}\n        direct_response: { status: 1000 }\n");
+    assert!(
+        matches!(e, RulesError::BadStatus { status: 1000, .. }),
+        "{e}"
+    );
+    let e = err("      - match: { headers: [ { name: \"bad name\", present: true } ] }\n        cluster: a\n");
+    assert!(matches!(e, RulesError::BadHeaderName { .. }), "{e}");
+    let e = err(
+        "      - match: { headers: [ { name: x, exact: a, prefix: b } ] }\n        cluster: a\n",
+    );
+    assert!(matches!(e, RulesError::MatcherKind { count: 2, .. }), "{e}");
+    let e = err("      - match: { query: [ { name: x } ] }\n        cluster: a\n");
+    assert!(matches!(e, RulesError::MatcherKind { count: 0, .. }), "{e}");
+    let e = err("      - match: { host: \"a.*.b\" }\n        cluster: a\n");
+    assert!(matches!(e, RulesError::BadHost { .. }), "{e}");
+    let e = err("      - match: {}\n        cluster: a\n        request_headers_to_add: { x-a: \"bad\\nvalue\" }\n");
+    assert!(matches!(e, RulesError::BadHeaderValue { .. }), "{e}");
+    let e = err("      - match: { headers: [ { name: x, regex: \"[\" } ] }\n        cluster: a\n");
+    assert!(e.to_string().contains("header `x` regex `[`"), "{e}");
+
+    let e = compile(&cfg(
+        "listeners:\n  - { name: t, address: 127.0.0.1:1, protocol: tcp }\n",
+    ))
+    .unwrap_err();
+    assert!(matches!(e, RulesError::TcpWithoutCluster { .. }), "{e}");
+    let e = compile(&cfg(
+        "listeners:\n  - { name: t, address: 127.0.0.1:1, protocol: tcp, cluster: x }\n",
+    ))
+    .unwrap_err();
+    assert!(matches!(e, RulesError::UnknownTcpCluster { .. }), "{e}");
+    let e = compile(&cfg(
+        "clusters:\n  - { name: a, endpoints: [] }\n  - { name: a, endpoints: [] }\n",
+    ))
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            RulesError::DuplicateName {
+                what: "cluster",
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn tiers_are_recorded_and_decidable_prefix_respects_order() {
+    let p = compile(&routes(
+        "      - match: { path: { prefix: /a }, method: GET }\n        cluster: a\n\
+         \x20     - match: { path: { exact: /b } }\n        cluster: a\n\
+         \x20     - match: { path: { exact: /c }, headers: [ { name: x, present: true } ] }\n        cluster: a\n\
+         \x20     - match: { path: { exact: /d } }\n        cluster: a\n",
+    ))
+    .unwrap();
+    let tiers: Vec<_> = match p.decidable_prefix(0, Tier::Kernel) {
+        Some(Decidable::Http(routes)) => routes.iter().map(|r| r.id).collect(),
+        other => panic!("unexpected {other:?}"),
+    };
+    assert_eq!(
+        tiers,
+        [0, 1],
+        "route 3 is K-eligible but sits after the U7-only route 2"
+    );
+    match p.decidable_prefix(0, Tier::Nic) {
+        Some(Decidable::Http(routes)) => assert_eq!(routes.len(), 1),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(
+        matches!(&p.listeners()[0].kind, flatmesh_rules::TableKind::Http(t) if t.routes.len() == 4)
+    );
+    let r = p.route(0, &Req::get("/d").view()).unwrap();
+    assert_eq!(r.tier, Tier::UserL7);
+    assert_eq!(r.placement.eligible.label(), "K|U7");
+
+    let ex = compile(&cfg(EXAMPLE)).unwrap();
+    match ex.decidable_prefix(1, Tier::Kernel) {
+        Some(Decidable::Tcp(Some(rule))) => assert_eq!(rule.placement.tier, Tier::UserL4),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(matches!(
+        ex.decidable_prefix(1, Tier::Nic),
+        Some(Decidable::Tcp(None))
+    ));
+    assert!(ex.decidable_prefix(9, Tier::Kernel).is_none());
+}
+
+#[test]
+fn explain_shows_every_table_rule_and_tier() {
+    let text = compile(&cfg(EXAMPLE)).unwrap().explain();
+    println!("{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    let find = |needle: &str| -> &str {
+        lines
+            .iter()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no line with {needle:?} in\n{text}"))
+    };
+    assert!(text.starts_with("RuleProgram: 2 listeners, 3 clusters\n"));
+    assert!(find("listener 0 `web` http 127.0.0.1:8080").contains("4 routes"));
+    assert!(find("listener 0 `web`").contains("1 exact, 2 prefix, 1 regex, 0 any path"));
+    let header = find("#  name");
+    for col in ["match", "action", "eligible", "tier", "why"] {
+        assert!(header.contains(col), "{header}");
+    }
+    // Columns are aligned: every row of the web table starts its action at the same offset.
+    let action_col = header.find("action").unwrap();
+    let r0 = find("forward api-canary");
+    assert_eq!(r0.find("forward"), Some(action_col), "\n{header}\n{r0}");
+    assert!(r0.contains(r#"path ^= /api, header x-canary = "1""#));
+    let r1 = find("split api:90 api-canary:10; timeout 2s");
+    assert_eq!(r1.find("split"), Some(action_col));
+    assert!(r1.contains("path ~ ^/v[0-9]+/items, method GET"));
+    assert!(r1.contains(" U7 ") && r1.contains("regex runs only in the user tier"));
+    assert!(find("respond 200 (2 bytes)").contains("direct response is answered by the user tier"));
+    assert!(find("forward api; set x-via").contains("host *.example.com"));
+    let tcp = find("forward db");
+    assert!(tcp.contains("K|U4") && tcp.contains(" U4 "), "{tcp}");
+    assert!(find("listener 1 `db` tcp 127.0.0.1:8081").contains("1 rule"));
+    assert!(find("127.0.0.1:9001, 127.0.0.1:9002").contains("round_robin"));
+    let canary = find("127.0.0.1:9003");
+    assert!(
+        canary.contains("api-canary") && canary.contains("http2"),
+        "{canary}"
+    );
+    assert!(text.contains("(no match: 404)"));
+}
+
+#[test]
+fn json_for_the_admin_endpoint() {
+    let v = compile(&cfg(EXAMPLE)).unwrap().to_json();
+    let web = &v["listeners"][0];
+    assert_eq!(web["protocol"], "http");
+    assert_eq!(web["index"]["regex"], 1);
+    let r1 = &web["routes"][1];
+    assert_eq!(r1["name"], "web/1");
+    assert_eq!(r1["match"]["path"]["regex"], "^/v[0-9]+/items");
+    assert_eq!(r1["match"]["method"], "GET");
+    assert_eq!(r1["action"]["split"][1]["cluster"], "api-canary");
+    assert_eq!(r1["action"]["split"][1]["weight"], 10);
+    assert_eq!(r1["timeout"], "2s");
+    assert_eq!(r1["tier"], "U7");
+    assert_eq!(r1["eligible"], serde_json::json!(["U7"]));
+    assert_eq!(
+        web["routes"][0]["match"]["headers"][0],
+        serde_json::json!({ "name": "x-canary", "exact": "1" })
+    );
+    assert_eq!(web["routes"][2]["action"]["direct_response"]["body"], "ok");
+    assert_eq!(web["routes"][3]["match"]["host"]["suffix"], ".example.com");
+    assert_eq!(
+        web["routes"][3]["request_headers_to_add"]["x-via"],
+        "flatmesh"
+    );
+    let db = &v["listeners"][1];
+    assert_eq!(db["rule"]["action"]["forward"], "db");
+    assert_eq!(db["rule"]["eligible"], serde_json::json!(["K", "U4"]));
+    assert_eq!(db["rule"]["tier"], "U4");
+    assert_eq!(v["clusters"][1]["protocol"], "http2");
+    assert_eq!(v["clusters"][0]["endpoints"][1], "127.0.0.1:9002");
+}
