@@ -52,21 +52,30 @@ impl AccessLog {
         let mut out: Box<dyn Write + Send> = match path {
             "stdout" => Box::new(std::io::stdout()),
             "stderr" => Box::new(std::io::stderr()),
-            file => Box::new(std::fs::OpenOptions::new().create(true).append(true).open(file)?),
+            file => Box::new(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(file)?,
+            ),
         };
         let (tx, rx) = sync_channel::<String>(65_536);
-        std::thread::Builder::new().name("flatmesh-access-log".into()).spawn(move || {
-            let mut buf = std::io::BufWriter::new(&mut out);
-            while let Ok(line) = rx.recv() {
-                let _ = buf.write_all(line.as_bytes());
-                // Write what else is already queued, then flush once.
-                while let Ok(more) = rx.try_recv() {
-                    let _ = buf.write_all(more.as_bytes());
+        std::thread::Builder::new()
+            .name("flatmesh-access-log".into())
+            .spawn(move || {
+                let mut buf = std::io::BufWriter::new(&mut out);
+                while let Ok(line) = rx.recv() {
+                    let _ = buf.write_all(line.as_bytes());
+                    // Write what else is already queued, then flush once.
+                    while let Ok(more) = rx.try_recv() {
+                        let _ = buf.write_all(more.as_bytes());
+                    }
+                    let _ = buf.flush();
                 }
-                let _ = buf.flush();
-            }
-        })?;
-        Ok(AccessLog { sink: Some((tx, Arc::new(AtomicU64::new(0)))) })
+            })?;
+        Ok(AccessLog {
+            sink: Some((tx, Arc::new(AtomicU64::new(0)))),
+        })
     }
 
     pub fn enabled(&self) -> bool {
@@ -75,10 +84,20 @@ impl AccessLog {
 
     /// Log one request; `record` is only called when logging is on.
     pub fn write(&self, record: impl FnOnce() -> AccessRecord) {
-        let Some((tx, dropped)) = &self.sink else { return };
-        let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
-        let line = Line { ts, record: record() };
-        let Ok(mut line) = serde_json::to_string(&line) else { return };
+        let Some((tx, dropped)) = &self.sink else {
+            return;
+        };
+        let ts = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        let line = Line {
+            ts,
+            record: record(),
+        };
+        let Ok(mut line) = serde_json::to_string(&line) else {
+            return;
+        };
         line.push('\n');
         if let Err(TrySendError::Full(_)) = tx.try_send(line) {
             dropped.fetch_add(1, Ordering::Relaxed);

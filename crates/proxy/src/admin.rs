@@ -14,8 +14,15 @@ use hyper_util::rt::TokioIo;
 
 use crate::node::{ConfigSource, Shared};
 
-pub(crate) fn run(shared: Arc<Shared>, socket: std::net::TcpListener, stop: tokio::sync::oneshot::Receiver<()>) {
-    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+pub(crate) fn run(
+    shared: Arc<Shared>,
+    socket: std::net::TcpListener,
+    stop: tokio::sync::oneshot::Receiver<()>,
+) {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(err) => {
             tracing::error!(error = %err, "cannot build the admin runtime; admin endpoint and reloads are off");
@@ -52,29 +59,49 @@ async fn serve_admin(shared: Arc<Shared>, listener: tokio::net::TcpListener) {
                 let shared = shared.clone();
                 async move { Ok::<_, std::convert::Infallible>(handle(&shared, req)) }
             });
-            let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
         });
     }
 }
 
-fn respond(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+fn respond(
+    status: StatusCode,
+    content_type: &'static str,
+    body: impl Into<Bytes>,
+) -> Response<Full<Bytes>> {
     let mut resp = Response::new(Full::new(body.into()));
     *resp.status_mut() = status;
-    resp.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static(content_type));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static(content_type),
+    );
     resp
 }
 
 fn json(value: &serde_json::Value) -> Response<Full<Bytes>> {
-    let text = serde_json::to_string_pretty(value).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"));
+    let text =
+        serde_json::to_string_pretty(value).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"));
     respond(StatusCode::OK, "application/json", text + "\n")
 }
 
 fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
-    if req.method() != Method::GET && !(req.method() == Method::POST && req.uri().path() == "/reload") {
-        return respond(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "admin endpoints answer GET (and POST /reload)\n");
+    if req.method() != Method::GET
+        && !(req.method() == Method::POST && req.uri().path() == "/reload")
+    {
+        return respond(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "admin endpoints answer GET (and POST /reload)\n",
+        );
     }
     match req.uri().path() {
-        "/metrics" => respond(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", shared.metrics.encode()),
+        "/metrics" => respond(
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            shared.metrics.encode(),
+        ),
         "/ready" => {
             if shared.ready.load(Ordering::Acquire) {
                 respond(StatusCode::OK, "text/plain", "ready\n")
@@ -108,7 +135,11 @@ fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
         }
         "/reload" if req.method() == Method::POST => match shared.reload_from_source() {
             Ok(()) => respond(StatusCode::OK, "text/plain", "reloaded\n"),
-            Err(e) => respond(StatusCode::BAD_REQUEST, "text/plain", format!("reload refused: {e}\n")),
+            Err(e) => respond(
+                StatusCode::BAD_REQUEST,
+                "text/plain",
+                format!("reload refused: {e}\n"),
+            ),
         },
         _ => respond(
             StatusCode::NOT_FOUND,

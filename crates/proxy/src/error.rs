@@ -5,7 +5,11 @@ use std::net::SocketAddr;
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
     #[error("cannot listen on {address} for {what}: {source}; stop the process that holds the port (`ss -ltnp 'sport = :{port}'`) or change the address in the config", port = address.port())]
-    Bind { what: String, address: SocketAddr, source: std::io::Error },
+    Bind {
+        what: String,
+        address: SocketAddr,
+        source: std::io::Error,
+    },
 
     #[error("config rejected: {0}")]
     Config(String),
@@ -14,7 +18,10 @@ pub enum ProxyError {
     Rules(String),
 
     #[error("cannot start worker thread {worker}: {source}; the machine may be out of threads or memory")]
-    Thread { worker: usize, source: std::io::Error },
+    Thread {
+        worker: usize,
+        source: std::io::Error,
+    },
 
     #[error("config reload is only possible for a node started from a file (flatmesh node --config FILE)")]
     NoConfigFile,

@@ -51,7 +51,16 @@ const HOP_BY_HOP: [HeaderName; 6] = [
     header::PROXY_AUTHORIZATION,
 ];
 
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    HOP_BY_HOP.contains(name) || name == header::TE
+}
+
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Fast path: most requests carry none, and one pass over the names is far cheaper than
+    // a hashed remove per hop-by-hop name.
+    if !headers.keys().any(is_hop_by_hop) {
+        return;
+    }
     // Headers named in `Connection` are hop-by-hop too.
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
@@ -64,7 +73,10 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
         headers.remove(name);
     }
     // `te` may only carry "trailers" (gRPC needs it); anything else is hop-by-hop.
-    if headers.get(header::TE).is_some_and(|v| v.as_bytes() != b"trailers") {
+    if headers
+        .get(header::TE)
+        .is_some_and(|v| v.as_bytes() != b"trailers")
+    {
         headers.remove(header::TE);
     }
 }
@@ -73,9 +85,69 @@ fn text_response(status: StatusCode, body: String, close: bool) -> Response<Resp
     let mut resp = Response::new(Either::Right(Full::new(Bytes::from(body))));
     *resp.status_mut() = status;
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
     if close {
         h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    resp
+}
+
+/// The gRPC status for an HTTP status, per gRPC's "HTTP to gRPC status code mapping".
+fn grpc_status(status: StatusCode) -> u8 {
+    match status.as_u16() {
+        400 => 13,             // INTERNAL
+        401 => 16,             // UNAUTHENTICATED
+        403 => 7,              // PERMISSION_DENIED
+        404 => 12,             // UNIMPLEMENTED
+        429 | 502..=504 => 14, // UNAVAILABLE
+        _ => 2,                // UNKNOWN
+    }
+}
+
+fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// A reply made by the proxy itself. gRPC clients get a trailers-only response carrying
+/// `grpc-status` / `grpc-message` (as Envoy does), everyone else plain text.
+fn local_reply(
+    status: StatusCode,
+    message: String,
+    close: bool,
+    grpc: bool,
+) -> Response<ResponseBody> {
+    if !grpc {
+        return text_response(status, message, close);
+    }
+    let mut resp = Response::new(Either::Right(Full::new(Bytes::new())));
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    h.insert(
+        "grpc-status",
+        HeaderValue::from(u16::from(grpc_status(status))),
+    );
+    // grpc-message is percent-encoded; keep it to safe visible ASCII.
+    let encoded: String = message
+        .trim_end()
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_graphic() && b != b'%' || b == b' ' {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect();
+    if let Ok(v) = HeaderValue::from_str(&encoded) {
+        h.insert("grpc-message", v);
     }
     resp
 }
@@ -91,9 +163,17 @@ fn framing_error(headers: &HeaderMap, version: Version) -> Option<&'static str> 
         return Some("request has both Content-Length and Transfer-Encoding; send exactly one");
     }
     if let Some(first) = lengths.next() {
-        let first_values: Vec<&[u8]> = first.as_bytes().split(|b| *b == b',').map(|v| v.trim_ascii()).collect();
+        let first_values: Vec<&[u8]> = first
+            .as_bytes()
+            .split(|b| *b == b',')
+            .map(|v| v.trim_ascii())
+            .collect();
         let all_same = first_values.windows(2).all(|w| w[0] == w[1])
-            && lengths.all(|v| v.as_bytes().split(|b| *b == b',').all(|x| x.trim_ascii() == first_values[0]));
+            && lengths.all(|v| {
+                v.as_bytes()
+                    .split(|b| *b == b',')
+                    .all(|x| x.trim_ascii() == first_values[0])
+            });
         if !all_same {
             return Some("request has conflicting Content-Length values");
         }
@@ -112,7 +192,10 @@ impl http_body::Body for DownstreamBody {
     type Data = Bytes;
     type Error = hyper::Error;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         if let Poll::Ready(Some(Err(_))) = &polled {
             self.failed.store(true, Ordering::Relaxed);
@@ -131,11 +214,16 @@ impl http_body::Body for DownstreamBody {
 
 /// The request as the rule program sees it.
 fn authority<'a>(uri: &'a Uri, headers: &'a HeaderMap) -> Option<&'a str> {
-    uri.authority().map(|a| a.as_str()).or_else(|| headers.get(header::HOST).and_then(|h| h.to_str().ok()))
+    uri.authority()
+        .map(|a| a.as_str())
+        .or_else(|| headers.get(header::HOST).and_then(|h| h.to_str().ok()))
 }
 
 /// Serve one request on a connection of an http listener.
-pub async fn serve(ctx: Arc<ConnContext>, req: Request<Incoming>) -> Result<Response<ResponseBody>, Infallible> {
+pub async fn serve(
+    ctx: Arc<ConnContext>,
+    req: Request<Incoming>,
+) -> Result<Response<ResponseBody>, Infallible> {
     let started = Instant::now();
     let view = ctx.view.load_full();
     let snap = &view.snapshot;
@@ -153,7 +241,10 @@ pub async fn serve(ctx: Arc<ConnContext>, req: Request<Incoming>) -> Result<Resp
     let path_and_query = || uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
 
     // The access log line is built only when logging is on: nothing is allocated otherwise.
-    let finish = |route: Option<&CompiledRoute>, cluster: &str, upstream: Option<SocketAddr>, resp: &Response<ResponseBody>| {
+    let finish = |route: Option<&CompiledRoute>,
+                  cluster: &str,
+                  upstream: Option<SocketAddr>,
+                  resp: &Response<ResponseBody>| {
         ctx.access_log.write(|| AccessRecord {
             listener: listener.name.clone(),
             route: route.map(|r| r.name.clone()).unwrap_or_default(),
@@ -168,8 +259,14 @@ pub async fn serve(ctx: Arc<ConnContext>, req: Request<Incoming>) -> Result<Resp
     };
 
     if let Some(problem) = framing_error(req.headers(), req.version()) {
-        listener.no_route_stats.record(ctx.worker, 400, started.elapsed());
-        let resp = text_response(StatusCode::BAD_REQUEST, format!("bad request: {problem}\n"), true);
+        listener
+            .no_route_stats
+            .record(ctx.worker, 400, started.elapsed());
+        let resp = text_response(
+            StatusCode::BAD_REQUEST,
+            format!("bad request: {problem}\n"),
+            true,
+        );
         finish(None, "", None, &resp);
         return Ok(resp);
     }
@@ -177,16 +274,29 @@ pub async fn serve(ctx: Arc<ConnContext>, req: Request<Incoming>) -> Result<Resp
     let decided = {
         let (path, query) = (req.uri().path(), req.uri().query());
         let host = authority(req.uri(), req.headers());
-        let meta = flatmesh_rules::Request { method: &method, host, path, query, headers: req.headers() };
+        let meta = flatmesh_rules::Request {
+            method: &method,
+            host,
+            path,
+            query,
+            headers: req.headers(),
+        };
         snap.program.route(lid, &meta)
     };
     let Some(route) = decided else {
-        listener.no_route_stats.record(ctx.worker, 404, started.elapsed());
+        listener
+            .no_route_stats
+            .record(ctx.worker, 404, started.elapsed());
         let host = authority(req.uri(), req.headers()).unwrap_or("-");
-        let resp = text_response(
+        let resp = local_reply(
             StatusCode::NOT_FOUND,
-            format!("no route matched: listener `{}` has no route for {method} {host}{}\n", listener.name, path_and_query()),
+            format!(
+                "no route matched: listener `{}` has no route for {method} {host}{}\n",
+                listener.name,
+                path_and_query()
+            ),
             false,
+            is_grpc(req.headers()),
         );
         finish(None, "", None, &resp);
         return Ok(resp);
@@ -233,11 +343,13 @@ fn hash_key(headers: &HeaderMap, hash_header: Option<&HeaderName>, peer: SocketA
 }
 
 fn should_retry(failure: Failure, on: &[RetryOn]) -> bool {
-    on.iter().any(|r| match (r, failure) {
-        (RetryOn::ConnectFailure, Failure::Connect) => true,
-        (RetryOn::Reset, Failure::Reset) => true,
-        (RetryOn::GatewayError, Failure::Connect | Failure::Reset) => true,
-        _ => false,
+    on.iter().any(|r| {
+        matches!(
+            (r, failure),
+            (RetryOn::ConnectFailure, Failure::Connect)
+                | (RetryOn::Reset, Failure::Reset)
+                | (RetryOn::GatewayError, Failure::Connect | Failure::Reset)
+        )
     })
 }
 
@@ -263,6 +375,7 @@ async fn forward(
     let mut picked = None;
     let timeout = route.timeout.unwrap_or(snap.config.limits.request_timeout);
     let (mut parts, body) = req.into_parts();
+    let grpc = is_grpc(&parts.headers);
     let key = hash_key(&parts.headers, plan.hash_header.as_ref(), ctx.peer);
 
     // Deparser work that is the same for every attempt.
@@ -273,8 +386,13 @@ async fn forward(
             }
         }
     }
-    if parts.version == Version::HTTP_2 && plan.protocol == flatmesh_config::UpstreamProtocol::Http1 {
-        if let Some(v) = parts.uri.authority().and_then(|a| HeaderValue::from_str(a.as_str()).ok()) {
+    if parts.version == Version::HTTP_2 && plan.protocol == flatmesh_config::UpstreamProtocol::Http1
+    {
+        if let Some(v) = parts
+            .uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        {
             parts.headers.insert(header::HOST, v);
         }
     }
@@ -283,7 +401,7 @@ async fn forward(
         parts.headers.remove(name);
     }
     add_headers(&mut parts.headers, &route.request_headers_to_add);
-    append_forwarded_for(&mut parts.headers, ctx.peer);
+    append_forwarded_for(&mut parts.headers, &ctx.peer_ip);
     let version = match plan.protocol {
         flatmesh_config::UpstreamProtocol::Http1 => Version::HTTP_11,
         flatmesh_config::UpstreamProtocol::Http2 => Version::HTTP_2,
@@ -292,7 +410,11 @@ async fn forward(
 
     // A body can be sent only once; requests without one may be retried.
     let replayable = body.is_end_stream();
-    let attempts = if replayable { 1 + route.retries.as_ref().map_or(0, |r| r.attempts) } else { 1 };
+    let attempts = if replayable {
+        1 + route.retries.as_ref().map_or(0, |r| r.attempts)
+    } else {
+        1
+    };
     let retry_on: &[RetryOn] = route.retries.as_ref().map_or(&[], |r| &r.on);
     let downstream_failed = Arc::new(AtomicBool::new(false));
     let mut body = Some(body);
@@ -305,29 +427,66 @@ async fn forward(
             plan.stats.retries.add(ctx.worker, 1);
         }
         let Some((index, _in_flight)) = upstream.balancer.pick(key, attempt) else {
-            let msg = format!("no healthy upstream: cluster `{}` has no endpoints\n", plan.name);
-            return (text_response(StatusCode::SERVICE_UNAVAILABLE, msg, false), None);
+            let msg = format!(
+                "no healthy upstream: cluster `{}` has no endpoints\n",
+                plan.name
+            );
+            return (
+                text_response(StatusCode::SERVICE_UNAVAILABLE, msg, false),
+                None,
+            );
         };
         let endpoint = plan.endpoints[index];
         picked = Some(endpoint);
         let uri = Uri::builder()
             .scheme(http::uri::Scheme::HTTP)
             .authority(plan.authorities[index].clone())
-            .path_and_query(path_and_query.clone().unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")))
+            .path_and_query(
+                path_and_query
+                    .clone()
+                    .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
+            )
             .build();
         let Ok(uri) = uri else {
-            return (text_response(StatusCode::BAD_REQUEST, "bad request: unusable request target\n".into(), true), picked);
+            return (
+                text_response(
+                    StatusCode::BAD_REQUEST,
+                    "bad request: unusable request target\n".into(),
+                    true,
+                ),
+                picked,
+            );
         };
         let upstream_body: UpstreamBody = match body.take() {
-            Some(b) if !replayable => DownstreamBody { inner: b, failed: downstream_failed.clone() }.boxed_unsync(),
-            _ => Empty::<Bytes>::new().map_err(|never| match never {}).boxed_unsync(),
+            Some(b) if !replayable => DownstreamBody {
+                inner: b,
+                failed: downstream_failed.clone(),
+            }
+            .boxed_unsync(),
+            _ => Empty::<Bytes>::new()
+                .map_err(|never| match never {})
+                .boxed_unsync(),
         };
-        let mut builder = Request::builder().method(parts.method.clone()).uri(uri).version(version);
+        let mut builder = Request::builder()
+            .method(parts.method.clone())
+            .uri(uri)
+            .version(version);
         if let Some(h) = builder.headers_mut() {
-            *h = if attempt + 1 < attempts as usize { parts.headers.clone() } else { std::mem::take(&mut parts.headers) };
+            *h = if attempt + 1 < attempts as usize {
+                parts.headers.clone()
+            } else {
+                std::mem::take(&mut parts.headers)
+            };
         }
         let Ok(up_req) = builder.body(upstream_body) else {
-            return (text_response(StatusCode::BAD_REQUEST, "bad request: unusable request head\n".into(), true), picked);
+            return (
+                text_response(
+                    StatusCode::BAD_REQUEST,
+                    "bad request: unusable request head\n".into(),
+                    true,
+                ),
+                picked,
+            );
         };
 
         let outcome = tokio::time::timeout_at(deadline, upstream.client.request(up_req)).await;
@@ -352,37 +511,52 @@ async fn forward(
             Err(_) => Failure::Timeout,
         };
         last_failure = failure;
-        if failure == Failure::Timeout || failure == Failure::Downstream || !should_retry(failure, retry_on) {
+        if failure == Failure::Timeout
+            || failure == Failure::Downstream
+            || !should_retry(failure, retry_on)
+        {
             break;
         }
     }
-    (failure_response(last_failure, &plan.name, &last_error, timeout), picked)
+    (
+        failure_response(last_failure, &plan.name, &last_error, timeout, grpc),
+        picked,
+    )
 }
 
-fn failure_response(failure: Failure, cluster: &str, detail: &str, timeout: Duration) -> Response<ResponseBody> {
+fn failure_response(
+    failure: Failure,
+    cluster: &str,
+    detail: &str,
+    timeout: Duration,
+    grpc: bool,
+) -> Response<ResponseBody> {
     match failure {
         Failure::Downstream => text_response(
             StatusCode::BAD_REQUEST,
             "bad request: the request body is malformed (bad chunked encoding)\n".into(),
             true,
         ),
-        Failure::Connect => text_response(
+        Failure::Connect => local_reply(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("upstream connect error: cluster `{cluster}` is unreachable ({detail}); check that its endpoints are up\n"),
             false,
+            grpc,
         ),
-        Failure::Reset => text_response(
+        Failure::Reset => local_reply(
             StatusCode::BAD_GATEWAY,
             format!("upstream reset: cluster `{cluster}` closed the connection before answering ({detail})\n"),
             false,
+            grpc,
         ),
-        Failure::Timeout => text_response(
+        Failure::Timeout => local_reply(
             StatusCode::GATEWAY_TIMEOUT,
             format!(
                 "upstream timeout: cluster `{cluster}` did not answer within {}; raise the route's `timeout` if this is expected\n",
                 flatmesh_config::duration::format(&timeout)
             ),
             false,
+            grpc,
         ),
     }
 }
@@ -398,14 +572,22 @@ fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
-fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
-    let ip = peer.ip().to_string();
-    let value = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-        Some(prev) => format!("{prev}, {ip}"),
-        None => ip,
-    };
-    if let Ok(v) = HeaderValue::from_str(&value) {
-        headers.insert(HeaderName::from_static("x-forwarded-for"), v);
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
+/// `peer_ip` is the client's address as a header value, made once per connection.
+fn append_forwarded_for(headers: &mut HeaderMap, peer_ip: &HeaderValue) {
+    match headers.entry(X_FORWARDED_FOR) {
+        header::Entry::Vacant(e) => {
+            e.insert(peer_ip.clone());
+        }
+        header::Entry::Occupied(mut e) => {
+            let mut joined = e.get().as_bytes().to_vec();
+            joined.extend_from_slice(b", ");
+            joined.extend_from_slice(peer_ip.as_bytes());
+            if let Ok(v) = HeaderValue::from_bytes(&joined) {
+                e.insert(v);
+            }
+        }
     }
 }
 
@@ -423,7 +605,10 @@ mod tests {
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
-            h.append(HeaderName::try_from(*k).expect("name"), HeaderValue::from_str(v).expect("value"));
+            h.append(
+                HeaderName::try_from(*k).expect("name"),
+                HeaderValue::from_str(v).expect("value"),
+            );
         }
         h
     }
@@ -443,9 +628,16 @@ mod tests {
 
     #[test]
     fn hop_by_hop_headers_are_stripped() {
-        let mut h = headers(&[("connection", "x-secret, close"), ("x-secret", "1"), ("te", "gzip"), ("x-keep", "1")]);
+        let mut h = headers(&[
+            ("connection", "x-secret, close"),
+            ("x-secret", "1"),
+            ("te", "gzip"),
+            ("x-keep", "1"),
+        ]);
         strip_hop_by_hop(&mut h);
-        assert!(h.get("x-secret").is_none() && h.get("te").is_none() && h.get("connection").is_none());
+        assert!(
+            h.get("x-secret").is_none() && h.get("te").is_none() && h.get("connection").is_none()
+        );
         assert!(h.get("x-keep").is_some());
         let mut grpc = headers(&[("te", "trailers")]);
         strip_hop_by_hop(&mut grpc);
@@ -453,9 +645,27 @@ mod tests {
     }
 
     #[test]
+    fn grpc_clients_get_grpc_shaped_local_replies() {
+        let resp = local_reply(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "cluster `x` down: 100%\n".into(),
+            false,
+            true,
+        );
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(resp.headers()["grpc-status"], "14");
+        assert_eq!(resp.headers()["grpc-message"], "cluster `x` down: 100%25");
+        let plain = local_reply(StatusCode::NOT_FOUND, "no route\n".into(), false, false);
+        assert_eq!(plain.status(), StatusCode::NOT_FOUND);
+    }
+
+    #[test]
     fn forwarded_for_appends() {
         let mut h = headers(&[("x-forwarded-for", "10.0.0.1")]);
-        append_forwarded_for(&mut h, SocketAddr::from(([127, 0, 0, 1], 1)));
-        assert_eq!(h.get("x-forwarded-for").and_then(|v| v.to_str().ok()), Some("10.0.0.1, 127.0.0.1"));
+        append_forwarded_for(&mut h, &HeaderValue::from_static("127.0.0.1"));
+        assert_eq!(
+            h.get("x-forwarded-for").and_then(|v| v.to_str().ok()),
+            Some("10.0.0.1, 127.0.0.1")
+        );
     }
 }

@@ -67,7 +67,9 @@ impl Maglev {
         let n = endpoints.len();
         let m = Self::SIZE as u64;
         if n == 0 {
-            return Maglev { table: vec![0; Self::SIZE] };
+            return Maglev {
+                table: vec![0; Self::SIZE],
+            };
         }
         let perms: Vec<(u64, u64)> = endpoints
             .iter()
@@ -153,9 +155,20 @@ impl Drop for InFlight {
 }
 
 impl Balancer {
-    pub fn new(policy: LbPolicy, endpoints: Arc<[SocketAddr]>, table: &HashTable, seed: usize) -> Balancer {
+    pub fn new(
+        policy: LbPolicy,
+        endpoints: Arc<[SocketAddr]>,
+        table: &HashTable,
+        seed: usize,
+    ) -> Balancer {
         let in_flight: Arc<[AtomicU32]> = endpoints.iter().map(|_| AtomicU32::new(0)).collect();
-        Balancer { policy, cursor: AtomicUsize::new(seed), in_flight, table: table.share(), endpoints }
+        Balancer {
+            policy,
+            cursor: AtomicUsize::new(seed),
+            in_flight,
+            table: table.share(),
+            endpoints,
+        }
     }
 
     pub fn endpoints(&self) -> &[SocketAddr] {
@@ -194,7 +207,13 @@ impl Balancer {
             }
         };
         self.in_flight[index].fetch_add(1, Ordering::Relaxed);
-        Some((index, InFlight { counts: self.in_flight.clone(), index }))
+        Some((
+            index,
+            InFlight {
+                counts: self.in_flight.clone(),
+                index,
+            },
+        ))
     }
 }
 
@@ -203,7 +222,9 @@ mod tests {
     use super::*;
 
     fn eps(n: u16) -> Arc<[SocketAddr]> {
-        (0..n).map(|i| SocketAddr::from(([127, 0, 0, 1], 9000 + i))).collect()
+        (0..n)
+            .map(|i| SocketAddr::from(([127, 0, 0, 1], 9000 + i)))
+            .collect()
     }
 
     fn spread(policy: LbPolicy, n: u16, picks: usize, key: impl Fn(usize) -> u64) -> Vec<usize> {
@@ -219,7 +240,10 @@ mod tests {
 
     #[test]
     fn round_robin_is_exact() {
-        assert_eq!(spread(LbPolicy::RoundRobin, 3, 300, |_| 0), vec![100, 100, 100]);
+        assert_eq!(
+            spread(LbPolicy::RoundRobin, 3, 300, |_| 0),
+            vec![100, 100, 100]
+        );
     }
 
     #[test]
@@ -252,7 +276,10 @@ mod tests {
                 before != all[4] && before != fewer[b.lookup(k)]
             })
             .count();
-        assert!(moved < 2_000, "maglev moved {moved} of 10000 keys that did not need to move");
+        assert!(
+            moved < 2_000,
+            "maglev moved {moved} of 10000 keys that did not need to move"
+        );
     }
 
     #[test]
@@ -268,7 +295,12 @@ mod tests {
             }
         }
         // With endpoint 0 loaded by held requests, most new picks go to endpoint 1.
-        let to_one = (0..200).filter(|_| b.pick(0, 0).map(|p| p.0) == Some(1)).count();
-        assert!(to_one > 120, "least_request sent only {to_one}/200 to the idle endpoint");
+        let to_one = (0..200)
+            .filter(|_| b.pick(0, 0).map(|p| p.0) == Some(1))
+            .count();
+        assert!(
+            to_one > 120,
+            "least_request sent only {to_one}/200 to the idle endpoint"
+        );
     }
 }

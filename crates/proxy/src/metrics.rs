@@ -37,7 +37,9 @@ pub struct WorkerCounter {
 
 impl WorkerCounter {
     pub fn new(workers: usize) -> Self {
-        WorkerCounter { slots: (0..workers.max(1)).map(|_| Padded::default()).collect() }
+        WorkerCounter {
+            slots: (0..workers.max(1)).map(|_| Padded::default()).collect(),
+        }
     }
 
     /// Add `n` to worker `worker`'s slot. Single writer per slot, so load + store is
@@ -58,7 +60,10 @@ impl WorkerCounter {
     }
 
     pub fn sum(&self) -> u64 {
-        self.slots.iter().map(|s| s.0.load(Ordering::Relaxed)).fold(0, u64::wrapping_add)
+        self.slots
+            .iter()
+            .map(|s| s.0.load(Ordering::Relaxed))
+            .fold(0, u64::wrapping_add)
     }
 }
 
@@ -77,17 +82,24 @@ pub struct RequestStats {
 
 impl RequestStats {
     fn new(workers: usize) -> Self {
-        RequestStats { slots: (0..workers.max(1)).map(|_| Padded::default()).collect() }
+        RequestStats {
+            slots: (0..workers.max(1)).map(|_| Padded::default()).collect(),
+        }
     }
 
     #[inline]
     pub fn record(&self, worker: usize, status: u16, elapsed: Duration) {
-        let Some(slot) = self.slots.get(worker) else { return };
+        let Some(slot) = self.slots.get(worker) else {
+            return;
+        };
         let slot = &slot.0;
         let class = usize::from((status / 100).clamp(1, 5)) - 1;
         bump(&slot.by_class[class], 1);
         let secs = elapsed.as_secs_f64();
-        let bucket = DURATION_BUCKETS.iter().position(|b| secs <= *b).unwrap_or(BUCKETS - 1);
+        let bucket = DURATION_BUCKETS
+            .iter()
+            .position(|b| secs <= *b)
+            .unwrap_or(BUCKETS - 1);
         bump(&slot.buckets[bucket], 1);
         bump(&slot.duration_micros, elapsed.as_micros() as u64);
     }
@@ -118,7 +130,10 @@ impl RequestStats {
 #[inline]
 fn bump(cell: &AtomicU64, n: u64) {
     // Single writer per worker slot: see WorkerCounter::add.
-    cell.store(cell.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+    cell.store(
+        cell.load(Ordering::Relaxed).wrapping_add(n),
+        Ordering::Relaxed,
+    );
 }
 
 /// Counters of one listener.
@@ -152,7 +167,9 @@ pub struct Metrics {
 
 impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Metrics").field("workers", &self.workers).finish_non_exhaustive()
+        f.debug_struct("Metrics")
+            .field("workers", &self.workers)
+            .finish_non_exhaustive()
     }
 }
 
@@ -172,7 +189,11 @@ impl Metrics {
     /// snapshot is built, never per request. `cluster` is empty for direct responses / no route.
     pub fn requests(&self, listener: &str, route: &str, cluster: &str) -> Arc<RequestStats> {
         let key = (listener.to_owned(), route.to_owned(), cluster.to_owned());
-        self.requests.lock().entry(key).or_insert_with(|| Arc::new(RequestStats::new(self.workers))).clone()
+        self.requests
+            .lock()
+            .entry(key)
+            .or_insert_with(|| Arc::new(RequestStats::new(self.workers)))
+            .clone()
     }
 
     pub fn listener(&self, name: &str) -> Arc<ListenerStats> {
@@ -252,8 +273,12 @@ fn gauge<L: prometheus_client::encoding::EncodeLabelSet>(
 impl Collector for Scrape {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let m = &self.0;
-        let mut requests: Vec<_> =
-            m.requests.lock().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut requests: Vec<_> = m
+            .requests
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         requests.sort_by(|a, b| a.0.cmp(&b.0));
         let mut rows = Vec::new();
         for ((listener, route, cluster), stats) in &requests {
@@ -271,7 +296,12 @@ impl Collector for Scrape {
                 }
             }
         }
-        counter(&mut enc, "flatmesh_requests", "HTTP requests by listener, route, cluster and status class", &rows)?;
+        counter(
+            &mut enc,
+            "flatmesh_requests",
+            "HTTP requests by listener, route, cluster and status class",
+            &rows,
+        )?;
 
         let mut hist = enc.encode_descriptor(
             "flatmesh_request_duration_seconds",
@@ -291,54 +321,124 @@ impl Collector for Scrape {
                 .chain([f64::INFINITY])
                 .zip(buckets)
                 .collect();
-            let labels = [("listener", listener.as_str()), ("route", route.as_str()), ("cluster", cluster.as_str())];
-            hist.encode_family(&labels)?.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
-                micros as f64 / 1e6,
-                count,
-                &pairs,
-                None,
-            )?;
+            let labels = [
+                ("listener", listener.as_str()),
+                ("route", route.as_str()),
+                ("cluster", cluster.as_str()),
+            ];
+            hist.encode_family(&labels)?
+                .encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+                    micros as f64 / 1e6,
+                    count,
+                    &pairs,
+                    None,
+                )?;
         }
-        drop(hist);
 
-        let mut listeners: Vec<_> =
-            m.listeners.lock().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut listeners: Vec<_> = m
+            .listeners
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         listeners.sort_by(|a, b| a.0.cmp(&b.0));
         let active: Vec<_> = listeners
             .iter()
             .map(|(n, s)| {
-                ([("listener", n.as_str())], s.connections_opened.sum() as i64 - s.connections_closed.sum() as i64)
+                (
+                    [("listener", n.as_str())],
+                    s.connections_opened.sum() as i64 - s.connections_closed.sum() as i64,
+                )
             })
             .collect();
-        gauge(&mut enc, "flatmesh_downstream_connections_active", "Open downstream connections", &active)?;
-        let total: Vec<_> =
-            listeners.iter().map(|(n, s)| ([("listener", n.as_str())], s.connections_opened.sum())).collect();
-        counter(&mut enc, "flatmesh_downstream_connections", "Accepted downstream connections", &total)?;
+        gauge(
+            &mut enc,
+            "flatmesh_downstream_connections_active",
+            "Open downstream connections",
+            &active,
+        )?;
+        let total: Vec<_> = listeners
+            .iter()
+            .map(|(n, s)| ([("listener", n.as_str())], s.connections_opened.sum()))
+            .collect();
+        counter(
+            &mut enc,
+            "flatmesh_downstream_connections",
+            "Accepted downstream connections",
+            &total,
+        )?;
         let mut bytes = Vec::new();
         for (n, s) in &listeners {
-            bytes.push(([("listener", n.as_str()), ("direction", "downstream_to_upstream")], s.bytes_in.sum()));
-            bytes.push(([("listener", n.as_str()), ("direction", "upstream_to_downstream")], s.bytes_out.sum()));
+            bytes.push((
+                [
+                    ("listener", n.as_str()),
+                    ("direction", "downstream_to_upstream"),
+                ],
+                s.bytes_in.sum(),
+            ));
+            bytes.push((
+                [
+                    ("listener", n.as_str()),
+                    ("direction", "upstream_to_downstream"),
+                ],
+                s.bytes_out.sum(),
+            ));
         }
-        counter(&mut enc, "flatmesh_tcp_bytes", "Bytes relayed by tcp listeners, by direction", &bytes)?;
+        counter(
+            &mut enc,
+            "flatmesh_tcp_bytes",
+            "Bytes relayed by tcp listeners, by direction",
+            &bytes,
+        )?;
 
-        let mut clusters: Vec<_> =
-            m.clusters.lock().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut clusters: Vec<_> = m
+            .clusters
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         clusters.sort_by(|a, b| a.0.cmp(&b.0));
-        let conns: Vec<_> =
-            clusters.iter().map(|(n, s)| ([("cluster", n.as_str())], s.connections.sum())).collect();
-        counter(&mut enc, "flatmesh_upstream_connections", "Upstream connections opened", &conns)?;
-        let fails: Vec<_> =
-            clusters.iter().map(|(n, s)| ([("cluster", n.as_str())], s.connect_failures.sum())).collect();
-        counter(&mut enc, "flatmesh_upstream_connect_failures", "Upstream connect failures", &fails)?;
-        let retries: Vec<_> =
-            clusters.iter().map(|(n, s)| ([("cluster", n.as_str())], s.retries.sum())).collect();
-        counter(&mut enc, "flatmesh_upstream_retries", "Requests retried on another attempt", &retries)?;
+        let conns: Vec<_> = clusters
+            .iter()
+            .map(|(n, s)| ([("cluster", n.as_str())], s.connections.sum()))
+            .collect();
+        counter(
+            &mut enc,
+            "flatmesh_upstream_connections",
+            "Upstream connections opened",
+            &conns,
+        )?;
+        let fails: Vec<_> = clusters
+            .iter()
+            .map(|(n, s)| ([("cluster", n.as_str())], s.connect_failures.sum()))
+            .collect();
+        counter(
+            &mut enc,
+            "flatmesh_upstream_connect_failures",
+            "Upstream connect failures",
+            &fails,
+        )?;
+        let retries: Vec<_> = clusters
+            .iter()
+            .map(|(n, s)| ([("cluster", n.as_str())], s.retries.sum()))
+            .collect();
+        counter(
+            &mut enc,
+            "flatmesh_upstream_retries",
+            "Requests retried on another attempt",
+            &retries,
+        )?;
 
         let reloads = [
             ([("result", "ok")], m.reloads_ok.sum()),
             ([("result", "failed")], m.reloads_failed.sum()),
         ];
-        counter(&mut enc, "flatmesh_config_reloads", "Config reloads by result", &reloads)?;
+        counter(
+            &mut enc,
+            "flatmesh_config_reloads",
+            "Config reloads by result",
+            &reloads,
+        )?;
         Ok(())
     }
 }
@@ -360,9 +460,18 @@ mod tests {
             r#"flatmesh_requests_total{listener="web",route="web/0",cluster="api",status_class="2xx"} 1"#
         ), "{text}");
         assert!(text.contains(r#"status_class="5xx"} 1"#), "{text}");
-        assert!(text.contains(r#"flatmesh_downstream_connections_active{listener="web"} 3"#), "{text}");
-        assert!(text.contains(r#"flatmesh_upstream_connect_failures_total{cluster="api"} 1"#), "{text}");
-        assert!(text.contains("flatmesh_request_duration_seconds_bucket"), "{text}");
+        assert!(
+            text.contains(r#"flatmesh_downstream_connections_active{listener="web"} 3"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"flatmesh_upstream_connect_failures_total{cluster="api"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains("flatmesh_request_duration_seconds_bucket"),
+            "{text}"
+        );
     }
 
     #[test]

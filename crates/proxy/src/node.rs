@@ -66,7 +66,13 @@ impl Shared {
     }
 
     pub fn listener_addresses(&self) -> Vec<(String, SocketAddr)> {
-        let mut out: Vec<_> = self.state.lock().bound.values().map(|b| (b.name.clone(), b.actual)).collect();
+        let mut out: Vec<_> = self
+            .state
+            .lock()
+            .bound
+            .values()
+            .map(|b| (b.name.clone(), b.actual))
+            .collect();
         out.sort();
         out
     }
@@ -89,8 +95,10 @@ impl Shared {
             Ok(()) => {
                 self.metrics.reloads_ok.add_shared(0, 1);
                 state.status.last_reload_error = None;
-                state.status.last_reload_ok_unix =
-                    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).ok().map(|d| d.as_secs());
+                state.status.last_reload_ok_unix = SystemTime::now()
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .ok()
+                    .map(|d| d.as_secs());
                 tracing::info!(generation = state.snapshot.generation, "config reloaded");
             }
             Err(err) => {
@@ -111,15 +119,23 @@ impl Shared {
                 "`workers` changed; the new count takes effect at the next restart"
             );
         }
-        let snapshot = Arc::new(Snapshot::build(config, state.snapshot.generation + 1, &self.metrics)?);
-        let wanted: HashMap<ListenerKey, &str> =
-            snapshot.listeners.iter().map(|l| ((l.address, l.protocol), l.name.as_str())).collect();
+        let snapshot = Arc::new(Snapshot::build(
+            config,
+            state.snapshot.generation + 1,
+            &self.metrics,
+        )?);
+        let wanted: HashMap<ListenerKey, &str> = snapshot
+            .listeners
+            .iter()
+            .map(|l| ((l.address, l.protocol), l.name.as_str()))
+            .collect();
 
         // Bind new listeners first: if one fails, nothing has changed yet.
         let mut new_sockets = Vec::new();
         for (key, name) in &wanted {
             if !state.bound.contains_key(key) {
-                let (actual, sockets) = bind_group(&format!("listener `{name}`"), key.0, self.workers.len())?;
+                let (actual, sockets) =
+                    bind_group(&format!("listener `{name}`"), key.0, self.workers.len())?;
                 new_sockets.push((*key, name.to_string(), actual, sockets));
             }
         }
@@ -127,7 +143,10 @@ impl Shared {
         for w in &self.workers {
             let previous = w.view.load_full();
             let upstreams = Upstreams::build(&snapshot, w.id, Some(&previous.upstreams));
-            w.view.store(Arc::new(WorkerView { snapshot: snapshot.clone(), upstreams }));
+            w.view.store(Arc::new(WorkerView {
+                snapshot: snapshot.clone(),
+                upstreams,
+            }));
         }
         for (key, name, actual, sockets) in new_sockets {
             for (w, socket) in self.workers.iter().zip(sockets) {
@@ -135,7 +154,12 @@ impl Shared {
             }
             state.bound.insert(key, Bound { name, actual });
         }
-        let removed: Vec<ListenerKey> = state.bound.keys().filter(|k| !wanted.contains_key(k)).copied().collect();
+        let removed: Vec<ListenerKey> = state
+            .bound
+            .keys()
+            .filter(|k| !wanted.contains_key(k))
+            .copied()
+            .collect();
         for key in removed {
             for w in &self.workers {
                 w.send(Command::Unlisten { key });
@@ -169,26 +193,41 @@ impl Node {
         let snapshot = Arc::new(Snapshot::build(config, 1, &metrics)?);
         let access_log = match &snapshot.config.access_log {
             Some(a) => AccessLog::open(&a.path).map_err(|e| {
-                ProxyError::Config(format!("cannot open access log `{}`: {e}; check the path and permissions", a.path))
+                ProxyError::Config(format!(
+                    "cannot open access log `{}`: {e}; check the path and permissions",
+                    a.path
+                ))
             })?,
             None => AccessLog::disabled(),
         };
         let admin_socket = bind_admin(snapshot.config.admin)?;
-        let admin = admin_socket.local_addr().map_err(|source| ProxyError::Bind {
-            what: "the admin endpoint".into(),
-            address: snapshot.config.admin,
-            source,
-        })?;
+        let admin = admin_socket
+            .local_addr()
+            .map_err(|source| ProxyError::Bind {
+                what: "the admin endpoint".into(),
+                address: snapshot.config.admin,
+                source,
+            })?;
         let mut bound = HashMap::new();
         let mut sockets = Vec::new();
         for l in &snapshot.listeners {
-            let (actual, group) = bind_group(&format!("listener `{}`", l.name), l.address, workers)?;
-            bound.insert((l.address, l.protocol), Bound { name: l.name.clone(), actual });
+            let (actual, group) =
+                bind_group(&format!("listener `{}`", l.name), l.address, workers)?;
+            bound.insert(
+                (l.address, l.protocol),
+                Bound {
+                    name: l.name.clone(),
+                    actual,
+                },
+            );
             sockets.push(((l.address, l.protocol), group));
         }
         let mut handles = Vec::with_capacity(workers);
         for id in 0..workers {
-            let view = WorkerView { snapshot: snapshot.clone(), upstreams: Upstreams::build(&snapshot, id, None) };
+            let view = WorkerView {
+                snapshot: snapshot.clone(),
+                upstreams: Upstreams::build(&snapshot, id, None),
+            };
             handles.push(worker::spawn(id, view, access_log.clone())?);
         }
         for (key, group) in sockets {
@@ -201,17 +240,29 @@ impl Node {
             source,
             ready: AtomicBool::new(false),
             workers: handles,
-            state: Mutex::new(State { snapshot, bound, status: ReloadStatus::default() }),
+            state: Mutex::new(State {
+                snapshot,
+                bound,
+                status: ReloadStatus::default(),
+            }),
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
         let control_shared = shared.clone();
         let control = std::thread::Builder::new()
             .name("flatmesh-control".into())
             .spawn(move || crate::admin::run(control_shared, admin_socket, stop_rx))
-            .map_err(|source| ProxyError::Thread { worker: usize::MAX, source })?;
+            .map_err(|source| ProxyError::Thread {
+                worker: usize::MAX,
+                source,
+            })?;
         shared.ready.store(true, Ordering::Release);
         tracing::info!(%admin, workers, "node proxy started");
-        Ok(Node { shared, admin, control: Some(control), stop: Some(stop_tx) })
+        Ok(Node {
+            shared,
+            admin,
+            control: Some(control),
+            stop: Some(stop_tx),
+        })
     }
 
     pub fn admin_addr(&self) -> SocketAddr {
@@ -220,13 +271,18 @@ impl Node {
 
     /// The bound address of listener `name` (useful with port 0).
     pub fn listener_addr(&self, name: &str) -> Option<SocketAddr> {
-        self.shared.listener_addresses().into_iter().find(|(n, _)| n == name).map(|(_, a)| a)
+        self.shared
+            .listener_addresses()
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, a)| a)
     }
 
     /// Apply a new config with a zero-drop swap.
     pub fn reload(&self, config: Config) -> Result<(), ProxyError> {
         let result = self.shared.apply(config);
-        self.shared.record(&result.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+        self.shared
+            .record(&result.as_ref().map(|_| ()).map_err(|e| e.to_string()));
         result
     }
 

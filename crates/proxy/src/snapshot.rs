@@ -47,8 +47,13 @@ pub struct ClusterPlan {
 }
 
 impl Snapshot {
-    pub fn build(config: Config, generation: u64, metrics: &Metrics) -> Result<Snapshot, ProxyError> {
-        let program = flatmesh_rules::compile(&config).map_err(|e| ProxyError::Rules(e.to_string()))?;
+    pub fn build(
+        config: Config,
+        generation: u64,
+        metrics: &Metrics,
+    ) -> Result<Snapshot, ProxyError> {
+        let program =
+            flatmesh_rules::compile(&config).map_err(|e| ProxyError::Rules(e.to_string()))?;
         let clusters = config
             .clusters
             .iter()
@@ -56,15 +61,22 @@ impl Snapshot {
                 let endpoints: Arc<[SocketAddr]> = c.endpoints.iter().copied().collect();
                 let hash_header = match &c.hash_on {
                     Some(h) => Some(HeaderName::try_from(h.header.as_str()).map_err(|_| {
-                        ProxyError::Config(format!("cluster `{}`: hash_on.header `{}` is not a valid header name", c.name, h.header))
+                        ProxyError::Config(format!(
+                            "cluster `{}`: hash_on.header `{}` is not a valid header name",
+                            c.name, h.header
+                        ))
                     })?),
                     None => None,
                 };
                 let authorities = endpoints
                     .iter()
                     .map(|e| {
-                        http::uri::Authority::try_from(e.to_string().as_str())
-                            .map_err(|_| ProxyError::Config(format!("cluster `{}`: endpoint {e} is not a usable address", c.name)))
+                        http::uri::Authority::try_from(e.to_string().as_str()).map_err(|_| {
+                            ProxyError::Config(format!(
+                                "cluster `{}`: endpoint {e} is not a usable address",
+                                c.name
+                            ))
+                        })
                     })
                     .collect::<Result<_, _>>()?;
                 Ok(ClusterPlan {
@@ -87,7 +99,10 @@ impl Snapshot {
                 let name = route.display_name(&l.name, rid);
                 let targets: Vec<Option<ClusterId>> = match (&route.cluster, &route.split) {
                     (Some(c), _) => vec![program.cluster_id(c)],
-                    (None, Some(split)) => split.iter().map(|w| program.cluster_id(&w.cluster)).collect(),
+                    (None, Some(split)) => split
+                        .iter()
+                        .map(|w| program.cluster_id(&w.cluster))
+                        .collect(),
                     (None, None) => vec![None],
                 };
                 route_stats.push(
@@ -109,17 +124,38 @@ impl Snapshot {
                 no_route_stats: metrics.requests(&l.name, "none", ""),
             });
         }
-        Ok(Snapshot { generation, config: Arc::new(config), program, listeners, clusters })
+        Ok(Snapshot {
+            generation,
+            config: Arc::new(config),
+            program,
+            listeners,
+            clusters,
+        })
     }
 
     /// The listener configured at `address` (the address as written in the config).
-    pub fn listener_at(&self, address: SocketAddr, protocol: ListenerProtocol) -> Option<ListenerId> {
-        self.listeners.iter().position(|l| l.address == address && l.protocol == protocol)
+    pub fn listener_at(
+        &self,
+        address: SocketAddr,
+        protocol: ListenerProtocol,
+    ) -> Option<ListenerId> {
+        self.listeners
+            .iter()
+            .position(|l| l.address == address && l.protocol == protocol)
     }
 
-    pub fn request_stats(&self, listener: ListenerId, route: usize, cluster: Option<ClusterId>) -> Option<&Arc<RequestStats>> {
+    pub fn request_stats(
+        &self,
+        listener: ListenerId,
+        route: usize,
+        cluster: Option<ClusterId>,
+    ) -> Option<&Arc<RequestStats>> {
         let plan = self.listeners.get(listener)?;
         let targets = plan.route_stats.get(route)?;
-        targets.iter().find(|(c, _)| *c == cluster).or(targets.first()).map(|(_, s)| s)
+        targets
+            .iter()
+            .find(|(c, _)| *c == cluster)
+            .or(targets.first())
+            .map(|(_, s)| s)
     }
 }

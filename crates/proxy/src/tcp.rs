@@ -20,7 +20,11 @@ struct Counted<S> {
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
         self.read += (buf.filled().len() - before) as u64;
@@ -29,7 +33,11 @@ impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
 }
 
 impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -70,7 +78,9 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
     let tries = plan.endpoints.len().clamp(1, 3);
     let mut connected = None;
     for attempt in 0..tries {
-        let Some((index, in_flight)) = upstream.balancer.pick(key, attempt) else { break };
+        let Some((index, in_flight)) = upstream.balancer.pick(key, attempt) else {
+            break;
+        };
         let endpoint = plan.endpoints[index];
         match tokio::time::timeout(plan.connect_timeout, TcpStream::connect(endpoint)).await {
             Ok(Ok(stream)) => {
@@ -97,10 +107,18 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
     let _ = up.set_nodelay(true);
     let _ = downstream.set_nodelay(true);
 
-    let mut client = Counted { inner: downstream, read: 0 };
+    let mut client = Counted {
+        inner: downstream,
+        read: 0,
+    };
     let mut server = Counted { inner: up, read: 0 };
-    let result =
-        tokio::io::copy_bidirectional_with_sizes(&mut client, &mut server, RELAY_BUFFER, RELAY_BUFFER).await;
+    let result = tokio::io::copy_bidirectional_with_sizes(
+        &mut client,
+        &mut server,
+        RELAY_BUFFER,
+        RELAY_BUFFER,
+    )
+    .await;
     listener.stats.bytes_in.add_shared(ctx.worker, client.read);
     listener.stats.bytes_out.add_shared(ctx.worker, server.read);
     if result.is_err() {

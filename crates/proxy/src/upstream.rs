@@ -74,9 +74,16 @@ fn build_client(plan: &ClusterPlan, worker: usize) -> HttpClient {
     http.set_nodelay(true);
     http.set_connect_timeout(Some(plan.connect_timeout));
     http.enforce_http(true);
-    let connector = CountingConnector { inner: http, stats: plan.stats.clone(), worker };
+    let connector = CountingConnector {
+        inner: http,
+        stats: plan.stats.clone(),
+        worker,
+    };
     let mut builder = Client::builder(TokioExecutor::new());
-    builder.timer(TokioTimer::new()).pool_timer(TokioTimer::new()).pool_idle_timeout(Duration::from_secs(90));
+    builder
+        .timer(TokioTimer::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(Duration::from_secs(90));
     match plan.protocol {
         UpstreamProtocol::Http1 => {
             builder.pool_max_idle_per_host(1024);
@@ -118,7 +125,15 @@ impl Upstreams {
                     .and_then(|p| p.pools.get(&key).cloned())
                     .unwrap_or_else(|| build_client(plan, worker));
                 pools.insert(key, client.clone());
-                Upstream { balancer: Balancer::new(plan.policy, plan.endpoints.clone(), &plan.table, worker), client }
+                Upstream {
+                    balancer: Balancer::new(
+                        plan.policy,
+                        plan.endpoints.clone(),
+                        &plan.table,
+                        worker,
+                    ),
+                    client,
+                }
             })
             .collect();
         Upstreams { by_cluster, pools }

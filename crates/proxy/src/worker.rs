@@ -32,6 +32,8 @@ pub struct ConnContext {
     pub listener_address: SocketAddr,
     pub protocol: ListenerProtocol,
     pub peer: SocketAddr,
+    /// The client's IP as a header value, for x-forwarded-for.
+    pub peer_ip: http::HeaderValue,
     pub view: Arc<ArcSwap<WorkerView>>,
     pub access_log: AccessLog,
 }
@@ -40,9 +42,16 @@ pub struct ConnContext {
 pub type ListenerKey = (SocketAddr, ListenerProtocol);
 
 pub enum Command {
-    Listen { key: ListenerKey, socket: std::net::TcpListener },
-    Unlisten { key: ListenerKey },
-    Shutdown { drain: Duration },
+    Listen {
+        key: ListenerKey,
+        socket: std::net::TcpListener,
+    },
+    Unlisten {
+        key: ListenerKey,
+    },
+    Shutdown {
+        drain: Duration,
+    },
 }
 
 pub struct WorkerHandle {
@@ -66,7 +75,11 @@ impl WorkerHandle {
     }
 }
 
-pub fn spawn(id: usize, view: WorkerView, access_log: AccessLog) -> Result<WorkerHandle, ProxyError> {
+pub fn spawn(
+    id: usize,
+    view: WorkerView,
+    access_log: AccessLog,
+) -> Result<WorkerHandle, ProxyError> {
     let view = Arc::new(ArcSwap::from_pointee(view));
     let (tx, rx) = mpsc::unbounded_channel();
     let worker_view = view.clone();
@@ -74,11 +87,24 @@ pub fn spawn(id: usize, view: WorkerView, access_log: AccessLog) -> Result<Worke
         .name(format!("flatmesh-worker-{id}"))
         .spawn(move || run(id, worker_view, access_log, rx))
         .map_err(|source| ProxyError::Thread { worker: id, source })?;
-    Ok(WorkerHandle { id, view, commands: tx, thread: Some(thread) })
+    Ok(WorkerHandle {
+        id,
+        view,
+        commands: tx,
+        thread: Some(thread),
+    })
 }
 
-fn run(id: usize, view: Arc<ArcSwap<WorkerView>>, access_log: AccessLog, mut rx: mpsc::UnboundedReceiver<Command>) {
-    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+fn run(
+    id: usize,
+    view: Arc<ArcSwap<WorkerView>>,
+    access_log: AccessLog,
+    mut rx: mpsc::UnboundedReceiver<Command>,
+) {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(err) => {
             tracing::error!(worker = id, error = %err, "cannot build the worker runtime; this worker serves nothing");
@@ -162,6 +188,8 @@ async fn accept_loop(
             listener_address: key.0,
             protocol: key.1,
             peer,
+            peer_ip: http::HeaderValue::from_str(&peer.ip().to_string())
+                .unwrap_or(http::HeaderValue::from_static("unknown")),
             view: view.clone(),
             access_log: access_log.clone(),
         });
@@ -203,7 +231,10 @@ async fn serve_http(ctx: Arc<ConnContext>, stream: tokio::net::TcpStream, snapsh
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
         .max_concurrent_streams(1024);
     let service = service_fn(move |req| crate::http::serve(ctx.clone(), req));
-    if let Err(err) = builder.serve_connection(TokioIo::new(stream), service).await {
+    if let Err(err) = builder
+        .serve_connection(TokioIo::new(stream), service)
+        .await
+    {
         tracing::debug!(error = %err, "downstream connection ended with an error");
     }
 }

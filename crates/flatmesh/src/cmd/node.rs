@@ -24,7 +24,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 fn wait_for_stop() -> std::io::Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async {
         use tokio::signal::unix::{signal, SignalKind};
         let mut term = signal(SignalKind::terminate())?;
