@@ -37,7 +37,9 @@ fn vmlinux_h(out_dir: &Path) -> PathBuf {
     let dest = out_dir.join("vmlinux.h");
     if let Ok(given) = env::var("FLATMESH_VMLINUX_H") {
         if let Err(e) = std::fs::copy(&given, &dest) {
-            fail(&format!("cannot copy FLATMESH_VMLINUX_H={given}: {e}. Point it at a vmlinux.h file."));
+            fail(&format!(
+                "cannot copy FLATMESH_VMLINUX_H={given}: {e}. Point it at a vmlinux.h file."
+            ));
         }
         return dest;
     }
@@ -72,13 +74,18 @@ fn main() {
     println!("cargo:rerun-if-env-changed=FLATMESH_CLANG");
     let bpf_dir = manifest.join("bpf");
     println!("cargo:rerun-if-changed={}", bpf_dir.display());
-    println!("cargo:rerun-if-changed={}", bpf_dir.join("common.h").display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        bpf_dir.join("common.h").display()
+    );
     vmlinux_h(&out_dir);
     let clang = env::var("FLATMESH_CLANG").unwrap_or_else(|_| "clang".to_string());
     let arch = match env::var("CARGO_CFG_TARGET_ARCH").as_deref() {
         Ok("x86_64") => "x86",
         Ok("aarch64") => "arm64",
-        Ok(other) => fail(&format!("no BPF target-arch mapping for {other}; add one to build.rs")),
+        Ok(other) => fail(&format!(
+            "no BPF target-arch mapping for {other}; add one to build.rs"
+        )),
         Err(_) => fail("CARGO_CFG_TARGET_ARCH is not set; run this through cargo."),
     };
     for name in PROGRAMS {

@@ -52,7 +52,8 @@ pub struct Limits {
     /// A client must send its full request head within this time.
     #[serde(with = "crate::duration")]
     pub header_read_timeout: Duration,
-    /// An idle downstream connection is closed after this time.
+    /// A downstream connection that moves no byte for this long is closed (HTTP listeners).
+    /// Covers long-lived gRPC streams too, hence a default as long as Envoy's stream idle timeout.
     #[serde(with = "crate::duration")]
     pub idle_timeout: Duration,
     /// Upstream TCP connect timeout.
@@ -68,7 +69,7 @@ impl Default for Limits {
         Limits {
             max_header_bytes: 64 * 1024,
             header_read_timeout: Duration::from_secs(10),
-            idle_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(300),
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(15),
         }

@@ -28,7 +28,9 @@ pub struct EndpointSnapshot {
 /// The service an instance belongs to: its id without the shard and replica suffix.
 pub fn service_of(instance_id: &str) -> &str {
     match instance_id.rfind('-') {
-        Some(pos) if instance_id[pos + 1..].chars().all(|c| c.is_ascii_digit()) => &instance_id[..pos],
+        Some(pos) if instance_id[pos + 1..].chars().all(|c| c.is_ascii_digit()) => {
+            &instance_id[..pos]
+        }
         _ => instance_id,
     }
 }
@@ -84,7 +86,8 @@ impl EndpointSink for FileSink {
             source,
         };
         let tmp = self.path.with_extension("tmp");
-        let text = serde_json::to_vec_pretty(snapshot).map_err(|e| err(std::io::Error::other(e)))?;
+        let text =
+            serde_json::to_vec_pretty(snapshot).map_err(|e| err(std::io::Error::other(e)))?;
         std::fs::write(&tmp, text).map_err(err)?;
         std::fs::rename(&tmp, &self.path).map_err(err)
     }
@@ -127,7 +130,11 @@ mod tests {
         let mut bad = FileSink {
             path: dir.join("missing/endpoints.json"),
         };
-        assert!(bad.publish(&snap).unwrap_err().to_string().contains("writable"));
+        assert!(bad
+            .publish(&snap)
+            .unwrap_err()
+            .to_string()
+            .contains("writable"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

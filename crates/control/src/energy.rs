@@ -56,9 +56,9 @@ pub fn cost_efficiency(throughput_rps: f64, power_watts: f64, capex_usd: f64, ye
 }
 
 pub fn avg_hops(topo: &Topology, wl: &Workload, assign: &[usize]) -> f64 {
-    let (sum, n) = wl
-        .edges()
-        .fold((0u64, 0u64), |(s, c), (a, b)| (s + u64::from(hops(topo, assign[a], assign[b])), c + 1));
+    let (sum, n) = wl.edges().fold((0u64, 0u64), |(s, c), (a, b)| {
+        (s + u64::from(hops(topo, assign[a], assign[b])), c + 1)
+    });
     if n == 0 {
         0.0
     } else {
@@ -108,7 +108,9 @@ mod tests {
         let limit = rps / watts / usd_per_joule;
         let ce = cost_efficiency(rps, watts, 10_000.0, 100_000.0);
         assert!((ce - limit).abs() / limit < 0.01);
-        assert!(cost_efficiency(rps, watts, 10_000.0, 1.0) < cost_efficiency(rps, watts, 10_000.0, 5.0));
+        assert!(
+            cost_efficiency(rps, watts, 10_000.0, 1.0) < cost_efficiency(rps, watts, 10_000.0, 5.0)
+        );
     }
 
     #[test]

@@ -137,7 +137,12 @@ pub fn fail_nodes(st: &mut State, dead: &[usize]) -> Result<Vec<Moved>, crate::C
                 .iter()
                 .find(|(j, _)| *j == i)
                 .map(|(_, n)| *n)
-                .or_else(|| moved.iter().find(|m| wl.replicas[m.instance].contains(&i)).map(|m| m.to))
+                .or_else(|| {
+                    moved
+                        .iter()
+                        .find(|m| wl.replicas[m.instance].contains(&i))
+                        .map(|m| m.to)
+                })
                 .unwrap_or(0);
             (i, from)
         })
@@ -214,7 +219,10 @@ mod tests {
             assert!(!server0.contains(&assign[i]));
         }
         // Lost primaries were promoted, not cold-started.
-        let lost_primaries = on0.iter().filter(|&&i| wl.instances[i].is_primary()).count();
+        let lost_primaries = on0
+            .iter()
+            .filter(|&&i| wl.instances[i].is_primary())
+            .count();
         assert_eq!(moved.iter().filter(|m| m.promoted).count(), lost_primaries);
         // A second server failure leaves one server: backups have nowhere to go.
         let server1 = topo.servers[1].nodes.clone();

@@ -97,10 +97,16 @@ mod tests {
 
     #[test]
     fn rejects_bad_input() {
-        assert!(matches!(Heartbeat::decode(&[0; 15]), Err(ControlError::HeartbeatLength { len: 15 })));
+        assert!(matches!(
+            Heartbeat::decode(&[0; 15]),
+            Err(ControlError::HeartbeatLength { len: 15 })
+        ));
         assert!(Heartbeat::decode(&[0; 17]).is_err());
         let mut b = [0u8; 16];
         b[6] = 101;
-        assert!(Heartbeat::decode(&b).unwrap_err().to_string().contains("above 100%"));
+        assert!(Heartbeat::decode(&b)
+            .unwrap_err()
+            .to_string()
+            .contains("above 100%"));
     }
 }

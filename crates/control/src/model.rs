@@ -429,7 +429,10 @@ fn validate_cluster(spec: &ClusterSpec) -> Result<()> {
     if spec.racks.is_empty() {
         return Err(invalid(
             "cluster",
-            format!("cluster {} has no racks; add at least one rack with servers", spec.name),
+            format!(
+                "cluster {} has no racks; add at least one rack with servers",
+                spec.name
+            ),
         ));
     }
     let mut total: u64 = 0;
@@ -438,7 +441,10 @@ fn validate_cluster(spec: &ClusterSpec) -> Result<()> {
         if !rack_names.insert(rack.name.as_str()) {
             return Err(invalid(
                 "cluster",
-                format!("rack name {:?} is used twice; rack names must be unique", rack.name),
+                format!(
+                    "rack name {:?} is used twice; rack names must be unique",
+                    rack.name
+                ),
             ));
         }
         for g in &rack.servers {
@@ -461,13 +467,19 @@ fn validate_cluster(spec: &ClusterSpec) -> Result<()> {
     if total == 0 {
         return Err(invalid(
             "cluster",
-            format!("cluster {} has no servers; give a rack a server group with count >= 1", spec.name),
+            format!(
+                "cluster {} has no servers; give a rack a server group with count >= 1",
+                spec.name
+            ),
         ));
     }
     if total > MAX_SERVERS {
         return Err(invalid(
             "cluster",
-            format!("cluster {} has {total} servers, above the limit of {MAX_SERVERS}", spec.name),
+            format!(
+                "cluster {} has {total} servers, above the limit of {MAX_SERVERS}",
+                spec.name
+            ),
         ));
     }
     Ok(())
@@ -481,7 +493,10 @@ fn validate_app(app: &AppSpec) -> Result<()> {
     if !(app.rps.is_finite() && app.rps > 0.0) {
         return Err(invalid(
             "app",
-            format!("app {}: rps must be a positive number, got {}", app.name, app.rps),
+            format!(
+                "app {}: rps must be a positive number, got {}",
+                app.name, app.rps
+            ),
         ));
     }
     for (name, m) in &app.microservices {
@@ -514,13 +529,19 @@ fn validate_app(app: &AppSpec) -> Result<()> {
         if !(s.fraction.is_finite() && s.fraction > 0.0 && s.fraction <= 1.0) {
             return Err(invalid(
                 "app",
-                format!("app {} stage {}: fraction must be in (0, 1], got {}", app.name, s.name, s.fraction),
+                format!(
+                    "app {} stage {}: fraction must be in (0, 1], got {}",
+                    app.name, s.name, s.fraction
+                ),
             ));
         }
         if s.shards == 0 {
             return Err(invalid(
                 "app",
-                format!("app {} stage {}: shards must be at least 1", app.name, s.name),
+                format!(
+                    "app {} stage {}: shards must be at least 1",
+                    app.name, s.name
+                ),
             ));
         }
         if !profiles.contains_key(&s.microservice) {
@@ -567,13 +588,20 @@ fn validate_app(app: &AppSpec) -> Result<()> {
     if app.replicas > 16 {
         return Err(invalid(
             "app",
-            format!("app {}: {} replicas per shard is not plausible (max 16)", app.name, app.replicas),
+            format!(
+                "app {}: {} replicas per shard is not plausible (max 16)",
+                app.name, app.replicas
+            ),
         ));
     }
     if app.dag_nodes() > MAX_APP_INSTANCES {
         return Err(invalid(
             "app",
-            format!("app {} has {} DAG nodes, above the limit of {MAX_APP_INSTANCES}", app.name, app.dag_nodes()),
+            format!(
+                "app {} has {} DAG nodes, above the limit of {MAX_APP_INSTANCES}",
+                app.name,
+                app.dag_nodes()
+            ),
         ));
     }
     Ok(())
@@ -662,14 +690,41 @@ mod tests {
         ("Beefy", 4500.0, 12.0, 0.0, 64, 83.0, 201.0, 20.0),
         ("Wimpy", 2209.0, 0.0, 32.0, 2, 79.0, 95.0, 20.0),
         ("Type1-SmartNIC", 4650.0, 12.0, 12.0, 68, 98.0, 222.0, 20.0),
-        ("Type2-SmartNIC", 6750.0, 16.0, 48.0, 144, 145.0, 252.0, 40.0),
+        (
+            "Type2-SmartNIC",
+            6750.0,
+            16.0,
+            48.0,
+            144,
+            145.0,
+            252.0,
+            40.0,
+        ),
         ("SuperBeefy", 12550.0, 24.0, 0.0, 192, 77.0, 256.0, 80.0),
         ("4xBeefy", 18000.0, 48.0, 0.0, 256, 332.0, 804.0, 80.0),
         ("4xWimpy", 8836.0, 0.0, 128.0, 8, 316.0, 380.0, 80.0),
         // The paper prints $13,018 for 2xB.+2xW., but its own rows sum to 2*4500+2*2209 = $13,418;
         // we keep the consistent sum (docs/control.md notes the misprint).
-        ("2xBeefy+2xWimpy", 13418.0, 24.0, 64.0, 132, 324.0, 592.0, 80.0),
-        ("2xType2-SmartNIC", 13500.0, 32.0, 96.0, 288, 290.0, 504.0, 80.0),
+        (
+            "2xBeefy+2xWimpy",
+            13418.0,
+            24.0,
+            64.0,
+            132,
+            324.0,
+            592.0,
+            80.0,
+        ),
+        (
+            "2xType2-SmartNIC",
+            13500.0,
+            32.0,
+            96.0,
+            288,
+            290.0,
+            504.0,
+            80.0,
+        ),
         ("1xSuperBeefy", 12550.0, 24.0, 0.0, 192, 77.0, 256.0, 80.0),
     ];
 
@@ -678,7 +733,8 @@ mod tests {
         for &(name, cost, bc, wc, mem_gb, idle, peak, bw) in TABLE4 {
             let spec = load_cluster(&format!("preset:{name}")).unwrap();
             let types = cluster_server_types(&spec).unwrap();
-            let (mut c, mut b, mut w, mut m, mut i, mut p, mut n) = (0.0, 0.0, 0.0, 0, 0.0, 0.0, 0.0);
+            let (mut c, mut b, mut w, mut m, mut i, mut p, mut n) =
+                (0.0, 0.0, 0.0, 0, 0.0, 0.0, 0.0);
             for g in &spec.racks[0].servers {
                 let t = &types[&g.server_type];
                 let mut nodes = vec![&t.host];
@@ -699,7 +755,11 @@ mod tests {
                     }
                 }
             }
-            assert_eq!((c, b, w, m / 1024, i, p, n), (cost, bc, wc, mem_gb, idle, peak, bw), "{name}");
+            assert_eq!(
+                (c, b, w, m / 1024, i, p, n),
+                (cost, bc, wc, mem_gb, idle, peak, bw),
+                "{name}"
+            );
         }
     }
 
@@ -766,7 +826,11 @@ mod tests {
             ("RTA-SF", 96, vec!["Spike", "Count", "KVS", "Bayes"]),
             ("RTA-SHM", 84, vec!["Count", "EMA", "SQL", "BM25"]),
             ("IOT-DH", 108, vec!["API gw", "Count", "KNN", "KVS", "SQL"]),
-            ("IOT-TS", 108, vec!["API gw", "SQL", "EMA", "Spike", "Recommend"]),
+            (
+                "IOT-TS",
+                108,
+                vec!["API gw", "SQL", "EMA", "Spike", "Recommend"],
+            ),
         ];
         assert_eq!(app_preset_names().unwrap().len(), expect.len());
         for (name, n, types) in expect {
@@ -784,7 +848,9 @@ mod tests {
 
     #[test]
     fn unknown_keys_and_names_get_hints() {
-        let err = parse_app("a.yaml", "name: x\nrps: 1\nstagess: []\n").unwrap_err().to_string();
+        let err = parse_app("a.yaml", "name: x\nrps: 1\nstagess: []\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("did you mean \"stages\""), "{err}");
         let err = parse_app(
             "a.yaml",
@@ -793,7 +859,9 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("did you mean \"Count\""), "{err}");
-        let err = load_cluster("preset:3xType1-SmartNlC").unwrap_err().to_string();
+        let err = load_cluster("preset:3xType1-SmartNlC")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("did you mean \"3xType1-SmartNIC\""), "{err}");
         let err = parse_cluster(
             "c.yaml",
@@ -801,7 +869,10 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(err.contains("did you mean \"Type1-SmartNIC\"") || err.contains("Type2-SmartNIC"), "{err}");
+        assert!(
+            err.contains("did you mean \"Type1-SmartNIC\"") || err.contains("Type2-SmartNIC"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -813,9 +884,12 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("later stage"), "{err}");
-        let err = parse_app("a.yaml", "name: x\nrps: -5\nstages:\n  - {name: a, microservice: Count, shards: 1}\n")
-            .unwrap_err()
-            .to_string();
+        let err = parse_app(
+            "a.yaml",
+            "name: x\nrps: -5\nstages:\n  - {name: a, microservice: Count, shards: 1}\n",
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("rps must be a positive"), "{err}");
     }
 
@@ -825,8 +899,17 @@ mod tests {
         let spec = parse_cluster("lab.yaml", text).unwrap();
         assert_eq!(spec.racks[0].servers[0].count, 2);
         let bad = text.replace("peak_watts: 150", "peak_watts: 10");
-        assert!(parse_cluster("lab.yaml", &bad).unwrap_err().to_string().contains("below idle_watts"));
-        let bad = text.replace("smartnic_count: 1", "smartnic_count: 1\n    smartnic_cnt: 2");
-        assert!(parse_cluster("lab.yaml", &bad).unwrap_err().to_string().contains("did you mean"));
+        assert!(parse_cluster("lab.yaml", &bad)
+            .unwrap_err()
+            .to_string()
+            .contains("below idle_watts"));
+        let bad = text.replace(
+            "smartnic_count: 1",
+            "smartnic_count: 1\n    smartnic_cnt: 2",
+        );
+        assert!(parse_cluster("lab.yaml", &bad)
+            .unwrap_err()
+            .to_string()
+            .contains("did you mean"));
     }
 }

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::energy::{cluster_power, cost_efficiency, avg_hops};
+use crate::energy::{avg_hops, cluster_power, cost_efficiency};
 use crate::error::{ControlError, Result};
 use crate::model::{load_app, load_cluster, uniform_cluster, AppSpec};
 use crate::placement::{anneal, hcm, ilp, verify, Algorithm, State};
@@ -122,7 +122,8 @@ pub fn scale(servers: u32, target: usize, algo: Algorithm, seed: u64) -> Result<
                         placed += group.len();
                     }
                     Ok(()) | Err(ControlError::Solver(_)) => {
-                        row.note = format!(">> {ILP_BUDGET_SECONDS} s per microservice (time limit hit)");
+                        row.note =
+                            format!(">> {ILP_BUDGET_SECONDS} s per microservice (time limit hit)");
                         return Ok(row);
                     }
                     Err(e) => return Err(e),
@@ -130,7 +131,10 @@ pub fn scale(servers: u32, target: usize, algo: Algorithm, seed: u64) -> Result<
             }
             if placed > 0 {
                 row.ms_per_microservice = Some(spent * 1e3 / placed as f64);
-                row.note = format!("mean over {placed} microservices deployed by ILP after {} by HCM", last.first_instance);
+                row.note = format!(
+                    "mean over {placed} microservices deployed by ILP after {} by HCM",
+                    last.first_instance
+                );
             }
         }
     }
@@ -162,7 +166,9 @@ pub fn energy(app: &AppSpec, cluster: &str) -> Result<EnergyRow> {
     // A backup must sit on another server: a one-server cluster (1xSuperBeefy) runs without backups,
     // as the paper's single-server measurements did.
     let mut app = app.clone();
-    app.replicas = app.replicas.min(topo.servers.len().saturating_sub(1) as u32);
+    app.replicas = app
+        .replicas
+        .min(topo.servers.len().saturating_sub(1) as u32);
     let app = &app;
     let fits = |scale: f64| -> Option<(Workload, Vec<usize>)> {
         let mut wl = Workload::default();
@@ -229,15 +235,108 @@ pub const PAPER_TABLE5: &[(&str, [f64; 5])] = &[
 
 /// E3 Table 6 (ms per microservice); None = "≫1s".
 pub const PAPER_TABLE6: &[(&str, [Option<f64>; 6])] = &[
-    ("hcm", [Some(4.85), Some(8.31), Some(19.83), Some(34.32), Some(74.39), Some(263.46)]),
-    ("anneal", [Some(3.15), Some(4.73), Some(7.43), Some(15.64), Some(23.50), Some(61.42)]),
-    ("ilp", [Some(7.64), Some(19.43), Some(84.83), Some(361.85), None, None]),
+    (
+        "hcm",
+        [
+            Some(4.85),
+            Some(8.31),
+            Some(19.83),
+            Some(34.32),
+            Some(74.39),
+            Some(263.46),
+        ],
+    ),
+    (
+        "anneal",
+        [
+            Some(3.15),
+            Some(4.73),
+            Some(7.43),
+            Some(15.64),
+            Some(23.50),
+            Some(61.42),
+        ],
+    ),
+    (
+        "ilp",
+        [
+            Some(7.64),
+            Some(19.43),
+            Some(84.83),
+            Some(361.85),
+            None,
+            None,
+        ],
+    ),
 ];
 pub const TABLE6_SERVERS: [u32; 6] = [100, 200, 400, 600, 800, 1000];
+
+#[derive(Debug, Clone, Serialize)]
+pub struct OrchestratorRow {
+    pub servers: u32,
+    pub heartbeats: usize,
+    /// Wall time to decode and judge one 50 ms round of heartbeats, plus the liveness sweep (ms).
+    pub round_ms: f64,
+    pub signals: usize,
+}
+
+/// §5.6 / Fig. 11: one decision round of the orchestrator over heartbeats from every SmartNIC of
+/// `servers` Type2-SmartNIC servers (4 each), after `warm_rounds` rounds of warm-up. One SmartNIC
+/// in 1,000 reports a slow microservice, so the round also produces signals.
+pub fn orchestrator_round(servers: u32, warm_rounds: u32) -> OrchestratorRow {
+    use crate::heartbeat::{Heartbeat, NO_SAMPLE};
+    use crate::orchestrator::{Detector, DetectorConfig};
+    let nics = servers as usize * 4;
+    let nodes = servers as usize * 5;
+    let mut det = Detector::new(DetectorConfig::default(), nodes);
+    let beat = |nic: usize, exec: u16| {
+        let node = (nic / 4) * 5 + 1 + nic % 4;
+        Heartbeat {
+            node: node as u32,
+            queue_len: 0,
+            bw_util_pct: 30,
+            slot_base: 0,
+            exec_us: [exec, 100, NO_SAMPLE, NO_SAMPLE],
+        }
+    };
+    let mut now = tokio::time::Instant::now();
+    for _ in 0..warm_rounds {
+        for nic in 0..nics {
+            let _ = det.observe(&beat(nic, 100), now);
+        }
+        now += std::time::Duration::from_millis(50);
+    }
+    let round: Vec<[u8; 16]> = (0..nics)
+        .map(|nic| beat(nic, if nic % 1000 == 0 { 400 } else { 100 }).encode())
+        .collect();
+    let t = Instant::now();
+    let mut signals = 0usize;
+    for bytes in &round {
+        if let Ok(hb) = Heartbeat::decode(bytes) {
+            if let Ok(Some(_)) = det.observe(&hb, now) {
+                signals += 1;
+            }
+        }
+    }
+    signals += det.sweep(now).len();
+    OrchestratorRow {
+        servers,
+        heartbeats: nics,
+        round_ms: t.elapsed().as_secs_f64() * 1e3,
+        signals,
+    }
+}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn orchestrator_round_flags_the_slow_smartnics() {
+        let row = orchestrator_round(2000, 6);
+        assert_eq!(row.heartbeats, 8000);
+        assert_eq!(row.signals, 8, "one SmartNIC in 1,000 is slow");
+    }
 
     #[test]
     fn scale_runs_small_and_verifies() {
@@ -264,7 +363,10 @@ mod tests {
             let by = |c: &str| rows.iter().find(|r| r.cluster == c).unwrap().krpj;
             assert!(by("2xType2-SmartNIC") > by("4xBeefy"), "{app}: {rows:?}");
             if *app != "NFV-FIN" {
-                let best = rows.iter().max_by(|a, b| a.krpj.total_cmp(&b.krpj)).unwrap();
+                let best = rows
+                    .iter()
+                    .max_by(|a, b| a.krpj.total_cmp(&b.krpj))
+                    .unwrap();
                 assert_eq!(best.cluster, "2xType2-SmartNIC", "{app}: {rows:?}");
             }
         }

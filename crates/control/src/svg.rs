@@ -14,7 +14,9 @@ const COLORS: &[&str] = &[
 ];
 
 fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
 
 fn header(out: &mut String, title: &str, ylabel: &str) {
@@ -81,7 +83,12 @@ fn y_axis(out: &mut String, max: f64, log: bool) -> impl Fn(f64) -> f64 {
 }
 
 /// Grouped bars: one group per category, one bar per series.
-pub fn bar_chart(title: &str, ylabel: &str, categories: &[String], series: &[(String, Vec<f64>)]) -> String {
+pub fn bar_chart(
+    title: &str,
+    ylabel: &str,
+    categories: &[String],
+    series: &[(String, Vec<f64>)],
+) -> String {
     let mut out = String::new();
     header(&mut out, title, ylabel);
     let max = series
@@ -116,7 +123,10 @@ pub fn bar_chart(title: &str, ylabel: &str, categories: &[String], series: &[(St
             esc(cat)
         );
     }
-    legend(&mut out, &series.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>());
+    legend(
+        &mut out,
+        &series.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(),
+    );
     out.push_str("</svg>\n");
     out
 }
@@ -140,7 +150,9 @@ pub fn line_chart(
     let y = y_axis(&mut out, max, log_y);
     let (xmin, xmax) = xs
         .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
+            (a.min(x), b.max(x))
+        });
     let span = if xmax > xmin { xmax - xmin } else { 1.0 };
     let x = |v: f64| LEFT + (W - LEFT - RIGHT) * (v - xmin) / span;
     for &xv in xs {
@@ -165,16 +177,33 @@ pub fn line_chart(
         for (k, v) in vals.iter().enumerate() {
             match (v, xs.get(k)) {
                 (Some(v), Some(&xv)) if v.is_finite() => {
-                    let _ = write!(path, "{}{:.1},{:.1} ", if pen_down { "L" } else { "M" }, x(xv), y(*v));
-                    let _ = write!(out, r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"><title>{v}</title></circle>"#, x(xv), y(*v));
+                    let _ = write!(
+                        path,
+                        "{}{:.1},{:.1} ",
+                        if pen_down { "L" } else { "M" },
+                        x(xv),
+                        y(*v)
+                    );
+                    let _ = write!(
+                        out,
+                        r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"><title>{v}</title></circle>"#,
+                        x(xv),
+                        y(*v)
+                    );
                     pen_down = true;
                 }
                 _ => pen_down = false,
             }
         }
-        let _ = write!(out, r#"<path d="{path}" fill="none" stroke="{color}" stroke-width="2"/>"#);
+        let _ = write!(
+            out,
+            r#"<path d="{path}" fill="none" stroke="{color}" stroke-width="2"/>"#
+        );
     }
-    legend(&mut out, &series.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>());
+    legend(
+        &mut out,
+        &series.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(),
+    );
     out.push_str("</svg>\n");
     out
 }
@@ -185,11 +214,23 @@ mod tests {
 
     #[test]
     fn charts_are_well_formed() {
-        let b = bar_chart("t<1>", "y", &["a".into(), "b".into()], &[("s".into(), vec![1.0, f64::NAN])]);
+        let b = bar_chart(
+            "t<1>",
+            "y",
+            &["a".into(), "b".into()],
+            &[("s".into(), vec![1.0, f64::NAN])],
+        );
         assert!(b.starts_with("<svg") && b.ends_with("</svg>\n"));
         assert!(b.contains("t&lt;1&gt;"));
         assert_eq!(b.matches("<rect x=").count(), 2 + 1);
-        let l = line_chart("t", "x", "y", &[1.0, 2.0, 3.0], &[("s".into(), vec![Some(1.0), None, Some(100.0)])], true);
+        let l = line_chart(
+            "t",
+            "x",
+            "y",
+            &[1.0, 2.0, 3.0],
+            &[("s".into(), vec![Some(1.0), None, Some(100.0)])],
+            true,
+        );
         assert_eq!(l.matches("<circle").count(), 2);
         let d = l.split("d=\"").nth(1).unwrap().split('"').next().unwrap();
         assert_eq!(d.matches('M').count(), 2, "line broken at the gap: {d}");

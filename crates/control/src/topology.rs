@@ -304,7 +304,10 @@ mod tests {
         };
         let levels = topo.levels(0);
         let got: Vec<Vec<usize>> = levels.iter().map(collect).collect();
-        assert_eq!(got, vec![vec![0], vec![1], vec![3, 5], vec![2, 4], vec![], vec![]]);
+        assert_eq!(
+            got,
+            vec![vec![0], vec![1], vec![3, 5], vec![2, 4], vec![], vec![]]
+        );
         assert_eq!(hops(&topo, 0, 1), 1);
         assert_eq!(hops(&topo, 1, 3), 2);
         assert_eq!(topo.capex_usd(), 3.0 * 4650.0);

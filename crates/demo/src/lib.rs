@@ -30,11 +30,12 @@ pub enum DemoError {
     Runtime(#[source] std::io::Error),
     #[error("the built-in demo config does not validate: {0}; this is a flatmesh bug, please report it with this message")]
     BuiltinConfig(String),
-    #[error("the node proxy did not start with the built-in config: {0}; this is a flatmesh bug, please report it with this message")]
+    /// The proxy's own message says what went wrong and what to do.
+    #[error("the node proxy did not start: {0}")]
     NodeStart(String),
     #[error("the node proxy reports no bound address for listener `{0}`; this is a flatmesh bug, please report it")]
     MissingListener(&'static str),
-    #[error("the node proxy did not become ready within {waited:?} (last answer from http://{admin}/ready: {last}); check the log above for worker errors")]
+    #[error("the node proxy did not become ready within {waited:?} (last answer from http://{admin}/ready: {last}); check the warnings above (RUST_LOG=debug shows more)")]
     NotReady {
         admin: std::net::SocketAddr,
         waited: std::time::Duration,

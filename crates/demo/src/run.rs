@@ -67,8 +67,18 @@ impl Options {
 }
 
 /// Run the whole demo and return its report. Check `report.problems()` for the verdict.
+/// Blocking: call it from plain threads, not from inside an async runtime (there,
+/// use [`load::run`] against a node of your own).
 pub fn run(options: &Options) -> Result<Report, DemoError> {
     options.validate()?;
+    if tokio::runtime::Handle::try_current().is_ok() {
+        // Blocking on a new runtime inside another one would panic.
+        return Err(DemoError::InvalidOption(
+            "flatmesh_demo::run blocks and was called inside an async runtime: \
+             call it from a plain thread (e.g. spawn_blocking), or use flatmesh_demo::load::run"
+                .into(),
+        ));
+    }
     // Two threads: the demo backends and the load generator share them; the node
     // proxy runs its own workers.
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -233,6 +243,12 @@ mod tests {
         ] {
             assert!(matches!(bad.validate(), Err(DemoError::InvalidOption(_))));
         }
+    }
+
+    #[tokio::test]
+    async fn run_inside_a_runtime_is_refused_not_a_panic() {
+        let result = run(&Options::default());
+        assert!(matches!(result, Err(DemoError::InvalidOption(m)) if m.contains("spawn_blocking")));
     }
 
     #[tokio::test]

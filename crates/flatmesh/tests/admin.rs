@@ -333,3 +333,91 @@ clusters:
         .unwrap_or_else(|| panic!("no access log line for /unrouted:\n{text}"));
     assert!(unrouted.contains("404"), "{unrouted}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_connections_and_connect_failures_are_counted() {
+    let app = HttpBackend::start("app", Proto::H1).await;
+    let (admin, web) = (free_addr(), free_addr());
+    let ghost = free_addr(); // nothing listens there
+    let yaml = format!(
+        r#"
+admin: {admin}
+workers: 1
+listeners:
+  - name: web
+    address: {web}
+    protocol: http
+    routes:
+      - match: {{ path: {{ prefix: /ghost }} }}
+        cluster: ghost
+      - match: {{ path: {{ prefix: / }} }}
+        cluster: api
+clusters:
+  - name: api
+    endpoints: [ {a} ]
+  - name: ghost
+    endpoints: [ {ghost} ]
+"#,
+        a = app.addr
+    );
+    let proxy = Proxy::start(admin, &yaml).await;
+    let client = h1_client();
+    for i in 0..5 {
+        assert_eq!(
+            get(&client, &format!("http://{web}/ok/{i}"), &[])
+                .await
+                .status,
+            StatusCode::OK
+        );
+    }
+    for i in 0..3 {
+        let resp = get(&client, &format!("http://{web}/ghost/{i}"), &[]).await;
+        assert_eq!(resp.status, StatusCode::SERVICE_UNAVAILABLE);
+    }
+    let text = proxy.metrics().await;
+    let opened = sum_where(&text, "upstream_connections", &["cluster=\"api\""]);
+    assert!(
+        opened >= 1.0,
+        "no upstream connection counted for api:\n{text}"
+    );
+    let failures: f64 = metric_samples(&text, "flatmesh_", &["cluster=\"ghost\""])
+        .into_iter()
+        .filter(|(series, _)| series.contains("fail"))
+        .map(|(_, v)| v)
+        .sum();
+    assert!(
+        failures >= 3.0,
+        "expected >= 3 connect failures for ghost, found {failures}:\n{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_reloads_are_counted() {
+    let s = setup().await;
+    let failed_of = |text: &str| -> f64 {
+        metric_samples(text, "flatmesh_", &[])
+            .into_iter()
+            .filter(|(series, _)| series.contains("reload") && series.contains("fail"))
+            .map(|(_, v)| v)
+            .sum()
+    };
+    let before = failed_of(&s.proxy.metrics().await);
+    s.proxy.write_config("listeners: [ this is not a config");
+    s.proxy.sighup();
+    let admin = s.proxy.admin;
+    let counted = eventually(std::time::Duration::from_secs(5), || async move {
+        let Ok(resp) = send(&h1_client(), get_req(&format!("http://{admin}/metrics"))).await else {
+            return false;
+        };
+        failed_of(&resp.body) > before
+    })
+    .await;
+    assert!(
+        counted,
+        "a refused reload was not counted as failed:\n{}",
+        s.proxy.metrics().await
+    );
+    // The old config still serves.
+    let resp = get(&h1_client(), &format!("http://{}/healthz", s.web), &[]).await;
+    assert_eq!(resp.body, "ok");
+}

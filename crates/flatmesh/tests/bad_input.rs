@@ -543,3 +543,59 @@ async fn garbage_bytes_never_crash_the_proxy() {
     let _ = closed_within(&mut c, Duration::from_secs(2)).await;
     assert_still_serving(&mut s, "after a garbage HTTP/2 frame").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_encoding_without_final_chunked_is_400_and_closed() {
+    let mut s = setup().await;
+    // RFC 9112 §6.3: a request whose Transfer-Encoding does not end in chunked cannot be framed.
+    let raw = b"POST /echo HTTP/1.1\r\nHost: t.local\r\nTransfer-Encoding: gzip\r\n\r\nhello";
+    assert_400_and_close(&mut s, "Transfer-Encoding: gzip", raw).await;
+    assert_still_serving(&mut s, "after a bad Transfer-Encoding").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_header_lines_are_400() {
+    let mut s = setup().await;
+    // RFC 9112 §5.1: whitespace between a field name and the colon MUST be rejected with 400.
+    let space = b"GET /echo HTTP/1.1\r\nHost: t.local\r\nX-Evil : 1\r\n\r\n";
+    assert_400_and_close(&mut s, "space before colon", space).await;
+    let no_colon = b"GET /echo HTTP/1.1\r\nHost: t.local\r\nthis is not a header\r\n\r\n";
+    assert_400_and_close(&mut s, "header line without a colon", no_colon).await;
+    let nul = b"GET /echo HTTP/1.1\r\nHost: t.local\r\nX-Nul: a\x00b\r\n\r\n";
+    assert_400_and_close(&mut s, "NUL in a header value", nul).await;
+    // RFC 9112 §3.2: an HTTP/1.1 request without Host MUST get 400.
+    let no_host = b"GET /echo HTTP/1.1\r\nX-Other: 1\r\n\r\n";
+    let hits_before = s.app.hits();
+    let (_c, resp) = exchange(s.web, no_host.to_vec()).await;
+    let resp = resp.expect("a response to an HTTP/1.1 request without Host");
+    assert_eq!(resp.status, 400, "HTTP/1.1 without Host: {}", resp.head);
+    assert_eq!(
+        s.app.hits(),
+        hits_before,
+        "a Host-less request reached the backend"
+    );
+    assert_still_serving(&mut s, "after malformed header lines").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expect_100_continue_is_honoured() {
+    let s = setup().await;
+    let mut conn = connect(s.web).await;
+    conn.write_all(
+        b"POST /echo HTTP/1.1\r\nHost: t.local\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n",
+    )
+    .await
+    .expect("write head");
+    // A client waits for 100 Continue before it sends the body (curl waits 1 s, then gives up).
+    let interim = read_response(&mut conn, Duration::from_secs(2))
+        .await
+        .expect("an interim 100 Continue within 2 s");
+    assert_eq!(interim.status, 100, "{}", interim.head);
+    conn.write_all(b"hello").await.expect("write body");
+    let resp = read_response(&mut conn, Duration::from_secs(5))
+        .await
+        .expect("final response");
+    assert_eq!(resp.status, 200, "{}", resp.head);
+    let echo: serde_json::Value = serde_json::from_slice(&resp.body).expect("backend echo");
+    assert_eq!(echo["body_len"], 5);
+}

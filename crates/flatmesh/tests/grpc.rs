@@ -217,3 +217,87 @@ async fn large_messages_cross_flow_control_windows() {
         .unwrap_or_else(|s| panic!("2 MiB client stream failed: {s:?}"));
     assert_eq!(reply.message, parts.join(","));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_call_cancels_it_upstream() {
+    let (backend, _p, web) = setup().await;
+    let mut client = grpc::connect(web).await;
+    let mut stream = tokio::time::timeout(STEP, grpc::server_stream(&mut client, "forever", 0))
+        .await
+        .expect("in time")
+        .unwrap_or_else(|s| panic!("endless stream failed to start: {s:?}"));
+    for i in 0..5 {
+        let tick = tokio::time::timeout(STEP, stream.next())
+            .await
+            .expect("tick in time")
+            .expect("stream open")
+            .unwrap_or_else(|s| panic!("tick {i}: {s:?}"));
+        assert_eq!(tick.index, i);
+    }
+    assert_eq!(
+        backend.cancelled.load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    // Dropping the response stream resets the HTTP/2 stream; the proxy must pass the reset on,
+    // or the backend streams forever into a dead call.
+    drop(stream);
+    let cancelled = backend.cancelled.clone();
+    let propagated = eventually(Duration::from_secs(5), || {
+        let cancelled = cancelled.clone();
+        async move { cancelled.load(std::sync::atomic::Ordering::Relaxed) == 1 }
+    })
+    .await;
+    assert!(
+        propagated,
+        "the backend still streams 5 s after the client cancelled the call"
+    );
+    // The channel is still usable.
+    let ok = tokio::time::timeout(STEP, grpc::unary(&mut client, "after"))
+        .await
+        .expect("in time");
+    assert_eq!(
+        ok.expect("unary after cancel").into_inner().message,
+        "g1:after"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_stream_survives_a_reload() {
+    let (_b, proxy, web) = setup().await;
+    let mut client = grpc::connect(web).await;
+    let mut stream = tokio::time::timeout(STEP, grpc::server_stream(&mut client, "forever", 0))
+        .await
+        .expect("in time")
+        .unwrap_or_else(|s| panic!("endless stream failed to start: {s:?}"));
+    let first = tokio::time::timeout(STEP, stream.next())
+        .await
+        .expect("tick in time");
+    assert_eq!(first.expect("open").expect("ok").index, 0);
+    // Reload with a changed route table while the stream is open.
+    let yaml = std::fs::read_to_string(&proxy.config_path).expect("read config");
+    let changed = yaml.replace(
+        "    routes:\n",
+        "    routes:\n      - match: { path: { exact: /new } }\n        direct_response: { status: 200, body: \"new\" }\n",
+    );
+    assert_ne!(changed, yaml, "test bug: route table not changed");
+    proxy.write_config(&changed);
+    proxy.sighup();
+    let applied = eventually(Duration::from_secs(5), || async move {
+        send(&h1_client(), get_req(&format!("http://{web}/new")))
+            .await
+            .map(|r| r.body)
+            .ok()
+            .as_deref()
+            == Some("new")
+    })
+    .await;
+    assert!(applied, "reload did not apply");
+    // The stream opened before the reload keeps flowing afterwards.
+    for _ in 0..10 {
+        let tick = tokio::time::timeout(STEP, stream.next())
+            .await
+            .expect("tick after reload in time");
+        tick.expect("stream still open after reload")
+            .unwrap_or_else(|s| panic!("stream broken by reload: {s:?}"));
+    }
+}

@@ -155,3 +155,24 @@ fn metric_samples_parses_prometheus_text() {
         vec![("flatmesh_x_total{a=\"1\",b=\"2xx\"}".to_owned(), 5.0)]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_backend_counts_cancelled_streams() {
+    let backend = GrpcBackend::start("g").await;
+    let mut client = grpc::connect(backend.addr).await;
+    let mut stream = grpc::server_stream(&mut client, "forever", 0)
+        .await
+        .expect("stream");
+    assert_eq!(stream.next().await.expect("tick").expect("ok").index, 0);
+    drop(stream);
+    let cancelled = backend.cancelled.clone();
+    let seen = eventually(Duration::from_secs(5), || {
+        let cancelled = cancelled.clone();
+        async move { cancelled.load(std::sync::atomic::Ordering::Relaxed) == 1 }
+    })
+    .await;
+    assert!(
+        seen,
+        "dropping the client stream was not seen by the backend"
+    );
+}

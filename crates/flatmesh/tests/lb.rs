@@ -282,3 +282,57 @@ clusters:
         "90/10 split sent {canary_n}/1000 to canary; all: {counts:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_on_connect_failure_reaches_the_live_endpoint() {
+    let live = HttpBackend::start("live", Proto::H1).await;
+    let dead = free_addr(); // nothing listens there
+    let (admin, web) = (free_addr(), free_addr());
+    let yaml = format!(
+        r#"
+admin: {admin}
+workers: 2
+listeners:
+  - name: web
+    address: {web}
+    protocol: http
+    routes:
+      - match: {{ path: {{ prefix: /retry }} }}
+        cluster: pool
+        retries: {{ attempts: 2, on: [ connect-failure ] }}
+      - match: {{ path: {{ prefix: / }} }}
+        cluster: pool
+clusters:
+  - name: pool
+    lb: round_robin
+    endpoints: [ {dead}, {l} ]
+"#,
+        l = live.addr
+    );
+    let _proxy = Proxy::start(admin, &yaml).await;
+    let client = h1_client();
+    // With retries every request lands on the live endpoint.
+    for i in 0..20 {
+        let resp = get(&client, &format!("http://{web}/retry/{i}"), &[]).await;
+        assert_eq!(
+            resp.status,
+            StatusCode::OK,
+            "request {i} with retries: {resp:?}"
+        );
+        assert_eq!(resp.backend(), Some("live"));
+    }
+    // Without retries, round robin sends some requests to the dead endpoint: 503.
+    let mut unavailable = 0;
+    for i in 0..20 {
+        let resp = get(&client, &format!("http://{web}/plain/{i}"), &[]).await;
+        if resp.status == StatusCode::SERVICE_UNAVAILABLE {
+            unavailable += 1;
+        } else {
+            assert_eq!(resp.status, StatusCode::OK, "{resp:?}");
+        }
+    }
+    assert!(
+        unavailable > 0,
+        "no request failed without retries: is the dead endpoint really used?"
+    );
+}

@@ -333,3 +333,60 @@ async fn reload_moves_traffic_to_new_endpoints() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_connections_survive_a_reload() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let echo = common::backends::TcpBackend::start(common::backends::TcpMode::Echo).await;
+    let app = HttpBackend::start("app", Proto::H1).await;
+    let (admin, web, tcp) = (free_addr(), free_addr(), free_addr());
+    // The http config plus a tcp listener (appended to the listeners) and its cluster.
+    let yaml = |version: u32| {
+        config(admin, web, app.addr, version).replacen(
+            "clusters:\n",
+            &format!(
+                "  - name: db\n    address: {tcp}\n    protocol: tcp\n    cluster: db\n\
+                 clusters:\n  - name: db\n    endpoints: [ {} ]\n",
+                echo.addr
+            ),
+            1,
+        )
+    };
+    let proxy = Proxy::start(admin, &yaml(0)).await;
+    let mut conn = tokio::net::TcpStream::connect(tcp)
+        .await
+        .expect("connect tcp listener");
+    let mut buf = [0u8; 5];
+    conn.write_all(b"before").await.expect("write");
+    let mut first = [0u8; 6];
+    tokio::time::timeout(Duration::from_secs(5), conn.read_exact(&mut first))
+        .await
+        .expect("echo in time")
+        .expect("echo before reload");
+    assert_eq!(&first, b"before");
+
+    proxy.write_config(&yaml(1));
+    proxy.sighup();
+    assert!(
+        wait_for_version(web, "v1", Duration::from_secs(5)).await,
+        "reload to v1 did not happen"
+    );
+
+    // The same connection still relays after the reload.
+    conn.write_all(b"after").await.expect("write after reload");
+    tokio::time::timeout(Duration::from_secs(5), conn.read_exact(&mut buf))
+        .await
+        .expect("echo after reload in time")
+        .expect("echo after reload");
+    assert_eq!(&buf, b"after");
+    // And new connections work too.
+    let mut fresh = tokio::net::TcpStream::connect(tcp)
+        .await
+        .expect("connect after reload");
+    fresh.write_all(b"fresh").await.expect("write");
+    tokio::time::timeout(Duration::from_secs(5), fresh.read_exact(&mut buf))
+        .await
+        .expect("fresh echo in time")
+        .expect("fresh echo");
+    assert_eq!(&buf, b"fresh");
+}

@@ -706,3 +706,31 @@ async fn large_bodies_both_directions_over_h1_and_h2() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_downstream_connections() {
+    let h1 = HttpBackend::start("b-h1", Proto::H1).await;
+    let h2 = HttpBackend::start("b-h2", Proto::H2c).await;
+    let (admin, web) = (free_addr(), free_addr());
+    let _proxy = Proxy::start(admin, &forwarding_config(admin, web, &h1, &h2)).await;
+    // 200 clients, each on its own keep-alive connection, 5 requests each, all at once.
+    let mut tasks = tokio::task::JoinSet::new();
+    for c in 0..200 {
+        tasks.spawn(async move {
+            let client = h1_client();
+            for i in 0..5 {
+                let resp = get(&client, &format!("http://{web}/c{c}/{i}"), &[]).await;
+                assert_eq!(
+                    resp.status,
+                    StatusCode::OK,
+                    "client {c} request {i}: {resp:?}"
+                );
+                assert_eq!(resp.echo()["path"], format!("/c{c}/{i}"));
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.expect("client task");
+    }
+    assert_eq!(h1.hits(), 1000);
+}

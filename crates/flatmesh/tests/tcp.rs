@@ -242,3 +242,35 @@ async fn many_concurrent_connections() {
         t.await.expect("connection task");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_close_from_the_upstream_keeps_the_other_direction_open() {
+    let mut greeter = TcpBackend::start(TcpMode::GreetThenHold).await;
+    let (admin, listen) = (free_addr(), free_addr());
+    let _proxy = Proxy::start(admin, &tcp_config(admin, listen, greeter.addr)).await;
+
+    let mut stream = connect(listen).await;
+    // The upstream writes `hello` and shuts its write side: we see the bytes, then EOF...
+    let mut greeting = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut greeting))
+        .await
+        .expect("the upstream's FIN reached the client within 5 s")
+        .expect("read greeting");
+    assert_eq!(greeting, b"hello");
+    // ...and our direction still works: the upstream receives everything we send after that.
+    let data = pattern(300 * 1024, 5);
+    stream
+        .write_all(&data)
+        .await
+        .expect("write after the upstream's half-close");
+    stream.shutdown().await.expect("shutdown");
+    let end = greeter
+        .next_end(Duration::from_secs(5))
+        .await
+        .expect("the upstream saw our EOF within 5 s");
+    assert_eq!(
+        end,
+        TcpEnd::Eof(data.len() as u64),
+        "bytes the upstream got after its half-close"
+    );
+}

@@ -1,5 +1,5 @@
 /* In-kernel L7 dispatch (tier K, after "Application Layer Processing Offload in the Kernel"):
- * an sk_skb stream parser/verdict pair reads the first request of a connection, the HTTP/1.1
+ * the sk_skb verdict (alone, or behind the stream parser) reads the first request of a connection, the HTTP/1.1
  * request line or the gRPC :path in the first HTTP/2 HEADERS frame (literal, non-Huffman
  * HPACK, static table only), and picks a backend from the tier-K route table. Once the proxy's
  * slow path has opened the upstream socket and paired the two, every later byte is spliced
@@ -63,7 +63,7 @@ struct fm_scratch {
 	/* bpf_loop state lives here, not on the stack: map values are not tracked precisely,
 	 * so the verifier checks each callback once instead of once per distinct position. */
 	__u32 pos, end, have_path, have_method, why; /* HTTP/2 header-block walk */
-	__u32 n, sp1, sp2, crlf;                     /* HTTP/1.1 request-line scan */
+	__u32 n, sp1, sp2, crlf, bad;                /* HTTP/1.1 request-line scan */
 	__u32 hit;                                   /* route match */
 };
 
@@ -193,6 +193,9 @@ static long fm_h1_byte(__u32 i, void *unused)
 	} else if (ch == '\r' || ch == '\n') {
 		s->crlf = i;
 		return 1;
+	} else if (ch < 0x21 || ch > 0x7e) {
+		/* Not a valid request-line byte: the user tier would reject it, so must we. */
+		s->bad = 1;
 	}
 	return 0;
 }
@@ -204,21 +207,40 @@ static __always_inline void fm_h1(struct fm_scratch *s, __u32 n, struct fm_l7_co
 	s->sp1 = 0;
 	s->sp2 = 0;
 	s->crlf = 0;
+	s->bad = 0;
 	bpf_loop(FM_SCAN, fm_h1_byte, NULL, 0);
 	__u32 sp1 = s->sp1, sp2 = s->sp2, crlf = s->crlf;
 	if (!crlf) {
 		fm_fallback(c, n >= FM_SCAN ? FM_WHY_TOO_LONG : FM_WHY_TRUNCATED);
 		return;
 	}
-	if (!sp1 || !sp2 || sp2 <= sp1 + 1 || sp1 > FM_METHOD_MAX || sp2 + 9 > crlf ||
+	/* Exactly "METHOD SP target SP HTTP/1.x" up to the line end, nothing looser. */
+	if (s->bad || !sp1 || !sp2 || sp2 <= sp1 + 1 || sp1 > FM_METHOD_MAX || sp2 + 9 != crlf ||
 	    crlf > FM_SCAN) {
+		fm_fallback(c, FM_WHY_MALFORMED);
+		return;
+	}
+	const char version[7] = "HTTP/1.";
+	for (int i = 0; i < 7; i++) {
+		if (s->buf[(sp2 + 1 + i) & (FM_SCAN * 2 - 1)] != version[i]) {
+			fm_fallback(c, FM_WHY_MALFORMED);
+			return;
+		}
+	}
+	__u8 minor = s->buf[(sp2 + 8) & (FM_SCAN * 2 - 1)];
+	if (minor != '0' && minor != '1') {
 		fm_fallback(c, FM_WHY_MALFORMED);
 		return;
 	}
 	for (int i = 0; i < FM_METHOD_MAX; i++) {
 		if (i >= sp1)
 			break;
-		s->method[i] = s->buf[i];
+		__u8 ch = s->buf[i];
+		if (ch < 'A' || ch > 'Z') {
+			fm_fallback(c, FM_WHY_MALFORMED);
+			return;
+		}
+		s->method[i] = ch;
 	}
 	/* An absolute-form or '*' target is left to the user tier, which knows what it means. */
 	if (s->buf[(sp1 + 1) & (FM_SCAN * 2 - 1)] != '/') {
@@ -363,6 +385,20 @@ static long fm_h2_field(__u32 unused, void *unused_ctx)
 			w->why = FM_WHY_MALFORMED;
 			return 1;
 		}
+		/* Only paths whose every byte the kernel has checked are decided here. */
+		if (vlen > FM_PATH_MAX) {
+			w->why = FM_WHY_TOO_LONG;
+			return 1;
+		}
+		for (int i = 0; i < FM_PATH_MAX; i++) {
+			if (i >= vlen)
+				break;
+			__u8 ch = s->buf[(pos + i) & (FM_SCAN * 2 - 1)];
+			if (ch < 0x21 || ch > 0x7e) {
+				w->why = FM_WHY_MALFORMED;
+				return 1;
+			}
+		}
 		fm_take_path(s, pos, vlen);
 		w->have_path = 1;
 	} else if (field == FM_FIELD_METHOD) {
@@ -373,7 +409,12 @@ static long fm_h2_field(__u32 unused, void *unused_ctx)
 		for (int i = 0; i < FM_METHOD_MAX; i++) {
 			if (i >= vlen)
 				break;
-			s->method[i] = s->buf[(pos + i) & (FM_SCAN * 2 - 1)];
+			__u8 ch = s->buf[(pos + i) & (FM_SCAN * 2 - 1)];
+			if (ch < 'A' || ch > 'Z') {
+				w->why = FM_WHY_MALFORMED;
+				return 1;
+			}
+			s->method[i] = ch;
 		}
 		w->have_method = 1;
 	}

@@ -46,7 +46,12 @@ impl FmAddr {
                 for (i, w) in ip.iter_mut().enumerate() {
                     *w = u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]);
                 }
-                FmAddr { ip, port: addr.port(), family: AF_INET6, pad: 0 }
+                FmAddr {
+                    ip,
+                    port: addr.port(),
+                    family: AF_INET6,
+                    pad: 0,
+                }
             }
         }
     }
@@ -160,7 +165,12 @@ mod tests {
 
     #[test]
     fn addresses_round_trip() {
-        for a in ["127.0.0.1:80", "10.1.2.3:65535", "[::1]:8080", "[2001:db8::7]:1"] {
+        for a in [
+            "127.0.0.1:80",
+            "10.1.2.3:65535",
+            "[::1]:8080",
+            "[2001:db8::7]:1",
+        ] {
             let sa: SocketAddr = a.parse().unwrap_or_else(|e| panic!("{a}: {e}"));
             assert_eq!(FmAddr::from_socket_addr(sa).to_socket_addr(), Some(sa));
         }

@@ -18,8 +18,12 @@ pub struct KernelConfig {
     pub capture: Option<CaptureConfig>,
     /// Shorten local hops with sockops + sk_msg.
     pub redirect: bool,
-    /// Decide `http` listeners' first request in the kernel (sk_skb parser/verdict).
+    /// Decide `http` listeners' first request in the kernel (sk_skb verdict).
     pub l7_dispatch: bool,
+    /// Also attach the sk_skb stream parser in front of the verdict (strparser mode). Off by
+    /// default: on this kernel, strparser mode stalls or resets spliced connections under
+    /// sustained small-message traffic; verdict-only mode does not (docs/kernel.md).
+    pub l7_stream_parser: bool,
 }
 
 /// Which workloads are captured.
@@ -37,6 +41,7 @@ impl Default for KernelConfig {
             capture: None,
             redirect: true,
             l7_dispatch: true,
+            l7_stream_parser: false,
         }
     }
 }

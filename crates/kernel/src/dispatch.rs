@@ -14,7 +14,7 @@
 
 use std::os::fd::AsFd;
 
-use crate::abi::{FmL7Conn, ROUTES_MAX, L7_DECIDED, L7_FALLBACK, L7_PENDING};
+use crate::abi::{FmL7Conn, L7_DECIDED, L7_FALLBACK, L7_PENDING, ROUTES_MAX};
 use crate::error::KernelError;
 use crate::routes::KernelRoute;
 use crate::sockopt::socket_cookie;
@@ -58,7 +58,10 @@ pub enum L7Decision {
     /// The first request matched `route_id`, which forwards to `backend`.
     Backend { backend: u32, route_id: u32 },
     /// The user tier must decide. `route_id` is set when a punt rule matched.
-    Fallback { reason: FallbackReason, route_id: Option<u32> },
+    Fallback {
+        reason: FallbackReason,
+        route_id: Option<u32>,
+    },
 }
 
 impl KernelTier {
@@ -67,17 +70,23 @@ impl KernelTier {
     /// followed by an end marker, never a table without an end.
     pub fn set_routes(&self, table: &[KernelRoute]) -> Result<(), KernelError> {
         if table.len() > ROUTES_MAX {
-            return Err(KernelError::TooManyRoutes { given: table.len(), max: ROUTES_MAX });
+            return Err(KernelError::TooManyRoutes {
+                given: table.len(),
+                max: ROUTES_MAX,
+            });
         }
         self.with(|l| {
-            let m = l.maps.routes.as_mut().ok_or(KernelError::MissingMap { map: "fm_routes (l7_dispatch is off in the config)" })?;
+            let m = l.maps.routes.as_mut().ok_or(KernelError::MissingMap {
+                map: "fm_routes (l7_dispatch is off in the config)",
+            })?;
             // End marker first at the new length, then entries back to front.
             if table.len() < ROUTES_MAX {
                 m.set(table.len() as u32, crate::abi::FmRoute::default(), 0)
                     .map_err(|e| KernelError::map("fm_routes", "update", e))?;
             }
             for (i, r) in table.iter().enumerate().rev() {
-                m.set(i as u32, r.to_abi(), 0).map_err(|e| KernelError::map("fm_routes", "update", e))?;
+                m.set(i as u32, r.to_abi(), 0)
+                    .map_err(|e| KernelError::map("fm_routes", "update", e))?;
             }
             Ok(())
         })
@@ -86,15 +95,24 @@ impl KernelTier {
     /// Registers an accepted client socket for in-kernel dispatch; call before reading from
     /// it. Returns its cookie, the key for the other `l7_*` calls.
     pub fn l7_register(&self, client: &impl AsFd) -> Result<u64, KernelError> {
-        let cookie = socket_cookie(client).map_err(|e| KernelError::io("getsockopt(SO_COOKIE)", e))?;
+        let cookie =
+            socket_cookie(client).map_err(|e| KernelError::io("getsockopt(SO_COOKIE)", e))?;
         self.with(|l| {
-            let conns = l.maps.l7_conns.as_mut().ok_or(KernelError::MissingMap { map: "fm_l7_conns (l7_dispatch is off in the config)" })?;
+            let conns = l.maps.l7_conns.as_mut().ok_or(KernelError::MissingMap {
+                map: "fm_l7_conns (l7_dispatch is off in the config)",
+            })?;
             // State before the sockhash entry: the verdict ignores sockets it has no state for.
-            conns.insert(cookie, FmL7Conn::default(), 0).map_err(|e| KernelError::map("fm_l7_conns", "insert", e))?;
-            let socks = l.maps.l7_socks.as_mut().ok_or(KernelError::MissingMap { map: "fm_l7_socks" })?;
-            socks
-                .insert(cookie, client.as_fd(), 0)
-                .map_err(|e| KernelError::map("fm_l7_socks", "insert (is the socket connected?)", e))
+            conns
+                .insert(cookie, FmL7Conn::default(), 0)
+                .map_err(|e| KernelError::map("fm_l7_conns", "insert", e))?;
+            let socks = l
+                .maps
+                .l7_socks
+                .as_mut()
+                .ok_or(KernelError::MissingMap { map: "fm_l7_socks" })?;
+            socks.insert(cookie, client.as_fd(), 0).map_err(|e| {
+                KernelError::map("fm_l7_socks", "insert (is the socket connected?)", e)
+            })
         })?;
         Ok(cookie)
     }
@@ -102,23 +120,34 @@ impl KernelTier {
     /// The kernel's decision for a registered connection.
     pub fn l7_decision(&self, cookie: u64) -> Result<L7Decision, KernelError> {
         self.with(|l| {
-            let conns = l.maps.l7_conns.as_ref().ok_or(KernelError::MissingMap { map: "fm_l7_conns (l7_dispatch is off in the config)" })?;
+            let conns = l.maps.l7_conns.as_ref().ok_or(KernelError::MissingMap {
+                map: "fm_l7_conns (l7_dispatch is off in the config)",
+            })?;
             let c = match conns.get(&cookie, 0) {
                 Ok(c) => c,
                 // Evicted or never registered: only the user tier can answer.
                 Err(aya::maps::MapError::KeyNotFound) => {
-                    return Ok(L7Decision::Fallback { reason: FallbackReason::Other(0), route_id: None })
+                    return Ok(L7Decision::Fallback {
+                        reason: FallbackReason::Other(0),
+                        route_id: None,
+                    })
                 }
                 Err(e) => return Err(KernelError::map("fm_l7_conns", "lookup", e)),
             };
             Ok(match c.state {
                 L7_PENDING => L7Decision::Pending,
-                L7_DECIDED => L7Decision::Backend { backend: c.backend, route_id: c.route_id },
+                L7_DECIDED => L7Decision::Backend {
+                    backend: c.backend,
+                    route_id: c.route_id,
+                },
                 L7_FALLBACK => L7Decision::Fallback {
                     reason: FallbackReason::from_raw(c.reason),
                     route_id: (c.reason == 5).then_some(c.route_id),
                 },
-                other => L7Decision::Fallback { reason: FallbackReason::Other(other), route_id: None },
+                other => L7Decision::Fallback {
+                    reason: FallbackReason::Other(other),
+                    route_id: None,
+                },
             })
         })
     }
@@ -126,16 +155,33 @@ impl KernelTier {
     /// Puts the upstream socket in the sockhash with the client as its peer, so replies go
     /// straight to the client. Call before writing the buffered request to the upstream.
     /// Returns the upstream's cookie.
-    pub fn l7_attach_upstream(&self, client_cookie: u64, upstream: &impl AsFd) -> Result<u64, KernelError> {
-        let cookie = socket_cookie(upstream).map_err(|e| KernelError::io("getsockopt(SO_COOKIE)", e))?;
+    pub fn l7_attach_upstream(
+        &self,
+        client_cookie: u64,
+        upstream: &impl AsFd,
+    ) -> Result<u64, KernelError> {
+        let cookie =
+            socket_cookie(upstream).map_err(|e| KernelError::io("getsockopt(SO_COOKIE)", e))?;
         self.with(|l| {
-            let conns = l.maps.l7_conns.as_mut().ok_or(KernelError::MissingMap { map: "fm_l7_conns (l7_dispatch is off in the config)" })?;
-            let state = FmL7Conn { peer: client_cookie, state: L7_DECIDED, ..FmL7Conn::default() };
-            conns.insert(cookie, state, 0).map_err(|e| KernelError::map("fm_l7_conns", "insert", e))?;
-            let socks = l.maps.l7_socks.as_mut().ok_or(KernelError::MissingMap { map: "fm_l7_socks" })?;
-            socks
-                .insert(cookie, upstream.as_fd(), 0)
-                .map_err(|e| KernelError::map("fm_l7_socks", "insert (is the upstream connected?)", e))
+            let conns = l.maps.l7_conns.as_mut().ok_or(KernelError::MissingMap {
+                map: "fm_l7_conns (l7_dispatch is off in the config)",
+            })?;
+            let state = FmL7Conn {
+                peer: client_cookie,
+                state: L7_DECIDED,
+                ..FmL7Conn::default()
+            };
+            conns
+                .insert(cookie, state, 0)
+                .map_err(|e| KernelError::map("fm_l7_conns", "insert", e))?;
+            let socks = l
+                .maps
+                .l7_socks
+                .as_mut()
+                .ok_or(KernelError::MissingMap { map: "fm_l7_socks" })?;
+            socks.insert(cookie, upstream.as_fd(), 0).map_err(|e| {
+                KernelError::map("fm_l7_socks", "insert (is the upstream connected?)", e)
+            })
         })?;
         Ok(cookie)
     }
@@ -144,21 +190,30 @@ impl KernelTier {
     /// request has been written to the upstream.
     pub fn l7_pair(&self, client_cookie: u64, upstream_cookie: u64) -> Result<(), KernelError> {
         self.with(|l| {
-            let conns = l.maps.l7_conns.as_mut().ok_or(KernelError::MissingMap { map: "fm_l7_conns (l7_dispatch is off in the config)" })?;
+            let conns = l.maps.l7_conns.as_mut().ok_or(KernelError::MissingMap {
+                map: "fm_l7_conns (l7_dispatch is off in the config)",
+            })?;
             let mut c = match conns.get(&client_cookie, 0) {
                 Ok(c) => c,
-                Err(aya::maps::MapError::KeyNotFound) => FmL7Conn { state: L7_DECIDED, ..FmL7Conn::default() },
+                Err(aya::maps::MapError::KeyNotFound) => FmL7Conn {
+                    state: L7_DECIDED,
+                    ..FmL7Conn::default()
+                },
                 Err(e) => return Err(KernelError::map("fm_l7_conns", "lookup", e)),
             };
             c.peer = upstream_cookie;
-            conns.insert(client_cookie, c, 0).map_err(|e| KernelError::map("fm_l7_conns", "update", e))
+            conns
+                .insert(client_cookie, c, 0)
+                .map_err(|e| KernelError::map("fm_l7_conns", "update", e))
         })
     }
 
     /// Drops a connection's dispatch state (its sockhash entry goes when the socket closes).
     pub fn l7_forget(&self, cookie: u64) -> Result<(), KernelError> {
         self.with(|l| {
-            let conns = l.maps.l7_conns.as_mut().ok_or(KernelError::MissingMap { map: "fm_l7_conns (l7_dispatch is off in the config)" })?;
+            let conns = l.maps.l7_conns.as_mut().ok_or(KernelError::MissingMap {
+                map: "fm_l7_conns (l7_dispatch is off in the config)",
+            })?;
             match conns.remove(&cookie) {
                 Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
                 Err(e) => Err(KernelError::map("fm_l7_conns", "remove", e)),

@@ -74,11 +74,22 @@ pub enum KernelError {
 
 impl KernelError {
     pub(crate) fn io(what: impl Into<String>, source: std::io::Error) -> Self {
-        KernelError::Io { what: what.into(), source }
+        KernelError::Io {
+            what: what.into(),
+            source,
+        }
     }
 
-    pub(crate) fn map(map: &'static str, action: &'static str, source: aya::maps::MapError) -> Self {
-        KernelError::Map { map, action, source: Box::new(source) }
+    pub(crate) fn map(
+        map: &'static str,
+        action: &'static str,
+        source: aya::maps::MapError,
+    ) -> Self {
+        KernelError::Map {
+            map,
+            action,
+            source: Box::new(source),
+        }
     }
 
     pub(crate) fn program(
@@ -86,6 +97,10 @@ impl KernelError {
         action: &'static str,
         source: aya::programs::ProgramError,
     ) -> Self {
-        KernelError::Program { program, action, source: Box::new(source) }
+        KernelError::Program {
+            program,
+            action,
+            source: Box::new(source),
+        }
     }
 }

@@ -5,7 +5,7 @@
 //!   and answered to `getsockopt(SO_ORIGINAL_DST)` by a cgroup/getsockopt program.
 //! - **redirect** (`bpf/redirect.bpf.c`): sockops + sk_msg move bytes between the two ends of
 //!   a local hop without the TCP/IP stack (FlatProxy §IV-E "socket direct", on Linux).
-//! - **dispatch** (`bpf/dispatch.bpf.c`): sk_skb parser/verdict decide a connection's first
+//! - **dispatch** (`bpf/dispatch.bpf.c`): the sk_skb verdict decides a connection's first
 //!   HTTP/1.1 or gRPC request from the tier-K route table and splice it in the kernel.
 //!
 //! [`KernelTier::attach`] loads and pins everything under [`KernelConfig::pin_dir`];
@@ -48,6 +48,9 @@ pub fn probe() -> Option<String> {
     if missing.is_empty() {
         None
     } else {
-        Some(format!("tier K (eBPF) disabled, missing: {}; running on the user tiers", missing.join(", ")))
+        Some(format!(
+            "tier K (eBPF) disabled, missing: {}; running on the user tiers",
+            missing.join(", ")
+        ))
     }
 }

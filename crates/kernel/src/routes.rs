@@ -52,7 +52,12 @@ pub fn lower_routes(routes: &[RouteSpec]) -> Vec<KernelRoute> {
     let mut out = Vec::new();
     for r in routes {
         if out.len() == ROUTES_MAX - 1 {
-            out.push(KernelRoute { route_id: r.route_id, method: None, path: PathMatch::Prefix(String::new()), backend: None });
+            out.push(KernelRoute {
+                route_id: r.route_id,
+                method: None,
+                path: PathMatch::Prefix(String::new()),
+                backend: None,
+            });
             return out;
         }
         let method = match &r.method {
@@ -74,7 +79,12 @@ pub fn lower_routes(routes: &[RouteSpec]) -> Vec<KernelRoute> {
         };
         let backend = if exact_enough { r.backend } else { None };
         let catch_all = method.is_none() && path == PathMatch::Prefix(String::new());
-        out.push(KernelRoute { route_id: r.route_id, method, path, backend });
+        out.push(KernelRoute {
+            route_id: r.route_id,
+            method,
+            path,
+            backend,
+        });
         if catch_all {
             // Nothing after a catch-all can match.
             break;
@@ -141,7 +151,13 @@ mod tests {
     use super::*;
 
     fn spec(id: u32, method: Option<&str>, path: PathMatch, backend: Option<u32>) -> RouteSpec {
-        RouteSpec { route_id: id, method: method.map(str::to_string), path, other_conditions: false, backend }
+        RouteSpec {
+            route_id: id,
+            method: method.map(str::to_string),
+            path,
+            other_conditions: false,
+            backend,
+        }
     }
 
     #[test]
@@ -153,14 +169,20 @@ mod tests {
         assert_eq!(t.len(), 2);
         assert_eq!(decide(&t, "GET", "/a").and_then(|r| r.backend), Some(1));
         assert_eq!(decide(&t, "POST", "/a"), None);
-        assert_eq!(decide(&t, "POST", "/api/x").and_then(|r| r.backend), Some(2));
+        assert_eq!(
+            decide(&t, "POST", "/api/x").and_then(|r| r.backend),
+            Some(2)
+        );
     }
 
     #[test]
     fn undecidable_routes_become_punts_that_shadow_later_rules() {
         let mut header_rule = spec(0, None, PathMatch::Prefix("/api/".into()), Some(1));
         header_rule.other_conditions = true;
-        let t = lower_routes(&[header_rule, spec(1, None, PathMatch::Prefix("/".into()), Some(2))]);
+        let t = lower_routes(&[
+            header_rule,
+            spec(1, None, PathMatch::Prefix("/".into()), Some(2)),
+        ]);
         // /api/x might match the header rule: the kernel must not decide it.
         assert_eq!(decide(&t, "GET", "/api/x").map(|r| r.backend), Some(None));
         assert_eq!(decide(&t, "GET", "/b").and_then(|r| r.backend), Some(2));
@@ -181,7 +203,12 @@ mod tests {
         let long = format!("/{}", "x".repeat(100));
         let t = lower_routes(&[
             spec(0, None, PathMatch::Exact(long.clone()), Some(1)),
-            spec(1, Some("VERYLONGMETHOD"), PathMatch::Prefix("/m".into()), Some(2)),
+            spec(
+                1,
+                Some("VERYLONGMETHOD"),
+                PathMatch::Prefix("/m".into()),
+                Some(2),
+            ),
         ]);
         assert_eq!(decide(&t, "GET", &long).map(|r| r.backend), Some(None));
         // The long method is widened to any method and punted.
@@ -193,7 +220,9 @@ mod tests {
 
     #[test]
     fn table_overflow_ends_with_a_catch_all_punt() {
-        let many: Vec<_> = (0..100).map(|i| spec(i, None, PathMatch::Exact(format!("/{i}")), Some(i))).collect();
+        let many: Vec<_> = (0..100)
+            .map(|i| spec(i, None, PathMatch::Exact(format!("/{i}")), Some(i)))
+            .collect();
         let t = lower_routes(&many);
         assert_eq!(t.len(), ROUTES_MAX);
         assert_eq!(decide(&t, "GET", "/5").and_then(|r| r.backend), Some(5));

@@ -39,19 +39,34 @@ pub fn original_dst_sockopt(sock: &impl AsFd, ipv6: bool) -> io::Result<SocketAd
         let mut len = size_of::<libc::sockaddr_in6>() as libc::socklen_t;
         // SAFETY: buffer and length describe `sa`.
         let rc = unsafe {
-            libc::getsockopt(fd, libc::SOL_IPV6, SO_ORIGINAL_DST, (&mut sa as *mut libc::sockaddr_in6).cast(), &mut len)
+            libc::getsockopt(
+                fd,
+                libc::SOL_IPV6,
+                SO_ORIGINAL_DST,
+                (&mut sa as *mut libc::sockaddr_in6).cast(),
+                &mut len,
+            )
         };
         if rc != 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(SocketAddr::new(IpAddr::V6(Ipv6Addr::from(sa.sin6_addr.s6_addr)), u16::from_be(sa.sin6_port)))
+        Ok(SocketAddr::new(
+            IpAddr::V6(Ipv6Addr::from(sa.sin6_addr.s6_addr)),
+            u16::from_be(sa.sin6_port),
+        ))
     } else {
         // SAFETY: sockaddr_in is plain data; zero is a valid bit pattern.
         let mut sa: libc::sockaddr_in = unsafe { zeroed() };
         let mut len = size_of::<libc::sockaddr_in>() as libc::socklen_t;
         // SAFETY: buffer and length describe `sa`.
         let rc = unsafe {
-            libc::getsockopt(fd, libc::SOL_IP, SO_ORIGINAL_DST, (&mut sa as *mut libc::sockaddr_in).cast(), &mut len)
+            libc::getsockopt(
+                fd,
+                libc::SOL_IP,
+                SO_ORIGINAL_DST,
+                (&mut sa as *mut libc::sockaddr_in).cast(),
+                &mut len,
+            )
         };
         if rc != 0 {
             return Err(io::Error::last_os_error());

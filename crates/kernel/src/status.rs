@@ -7,7 +7,7 @@ use std::path::Path;
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, SockHash};
 use aya::programs::ProgramInfo;
 
-use crate::abi::{FmAddr, FmL7Conn, FmRoute, FmStat, STAT_NAMES, MATCH_END};
+use crate::abi::{FmAddr, FmL7Conn, FmRoute, FmStat, MATCH_END, STAT_NAMES};
 use crate::error::KernelError;
 use crate::tier::{pinned_owner, KernelTier};
 
@@ -42,12 +42,20 @@ pub struct KernelStatus {
 impl KernelStatus {
     /// Counters of one program by name (`fm_sk_msg`, ...), zero if it is not loaded.
     pub fn stat(&self, program: &str) -> FmStat {
-        self.programs.iter().find(|p| p.name == program).map(|p| p.stats).unwrap_or_default()
+        self.programs
+            .iter()
+            .find(|p| p.name == program)
+            .map(|p| p.stats)
+            .unwrap_or_default()
     }
 
     /// Entries of one map by name, zero if it is not pinned.
     pub fn entries(&self, map: &str) -> usize {
-        self.maps.iter().find(|m| m.name == map).map(|m| m.entries).unwrap_or(0)
+        self.maps
+            .iter()
+            .find(|m| m.name == map)
+            .map(|m| m.entries)
+            .unwrap_or(0)
     }
 }
 
@@ -59,17 +67,28 @@ impl KernelTier {
 }
 
 fn count<K: aya::Pod, V: aya::Pod>(data: MapData, lru: bool) -> usize {
-    let map = if lru { Map::LruHashMap(data) } else { Map::HashMap(data) };
-    HashMap::<MapData, K, V>::try_from(map).map(|m| m.keys().filter(Result::is_ok).count()).unwrap_or(0)
+    let map = if lru {
+        Map::LruHashMap(data)
+    } else {
+        Map::HashMap(data)
+    };
+    HashMap::<MapData, K, V>::try_from(map)
+        .map(|m| m.keys().filter(Result::is_ok).count())
+        .unwrap_or(0)
 }
 
 fn count_sock<K: aya::Pod>(data: MapData) -> usize {
-    SockHash::<MapData, K>::try_from(Map::SockHash(data)).map(|m| m.keys().filter(Result::is_ok).count()).unwrap_or(0)
+    SockHash::<MapData, K>::try_from(Map::SockHash(data))
+        .map(|m| m.keys().filter(Result::is_ok).count())
+        .unwrap_or(0)
 }
 
 /// Reads the status of the tier pinned at `pin_dir`; empty if nothing is pinned there.
 pub fn status(pin_dir: &Path) -> Result<KernelStatus, KernelError> {
-    let mut st = KernelStatus { owner: pinned_owner(pin_dir), ..KernelStatus::default() };
+    let mut st = KernelStatus {
+        owner: pinned_owner(pin_dir),
+        ..KernelStatus::default()
+    };
     let entries = match std::fs::read_dir(pin_dir) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(st),
@@ -78,12 +97,16 @@ pub fn status(pin_dir: &Path) -> Result<KernelStatus, KernelError> {
     let stats: Option<PerCpuArray<MapData, FmStat>> = MapData::from_pin(pin_dir.join("fm_stats"))
         .ok()
         .and_then(|d| PerCpuArray::try_from(Map::PerCpuArray(d)).ok());
-    let mut names: Vec<String> = entries.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
     names.sort();
     for name in names {
         let path = pin_dir.join(&name);
         if let Some(prog) = name.strip_prefix("prog_") {
-            let info = ProgramInfo::from_pin(&path).map_err(|e| KernelError::program("status", "read a pinned program", e))?;
+            let info = ProgramInfo::from_pin(&path)
+                .map_err(|e| KernelError::program("status", "read a pinned program", e))?;
             let mut sum = FmStat::default();
             if let (Some(stats), Some(idx)) = (&stats, STAT_NAMES.iter().position(|n| *n == prog)) {
                 if let Ok(per_cpu) = stats.get(&(idx as u32), 0) {
@@ -104,7 +127,8 @@ pub fn status(pin_dir: &Path) -> Result<KernelStatus, KernelError> {
             });
             continue;
         }
-        let data = MapData::from_pin(&path).map_err(|e| KernelError::map("status", "open a pinned map", e))?;
+        let data = MapData::from_pin(&path)
+            .map_err(|e| KernelError::map("status", "open a pinned map", e))?;
         let max_entries = data.info().map(|i| i.max_entries()).unwrap_or(0);
         let entries = match name.as_str() {
             "fm_services" => count::<FmAddr, FmAddr>(data, false),
@@ -116,11 +140,19 @@ pub fn status(pin_dir: &Path) -> Result<KernelStatus, KernelError> {
             "fm_redirect_socks" => count_sock::<[u8; 48]>(data),
             "fm_l7_socks" => count_sock::<u64>(data),
             "fm_routes" => Array::<MapData, FmRoute>::try_from(Map::Array(data))
-                .map(|a| a.iter().take_while(|r| r.as_ref().is_ok_and(|r| r.kind != MATCH_END)).count())
+                .map(|a| {
+                    a.iter()
+                        .take_while(|r| r.as_ref().is_ok_and(|r| r.kind != MATCH_END))
+                        .count()
+                })
                 .unwrap_or(0),
             _ => max_entries as usize,
         };
-        st.maps.push(MapStatus { name, entries, max_entries });
+        st.maps.push(MapStatus {
+            name,
+            entries,
+            max_entries,
+        });
     }
     Ok(st)
 }
@@ -132,7 +164,11 @@ impl fmt::Display for KernelStatus {
             None if self.programs.is_empty() => return writeln!(f, "tier K is not attached"),
             None => writeln!(f, "tier K pins without an owner (stale?)")?,
         }
-        writeln!(f, "{:<22} {:>6} {:>12} {:>14} {:>10} {:>10}", "program", "id", "runs", "bytes", "hits", "fallbacks")?;
+        writeln!(
+            f,
+            "{:<22} {:>6} {:>12} {:>14} {:>10} {:>10}",
+            "program", "id", "runs", "bytes", "hits", "fallbacks"
+        )?;
         for p in &self.programs {
             writeln!(
                 f,

@@ -15,9 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 
 use aya::maps::{Array, HashMap, MapData, SockHash};
-use aya::programs::{
-    CgroupAttachMode, CgroupSockAddr, CgroupSockopt, SkMsg, SkSkb, SockOps,
-};
+use aya::programs::{CgroupAttachMode, CgroupSockAddr, CgroupSockopt, SkMsg, SkSkb, SockOps};
 use aya::{Ebpf, EbpfLoader};
 use parking_lot::Mutex;
 
@@ -67,7 +65,9 @@ pub(crate) struct Loaded {
 
 impl std::fmt::Debug for KernelTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KernelTier").field("pin_dir", &self.inner.cfg.pin_dir).finish()
+        f.debug_struct("KernelTier")
+            .field("pin_dir", &self.inner.cfg.pin_dir)
+            .finish()
     }
 }
 
@@ -87,10 +87,16 @@ impl KernelTier {
         require_root()?;
         let mut registry = REGISTRY.lock();
         registry.retain(|(_, w)| w.strong_count() > 0);
-        if let Some(inner) = registry.iter().find(|(p, _)| *p == cfg.pin_dir).and_then(|(_, w)| w.upgrade()) {
+        if let Some(inner) = registry
+            .iter()
+            .find(|(p, _)| *p == cfg.pin_dir)
+            .and_then(|(_, w)| w.upgrade())
+        {
             if inner.state.lock().is_some() {
                 if inner.cfg != *cfg {
-                    return Err(KernelError::ConfigMismatch { path: cfg.pin_dir.clone() });
+                    return Err(KernelError::ConfigMismatch {
+                        path: cfg.pin_dir.clone(),
+                    });
                 }
                 return Ok(KernelTier { inner });
             }
@@ -115,7 +121,10 @@ impl KernelTier {
                 return Err(e);
             }
         };
-        let inner = Arc::new(Inner { cfg: cfg.clone(), state: Mutex::new(Some(loaded)) });
+        let inner = Arc::new(Inner {
+            cfg: cfg.clone(),
+            state: Mutex::new(Some(loaded)),
+        });
         registry.push((cfg.pin_dir.clone(), Arc::downgrade(&inner)));
         tracing::info!(pin_dir = %cfg.pin_dir.display(), capture = cfg.capture.is_some(),
             redirect = cfg.redirect, l7_dispatch = cfg.l7_dispatch, "tier K attached");
@@ -175,10 +184,19 @@ fn ensure_bpffs(pin_dir: &Path) -> Result<(), KernelError> {
             source: std::io::Error::other("not a bpffs directory"),
         });
     }
-    std::fs::create_dir_all(target).map_err(|e| KernelError::BpffsMissing { path: target.into(), source: e })?;
+    std::fs::create_dir_all(target).map_err(|e| KernelError::BpffsMissing {
+        path: target.into(),
+        source: e,
+    })?;
     // SAFETY: static NUL-terminated strings; mount(2) copies them.
     let rc = unsafe {
-        libc::mount(c"bpf".as_ptr(), c"/sys/fs/bpf".as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null())
+        libc::mount(
+            c"bpf".as_ptr(),
+            c"/sys/fs/bpf".as_ptr(),
+            c"bpf".as_ptr(),
+            0,
+            std::ptr::null(),
+        )
     };
     if rc != 0 {
         return Err(KernelError::BpffsMissing {
@@ -191,7 +209,9 @@ fn ensure_bpffs(pin_dir: &Path) -> Result<(), KernelError> {
 
 fn is_bpffs(path: &Path) -> bool {
     use std::os::unix::ffi::OsStrExt;
-    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else { return false };
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
     // SAFETY: statfs writes into the zeroed struct; the path is NUL-terminated.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     let rc = unsafe { libc::statfs(c.as_ptr(), &mut st) };
@@ -223,15 +243,21 @@ pub fn cleanup_stale(pin_dir: &Path) -> Result<CleanupReport, KernelError> {
     let owner = pinned_owner(pin_dir);
     if let Some(pid) = owner {
         if pid != std::process::id() && pid_alive(pid) {
-            return Err(KernelError::AlreadyAttached { path: pin_dir.to_path_buf(), pid });
+            return Err(KernelError::AlreadyAttached {
+                path: pin_dir.to_path_buf(),
+                pid,
+            });
         }
         if pid == std::process::id() {
             let registry = REGISTRY.lock();
-            let live = registry
-                .iter()
-                .any(|(p, w)| p == pin_dir && w.upgrade().is_some_and(|i| i.state.lock().is_some()));
+            let live = registry.iter().any(|(p, w)| {
+                p == pin_dir && w.upgrade().is_some_and(|i| i.state.lock().is_some())
+            });
             if live {
-                return Err(KernelError::AlreadyAttached { path: pin_dir.to_path_buf(), pid });
+                return Err(KernelError::AlreadyAttached {
+                    path: pin_dir.to_path_buf(),
+                    pid,
+                });
             }
         }
     }
@@ -247,7 +273,8 @@ fn remove_pins(pin_dir: &Path) -> Result<Vec<String>, KernelError> {
         Err(e) => return Err(KernelError::io(format!("listing {}", pin_dir.display()), e)),
     };
     for entry in entries {
-        let entry = entry.map_err(|e| KernelError::io(format!("listing {}", pin_dir.display()), e))?;
+        let entry =
+            entry.map_err(|e| KernelError::io(format!("listing {}", pin_dir.display()), e))?;
         let path = entry.path();
         std::fs::remove_file(&path)
             .map_err(|e| KernelError::io(format!("removing pin {}", path.display()), e))?;
@@ -260,26 +287,36 @@ fn remove_pins(pin_dir: &Path) -> Result<Vec<String>, KernelError> {
 }
 
 fn open_cgroup(path: &Path) -> Result<File, KernelError> {
-    File::open(path).map_err(|e| KernelError::Cgroup { path: path.to_path_buf(), source: e })
+    File::open(path).map_err(|e| KernelError::Cgroup {
+        path: path.to_path_buf(),
+        source: e,
+    })
 }
 
 fn load(object: &'static str, bytes: &[u8], pin_dir: &Path) -> Result<Ebpf, KernelError> {
     EbpfLoader::new()
         .default_map_pin_directory(pin_dir)
         .load(bytes)
-        .map_err(|e| KernelError::Load { object, source: Box::new(e) })
+        .map_err(|e| KernelError::Load {
+            object,
+            source: Box::new(e),
+        })
 }
 
 fn program<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut T, KernelError>
 where
     &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
 {
-    let p = ebpf.program_mut(name).ok_or(KernelError::MissingProgram { program: name })?;
-    p.try_into().map_err(|e| KernelError::program(name, "be used as its section type", e))
+    let p = ebpf
+        .program_mut(name)
+        .ok_or(KernelError::MissingProgram { program: name })?;
+    p.try_into()
+        .map_err(|e| KernelError::program(name, "be used as its section type", e))
 }
 
 fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, KernelError> {
-    ebpf.take_map(name).ok_or(KernelError::MissingMap { map: name })
+    ebpf.take_map(name)
+        .ok_or(KernelError::MissingMap { map: name })
 }
 
 fn typed<M: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
@@ -293,12 +330,17 @@ fn typed<M: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
 macro_rules! load_pin {
     ($ebpf:expr, $ty:ty, $name:expr, $pin_dir:expr, $ids:expr) => {{
         let p: &mut $ty = program($ebpf, $name)?;
-        p.load().map_err(|e| KernelError::program($name, "load (verifier)", e))?;
-        p.pin($pin_dir.join(concat!("prog_", $name))).map_err(|e| KernelError::Pin {
-            path: $pin_dir.join(concat!("prog_", $name)),
-            source: Box::new(e),
-        })?;
-        let id = p.info().map_err(|e| KernelError::program($name, "report its id", e))?.id();
+        p.load()
+            .map_err(|e| KernelError::program($name, "load (verifier)", e))?;
+        p.pin($pin_dir.join(concat!("prog_", $name)))
+            .map_err(|e| KernelError::Pin {
+                path: $pin_dir.join(concat!("prog_", $name)),
+                source: Box::new(e),
+            })?;
+        let id = p
+            .info()
+            .map_err(|e| KernelError::program($name, "report its id", e))?
+            .id();
         $ids.push(($name.to_string(), id));
         p
     }};
@@ -328,11 +370,14 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
                 load_pin!(&mut obj, CgroupSockAddr, "fm_connect6", dir, ids)
             };
             p.attach(&workloads, CgroupAttachMode::Single)
-                .map_err(|e| KernelError::program("fm_connect4/6", "attach to the capture cgroup", e))?;
+                .map_err(|e| {
+                    KernelError::program("fm_connect4/6", "attach to the capture cgroup", e)
+                })?;
         }
         let p = load_pin!(&mut obj, SockOps, "fm_sockops_capture", dir, ids);
-        p.attach(&root, CgroupAttachMode::Single)
-            .map_err(|e| KernelError::program("fm_sockops_capture", "attach to the root cgroup", e))?;
+        p.attach(&root, CgroupAttachMode::Single).map_err(|e| {
+            KernelError::program("fm_sockops_capture", "attach to the root cgroup", e)
+        })?;
         let p = load_pin!(&mut obj, CgroupSockopt, "fm_getsockopt", dir, ids);
         p.attach(&root, CgroupAttachMode::Single)
             .map_err(|e| KernelError::program("fm_getsockopt", "attach to the root cgroup", e))?;
@@ -346,10 +391,12 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
         let mut obj = load("redirect", REDIRECT_OBJ, dir)?;
         let socks: SockHash<MapData, [u8; 48]> = typed(&mut obj, "fm_redirect_socks")?;
         let p = load_pin!(&mut obj, SkMsg, "fm_sk_msg", dir, ids);
-        p.attach(socks.fd()).map_err(|e| KernelError::program("fm_sk_msg", "attach to fm_redirect_socks", e))?;
+        p.attach(socks.fd())
+            .map_err(|e| KernelError::program("fm_sk_msg", "attach to fm_redirect_socks", e))?;
         let p = load_pin!(&mut obj, SockOps, "fm_sockops_redirect", dir, ids);
-        p.attach(&root, CgroupAttachMode::Single)
-            .map_err(|e| KernelError::program("fm_sockops_redirect", "attach to the root cgroup", e))?;
+        p.attach(&root, CgroupAttachMode::Single).map_err(|e| {
+            KernelError::program("fm_sockops_redirect", "attach to the root cgroup", e)
+        })?;
         redirect_ports = Some(typed(&mut obj, "fm_redirect_ports")?);
         // The sockhash stays alive through its pin and the sk_msg attachment; the handle
         // itself is not needed after attaching.
@@ -361,9 +408,16 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
         let mut obj = load("dispatch", DISPATCH_OBJ, dir)?;
         let socks: SockHash<MapData, u64> = typed(&mut obj, "fm_l7_socks")?;
         let p = load_pin!(&mut obj, SkSkb, "fm_parser", dir, ids);
-        p.attach(socks.fd()).map_err(|e| KernelError::program("fm_parser", "attach to fm_l7_socks", e))?;
+        // Verdict-only by default: the kernel hands the verdict each skb straight from the
+        // receive path. With the strparser attached, sustained ping-pong over spliced pairs
+        // stalls or resets on this kernel (6.18; see docs/kernel.md), so it is opt-in.
+        if cfg.l7_stream_parser {
+            p.attach(socks.fd())
+                .map_err(|e| KernelError::program("fm_parser", "attach to fm_l7_socks", e))?;
+        }
         let p = load_pin!(&mut obj, SkSkb, "fm_verdict", dir, ids);
-        p.attach(socks.fd()).map_err(|e| KernelError::program("fm_verdict", "attach to fm_l7_socks", e))?;
+        p.attach(socks.fd())
+            .map_err(|e| KernelError::program("fm_verdict", "attach to fm_l7_socks", e))?;
         l7_socks = Some(socks);
         l7_conns = Some(typed(&mut obj, "fm_l7_conns")?);
         routes = Some(typed(&mut obj, "fm_routes")?);
@@ -396,5 +450,18 @@ impl Drop for Loaded {
     fn drop(&mut self) {
         // Objects first: that closes the links (detaching cgroup programs) before the pins go.
         self.objects.clear();
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The last handle went away without detach(): clean up as detach would, so a node
+        // that exits normally never leaves pins behind.
+        if let Some(loaded) = self.state.get_mut().take() {
+            drop(loaded);
+            if let Err(e) = remove_pins(&self.cfg.pin_dir) {
+                tracing::warn!(error = %e, "tier K: removing pins on drop failed");
+            }
+        }
     }
 }

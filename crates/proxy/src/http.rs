@@ -162,6 +162,10 @@ fn framing_error(headers: &HeaderMap, version: Version) -> Option<&'static str> 
     if te && headers.contains_key(header::CONTENT_LENGTH) {
         return Some("request has both Content-Length and Transfer-Encoding; send exactly one");
     }
+    // RFC 9112 §3.2: an HTTP/1.1 request without Host must be answered with 400.
+    if version == Version::HTTP_11 && !headers.contains_key(header::HOST) {
+        return Some("HTTP/1.1 request has no Host header");
+    }
     if let Some(first) = lengths.next() {
         let first_values: Vec<&[u8]> = first
             .as_bytes()
@@ -258,7 +262,12 @@ pub async fn serve(
         });
     };
 
-    if let Some(problem) = framing_error(req.headers(), req.version()) {
+    let conflict = ctx
+        .signals
+        .framing_conflict
+        .load(Ordering::Relaxed)
+        .then_some("request has both Content-Length and Transfer-Encoding; send exactly one");
+    if let Some(problem) = conflict.or_else(|| framing_error(req.headers(), req.version())) {
         listener
             .no_route_stats
             .record(ctx.worker, 400, started.elapsed());
@@ -621,9 +630,21 @@ mod tests {
         assert!(framing_error(&conflict, Version::HTTP_11).is_some());
         let list = headers(&[("content-length", "5, 6")]);
         assert!(framing_error(&list, Version::HTTP_11).is_some());
-        let same = headers(&[("content-length", "5"), ("content-length", "5")]);
+        let same = headers(&[
+            ("host", "a"),
+            ("content-length", "5"),
+            ("content-length", "5"),
+        ]);
         assert!(framing_error(&same, Version::HTTP_11).is_none());
-        assert!(framing_error(&headers(&[("content-length", "5")]), Version::HTTP_11).is_none());
+        assert!(framing_error(
+            &headers(&[("host", "a"), ("content-length", "5")]),
+            Version::HTTP_11
+        )
+        .is_none());
+        assert!(
+            framing_error(&headers(&[("content-length", "5")]), Version::HTTP_11).is_some(),
+            "no Host"
+        );
     }
 
     #[test]

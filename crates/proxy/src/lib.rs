@@ -8,6 +8,7 @@
 
 pub mod access_log;
 mod admin;
+pub mod downstream;
 pub mod error;
 pub mod http;
 pub mod lb;

@@ -15,6 +15,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::sync::mpsc;
 
 use crate::access_log::AccessLog;
+use crate::downstream::{ConnSignals, DownstreamIo};
 use crate::error::ProxyError;
 use crate::snapshot::Snapshot;
 use crate::upstream::Upstreams;
@@ -36,6 +37,7 @@ pub struct ConnContext {
     pub peer_ip: http::HeaderValue,
     pub view: Arc<ArcSwap<WorkerView>>,
     pub access_log: AccessLog,
+    pub signals: Arc<ConnSignals>,
 }
 
 /// The identity of a listener across reloads.
@@ -192,6 +194,7 @@ async fn accept_loop(
                 .unwrap_or(http::HeaderValue::from_static("unknown")),
             view: view.clone(),
             access_log: access_log.clone(),
+            signals: Arc::new(ConnSignals::default()),
         });
         tokio::spawn(async move {
             let _guard = guard;
@@ -230,11 +233,19 @@ async fn serve_http(ctx: Arc<ConnContext>, stream: tokio::net::TcpStream, snapsh
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
         .max_concurrent_streams(1024);
+    let signals = ctx.signals.clone();
+    let io = TokioIo::new(DownstreamIo::new(stream, signals.clone()));
     let service = service_fn(move |req| crate::http::serve(ctx.clone(), req));
-    if let Err(err) = builder
-        .serve_connection(TokioIo::new(stream), service)
-        .await
-    {
-        tracing::debug!(error = %err, "downstream connection ended with an error");
+    let connection = builder.serve_connection(io, service);
+    tokio::select! {
+        result = connection => {
+            if let Err(err) = result {
+                tracing::debug!(error = %err, "downstream connection ended with an error");
+            }
+        }
+        // Dropping the connection future closes the socket.
+        _ = crate::downstream::idle(&signals, limits.idle_timeout) => {
+            tracing::debug!("closing idle downstream connection");
+        }
     }
 }

@@ -6,12 +6,12 @@
 
 use bytes::Bytes;
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
+use flatmesh_qnp::apps::kv;
 use flatmesh_qnp::dispatch::{Rsd, Stash, STASH_DEPTH};
 use flatmesh_qnp::image::Image;
 use flatmesh_qnp::rules::{Decision, RuleSet};
 use flatmesh_qnp::tlv;
 use flatmesh_qnp::transport::{segment, OutReq, QnpConfig};
-use flatmesh_qnp::apps::kv;
 use flatmesh_qnp::QnpMessage;
 use std::net::SocketAddr;
 
@@ -30,7 +30,9 @@ fn codec(c: &mut Criterion) {
     });
     buf.clear();
     let _ = put.encode(&mut buf);
-    c.bench_function("codec/decode_put_128B", |b| b.iter(|| black_box(kv::Put::decode(black_box(&buf)).ok())));
+    c.bench_function("codec/decode_put_128B", |b| {
+        b.iter(|| black_box(kv::Put::decode(black_box(&buf)).ok()))
+    });
     let req = OutReq {
         app_id: 1,
         req_type: 1,
@@ -38,7 +40,9 @@ fn codec(c: &mut Criterion) {
         dispatch_len: 14,
     };
     let cfg = QnpConfig::default();
-    c.bench_function("codec/segment_5000B", |b| b.iter(|| black_box(segment(&req, 1, None, &cfg).ok())));
+    c.bench_function("codec/segment_5000B", |b| {
+        b.iter(|| black_box(segment(&req, 1, None, &cfg).ok()))
+    });
 }
 
 /// `rules` rules of `checks` skip-and-checks each ("." then 5 bytes, as the paper's 5 matched
@@ -59,7 +63,10 @@ fn workload(checks: usize, rules: usize) -> (RuleSet, Vec<u8>) {
         let tag = if k + 1 == checks { rules - 1 } else { k };
         value.extend_from_slice(&[b'-', (tag % 256) as u8, b'b', b'c', b'd', (tag / 256) as u8]);
     }
-    (RuleSet::parse("bench", &src).expect("bench rules parse"), value)
+    (
+        RuleSet::parse("bench", &src).expect("bench rules parse"),
+        value,
+    )
 }
 
 fn packet(value: &[u8]) -> Vec<u8> {
@@ -101,13 +108,19 @@ fn dispatch(c: &mut Criterion) {
         let rsd = Rsd::new(set.clone());
         let pkt = packet(&value);
         let mut stash = Stash::new(STASH_DEPTH);
-        assert_eq!(rsd.decide(&pkt, peer, &mut stash), Decision::Queue(((rules - 1) % 8) as u8));
+        assert_eq!(
+            rsd.decide(&pkt, peer, &mut stash),
+            Decision::Queue(((rules - 1) % 8) as u8)
+        );
         g.bench_with_input(BenchmarkId::new("software_rsd", rules), &rules, |b, _| {
             b.iter(|| black_box(rsd.decide(black_box(&pkt), peer, &mut stash)))
         });
         let img = Image::compile(&set).expect("fits");
         let (_, lookups) = img.run(1, 0, |_| Some(&value[..]));
-        assert_eq!(lookups, 2, "one shared state: the CAM matches all rules at once");
+        assert_eq!(
+            lookups, 2,
+            "one shared state: the CAM matches all rules at once"
+        );
     }
     g.finish();
 }

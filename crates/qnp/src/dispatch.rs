@@ -128,6 +128,8 @@ impl Rsd {
 pub enum Mode {
     /// Kernel SO_REUSEPORT hashing straight to the workers (the RSS analogue).
     Reuseport,
+    /// The sk_reuseport eBPF program matches the rules and picks the worker's socket.
+    Kernel,
     /// Software RSD, dispatcher to worker over an in-process queue.
     SoftwareQueue,
     /// Software RSD, dispatcher to worker over a Unix datagram socket.
@@ -139,10 +141,11 @@ impl std::str::FromStr for Mode {
     fn from_str(s: &str) -> Result<Mode, String> {
         match s {
             "reuseport" => Ok(Mode::Reuseport),
+            "kernel" => Ok(Mode::Kernel),
             "software-queue" => Ok(Mode::SoftwareQueue),
             "software-uds" => Ok(Mode::SoftwareUds),
             _ => Err(format!(
-                "unknown dispatch mode `{s}`; use reuseport, software-queue or software-uds"
+                "unknown dispatch mode `{s}`; use reuseport, kernel, software-queue or software-uds"
             )),
         }
     }
@@ -174,6 +177,7 @@ pub struct DispatchServer {
     stop_tx: tokio::sync::watch::Sender<bool>,
     threads: Vec<JoinHandle<()>>,
     counters: Arc<Counters>,
+    kernel: Option<crate::kernel_rsd::KernelRsd>,
 }
 
 fn reuseport_socket(addr: SocketAddr) -> Result<StdUdp, QnpError> {
@@ -181,7 +185,8 @@ fn reuseport_socket(addr: SocketAddr) -> Result<StdUdp, QnpError> {
     let what = || format!("binding UDP {addr} with SO_REUSEPORT (is another program on the port?)");
     let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))
         .map_err(|e| QnpError::io(what(), e))?;
-    s.set_reuse_port(true).map_err(|e| QnpError::io(what(), e))?;
+    s.set_reuse_port(true)
+        .map_err(|e| QnpError::io(what(), e))?;
     s.bind(&addr.into()).map_err(|e| QnpError::io(what(), e))?;
     Ok(s.into())
 }
@@ -285,7 +290,13 @@ impl DispatchServer {
         handler: Handler,
     ) -> Result<DispatchServer, QnpError> {
         let workers = workers.max(1);
-        let dispatchers = if mode == Mode::Reuseport { 0 } else { dispatchers.max(1) };
+        let direct = matches!(mode, Mode::Reuseport | Mode::Kernel);
+        let dispatchers = if direct { 0 } else { dispatchers.max(1) };
+        // Lower before binding anything, so rules the kernel cannot run fail early.
+        let kernel_prog = match mode {
+            Mode::Kernel => Some(crate::kernel_rsd::lower(&rsd.rules.lock())?),
+            _ => None,
+        };
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let counters = Arc::new(Counters {
             handled: (0..workers).map(|_| AtomicU64::new(0)).collect(),
@@ -297,20 +308,35 @@ impl DispatchServer {
         let public = first
             .local_addr()
             .map_err(|e| QnpError::io("reading the bound address", e))?;
-        // Reuseport: one socket per worker. Software RSD: one per dispatcher.
-        let sockets = if mode == Mode::Reuseport { workers } else { dispatchers };
+        // Reuseport and kernel: one socket per worker. Software RSD: one per dispatcher.
+        let sockets = if direct { workers } else { dispatchers };
         let mut listen = vec![first];
         for _ in 1..sockets {
             listen.push(reuseport_socket(public)?);
         }
+        let kernel = match kernel_prog {
+            Some(prog) => {
+                if workers > crate::kernel_rsd::MAX_WORKERS {
+                    return Err(QnpError::TableFull(format!(
+                        "{workers} workers exceed the kernel dispatcher's {}",
+                        crate::kernel_rsd::MAX_WORKERS
+                    )));
+                }
+                let mut k = crate::kernel_rsd::KernelRsd::load(&prog)?;
+                for (w, sock) in listen.iter().enumerate() {
+                    k.set_worker(w as u32, sock)?;
+                }
+                k.attach(&listen[0])?;
+                Some(k)
+            }
+            None => None,
+        };
         let mut feeds = Vec::new();
         let mut outboxes = Vec::new();
         for _ in 0..workers {
             feeds.push(match mode {
-                Mode::Reuseport => match listen.pop() {
-                    Some(s) => Feed::Udp(s),
-                    None => return Err(QnpError::io("binding worker sockets", io::ErrorKind::AddrNotAvailable.into())),
-                },
+                // Worker w takes socket w: the kernel program's queue w is that socket.
+                Mode::Reuseport | Mode::Kernel => Feed::Udp(listen.remove(0)),
                 Mode::SoftwareQueue => {
                     let (tx, rx) = mpsc::channel(cfg.max_tracked_requests.max(64));
                     outboxes.push(Outbox::Queue(tx));
@@ -334,9 +360,14 @@ impl DispatchServer {
             stop_tx,
             threads: Vec::new(),
             counters,
+            kernel,
         };
         for (w, feed) in feeds.into_iter().enumerate() {
-            let (stop_rx, handler, counters) = (stop_rx.clone(), Arc::clone(&handler), Arc::clone(&server.counters));
+            let (stop_rx, handler, counters) = (
+                stop_rx.clone(),
+                Arc::clone(&handler),
+                Arc::clone(&server.counters),
+            );
             let t = std::thread::Builder::new()
                 .name(format!("qnp-worker-{w}"))
                 .spawn(move || worker_thread(w, feed, public, cfg, stop_rx, handler, counters))
@@ -369,7 +400,11 @@ impl DispatchServer {
 
     /// Requests answered by each worker.
     pub fn handled(&self) -> Vec<u64> {
-        self.counters.handled.iter().map(|c| c.load(Ordering::Relaxed)).collect()
+        self.counters
+            .handled
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect()
     }
 
     /// Packets passed on and dropped by the dispatchers (both 0 in `Reuseport` mode).
@@ -388,6 +423,8 @@ impl DispatchServer {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        // The workers' sockets are closed now, which destroys the group and detaches the program.
+        self.kernel = None;
     }
 }
 
@@ -428,7 +465,11 @@ fn dispatcher_thread(
             },
             Decision::Drop => false,
         };
-        if ok { sent += 1 } else { dropped += 1 }
+        if ok {
+            sent += 1
+        } else {
+            dropped += 1
+        }
         // Publish every 64 packets: cheap, and counters are read rarely.
         if (sent + dropped) % 64 == 0 {
             counters.dispatched[index].store(sent, Ordering::Relaxed);
@@ -448,7 +489,10 @@ fn worker_thread(
     handler: Handler,
     counters: Arc<Counters>,
 ) {
-    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             tracing::error!(worker = index, error = %e, "qnp: cannot start a worker runtime");
@@ -456,17 +500,18 @@ fn worker_thread(
         }
     };
     let result: Result<(), QnpError> = rt.block_on(async move {
-        let serve_on = async |out: Option<tokio::net::UdpSocket>| -> Result<tokio::net::UdpSocket, QnpError> {
-            match out {
-                Some(s) => Ok(s),
-                None => {
-                    let any = SocketAddr::new(public.ip(), 0);
-                    tokio::net::UdpSocket::bind(any)
-                        .await
-                        .map_err(|e| QnpError::io(format!("binding a worker's reply socket on {any}"), e))
+        let serve_on =
+            async |out: Option<tokio::net::UdpSocket>| -> Result<tokio::net::UdpSocket, QnpError> {
+                match out {
+                    Some(s) => Ok(s),
+                    None => {
+                        let any = SocketAddr::new(public.ip(), 0);
+                        tokio::net::UdpSocket::bind(any).await.map_err(|e| {
+                            QnpError::io(format!("binding a worker's reply socket on {any}"), e)
+                        })
+                    }
                 }
-            }
-        };
+            };
         match feed {
             Feed::Udp(s) => {
                 s.set_nonblocking(true)
@@ -477,7 +522,11 @@ fn worker_thread(
             }
             Feed::Queue(rx) => {
                 let out = serve_on(None).await?;
-                let sock = WorkerSocket { inbox: Inbox::Queue(tokio::sync::Mutex::new(rx)), out, public };
+                let sock = WorkerSocket {
+                    inbox: Inbox::Queue(tokio::sync::Mutex::new(rx)),
+                    out,
+                    public,
+                };
                 serve(index, Endpoint::new(sock, cfg), stop, handler, counters).await
             }
             Feed::Uds(u) => {
@@ -486,7 +535,11 @@ fn worker_thread(
                 let inbox = tokio::net::UnixDatagram::from_std(u)
                     .map_err(|e| QnpError::io("registering a worker's Unix socket", e))?;
                 let out = serve_on(None).await?;
-                let sock = WorkerSocket { inbox: Inbox::Uds(inbox), out, public };
+                let sock = WorkerSocket {
+                    inbox: Inbox::Uds(inbox),
+                    out,
+                    public,
+                };
                 serve(index, Endpoint::new(sock, cfg), stop, handler, counters).await
             }
         }
@@ -529,10 +582,16 @@ mod tests {
         tlv::put_string(&mut payload, 0, key).unwrap();
         let dispatch_len = payload.len();
         tlv::put_bytes(&mut payload, 1, &vec![0u8; extra]).unwrap();
-        OutReq { app_id: app, req_type: 0, payload: Bytes::from(payload), dispatch_len }
+        OutReq {
+            app_id: app,
+            req_type: 0,
+            payload: Bytes::from(payload),
+            dispatch_len,
+        }
     }
 
-    const RULES: &str = "rule 1 0 0 \"a\" -> 0\nrule 1 0 0 \"b\" -> 1\nrule 2 0 0 \"..x\" -> 1\ndefault 2 0 -> 0\n";
+    const RULES: &str =
+        "rule 1 0 0 \"a\" -> 0\nrule 1 0 0 \"b\" -> 1\nrule 2 0 0 \"..x\" -> 1\ndefault 2 0 -> 0\n";
 
     #[test]
     fn first_packets_are_matched_and_follow_ons_use_the_stash() {
@@ -549,8 +608,17 @@ mod tests {
         let other = SocketAddr::from(([10, 0, 0, 3], 5000));
         assert_eq!(rsd.decide(&pkts[2], other, &mut stash), Decision::Drop);
         // A colliding request id evicts the entry.
-        let evict = segment(&request(1, "a", 4000), 7 + STASH_DEPTH as u32, None, &QnpConfig::default()).unwrap();
-        assert_eq!(rsd.decide(&evict[0], peer(), &mut stash), Decision::Queue(0));
+        let evict = segment(
+            &request(1, "a", 4000),
+            7 + STASH_DEPTH as u32,
+            None,
+            &QnpConfig::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            rsd.decide(&evict[0], peer(), &mut stash),
+            Decision::Queue(0)
+        );
         assert_eq!(rsd.decide(&pkts[2], peer(), &mut stash), Decision::Drop);
         assert_eq!(rsd.decide(b"junk", peer(), &mut stash), Decision::Drop);
     }
@@ -566,11 +634,16 @@ mod tests {
         let keys = ["a1", "b2", "zzx", "c"];
         let before: Vec<_> = keys.iter().map(|k| decide(1, k, &mut stash)).collect();
         assert_eq!(decide(2, "zzx", &mut stash), Decision::Queue(1));
-        rsd.reconfigure_app(2, &RuleSet::parse("new", "rule 2 0 0 \"zz\" -> 3").unwrap()).unwrap();
+        rsd.reconfigure_app(2, &RuleSet::parse("new", "rule 2 0 0 \"zz\" -> 3").unwrap())
+            .unwrap();
         let after: Vec<_> = keys.iter().map(|k| decide(1, k, &mut stash)).collect();
         assert_eq!(before, after, "app 1 is untouched");
         assert_eq!(decide(2, "zzx", &mut stash), Decision::Queue(3));
-        assert_eq!(decide(2, "q", &mut stash), Decision::Drop, "app 2's old default is gone");
+        assert_eq!(
+            decide(2, "q", &mut stash),
+            Decision::Drop,
+            "app 2's old default is gone"
+        );
         let wrong = RuleSet::parse("new", "rule 1 0 0 \"x\" -> 3").unwrap();
         assert!(rsd.reconfigure_app(2, &wrong).is_err());
     }
@@ -605,28 +678,138 @@ mod tests {
             handler,
         )
         .unwrap();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         rt.block_on(async {
             let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
             let client = Endpoint::new(sock, QnpConfig::default());
             for i in 0..20 {
                 let key = if i % 2 == 0 { "a-key" } else { "b-key" };
-                let resp = client.send_req(server.addr(), &request(1, key, i * 300)).await.unwrap();
+                let resp = client
+                    .send_req(server.addr(), &request(1, key, i * 300))
+                    .await
+                    .unwrap();
                 if mode != Mode::Reuseport {
-                    assert_eq!(resp.payload[..], [u8::from(i % 2 == 1)], "{key} goes to its worker");
+                    assert_eq!(
+                        resp.payload[..],
+                        [u8::from(i % 2 == 1)],
+                        "{key} goes to its worker ({mode:?})"
+                    );
                 }
             }
+            // App 2: a skip-and-check rule, its default, and an app with no rules (dropped).
+            for (key, worker) in [("zzx", 1u8), ("..x", 1), ("zzy", 0), ("", 0)] {
+                let resp = client
+                    .send_req(server.addr(), &request(2, key, 2000))
+                    .await
+                    .unwrap();
+                if mode != Mode::Reuseport {
+                    assert_eq!(resp.payload[..], [worker], "app 2 {key:?} ({mode:?})");
+                }
+            }
+            if mode != Mode::Reuseport {
+                let quick = QnpConfig {
+                    max_attempts: 2,
+                    rto: Duration::from_millis(20),
+                    ..QnpConfig::default()
+                };
+                let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+                let other = Endpoint::new(sock, quick);
+                let err = other.send_req(server.addr(), &request(3, "a", 0)).await;
+                assert!(
+                    matches!(err, Err(QnpError::Timeout { .. })),
+                    "app 3 has no rules: dropped ({mode:?})"
+                );
+            }
         });
-        assert_eq!(server.handled().iter().sum::<u64>(), 20);
+        assert_eq!(server.handled().iter().sum::<u64>(), 24);
         if mode != Mode::Reuseport {
-            assert_eq!(server.handled(), vec![10, 10]);
+            assert_eq!(server.handled(), vec![12, 12]);
         }
+        server.stop();
+    }
+
+    #[test]
+    fn reconfiguring_an_app_under_load_does_not_disturb_another() {
+        let rsd = Arc::new(Rsd::new(RuleSet::parse("r", RULES).unwrap()));
+        let handler: Handler = Arc::new(|w, req: &Request| OutReq {
+            app_id: req.app_id,
+            req_type: req.req_type,
+            payload: Bytes::from(vec![w as u8]),
+            dispatch_len: 0,
+        });
+        let server = DispatchServer::start(
+            Mode::SoftwareQueue,
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            2,
+            1,
+            Arc::clone(&rsd),
+            QnpConfig::default(),
+            handler,
+        )
+        .unwrap();
+        let addr = server.addr();
+        let done = Arc::new(AtomicBool::new(false));
+        let flipper = {
+            let (rsd, done) = (Arc::clone(&rsd), Arc::clone(&done));
+            std::thread::spawn(move || {
+                let mut flips = 0u32;
+                while !done.load(Ordering::Relaxed) {
+                    let q = flips % 2;
+                    let rules = RuleSet::parse("app2", &format!("rule 2 0 0 \"\" -> {q}")).unwrap();
+                    rsd.reconfigure_app(2, &rules).unwrap();
+                    flips += 1;
+                    std::thread::yield_now();
+                }
+                flips
+            })
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+            // One transmission only: any packet of app 1 lost to the reconfiguration fails the test.
+            let cfg = QnpConfig {
+                max_attempts: 1,
+                rto: Duration::from_secs(2),
+                ..QnpConfig::default()
+            };
+            let client = Endpoint::new(sock, cfg);
+            for i in 0..200 {
+                let key = if i % 2 == 0 { "a" } else { "b" };
+                let resp = client
+                    .send_req(addr, &request(1, key, (i % 4) * 1000))
+                    .await
+                    .unwrap();
+                assert_eq!(resp.payload[..], [u8::from(i % 2 == 1)]);
+            }
+        });
+        done.store(true, Ordering::Relaxed);
+        assert!(
+            flipper.join().unwrap() > 10,
+            "app 2 was reconfigured during the run"
+        );
+        assert_eq!(
+            server.dispatched_dropped().1,
+            0,
+            "nothing of app 1 was dropped"
+        );
         server.stop();
     }
 
     #[test]
     fn reuseport_workers_serve() {
         run_mode(Mode::Reuseport);
+    }
+
+    /// Needs root and sk_reuseport BPF; fails with the loader's explanation otherwise.
+    #[test]
+    fn kernel_rsd_dispatches_by_rule() {
+        run_mode(Mode::Kernel);
     }
 
     #[test]

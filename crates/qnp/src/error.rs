@@ -27,7 +27,9 @@ pub enum QnpError {
     #[error("field {field} is {len} bytes but a TLV value holds at most 65535 bytes; split the value or use several fields")]
     ValueTooLong { field: u8, len: usize },
     /// A QNP packet is malformed.
-    #[error("malformed QNP packet: {0}; check that the peer speaks QNP (header layout of docs/qnp.md)")]
+    #[error(
+        "malformed QNP packet: {0}; check that the peer speaks QNP (header layout of docs/qnp.md)"
+    )]
     Packet(String),
     /// A request cannot be segmented under the configured limits.
     #[error("{0}")]
@@ -45,6 +47,9 @@ pub enum QnpError {
         peer: std::net::SocketAddr,
         attempts: u32,
     },
+    /// The kernel dispatcher could not be loaded or configured.
+    #[error("kernel dispatcher: {0}; it needs root (CAP_BPF and CAP_NET_ADMIN) and a kernel with sk_reuseport BPF (4.19+); use a software dispatch mode otherwise")]
+    Kernel(String),
     /// The endpoint was shut down.
     #[error("the QNP endpoint is closed; create a new one")]
     Closed,

@@ -89,7 +89,10 @@ impl QnpHeader {
             seg_cnt: h[17],
         };
         if hdr.pkt_flag & !(FLAG_DATA | FLAG_ACK) != 0 {
-            return Err(QnpError::Packet(format!("unknown pkt_flag bits {:#04x}", hdr.pkt_flag)));
+            return Err(QnpError::Packet(format!(
+                "unknown pkt_flag bits {:#04x}",
+                hdr.pkt_flag
+            )));
         }
         Ok((hdr, payload))
     }

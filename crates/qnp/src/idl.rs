@@ -111,7 +111,9 @@ impl<'a> Lexer<'a> {
                     j += 1;
                 } else if c.is_ascii_alphabetic() || c == '_' {
                     let start = j;
-                    while j < bytes.len() && (bytes[j].1.is_ascii_alphanumeric() || bytes[j].1 == '_') {
+                    while j < bytes.len()
+                        && (bytes[j].1.is_ascii_alphanumeric() || bytes[j].1 == '_')
+                    {
                         j += 1;
                     }
                     let s: String = bytes[start..j].iter().map(|(_, c)| c).collect();
@@ -168,7 +170,9 @@ impl<'a> Lexer<'a> {
     }
 
     fn line(&self) -> usize {
-        self.toks.get(self.pos).map_or(self.eof_line, |(_, l, _)| *l)
+        self.toks
+            .get(self.pos)
+            .map_or(self.eof_line, |(_, l, _)| *l)
     }
 
     fn describe(&self) -> String {
@@ -200,12 +204,16 @@ impl<'a> Lexer<'a> {
     fn byte(&mut self, what: &str) -> Result<u8, QnpError> {
         if let Some(Tok::Number(n)) = self.peek() {
             let n = *n;
-            let v = u8::try_from(n)
-                .map_err(|_| self.err_here(format!("{what} {n} does not fit in a byte; use 0..=255")))?;
+            let v = u8::try_from(n).map_err(|_| {
+                self.err_here(format!("{what} {n} does not fit in a byte; use 0..=255"))
+            })?;
             self.pos += 1;
             return Ok(v);
         }
-        Err(self.err_here(format!("expected {what} (0..=255), found {}", self.describe())))
+        Err(self.err_here(format!(
+            "expected {what} (0..=255), found {}",
+            self.describe()
+        )))
     }
 }
 
@@ -215,9 +223,7 @@ pub fn parse(file: &str, src: &str) -> Result<Schema, QnpError> {
     let kw = lx.ident("`app NAME = ID;`")?;
     if kw != "app" {
         lx.pos -= 1;
-        return Err(lx.err_here(format!(
-            "a file starts with `app NAME = ID;`, found `{kw}`"
-        )));
+        return Err(lx.err_here(format!("a file starts with `app NAME = ID;`, found `{kw}`")));
     }
     let app_name = lx.ident("the application name")?;
     lx.punct('=')?;
@@ -229,7 +235,9 @@ pub fn parse(file: &str, src: &str) -> Result<Schema, QnpError> {
         let kw = lx.ident("`message`")?;
         if kw != "message" {
             lx.pos -= 1;
-            return Err(lx.err_here(format!("expected `message NAME = REQ_TYPE {{`, found `{kw}`")));
+            return Err(lx.err_here(format!(
+                "expected `message NAME = REQ_TYPE {{`, found `{kw}`"
+            )));
         }
         lx.pos -= 1;
         let name_at = lx.pos + 1;
@@ -273,7 +281,9 @@ pub fn parse(file: &str, src: &str) -> Result<Schema, QnpError> {
             };
             let fname_at = lx.pos;
             let fname = lx.ident("the field name")?;
-            if fname.starts_with(|c: char| c.is_ascii_uppercase()) || KEYWORDS.contains(&fname.as_str()) {
+            if fname.starts_with(|c: char| c.is_ascii_uppercase())
+                || KEYWORDS.contains(&fname.as_str())
+            {
                 lx.pos = fname_at;
                 return Err(lx.err_here(format!(
                     "field name `{fname}` cannot be a Rust field; use a snake_case name that is not a Rust keyword"
@@ -281,7 +291,9 @@ pub fn parse(file: &str, src: &str) -> Result<Schema, QnpError> {
             }
             if fields.iter().any(|f| f.name == fname) {
                 lx.pos = fname_at;
-                return Err(lx.err_here(format!("field `{fname}` is declared twice in `{name}`; rename one")));
+                return Err(lx.err_here(format!(
+                    "field `{fname}` is declared twice in `{name}`; rename one"
+                )));
             }
             lx.punct('=')?;
             let idx_at = lx.pos;
@@ -354,10 +366,20 @@ pub fn generate(schema: &Schema, source_name: &str) -> String {
         );
         for f in &m.fields {
             let mark = if f.dispatch { " (dispatch)" } else { "" };
-            let _ = writeln!(o, "    /// Field {}{mark}.\n    pub {}: {},", f.index, f.name, f.ty.rust());
+            let _ = writeln!(
+                o,
+                "    /// Field {}{mark}.\n    pub {}: {},",
+                f.index,
+                f.name,
+                f.ty.rust()
+            );
         }
         let _ = writeln!(o, "}}\n\nimpl QnpMessage for {} {{", m.name);
-        let _ = writeln!(o, "    const APP_ID: u8 = APP_ID;\n    const REQ_TYPE: u8 = {};\n", m.req_type);
+        let _ = writeln!(
+            o,
+            "    const APP_ID: u8 = APP_ID;\n    const REQ_TYPE: u8 = {};\n",
+            m.req_type
+        );
         let _ = writeln!(
             o,
             "    fn encode(&self, out: &mut Vec<u8>) -> Result<usize, QnpError> {{\n        let start = out.len();"
@@ -369,10 +391,26 @@ pub fn generate(schema: &Schema, source_name: &str) -> String {
                 ended_dispatch = true;
             }
             let _ = match f.ty {
-                FieldType::Int32 => writeln!(o, "        tlv::put_i32(out, {}, self.{});", f.index, f.name),
-                FieldType::Int64 => writeln!(o, "        tlv::put_i64(out, {}, self.{});", f.index, f.name),
-                FieldType::String => writeln!(o, "        tlv::put_string(out, {}, &self.{})?;", f.index, f.name),
-                FieldType::Bytes => writeln!(o, "        tlv::put_bytes(out, {}, &self.{})?;", f.index, f.name),
+                FieldType::Int32 => writeln!(
+                    o,
+                    "        tlv::put_i32(out, {}, self.{});",
+                    f.index, f.name
+                ),
+                FieldType::Int64 => writeln!(
+                    o,
+                    "        tlv::put_i64(out, {}, self.{});",
+                    f.index, f.name
+                ),
+                FieldType::String => writeln!(
+                    o,
+                    "        tlv::put_string(out, {}, &self.{})?;",
+                    f.index, f.name
+                ),
+                FieldType::Bytes => writeln!(
+                    o,
+                    "        tlv::put_bytes(out, {}, &self.{})?;",
+                    f.index, f.name
+                ),
             };
         }
         if !ended_dispatch {
@@ -447,13 +485,22 @@ mod tests {
     #[test]
     fn errors_point_at_file_line_col_and_say_what_to_do() {
         let e = err_of("app kv = 1;\nmessage Get = 0 {\n  float x = 1;\n}\n");
-        assert!(e.starts_with("x.qnp:3:3: unknown field type `float`"), "{e}");
+        assert!(
+            e.starts_with("x.qnp:3:3: unknown field type `float`"),
+            "{e}"
+        );
         let e = err_of("app kv = 1;\nmessage Get = 0 { int32 a = 1; int32 b = 1; }");
-        assert!(e.starts_with("x.qnp:2:42: field index 1 is already used by `a`"), "{e}");
+        assert!(
+            e.starts_with("x.qnp:2:42: field index 1 is already used by `a`"),
+            "{e}"
+        );
         let e = err_of("app kv = 300;");
         assert!(e.contains("does not fit in a byte"), "{e}");
         let e = err_of("app kv = 1;\nmessage Get = 0 { int32 a = 1; }\nmessage Put = 0 {}");
-        assert!(e.starts_with("x.qnp:3:15: request type 0 is already used by `Get`"), "{e}");
+        assert!(
+            e.starts_with("x.qnp:3:15: request type 0 is already used by `Get`"),
+            "{e}"
+        );
         let e = err_of("app kv = 1;\nmessage Get = 0 { int32 type = 1; }");
         assert!(e.contains("Rust keyword"), "{e}");
         let e = err_of("app kv = 1;\nmessage get = 0 {}");

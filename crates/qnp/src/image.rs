@@ -227,7 +227,10 @@ impl Image {
                         )));
                     }
                     // Bounded by MAX_STATES just above.
-                    states[i] = std::iter::once(first).chain(later).map(|s| s as u8).collect();
+                    states[i] = std::iter::once(first)
+                        .chain(later)
+                        .map(|s| s as u8)
+                        .collect();
                 }
             }
             let default = set.defaults.get(&(app, ty)).map(|(q, _)| *q);
@@ -334,12 +337,16 @@ impl Image {
             if ram.is_exit() {
                 return (Decision::Queue(ram.state), lookups);
             }
-            if key.state == 0 || key.state & MISS_BIT != 0 || cur.map(|(f, _)| f) != Some(ram.field) {
+            if key.state == 0 || key.state & MISS_BIT != 0 || cur.map(|(f, _)| f) != Some(ram.field)
+            {
                 // A missing field reads as empty, as in the plain semantics.
                 cur = Some((ram.field, field(ram.field).unwrap_or_default()));
                 pos = 0;
             }
-            let (skip, check) = (usize::from(ram.skip), usize::from(ram.check).min(CHECK_BYTES));
+            let (skip, check) = (
+                usize::from(ram.skip),
+                usize::from(ram.check).min(CHECK_BYTES),
+            );
             key.field = ram.field;
             key.string = [0; CHECK_BYTES];
             match cur {
@@ -411,7 +418,10 @@ impl Image {
     pub fn explain(&self) -> String {
         let mut o = String::new();
         let n = self.ram.len();
-        let _ = writeln!(o, "RAM: {n} of {TABLE_ENTRIES} entries (32 bits: field | skip | check | state)");
+        let _ = writeln!(
+            o,
+            "RAM: {n} of {TABLE_ENTRIES} entries (32 bits: field | skip | check | state)"
+        );
         let _ = writeln!(o, "  idx  word        field skip check state  meaning");
         for (i, r) in self.ram.iter().enumerate() {
             let meaning = if r.is_exit() {
@@ -432,8 +442,15 @@ impl Image {
                 r.state
             );
         }
-        let _ = writeln!(o, "CAM: {} of {TABLE_ENTRIES} entries (96 bits: app | type | field | state | string)", self.cam.len());
-        let _ = writeln!(o, "  idx  bits                        app type field state  string            meaning");
+        let _ = writeln!(
+            o,
+            "CAM: {} of {TABLE_ENTRIES} entries (96 bits: app | type | field | state | string)",
+            self.cam.len()
+        );
+        let _ = writeln!(
+            o,
+            "  idx  bits                        app type field state  string            meaning"
+        );
         for (i, c) in self.cam.iter().enumerate() {
             let meaning = if c.state == 0 {
                 format!("start of app {} type {}", c.app_id, c.req_type)
@@ -442,7 +459,11 @@ impl Image {
             } else {
                 // Trailing zeros are the padding of checks shorter than 8 bytes.
                 let len = c.string.iter().rposition(|b| *b != 0).map_or(0, |p| p + 1);
-                format!("state {} matched \"{}\"", c.state, c.string[..len].escape_ascii())
+                format!(
+                    "state {} matched \"{}\"",
+                    c.state,
+                    c.string[..len].escape_ascii()
+                )
             };
             let hex: String = c.string.iter().map(|b| format!("{b:02x}")).collect();
             let _ = writeln!(
@@ -518,7 +539,8 @@ pub fn parse_eval_inputs(file: &str, src: &str) -> Result<Vec<EvalInput>, QnpErr
 mod tests {
     use super::*;
 
-    const EXAMPLE: &str = "rule 1 0 0 \"...AAA.BB\" -> 3\nrule 1 0 0 \"user:\" -> 1\ndefault 1 0 -> 0\n";
+    const EXAMPLE: &str =
+        "rule 1 0 0 \"...AAA.BB\" -> 3\nrule 1 0 0 \"user:\" -> 1\ndefault 1 0 -> 0\n";
 
     #[test]
     fn compiles_the_issue_example() {
@@ -526,7 +548,15 @@ mod tests {
         let img = Image::compile(&set).unwrap();
         // start + rule 1 (2 steps × hit+miss) + rule 2 (1 step × hit+miss)
         assert_eq!(img.cam.len(), 7);
-        assert_eq!(img.ram[0], RamEntry { field: 0, skip: 3, check: 3, state: 1 });
+        assert_eq!(
+            img.ram[0],
+            RamEntry {
+                field: 0,
+                skip: 3,
+                check: 3,
+                state: 1
+            }
+        );
         assert_eq!(&img.cam[1].string[..3], b"AAA");
         for (v, want) in [
             (&b"FEFAAACBB"[..], Decision::Queue(3)),
@@ -546,12 +576,27 @@ mod tests {
 
     #[test]
     fn bit_layout_is_the_papers() {
-        let r = RamEntry { field: 1, skip: 2, check: 3, state: 4 };
+        let r = RamEntry {
+            field: 1,
+            skip: 2,
+            check: 3,
+            state: 4,
+        };
         assert_eq!(r.to_word(), 0x0102_0304);
         assert_eq!(RamEntry::from_word(0x0102_0304), r);
-        let c = CamEntry { app_id: 0xaa, req_type: 0xbb, field: 0xcc, state: 0xdd, string: *b"12345678" };
+        let c = CamEntry {
+            app_id: 0xaa,
+            req_type: 0xbb,
+            field: 0xcc,
+            state: 0xdd,
+            string: *b"12345678",
+        };
         assert_eq!(c.to_bits() >> 96, 0, "96 bits");
-        assert_eq!(c.to_bits() >> 72, 0xaabbcc, "24-bit app/type/field key on top");
+        assert_eq!(
+            c.to_bits() >> 72,
+            0xaabbcc,
+            "24-bit app/type/field key on top"
+        );
         assert_eq!(c.to_bytes()[..4], [0xaa, 0xbb, 0xcc, 0xdd]);
         assert_eq!(CamEntry::from_bytes(&c.to_bytes()), c);
     }
@@ -570,19 +615,37 @@ mod tests {
 
     #[test]
     fn reports_how_far_over_the_table_a_rule_set_is() {
-        let src: String = (0..300).map(|i| format!("rule 1 0 {} \"k{i}\" -> 1\n", i % 3)).collect();
+        let src: String = (0..300)
+            .map(|i| format!("rule 1 0 {} \"k{i}\" -> 1\n", i % 3))
+            .collect();
         let set = RuleSet::parse("r", &src).unwrap();
         let e = Image::compile(&set).unwrap_err().to_string();
-        assert!(e.contains("need 600 RAM and 600 CAM entries") && e.contains("88 entries over"), "{e}");
-        let src: String = (0..70).map(|i| format!("rule 1 0 0 \"a.b{i}\" -> 1\n")).collect();
-        let e = Image::compile(&RuleSet::parse("r", &src).unwrap()).unwrap_err().to_string();
+        assert!(
+            e.contains("need 600 RAM and 600 CAM entries") && e.contains("88 entries over"),
+            "{e}"
+        );
+        let src: String = (0..70)
+            .map(|i| format!("rule 1 0 0 \"a.b{i}\" -> 1\n"))
+            .collect();
+        let e = Image::compile(&RuleSet::parse("r", &src).unwrap())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("needs 128 check states by rule line 64"), "{e}");
     }
 
     #[test]
     fn rules_with_one_shape_share_a_state_and_one_lookup() {
         // 500 single-check rules: one shared state, 500 hit entries, one start entry.
-        let src: String = (0..500).map(|i| format!("rule 1 0 0 \"..\\x{:02x}\\x{:02x}\" -> {}\n", i / 256, i % 256, i % 7)).collect();
+        let src: String = (0..500)
+            .map(|i| {
+                format!(
+                    "rule 1 0 0 \"..\\x{:02x}\\x{:02x}\" -> {}\n",
+                    i / 256,
+                    i % 256,
+                    i % 7
+                )
+            })
+            .collect();
         let set = RuleSet::parse("r", &src).unwrap();
         let img = Image::compile(&set).unwrap();
         assert_eq!(img.cam.len(), 501);
@@ -590,22 +653,38 @@ mod tests {
             let v = [b'x', b'y', (i / 256) as u8, (i % 256) as u8];
             let (d, lookups) = img.run(1, 0, |_| Some(&v[..]));
             assert_eq!(d, Decision::Queue((i % 7) as u8));
-            assert_eq!(lookups, 2, "start + one CAM lookup, whatever the rule's position");
+            assert_eq!(
+                lookups, 2,
+                "start + one CAM lookup, whatever the rule's position"
+            );
         }
-        assert_eq!(img.run(1, 0, |_| Some(&b"xy\x02\x00"[..])).0, Decision::Drop);
+        assert_eq!(
+            img.run(1, 0, |_| Some(&b"xy\x02\x00"[..])).0,
+            Decision::Drop
+        );
     }
 
     #[test]
     fn parses_eval_inputs() {
         let v = parse_eval_inputs("in", "# c\n1 0 757365723a\n\n2 3\n").unwrap();
-        assert_eq!(v[0], EvalInput { app_id: 1, req_type: 0, value: b"user:".to_vec() });
+        assert_eq!(
+            v[0],
+            EvalInput {
+                app_id: 1,
+                req_type: 0,
+                value: b"user:".to_vec()
+            }
+        );
         assert!(v[1].value.is_empty());
         let e = parse_eval_inputs("in", "1 0 7g").unwrap_err().to_string();
         assert!(e.starts_with("in:1: `7g` is not hex"), "{e}");
         assert!(parse_eval_inputs("in", "1 0 abc").is_err());
         assert!(parse_eval_inputs("in", "1").is_err());
         assert!(parse_eval_inputs("in", "1 0 00 00").is_err());
-        assert!(parse_eval_inputs("in", "1 x 00").unwrap_err().to_string().contains("req_type `x`"));
+        assert!(parse_eval_inputs("in", "1 x 00")
+            .unwrap_err()
+            .to_string()
+            .contains("req_type `x`"));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! - [`transport`]: reliable request delivery over UDP (segmentation, per-request ACKs, retransmit).
 //! - [`rules`]: skip-and-check dispatch rules: file parser, plain semantics, fast matcher.
 //! - [`image`]: the Matcher's RAM/CAM tables (§4.2.2), compiler and bit-exact reference executor.
+//! - [`kernel_rsd`]: the sk_reuseport eBPF dispatcher and the lowering of rules into its maps.
 //! - [`dispatch`]: receive-side dispatch across per-core shared-nothing workers.
 //! - [`load`]: a closed-loop load generator (PingPong, Zipf key-value GETs).
 //! - [`apps`]: generated messages of the example applications.
@@ -17,6 +18,7 @@ pub mod error;
 pub mod header;
 pub mod idl;
 pub mod image;
+pub mod kernel_rsd;
 pub mod load;
 pub mod rules;
 pub mod tlv;

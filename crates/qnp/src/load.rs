@@ -137,7 +137,9 @@ pub async fn run(
     }
     let (mut lat, mut errors) = (Vec::new(), 0);
     for t in tasks {
-        let (l, e) = t.await.map_err(|e| QnpError::io("a load client failed", std::io::Error::other(e)))??;
+        let (l, e) = t
+            .await
+            .map_err(|e| QnpError::io("a load client failed", std::io::Error::other(e)))??;
         lat.extend(l);
         errors += e;
     }
@@ -156,6 +158,81 @@ pub async fn run(
     })
 }
 
+/// One mode's results in [`compare_modes`].
+#[derive(Debug, Clone)]
+pub struct ModeResult {
+    pub mode: crate::dispatch::Mode,
+    pub report: LoadReport,
+    /// Requests answered by each worker.
+    pub per_worker: Vec<u64>,
+    /// Packets the software dispatchers dropped.
+    pub dropped: u64,
+}
+
+/// Keys of the demo's key-value store.
+pub const DEMO_KEYS: usize = 24_000;
+/// Ping lanes of the demo.
+pub const DEMO_LANES: usize = 16;
+
+/// Serves `workload` (`kv` or `pingpong`) in each mode in turn, with the same workers, and
+/// drives it with `clients` closed-loop clients for `duration` per mode.
+pub fn compare_modes(
+    modes: &[crate::dispatch::Mode],
+    workload: &str,
+    workers: usize,
+    dispatchers: usize,
+    clients: usize,
+    duration: Duration,
+) -> Result<Vec<ModeResult>, QnpError> {
+    use crate::dispatch::{DispatchServer, Rsd};
+    let (load, handler) = match workload {
+        "kv" => (
+            Workload::KvGet {
+                keys: DEMO_KEYS,
+                s: 0.9,
+            },
+            crate::apps::kv_service(DEMO_KEYS),
+        ),
+        "pingpong" => (
+            Workload::PingPong { lanes: DEMO_LANES },
+            crate::apps::pingpong_service(),
+        ),
+        other => {
+            return Err(QnpError::TooLarge(format!(
+                "unknown workload `{other}`; use kv or pingpong"
+            )))
+        }
+    };
+    let rules =
+        crate::rules::RuleSet::parse("demo", &crate::apps::demo_rules(workers, DEMO_LANES))?;
+    let cfg = QnpConfig::default();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| QnpError::io("starting the load generator's runtime", e))?;
+    let mut out = Vec::new();
+    for &mode in modes {
+        let server = DispatchServer::start(
+            mode,
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            workers,
+            dispatchers,
+            Arc::new(Rsd::new(rules.clone())),
+            cfg,
+            Arc::clone(&handler),
+        )?;
+        let report = rt.block_on(run(server.addr(), clients, duration, load, cfg))?;
+        out.push(ModeResult {
+            mode,
+            report,
+            per_worker: server.handled(),
+            dropped: server.dispatched_dropped().1,
+        });
+        server.stop();
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -168,8 +245,15 @@ mod tests {
         for _ in 0..20_000 {
             counts[z.sample(&mut rng)] += 1;
         }
-        assert!(counts[0] > counts[9] && counts[9] > counts[500], "{:?}", &counts[..10]);
-        assert!(counts[0] > 1000, "rank 1 of Zipf(0.9) over 1000 keys has ~13% of the mass");
+        assert!(
+            counts[0] > counts[9] && counts[9] > counts[500],
+            "{:?}",
+            &counts[..10]
+        );
+        assert!(
+            counts[0] > 1000,
+            "rank 1 of Zipf(0.9) over 1000 keys has ~13% of the mass"
+        );
     }
 
     #[test]

@@ -203,7 +203,12 @@ impl RuleSet {
     /// A copy without the rules and default of one app: how one app is reconfigured (§5.2.2).
     pub fn without_app(&self, app_id: u8) -> RuleSet {
         RuleSet {
-            rules: self.rules.iter().filter(|r| r.app_id != app_id).cloned().collect(),
+            rules: self
+                .rules
+                .iter()
+                .filter(|r| r.app_id != app_id)
+                .cloned()
+                .collect(),
             defaults: self
                 .defaults
                 .iter()
@@ -314,7 +319,10 @@ impl FastMatcher {
                     FastRule {
                         field: r.field,
                         min_len: r.pattern.len(),
-                        runs: runs.into_iter().map(|(o, l)| (o, l.into_boxed_slice())).collect(),
+                        runs: runs
+                            .into_iter()
+                            .map(|(o, l)| (o, l.into_boxed_slice()))
+                            .collect(),
                         queue: r.queue,
                     }
                 })
@@ -343,7 +351,8 @@ impl FastMatcher {
         };
         for r in &group.rules {
             let v = field(r.field).unwrap_or_default();
-            if v.len() >= r.min_len && r.runs.iter().all(|(o, lit)| v[*o..*o + lit.len()] == **lit) {
+            if v.len() >= r.min_len && r.runs.iter().all(|(o, lit)| v[*o..*o + lit.len()] == **lit)
+            {
                 return Decision::Queue(r.queue);
             }
         }
@@ -364,13 +373,29 @@ mod tests {
         assert_eq!(set.rules[0].line, 2);
         let eval = |v: &[u8]| set.eval(1, 0, |_| Some(v));
         assert_eq!(eval(b"FEFAAACBB"), Decision::Queue(3));
-        assert_eq!(eval(b"FEFBAACBB"), Decision::Queue(0), "the paper's non-matching example");
+        assert_eq!(
+            eval(b"FEFBAACBB"),
+            Decision::Queue(0),
+            "the paper's non-matching example"
+        );
         assert_eq!(eval(b"FEFAAACB"), Decision::Queue(0), "too short");
         assert_eq!(eval(b"user:42"), Decision::Queue(1));
-        assert_eq!(set.eval(1, 1, |_| Some(b"user:")), Decision::Drop, "no default");
-        assert_eq!(set.eval(1, 0, |_| None), Decision::Queue(0), "missing field");
+        assert_eq!(
+            set.eval(1, 1, |_| Some(b"user:")),
+            Decision::Drop,
+            "no default"
+        );
+        assert_eq!(
+            set.eval(1, 0, |_| None),
+            Decision::Queue(0),
+            "missing field"
+        );
         let any = RuleSet::parse("r", "rule 1 0 0 \"\" -> 5").unwrap();
-        assert_eq!(any.eval(1, 0, |_| None), Decision::Queue(5), "a missing field reads as empty");
+        assert_eq!(
+            any.eval(1, 0, |_| None),
+            Decision::Queue(5),
+            "a missing field reads as empty"
+        );
     }
 
     #[test]
@@ -388,7 +413,10 @@ mod tests {
             ]
         );
         let back = format!("rule 1 0 0 \"{}\" -> 2", set.rules[0].pattern_text());
-        assert_eq!(RuleSet::parse("r", &back).unwrap().rules[0].pattern, set.rules[0].pattern);
+        assert_eq!(
+            RuleSet::parse("r", &back).unwrap().rules[0].pattern,
+            set.rules[0].pattern
+        );
     }
 
     fn err(src: &str) -> String {
@@ -405,7 +433,8 @@ mod tests {
         assert!(err("rule 1 0 0 \"x\" -> 256").contains("queue `256`"));
         assert!(err("rule 1 0 0 \"x\" 1").contains("`-> QUEUE`"));
         assert!(err("rule 1 0 0 \"x\" ->").contains("missing queue"));
-        assert!(err("default 1 0 -> 1\n\ndefault 1 0 -> 2").starts_with("bad.rules:3: app 1 type 0 already has a default on line 1"));
+        assert!(err("default 1 0 -> 1\n\ndefault 1 0 -> 2")
+            .starts_with("bad.rules:3: app 1 type 0 already has a default on line 1"));
         assert!(err("default 1 -> 1").contains("two numbers"));
         assert!(err("default 1 0 1").contains("missing `->`"));
         assert!(err("route 1").contains("unknown statement `route`"));
@@ -423,7 +452,11 @@ mod tests {
 
     #[test]
     fn without_app_removes_only_that_app() {
-        let set = RuleSet::parse("r", "rule 1 0 0 \"a\" -> 1\nrule 2 0 0 \"a\" -> 2\ndefault 1 0 -> 0").unwrap();
+        let set = RuleSet::parse(
+            "r",
+            "rule 1 0 0 \"a\" -> 1\nrule 2 0 0 \"a\" -> 2\ndefault 1 0 -> 0",
+        )
+        .unwrap();
         let rest = set.without_app(1);
         assert_eq!(rest.rules.len(), 1);
         assert!(rest.defaults.is_empty());

@@ -40,7 +40,9 @@ pub struct QnpConfig {
     pub max_tracked_requests: usize,
     /// A partly received request is forgotten this long after its last packet (paper: 1 s).
     pub request_expiry: Duration,
-    /// Answered requests remembered to suppress and answer their retransmissions.
+    /// Answered requests remembered to suppress and answer their retransmissions. Keep it above
+    /// the request rate × `dedup_window`: when it is full, new requests are refused (counted in
+    /// `RxStats::dropped_table_full`) rather than risk a duplicate delivery.
     pub max_completed_requests: usize,
     /// How long an answered request is remembered. Keep it above `rto × max_attempts`.
     pub dedup_window: Duration,
@@ -57,8 +59,9 @@ impl Default for QnpConfig {
             max_pkts_per_req: 64,
             max_tracked_requests: 1024,
             request_expiry: Duration::from_secs(1),
-            max_completed_requests: 65_536,
-            dedup_window: Duration::from_secs(5),
+            // Sized for ~100k answered requests/s per endpoint over the 2 s window.
+            max_completed_requests: 262_144,
+            dedup_window: Duration::from_secs(2),
             rto: Duration::from_millis(50),
             max_attempts: 20,
         }
@@ -191,7 +194,12 @@ impl<S: Datagram> Endpoint<S> {
 
     /// Waits for the next complete request.
     pub async fn recv_req(&self) -> Result<Request, QnpError> {
-        self.requests.lock().await.recv().await.ok_or(QnpError::Closed)
+        self.requests
+            .lock()
+            .await
+            .recv()
+            .await
+            .ok_or(QnpError::Closed)
     }
 
     /// Answers a request. The response carries the request's ACK; it is remembered, so a
@@ -204,11 +212,9 @@ impl<S: Datagram> Endpoint<S> {
             .lock()
             .record_response(Instant::now(), to.peer, to.req_id, pkts.clone());
         for p in &pkts {
-            self.shared
-                .sock
-                .send_to(p, to.peer)
-                .await
-                .map_err(|e| QnpError::io(format!("answering request {} of {}", to.req_id, to.peer), e))?;
+            self.shared.sock.send_to(p, to.peer).await.map_err(|e| {
+                QnpError::io(format!("answering request {} of {}", to.req_id, to.peer), e)
+            })?;
         }
         Ok(())
     }
@@ -283,14 +289,21 @@ mod tests {
     }
 
     /// An echo server that counts deliveries per request number and checks their content.
-    fn echo_server<S: Datagram>(ep: Arc<Endpoint<S>>, seen: Arc<Mutex<Vec<u32>>>) -> JoinHandle<()> {
+    fn echo_server<S: Datagram>(
+        ep: Arc<Endpoint<S>>,
+        seen: Arc<Mutex<Vec<u32>>>,
+    ) -> JoinHandle<()> {
         tokio::spawn(async move {
             while let Ok(req) = ep.recv_req().await {
                 let Some((num, body)) = req.payload.split_first_chunk::<4>() else {
                     panic!("request without its number")
                 };
                 let num = u32::from_be_bytes(*num);
-                assert_eq!(body, &payload(num, body.len())[..], "request {num} corrupted");
+                assert_eq!(
+                    body,
+                    &payload(num, body.len())[..],
+                    "request {num} corrupted"
+                );
                 seen.lock().push(num);
                 let resp = OutReq {
                     payload: req.payload.clone(),
@@ -304,7 +317,13 @@ mod tests {
     async fn run_lossy(how: Impairment, n: u32, len: usize) -> (Vec<u32>, RxStats) {
         let net = MemNet::new();
         let server = Arc::new(Endpoint::new(
-            LossySocket::new(net.socket(a(1)), Impairment { seed: how.seed ^ 1, ..how }),
+            LossySocket::new(
+                net.socket(a(1)),
+                Impairment {
+                    seed: how.seed ^ 1,
+                    ..how
+                },
+            ),
             QnpConfig::default(),
         ));
         let client = Arc::new(Endpoint::new(
@@ -319,7 +338,10 @@ mod tests {
             calls.push(tokio::spawn(async move {
                 let req = out(i, len + (i as usize % 3) * 1000);
                 let resp = client.send_req(a(1), &req).await.unwrap();
-                assert_eq!(resp.payload, req.payload, "response {i} corrupted or mixed up");
+                assert_eq!(
+                    resp.payload, req.payload,
+                    "response {i} corrupted or mixed up"
+                );
             }));
         }
         for c in calls {
@@ -358,8 +380,14 @@ mod tests {
             let unique: HashSet<_> = seen.iter().copied().collect();
             assert_eq!(unique.len(), 60, "seed {seed}: every request arrives");
             assert_eq!(seen.len(), 60, "seed {seed}: no request is delivered twice");
-            assert!(stats.duplicates > 0, "seed {seed}: the shim did duplicate packets");
-            assert!(stats.dropped_no_first_packet > 0, "seed {seed}: reordering was exercised");
+            assert!(
+                stats.duplicates > 0,
+                "seed {seed}: the shim did duplicate packets"
+            );
+            assert!(
+                stats.dropped_no_first_packet > 0,
+                "seed {seed}: reordering was exercised"
+            );
         }
     }
 
@@ -374,16 +402,20 @@ mod tests {
         let client = Endpoint::new(net.socket(a(2)), cfg);
         let start = Instant::now();
         let err = client.send_req(a(9), &out(1, 10)).await.unwrap_err();
-        assert!(matches!(err, QnpError::Timeout { attempts: 3, .. }), "{err}");
+        assert!(
+            matches!(err, QnpError::Timeout { attempts: 3, .. }),
+            "{err}"
+        );
         assert_eq!(start.elapsed(), Duration::from_millis(30));
-        assert!(client.shared.pending.lock().is_empty(), "the waiter is cleaned up");
+        assert!(
+            client.shared.pending.lock().is_empty(),
+            "the waiter is cleaned up"
+        );
     }
 
     #[tokio::test]
     async fn works_over_real_udp() {
-        let bind = |_| async {
-            tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap()
-        };
+        let bind = |_| async { tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap() };
         let server = Arc::new(Endpoint::new(bind(()).await, QnpConfig::default()));
         let client = Endpoint::new(bind(()).await, QnpConfig::default());
         let seen = Arc::new(Mutex::new(Vec::new()));

@@ -2,8 +2,8 @@
 //! exercise it. Regenerate with `flatmesh qnp idl compile crates/qnp/examples/idl/kv.qnp --out
 //! crates/qnp/src/apps` (or run this test with QNP_BLESS=1).
 
-use flatmesh_qnp::tlv::{self, TlvReader};
 use flatmesh_qnp::apps::{kv, pingpong};
+use flatmesh_qnp::tlv::{self, TlvReader};
 use flatmesh_qnp::{idl, QnpError, QnpMessage};
 use proptest::prelude::*;
 use std::path::Path;
@@ -42,7 +42,11 @@ fn dispatch_fields_come_first_on_the_wire() {
     let dispatch_len = ping.encode(&mut buf).unwrap();
     assert_eq!(dispatch_len, 3 + 6);
     let order: Vec<u8> = TlvReader::new(&buf).map(|t| t.unwrap().field).collect();
-    assert_eq!(order, [0, 1, 2], "the dispatch field `lane` (0) leads although declared second");
+    assert_eq!(
+        order,
+        [0, 1, 2],
+        "the dispatch field `lane` (0) leads although declared second"
+    );
     assert_eq!(tlv::find_field(&buf, 0), Some(&b"lane-3"[..]));
     assert_eq!(pingpong::Ping::decode(&buf).unwrap(), ping);
     assert_eq!(<pingpong::Ping as QnpMessage>::APP_ID, 2);
@@ -55,7 +59,13 @@ fn decode_skips_unknown_fields_and_rejects_bad_input() {
     tlv::put_i32(&mut buf, 9, 1); // unknown: skipped
     tlv::put_i32(&mut buf, 1, 5);
     let get = kv::Get::decode(&buf).unwrap();
-    assert_eq!(get, kv::Get { key: "k".into(), flags: 5 });
+    assert_eq!(
+        get,
+        kv::Get {
+            key: "k".into(),
+            flags: 5
+        }
+    );
     // A missing field decodes to its default.
     assert_eq!(kv::Get::decode(&[]).unwrap(), kv::Get::default());
     // Wrong width, duplicate field, invalid UTF-8, truncation.

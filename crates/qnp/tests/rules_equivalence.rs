@@ -39,10 +39,13 @@ fn rule_file() -> impl Strategy<Value = String> {
 
 fn value() -> impl Strategy<Value = Option<Vec<u8>>> {
     let byte = prop_oneof![Just(b'a'), Just(b'b'), Just(b'.'), Just(0u8), any::<u8>()];
-    proptest::option::weighted(0.9, prop_oneof![
-        4 => proptest::collection::vec(byte.clone(), 0..16),
-        1 => proptest::collection::vec(byte, 250..300),
-    ])
+    proptest::option::weighted(
+        0.9,
+        prop_oneof![
+            4 => proptest::collection::vec(byte.clone(), 0..16),
+            1 => proptest::collection::vec(byte, 250..300),
+        ],
+    )
 }
 
 proptest! {
@@ -71,7 +74,11 @@ proptest! {
 
 #[test]
 fn the_issue_example_over_the_image() {
-    let set = RuleSet::parse("r", "rule 1 0 0 \"...AAA.BB\" -> 3\nrule 1 0 0 \"user:\" -> 1\ndefault 1 0 -> 0\n").unwrap();
+    let set = RuleSet::parse(
+        "r",
+        "rule 1 0 0 \"...AAA.BB\" -> 3\nrule 1 0 0 \"user:\" -> 1\ndefault 1 0 -> 0\n",
+    )
+    .unwrap();
     let img = Image::compile(&set).unwrap();
     let (d, lookups) = img.run(1, 0, |_| Some(&b"FEFAAACBB"[..]));
     assert_eq!(d.to_string(), "3");

@@ -12,10 +12,12 @@
 //! checks the remaining conditions of each candidate in route order: the first hit is the
 //! answer, exactly as if every route had been tried in order.
 //!
-//! The regex pass is the one costly step, so it runs only when it could change the answer:
-//! every regex route also gets a *guard*, the literal prefix every match of it must start
-//! with (`/api/v[0-9]+` → `/api/v`), stored in the same trie. The walk learns the lowest regex
-//! route whose guard holds; the pass runs only if the merge reaches that route without a hit.
+//! Regexes are the one costly step, so they run only when they could change the answer.
+//! Every regex route gets a *guard*, the literal prefix every match of it must start with
+//! (`/api/v[0-9]+` → `/api/v`), stored in the same trie. The walk collects the regex routes
+//! whose guard holds. If there are at most [`FEW_REGEXES`] of them and no regex without a
+//! guard, each is tried on its own when the merge reaches it. Otherwise the multi-pattern pass
+//! runs once, and only if the merge reaches the first such route without a hit.
 //!
 //! Buckets hold `u32` ids (a listener with more than 2^32 routes is refused at compile time).
 
@@ -24,11 +26,15 @@ use std::collections::HashMap;
 
 use regex_automata::util::primitives::PatternID;
 use regex_automata::{meta, Anchored, Input, MatchKind, PatternSet};
+use regex_syntax::hir::literal::{ExtractKind, Extractor};
+use regex_syntax::hir::Hir;
 use smallvec::SmallVec;
 
 use crate::matcher::{anchored_hir, meta_config, PathCond, RuleMatch};
-use regex_syntax::hir::literal::{ExtractKind, Extractor};
-use regex_syntax::hir::Hir;
+
+/// Up to this many guard-passing regex routes are tried one by one; more take the
+/// multi-pattern pass, whose cost does not grow with the number of candidates.
+pub(crate) const FEW_REGEXES: usize = 8;
 
 /// The literal prefix every match of `hir` starts with; empty if there is none
 /// (e.g. `.*x`, or alternatives that share nothing).
@@ -42,28 +48,20 @@ fn literal_guard(hir: &Hir) -> Vec<u8> {
         .unwrap_or_default()
 }
 
-/// A trie node: children sorted by byte, and the routes whose prefix ends here.
-#[derive(Debug, Clone)]
+/// A trie node: children sorted by byte, the prefix routes and the guarded regex routes
+/// whose key ends here (both ascending).
+#[derive(Debug, Default, Clone)]
 struct TrieNode {
     children: Vec<(u8, u32)>,
     routes: Vec<u32>,
-    /// Lowest regex route whose literal guard ends here (`u32::MAX`: none).
-    regex_min: u32,
-}
-
-impl Default for TrieNode {
-    fn default() -> Self {
-        TrieNode {
-            children: Vec::new(),
-            routes: Vec::new(),
-            regex_min: u32::MAX,
-        }
-    }
+    regex_routes: Vec<u32>,
 }
 
 #[derive(Debug, Clone)]
 pub(crate) struct PathIndex {
-    exact: HashMap<Box<str>, Vec<u32>>,
+    /// foldhash, not SipHash: the keys come from the config, so request paths cannot grow
+    /// collision chains, and a lookup hashes every request's path (SipHash was ~20 ns of ~60).
+    exact: HashMap<Box<str>, Vec<u32>, foldhash::fast::RandomState>,
     trie: Vec<TrieNode>,
     regex: Option<RegexBucket>,
     /// Lowest regex route without a literal guard (`u32::MAX`: none): it could match any path.
@@ -76,6 +74,8 @@ struct RegexBucket {
     /// Pattern i belongs to route `routes[i]`; ascending, so pattern order is route order.
     routes: Vec<u32>,
     set: meta::Regex,
+    /// Pattern i on its own, for the few-candidates case.
+    single: Vec<meta::Regex>,
 }
 
 thread_local! {
@@ -99,7 +99,7 @@ impl PathIndex {
         matches: impl IntoIterator<Item = &'a RuleMatch>,
     ) -> Result<PathIndex, String> {
         let mut index = PathIndex {
-            exact: HashMap::new(),
+            exact: HashMap::default(),
             trie: vec![TrieNode::default()],
             regex: None,
             unguarded_regex_min: u32::MAX,
@@ -125,7 +125,7 @@ impl PathIndex {
                         index.unguarded_regex_min = index.unguarded_regex_min.min(id);
                     } else {
                         let node = index.trie_insert(&guard);
-                        index.trie[node].regex_min = index.trie[node].regex_min.min(id);
+                        index.trie[node].regex_routes.push(id);
                     }
                     regex_routes.push(id);
                     hirs.push(hir);
@@ -138,9 +138,19 @@ impl PathIndex {
                 .configure(meta_config().match_kind(MatchKind::All))
                 .build_many_from_hir(&hirs)
                 .map_err(|e| e.to_string())?;
+            let single = hirs
+                .iter()
+                .map(|h| {
+                    meta::Builder::new()
+                        .configure(meta_config())
+                        .build_from_hir(h)
+                        .map_err(|e| e.to_string())
+                })
+                .collect::<Result<Vec<_>, _>>()?;
             index.regex = Some(RegexBucket {
                 routes: regex_routes,
                 set,
+                single,
             });
         }
         Ok(index)
@@ -175,39 +185,54 @@ impl PathIndex {
     /// The first route id, in ascending order, whose path bucket admits `path` and for which
     /// `accept` holds. `accept` checks the non-path conditions.
     pub(crate) fn first(&self, path: &str, mut accept: impl FnMut(u32) -> bool) -> Option<u32> {
-        // Sorted id lists that admit this path; most requests touch 1-4 of them.
-        let mut sources: SmallVec<[&[u32]; 8]> = SmallVec::new();
+        // Sorted id lists that admit this path (most requests touch 1-4), each flagged with
+        // whether its routes still need their own path regex checked.
+        let mut sources: SmallVec<[(&[u32], bool); 8]> = SmallVec::new();
         if let Some(ids) = self.exact.get(path) {
-            sources.push(ids);
+            sources.push((ids, false));
         }
         if !self.any.is_empty() {
-            sources.push(&self.any);
+            sources.push((&self.any, false));
         }
+        let mut guarded: SmallVec<[&[u32]; 4]> = SmallVec::new();
+        let mut guarded_count = 0usize;
         let mut node = &self.trie[0];
-        let mut regex_first = self.unguarded_regex_min.min(node.regex_min);
-        if !node.routes.is_empty() {
-            sources.push(&node.routes);
-        }
-        for &b in path.as_bytes() {
+        let mut bytes = path.bytes();
+        loop {
+            if !node.routes.is_empty() {
+                sources.push((&node.routes, false));
+            }
+            if !node.regex_routes.is_empty() {
+                guarded_count += node.regex_routes.len();
+                guarded.push(&node.regex_routes);
+            }
+            let Some(b) = bytes.next() else { break };
             match node.children.binary_search_by_key(&b, |c| c.0) {
                 Ok(i) => node = &self.trie[node.children[i].1 as usize],
                 Err(_) => break,
             }
-            if !node.routes.is_empty() {
-                sources.push(&node.routes);
-            }
-            regex_first = regex_first.min(node.regex_min);
         }
 
-        // The regex pass runs only once the merge reaches the first regex route that could match.
-        let mut regex_pending = (regex_first != u32::MAX).then_some(regex_first);
+        // Few guarded candidates and no unguarded regex: try each on its own, in order.
+        // Otherwise one multi-pattern pass, once the merge reaches the first candidate.
+        let mut regex_pending = None;
+        if self.unguarded_regex_min == u32::MAX && guarded_count <= FEW_REGEXES {
+            sources.extend(guarded.iter().map(|g| (*g, true)));
+        } else {
+            let first_guarded = guarded.iter().map(|g| g[0]).min().unwrap_or(u32::MAX);
+            regex_pending = Some(self.unguarded_regex_min.min(first_guarded));
+        }
         let mut regex_hits: SmallVec<[u32; 8]> = SmallVec::new();
         let mut regex_pos = 0usize;
 
         loop {
             let mut next = u32::MAX;
-            for s in &sources {
-                next = next.min(s[0]);
+            let mut next_is_regex = false;
+            for (s, is_regex) in &sources {
+                if s[0] < next {
+                    next = s[0];
+                    next_is_regex = *is_regex;
+                }
             }
             if let Some(first_regex) = regex_pending {
                 if first_regex <= next {
@@ -229,24 +254,40 @@ impl PathIndex {
                 return None;
             }
             // Advance the source that holds `next` (each id lives in exactly one source).
-            sources.retain(|s| {
+            sources.retain(|(s, _)| {
                 if s[0] == next {
                     *s = &s[1..];
                 }
                 !s.is_empty()
             });
-            if accept(next) {
+            if (!next_is_regex || self.regex_single_match(next, path)) && accept(next) {
                 return Some(next);
             }
         }
     }
 
+    /// Does regex route `route`'s own pattern match the whole path?
+    fn regex_single_match(&self, route: u32, path: &str) -> bool {
+        let Some(bucket) = &self.regex else {
+            return false;
+        };
+        #[cfg(test)]
+        tests::REGEX_SINGLES.with(|n| n.set(n.get() + 1));
+        match bucket.routes.binary_search(&route) {
+            Ok(i) => bucket.single[i].is_match(Input::new(path).anchored(Anchored::Yes)),
+            Err(_) => false,
+        }
+    }
+
+    /// Every regex route whose pattern matches the whole path, ascending, in one pass.
     fn regex_matches(&self, path: &str, out: &mut SmallVec<[u32; 8]>) {
-        let Some(bucket) = &self.regex else { return };
+        let Some(bucket) = &self.regex else {
+            return;
+        };
         #[cfg(test)]
         tests::REGEX_PASSES.with(|n| n.set(n.get() + 1));
         PATTERN_SET.with(|cell| {
-            // A re-entrant call (impossible today) would find the set borrowed: fall back to a fresh one.
+            // A re-entrant call (impossible today) would find the set borrowed: use a fresh one.
             let mut fresh;
             let mut guard = cell.try_borrow_mut();
             let set = match guard.as_deref_mut() {
@@ -275,6 +316,7 @@ mod tests {
 
     thread_local! {
         pub(super) static REGEX_PASSES: Cell<usize> = const { Cell::new(0) };
+        pub(super) static REGEX_SINGLES: Cell<usize> = const { Cell::new(0) };
     }
 
     fn guard(p: &str) -> String {
@@ -296,10 +338,15 @@ mod tests {
     }
 
     /// (first hit, regex passes) with every candidate accepted.
-    fn first(index: &PathIndex, path: &str, accept: &[u32]) -> (Option<u32>, usize) {
+    fn first(index: &PathIndex, path: &str, accept: &[u32]) -> (Option<u32>, usize, usize) {
         REGEX_PASSES.with(|n| n.set(0));
+        REGEX_SINGLES.with(|n| n.set(0));
         let hit = index.first(path, |id| accept.contains(&id));
-        (hit, REGEX_PASSES.with(Cell::get))
+        (
+            hit,
+            REGEX_PASSES.with(Cell::get),
+            REGEX_SINGLES.with(Cell::get),
+        )
     }
 
     #[test]
@@ -315,7 +362,7 @@ mod tests {
     }
 
     #[test]
-    fn regex_pass_runs_only_when_a_guard_holds() {
+    fn few_guarded_regexes_are_checked_one_by_one() {
         let matches = paths(vec![
             Some(PathCond::Prefix("/svc".into())),
             regex("/r1/[0-9]+"),
@@ -324,13 +371,32 @@ mod tests {
         ]);
         let index = PathIndex::build(&matches).unwrap();
         let all = [0, 1, 2, 3];
-        assert_eq!(first(&index, "/svc9/x", &all), (Some(0), 0));
+        assert_eq!(first(&index, "/svc9/x", &all), (Some(0), 0, 0));
         // Route 0 refused: route 2 wins, and no regex route's guard holds for /svc9.
-        assert_eq!(first(&index, "/svc9/x", &[2, 3]), (Some(2), 0));
-        assert_eq!(first(&index, "/r1/42", &all), (Some(1), 1));
-        assert_eq!(first(&index, "/r1/x", &all), (None, 1));
-        assert_eq!(first(&index, "/r2/x", &all), (Some(3), 1));
-        assert_eq!(first(&index, "/nothing", &all), (None, 0));
+        assert_eq!(first(&index, "/svc9/x", &[2, 3]), (Some(2), 0, 0));
+        // One candidate behind a holding guard: checked on its own, no multi-pattern pass.
+        assert_eq!(first(&index, "/r1/42", &all), (Some(1), 0, 1));
+        assert_eq!(first(&index, "/r1/x", &all), (None, 0, 1));
+        assert_eq!(first(&index, "/r1/42", &[]), (None, 0, 1));
+        assert_eq!(first(&index, "/r2/x", &all), (Some(3), 0, 1));
+        assert_eq!(first(&index, "/nothing", &all), (None, 0, 0));
+    }
+
+    #[test]
+    fn many_guarded_candidates_take_one_multi_pattern_pass() {
+        // FEW_REGEXES + 2 regex routes behind the one guard `/x/`, then a prefix route.
+        let mut conds: Vec<_> = (0..FEW_REGEXES + 2)
+            .map(|i| regex(&format!("/x/[a-z]*{i}")))
+            .collect();
+        conds.push(Some(PathCond::Prefix("/x/".into())));
+        let index = PathIndex::build(&paths(conds)).unwrap();
+        let n = (FEW_REGEXES + 2) as u32;
+        let all: Vec<u32> = (0..=n).collect();
+        assert_eq!(first(&index, "/x/abc3", &all), (Some(3), 1, 0));
+        assert_eq!(first(&index, "/x/abc3", &[n]), (Some(n), 1, 0));
+        assert_eq!(first(&index, "/x/", &all), (Some(n), 1, 0));
+        // The guard fails: no regex work at all.
+        assert_eq!(first(&index, "/y/3", &all), (None, 0, 0));
     }
 
     #[test]
@@ -343,11 +409,11 @@ mod tests {
         ]);
         let index = PathIndex::build(&matches).unwrap();
         // Route 0 wins before the regex route is reached: no pass.
-        assert_eq!(first(&index, "/a", &[0, 1, 2, 3]), (Some(0), 0));
-        assert_eq!(first(&index, "/a", &[1, 2, 3]), (Some(1), 1));
-        assert_eq!(first(&index, "/b", &[1, 2, 3]), (Some(2), 1));
-        assert_eq!(first(&index, "/b", &[3]), (Some(3), 1));
-        assert_eq!(first(&index, "", &[]), (None, 1));
+        assert_eq!(first(&index, "/a", &[0, 1, 2, 3]), (Some(0), 0, 0));
+        assert_eq!(first(&index, "/a", &[1, 2, 3]), (Some(1), 1, 0));
+        assert_eq!(first(&index, "/b", &[1, 2, 3]), (Some(2), 1, 0));
+        assert_eq!(first(&index, "/b", &[3]), (Some(3), 1, 0));
+        assert_eq!(first(&index, "", &[]), (None, 1, 0));
         let stats = index.stats();
         assert_eq!(
             (stats.exact, stats.prefix, stats.regex, stats.any),

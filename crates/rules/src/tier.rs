@@ -187,18 +187,10 @@ mod tests {
     use flatmesh_config::{NamedMatch, PathMatch, RouteMatch};
 
     fn route(matches: RouteMatch) -> Route {
-        Route {
-            name: None,
-            matches,
-            cluster: Some("c".into()),
-            split: None,
-            direct_response: None,
-            timeout: None,
-            request_headers_to_add: Default::default(),
-            request_headers_to_remove: vec![],
-            response_headers_to_add: Default::default(),
-            retries: None,
-        }
+        // From YAML, so fields the config model gains later take their defaults.
+        let mut r: Route = serde_norway::from_str("cluster: c").unwrap();
+        r.matches = matches;
+        r
     }
 
     #[test]

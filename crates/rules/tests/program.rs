@@ -444,7 +444,9 @@ fn explain_shows_every_table_rule_and_tier() {
         canary.contains("api-canary") && canary.contains("http2"),
         "{canary}"
     );
-    assert!(text.contains("(no match: 404)"));
+    assert!(text.contains(
+        "(no match: 404)  first-match-safe prefix: K could decide routes 0..0, N routes 0..0"
+    ));
 }
 
 #[test]
@@ -478,4 +480,40 @@ fn json_for_the_admin_endpoint() {
     assert_eq!(db["rule"]["tier"], "U4");
     assert_eq!(v["clusters"][1]["protocol"], "http2");
     assert_eq!(v["clusters"][0]["endpoints"][1], "127.0.0.1:9002");
+}
+
+#[test]
+fn explain_counts_the_offloadable_prefix_and_handles_an_empty_program() {
+    let p = compile(&routes(
+        "      - match: { path: { prefix: /a }, method: GET }\n        cluster: a\n\
+         \x20     - match: { path: { exact: /b } }\n        cluster: b\n\
+         \x20     - match: { path: { regex: /c } }\n        cluster: b\n",
+    ))
+    .unwrap();
+    let text = p.explain();
+    assert!(
+        text.contains("K could decide routes 0..2, N routes 0..1"),
+        "{text}"
+    );
+    let row = text.lines().find(|l| l.contains("web/0")).unwrap();
+    assert!(
+        row.contains("N|K|U7") && row.contains("first message, method + path"),
+        "{row}"
+    );
+
+    let empty = compile(&cfg("{}")).unwrap();
+    assert_eq!(empty.listener_id("web"), None);
+    assert!(empty
+        .explain()
+        .starts_with("RuleProgram: 0 listeners, 0 clusters"));
+    assert_eq!(
+        empty.to_json(),
+        serde_json::json!({ "listeners": [], "clusters": [] })
+    );
+}
+
+#[test]
+fn an_http_listener_without_routes_answers_404_for_everything() {
+    let p = compile(&routes("      []\n")).unwrap();
+    assert_eq!(hit(&p, &Req::get("/")), None);
 }

@@ -8,9 +8,7 @@
 // Test helpers may unwrap: the workspace allows it in tests (clippy.toml), helpers included.
 #![allow(clippy::unwrap_used)]
 
-use flatmesh_config::{
-    Config, Listener, ListenerProtocol, NamedMatch, PathMatch, Route, RouteMatch,
-};
+use flatmesh_config::{Config, NamedMatch, PathMatch, Route, RouteMatch};
 use flatmesh_rules::{compile, Request};
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 
@@ -42,6 +40,7 @@ const REGEXES: &[&str] = &[
     "/v1/items/[0-9]+",
     "/[a-z]+",
     "/s[0-9]/.*42",
+    ".*/items/[0-9]+",
     "/b",
 ];
 const HOSTS: &[&str] = &["a.local", "*.local", "*", "B.Local", "x.a.local:80"];
@@ -95,15 +94,41 @@ fn named(rng: &mut Rng, names: &[&str]) -> NamedMatch {
     m
 }
 
-fn route(rng: &mut Rng) -> Route {
-    let path = match rng.below(10) {
+/// Which regexes a table draws from, and what share of its routes are regex routes.
+struct Mix {
+    regexes: &'static [&'static str],
+    regex_percent: usize,
+}
+
+/// Many regexes, some without a literal guard: lookups take the multi-pattern pass.
+const REGEX_HEAVY: Mix = Mix {
+    regexes: REGEXES,
+    regex_percent: 20,
+};
+/// A few regexes, each behind a specific literal guard: lookups check them one by one.
+const REGEX_LIGHT: Mix = Mix {
+    regexes: &[
+        "/a/[0-9]+",
+        "/api(/.*)?",
+        "/v1/items/[0-9]+",
+        "/s[0-9]/.*42",
+        "/b",
+    ],
+    regex_percent: 2,
+};
+
+fn route(rng: &mut Rng, mix: &Mix) -> Route {
+    let roll = rng.below(100);
+    let path = match roll {
         // Mostly deep paths: a shallow prefix near the top would shadow everything after it.
-        0..=2 => Some(PathMatch::Exact(path(rng))),
-        3..=6 => {
+        0..=29 => Some(PathMatch::Exact(path(rng))),
+        30..=69 => {
             let depth = 1 + rng.below(3);
             Some(PathMatch::Prefix(path_of_depth(rng, depth)))
         }
-        7..=8 => Some(PathMatch::Regex(rng.pick(REGEXES).to_string())),
+        _ if roll < 70 + mix.regex_percent => {
+            Some(PathMatch::Regex(rng.pick(mix.regexes).to_string()))
+        }
         _ => None,
     };
     let mut m = RouteMatch {
@@ -133,18 +158,10 @@ fn route(rng: &mut Rng) -> Route {
     while rng.chance(20) {
         m.query.push(named(rng, PARAMS));
     }
-    Route {
-        name: None,
-        matches: m,
-        cluster: Some("c".into()),
-        split: None,
-        direct_response: None,
-        timeout: None,
-        request_headers_to_add: Default::default(),
-        request_headers_to_remove: vec![],
-        response_headers_to_add: Default::default(),
-        retries: None,
-    }
+    // Built from YAML so fields the config model gains later take their defaults.
+    let mut route: Route = serde_norway::from_str("cluster: c").unwrap();
+    route.matches = m;
+    route
 }
 
 struct OwnedRequest {
@@ -350,25 +367,19 @@ fn reference_decoder_agrees_with_known_cases() {
 #[test]
 fn thousand_routes_agree_with_the_naive_reference() {
     let mut total_hits = 0;
-    for seed in [1u64, 0x5eed, 0xdead_beef] {
+    for (seed, mix) in [
+        (1u64, &REGEX_HEAVY),
+        (0x5eed, &REGEX_HEAVY),
+        (0xdead_beef, &REGEX_LIGHT),
+    ] {
         let mut rng = Rng(seed);
-        let routes: Vec<Route> = (0..1000).map(|_| route(&mut rng)).collect();
-        let cfg = Config {
-            admin: flatmesh_config::default_admin(),
-            workers: None,
-            access_log: None,
-            limits: Default::default(),
-            listeners: vec![Listener {
-                name: "web".into(),
-                address: "127.0.0.1:1".parse().unwrap(),
-                protocol: ListenerProtocol::Http,
-                routes: routes.clone(),
-                cluster: None,
-            }],
-            clusters: vec![
-                serde_norway::from_str("{ name: c, endpoints: [127.0.0.1:2] }").unwrap(),
-            ],
-        };
+        let routes: Vec<Route> = (0..1000).map(|_| route(&mut rng, mix)).collect();
+        let mut cfg: Config = serde_norway::from_str(
+            "listeners: [ { name: web, address: 127.0.0.1:1, protocol: http } ]\n\
+             clusters: [ { name: c, endpoints: [127.0.0.1:2] } ]",
+        )
+        .unwrap();
+        cfg.listeners[0].routes = routes.clone();
         let program = compile(&cfg).unwrap();
         let mut hits = std::collections::HashSet::new();
         for _ in 0..3000 {

@@ -57,7 +57,9 @@ pub fn run(st: &mut State, movable: &[usize], p: &Params) -> Result<()> {
         }
         if chosen.is_none() {
             let off = rng.random_range(0..nodes);
-            chosen = (0..nodes).map(|k| (off + k) % nodes).find(|&n| st.fits(i, n));
+            chosen = (0..nodes)
+                .map(|k| (off + k) % nodes)
+                .find(|&n| st.fits(i, n));
         }
         match chosen {
             Some(n) => st.place(i, n),
@@ -139,12 +141,19 @@ mod tests {
     use crate::placement::tests::setup;
     use crate::placement::{place, Algorithm};
 
-    fn max_util(topo: &crate::topology::Topology, wl: &crate::workload::Workload, a: &[usize]) -> f64 {
+    fn max_util(
+        topo: &crate::topology::Topology,
+        wl: &crate::workload::Workload,
+        a: &[usize],
+    ) -> f64 {
         let mut used = vec![0.0; topo.nodes.len()];
         for (i, &n) in a.iter().enumerate() {
             used[n] += wl.instances[i].cores_on(topo.nodes[n].core);
         }
-        used.iter().zip(&topo.nodes).map(|(u, n)| u / n.cores).fold(0.0, f64::max)
+        used.iter()
+            .zip(&topo.nodes)
+            .map(|(u, n)| u / n.cores)
+            .fold(0.0, f64::max)
     }
 
     #[test]

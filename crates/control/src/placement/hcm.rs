@@ -128,7 +128,11 @@ mod tests {
         let p = place(&topo, &wl, Algorithm::Hcm, 0).unwrap();
         // NFV-FIN is all offloadable: SmartNICs first. Level 2 of a Type1 SmartNIC is its own host,
         // so once a SmartNIC's 4 GB are full its descendants spill to that host, as Algorithm 1 says.
-        let on_nic = p.assign.iter().filter(|&&n| topo.nodes[n].kind == NodeKind::Smartnic).count();
+        let on_nic = p
+            .assign
+            .iter()
+            .filter(|&&n| topo.nodes[n].kind == NodeKind::Smartnic)
+            .count();
         assert!(on_nic * 2 >= wl.instances.len(), "{on_nic}");
         // Level 1 has room for the first chain, so its edges cost 0 hops.
         let (a, b) = (0, wl.children[0][0]);

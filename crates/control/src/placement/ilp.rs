@@ -39,7 +39,11 @@ pub fn place_into(
     let (topo, wl) = (st.topo, st.wl);
     let pairs: Vec<Vec<usize>> = targets
         .iter()
-        .map(|&i| (0..topo.nodes.len()).filter(|&n| st.allowed(i, n)).collect())
+        .map(|&i| {
+            (0..topo.nodes.len())
+                .filter(|&n| st.allowed(i, n))
+                .collect()
+        })
         .collect();
     let nvars: usize = pairs.iter().map(Vec::len).sum();
     if nvars > max_variables {
@@ -127,7 +131,9 @@ pub fn place_into(
     for (_, e) in group_server {
         model = model.with(constraint!(e <= 1.0));
     }
-    let sol = model.solve().map_err(|e| ControlError::Solver(e.to_string()))?;
+    let sol = model
+        .solve()
+        .map_err(|e| ControlError::Solver(e.to_string()))?;
     for (t, p) in pairs.iter().enumerate() {
         // The chosen node is the binary closest to 1 (microlp returns 0/1 up to rounding).
         let k = (0..p.len())
@@ -154,7 +160,9 @@ mod tests {
         for _ in 0..60 {
             wl.add_app(&app, 0.01).unwrap();
         }
-        let err = place(&topo, &wl, Algorithm::Ilp, 0).unwrap_err().to_string();
+        let err = place(&topo, &wl, Algorithm::Ilp, 0)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("use --algo hcm"), "{err}");
     }
 }

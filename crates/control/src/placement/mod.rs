@@ -105,7 +105,11 @@ impl<'a> State<'a> {
         let server = &self.topo.servers[node.server];
         // Resources already held on this node/server by `i` count as free for it.
         let (own_cores, own_mem, own_bw) = match self.assign[i] {
-            Some(m) if m == n => (inst.cores_on(node.core), inst.memory_mb, inst.bandwidth_gbps),
+            Some(m) if m == n => (
+                inst.cores_on(node.core),
+                inst.memory_mb,
+                inst.bandwidth_gbps,
+            ),
             Some(m) if self.topo.nodes[m].server == node.server => (0.0, 0, inst.bandwidth_gbps),
             _ => (0.0, 0, 0.0),
         };
@@ -120,13 +124,21 @@ impl<'a> State<'a> {
         let inst = &self.wl.instances[i];
         let node = &self.topo.nodes[n];
         if !self.allowed(i, n) {
-            return (f64::INFINITY, format!("{} is not allowed (pinning, offload rule or fault domain)", node.id));
+            return (
+                f64::INFINITY,
+                format!(
+                    "{} is not allowed (pinning, offload rule or fault domain)",
+                    node.id
+                ),
+            );
         }
         let cores = (self.cores_used[n] + inst.cores_on(node.core) - node.cores).max(0.0);
         let mem = (self.mem_used[n] + inst.memory_mb).saturating_sub(node.memory_mb);
         let server = &self.topo.servers[node.server];
         let bw = (self.bw_used[node.server] + inst.bandwidth_gbps - server.bandwidth_gbps).max(0.0);
-        let score = cores / node.cores + mem as f64 / node.memory_mb as f64 + bw / server.bandwidth_gbps.max(1e-9);
+        let score = cores / node.cores
+            + mem as f64 / node.memory_mb as f64
+            + bw / server.bandwidth_gbps.max(1e-9);
         (
             score,
             format!(
@@ -176,7 +188,8 @@ impl<'a> State<'a> {
                 inst.cores_wimpy,
                 inst.memory_mb,
                 if inst.offloadable { "" } else { ", host only" },
-                best.map(|b| b.1).unwrap_or_else(|| "the cluster has no nodes".into())
+                best.map(|b| b.1)
+                    .unwrap_or_else(|| "the cluster has no nodes".into())
             ),
         }
     }
@@ -207,7 +220,10 @@ pub fn verify(topo: &Topology, wl: &Workload, assign: &[usize]) -> Result<()> {
     for (i, &n) in assign.iter().enumerate() {
         let inst = &wl.instances[i];
         let Some(node) = topo.nodes.get(n) else {
-            return Err(ControlError::Violation(format!("{} is on unknown node {n}", inst.id)));
+            return Err(ControlError::Violation(format!(
+                "{} is on unknown node {n}",
+                inst.id
+            )));
         };
         if node.kind == NodeKind::Smartnic && (inst.pin == Pin::Host || !inst.offloadable) {
             return Err(ControlError::Violation(format!(
@@ -363,7 +379,8 @@ pub(crate) mod tests {
         for app in crate::model::app_preset_names().unwrap() {
             let (topo, wl) = setup("preset:3xType1-SmartNIC", &format!("preset:{app}"));
             for algo in [Algorithm::Hcm, Algorithm::Anneal] {
-                let p = place(&topo, &wl, algo, 7).unwrap_or_else(|e| panic!("{app} {algo:?}: {e}"));
+                let p =
+                    place(&topo, &wl, algo, 7).unwrap_or_else(|e| panic!("{app} {algo:?}: {e}"));
                 verify(&topo, &wl, &p.assign).unwrap();
             }
         }
@@ -374,14 +391,24 @@ pub(crate) mod tests {
         let (topo, wl) = setup("preset:3xType1-SmartNIC", "preset:IOT-TS");
         let good = place(&topo, &wl, Algorithm::Hcm, 1).unwrap().assign;
         // SQL on a SmartNIC.
-        let sql = wl.instances.iter().position(|i| i.microservice == "SQL").unwrap();
+        let sql = wl
+            .instances
+            .iter()
+            .position(|i| i.microservice == "SQL")
+            .unwrap();
         let mut bad = good.clone();
         bad[sql] = 1;
-        assert!(verify(&topo, &wl, &bad).unwrap_err().to_string().contains("must run on a host"));
+        assert!(verify(&topo, &wl, &bad)
+            .unwrap_err()
+            .to_string()
+            .contains("must run on a host"));
         // Replica on its primary's server.
         let mut bad = good.clone();
         bad[1] = bad[0];
-        assert!(verify(&topo, &wl, &bad).unwrap_err().to_string().contains("same server"));
+        assert!(verify(&topo, &wl, &bad)
+            .unwrap_err()
+            .to_string()
+            .contains("same server"));
         // Everything on one host: over capacity (or a fault-domain clash, which comes first).
         let bad = vec![0; wl.instances.len()];
         assert!(verify(&topo, &wl, &bad).is_err());
@@ -393,7 +420,9 @@ pub(crate) mod tests {
         let mut app = load_app("preset:IOT-TS").unwrap();
         app.rps *= 1000.0;
         let wl = Workload::from_apps(&[app]).unwrap();
-        let err = place(&topo, &wl, Algorithm::Hcm, 1).unwrap_err().to_string();
+        let err = place(&topo, &wl, Algorithm::Hcm, 1)
+            .unwrap_err()
+            .to_string();
         // One server cannot hold a replica apart from its primary, or the load: either way it names an instance.
         assert!(err.contains("fits on no node"), "{err}");
     }

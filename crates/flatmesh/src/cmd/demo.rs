@@ -17,6 +17,14 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    // Only the node's warnings and errors by default: info lines would break up the
+    // progress bar. `RUST_LOG` still overrides.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
     let options = flatmesh_demo::Options {
         duration: Duration::from_secs(args.duration),
         connections: args.connections,

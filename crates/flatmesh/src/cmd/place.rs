@@ -49,7 +49,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .iter()
             .filter(|pl| pl.node == node.id)
             .collect();
-        let cores: f64 = here.iter().map(|pl| pl.cores).sum();
+        // `+ 0.0` turns the -0.0 that an empty float sum yields into 0.0 for display.
+        let cores: f64 = here.iter().map(|pl| pl.cores).sum::<f64>() + 0.0;
         let mem: u64 = here.iter().map(|pl| pl.memory_mb).sum();
         let mut names: Vec<String> = here.iter().map(|pl| pl.instance.to_string()).collect();
         if names.len() > 6 {

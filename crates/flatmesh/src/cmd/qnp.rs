@@ -45,8 +45,8 @@ struct DemoArgs {
     /// Seconds per mode.
     #[arg(long, default_value_t = 2.0)]
     seconds: f64,
-    /// Modes to run, comma-separated: reuseport, software-queue, software-uds.
-    #[arg(long, default_value = "reuseport,software-queue,software-uds")]
+    /// Modes to run, comma-separated: reuseport, kernel (needs root), software-queue, software-uds.
+    #[arg(long, default_value = "reuseport,kernel,software-queue,software-uds")]
     modes: String,
 }
 
@@ -87,59 +87,45 @@ enum RulesCommand {
 }
 
 fn read(path: &Path) -> anyhow::Result<String> {
-    std::fs::read_to_string(path).with_context(|| format!("reading {}; check the path", path.display()))
+    std::fs::read_to_string(path)
+        .with_context(|| format!("reading {}; check the path", path.display()))
 }
 
-const KV_KEYS: usize = 24_000;
-const LANES: usize = 16;
-
 fn demo(args: DemoArgs) -> anyhow::Result<()> {
-    use flatmesh_qnp::dispatch::{DispatchServer, Mode, Rsd};
-    use flatmesh_qnp::load::{self, Workload};
-    use std::sync::Arc;
-    let (workload, handler) = match args.workload.as_str() {
-        "kv" => (Workload::KvGet { keys: KV_KEYS, s: 0.9 }, flatmesh_qnp::apps::kv_service(KV_KEYS)),
-        "pingpong" => (Workload::PingPong { lanes: LANES }, flatmesh_qnp::apps::pingpong_service()),
-        other => anyhow::bail!("unknown workload `{other}`; use kv or pingpong"),
-    };
+    use flatmesh_qnp::dispatch::Mode;
     let modes: Vec<Mode> = args
         .modes
         .split(',')
         .map(|m| m.trim().parse::<Mode>().map_err(anyhow::Error::msg))
         .collect::<anyhow::Result<_>>()?;
-    let rules = RuleSet::parse("demo", &flatmesh_qnp::apps::demo_rules(args.workers, LANES))?;
-    let cfg = flatmesh_qnp::transport::QnpConfig::default();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let results = flatmesh_qnp::load::compare_modes(
+        &modes,
+        &args.workload,
+        args.workers,
+        args.dispatchers,
+        args.clients,
+        std::time::Duration::from_secs_f64(args.seconds),
+    )?;
     let mut table = comfy_table::Table::new();
-    table.set_header(["mode", "req/s", "p50 µs", "p99 µs", "timeouts", "per worker", "dispatcher drops"]);
-    for mode in modes {
-        let server = DispatchServer::start(
-            mode,
-            std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-            args.workers,
-            args.dispatchers,
-            Arc::new(Rsd::new(rules.clone())),
-            cfg,
-            Arc::clone(&handler),
-        )?;
-        let report = rt.block_on(load::run(
-            server.addr(),
-            args.clients,
-            std::time::Duration::from_secs_f64(args.seconds),
-            workload,
-            cfg,
-        ))?;
-        let (_, dropped) = server.dispatched_dropped();
+    table.set_header([
+        "mode",
+        "req/s",
+        "p50 µs",
+        "p99 µs",
+        "timeouts",
+        "per worker",
+        "dispatcher drops",
+    ]);
+    for r in results {
         table.add_row([
-            format!("{mode:?}"),
-            format!("{:.0}", report.rps()),
-            format!("{:.1}", report.p50_us),
-            format!("{:.1}", report.p99_us),
-            report.errors.to_string(),
-            format!("{:?}", server.handled()),
-            dropped.to_string(),
+            format!("{:?}", r.mode),
+            format!("{:.0}", r.report.rps()),
+            format!("{:.1}", r.report.p50_us),
+            format!("{:.1}", r.report.p99_us),
+            r.report.errors.to_string(),
+            format!("{:?}", r.per_worker),
+            r.dropped.to_string(),
         ]);
-        server.stop();
     }
     println!(
         "workload {}, {} workers, {} dispatcher(s), {} clients, {} s per mode",
@@ -155,7 +141,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Command::Idl {
             command: IdlCommand::Compile { file, out },
         } => {
-            let (name, code) = flatmesh_qnp::idl::compile(&file.display().to_string(), &read(&file)?)?;
+            let (name, code) =
+                flatmesh_qnp::idl::compile(&file.display().to_string(), &read(&file)?)?;
             std::fs::create_dir_all(&out)
                 .with_context(|| format!("creating {}; check permissions", out.display()))?;
             let dest = out.join(name);
@@ -164,7 +151,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             println!("wrote {}", dest.display());
         }
         Command::Rules {
-            command: RulesCommand::Compile { file, image, explain },
+            command:
+                RulesCommand::Compile {
+                    file,
+                    image,
+                    explain,
+                },
         } => {
             let set = RuleSet::parse(&file.display().to_string(), &read(&file)?)?;
             let img = Image::compile(&set)?;

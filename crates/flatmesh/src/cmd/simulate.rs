@@ -34,6 +34,12 @@ enum What {
         #[arg(long)]
         json: bool,
     },
+    /// Fig. 11: one orchestrator decision round over heartbeats from every SmartNIC.
+    Orchestrator {
+        /// Type2-SmartNIC servers (4 SmartNICs each).
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1000u32, 10_000, 50_000])]
+        servers: Vec<u32>,
+    },
     /// Table 5 and Fig. 10: energy and cost efficiency of NFV-FIN, RTA-SHM and IOT-TS per cluster.
     Energy {
         /// Directory for table5.svg and fig10-APP.svg.
@@ -55,6 +61,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             json,
         } => scale(&servers, microservices, &algos, seed, &svg, json),
         What::Energy { svg_dir, json } => energy(&svg_dir, json),
+        What::Orchestrator { servers } => {
+            for n in servers {
+                let r = simulate::orchestrator_round(n, 6);
+                println!(
+                    "{:>6} servers  {:>7} heartbeats (16 B)  decision round {:.3} ms  {} overload signals",
+                    r.servers, r.heartbeats, r.round_ms, r.signals
+                );
+            }
+            Ok(())
+        }
     }
 }
 

@@ -218,6 +218,9 @@ pub enum TcpMode {
     Reset,
     /// Read until EOF or error and report how it ended on `events` (never writes).
     Hold,
+    /// Write `hello`, shut down its write side at once, then read to EOF and report the
+    /// byte count on `events` (server-initiated half-close).
+    GreetThenHold,
 }
 
 /// How a connection to a TCP backend ended, as the backend saw it.
@@ -286,6 +289,14 @@ impl Drop for TcpBackend {
 }
 
 async fn handle_tcp(mut stream: TcpStream, mode: TcpMode) -> TcpEnd {
+    if mode == TcpMode::GreetThenHold {
+        if let Err(e) = stream.write_all(b"hello").await {
+            return TcpEnd::Error(0, e.kind());
+        }
+        if let Err(e) = stream.shutdown().await {
+            return TcpEnd::Error(0, e.kind());
+        }
+    }
     let mut buf = vec![0u8; 64 * 1024];
     let mut total = 0u64;
     let mut crc = crc32fast::Hasher::new();
@@ -309,7 +320,7 @@ async fn handle_tcp(mut stream: TcpStream, mode: TcpMode) -> TcpEnd {
                 drop(stream);
                 return TcpEnd::Eof(total);
             }
-            TcpMode::Hold => {}
+            TcpMode::Hold | TcpMode::GreetThenHold => {}
         }
     }
     match mode {
@@ -321,7 +332,7 @@ async fn handle_tcp(mut stream: TcpStream, mode: TcpMode) -> TcpEnd {
             let _ = stream.write_all(line.as_bytes()).await;
             let _ = stream.shutdown().await;
         }
-        TcpMode::Reset | TcpMode::Hold => {}
+        TcpMode::Reset | TcpMode::Hold | TcpMode::GreetThenHold => {}
     }
     TcpEnd::Eof(total)
 }

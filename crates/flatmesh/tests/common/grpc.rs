@@ -5,7 +5,9 @@
 //! - `Unary`: replies `"<backend>:<message>"`; a message `fail` answers NOT_FOUND with a message.
 //! - `ClientStream`: replies with the messages joined by `,` and their count in `index`.
 //! - `ServerStream`: sends `count` replies; if the message is `fail-after`, ends with
-//!   RESOURCE_EXHAUSTED and trailer metadata `x-trailer: t1` after the replies (real trailers).
+//!   RESOURCE_EXHAUSTED and trailer metadata `x-trailer: t1` after the replies (real trailers);
+//!   if the message is `forever`, streams every 20 ms until the call is cancelled, and counts
+//!   the cancellation in `GrpcBackend::cancelled`.
 //! - `Bidi`: answers every request as it arrives (`index` = its position), so a proxy that
 //!   buffers a request body deadlocks a ping-pong client.
 
@@ -13,6 +15,8 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::uri::PathAndQuery;
@@ -48,6 +52,8 @@ type ReplyStream = Pin<Box<dyn Stream<Item = Result<EchoReply, Status>> + Send>>
 
 pub struct GrpcBackend {
     pub addr: SocketAddr,
+    /// `forever` server streams that ended because the call went away.
+    pub cancelled: Arc<AtomicU64>,
     task: JoinHandle<()>,
 }
 
@@ -58,6 +64,8 @@ impl GrpcBackend {
             .expect("bind grpc backend");
         let addr = listener.local_addr().expect("grpc backend addr");
         let name: std::sync::Arc<str> = name.into();
+        let cancelled = Arc::new(AtomicU64::new(0));
+        let counter = cancelled.clone();
         let task = tokio::spawn(async move {
             let mut conns = tokio::task::JoinSet::new();
             loop {
@@ -65,7 +73,8 @@ impl GrpcBackend {
                     continue;
                 };
                 let name = name.clone();
-                let service = service_fn(move |req| dispatch(req, name.clone()));
+                let counter = counter.clone();
+                let service = service_fn(move |req| dispatch(req, name.clone(), counter.clone()));
                 conns.spawn(async move {
                     let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                         .serve_connection(TokioIo::new(stream), service)
@@ -74,7 +83,11 @@ impl GrpcBackend {
                 while conns.try_join_next().is_some() {}
             }
         });
-        GrpcBackend { addr, task }
+        GrpcBackend {
+            addr,
+            cancelled,
+            task,
+        }
     }
 }
 
@@ -87,6 +100,7 @@ impl Drop for GrpcBackend {
 async fn dispatch(
     req: Request<Incoming>,
     name: std::sync::Arc<str>,
+    cancelled: Arc<AtomicU64>,
 ) -> Result<Response<tonic::body::Body>, Infallible> {
     let codec = ProstCodec::<EchoReply, EchoRequest>::default();
     let mut grpc = tonic::server::Grpc::new(codec);
@@ -94,7 +108,7 @@ async fn dispatch(
     let resp = match req.uri().path() {
         "/test.Echo/Unary" => grpc.unary(Unary(name), req).await,
         "/test.Echo/ClientStream" => grpc.client_streaming(ClientStream, req).await,
-        "/test.Echo/ServerStream" => grpc.server_streaming(ServerStream, req).await,
+        "/test.Echo/ServerStream" => grpc.server_streaming(ServerStream(cancelled), req).await,
         "/test.Echo/Bidi" => grpc.streaming(Bidi, req).await,
         other => Status::unimplemented(format!("no method {other}")).into_http(),
     };
@@ -156,7 +170,16 @@ impl tower_service::Service<tonic::Request<Streaming<EchoRequest>>> for ClientSt
     }
 }
 
-struct ServerStream;
+struct ServerStream(Arc<AtomicU64>);
+
+/// Counts a cancellation when the stream holding it is dropped.
+struct CountOnDrop(Arc<AtomicU64>);
+
+impl Drop for CountOnDrop {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+}
 
 impl tower_service::Service<tonic::Request<EchoRequest>> for ServerStream {
     type Response = tonic::Response<ReplyStream>;
@@ -168,8 +191,25 @@ impl tower_service::Service<tonic::Request<EchoRequest>> for ServerStream {
     }
 
     fn call(&mut self, req: tonic::Request<EchoRequest>) -> Self::Future {
+        let cancelled = self.0.clone();
         Box::pin(async move {
             let msg = req.into_inner();
+            if msg.message == "forever" {
+                let guard = CountOnDrop(cancelled);
+                let ticks = tokio_stream::wrappers::IntervalStream::new(tokio::time::interval(
+                    std::time::Duration::from_millis(20),
+                ));
+                let mut index = -1;
+                let stream: ReplyStream = Box::pin(ticks.map(move |_| {
+                    let _held = &guard;
+                    index += 1;
+                    Ok(EchoReply {
+                        message: "tick".into(),
+                        index,
+                    })
+                }));
+                return Ok(tonic::Response::new(stream));
+            }
             let fail = msg.message == "fail-after";
             let mut items: Vec<Result<EchoReply, Status>> = (0..msg.count.max(0))
                 .map(|i| {

@@ -35,7 +35,8 @@ pub struct TestCgroup {
 
 impl TestCgroup {
     pub fn new(test: &str) -> TestCgroup {
-        let path = flatmesh_kernel::default_cgroup_root().join(format!("fm-test-{test}-{}", std::process::id()));
+        let path = flatmesh_kernel::default_cgroup_root()
+            .join(format!("fm-test-{test}-{}", std::process::id()));
         if let Err(e) = std::fs::create_dir_all(&path) {
             panic!("cannot create test cgroup {}: {e}", path.display());
         }
@@ -60,9 +61,25 @@ pub fn tcp_bytes(s: &TcpStream) -> (u64, u64) {
     let mut buf = [0u8; 256];
     let mut len = buf.len() as libc::socklen_t;
     // SAFETY: buffer and length describe `buf`.
-    let rc = unsafe { libc::getsockopt(s.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_INFO, buf.as_mut_ptr().cast(), &mut len) };
-    assert_eq!(rc, 0, "getsockopt(TCP_INFO): {}", std::io::Error::last_os_error());
-    assert!(len >= 136, "TCP_INFO too short ({len} bytes) for tcpi_bytes_received");
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            buf.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(
+        rc,
+        0,
+        "getsockopt(TCP_INFO): {}",
+        std::io::Error::last_os_error()
+    );
+    assert!(
+        len >= 136,
+        "TCP_INFO too short ({len} bytes) for tcpi_bytes_received"
+    );
     let acked = u64::from_ne_bytes(buf[120..128].try_into().unwrap_or_default());
     let received = u64::from_ne_bytes(buf[128..136].try_into().unwrap_or_default());
     (acked, received)
@@ -70,7 +87,10 @@ pub fn tcp_bytes(s: &TcpStream) -> (u64, u64) {
 
 pub fn listener() -> (TcpListener, u16) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("bind: {e}"));
-    let port = l.local_addr().map(|a| a.port()).unwrap_or_else(|e| panic!("local_addr: {e}"));
+    let port = l
+        .local_addr()
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("local_addr: {e}"));
     (l, port)
 }
 
@@ -107,17 +127,24 @@ pub fn eventually<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
 pub fn child(name: &str, env: &[(&str, String)]) -> std::process::Child {
     let exe = std::env::current_exe().unwrap_or_else(|e| panic!("current_exe: {e}"));
     let mut cmd = std::process::Command::new(exe);
-    cmd.args([name, "--exact", "--nocapture", "--test-threads=1", "--include-ignored"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::inherit());
+    cmd.args([
+        name,
+        "--exact",
+        "--nocapture",
+        "--test-threads=1",
+        "--include-ignored",
+    ])
+    .stdin(std::process::Stdio::piped())
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::inherit());
     for (k, v) in env {
         cmd.env(k, v);
     }
-    cmd.spawn().unwrap_or_else(|e| panic!("spawning child: {e}"))
+    cmd.spawn()
+        .unwrap_or_else(|e| panic!("spawning child: {e}"))
 }
 
-/// Reads the child's stdout until a line starting with `prefix`; returns the rest.
+/// Reads the child's stdout until a line containing `prefix`; returns what follows it.
 pub fn child_line(out: &mut impl std::io::BufRead, prefix: &str) -> String {
     let mut line = String::new();
     loop {
@@ -125,8 +152,9 @@ pub fn child_line(out: &mut impl std::io::BufRead, prefix: &str) -> String {
         match out.read_line(&mut line) {
             Ok(0) => panic!("child exited before printing `{prefix}`"),
             Ok(_) => {
-                if let Some(rest) = line.trim_end().strip_prefix(prefix) {
-                    return rest.to_string();
+                // libtest may have printed "test name ... " on the same line first.
+                if let Some(at) = line.find(prefix) {
+                    return line[at + prefix.len()..].trim_end().to_string();
                 }
             }
             Err(e) => panic!("reading child output: {e}"),

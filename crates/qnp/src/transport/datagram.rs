@@ -27,7 +27,9 @@ pub trait Datagram: Send + Sync + 'static {
 
 impl Datagram for tokio::net::UdpSocket {
     async fn send_to(&self, buf: &[u8], to: SocketAddr) -> io::Result<()> {
-        tokio::net::UdpSocket::send_to(self, buf, to).await.map(drop)
+        tokio::net::UdpSocket::send_to(self, buf, to)
+            .await
+            .map(drop)
     }
     async fn recv_from(&self, buf: &mut [u8]) -> io::Result<(usize, SocketAddr)> {
         tokio::net::UdpSocket::recv_from(self, buf).await
@@ -131,7 +133,11 @@ impl<S: Datagram> Datagram for LossySocket<S> {
         let (dropped, copies, delay) = {
             let mut rng = self.rng.lock();
             let dropped = rng.random_bool(self.how.drop);
-            let copies = if rng.random_bool(self.how.duplicate) { 2 } else { 1 };
+            let copies = if rng.random_bool(self.how.duplicate) {
+                2
+            } else {
+                1
+            };
             let delay = if rng.random_bool(self.how.delay) {
                 Some(self.how.max_delay.mul_f64(rng.random::<f64>()))
             } else {

@@ -29,7 +29,10 @@ pub(crate) enum RxEvent {
     /// A complete new request: hand it to the application.
     Request(Request),
     /// A complete response, which acknowledges request `acked`.
-    Response { acked: u32, resp: Response },
+    Response {
+        acked: u32,
+        resp: Response,
+    },
     /// A retransmitted request that was already answered: send these response packets again.
     Replay(Vec<Bytes>),
 }
@@ -85,7 +88,8 @@ impl RxTable {
             .retain(|_, a| now.duration_since(a.last_packet) < expiry);
         self.stats.expired += (before - self.assemblies.len()) as u64;
         let window = self.cfg.dedup_window;
-        self.completed.retain(|_, c| now.duration_since(c.at) < window);
+        self.completed
+            .retain(|_, c| now.duration_since(c.at) < window);
         self.last_sweep = now;
     }
 
@@ -227,7 +231,13 @@ impl RxTable {
     }
 
     /// Records the response to a request so a retransmission of it is answered again.
-    pub(crate) fn record_response(&mut self, now: Instant, peer: SocketAddr, req_id: u32, pkts: Vec<Bytes>) {
+    pub(crate) fn record_response(
+        &mut self,
+        now: Instant,
+        peer: SocketAddr,
+        req_id: u32,
+        pkts: Vec<Bytes>,
+    ) {
         if let Some(c) = self.completed.get_mut(&(peer, req_id)) {
             c.response = Some(pkts);
             c.at = now;
@@ -259,14 +269,28 @@ mod tests {
     async fn drops_follow_on_packets_without_a_first_packet() {
         let mut t = RxTable::new(QnpConfig::default(), Instant::now());
         let p = pkts(1, 3000);
-        assert!(matches!(t.on_packet(Instant::now(), addr(), &p[1]), RxEvent::Nothing));
+        assert!(matches!(
+            t.on_packet(Instant::now(), addr(), &p[1]),
+            RxEvent::Nothing
+        ));
         assert_eq!(t.stats.dropped_no_first_packet, 1);
-        assert!(matches!(t.on_packet(Instant::now(), addr(), &p[0]), RxEvent::Nothing));
-        assert!(matches!(t.on_packet(Instant::now(), addr(), &p[2]), RxEvent::Nothing));
-        assert!(matches!(t.on_packet(Instant::now(), addr(), &p[1]), RxEvent::Request(r) if r.payload.len() == 3000));
+        assert!(matches!(
+            t.on_packet(Instant::now(), addr(), &p[0]),
+            RxEvent::Nothing
+        ));
+        assert!(matches!(
+            t.on_packet(Instant::now(), addr(), &p[2]),
+            RxEvent::Nothing
+        ));
+        assert!(
+            matches!(t.on_packet(Instant::now(), addr(), &p[1]), RxEvent::Request(r) if r.payload.len() == 3000)
+        );
         // A retransmission after delivery is suppressed.
         for q in &p {
-            assert!(matches!(t.on_packet(Instant::now(), addr(), q), RxEvent::Nothing));
+            assert!(matches!(
+                t.on_packet(Instant::now(), addr(), q),
+                RxEvent::Nothing
+            ));
         }
         assert_eq!(t.stats.delivered, 1);
     }
@@ -301,9 +325,14 @@ mod tests {
     async fn replays_recorded_responses_and_rejects_inconsistent_packets() {
         let mut t = RxTable::new(QnpConfig::default(), Instant::now());
         let p = pkts(5, 10);
-        assert!(matches!(t.on_packet(Instant::now(), addr(), &p[0]), RxEvent::Request(_)));
+        assert!(matches!(
+            t.on_packet(Instant::now(), addr(), &p[0]),
+            RxEvent::Request(_)
+        ));
         t.record_response(Instant::now(), addr(), 5, vec![Bytes::from_static(b"resp")]);
-        assert!(matches!(t.on_packet(Instant::now(), addr(), &p[0]), RxEvent::Replay(v) if v.len() == 1));
+        assert!(
+            matches!(t.on_packet(Instant::now(), addr(), &p[0]), RxEvent::Replay(v) if v.len() == 1)
+        );
         // A follow-on packet claiming a different length than its first packet is dropped.
         let a = pkts(6, 3000);
         let b = pkts(6, 2000);

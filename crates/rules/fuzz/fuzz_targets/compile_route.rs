@@ -3,12 +3,12 @@
 #![no_main]
 
 use flatmesh_config::{
-    Config, DirectResponse, Listener, ListenerProtocol, NamedMatch, PathMatch, Route, RouteMatch,
-    WeightedCluster,
+    Config, DirectResponse, NamedMatch, PathMatch, Route, RouteMatch, WeightedCluster,
 };
 use flatmesh_rules::{compile, Request, RouteAction};
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
+use std::sync::LazyLock;
 
 #[derive(Arbitrary, Debug)]
 struct Named {
@@ -47,8 +47,24 @@ struct Case {
     requests: Vec<FRequest>,
 }
 
+/// A config and a route parsed once from YAML, so fields the config model gains later take
+/// their defaults (parsing per input would also halve the exec rate).
+static BASE: LazyLock<Option<(Config, Route)>> = LazyLock::new(|| {
+    let cfg = serde_norway::from_str(
+        "listeners: [ { name: web, address: 127.0.0.1:1, protocol: http } ]\n\
+         clusters: [ { name: a, endpoints: [] }, { name: b, endpoints: [] } ]",
+    );
+    Some((cfg.ok()?, serde_norway::from_str("{}").ok()?))
+});
+
 fn named(n: &Named) -> NamedMatch {
-    let mut m = NamedMatch { name: n.name.clone(), exact: None, prefix: None, present: None, regex: None };
+    let mut m = NamedMatch {
+        name: n.name.clone(),
+        exact: None,
+        prefix: None,
+        present: None,
+        regex: None,
+    };
     match n.kind % 6 {
         0 => m.exact = Some(n.value.clone()),
         1 => m.prefix = Some(n.value.clone()),
@@ -63,31 +79,22 @@ fn named(n: &Named) -> NamedMatch {
     m
 }
 
-fn route(r: &FRoute) -> Route {
+fn route(r: &FRoute) -> Option<Route> {
     let path = r.path.as_ref().map(|(k, p)| match k % 3 {
         0 => PathMatch::Exact(p.clone()),
         1 => PathMatch::Prefix(p.clone()),
         _ => PathMatch::Regex(p.clone()),
     });
     let clusters = ["a", "b", "missing"];
-    let mut route = Route {
-        name: None,
-        matches: RouteMatch {
-            host: r.host.clone(),
-            path,
-            method: r.method.clone(),
-            headers: r.headers.iter().take(4).map(named).collect(),
-            query: r.query.iter().take(4).map(named).collect(),
-        },
-        cluster: None,
-        split: None,
-        direct_response: None,
-        timeout: None,
-        request_headers_to_add: r.add.iter().take(4).cloned().collect(),
-        request_headers_to_remove: vec![],
-        response_headers_to_add: Default::default(),
-        retries: None,
+    let mut route = BASE.as_ref()?.1.clone();
+    route.matches = RouteMatch {
+        host: r.host.clone(),
+        path,
+        method: r.method.clone(),
+        headers: r.headers.iter().take(4).map(named).collect(),
+        query: r.query.iter().take(4).map(named).collect(),
     };
+    route.request_headers_to_add = r.add.iter().take(4).cloned().collect();
     match r.action % 4 {
         0 => route.cluster = Some(clusters[(r.status % 3) as usize].into()),
         1 => {
@@ -96,41 +103,29 @@ fn route(r: &FRoute) -> Route {
                     .iter()
                     .take(4)
                     .enumerate()
-                    .map(|(i, w)| WeightedCluster { cluster: clusters[i % 2].into(), weight: *w })
+                    .map(|(i, w)| WeightedCluster {
+                        cluster: clusters[i % 2].into(),
+                        weight: *w,
+                    })
                     .collect(),
             )
         }
-        2 => route.direct_response = Some(DirectResponse { status: r.status, body: "x".into() }),
+        2 => {
+            route.direct_response = Some(DirectResponse {
+                status: r.status,
+                body: "x".into(),
+            })
+        }
         _ => {}
     }
-    route
+    Some(route)
 }
 
 fuzz_target!(|case: Case| {
-    let cfg = Config {
-        admin: flatmesh_config::default_admin(),
-        workers: None,
-        access_log: None,
-        limits: Default::default(),
-        listeners: vec![Listener {
-            name: "web".into(),
-            address: ([127, 0, 0, 1], 1).into(),
-            protocol: ListenerProtocol::Http,
-            routes: case.routes.iter().take(16).map(route).collect(),
-            cluster: None,
-        }],
-        clusters: ["a", "b"]
-            .iter()
-            .map(|n| flatmesh_config::Cluster {
-                name: n.to_string(),
-                lb: Default::default(),
-                endpoints: vec![],
-                protocol: Default::default(),
-                hash_on: None,
-                connect_timeout: None,
-            })
-            .collect(),
+    let Some((mut cfg, _)) = BASE.clone() else {
+        return;
     };
+    cfg.listeners[0].routes = case.routes.iter().take(16).filter_map(route).collect();
     let Ok(program) = compile(&cfg) else { return };
     let _ = program.explain();
     let _ = program.to_json();
@@ -138,9 +133,10 @@ fuzz_target!(|case: Case| {
         let method = http::Method::from_bytes(r.method.as_bytes()).unwrap_or(http::Method::GET);
         let mut headers = http::HeaderMap::new();
         for (k, v) in &r.headers {
-            if let (Ok(k), Ok(v)) =
-                (http::HeaderName::from_bytes(k.as_bytes()), http::HeaderValue::from_bytes(v))
-            {
+            if let (Ok(k), Ok(v)) = (
+                http::HeaderName::from_bytes(k.as_bytes()),
+                http::HeaderValue::from_bytes(v),
+            ) {
                 headers.append(k, v);
             }
         }
