@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -55,15 +56,20 @@ def _version(argv: list[str], pick=lambda s: s.splitlines()[0] if s else "?") ->
         return "missing"
 
 
+def _envoy_version(text: str) -> str:
+    # "<path>  version: <sha>/1.40.0/Clean/RELEASE/BoringSSL"
+    m = re.search(r"/(\d+\.\d+\.\d+)/", text)
+    return m.group(1) if m else text[:60]
+
+
 def versions(selected: list[systems.System]) -> dict:
     v = {}
     names = {s.name for s in selected}
     if "envoy" in names:
-        v["envoy"] = _version([str(paths.envoy_bin()), "--version"], lambda s: s.split("/")[1] if "/" in s else s)
+        v["envoy"] = _version([str(paths.envoy_bin()), "--version"], _envoy_version)
     if "haproxy" in names:
         v["haproxy"] = _version(["haproxy", "-v"], lambda s: s.split()[2] if len(s.split()) > 2 else s)
-    if "nginx" in names or True:  # nginx is also the backend
-        v["nginx"] = _version(["nginx", "-v"], lambda s: s.split("/")[-1])
+    v["nginx"] = _version(["nginx", "-v"], lambda s: s.split("/")[-1])
     for s in selected:
         if isinstance(s, systems.Flatmesh) and s.binary:
             v[s.name] = f"{s.binary} ({time.strftime('%Y-%m-%d %H:%M', time.gmtime(s.binary.stat().st_mtime))} UTC build)"

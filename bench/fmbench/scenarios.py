@@ -165,7 +165,7 @@ TARGET = N_SERVICES - 1  # the 10-route scenarios hit the last route
 TEN_PATH = f"/svc{TARGET}/item"
 TEN_CHECKS = (
     Check("http", TEN_PATH, 200, svc_body(TARGET)),
-    Check("http", f"/svc3/other", 200, svc_body(3), routed_only=True),
+    Check("http", "/svc3/other", 200, svc_body(3), routed_only=True),
     Check("http", NO_ROUTE_PATH, 404, None, routed_only=True),
 )
 FIXED_QPS = (1000, 2500, 5000, 10000, 15000)

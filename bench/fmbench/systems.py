@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import paths
-from .scenarios import HOST, NO_ROUTE_PATH, Listener, Scenario, Topology
+from .scenarios import HOST, Listener, Scenario, Topology
 
 FLATMESH_ADMIN = 19000
 ENVOY_ADMIN = 19001

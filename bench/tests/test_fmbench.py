@@ -13,7 +13,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from fmbench import loadgen, report, scenarios, svg, systems  # noqa: E402
+from fmbench import loadgen, report, scenarios, svg, systems
 
 FX = HERE / "fixtures"
 

@@ -81,9 +81,9 @@ pub struct FileSink {
 
 impl EndpointSink for FileSink {
     fn publish(&mut self, snapshot: &EndpointSnapshot) -> Result<()> {
-        let err = |source| ControlError::Write {
+        let err = |cause| ControlError::Write {
             path: self.path.display().to_string(),
-            source,
+            cause,
         };
         let tmp = self.path.with_extension("tmp");
         let text =

@@ -4,10 +4,11 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum ControlError {
-    #[error("cannot read {path}: {source}; check the path, or use a preset such as preset:3xType1-SmartNIC")]
+    #[error("cannot read {path}: {cause}; check the path, or use a preset such as preset:3xType1-SmartNIC")]
     Read {
         path: String,
-        source: std::io::Error,
+        /// Not `source`: the message already includes it, and anyhow would print it twice.
+        cause: std::io::Error,
     },
     #[error("{what} {path}: {message}; fix the YAML (see docs/control.md for the schema)")]
     Yaml {
@@ -31,10 +32,11 @@ pub enum ControlError {
     HeartbeatLength { len: usize },
     #[error("heartbeat from node {node}: {message}")]
     Heartbeat { node: u32, message: String },
-    #[error("cannot write {path}: {source}; check that the directory exists and is writable")]
+    #[error("cannot write {path}: {cause}; check that the directory exists and is writable")]
     Write {
         path: String,
-        source: std::io::Error,
+        /// Not `source`: the message already includes it, and anyhow would print it twice.
+        cause: std::io::Error,
     },
     #[error("migration of {instance} failed at step {step}: {message}; the instance keeps running on its old node")]
     Migration {

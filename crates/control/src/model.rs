@@ -608,9 +608,9 @@ fn validate_app(app: &AppSpec) -> Result<()> {
 }
 
 fn read(path: &str) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|source| ControlError::Read {
+    std::fs::read_to_string(path).map_err(|cause| ControlError::Read {
         path: path.to_string(),
-        source,
+        cause,
     })
 }
 

@@ -77,6 +77,15 @@ impl Workload {
     /// Adds one application whose design rate is scaled by `scale` (the simulator searches for the
     /// peak rate this way). Returns its index.
     pub fn add_app(&mut self, app: &AppSpec, scale: f64) -> Result<usize> {
+        if self.apps.iter().any(|a| a.name == app.name) {
+            return Err(ControlError::Invalid {
+                what: "app",
+                message: format!(
+                    "two apps are named {:?}; instance ids would clash, rename one of them",
+                    app.name
+                ),
+            });
+        }
         let profiles = app_profiles(app)?;
         let app_idx = self.apps.len();
         let rps = app.rps * scale;
@@ -230,6 +239,31 @@ mod tests {
         assert_eq!(wl.edges().count(), 12 + 36);
         // SQL is pinned and not offloadable; EMA is offloadable.
         assert!(!wl.instances[sql0].offloadable);
+    }
+
+    #[test]
+    fn duplicate_app_names_are_rejected() {
+        let app = load_app("preset:NFV-FIN").unwrap();
+        let err = Workload::from_apps(&[app.clone(), app])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("rename one"), "{err}");
+    }
+
+    #[test]
+    fn fraction_scales_a_stage_load() {
+        let app = load_app("preset:IOT-TS").unwrap();
+        let wl = Workload::from_apps(&[app]).unwrap();
+        let rate = |ms: &str| {
+            wl.instances
+                .iter()
+                .find(|i| i.microservice == ms)
+                .unwrap()
+                .rps
+        };
+        // 2,000 req/s over 12 shards; Recommend sees 1% of them.
+        assert!((rate("SQL") - 2000.0 / 12.0).abs() < 1e-9);
+        assert!((rate("Recommend") - 20.0 / 12.0).abs() < 1e-9);
     }
 
     #[test]

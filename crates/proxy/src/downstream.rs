@@ -8,13 +8,10 @@
 //!   detection waits forever for the first byte. Every read and write bumps an activity
 //!   counter that the connection's watchdog samples.
 
-use std::io;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use crate::tap::Tap;
 
 /// Scans a byte stream for a request head (a block ended by an empty line) that has both a
 /// `content-length` and a `transfer-encoding` header line. Streaming: state is carried across
@@ -89,7 +86,7 @@ impl FramingSniffer {
     }
 }
 
-/// Shared between the socket wrapper, the connection's watchdog and the request handler.
+/// Shared between the socket's tap, the connection's watchdog and the request handler.
 #[derive(Default)]
 pub struct ConnSignals {
     /// Bumped on every read or write that moved bytes.
@@ -98,16 +95,15 @@ pub struct ConnSignals {
     pub framing_conflict: AtomicBool,
 }
 
-pub struct DownstreamIo<S> {
-    inner: S,
+/// The HTTP connection's tap: sniffs request framing, counts activity for the idle timeout.
+pub struct HttpTap {
     sniffer: FramingSniffer,
     signals: Arc<ConnSignals>,
 }
 
-impl<S> DownstreamIo<S> {
-    pub fn new(inner: S, signals: Arc<ConnSignals>) -> Self {
-        DownstreamIo {
-            inner,
+impl HttpTap {
+    pub fn new(signals: Arc<ConnSignals>) -> Self {
+        HttpTap {
             sniffer: FramingSniffer::new(),
             signals,
         }
@@ -120,61 +116,19 @@ impl<S> DownstreamIo<S> {
     }
 }
 
-impl<S: AsyncRead + Unpin> AsyncRead for DownstreamIo<S> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            let this = &mut *self;
-            this.sniffer.feed(&buf.filled()[before..]);
-            if this.sniffer.conflict() {
-                this.signals.framing_conflict.store(true, Ordering::Relaxed);
-            }
-            this.bump();
+impl Tap for HttpTap {
+    fn on_read(&mut self, bytes: &[u8]) {
+        self.sniffer.feed(bytes);
+        if self.sniffer.conflict() {
+            self.signals.framing_conflict.store(true, Ordering::Relaxed);
         }
-        polled
+        self.bump();
     }
-}
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for DownstreamIo<S> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+    fn on_write(&mut self, written: usize) {
+        if written > 0 {
             self.bump();
         }
-        polled
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            self.bump();
-        }
-        polled
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 

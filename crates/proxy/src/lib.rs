@@ -16,6 +16,7 @@ pub mod listener;
 pub mod metrics;
 pub mod node;
 pub mod snapshot;
+pub mod tap;
 pub mod tcp;
 pub mod upstream;
 pub mod worker;

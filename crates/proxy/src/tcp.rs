@@ -2,49 +2,21 @@
 //! Half-close is carried through (a FIN on one side becomes a shutdown(WR) on the other)
 //! and a reset on one side becomes a reset on the other.
 
-use std::io;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use crate::lb::hash64;
+use crate::tap::{Tap, Tapped};
 use crate::worker::ConnContext;
 
-/// Counts the bytes read through it, so totals are known even when the relay ends in error.
-struct Counted<S> {
-    inner: S,
-    read: u64,
-}
+/// Counts the bytes read through a socket, so totals are known even when the relay ends in error.
+#[derive(Default)]
+struct ByteCount(u64);
 
-impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
-        self.read += (buf.filled().len() - before) as u64;
-        polled
-    }
-}
-
-impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
+impl Tap for ByteCount {
+    fn on_read(&mut self, bytes: &[u8]) {
+        self.0 += bytes.len() as u64;
     }
 }
 
@@ -107,11 +79,14 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
     let _ = up.set_nodelay(true);
     let _ = downstream.set_nodelay(true);
 
-    let mut client = Counted {
+    let mut client = Tapped {
         inner: downstream,
-        read: 0,
+        tap: ByteCount::default(),
     };
-    let mut server = Counted { inner: up, read: 0 };
+    let mut server = Tapped {
+        inner: up,
+        tap: ByteCount::default(),
+    };
     let result = tokio::io::copy_bidirectional_with_sizes(
         &mut client,
         &mut server,
@@ -119,8 +94,11 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
         RELAY_BUFFER,
     )
     .await;
-    listener.stats.bytes_in.add_shared(ctx.worker, client.read);
-    listener.stats.bytes_out.add_shared(ctx.worker, server.read);
+    listener.stats.bytes_in.add_shared(ctx.worker, client.tap.0);
+    listener
+        .stats
+        .bytes_out
+        .add_shared(ctx.worker, server.tap.0);
     if result.is_err() {
         // One side reset (or failed): pass the reset on rather than a clean FIN.
         reset_on_close(&client.inner);

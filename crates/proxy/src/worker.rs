@@ -15,9 +15,10 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::sync::mpsc;
 
 use crate::access_log::AccessLog;
-use crate::downstream::{ConnSignals, DownstreamIo};
+use crate::downstream::{ConnSignals, HttpTap};
 use crate::error::ProxyError;
 use crate::snapshot::Snapshot;
+use crate::tap::Tapped;
 use crate::upstream::Upstreams;
 
 /// What one worker reads per request: the snapshot and its own upstream state for it.
@@ -234,7 +235,10 @@ async fn serve_http(ctx: Arc<ConnContext>, stream: tokio::net::TcpStream, snapsh
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
         .max_concurrent_streams(1024);
     let signals = ctx.signals.clone();
-    let io = TokioIo::new(DownstreamIo::new(stream, signals.clone()));
+    let io = TokioIo::new(Tapped {
+        inner: stream,
+        tap: HttpTap::new(signals.clone()),
+    });
     let service = service_fn(move |req| crate::http::serve(ctx.clone(), req));
     let connection = builder.serve_connection(io, service);
     tokio::select! {

@@ -156,8 +156,9 @@ mod tests {
         let assign = run(&topo, &wl, 2.0).unwrap();
         verify(&topo, &wl, &assign).unwrap();
         // Make it too large: many copies of the app.
-        let app = crate::model::load_app("preset:IOT-DH").unwrap();
-        for _ in 0..60 {
+        let mut app = crate::model::load_app("preset:IOT-DH").unwrap();
+        for k in 0..60 {
+            app.name = format!("IOT-DH#{k}");
             wl.add_app(&app, 0.01).unwrap();
         }
         let err = place(&topo, &wl, Algorithm::Ilp, 0)
