@@ -5,7 +5,11 @@ use clap::{Parser, Subcommand};
 mod cmd;
 
 #[derive(Parser)]
-#[command(name = "flatmesh", version, about = "A sidecar-free service mesh node proxy")]
+#[command(
+    name = "flatmesh",
+    version,
+    about = "A sidecar-free service mesh node proxy"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

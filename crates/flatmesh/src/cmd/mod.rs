@@ -4,8 +4,8 @@ pub mod check;
 pub mod demo;
 pub mod node;
 pub mod place;
-pub mod simulate;
 pub mod qnp;
+pub mod simulate;
 
 /// Logs go to stderr as text; `RUST_LOG` sets the level (default `info`).
 pub fn init_logging() {
