@@ -10,7 +10,7 @@ import math
 from html import escape
 
 W, H = 760, 440
-ML, MR, MT, MB = 80, 170, 48, 62  # margins: left, right (legend), top, bottom
+ML, MR, MT, MB = 80, 170, 48, 70  # margins: left, right (legend), top, bottom
 PALETTE = {
     "flatmesh": "#d62728",
     "envoy": "#1f77b4",
@@ -170,7 +170,13 @@ def bar_chart(groups: list[str], bars: list[tuple[str, str, list[float | None]]]
     bw = gw * 0.8 / max(1, len(bars))
     for gi, g in enumerate(groups):
         gx = ML + gi * gw
-        out.append(f'<text x="{gx + gw / 2:.1f}" y="{H - MB + 18}" text-anchor="middle" font-size="11">{escape(g)}</text>')
+        # Two lines (split at the first "_") so long scenario names do not overlap.
+        first, _, rest = g.partition("_")
+        cx = gx + gw / 2
+        out.append(
+            f'<text x="{cx:.1f}" y="{H - MB + 16}" text-anchor="middle" font-size="11">{escape(first)}'
+            f'<tspan x="{cx:.1f}" dy="13">{escape(rest)}</tspan></text>'
+        )
         for bi, (label, col, vs) in enumerate(bars):
             v = vs[gi]
             if v is None:

@@ -301,3 +301,47 @@ async fn a_long_stream_survives_a_reload() {
             .unwrap_or_else(|s| panic!("stream broken by reload: {s:?}"));
     }
 }
+
+/// Many bidi streams whose replies are read late, behind a tiny client window: every stream
+/// must still deliver all its replies in order and end cleanly. (The ENHANCE_YOUR_CALM
+/// resets that h2's small-DATA-frame budget once caused showed only under load, in the
+/// benchmark's `grpc_stream` scenario, which counts them; this test did not reproduce them.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_bidi_streams_with_small_messages_read_late() {
+    let (_b, _p, web) = setup().await;
+    let mut tasks = Vec::new();
+    for s in 0..30 {
+        tasks.push(tokio::spawn(async move {
+            // A tiny stream window: the proxy cannot pass replies on, so they wait, unread,
+            // on its upstream connection.
+            let mut client = grpc::connect_with_window(web, Some(64)).await;
+            let (tx, mut replies) = tokio::time::timeout(STEP, grpc::bidi(&mut client))
+                .await
+                .expect("bidi opens in time")
+                .unwrap_or_else(|st| panic!("stream {s}: bidi failed to open: {st:?}"));
+            for i in 0..40 {
+                tx.send(EchoRequest {
+                    message: format!("s{s}m{i}"),
+                    count: 0,
+                })
+                .await
+                .expect("send");
+            }
+            drop(tx);
+            let mut got = 0;
+            while let Some(reply) = tokio::time::timeout(STEP, replies.next())
+                .await
+                .unwrap_or_else(|_| panic!("stream {s}: no reply within {STEP:?}"))
+            {
+                let reply = reply
+                    .unwrap_or_else(|st| panic!("stream {s}: reset after {got} replies: {st:?}"));
+                assert_eq!(reply.message, format!("re:s{s}m{got}"));
+                got += 1;
+            }
+            assert_eq!(got, 40, "stream {s} ended early");
+        }));
+    }
+    for t in tasks {
+        t.await.expect("stream task");
+    }
+}

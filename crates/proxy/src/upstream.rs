@@ -89,7 +89,15 @@ fn build_client(plan: &ClusterPlan, worker: usize) -> HttpClient {
             builder.pool_max_idle_per_host(1024);
         }
         UpstreamProtocol::Http2 => {
-            builder.http2_only(true).http2_adaptive_window(true);
+            // One connection carries every stream of this worker, so its windows are large.
+            // A fixed connection window also sizes h2's small-DATA-frame flood budget
+            // (half the window); with the adaptive window it stays near 25 KiB, and gRPC
+            // streams of small messages from many clients exhaust it: h2 then sends
+            // GOAWAY(ENHANCE_YOUR_CALM) upstream and every stream on it is reset.
+            builder
+                .http2_only(true)
+                .http2_initial_connection_window_size(8 << 20)
+                .http2_initial_stream_window_size(1 << 20);
         }
     }
     builder.build(connector)

@@ -270,8 +270,14 @@ pub type GrpcClient = tonic::client::Grpc<tonic::transport::Channel>;
 
 /// Connect a gRPC client to `addr` (h2c with prior knowledge, as tonic does for `http://`).
 pub async fn connect(addr: SocketAddr) -> GrpcClient {
+    connect_with_window(addr, None).await
+}
+
+/// `stream_window`: a small HTTP/2 stream window makes this client push back on the proxy.
+pub async fn connect_with_window(addr: SocketAddr, stream_window: Option<u32>) -> GrpcClient {
     let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
         .expect("valid uri")
+        .initial_stream_window_size(stream_window)
         .connect_timeout(std::time::Duration::from_secs(5))
         .timeout(std::time::Duration::from_secs(15))
         .connect()
