@@ -752,18 +752,17 @@ mod tests {
         .unwrap();
         let addr = server.addr();
         let done = Arc::new(AtomicBool::new(false));
+        let flips = Arc::new(std::sync::atomic::AtomicU32::new(0));
         let flipper = {
-            let (rsd, done) = (Arc::clone(&rsd), Arc::clone(&done));
+            let (rsd, done, flips) = (Arc::clone(&rsd), Arc::clone(&done), Arc::clone(&flips));
             std::thread::spawn(move || {
-                let mut flips = 0u32;
                 while !done.load(Ordering::Relaxed) {
-                    let q = flips % 2;
+                    let q = flips.load(Ordering::Relaxed) % 2;
                     let rules = RuleSet::parse("app2", &format!("rule 2 0 0 \"\" -> {q}")).unwrap();
                     rsd.reconfigure_app(2, &rules).unwrap();
-                    flips += 1;
+                    flips.fetch_add(1, Ordering::Relaxed);
                     std::thread::yield_now();
                 }
-                flips
             })
         };
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -779,18 +778,23 @@ mod tests {
                 ..QnpConfig::default()
             };
             let client = Endpoint::new(sock, cfg);
-            for i in 0..200 {
+            // At least 200 requests, and on until app 2 has been reconfigured 20 times:
+            // on a busy machine the flipper thread may start late (bounded by 20,000).
+            let mut i = 0;
+            while i < 200 || (flips.load(Ordering::Relaxed) < 20 && i < 20_000) {
                 let key = if i % 2 == 0 { "a" } else { "b" };
                 let resp = client
                     .send_req(addr, &request(1, key, (i % 4) * 1000))
                     .await
                     .unwrap();
                 assert_eq!(resp.payload[..], [u8::from(i % 2 == 1)]);
+                i += 1;
             }
         });
         done.store(true, Ordering::Relaxed);
+        flipper.join().unwrap();
         assert!(
-            flipper.join().unwrap() > 10,
+            flips.load(Ordering::Relaxed) > 10,
             "app 2 was reconfigured during the run"
         );
         assert_eq!(
