@@ -6,9 +6,12 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use flatmesh_kernel::{KernelConfig, KernelTier};
+
+mod common;
+use common::pct;
 
 fn ping_pong(listener: &TcpListener, rounds: usize) -> std::io::Result<Vec<Duration>> {
     let port = listener.local_addr()?.port();
@@ -25,34 +28,14 @@ fn ping_pong(listener: &TcpListener, rounds: usize) -> std::io::Result<Vec<Durat
             server.write_all(&b)?;
         }
     });
-    let msg = [7u8; 64];
-    let mut back = [0u8; 64];
-    let mut rtts = Vec::with_capacity(rounds);
-    for i in 0..rounds + 1000 {
-        let t = Instant::now();
-        client.write_all(&msg)?;
-        client.read_exact(&mut back)?;
-        if i >= 1000 {
-            rtts.push(t.elapsed()); // the first 1000 rounds warm up
-        }
-    }
+    let rtts = common::timed_rounds(&mut client, rounds, 7)?;
     drop(client);
     let _ = echo.join();
-    rtts.sort();
     Ok(rtts)
 }
 
-fn pct(v: &[Duration], p: f64) -> f64 {
-    let i = ((v.len() as f64 - 1.0) * p) as usize;
-    v.get(i).map(|d| d.as_secs_f64() * 1e6).unwrap_or(f64::NAN)
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let rounds: usize = std::env::args()
-        .nth(1)
-        .map(|s| s.parse())
-        .transpose()?
-        .unwrap_or(20_000);
+    let rounds = common::rounds_arg()?;
     let cfg = KernelConfig {
         pin_dir: format!("/sys/fs/bpf/fm-hop-latency-{}", std::process::id()).into(),
         capture: None,

@@ -6,9 +6,12 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use flatmesh_kernel::{lower_routes, KernelConfig, KernelTier, L7Decision, PathMatch, RouteSpec};
+
+mod common;
+use common::pct;
 
 const FIRST: &[u8; 64] =
     b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Pad: aaaaaaaaaaaaaaaaaaaaaaaa\r\n\r\n";
@@ -106,31 +109,11 @@ fn ping_pong(addr: SocketAddr, rounds: usize) -> std::io::Result<Vec<Duration>> 
     let mut back = [0u8; 64];
     s.write_all(FIRST)?;
     s.read_exact(&mut back)?;
-    let msg = [b'p'; 64];
-    let mut rtts = Vec::with_capacity(rounds);
-    for i in 0..rounds + 1000 {
-        let t = Instant::now();
-        s.write_all(&msg)?;
-        s.read_exact(&mut back)?;
-        if i >= 1000 {
-            rtts.push(t.elapsed());
-        }
-    }
-    rtts.sort();
-    Ok(rtts)
-}
-
-fn pct(v: &[Duration], p: f64) -> f64 {
-    let i = ((v.len() as f64 - 1.0) * p) as usize;
-    v.get(i).map(|d| d.as_secs_f64() * 1e6).unwrap_or(f64::NAN)
+    common::timed_rounds(&mut s, rounds, b'p')
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let rounds: usize = std::env::args()
-        .nth(1)
-        .map(|s| s.parse())
-        .transpose()?
-        .unwrap_or(20_000);
+    let rounds = common::rounds_arg()?;
     let cfg = KernelConfig {
         pin_dir: format!("/sys/fs/bpf/fm-l7-latency-{}", std::process::id()).into(),
         capture: None,

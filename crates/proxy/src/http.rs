@@ -21,7 +21,7 @@ use http_body_util::{BodyExt, Either, Empty, Full};
 use hyper::body::Incoming;
 
 use crate::access_log::AccessRecord;
-use crate::lb::hash64;
+use crate::lb::{hash64, hash_client};
 use crate::upstream::UpstreamBody;
 use crate::worker::ConnContext;
 
@@ -344,10 +344,7 @@ fn add_headers(headers: &mut HeaderMap, add: &[(HeaderName, HeaderValue)]) {
 fn hash_key(headers: &HeaderMap, hash_header: Option<&HeaderName>, peer: SocketAddr) -> u64 {
     match hash_header.and_then(|h| headers.get(h)) {
         Some(v) => hash64(v.as_bytes()),
-        None => match peer.ip() {
-            std::net::IpAddr::V4(ip) => hash64(&ip.octets()),
-            std::net::IpAddr::V6(ip) => hash64(&ip.octets()),
-        },
+        None => hash_client(peer.ip()),
     }
 }
 
@@ -388,15 +385,13 @@ async fn forward(
     let key = hash_key(&parts.headers, plan.hash_header.as_ref(), ctx.peer);
 
     // Deparser work that is the same for every attempt.
-    if parts.version != Version::HTTP_2 && !parts.headers.contains_key(header::HOST) {
-        if let Some(a) = parts.uri.authority() {
-            if let Ok(v) = HeaderValue::from_str(a.as_str()) {
-                parts.headers.insert(header::HOST, v);
-            }
-        }
-    }
-    if parts.version == Version::HTTP_2 && plan.protocol == flatmesh_config::UpstreamProtocol::Http1
-    {
+    // An HTTP/1 upstream needs Host: from :authority for an h2 client (it wins over any
+    // Host header), from an absolute-form target for an h1 client that sent none.
+    let needs_host = match parts.version {
+        Version::HTTP_2 => plan.protocol == flatmesh_config::UpstreamProtocol::Http1,
+        _ => !parts.headers.contains_key(header::HOST),
+    };
+    if needs_host {
         if let Some(v) = parts
             .uri
             .authority()

@@ -24,6 +24,14 @@ pub fn hash64(bytes: &[u8]) -> u64 {
     h ^ (h >> 33)
 }
 
+/// Hash key of a client address: what ring_hash / maglev fall back to.
+pub fn hash_client(ip: std::net::IpAddr) -> u64 {
+    match ip {
+        std::net::IpAddr::V4(ip) => hash64(&ip.octets()),
+        std::net::IpAddr::V6(ip) => hash64(&ip.octets()),
+    }
+}
+
 /// Consistent-hash ring (ketama style): each endpoint owns many points on a 64-bit circle.
 pub struct Ring {
     points: Vec<(u64, u32)>,

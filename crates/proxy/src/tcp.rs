@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use tokio::net::TcpStream;
 
-use crate::lb::hash64;
+use crate::lb::hash_client;
 use crate::tap::{Tap, Tapped};
 use crate::worker::ConnContext;
 
@@ -41,10 +41,7 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
     };
     let plan = &snap.clusters[cid];
     let upstream = &view.upstreams.by_cluster[cid];
-    let key = match ctx.peer.ip() {
-        std::net::IpAddr::V4(ip) => hash64(&ip.octets()),
-        std::net::IpAddr::V6(ip) => hash64(&ip.octets()),
-    };
+    let key = hash_client(ctx.peer.ip());
 
     // Try each endpoint at most once (up to 3), so one dead endpoint does not fail the client.
     let tries = plan.endpoints.len().clamp(1, 3);
