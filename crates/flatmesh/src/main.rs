@@ -29,6 +29,14 @@ enum Command {
     Place(cmd::place::Args),
     /// Reproduce E3's Table 6 (placement at scale) and Table 5 / Fig. 10 (energy, cost).
     Simulate(cmd::simulate::Args),
+    /// Control center: serve xDS to nodes and Envoy; `control demo` shows placement and migration.
+    Control(cmd::control::Args),
+    /// The kernel (eBPF) tier: status and clean-up.
+    Kernel(cmd::kernel::Args),
+    /// Shared-memory sockets: `shm run -- CMD` runs CMD with the hetero-socket library preloaded.
+    Shm(cmd::shm::Args),
+    /// Split network namespace across processing units: `pu agent`, `pu demo`.
+    Pu(cmd::pu::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -40,6 +48,10 @@ fn main() -> std::process::ExitCode {
         Command::Qnp(args) => cmd::qnp::run(args),
         Command::Place(args) => cmd::place::run(args),
         Command::Simulate(args) => cmd::simulate::run(args),
+        Command::Control(args) => cmd::control::run(args),
+        Command::Kernel(args) => cmd::kernel::run(args),
+        Command::Shm(args) => cmd::shm::run(args),
+        Command::Pu(args) => cmd::pu::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -1,10 +1,15 @@
 //! One module per subcommand.
 
 pub mod check;
+pub mod control;
+pub mod control_demo;
 pub mod demo;
+pub mod kernel;
 pub mod node;
 pub mod place;
+pub mod pu;
 pub mod qnp;
+pub mod shm;
 pub mod simulate;
 
 /// Logs go to stderr as text; `RUST_LOG` sets the level (default `info`).
