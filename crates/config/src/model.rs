@@ -30,6 +30,64 @@ pub struct Config {
     pub listeners: Vec<Listener>,
     #[serde(default)]
     pub clusters: Vec<Cluster>,
+    /// Tier K (eBPF). Absent: the node runs on the user tiers only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<Kernel>,
+}
+
+/// The `kernel:` section: which eBPF mechanisms the node attaches (docs/kernel.md).
+/// Without root or kernel support the node logs one line and runs on the user tiers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Kernel {
+    /// bpffs directory for this node's pins; default `/sys/fs/bpf/flatmesh`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pin_dir: Option<std::path::PathBuf>,
+    /// cgroup v2 directory whose sockets the node sees; default the cgroup v2 root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup_root: Option<std::path::PathBuf>,
+    /// Send workloads' connections to service addresses to the node's listeners.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capture: Option<Capture>,
+    /// Shorten local hops (app <-> node, node <-> local backend) with sockops + sk_msg.
+    #[serde(default = "yes")]
+    pub redirect: bool,
+    /// Splice `tcp` listeners' connections to their upstream in the kernel (sk_skb), so the
+    /// node's user-space relay never sees the bytes.
+    #[serde(default = "yes")]
+    pub tcp_splice: bool,
+    /// Decide an `http` listener's first request in the kernel and splice the connection.
+    /// Routing becomes per connection: later requests on it go to the same backend.
+    #[serde(default)]
+    pub l7_dispatch: bool,
+    /// The `http` listener whose routes the kernel decides; needed when there are several.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub l7_listener: Option<String>,
+    /// Also attach the sk_skb stream parser (strparser mode); off by default (docs/kernel.md).
+    #[serde(default)]
+    pub l7_stream_parser: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Capture {
+    /// cgroup v2 directory of the workloads whose connections are captured.
+    pub cgroup: std::path::PathBuf,
+    /// Service addresses (VIPs) and the listener each is sent to.
+    pub services: Vec<CapturedService>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CapturedService {
+    /// What workloads connect to, e.g. `10.96.0.10:80`.
+    pub address: SocketAddr,
+    /// The node listener that takes those connections.
+    pub listener: String,
 }
 
 pub fn default_admin() -> SocketAddr {
@@ -301,6 +359,23 @@ impl Config {
                     .unwrap_or(1)
             })
             .max(1)
+    }
+
+    /// The `http` listener whose first requests tier K decides: `kernel.l7_listener`, or
+    /// the only http listener. `None` when `kernel.l7_dispatch` is off.
+    pub fn kernel_l7_listener(&self) -> Option<&str> {
+        let k = self.kernel.as_ref().filter(|k| k.l7_dispatch)?;
+        k.l7_listener.as_deref().or_else(|| {
+            self.listeners
+                .iter()
+                .find(|l| l.protocol == ListenerProtocol::Http)
+                .map(|l| l.name.as_str())
+        })
+    }
+
+    /// Whether tier K splices `tcp` listeners' connections.
+    pub fn kernel_tcp_splice(&self) -> bool {
+        self.kernel.as_ref().is_some_and(|k| k.tcp_splice)
     }
 
     pub fn cluster(&self, name: &str) -> Option<&Cluster> {

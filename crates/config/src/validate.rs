@@ -61,6 +61,7 @@ pub fn validate(config: &Config) -> Vec<Problem> {
     check.limits();
     check.listeners();
     check.clusters();
+    check.kernel();
     check.problems
 }
 
@@ -261,6 +262,84 @@ impl Checker<'_> {
                 format!("tcp listener `{name}` has routes, which only http listeners use"),
                 "remove `routes`, or set `protocol: http` to route HTTP requests".into(),
             );
+        }
+    }
+
+    /// The `kernel:` section names listeners; they must exist and have the right protocol.
+    fn kernel(&mut self) {
+        let config = self.config;
+        let Some(kernel) = &config.kernel else {
+            return;
+        };
+        if let Some(capture) = &kernel.capture {
+            if capture.services.is_empty() {
+                self.report(
+                    "kernel.capture.services",
+                    Target::Value,
+                    "kernel.capture has no services: nothing would be captured".into(),
+                    "list the service addresses to capture, e.g. `services: [ { address: 10.96.0.10:80, listener: web } ]`, or remove `capture`".into(),
+                );
+            }
+            for (i, service) in capture.services.iter().enumerate() {
+                self.listener_ref(
+                    &format!("kernel.capture.services[{i}].listener"),
+                    &service.listener,
+                    None,
+                );
+            }
+        }
+        let http: Vec<&str> = config
+            .listeners
+            .iter()
+            .filter(|l| l.protocol == ListenerProtocol::Http)
+            .map(|l| l.name.as_str())
+            .collect();
+        match &kernel.l7_listener {
+            Some(name) => self.listener_ref("kernel.l7_listener", name, Some(ListenerProtocol::Http)),
+            None if kernel.l7_dispatch && http.is_empty() => self.report(
+                "kernel.l7_dispatch",
+                Target::Value,
+                "kernel.l7_dispatch is on but there is no `http` listener to dispatch".into(),
+                "add an http listener, or set `l7_dispatch: false`".into(),
+            ),
+            None if kernel.l7_dispatch && http.len() > 1 => self.report(
+                "kernel.l7_dispatch",
+                Target::Value,
+                format!(
+                    "kernel.l7_dispatch is on and there are {} http listeners; the kernel decides one listener's routes",
+                    http.len()
+                ),
+                format!("add `l7_listener: NAME` to the kernel section (one of: {})", http.join(", ")),
+            ),
+            None => {}
+        }
+    }
+
+    /// `path` names a listener; report it when it does not exist or has the wrong protocol.
+    fn listener_ref(&mut self, path: &str, name: &str, protocol: Option<ListenerProtocol>) {
+        let listeners = &self.config.listeners;
+        match listeners.iter().find(|l| l.name == name) {
+            Some(l) if protocol.is_none_or(|p| p == l.protocol) => {}
+            Some(_) => self.report(
+                path,
+                Target::Value,
+                format!("listener `{name}` is not an http listener"),
+                "the kernel's L7 dispatch reads HTTP/1.1 and gRPC requests: name an `http` listener"
+                    .into(),
+            ),
+            None => {
+                let defined: Vec<&str> = listeners.iter().map(|l| l.name.as_str()).collect();
+                self.report(
+                    path,
+                    Target::Value,
+                    format!("unknown listener `{name}`"),
+                    format!(
+                        "{}defined listeners: {}",
+                        suggest::did_you_mean(name, defined.iter().copied()),
+                        defined.join(", ")
+                    ),
+                );
+            }
         }
     }
 
@@ -694,6 +773,7 @@ mod tests {
                 cluster: Some("nope".into()),
             }],
             clusters: vec![],
+            kernel: None,
         };
         let problems = validate(&config);
         assert_eq!(problems.len(), 1, "{problems:?}");

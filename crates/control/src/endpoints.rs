@@ -1,7 +1,9 @@
 //! Where traffic should go: a placement turned into endpoint lists per service, and the sinks that
 //! carry them to the node proxies. This is the seam for the xDS server (issue 9): it implements
 //! [`EndpointSink`] and turns each snapshot into ClusterLoadAssignments. Until then the
-//! [`FileSink`] writes a watched JSON file, replaced atomically so a reader never sees half of it.
+//! [`FileSink`] writes a watched JSON file, and the [`ProxyConfigSink`] rewrites the node proxies'
+//! own YAML config files (which `flatmesh node --config FILE` reloads on change without dropping
+//! requests); both replace files atomically, so a reader never sees half of one.
 
 use std::collections::BTreeMap;
 
@@ -81,15 +83,51 @@ pub struct FileSink {
 
 impl EndpointSink for FileSink {
     fn publish(&mut self, snapshot: &EndpointSnapshot) -> Result<()> {
-        let err = |cause| ControlError::Write {
+        let text = serde_json::to_vec_pretty(snapshot).map_err(|e| ControlError::Write {
             path: self.path.display().to_string(),
-            cause,
-        };
-        let tmp = self.path.with_extension("tmp");
-        let text =
-            serde_json::to_vec_pretty(snapshot).map_err(|e| err(std::io::Error::other(e)))?;
-        std::fs::write(&tmp, text).map_err(err)?;
-        std::fs::rename(&tmp, &self.path).map_err(err)
+            cause: std::io::Error::other(e),
+        })?;
+        replace_file(&self.path, &text)
+    }
+}
+
+/// Writes `text` to `path` through a temporary file and a rename (atomic on one filesystem).
+fn replace_file(path: &std::path::Path, text: &[u8]) -> Result<()> {
+    let err = |cause| ControlError::Write {
+        path: path.display().to_string(),
+        cause,
+    };
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    std::fs::write(&tmp, text).map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)
+}
+
+/// Renders each snapshot into node proxy config files, `(path, YAML)` per node, and replaces them.
+/// The node proxies notice the change and reload. The rendering (addresses, routes) belongs to
+/// whoever runs the nodes; the demo supplies it.
+pub struct ProxyConfigSink<F> {
+    render: F,
+}
+
+impl<F> ProxyConfigSink<F>
+where
+    F: FnMut(&EndpointSnapshot) -> Vec<(std::path::PathBuf, String)>,
+{
+    pub fn new(render: F) -> Self {
+        ProxyConfigSink { render }
+    }
+}
+
+impl<F> EndpointSink for ProxyConfigSink<F>
+where
+    F: FnMut(&EndpointSnapshot) -> Vec<(std::path::PathBuf, String)>,
+{
+    fn publish(&mut self, snapshot: &EndpointSnapshot) -> Result<()> {
+        for (path, text) in (self.render)(snapshot) {
+            replace_file(&path, text.as_bytes())?;
+        }
+        Ok(())
     }
 }
 

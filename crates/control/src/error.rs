@@ -38,6 +38,8 @@ pub enum ControlError {
         /// Not `source`: the message already includes it, and anyhow would print it twice.
         cause: std::io::Error,
     },
+    #[error("{what}: {message}")]
+    Service { what: String, message: String },
     #[error("migration of {instance} failed at step {step}: {message}; the instance keeps running on its old node")]
     Migration {
         instance: String,

@@ -2,6 +2,8 @@
 //! DAGs; placement on heterogeneous compute nodes (HCM, simulated annealing, ILP); the energy and
 //! cost model; the data-plane orchestrator and failover; and the simulator behind `flatmesh simulate`.
 
+pub mod agent;
+pub mod demo;
 pub mod endpoints;
 pub mod energy;
 pub mod error;
@@ -10,6 +12,7 @@ pub mod heartbeat;
 pub mod model;
 pub mod orchestrator;
 pub mod placement;
+pub mod services;
 pub mod simulate;
 pub mod svg;
 pub mod topology;

@@ -21,7 +21,8 @@ enum fm_stat_id {
 	FM_ST_SK_MSG = 5,
 	FM_ST_PARSER = 6,
 	FM_ST_VERDICT = 7,
-	FM_ST_MAX = 8,
+	FM_ST_SOCKOPS_L7 = 8,
+	FM_ST_MAX = 9,
 };
 
 struct fm_stat {

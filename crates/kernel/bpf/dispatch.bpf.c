@@ -83,6 +83,15 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } fm_l7_conns SEC(".maps");
 
+/* port -> 1: the node's http listeners whose connections the verdict decides. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 64);
+	__type(key, __u16);
+	__type(value, __u8);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} fm_l7_ports SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, FM_ROUTES_MAX);
@@ -562,6 +571,32 @@ static __always_inline void fm_decide(struct __sk_buff *skb, struct fm_l7_conn *
 		fm_fallback(c, FM_WHY_MALFORMED);
 out:
 	s->busy = 0;
+}
+
+/* Registers a connection accepted on an L7 listener port the moment it is established,
+ * before any payload can arrive. A client that sends its request right after connect()
+ * (the usual case) would otherwise have it queued before the proxy could register the
+ * socket from accept(), and the verdict would never see the first request. */
+SEC("sockops")
+int fm_sockops_l7(struct bpf_sock_ops *skops)
+{
+	if (skops->op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB)
+		return 1;
+	__u16 port = (__u16)skops->local_port;
+	if (!bpf_map_lookup_elem(&fm_l7_ports, &port))
+		return 1;
+	__u64 cookie = bpf_get_socket_cookie(skops);
+	struct fm_l7_conn fresh = {};
+	/* State first: the verdict ignores sockets it has no state for. */
+	if (bpf_map_update_elem(&fm_l7_conns, &cookie, &fresh, BPF_ANY)) {
+		fm_count(FM_ST_SOCKOPS_L7, 1, 0, 0, 1);
+		return 1;
+	}
+	long err = bpf_sock_hash_update(skops, &fm_l7_socks, &cookie, BPF_NOEXIST);
+	if (err)
+		bpf_map_delete_elem(&fm_l7_conns, &cookie);
+	fm_count(FM_ST_SOCKOPS_L7, 1, 0, err == 0, err != 0);
+	return 1;
 }
 
 SEC("sk_skb/stream_parser")

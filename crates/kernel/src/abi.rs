@@ -7,7 +7,7 @@ pub(crate) const AF_INET: u8 = 2;
 pub(crate) const AF_INET6: u8 = 10;
 
 /// Indexes into `fm_stats`, one per program (enum fm_stat_id).
-pub(crate) const STAT_NAMES: [&str; 8] = [
+pub(crate) const STAT_NAMES: [&str; 9] = [
     "fm_connect4",
     "fm_connect6",
     "fm_getsockopt",
@@ -16,6 +16,7 @@ pub(crate) const STAT_NAMES: [&str; 8] = [
     "fm_sk_msg",
     "fm_parser",
     "fm_verdict",
+    "fm_sockops_l7",
 ];
 
 /// struct fm_addr: IPv4 in ip[0] (network order), ports in host order.

@@ -92,6 +92,33 @@ impl KernelTier {
         })
     }
 
+    /// Marks an http listener port: connections accepted on it are registered for in-kernel
+    /// dispatch by the `fm_sockops_l7` program as soon as they are established, so even a
+    /// request sent with the handshake is seen by the verdict. The proxy then only reads
+    /// [`KernelTier::l7_decision`] with the accepted socket's cookie.
+    pub fn add_l7_port(&self, port: u16) -> Result<(), KernelError> {
+        self.with(|l| {
+            let ports = l.maps.l7_ports.as_mut().ok_or(KernelError::MissingMap {
+                map: "fm_l7_ports (l7_dispatch is off in the config)",
+            })?;
+            ports
+                .insert(port, 1, 0)
+                .map_err(|e| KernelError::map("fm_l7_ports", "insert", e))
+        })
+    }
+
+    pub fn remove_l7_port(&self, port: u16) -> Result<(), KernelError> {
+        self.with(|l| {
+            let ports = l.maps.l7_ports.as_mut().ok_or(KernelError::MissingMap {
+                map: "fm_l7_ports (l7_dispatch is off in the config)",
+            })?;
+            match ports.remove(&port) {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+                Err(e) => Err(KernelError::map("fm_l7_ports", "remove", e)),
+            }
+        })
+    }
+
     /// Registers an accepted client socket for in-kernel dispatch; call before reading from
     /// it. Returns its cookie, the key for the other `l7_*` calls.
     pub fn l7_register(&self, client: &impl AsFd) -> Result<u64, KernelError> {
@@ -206,6 +233,47 @@ impl KernelTier {
                 .insert(client_cookie, c, 0)
                 .map_err(|e| KernelError::map("fm_l7_conns", "update", e))
         })
+    }
+
+    /// Splices two connected sockets in the kernel from their next byte on: whatever one
+    /// receives, the sk_skb verdict sends out of the other. This is the L4 relay of a `tcp`
+    /// listener in tier K (no decision to wait for). Returns both cookies for
+    /// [`KernelTier::l7_forget`]. Bytes already queued before the call still reach user space
+    /// and must be forwarded by hand, as must anything that arrives if a peer closes.
+    pub fn splice(&self, client: &impl AsFd, upstream: &impl AsFd) -> Result<(u64, u64), KernelError> {
+        let client_cookie =
+            socket_cookie(client).map_err(|e| KernelError::io("getsockopt(SO_COOKIE)", e))?;
+        let upstream_cookie =
+            socket_cookie(upstream).map_err(|e| KernelError::io("getsockopt(SO_COOKIE)", e))?;
+        self.with(|l| {
+            let conns = l.maps.l7_conns.as_mut().ok_or(KernelError::MissingMap {
+                map: "fm_l7_conns (tcp_splice and l7_dispatch are off in the config)",
+            })?;
+            for (cookie, peer) in [(client_cookie, upstream_cookie), (upstream_cookie, client_cookie)] {
+                let state = FmL7Conn {
+                    peer,
+                    state: L7_DECIDED,
+                    ..FmL7Conn::default()
+                };
+                conns
+                    .insert(cookie, state, 0)
+                    .map_err(|e| KernelError::map("fm_l7_conns", "insert", e))?;
+            }
+            let socks = l
+                .maps
+                .l7_socks
+                .as_mut()
+                .ok_or(KernelError::MissingMap { map: "fm_l7_socks" })?;
+            // Upstream first: once the client is in the sockhash its bytes are redirected to
+            // the upstream, which must already be there to receive them.
+            socks.insert(upstream_cookie, upstream.as_fd(), 0).map_err(|e| {
+                KernelError::map("fm_l7_socks", "insert (is the upstream connected?)", e)
+            })?;
+            socks.insert(client_cookie, client.as_fd(), 0).map_err(|e| {
+                KernelError::map("fm_l7_socks", "insert (is the client connected?)", e)
+            })
+        })?;
+        Ok((client_cookie, upstream_cookie))
     }
 
     /// Drops a connection's dispatch state (its sockhash entry goes when the socket closes).

@@ -135,7 +135,7 @@ pub fn status(pin_dir: &Path) -> Result<KernelStatus, KernelError> {
             "fm_bypass_pids" => count::<u32, u8>(data, false),
             "fm_orig_by_cookie" => count::<u64, FmAddr>(data, true),
             "fm_orig_by_tuple" => count::<[u8; 40], FmAddr>(data, true),
-            "fm_redirect_ports" => count::<u16, u8>(data, false),
+            "fm_redirect_ports" | "fm_l7_ports" => count::<u16, u8>(data, false),
             "fm_l7_conns" => count::<u64, FmL7Conn>(data, true),
             "fm_redirect_socks" => count_sock::<[u8; 48]>(data),
             "fm_l7_socks" => count_sock::<u64>(data),

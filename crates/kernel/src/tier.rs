@@ -54,6 +54,7 @@ pub(crate) struct Maps {
     pub l7_socks: Option<SockHash<MapData, u64>>,
     pub l7_conns: Option<HashMap<MapData, u64, FmL7Conn>>,
     pub routes: Option<Array<MapData, FmRoute>>,
+    pub l7_ports: Option<HashMap<MapData, u16, u8>>,
 }
 
 pub(crate) struct Loaded {
@@ -358,6 +359,7 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
     let mut l7_socks = None;
     let mut l7_conns = None;
     let mut routes = None;
+    let mut l7_ports = None;
 
     if let Some(capture) = &cfg.capture {
         let workloads = open_cgroup(&capture.cgroup)?;
@@ -418,6 +420,11 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
         let p = load_pin!(&mut obj, SkSkb, "fm_verdict", dir, ids);
         p.attach(socks.fd())
             .map_err(|e| KernelError::program("fm_verdict", "attach to fm_l7_socks", e))?;
+        let p = load_pin!(&mut obj, SockOps, "fm_sockops_l7", dir, ids);
+        p.attach(&root, CgroupAttachMode::Single).map_err(|e| {
+            KernelError::program("fm_sockops_l7", "attach to the root cgroup", e)
+        })?;
+        l7_ports = Some(typed(&mut obj, "fm_l7_ports")?);
         l7_socks = Some(socks);
         l7_conns = Some(typed(&mut obj, "fm_l7_conns")?);
         routes = Some(typed(&mut obj, "fm_routes")?);
@@ -441,6 +448,7 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
             l7_socks,
             l7_conns,
             routes,
+            l7_ports,
         },
         program_ids: ids,
     })

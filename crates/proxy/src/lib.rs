@@ -11,6 +11,7 @@ mod admin;
 pub mod downstream;
 pub mod error;
 pub mod http;
+pub mod kernel;
 pub mod lb;
 pub mod listener;
 pub mod metrics;

@@ -144,6 +144,9 @@ pub struct ListenerStats {
     pub bytes_in: WorkerCounter,
     /// TCP listeners: bytes upstream → client.
     pub bytes_out: WorkerCounter,
+    /// Connections whose bytes tier K moves (tcp splice, or an http connection whose first
+    /// request the kernel decided). Their bytes are counted by `flatmesh kernel status`.
+    pub kernel_spliced: WorkerCounter,
 }
 
 /// Counters of one cluster.
@@ -207,6 +210,7 @@ impl Metrics {
                     connections_closed: WorkerCounter::new(w),
                     bytes_in: WorkerCounter::new(w),
                     bytes_out: WorkerCounter::new(w),
+                    kernel_spliced: WorkerCounter::new(w),
                 })
             })
             .clone()
@@ -366,6 +370,16 @@ impl Collector for Scrape {
             "flatmesh_downstream_connections",
             "Accepted downstream connections",
             &total,
+        )?;
+        let spliced: Vec<_> = listeners
+            .iter()
+            .map(|(n, s)| ([("listener", n.as_str())], s.kernel_spliced.sum()))
+            .collect();
+        counter(
+            &mut enc,
+            "flatmesh_kernel_spliced_connections",
+            "Downstream connections handed to the kernel tier (eBPF splice)",
+            &spliced,
         )?;
         let mut bytes = Vec::new();
         for (n, s) in &listeners {

@@ -14,6 +14,7 @@ use parking_lot::Mutex;
 
 use crate::access_log::AccessLog;
 use crate::error::ProxyError;
+use crate::kernel::KernelBinding;
 use crate::listener::{bind_admin, bind_group};
 use crate::metrics::Metrics;
 use crate::snapshot::Snapshot;
@@ -54,6 +55,8 @@ pub(crate) struct Shared {
     pub ready: AtomicBool,
     workers: Vec<WorkerHandle>,
     state: Mutex<State>,
+    /// Tier K, attached at start when the config asks for it and the host can run it.
+    kernel: Option<Arc<KernelBinding>>,
 }
 
 impl Shared {
@@ -171,9 +174,27 @@ impl Shared {
                 b.name = name.to_string();
             }
         }
+        if state.snapshot.config.kernel != snapshot.config.kernel {
+            tracing::warn!("the `kernel:` section changed; which programs are attached changes at the next restart, the maps follow now");
+        }
         state.snapshot = snapshot;
+        if let Some(k) = &self.kernel {
+            k.install(&kernel_plan(&state));
+        }
         Ok(())
     }
+}
+
+/// What the current snapshot asks of tier K, with listeners at their bound addresses.
+fn kernel_plan(state: &State) -> crate::kernel::KernelPlan {
+    let actual = |name: &str| {
+        state
+            .bound
+            .values()
+            .find(|b| b.name == name)
+            .map(|b| b.actual)
+    };
+    crate::kernel::plan(&state.snapshot, &actual)
 }
 
 /// A running node proxy.
@@ -222,13 +243,28 @@ impl Node {
             );
             sockets.push(((l.address, l.protocol), group));
         }
+        let kernel = crate::kernel::attach(&snapshot.config).map(Arc::new);
         let mut handles = Vec::with_capacity(workers);
         for id in 0..workers {
             let view = WorkerView {
                 snapshot: snapshot.clone(),
                 upstreams: Upstreams::build(&snapshot, id, None),
             };
-            handles.push(worker::spawn(id, view, access_log.clone())?);
+            handles.push(worker::spawn(
+                id,
+                view,
+                access_log.clone(),
+                kernel.clone(),
+            )?);
+        }
+        let state = State {
+            snapshot,
+            bound,
+            status: ReloadStatus::default(),
+        };
+        // Maps before listening: the first connection already finds its routes and ports.
+        if let Some(k) = &kernel {
+            k.install(&kernel_plan(&state));
         }
         for (key, group) in sockets {
             for (w, socket) in handles.iter().zip(group) {
@@ -240,11 +276,8 @@ impl Node {
             source,
             ready: AtomicBool::new(false),
             workers: handles,
-            state: Mutex::new(State {
-                snapshot,
-                bound,
-                status: ReloadStatus::default(),
-            }),
+            state: Mutex::new(state),
+            kernel,
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
         let control_shared = shared.clone();

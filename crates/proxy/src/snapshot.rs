@@ -31,6 +31,10 @@ pub struct ListenerPlan {
     /// (`None` = answered by the proxy itself).
     pub route_stats: Vec<Vec<(Option<ClusterId>, Arc<RequestStats>)>>,
     pub no_route_stats: Arc<RequestStats>,
+    /// Tier K decides this http listener's first requests (when the node attached tier K).
+    pub kernel_l7: bool,
+    /// Tier K splices this tcp listener's connections (when the node attached tier K).
+    pub kernel_splice: bool,
 }
 
 pub struct ClusterPlan {
@@ -92,6 +96,7 @@ impl Snapshot {
                 })
             })
             .collect::<Result<Vec<_>, ProxyError>>()?;
+        let kernel_l7 = config.kernel_l7_listener();
         let mut listeners = Vec::with_capacity(config.listeners.len());
         for l in config.listeners.iter() {
             let mut route_stats = Vec::with_capacity(l.routes.len());
@@ -122,6 +127,8 @@ impl Snapshot {
                 stats: metrics.listener(&l.name),
                 route_stats,
                 no_route_stats: metrics.requests(&l.name, "none", ""),
+                kernel_l7: kernel_l7 == Some(l.name.as_str()),
+                kernel_splice: l.protocol == ListenerProtocol::Tcp && config.kernel_tcp_splice(),
             });
         }
         Ok(Snapshot {

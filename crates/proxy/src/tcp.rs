@@ -1,14 +1,17 @@
 //! The L4 relay for `tcp` listeners: no parsing, bytes spliced between two sockets.
 //! Half-close is carried through (a FIN on one side becomes a shutdown(WR) on the other)
-//! and a reset on one side becomes a reset on the other.
+//! and a reset on one side becomes a reset on the other. When tier K splices the pair, the
+//! relay only carries what reaches user space anyway: the bytes queued before the splice,
+//! the FIN and the reset.
 
 use std::sync::Arc;
 
 use tokio::net::TcpStream;
 
-use crate::lb::hash_client;
+use crate::lb::{hash_client, InFlight};
 use crate::tap::{Tap, Tapped};
-use crate::worker::ConnContext;
+use crate::worker::{ConnContext, WorkerView};
+use flatmesh_rules::ClusterId;
 
 /// Counts the bytes read through a socket, so totals are known even when the relay ends in error.
 #[derive(Default)]
@@ -39,66 +42,182 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
         tracing::warn!(listener = %listener.name, "tcp listener has no cluster; closing the connection");
         return;
     };
-    let plan = &snap.clusters[cid];
+    // The in-flight guard lives as long as the connection: least_request counts connections.
+    let Some((up, _in_flight)) = connect_upstream(&ctx, &view, &listener.name, cid).await else {
+        reset_on_close(&downstream);
+        return;
+    };
+    let _ = downstream.set_nodelay(true);
+    // Tier K: from here on the kernel moves the bytes; the relay below only carries what
+    // was already queued, the half-close and the reset.
+    let spliced = match (&ctx.kernel, listener.kernel_splice) {
+        (Some(k), true) => k.splice(&downstream, &up),
+        _ => None,
+    };
+    if spliced.is_some() {
+        listener.stats.kernel_spliced.add_shared(ctx.worker, 1);
+    }
+    let (bytes_in, bytes_out) = pump(downstream, up, spliced.is_some()).await;
+    listener.stats.bytes_in.add_shared(ctx.worker, bytes_in);
+    listener.stats.bytes_out.add_shared(ctx.worker, bytes_out);
+    if let (Some(k), Some((a, b))) = (&ctx.kernel, spliced) {
+        k.forget(&[a, b]);
+    }
+}
+
+/// Connects to an endpoint of cluster `cid`, picked by the worker's balancer for the client's
+/// address. Tries each endpoint at most once (up to 3), so one dead endpoint does not fail the client.
+pub async fn connect_upstream(
+    ctx: &ConnContext,
+    view: &WorkerView,
+    listener: &str,
+    cid: ClusterId,
+) -> Option<(TcpStream, InFlight)> {
+    let plan = &view.snapshot.clusters[cid];
     let upstream = &view.upstreams.by_cluster[cid];
     let key = hash_client(ctx.peer.ip());
-
-    // Try each endpoint at most once (up to 3), so one dead endpoint does not fail the client.
     let tries = plan.endpoints.len().clamp(1, 3);
-    let mut connected = None;
     for attempt in 0..tries {
-        let Some((index, in_flight)) = upstream.balancer.pick(key, attempt) else {
-            break;
-        };
+        let (index, in_flight) = upstream.balancer.pick(key, attempt)?;
         let endpoint = plan.endpoints[index];
         match tokio::time::timeout(plan.connect_timeout, TcpStream::connect(endpoint)).await {
             Ok(Ok(stream)) => {
                 plan.stats.connections.add_shared(ctx.worker, 1);
-                connected = Some((stream, in_flight));
-                break;
+                let _ = stream.set_nodelay(true);
+                return Some((stream, in_flight));
             }
             Ok(Err(err)) => {
                 plan.stats.connect_failures.add_shared(ctx.worker, 1);
-                tracing::warn!(listener = %listener.name, cluster = %plan.name, %endpoint, error = %err,
+                tracing::warn!(%listener, cluster = %plan.name, %endpoint, error = %err,
                     "tcp upstream connect failed; check that the endpoint is listening");
             }
             Err(_) => {
                 plan.stats.connect_failures.add_shared(ctx.worker, 1);
-                tracing::warn!(listener = %listener.name, cluster = %plan.name, %endpoint,
+                tracing::warn!(%listener, cluster = %plan.name, %endpoint,
                     "tcp upstream connect timed out; check the endpoint or raise connect_timeout");
             }
         }
     }
-    let Some((up, _in_flight)) = connected else {
-        reset_on_close(&downstream);
-        return;
-    };
-    let _ = up.set_nodelay(true);
-    let _ = downstream.set_nodelay(true);
+    None
+}
 
+/// Moves bytes both ways until both sides are done. A FIN becomes a shutdown(WR) on the other
+/// side; a reset (or error) on either side resets both. Returns the bytes read from the client
+/// and from the upstream (by user space: a spliced pair's kernel-moved bytes are not in them).
+pub async fn pump(client: TcpStream, upstream: TcpStream, spliced: bool) -> (u64, u64) {
     let mut client = Tapped {
-        inner: downstream,
+        inner: client,
         tap: ByteCount::default(),
     };
     let mut server = Tapped {
-        inner: up,
+        inner: upstream,
         tap: ByteCount::default(),
     };
-    let result = tokio::io::copy_bidirectional_with_sizes(
-        &mut client,
-        &mut server,
-        RELAY_BUFFER,
-        RELAY_BUFFER,
-    )
-    .await;
-    listener.stats.bytes_in.add_shared(ctx.worker, client.tap.0);
-    listener
-        .stats
-        .bytes_out
-        .add_shared(ctx.worker, server.tap.0);
-    if result.is_err() {
+    let result = if spliced {
+        spliced_pump(&mut client.inner, &mut server.inner).await
+    } else {
+        tokio::io::copy_bidirectional_with_sizes(
+            &mut client,
+            &mut server,
+            RELAY_BUFFER,
+            RELAY_BUFFER,
+        )
+        .await
+        .map(|_| ())
+    };
+    if let Err(err) = result {
+        tracing::debug!(error = %err, spliced, "relay ended with an error; resetting both sides");
         // One side reset (or failed): pass the reset on rather than a clean FIN.
         reset_on_close(&client.inner);
         reset_on_close(&server.inner);
     }
+    (client.tap.0, server.tap.0)
+}
+
+/// The relay of a pair the kernel splices. It differs from a plain copy in one place: on EOF
+/// from one side, the kernel may still hold bytes it redirected toward the other side's
+/// socket (the sockmap backlog, not yet in the send queue); a shutdown now would send the FIN
+/// ahead of them and lose them. So the FIN waits until the other side has acknowledged every
+/// byte the first side sent.
+async fn spliced_pump(client: &mut TcpStream, upstream: &mut TcpStream) -> std::io::Result<()> {
+    let (mut cr, mut cw) = client.split();
+    let (mut ur, mut uw) = upstream.split();
+    tokio::try_join!(
+        spliced_one_way(&mut cr, &mut uw, Opened::Actively),
+        spliced_one_way(&mut ur, &mut cw, Opened::Passively)
+    )?;
+    Ok(())
+}
+
+/// How the socket we write to was opened: its `tcpi_bytes_acked` counts the SYN only when
+/// it connected (actively).
+#[derive(Clone, Copy)]
+enum Opened {
+    Actively,
+    Passively,
+}
+
+async fn spliced_one_way(
+    from: &mut tokio::net::tcp::ReadHalf<'_>,
+    to: &mut tokio::net::tcp::WriteHalf<'_>,
+    to_opened: Opened,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut buf = vec![0u8; 16 * 1024];
+    let tag = |op: &str, e: std::io::Error| {
+        std::io::Error::new(e.kind(), format!("{op} ({}): {e}", match to_opened { Opened::Actively => "client to upstream", Opened::Passively => "upstream to client" }))
+    };
+    loop {
+        let n = from.read(&mut buf).await.map_err(|e| tag("read", e))?;
+        if n == 0 {
+            break;
+        }
+        to.write_all(&buf[..n]).await.map_err(|e| tag("write", e))?;
+    }
+    wait_delivered(from.as_ref(), to.as_ref(), to_opened).await;
+    to.shutdown().await.map_err(|e| tag("shutdown", e))
+}
+
+/// How long a FIN may wait for the kernel to deliver spliced bytes; past it, the FIN goes.
+const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Waits (bounded) until `to`'s peer has acknowledged every payload byte `from` received.
+/// The kernel's counts are in sequence numbers: `from`'s received bytes include the FIN
+/// that ended it, and `to`'s acknowledged bytes include the SYN when `to` connected.
+async fn wait_delivered(from: &TcpStream, to: &TcpStream, to_opened: Opened) {
+    let syn = match to_opened {
+        Opened::Actively => 1,
+        Opened::Passively => 0,
+    };
+    let deadline = tokio::time::Instant::now() + DRAIN_LIMIT;
+    while tokio::time::Instant::now() < deadline {
+        match (tcp_info(from), tcp_info(to)) {
+            (Some(f), Some(t))
+                if t.tcpi_bytes_acked.saturating_sub(syn)
+                    < f.tcpi_bytes_received.saturating_sub(1) => {}
+            (f, t) => {
+                tracing::debug!(from_received = f.map(|f| f.tcpi_bytes_received), to_acked = t.map(|t| t.tcpi_bytes_acked), syn, "spliced bytes delivered");
+                return;
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    tracing::debug!("spliced bytes not acknowledged in time; closing anyway");
+}
+
+fn tcp_info(sock: &TcpStream) -> Option<libc::tcp_info> {
+    use std::os::fd::AsRawFd as _;
+    // SAFETY: tcp_info is plain data; getsockopt writes at most `len` bytes into it.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(info)
 }

@@ -17,8 +17,9 @@ use tokio::sync::mpsc;
 use crate::access_log::AccessLog;
 use crate::downstream::{ConnSignals, HttpTap};
 use crate::error::ProxyError;
+use crate::kernel::{FirstRequest, KernelBinding};
 use crate::snapshot::Snapshot;
-use crate::tap::Tapped;
+use crate::tap::{Rewind, Tapped};
 use crate::upstream::Upstreams;
 
 /// What one worker reads per request: the snapshot and its own upstream state for it.
@@ -39,6 +40,8 @@ pub struct ConnContext {
     pub view: Arc<ArcSwap<WorkerView>>,
     pub access_log: AccessLog,
     pub signals: Arc<ConnSignals>,
+    /// Tier K, when the node attached it.
+    pub kernel: Option<Arc<KernelBinding>>,
 }
 
 /// The identity of a listener across reloads.
@@ -82,13 +85,14 @@ pub fn spawn(
     id: usize,
     view: WorkerView,
     access_log: AccessLog,
+    kernel: Option<Arc<KernelBinding>>,
 ) -> Result<WorkerHandle, ProxyError> {
     let view = Arc::new(ArcSwap::from_pointee(view));
     let (tx, rx) = mpsc::unbounded_channel();
     let worker_view = view.clone();
     let thread = std::thread::Builder::new()
         .name(format!("flatmesh-worker-{id}"))
-        .spawn(move || run(id, worker_view, access_log, rx))
+        .spawn(move || run(id, worker_view, access_log, kernel, rx))
         .map_err(|source| ProxyError::Thread { worker: id, source })?;
     Ok(WorkerHandle {
         id,
@@ -102,6 +106,7 @@ fn run(
     id: usize,
     view: Arc<ArcSwap<WorkerView>>,
     access_log: AccessLog,
+    kernel: Option<Arc<KernelBinding>>,
     mut rx: mpsc::UnboundedReceiver<Command>,
 ) {
     let rt = match tokio::runtime::Builder::new_current_thread()
@@ -128,6 +133,7 @@ fn run(
                             listener,
                             view.clone(),
                             access_log.clone(),
+                            kernel.clone(),
                             active.clone(),
                         ));
                         if let Some(old) = accepting.insert(key, task) {
@@ -172,6 +178,7 @@ async fn accept_loop(
     listener: tokio::net::TcpListener,
     view: Arc<ArcSwap<WorkerView>>,
     access_log: AccessLog,
+    kernel: Option<Arc<KernelBinding>>,
     active: Arc<AtomicUsize>,
 ) {
     loop {
@@ -196,20 +203,31 @@ async fn accept_loop(
             view: view.clone(),
             access_log: access_log.clone(),
             signals: Arc::new(ConnSignals::default()),
+            kernel: kernel.clone(),
         });
         tokio::spawn(async move {
             let _guard = guard;
             let current = ctx.view.load_full();
-            let stats = current
+            let plan = current
                 .snapshot
                 .listener_at(key.0, key.1)
-                .map(|l| current.snapshot.listeners[l].stats.clone());
+                .map(|l| &current.snapshot.listeners[l]);
+            let stats = plan.map(|l| l.stats.clone());
             if let Some(s) = &stats {
                 s.connections_opened.add_shared(worker, 1);
             }
             match key.1 {
                 ListenerProtocol::Tcp => crate::tcp::relay(ctx, stream).await,
-                ListenerProtocol::Http => serve_http(ctx, stream, &current.snapshot).await,
+                ListenerProtocol::Http => match &ctx.kernel {
+                    Some(k) if plan.is_some_and(|l| l.kernel_l7) => {
+                        let k = k.clone();
+                        serve_http_with_kernel(ctx, &k, stream, &current).await
+                    }
+                    _ => {
+                        let _ = stream.set_nodelay(true);
+                        serve_http(ctx, stream, &current.snapshot).await
+                    }
+                },
             }
             if let Some(s) = &stats {
                 s.connections_closed.add_shared(worker, 1);
@@ -218,8 +236,70 @@ async fn accept_loop(
     }
 }
 
-async fn serve_http(ctx: Arc<ConnContext>, stream: tokio::net::TcpStream, snapshot: &Snapshot) {
+/// The L7 listener with tier K: the kernel decides the first request; a decided connection is
+/// spliced to an endpoint of its cluster, anything else runs the user L7 path over the bytes
+/// read so far.
+async fn serve_http_with_kernel(
+    ctx: Arc<ConnContext>,
+    kernel: &KernelBinding,
+    stream: tokio::net::TcpStream,
+    view: &WorkerView,
+) {
+    let snapshot = &view.snapshot;
     let _ = stream.set_nodelay(true);
+    let buffered = match kernel
+        .first_request(&stream, snapshot.config.limits.header_read_timeout)
+        .await
+    {
+        FirstRequest::Closed => return,
+        FirstRequest::UserTier { buffered } => buffered,
+        FirstRequest::Decided {
+            cluster,
+            cookie,
+            buffered,
+        } => {
+            let listener = snapshot
+                .listener_at(ctx.listener_address, ctx.protocol)
+                .map(|l| &snapshot.listeners[l]);
+            let name = listener.map(|l| l.name.as_str()).unwrap_or("");
+            let connected = match snapshot.clusters.get(cluster) {
+                Some(_) => crate::tcp::connect_upstream(&ctx, view, name, cluster).await,
+                None => None,
+            };
+            match connected {
+                Some((mut up, _in_flight)) => {
+                    match kernel.splice_decided(cookie, &buffered, &mut up).await {
+                        Ok(spliced) => {
+                            if let (Some(l), Some(_)) = (listener, spliced) {
+                                l.stats.kernel_spliced.add_shared(ctx.worker, 1);
+                            }
+                            crate::tcp::pump(stream, up, spliced.is_some()).await;
+                            if let Some((a, b)) = spliced {
+                                kernel.forget(&[a, b]);
+                            }
+                        }
+                        Err(err) => {
+                            tracing::debug!(error = %err, "upstream closed before the first request was written");
+                            kernel.forget(&[cookie]);
+                        }
+                    }
+                    return;
+                }
+                // No endpoint answered: the user tier gives the client its 503.
+                None => {
+                    kernel.forget(&[cookie]);
+                    buffered
+                }
+            }
+        }
+    };
+    serve_http(ctx, Rewind::new(buffered, stream), snapshot).await
+}
+
+async fn serve_http<S>(ctx: Arc<ConnContext>, stream: S, snapshot: &Snapshot)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let limits = &snapshot.config.limits;
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     builder

@@ -16,14 +16,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Mode::SoftwareQueue,
         Mode::SoftwareUds,
     ];
-    let results = flatmesh_qnp::load::compare_modes(
-        &modes,
-        workload,
+    let spec = flatmesh_qnp::load::RunSpec {
+        generator: flatmesh_qnp::load::Generator::Endpoint,
         workers,
-        1,
+        dispatchers: 1,
         clients,
-        Duration::from_secs(seconds as u64),
-    )?;
+        duration: Duration::from_secs(seconds as u64),
+        pinning: Default::default(),
+    };
+    let results = flatmesh_qnp::load::compare_modes(&modes, workload, &spec)?;
     println!("workload {workload}, {workers} workers, 1 dispatcher, {clients} clients, {seconds} s per mode");
     println!(
         "{:<14} {:>9} {:>8} {:>8} {:>8} {:>18} {:>6}",

@@ -7,30 +7,46 @@ pub mod kv;
 pub mod pingpong;
 
 use crate::dispatch::Handler;
-use crate::load::{kv_key, KEY_RANGES};
+use crate::kv_store::KvStore;
+use crate::load::KEY_RANGES;
 use crate::transport::{OutReq, Request};
 use crate::QnpMessage as _;
-use std::collections::HashMap;
 use std::sync::Arc;
 
-/// The key-value GET service: `keys` keys pre-loaded with 64-byte values, shared read-only by
-/// the workers. (The paper's service stores them in RocksDB; this one keeps them in memory.)
-pub fn kv_service(keys: usize) -> Handler {
-    let store: Arc<HashMap<String, Vec<u8>>> = Arc::new(
-        (0..keys)
-            .map(|n| (kv_key(n, keys), format!("{n:064}").into_bytes()))
-            .collect(),
-    );
-    Arc::new(move |_worker, req: &Request| {
-        let (status, value) = match kv::Get::decode(&req.payload) {
-            Ok(get) => match store.get(&get.key) {
-                Some(v) => (0, v.clone()),
-                None => (404, Vec::new()),
-            },
-            Err(_) => (400, Vec::new()),
+/// The key-value service on RocksDB (§5.3): `Get` answers the key's value (status 0, or 404 if
+/// absent), `Put` stores one (status 0); a malformed request gets status 400 and a store failure
+/// status 500. All workers share the one store (RocksDB reads are thread-safe).
+pub fn kv_service(store: Arc<KvStore>) -> Handler {
+    Arc::new(move |worker, req: &Request| {
+        let (status, value) = match req.req_type {
+            t if t == <kv::Get as crate::QnpMessage>::REQ_TYPE => {
+                match kv::Get::decode(&req.payload) {
+                    Ok(get) => match store.get(get.key.as_bytes()) {
+                        Ok(Some(v)) => (0, v),
+                        Ok(None) => (404, Vec::new()),
+                        Err(e) => store_failed(worker, &e),
+                    },
+                    Err(_) => (400, Vec::new()),
+                }
+            }
+            t if t == <kv::Put as crate::QnpMessage>::REQ_TYPE => {
+                match kv::Put::decode(&req.payload) {
+                    Ok(put) => match store.put(put.key.as_bytes(), &put.value) {
+                        Ok(()) => (0, Vec::new()),
+                        Err(e) => store_failed(worker, &e),
+                    },
+                    Err(_) => (400, Vec::new()),
+                }
+            }
+            _ => (400, Vec::new()),
         };
         reply(req, &kv::Value { status, value })
     })
+}
+
+fn store_failed(worker: usize, e: &crate::QnpError) -> (i32, Vec<u8>) {
+    tracing::warn!(worker, error = %e, "qnp kv service: store failure");
+    (500, Vec::new())
 }
 
 /// The PingPong service: echoes the request.
@@ -82,36 +98,54 @@ pub fn demo_rules(workers: usize, lanes: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::load::kv_key;
     use crate::rules::{Decision, RuleSet};
     use bytes::Bytes;
     use std::net::SocketAddr;
 
     #[test]
-    fn kv_service_answers_gets() {
-        let svc = kv_service(240);
-        let get = OutReq::from_message(&kv::Get {
-            key: kv_key(17, 240),
-            flags: 0,
+    fn kv_service_answers_gets_and_puts_from_rocksdb() {
+        let store = Arc::new(KvStore::temporary().unwrap());
+        store.preload(240).unwrap();
+        let svc = kv_service(Arc::clone(&store));
+        let call = |req: OutReq| {
+            let req = Request {
+                peer: SocketAddr::from(([127, 0, 0, 1], 1)),
+                app_id: req.app_id,
+                req_type: req.req_type,
+                req_id: 1,
+                payload: req.payload,
+            };
+            kv::Value::decode(&svc(0, &req).payload).unwrap()
+        };
+        let get = |key: &str| {
+            call(
+                OutReq::from_message(&kv::Get {
+                    key: key.into(),
+                    flags: 0,
+                })
+                .unwrap(),
+            )
+        };
+        let v = get(&kv_key(17, 240));
+        assert_eq!(v.status, 0);
+        assert_eq!(v.value, crate::kv_store::preload_value(17));
+        assert_eq!(get("zz-missing").status, 404);
+        let put = OutReq::from_message(&kv::Put {
+            key: "new".into(),
+            value: b"fresh".to_vec(),
+            ttl_ms: 0,
         })
         .unwrap();
-        let req = Request {
-            peer: SocketAddr::from(([127, 0, 0, 1], 1)),
-            app_id: get.app_id,
-            req_type: get.req_type,
-            req_id: 1,
-            payload: get.payload,
-        };
-        let v = kv::Value::decode(&svc(0, &req).payload).unwrap();
-        assert_eq!(v.status, 0);
-        assert_eq!(v.value, format!("{:064}", 17).into_bytes());
-        let bad = Request {
+        assert_eq!(call(put).status, 0);
+        assert_eq!(get("new").value, b"fresh");
+        let bad = OutReq {
+            app_id: kv::APP_ID,
+            req_type: 0,
             payload: Bytes::from_static(b"\x00\x00"),
-            ..req
+            dispatch_len: 0,
         };
-        assert_eq!(
-            kv::Value::decode(&svc(0, &bad).payload).unwrap().status,
-            400
-        );
+        assert_eq!(call(bad).status, 400);
     }
 
     #[test]

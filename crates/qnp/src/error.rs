@@ -40,6 +40,9 @@ pub enum QnpError {
     /// A table image file is malformed.
     #[error("bad table image: {0}; recompile it with `flatmesh qnp rules compile`")]
     Image(String),
+    /// The key-value store failed.
+    #[error("RocksDB at {}: {msg}; check that the directory is writable and not opened by another process", path.display())]
+    Store { path: PathBuf, msg: String },
     /// The peer did not acknowledge a request.
     #[error("request {req_id} to {peer} was not acknowledged after {attempts} attempts; check that a QNP receiver listens there and that nothing drops UDP between the hosts")]
     Timeout {

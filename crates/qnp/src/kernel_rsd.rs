@@ -2,91 +2,81 @@
 //! `bpf/qnp_rsd.bpf.c`, built by clang in build.rs and loaded with aya 0.14, and the lowering of
 //! skip-and-check rules into its maps.
 //!
-//! The program reads the QNP header and the first TLV field of every packet, so the lowering
-//! accepts rules whose pattern fits in 16 bytes, at most 64 rules. A rule on another field than
-//! the first TLV's sees an empty value, as a missing field does in user space; the generated code
-//! puts a message's dispatch field first, so rules on it behave the same in both tiers.
+//! The lowering is the Matcher's image itself ([`Image::compile`], §4.2.2): every CAM entry
+//! becomes a key of the program's `qnp_cam` hash map and its paired RAM word the value. The
+//! program then runs the same walk as [`Image::run`] on the first packet of each request, so the
+//! kernel tier executes exactly the table image a NIC would hold, with the same 512-entry limit,
+//! and its cost grows with the skip-and-checks a request takes rather than with the rule count.
+//!
+//! Each app's entries carry a version. Replacing an app's rules writes the new version, flips
+//! `qnp_epoch[app]`, and only at the app's next replacement deletes the version before: a packet
+//! reads the epoch once, so it walks the old or the new entries, never a mix, and other apps'
+//! entries are never touched (§5.2.2).
 
-use crate::rules::{PatByte, RuleSet};
+use crate::image::{CamEntry, Image, RamEntry, CHECK_BYTES};
+use crate::rules::RuleSet;
 use crate::QnpError;
 use aya::maps::{Array, HashMap as BpfHashMap, MapData, ReusePortSockArray};
 use aya::programs::SkReuseport;
 use aya::Ebpf;
+use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd};
 
-/// Rules the program holds (its array size).
-pub const MAX_RULES: usize = 64;
-/// Pattern bytes one rule can hold.
-pub const MAX_PAT: usize = 16;
 /// Worker sockets the program can select from.
 pub const MAX_WORKERS: usize = 64;
+/// Entries `qnp_cam` holds: two versions of every app's entries with room to spare.
+pub const CAM_MAP_ENTRIES: usize = 4096;
 
-/// One rule as the program reads it; the layout must match `struct qnp_rule` in the C file.
+/// One CAM key as the program reads it; the layout must match `struct cam_key` in the C file.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct KernelRule {
+pub struct CamKey {
     pub app_id: u8,
     pub req_type: u8,
     pub field: u8,
-    pub len: u8,
-    pub queue: u8,
-    pub pad: [u8; 3],
-    pub bytes: [u8; MAX_PAT],
-    pub mask: [u8; MAX_PAT],
+    pub state: u8,
+    pub string: [u8; CHECK_BYTES],
+    pub version: u32,
 }
 
-// SAFETY: plain bytes, no padding beyond the explicit `pad`, valid for any bit pattern.
-unsafe impl aya::Pod for KernelRule {}
+// SAFETY: plain bytes and a u32, no padding (4 + 8 + 4 bytes), valid for any bit pattern.
+unsafe impl aya::Pod for CamKey {}
 
-/// The map contents a rule set lowers to.
-#[derive(Debug, Clone, PartialEq, Eq)]
+impl CamKey {
+    fn new(e: &CamEntry, version: u32) -> CamKey {
+        CamKey {
+            app_id: e.app_id,
+            req_type: e.req_type,
+            field: e.field,
+            state: e.state,
+            string: e.string,
+            version,
+        }
+    }
+}
+
+/// The map contents a rule set lowers to: per app, its image entries in table order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct KernelProgram {
-    pub rules: Vec<KernelRule>,
-    /// `(app_id << 8 | req_type, queue)`.
-    pub defaults: Vec<(u32, u32)>,
+    pub apps: BTreeMap<u8, Vec<(CamEntry, RamEntry)>>,
 }
 
-/// Lowers a rule set to the kernel program's maps, or says which rule cannot run there.
+impl KernelProgram {
+    /// Total CAM entries.
+    pub fn entries(&self) -> usize {
+        self.apps.values().map(Vec::len).sum()
+    }
+}
+
+/// Lowers a rule set to the kernel program's maps through the Matcher's image; fails as
+/// [`Image::compile`] does when the rules do not fit its 512 entries.
 pub fn lower(set: &RuleSet) -> Result<KernelProgram, QnpError> {
-    if set.rules.len() > MAX_RULES {
-        return Err(QnpError::TableFull(format!(
-            "{} rules do not fit the kernel dispatcher's {MAX_RULES}: {} over; use the software dispatcher or fewer rules",
-            set.rules.len(),
-            set.rules.len() - MAX_RULES
-        )));
+    let img = Image::compile(set)?;
+    let mut prog = KernelProgram::default();
+    for (cam, ram) in img.cam.iter().zip(&img.ram) {
+        prog.apps.entry(cam.app_id).or_default().push((*cam, *ram));
     }
-    let mut rules = Vec::with_capacity(set.rules.len());
-    for r in &set.rules {
-        if r.pattern.len() > MAX_PAT {
-            return Err(QnpError::TableFull(format!(
-                "the rule on line {} has a {}-byte pattern; the kernel dispatcher reads {MAX_PAT} bytes of the field; shorten it or use the software dispatcher",
-                r.line,
-                r.pattern.len()
-            )));
-        }
-        let mut k = KernelRule {
-            app_id: r.app_id,
-            req_type: r.req_type,
-            field: r.field,
-            // Bounded by MAX_PAT just above.
-            len: r.pattern.len() as u8,
-            queue: r.queue,
-            ..KernelRule::default()
-        };
-        for (i, p) in r.pattern.iter().enumerate() {
-            if let PatByte::Byte(b) = p {
-                k.bytes[i] = *b;
-                k.mask[i] = 0xff;
-            }
-        }
-        rules.push(k);
-    }
-    let defaults = set
-        .defaults
-        .iter()
-        .map(|((a, t), (q, _))| (u32::from(*a) << 8 | u32::from(*t), u32::from(*q)))
-        .collect();
-    Ok(KernelProgram { rules, defaults })
+    Ok(prog)
 }
 
 fn kerr(what: &str, e: impl std::fmt::Display) -> QnpError {
@@ -95,11 +85,9 @@ fn kerr(what: &str, e: impl std::fmt::Display) -> QnpError {
 
 /// The loaded program and its maps.
 pub struct KernelRsd {
-    // Keeps the program loaded.
-    _bpf: Ebpf,
-    rules: Array<MapData, KernelRule>,
-    nrules: Array<MapData, u32>,
-    defaults: BpfHashMap<MapData, u32, u32>,
+    bpf: Ebpf,
+    cam: BpfHashMap<MapData, CamKey, u32>,
+    epoch: Array<MapData, u32>,
     workers: ReusePortSockArray<MapData>,
 }
 
@@ -122,47 +110,77 @@ impl KernelRsd {
             bpf.take_map(name)
                 .ok_or_else(|| QnpError::Kernel(format!("map {name} is missing from the object")))
         };
-        let rules = Array::try_from(take("qnp_rules")?).map_err(|e| kerr("qnp_rules", e))?;
-        let nrules = Array::try_from(take("qnp_nrules")?).map_err(|e| kerr("qnp_nrules", e))?;
-        let defaults =
-            BpfHashMap::try_from(take("qnp_defaults")?).map_err(|e| kerr("qnp_defaults", e))?;
+        let cam = BpfHashMap::try_from(take("qnp_cam")?).map_err(|e| kerr("qnp_cam", e))?;
+        let epoch = Array::try_from(take("qnp_epoch")?).map_err(|e| kerr("qnp_epoch", e))?;
         let workers = ReusePortSockArray::try_from(take("qnp_workers")?)
             .map_err(|e| kerr("qnp_workers", e))?;
         let mut k = KernelRsd {
-            _bpf: bpf,
-            rules,
-            nrules,
-            defaults,
+            bpf,
+            cam,
+            epoch,
             workers,
         };
-        k.install(prog)?;
+        for (app, entries) in &prog.apps {
+            k.install_app(*app, entries)?;
+        }
         Ok(k)
     }
 
-    /// Writes the rules. The count goes last and to zero first, so a packet sees a prefix of
-    /// the old or the new rules, never a rule half-written.
-    pub fn install(&mut self, prog: &KernelProgram) -> Result<(), QnpError> {
-        self.nrules
-            .set(0, 0, 0)
-            .map_err(|e| kerr("clearing qnp_nrules", e))?;
-        for (i, r) in prog.rules.iter().enumerate() {
-            // lower() caps the rules at MAX_RULES.
-            self.rules
-                .set(i as u32, *r, 0)
-                .map_err(|e| kerr("writing qnp_rules", e))?;
+    /// Replaces the entries of one app (an empty list removes its rules: its requests are
+    /// dropped). Other apps' entries are not touched.
+    pub fn install_app(
+        &mut self,
+        app_id: u8,
+        entries: &[(CamEntry, RamEntry)],
+    ) -> Result<(), QnpError> {
+        let app = u32::from(app_id);
+        let live = self
+            .epoch
+            .get(&app, 0)
+            .map_err(|e| kerr("reading qnp_epoch", e))?;
+        let next = live ^ 1;
+        // The version before `live`: no packet reads it since the last flip.
+        let stale: Vec<CamKey> = self
+            .cam
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.app_id == app_id && k.version == next)
+            .collect();
+        for k in stale {
+            self.cam
+                .remove(&k)
+                .map_err(|e| kerr("removing a stale qnp_cam entry", e))?;
         }
-        let old: Vec<u32> = self.defaults.keys().filter_map(Result::ok).collect();
-        for k in old {
-            let _ = self.defaults.remove(&k);
+        // Backwards, so that the first of two equal keys wins, as in a CAM.
+        for (cam, ram) in entries.iter().rev() {
+            self.cam
+                .insert(CamKey::new(cam, next), ram.to_word(), 0)
+                .map_err(|e| {
+                    kerr(
+                        &format!(
+                            "writing qnp_cam (it holds {CAM_MAP_ENTRIES} entries, two versions per app)"
+                        ),
+                        e,
+                    )
+                })?;
         }
-        for (k, q) in &prog.defaults {
-            self.defaults
-                .insert(k, q, 0)
-                .map_err(|e| kerr("writing qnp_defaults", e))?;
-        }
-        self.nrules
-            .set(0, prog.rules.len() as u32, 0)
-            .map_err(|e| kerr("writing qnp_nrules", e))
+        self.epoch
+            .set(app, next, 0)
+            .map_err(|e| kerr("flipping qnp_epoch", e))
+    }
+
+    /// The program's total run time and run count, which the kernel keeps while the sysctl
+    /// `kernel.bpf_stats_enabled` is 1 (read from the program fd's fdinfo); `None` if unreadable.
+    pub fn run_stats(&mut self) -> Option<(u64, u64)> {
+        let p: &mut SkReuseport = self.bpf.program_mut("qnp_select")?.try_into().ok()?;
+        let fd = p.fd().ok()?.as_fd().as_raw_fd();
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        };
+        Some((field("run_time_ns:")?, field("run_cnt:")?))
     }
 
     /// Makes `socket` the target of queue `index`.
@@ -175,7 +193,7 @@ impl KernelRsd {
     /// Attaches the program to the SO_REUSEPORT group of `socket`.
     pub fn attach(&mut self, socket: impl AsFd) -> Result<(), QnpError> {
         let p: &mut SkReuseport = self
-            ._bpf
+            .bpf
             .program_mut("qnp_select")
             .ok_or_else(|| QnpError::Kernel("qnp_select is missing".into()))?
             .try_into()
@@ -190,33 +208,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn lowers_patterns_to_bytes_and_masks() {
-        let set = RuleSet::parse("r", "rule 1 0 0 \"a.c\" -> 2\ndefault 1 0 -> 5").unwrap();
+    fn lowers_the_image_per_app() {
+        let set = RuleSet::parse(
+            "r",
+            "rule 1 0 0 \"a.c\" -> 2\ndefault 1 0 -> 5\nrule 2 0 0 \"x\" -> 1",
+        )
+        .unwrap();
+        let img = Image::compile(&set).unwrap();
         let p = lower(&set).unwrap();
-        assert_eq!(p.rules[0].len, 3);
-        assert_eq!(p.rules[0].bytes[..3], [b'a', 0, b'c']);
-        assert_eq!(p.rules[0].mask[..4], [0xff, 0, 0xff, 0]);
-        assert_eq!(p.defaults, vec![(0x100, 5)]);
+        assert_eq!(p.entries(), img.cam.len());
+        assert_eq!(p.apps.keys().copied().collect::<Vec<_>>(), vec![1, 2]);
+        assert!(p.apps[&1].iter().all(|(c, _)| c.app_id == 1));
         assert_eq!(
-            std::mem::size_of::<KernelRule>(),
-            40,
-            "struct qnp_rule is 40 bytes"
+            std::mem::size_of::<CamKey>(),
+            16,
+            "struct cam_key is 16 bytes"
         );
     }
 
     #[test]
-    fn refuses_what_the_kernel_cannot_hold() {
-        let long = RuleSet::parse("r", "rule 1 0 0 \"0123456789abcdefg\" -> 2").unwrap();
-        assert!(lower(&long)
-            .unwrap_err()
-            .to_string()
-            .contains("line 1 has a 17-byte pattern"));
-        let many: String = (0..65)
-            .map(|i| format!("rule 1 0 0 \"{i}\" -> 1\n"))
+    fn refuses_what_the_tables_cannot_hold() {
+        // 600 rules over 60 request types, two skip-and-checks each: 60 start entries and
+        // 4 per rule, far more than 512.
+        let many: String = (0..600)
+            .map(|i| format!("rule 1 {} 0 \"{i:03}.x\" -> 1\n", i % 60))
             .collect();
-        let e = lower(&RuleSet::parse("r", &many).unwrap())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("1 over"), "{e}");
+        let e = lower(&RuleSet::parse("r", &many).unwrap()).unwrap_err();
+        assert!(matches!(e, QnpError::TableFull(_)), "{e}");
+        assert!(e.to_string().contains("entries over"), "{e}");
     }
 }

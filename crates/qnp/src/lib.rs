@@ -9,18 +9,27 @@
 //! - [`image`]: the Matcher's RAM/CAM tables (§4.2.2), compiler and bit-exact reference executor.
 //! - [`kernel_rsd`]: the sk_reuseport eBPF dispatcher and the lowering of rules into its maps.
 //! - [`dispatch`]: receive-side dispatch across per-core shared-nothing workers.
-//! - [`load`]: a closed-loop load generator (PingPong, Zipf key-value GETs).
-//! - [`apps`]: generated messages of the example applications.
+//! - [`cpu`]: pinning threads for benchmarks.
+//! - [`bench`]: the dispatch benchmark: modes side by side, sweeps of skip-and-checks and rules, tables and SVG plots.
+//! - [`svg`]: the benchmark's line charts.
+//! - [`load`]: closed-loop load generators (PingPong, Zipf key-value GETs, the benchmark workload;
+//!   `load::pipelined` batches system calls so one core can load a server core).
+//! - [`apps`]: generated messages of the example applications and their services.
+//! - [`kv_store`]: the RocksDB store behind the key-value GET service.
 
 pub mod apps;
+pub mod bench;
+pub mod cpu;
 pub mod dispatch;
 pub mod error;
 pub mod header;
 pub mod idl;
 pub mod image;
 pub mod kernel_rsd;
+pub mod kv_store;
 pub mod load;
 pub mod rules;
+pub mod svg;
 pub mod tlv;
 pub mod transport;
 

@@ -14,16 +14,26 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
+pub mod pipelined;
+
 /// Key ranges of the key-value workload (the paper's 24).
 pub const KEY_RANGES: usize = 24;
 
 /// What the clients send.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Workload {
     /// 128-byte pings; `lanes` spreads them over that many dispatch values.
     PingPong { lanes: usize },
     /// GETs of `keys` keys with Zipf(`s`) popularity.
     KvGet { keys: usize, s: f64 },
+    /// Requests of `app_id`/type 0 whose field 0 is one of `values`, picked uniformly, padded
+    /// to 128 bytes. The server answers with its worker index; a response from another worker
+    /// than `expect[i]` counts as misdispatched (the benchmark's proof that a mode ran the rules).
+    Dispatch {
+        app_id: u8,
+        values: Arc<Vec<Vec<u8>>>,
+        expect: Arc<Vec<u8>>,
+    },
 }
 
 /// The key of key number `n` out of `keys`: range letter `a`..`x`, then the number.
@@ -64,6 +74,8 @@ impl Zipf {
 pub struct LoadReport {
     pub requests: u64,
     pub errors: u64,
+    /// Responses of [`Workload::Dispatch`] from another worker than the rules say.
+    pub misdispatched: u64,
     pub seconds: f64,
     pub p50_us: f64,
     pub p99_us: f64,
@@ -75,10 +87,15 @@ impl LoadReport {
     }
 }
 
-fn request(w: Workload, zipf: Option<&Zipf>, rng: &mut StdRng) -> Result<OutReq, QnpError> {
-    match w {
+/// A request of `w` and, for [`Workload::Dispatch`], the worker that must answer it.
+fn request(
+    w: &Workload,
+    zipf: Option<&Zipf>,
+    rng: &mut StdRng,
+) -> Result<(OutReq, Option<u8>), QnpError> {
+    let req = match w {
         Workload::PingPong { lanes } => {
-            let lane = rng.random_range(0..lanes.max(1));
+            let lane = rng.random_range(0..(*lanes).max(1));
             OutReq::from_message(&pingpong::Ping {
                 // 128 bytes on the wire: 3 + 6 (lane) + 3 + 105 (body) + 3 + 8 (sent_ns).
                 body: vec![0x5a; 105],
@@ -89,13 +106,37 @@ fn request(w: Workload, zipf: Option<&Zipf>, rng: &mut StdRng) -> Result<OutReq,
         Workload::KvGet { keys, .. } => {
             let rank = zipf.map_or(0, |z| z.sample(rng));
             // Spread popular ranks over the key space, so the hot keys are not all in range `a`.
-            let n = rank.wrapping_mul(7919) % keys.max(1);
+            let n = rank.wrapping_mul(7919) % (*keys).max(1);
             OutReq::from_message(&kv::Get {
-                key: kv_key(n, keys),
+                key: kv_key(n, *keys),
                 flags: 0,
             })
         }
-    }
+        Workload::Dispatch {
+            app_id,
+            values,
+            expect,
+        } => {
+            let i = rng.random_range(0..values.len().max(1));
+            let value = values.get(i).map_or(&[][..], Vec::as_slice);
+            let mut payload = Vec::with_capacity(128);
+            crate::tlv::put_bytes(&mut payload, 0, value)?;
+            let dispatch_len = payload.len();
+            // Pad to 128 bytes, as the PingPong app (fields of 3 + value bytes).
+            let pad = 128usize.saturating_sub(dispatch_len + 3);
+            crate::tlv::put_bytes(&mut payload, 1, &vec![0x5a; pad])?;
+            return Ok((
+                OutReq {
+                    app_id: *app_id,
+                    req_type: 0,
+                    payload: payload.into(),
+                    dispatch_len,
+                },
+                expect.get(i).copied(),
+            ));
+        }
+    };
+    Ok((req?, None))
 }
 
 /// Runs `clients` closed-loop clients against `target` for `duration`.
@@ -108,7 +149,7 @@ pub async fn run(
 ) -> Result<LoadReport, QnpError> {
     let zipf = match workload {
         Workload::KvGet { keys, s } => Some(Arc::new(Zipf::new(keys, s))),
-        Workload::PingPong { .. } => None,
+        Workload::PingPong { .. } | Workload::Dispatch { .. } => None,
     };
     let bind = SocketAddr::new(target.ip(), 0);
     let start = Instant::now();
@@ -118,47 +159,92 @@ pub async fn run(
         let sock = tokio::net::UdpSocket::bind(bind)
             .await
             .map_err(|e| QnpError::io(format!("binding a load client on {bind}"), e))?;
-        let zipf = zipf.clone();
+        let (zipf, workload) = (zipf.clone(), workload.clone());
         tasks.push(tokio::spawn(async move {
             let ep = Endpoint::new(sock, cfg);
             let mut rng = StdRng::seed_from_u64(c as u64);
-            let (mut lat, mut errors) = (Vec::new(), 0u64);
+            let (mut lat, mut errors, mut wrong) = (Vec::new(), 0u64, 0u64);
             while Instant::now() < deadline {
-                let req = request(workload, zipf.as_deref(), &mut rng)?;
+                let (req, expect) = request(&workload, zipf.as_deref(), &mut rng)?;
                 let t0 = Instant::now();
                 match ep.send_req(target, &req).await {
-                    Ok(_) => lat.push(t0.elapsed().as_nanos() as u64),
+                    Ok(resp) => {
+                        lat.push(t0.elapsed().as_nanos() as u64);
+                        if expect.is_some_and(|q| resp.payload.first() != Some(&q)) {
+                            wrong += 1;
+                        }
+                    }
                     Err(QnpError::Timeout { .. }) => errors += 1,
                     Err(e) => return Err(e),
                 }
             }
-            Ok::<_, QnpError>((lat, errors))
+            Ok::<_, QnpError>((lat, errors, wrong))
         }));
     }
-    let (mut lat, mut errors) = (Vec::new(), 0);
+    let (mut lat, mut errors, mut misdispatched) = (Vec::new(), 0, 0);
     for t in tasks {
-        let (l, e) = t
+        let (l, e, w) = t
             .await
             .map_err(|e| QnpError::io("a load client failed", std::io::Error::other(e)))??;
         lat.extend(l);
         errors += e;
+        misdispatched += w;
     }
     let seconds = start.elapsed().as_secs_f64();
+    Ok(report(lat, errors, misdispatched, seconds))
+}
+
+/// Folds request latencies (ns) and counts into a report.
+fn report(mut lat: Vec<u64>, errors: u64, misdispatched: u64, seconds: f64) -> LoadReport {
     lat.sort_unstable();
     let pct = |p: f64| {
         lat.get(((lat.len() as f64 * p) as usize).min(lat.len().saturating_sub(1)))
             .map_or(0.0, |ns| *ns as f64 / 1000.0)
     };
-    Ok(LoadReport {
+    LoadReport {
         requests: lat.len() as u64,
         errors,
+        misdispatched,
         seconds,
         p50_us: pct(0.50),
         p99_us: pct(0.99),
-    })
+    }
 }
 
-/// One mode's results in [`compare_modes`].
+/// Where a run's threads execute. DESIGN.md ("Measuring"): the system under test on CPU 1, the
+/// load generator on CPU 0. Empty lists leave threads unpinned.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Pinning {
+    pub server: Vec<usize>,
+    pub load: Vec<usize>,
+}
+
+/// Which load generator drives a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Generator {
+    /// [`run`]: each client a full QNP endpoint with one request outstanding (the demo).
+    Endpoint,
+    /// [`pipelined::run`]: each client a socket with `window` requests outstanding, batched
+    /// system calls (the benchmark: cheap enough to load a server core from one core).
+    Pipelined { window: usize },
+}
+
+/// The setup shared by every mode of a comparison.
+#[derive(Debug, Clone)]
+pub struct RunSpec {
+    pub generator: Generator,
+    /// Worker threads.
+    pub workers: usize,
+    /// Dispatcher threads of the software modes.
+    pub dispatchers: usize,
+    /// Closed-loop clients (sockets of the pipelined generator).
+    pub clients: usize,
+    /// Measured time per mode.
+    pub duration: Duration,
+    pub pinning: Pinning,
+}
+
+/// One mode's results.
 #[derive(Debug, Clone)]
 pub struct ModeResult {
     pub mode: crate::dispatch::Mode,
@@ -167,6 +253,12 @@ pub struct ModeResult {
     pub per_worker: Vec<u64>,
     /// Packets the software dispatchers dropped.
     pub dropped: u64,
+    /// Kernel mode with `kernel.bpf_stats_enabled` on: the dispatcher program's mean run time.
+    pub kernel_ns_per_packet: Option<f64>,
+    /// CPU time of the worker and dispatcher threads per answered request, in µs. On loopback
+    /// the receive path of a request (and the kernel dispatcher) runs in the sender's system
+    /// call, so it is charged to the load generator, not here.
+    pub server_cpu_us_per_req: f64,
 }
 
 /// Keys of the demo's key-value store.
@@ -174,25 +266,86 @@ pub const DEMO_KEYS: usize = 24_000;
 /// Ping lanes of the demo.
 pub const DEMO_LANES: usize = 16;
 
-/// Serves `workload` (`kv` or `pingpong`) in each mode in turn, with the same workers, and
-/// drives it with `clients` closed-loop clients for `duration` per mode.
+/// Serves `handler` under `rules` in `mode` on `spec`'s server CPUs and drives it with
+/// `workload` from the calling thread, pinned to `spec`'s load CPUs, on `rt`.
+pub fn run_mode(
+    rt: &tokio::runtime::Runtime,
+    mode: crate::dispatch::Mode,
+    spec: &RunSpec,
+    rules: &crate::rules::RuleSet,
+    workload: &Workload,
+    handler: &crate::dispatch::Handler,
+) -> Result<ModeResult, QnpError> {
+    use crate::dispatch::{DispatchServer, Rsd};
+    crate::cpu::pin_current_thread(&spec.pinning.load)?;
+    let cfg = QnpConfig::default();
+    let server = DispatchServer::start_on(
+        &spec.pinning.server,
+        mode,
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        spec.workers,
+        spec.dispatchers,
+        Arc::new(Rsd::new(rules.clone())),
+        cfg,
+        Arc::clone(handler),
+    )?;
+    let report = match spec.generator {
+        Generator::Endpoint => rt.block_on(run(
+            server.addr(),
+            spec.clients,
+            spec.duration,
+            workload.clone(),
+            cfg,
+        ))?,
+        Generator::Pipelined { window } => {
+            pipelined::run(server.addr(), spec.clients, window, spec.duration, workload)?
+        }
+    };
+    let result = ModeResult {
+        mode,
+        report,
+        per_worker: server.handled(),
+        dropped: server.dispatched_dropped().1,
+        kernel_ns_per_packet: server
+            .kernel_run_stats()
+            .filter(|(_, runs)| *runs > 0)
+            .map(|(ns, runs)| ns as f64 / runs as f64),
+        server_cpu_us_per_req: 0.0,
+    };
+    let cpu = server.stop();
+    Ok(ModeResult {
+        server_cpu_us_per_req: cpu.as_secs_f64() * 1e6 / result.report.requests.max(1) as f64,
+        ..result
+    })
+}
+
+/// A current-thread runtime for the load generator.
+pub fn load_runtime() -> Result<tokio::runtime::Runtime, QnpError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| QnpError::io("starting the load generator's runtime", e))
+}
+
+/// The demo: serves `workload` (`kv`: GETs on a RocksDB store of [`DEMO_KEYS`] pre-loaded keys,
+/// or `pingpong`) in each mode in turn, with the same workers and rules ([`crate::apps::demo_rules`]).
 pub fn compare_modes(
     modes: &[crate::dispatch::Mode],
     workload: &str,
-    workers: usize,
-    dispatchers: usize,
-    clients: usize,
-    duration: Duration,
+    spec: &RunSpec,
 ) -> Result<Vec<ModeResult>, QnpError> {
-    use crate::dispatch::{DispatchServer, Rsd};
     let (load, handler) = match workload {
-        "kv" => (
-            Workload::KvGet {
-                keys: DEMO_KEYS,
-                s: 0.9,
-            },
-            crate::apps::kv_service(DEMO_KEYS),
-        ),
+        "kv" => {
+            let store = crate::kv_store::KvStore::temporary()?;
+            store.preload(DEMO_KEYS)?;
+            (
+                Workload::KvGet {
+                    keys: DEMO_KEYS,
+                    s: 0.9,
+                },
+                crate::apps::kv_service(Arc::new(store)),
+            )
+        }
         "pingpong" => (
             Workload::PingPong { lanes: DEMO_LANES },
             crate::apps::pingpong_service(),
@@ -204,33 +357,12 @@ pub fn compare_modes(
         }
     };
     let rules =
-        crate::rules::RuleSet::parse("demo", &crate::apps::demo_rules(workers, DEMO_LANES))?;
-    let cfg = QnpConfig::default();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| QnpError::io("starting the load generator's runtime", e))?;
-    let mut out = Vec::new();
-    for &mode in modes {
-        let server = DispatchServer::start(
-            mode,
-            SocketAddr::from(([127, 0, 0, 1], 0)),
-            workers,
-            dispatchers,
-            Arc::new(Rsd::new(rules.clone())),
-            cfg,
-            Arc::clone(&handler),
-        )?;
-        let report = rt.block_on(run(server.addr(), clients, duration, load, cfg))?;
-        out.push(ModeResult {
-            mode,
-            report,
-            per_worker: server.handled(),
-            dropped: server.dispatched_dropped().1,
-        });
-        server.stop();
-    }
-    Ok(out)
+        crate::rules::RuleSet::parse("demo", &crate::apps::demo_rules(spec.workers, DEMO_LANES))?;
+    let rt = load_runtime()?;
+    modes
+        .iter()
+        .map(|&mode| run_mode(&rt, mode, spec, &rules, &load, &handler))
+        .collect()
 }
 
 #[cfg(test)]
@@ -266,7 +398,7 @@ mod tests {
     #[test]
     fn ping_is_128_bytes() {
         let mut rng = StdRng::seed_from_u64(0);
-        let r = request(Workload::PingPong { lanes: 4 }, None, &mut rng).unwrap();
+        let (r, _) = request(&Workload::PingPong { lanes: 4 }, None, &mut rng).unwrap();
         assert_eq!(r.payload.len(), 128);
     }
 }

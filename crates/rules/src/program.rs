@@ -190,6 +190,7 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
             kind,
         });
     }
+    crate::tier::place_in_kernel(cfg, &mut listeners);
     Ok(RuleProgram {
         listeners,
         clusters,

@@ -181,6 +181,50 @@ pub fn classify_http(route: &Route) -> Placement {
     }
 }
 
+/// Entries in tier K's route table (`fm_routes`); the last one is kept for the closing punt.
+const KERNEL_ROUTES_MAX: usize = 64;
+
+/// Moves the rules the node's `kernel:` section hands to tier K there: a spliced tcp
+/// listener's rule, and the routes of the L7 listener that the kernel's table decides. The
+/// table mirrors the kernel crate's lowering: rule order, at most 63 entries, and nothing
+/// after the first entry that matches every request (a catch-all or a regex with no method).
+pub(crate) fn place_in_kernel(cfg: &flatmesh_config::Config, listeners: &mut [crate::ListenerTable]) {
+    use crate::matcher::PathCond;
+    use crate::{RouteAction, TableKind};
+    let l7 = cfg.kernel_l7_listener();
+    for l in listeners.iter_mut() {
+        match &mut l.kind {
+            TableKind::Tcp(rule) if cfg.kernel_tcp_splice() => {
+                rule.placement.tier = Tier::Kernel;
+                rule.placement.reason = "L4 only: spliced in the kernel (sk_skb), kernel.tcp_splice";
+            }
+            TableKind::Http(table) if Some(l.name.as_str()) == l7 => {
+                for (i, r) in table.routes.iter_mut().enumerate() {
+                    if i >= KERNEL_ROUTES_MAX - 1 {
+                        break;
+                    }
+                    if matches!(r.action, RouteAction::Forward(_))
+                        && r.placement.eligible.contains(Tier::Kernel)
+                    {
+                        r.placement.tier = Tier::Kernel;
+                        r.placement.reason = "first request decided in the kernel (sk_skb), user tier when it cannot";
+                        r.tier = Tier::Kernel;
+                    }
+                    let matches_all_paths = match &r.matches.path {
+                        None | Some(PathCond::Regex(_)) => true,
+                        Some(PathCond::Prefix(p)) => p.is_empty(),
+                        Some(PathCond::Exact(_)) => false,
+                    };
+                    if r.matches.method.is_none() && matches_all_paths {
+                        break;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,40 +1,117 @@
-//! `flatmesh node --config FILE`: run the node proxy until SIGINT/SIGTERM.
+//! `flatmesh node`: run the node proxy until SIGINT/SIGTERM. Its config comes from a YAML file
+//! (`--config`), from a control plane over xDS (`--xds`, with `--config` optional for node
+//! settings and static resources), or from an Envoy v3 bootstrap (`--envoy-config`).
 
 use std::path::PathBuf;
 
 use anyhow::Context as _;
 use flatmesh_proxy::{ConfigSource, Node};
+use flatmesh_xds::client::{Apply as _, Client, Options, Protocol};
 
 #[derive(clap::Args)]
 pub struct Args {
     /// The node's YAML config. Changes to it (or SIGHUP) reload it without dropping requests.
-    #[arg(long, short)]
-    config: PathBuf,
+    /// With --xds it is optional and gives node settings plus any static listeners/clusters.
+    #[arg(long, short, required_unless_present_any = ["xds", "envoy_config"])]
+    config: Option<PathBuf>,
+    /// Take listeners, routes, clusters and endpoints from this xDS (ADS) server, HOST:PORT.
+    #[arg(long, value_name = "HOST:PORT", requires = "node_id")]
+    xds: Option<String>,
+    /// The node id sent to the xDS server.
+    #[arg(long, value_name = "ID")]
+    node_id: Option<String>,
+    /// Speak incremental (delta) xDS instead of state-of-the-world.
+    #[arg(long, requires = "xds")]
+    xds_delta: bool,
+    /// Run the static_resources of an Envoy v3 bootstrap file (YAML or JSON), within the
+    /// subset flatmesh supports (docs/xds.md).
+    #[arg(long, value_name = "FILE", conflicts_with = "config")]
+    envoy_config: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     crate::cmd::init_logging();
-    let config = flatmesh_config::load(&args.config).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let node = Node::start(config, ConfigSource::File(args.config.clone()))?;
-    tracing::info!(admin = %node.admin_addr(), config = %args.config.display(), "flatmesh node is ready");
-    wait_for_stop().context("cannot wait for SIGINT/SIGTERM")?;
+    match (&args.xds, &args.envoy_config, &args.config) {
+        (Some(server), _, _) => run_xds(&args, server.clone()),
+        (None, Some(envoy), _) => {
+            let config = flatmesh_xds::bootstrap::load(envoy)?;
+            let node = Node::start(config, ConfigSource::Inline)?;
+            tracing::info!(admin = %node.admin_addr(), envoy_config = %envoy.display(), "flatmesh node is ready (Envoy bootstrap imported)");
+            wait_and_stop(node)
+        }
+        (None, None, Some(path)) => {
+            let config = flatmesh_config::load(path).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let node = Node::start(config, ConfigSource::File(path.clone()))?;
+            tracing::info!(admin = %node.admin_addr(), config = %path.display(), "flatmesh node is ready");
+            wait_and_stop(node)
+        }
+        (None, None, None) => {
+            anyhow::bail!("give --config FILE, --envoy-config FILE or --xds HOST:PORT --node-id ID")
+        }
+    }
+}
+
+fn run_xds(args: &Args, server: String) -> anyhow::Result<()> {
+    let base = match (&args.config, &args.envoy_config) {
+        (Some(path), _) => flatmesh_xds::load_base(path)?,
+        (None, Some(envoy)) => flatmesh_xds::bootstrap::load(envoy)?,
+        (None, None) => flatmesh_xds::bootstrap::empty_config(),
+    };
+    let node_id = args.node_id.clone().context("--xds needs --node-id ID")?;
+    let (mut apply, node) = flatmesh_xds::apply::NodeApply::new();
+    // Start at once with the static part, so the admin endpoint is up before the control plane answers.
+    apply
+        .apply(base.clone())
+        .map_err(|e| anyhow::anyhow!("cannot start the node: {e}"))?;
+    if let Some(n) = node.lock().as_ref() {
+        tracing::info!(admin = %n.admin_addr(), xds = %server, node_id = %node_id, "flatmesh node is ready; waiting for xDS");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("flatmesh-xds")
+        .enable_all()
+        .build()
+        .context("cannot start the xDS client runtime")?;
+    let options = Options {
+        server,
+        node_cluster: node_id.clone(),
+        node_id,
+        protocol: if args.xds_delta {
+            Protocol::Delta
+        } else {
+            Protocol::Sotw
+        },
+    };
+    let client = rt.block_on(async { Client::spawn(options, base, apply) });
+    let stopped = rt.block_on(signals());
+    rt.block_on(client.stop());
+    let running = node.lock().take();
+    if let Some(n) = running {
+        tracing::info!("stopping: draining in-flight connections");
+        n.shutdown();
+    }
+    stopped.context("cannot wait for SIGINT/SIGTERM")
+}
+
+fn wait_and_stop(node: Node) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start a runtime to wait for signals")?;
+    rt.block_on(signals())
+        .context("cannot wait for SIGINT/SIGTERM")?;
     tracing::info!("stopping: draining in-flight connections");
     node.shutdown();
     Ok(())
 }
 
-fn wait_for_stop() -> std::io::Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate())?;
-        let mut int = signal(SignalKind::interrupt())?;
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-        Ok(())
-    })
+async fn signals() -> std::io::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    Ok(())
 }

@@ -1,8 +1,311 @@
-//! `flatmesh pu ...`: split network namespace across processing units. Owned by the pu work (issue 7).
+//! `flatmesh pu ...`: split network namespace across processing units (crates/pu, issue 7).
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use comfy_table::Table;
+use flatmesh_pu::{cleanup, demo, Emulated, PuBackend as _, SplitConfig};
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    #[command(subcommand)]
+    command: Sub,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`flatmesh pu` is being built (issue 7)")
+#[derive(clap::Subcommand)]
+enum Sub {
+    /// Create the PUs of a split namespace (network namespaces, cpusets, veth links).
+    Up(ConfigArg),
+    /// Run the agent of one PU: keeps the global port table and this PU's rules up to date.
+    Agent {
+        /// The PU this agent runs on.
+        #[arg(long)]
+        pu: String,
+        #[command(flatten)]
+        config: ConfigArg,
+    },
+    /// Run a command on a PU (its network namespace and CPUs), e.g. an app or a proxy.
+    Run {
+        #[arg(long)]
+        pu: String,
+        #[command(flatten)]
+        config: ConfigArg,
+        /// The command and its arguments.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
+    /// Show the port table, the agents and each PU's rules.
+    Status(ConfigArg),
+    /// Remove the PUs, links, rules and port table of a split namespace.
+    Down(ConfigArg),
+    /// Remove leftovers of split namespaces (after a crash): all, or one with --namespace.
+    Cleanup {
+        #[arg(long)]
+        namespace: Option<String>,
+        #[arg(long, default_value = "/run/flatmesh/pu")]
+        state_dir: PathBuf,
+    },
+    /// Two PUs, an app on one, proxies on the other: direct calls, a port conflict and
+    /// intercepted calls with their original destinations, as a table. Cleans up after itself.
+    Demo {
+        #[arg(long, default_value = "fmdemo")]
+        namespace: String,
+        #[arg(long, default_value = "/run/flatmesh/pu")]
+        state_dir: PathBuf,
+        /// Skip the row that runs `flatmesh node` on the dpu PU.
+        #[arg(long)]
+        no_node_proxy: bool,
+    },
+    /// Benchmarks: mapping cost vs a plain veth path, and rule update time vs port count.
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args)]
+struct ConfigArg {
+    /// The split-namespace config (YAML); see docs/pu.md.
+    #[arg(long, short)]
+    config: PathBuf,
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Round trips (and connections) per path.
+    #[arg(long, default_value_t = 5000)]
+    iterations: usize,
+    /// Port counts for the rule-update benchmark.
+    #[arg(long, value_delimiter = ',', default_value = "10,100,1000,10000")]
+    ports: Vec<usize>,
+    #[arg(long, default_value = "/run/flatmesh/pu")]
+    state_dir: PathBuf,
+}
+
+fn load(arg: &ConfigArg) -> anyhow::Result<SplitConfig> {
+    Ok(SplitConfig::load(&arg.config)?)
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    crate::cmd::init_logging();
+    match args.command {
+        Sub::Up(c) => {
+            let config = load(&c)?;
+            Emulated::new(&config).up()?;
+            println!(
+                "split namespace `{}` is up: PUs {}; start one agent per PU with `flatmesh pu agent --pu NAME --config {}`",
+                config.namespace,
+                config.pu_names().join(", "),
+                c.config.display()
+            );
+            Ok(())
+        }
+        Sub::Agent { pu, config } => {
+            let config = load(&config)?;
+            let backend = Emulated::new(&config);
+            let stop = flatmesh_pu::agent::stop_on_signals();
+            flatmesh_pu::Agent::run(&config, &pu, &backend, stop)?;
+            Ok(())
+        }
+        Sub::Run {
+            pu,
+            config,
+            command,
+        } => {
+            let config = load(&config)?;
+            let index = config.pu_index(&pu).with_context(|| {
+                format!("no PU `{pu}`; the PUs are {}", config.pu_names().join(", "))
+            })?;
+            let backend = Emulated::new(&config);
+            let (program, rest) = command.split_first().context("no command given")?;
+            let status = backend
+                .command(index, program.as_ref())?
+                .args(rest)
+                .status()
+                .with_context(|| format!("cannot run {program}"))?;
+            std::process::exit(status.code().unwrap_or(1));
+        }
+        Sub::Status(c) => status(&load(&c)?),
+        Sub::Down(c) => {
+            let config = load(&c)?;
+            Emulated::new(&config).down()?;
+            let _ = std::fs::remove_dir_all(config.table_dir());
+            println!("split namespace `{}` removed", config.namespace);
+            Ok(())
+        }
+        Sub::Cleanup {
+            namespace,
+            state_dir,
+        } => {
+            let report = cleanup::cleanup(namespace.as_deref(), &state_dir)?;
+            if report.is_empty() {
+                println!("nothing to clean up");
+            }
+            for ns in &report.netns {
+                println!("removed network namespace {ns}");
+            }
+            for cg in &report.cgroups {
+                println!("removed cgroup {}", cg.display());
+            }
+            for d in &report.state_dirs {
+                println!("removed state {}", d.display());
+            }
+            for t in &report.host_tables {
+                println!(
+                    "removed nftables table {t} from the HOST namespace (it should never be there)"
+                );
+            }
+            Ok(())
+        }
+        Sub::Demo {
+            namespace,
+            state_dir,
+            no_node_proxy,
+        } => run_demo(namespace, state_dir, no_node_proxy),
+        Sub::Bench(b) => bench(b),
+    }
+}
+
+fn run_demo(namespace: String, state_dir: PathBuf, no_node_proxy: bool) -> anyhow::Result<()> {
+    let node_proxy = if no_node_proxy {
+        None
+    } else {
+        Some(std::env::current_exe().context("cannot find the flatmesh binary")?)
+    };
+    println!("building split namespace `{namespace}`: PU host (CPU 0, the app) and PU dpu (CPU 1, the proxies, the uplink) ...");
+    let report = demo::run_demo(&demo::DemoOptions {
+        namespace,
+        state_dir,
+        node_proxy,
+    })?;
+    let mut table = Table::new();
+    table.set_header([
+        "call",
+        "from PU",
+        "dialed",
+        "handled by",
+        "what the receiver saw",
+        "ok",
+    ]);
+    for r in &report.rows {
+        table.add_row([
+            r.call.as_str(),
+            r.from.as_str(),
+            r.dialed.as_str(),
+            r.handled_by.as_str(),
+            r.seen.as_str(),
+            if r.ok { "yes" } else { "NO" },
+        ]);
+    }
+    println!("{table}");
+    let ports: Vec<String> = report
+        .port_table
+        .iter()
+        .map(|(p, o)| format!("{p}->{o}"))
+        .collect();
+    println!("global port table: {}", ports.join(", "));
+    for n in &report.notes {
+        println!("note: {n}");
+    }
+    println!("cleaned up: namespaces, veths, cpusets, rules and the port table are gone");
+    let failed = report.rows.iter().filter(|r| !r.ok).count();
+    if failed > 0 {
+        anyhow::bail!("{failed} demo row(s) failed");
+    }
+    Ok(())
+}
+
+fn status(config: &SplitConfig) -> anyhow::Result<()> {
+    let backend = Emulated::new(config);
+    let topo = backend.topology().clone();
+    let state = flatmesh_pu::PortTable::new(&config.table_dir()).read()?;
+    let mut table = Table::new();
+    table.set_header([
+        "PU",
+        "network namespace",
+        "agent",
+        "ports owned",
+        "rules (remote ports mapped)",
+    ]);
+    for (i, pu) in topo.pus.iter().enumerate() {
+        let agent = match state.agents.get(pu) {
+            Some(pid) if std::path::Path::new(&format!("/proc/{pid}")).exists() => {
+                format!("pid {pid}")
+            }
+            Some(pid) => format!("pid {pid} (gone)"),
+            None => "not running".into(),
+        };
+        let owned = state.ports.values().filter(|o| *o == pu).count();
+        let ns = topo.netns(i);
+        let rules = if backend.exists(i) {
+            let out = flatmesh_pu::exec::run(
+                "ip",
+                &[
+                    "netns",
+                    "exec",
+                    &ns,
+                    "nft",
+                    "list",
+                    "map",
+                    "ip",
+                    &topo.nft_table(),
+                    "remote_ports",
+                ],
+            );
+            match out {
+                Ok(text) => flatmesh_pu::rules::count_mapped(&text).to_string(),
+                Err(_) => "no table".into(),
+            }
+        } else {
+            "PU missing".into()
+        };
+        table.add_row([pu.clone(), ns, agent, owned.to_string(), rules]);
+    }
+    println!("{table}");
+    let ports: Vec<String> = state
+        .ports
+        .iter()
+        .map(|(p, o)| format!("{p}->{o}"))
+        .collect();
+    println!("port table ({} ports): {}", ports.len(), ports.join(", "));
+    Ok(())
+}
+
+fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    use flatmesh_pu::bench;
+    println!("## Mapping cost: cross-PU connection set-up and 64-byte round trip (client PU a on CPU 0, server PU b on CPU 1)\n");
+    println!(
+        "{} connections and {} round trips per path, 5 interleaved rounds.\n",
+        args.iterations, args.iterations
+    );
+    println!("| path | connect p50 (µs) | connect p99 (µs) | connect mean (µs) | RTT p50 (µs) | RTT p99 (µs) | RTT mean (µs) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    let paths = bench::mapping_cost(&args.state_dir, args.iterations)?;
+    for p in &paths {
+        println!(
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            p.path, p.connect.p50, p.connect.p99, p.connect.mean, p.rtt.p50, p.rtt.p99, p.rtt.mean
+        );
+    }
+    if let (Some(plain), Some(mapped)) = (paths.get(1), paths.get(2)) {
+        println!(
+            "\nmapping vs plain veth: connect p50 x{:.2} (+{:.1} µs), RTT p50 x{:.2} (+{:.1} µs)",
+            mapped.connect.p50 / plain.connect.p50,
+            mapped.connect.p50 - plain.connect.p50,
+            mapped.rtt.p50 / plain.rtt.p50,
+            mapped.rtt.p50 - plain.rtt.p50
+        );
+    }
+    println!("\n## Rule update time vs mapped port count\n");
+    println!("| ports | full rebuild p50 (ms) | add one port p50 (ms) | remove one port p50 (ms) | agent pass, no change p50 (ms) | agent pass, one change p50 (ms) |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for r in bench::rule_updates(&args.state_dir, &args.ports, 10)? {
+        println!(
+            "| {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            r.ports,
+            r.full_rebuild.p50 / 1000.0,
+            r.add_one.p50 / 1000.0,
+            r.remove_one.p50 / 1000.0,
+            r.agent_pass_idle.p50 / 1000.0,
+            r.agent_pass_change.p50 / 1000.0
+        );
+    }
+    Ok(())
 }

@@ -26,6 +26,60 @@ enum Command {
     },
     /// Serve an example app in each dispatch mode under closed-loop load; print a table.
     Demo(DemoArgs),
+    /// The dispatch benchmark: all modes side by side on the same cores; the key-value headline,
+    /// throughput and latency against skip-and-checks and rules, and the decision cost (Table 1).
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Worker threads.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Dispatcher threads of the software modes.
+    #[arg(long, default_value_t = 1)]
+    dispatchers: usize,
+    /// Client sockets of the load generator (each its own port, so SO_REUSEPORT spreads them).
+    #[arg(long, default_value_t = 8)]
+    clients: usize,
+    /// Requests each client keeps outstanding (closed loop). 0 uses the full QNP endpoint
+    /// client with one request outstanding, which is too slow to load a server core.
+    #[arg(long, default_value_t = 8)]
+    window: usize,
+    /// Seconds per run.
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+    /// Runs of every point (modes interleaved); the report gives the median and min–max.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Modes, comma-separated: reuseport, kernel (needs root), software-queue, software-uds.
+    #[arg(long, default_value = "reuseport,kernel,software-queue,software-uds")]
+    modes: String,
+    /// CPUs of the workers and dispatchers (DESIGN.md: the system under test on CPU 1).
+    #[arg(long, default_value = "1")]
+    server_cpus: String,
+    /// CPUs of the load generator (DESIGN.md: CPU 0).
+    #[arg(long, default_value = "0")]
+    load_cpus: String,
+    /// Skip-and-checks per rule to sweep (Figs. 15/18, Table 1); empty to skip.
+    #[arg(long, default_value = "1,2,4,8,16,32,48")]
+    checks: String,
+    /// Rule counts to sweep (Figs. 16/19); empty to skip. 511 is the most that fit the image.
+    #[arg(long, default_value = "1,32,128,256,511")]
+    rules: String,
+    /// Skip the key-value headline.
+    #[arg(long)]
+    no_headline: bool,
+    /// Turn on the sysctl kernel.bpf_stats_enabled during the run (restored after) to measure
+    /// the kernel program's run time per packet.
+    #[arg(long)]
+    bpf_stats: bool,
+    /// Write the Markdown report here too.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Write SVG plots into this directory.
+    #[arg(long)]
+    svg_dir: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -91,21 +145,34 @@ fn read(path: &Path) -> anyhow::Result<String> {
         .with_context(|| format!("reading {}; check the path", path.display()))
 }
 
+fn parse_modes(s: &str) -> anyhow::Result<Vec<flatmesh_qnp::dispatch::Mode>> {
+    s.split(',')
+        .map(|m| m.trim().parse().map_err(anyhow::Error::msg))
+        .collect()
+}
+
+fn parse_list(what: &str, s: &str) -> anyhow::Result<Vec<usize>> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(|v| {
+            v.parse()
+                .with_context(|| format!("bad {what} `{v}`; give comma-separated numbers"))
+        })
+        .collect()
+}
+
 fn demo(args: DemoArgs) -> anyhow::Result<()> {
-    use flatmesh_qnp::dispatch::Mode;
-    let modes: Vec<Mode> = args
-        .modes
-        .split(',')
-        .map(|m| m.trim().parse::<Mode>().map_err(anyhow::Error::msg))
-        .collect::<anyhow::Result<_>>()?;
-    let results = flatmesh_qnp::load::compare_modes(
-        &modes,
-        &args.workload,
-        args.workers,
-        args.dispatchers,
-        args.clients,
-        std::time::Duration::from_secs_f64(args.seconds),
-    )?;
+    let modes = parse_modes(&args.modes)?;
+    let spec = flatmesh_qnp::load::RunSpec {
+        generator: flatmesh_qnp::load::Generator::Endpoint,
+        workers: args.workers,
+        dispatchers: args.dispatchers,
+        clients: args.clients,
+        duration: std::time::Duration::from_secs_f64(args.seconds),
+        pinning: Default::default(),
+    };
+    let results = flatmesh_qnp::load::compare_modes(&modes, &args.workload, &spec)?;
     let mut table = comfy_table::Table::new();
     table.set_header([
         "mode",
@@ -127,17 +194,94 @@ fn demo(args: DemoArgs) -> anyhow::Result<()> {
             r.dropped.to_string(),
         ]);
     }
+    let store = if args.workload == "kv" {
+        ", store: RocksDB (librocksdb 7.8, 24,000 pre-loaded keys)"
+    } else {
+        ""
+    };
     println!(
-        "workload {}, {} workers, {} dispatcher(s), {} clients, {} s per mode",
+        "workload {}{store}, {} workers, {} dispatcher(s), {} clients, {} s per mode",
         args.workload, args.workers, args.dispatchers, args.clients, args.seconds
     );
     println!("{table}");
     Ok(())
 }
 
+const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
+
+fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    use flatmesh_qnp::{bench, cpu, load};
+    let pinning = load::Pinning {
+        server: cpu::parse_cpu_list(&args.server_cpus)?,
+        load: cpu::parse_cpu_list(&args.load_cpus)?,
+    };
+    // Fail now, not in a server thread, if a CPU does not exist.
+    std::thread::scope(|s| {
+        s.spawn(|| cpu::pin_current_thread(&pinning.server))
+            .join()
+            .unwrap_or(Ok(()))
+    })?;
+    let cfg = bench::BenchConfig {
+        modes: parse_modes(&args.modes)?,
+        spec: load::RunSpec {
+            generator: match args.window {
+                0 => load::Generator::Endpoint,
+                window => load::Generator::Pipelined { window },
+            },
+            workers: args.workers,
+            dispatchers: args.dispatchers,
+            clients: args.clients,
+            duration: std::time::Duration::from_secs_f64(args.seconds),
+            pinning,
+        },
+        repeats: args.repeats,
+        checks: parse_list("skip-and-check count", &args.checks)?,
+        rules: parse_list("rule count", &args.rules)?,
+        headline: !args.no_headline,
+    };
+    let previous = if args.bpf_stats {
+        let old = std::fs::read_to_string(BPF_STATS).unwrap_or_default();
+        std::fs::write(BPF_STATS, "1")
+            .with_context(|| format!("writing 1 to {BPF_STATS}; --bpf-stats needs root"))?;
+        Some(old)
+    } else {
+        None
+    };
+    let result = bench::run(&cfg, &mut |line| eprintln!("{line}"));
+    if let Some(old) = previous {
+        let old = if old.trim().is_empty() {
+            "0"
+        } else {
+            old.trim()
+        };
+        if let Err(e) = std::fs::write(BPF_STATS, old) {
+            eprintln!("warning: could not restore {BPF_STATS} to {old}: {e}");
+        }
+    }
+    let report = result?;
+    let md = report.markdown(&cfg);
+    print!("{md}");
+    if let Some(out) = &args.out {
+        std::fs::write(out, &md)
+            .with_context(|| format!("writing {}; check permissions", out.display()))?;
+    }
+    if let Some(dir) = &args.svg_dir {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating {}; check permissions", dir.display()))?;
+        for (name, svg) in report.svgs() {
+            let path = dir.join(name);
+            std::fs::write(&path, svg)
+                .with_context(|| format!("writing {}; check permissions", path.display()))?;
+            eprintln!("wrote {}", path.display());
+        }
+    }
+    Ok(())
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.command {
         Command::Demo(args) => demo(args)?,
+        Command::Bench(args) => bench(args)?,
         Command::Idl {
             command: IdlCommand::Compile { file, out },
         } => {

@@ -1,0 +1,92 @@
+//! Finding and removing what split namespaces left behind: after a clean exit there is nothing,
+//! after a crash (`kill -9` of a demo, a test or `pu up` without `pu down`) there are network
+//! namespaces `fmpu-*`, cpuset cgroups `flatmesh-pu-*` and state directories. Removing a PU's
+//! network namespace removes its veths and its nftables table with it.
+//!
+//! It also checks the host namespace for a `flatmesh-pu-*` nftables table. None is ever written
+//! there; if one is found (by a bug or by hand), it is removed and reported.
+
+use std::path::{Path, PathBuf};
+
+use crate::backend::remove_netns;
+use crate::cpuset;
+use crate::error::Result;
+use crate::exec::run;
+use crate::netns;
+use crate::topology::{NETNS_PREFIX, RESOURCE_PREFIX};
+
+#[derive(Debug, Default, Clone)]
+pub struct CleanupReport {
+    pub netns: Vec<String>,
+    pub cgroups: Vec<PathBuf>,
+    pub state_dirs: Vec<PathBuf>,
+    pub host_tables: Vec<String>,
+}
+
+impl CleanupReport {
+    pub fn is_empty(&self) -> bool {
+        self.netns.is_empty()
+            && self.cgroups.is_empty()
+            && self.state_dirs.is_empty()
+            && self.host_tables.is_empty()
+    }
+}
+
+/// Removes leftovers of split namespace `namespace` (all of them if `None`). Call it from a
+/// thread in the host network namespace.
+pub fn cleanup(namespace: Option<&str>, state_dir: &Path) -> Result<CleanupReport> {
+    let mut report = CleanupReport::default();
+    let netns_prefix = match namespace {
+        Some(ns) => format!("{NETNS_PREFIX}{ns}-"),
+        None => NETNS_PREFIX.to_string(),
+    };
+    for ns in netns::list(&netns_prefix) {
+        remove_netns(&ns)?;
+        report.netns.push(ns);
+    }
+    let cg_prefix = match namespace {
+        Some(ns) => format!("{RESOURCE_PREFIX}{ns}-"),
+        None => RESOURCE_PREFIX.to_string(),
+    };
+    for dir in cpuset::list(&cg_prefix) {
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        cpuset::remove_cgroup(&dir, &name)?;
+        report.cgroups.push(dir);
+    }
+    let state_dirs: Vec<PathBuf> = match namespace {
+        Some(ns) => vec![state_dir.join(ns)],
+        None => std::fs::read_dir(state_dir)
+            .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+            .unwrap_or_default(),
+    };
+    for dir in state_dirs.into_iter().filter(|d| d.is_dir()) {
+        std::fs::remove_dir_all(&dir)
+            .map_err(|e| crate::PuError::io(format!("cannot remove {}", dir.display()), e))?;
+        report.state_dirs.push(dir);
+    }
+    for table in host_tables()? {
+        let matches = match namespace {
+            Some(ns) => table == format!("{RESOURCE_PREFIX}{ns}"),
+            None => true,
+        };
+        if matches {
+            run("nft", &["delete", "table", "ip", &table])?;
+            report.host_tables.push(table);
+        }
+    }
+    Ok(report)
+}
+
+/// `flatmesh-pu-*` nftables tables (family ip) in the calling thread's network namespace.
+pub fn host_tables() -> Result<Vec<String>> {
+    let out = run("nft", &["list", "tables", "ip"])?;
+    Ok(out
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("table ip "))
+        .filter(|t| t.starts_with(RESOURCE_PREFIX))
+        .map(str::to_string)
+        .collect())
+}

@@ -1,0 +1,64 @@
+//! The one error type of the crate. Every message says what to do next.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PuError {
+    #[error("{path}: {message}")]
+    Config { path: String, message: String },
+
+    #[error("cannot read {path}: {source}; check the path and that it is readable")]
+    ReadFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+
+    #[error("the port table {path} is damaged: {message}; stop the agents of this namespace, then run `flatmesh pu cleanup` or delete the file")]
+    TableCorrupt { path: PathBuf, message: String },
+
+    #[error(
+        "port table {path}: {source}; check that the state directory exists and is writable (root)"
+    )]
+    TableIo {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+
+    #[error("`{command}` failed: {message}; is iproute2/nftables installed and are you root?")]
+    Command { command: String, message: String },
+
+    #[error("PU `{pu}` does not exist (no network namespace {netns}); run `flatmesh pu up --config FILE` first")]
+    NoSuchPu { pu: String, netns: String },
+
+    #[error("cannot enter network namespace {netns}: {source}; run as root and check that it exists (`ip netns list`)")]
+    EnterNetns {
+        netns: String,
+        source: std::io::Error,
+    },
+
+    #[error("cpuset for PU `{pu}`: {message}")]
+    Cpuset { pu: String, message: String },
+
+    #[error("cannot parse {what}: {message}")]
+    Parse { what: String, message: String },
+
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        source: std::io::Error,
+    },
+
+    #[error("this needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces; run it with sudo or as root")]
+    NotRoot,
+}
+
+impl PuError {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        PuError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+pub type Result<T, E = PuError> = std::result::Result<T, E>;

@@ -1,0 +1,60 @@
+//! Entering a named network namespace. `setns(CLONE_NEWNET)` moves only the calling thread, so an
+//! agent, a test app or a benchmark thread can each live in its own PU inside one process; the
+//! processes such a thread spawns inherit its namespace.
+
+use std::fs::File;
+use std::os::fd::AsRawFd as _;
+use std::path::PathBuf;
+
+use crate::error::{PuError, Result};
+
+pub fn path(netns: &str) -> PathBuf {
+    PathBuf::from("/run/netns").join(netns)
+}
+
+pub fn exists(netns: &str) -> bool {
+    path(netns).exists()
+}
+
+/// Opens the namespace handle (kept open across `fork` for `pre_exec`).
+pub fn open(netns: &str) -> Result<File> {
+    File::open(path(netns)).map_err(|source| PuError::EnterNetns {
+        netns: netns.to_string(),
+        source,
+    })
+}
+
+/// Moves the calling thread into `netns`.
+pub fn enter(netns: &str) -> Result<()> {
+    let file = open(netns)?;
+    set(&file).map_err(|source| PuError::EnterNetns {
+        netns: netns.to_string(),
+        source,
+    })
+}
+
+/// `setns(fd, CLONE_NEWNET)`; async-signal-safe, so usable between fork and exec.
+pub fn set(file: &File) -> std::io::Result<()> {
+    // SAFETY: setns takes a valid open descriptor (the File keeps it open) and a flag; it
+    // touches no memory of ours.
+    let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Lists the named network namespaces whose name starts with `prefix`.
+pub fn list(prefix: &str) -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir("/run/netns") else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = dir
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with(prefix))
+        .collect();
+    names.sort();
+    names
+}

@@ -1,0 +1,581 @@
+//! The dispatch benchmark (`flatmesh qnp bench`): every mode side by side on the same cores, in
+//! the dimensions of the paper's evaluation (§5.2):
+//!
+//! - the headline: the key-value GET service on RocksDB under Zipf(0.9) load, per mode;
+//! - Figs. 15/18: throughput and latency against the number of skip-and-checks per rule;
+//! - Figs. 16/19: throughput and latency against the number of rules;
+//! - Table 1: the cost of one dispatch decision against the number of skip-and-checks (CAM
+//!   lookups of the image, the kernel program's run time, the software matcher's time).
+//!
+//! Every point runs the modes one after the other, and the whole set `repeats` times, so that a
+//! noisy neighbour hits all modes alike; the report gives the median and the spread (min–max).
+
+use crate::dispatch::{Handler, Mode, Rsd, Stash, STASH_DEPTH};
+use crate::image::Image;
+use crate::load::{run_mode, ModeResult, RunSpec, Workload};
+use crate::rules::{Decision, RuleSet};
+use crate::transport::{segment, OutReq, QnpConfig, Request};
+use crate::QnpError;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The app id of the benchmark's dispatch workload.
+pub const BENCH_APP: u8 = 9;
+/// Bytes one skip-and-check of the benchmark's rules compares (the paper's default, §5.2).
+pub const MATCHED_BYTES: usize = 5;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    pub modes: Vec<Mode>,
+    pub spec: RunSpec,
+    /// Runs of every point.
+    pub repeats: usize,
+    /// Skip-and-checks per rule for the Figs. 15/18 sweep and Table 1 (empty: skip both).
+    pub checks: Vec<usize>,
+    /// Rule counts for the Figs. 16/19 sweep (empty: skip it).
+    pub rules: Vec<usize>,
+    /// Run the key-value headline.
+    pub headline: bool,
+}
+
+/// The median and spread of repeated measurements.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    pub fn of(v: &[f64]) -> Spread {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        let median = match v.len() {
+            0 => 0.0,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        };
+        Spread {
+            median,
+            min: v.first().copied().unwrap_or(0.0),
+            max: v.last().copied().unwrap_or(0.0),
+        }
+    }
+}
+
+/// One mode at one point of a sweep, over the repeats.
+#[derive(Debug, Clone)]
+pub struct Point {
+    pub mode: Mode,
+    /// The swept value (skip-and-checks or rules; 0 for the headline).
+    pub x: usize,
+    pub rps: Spread,
+    pub p50_us: Spread,
+    pub p99_us: Spread,
+    /// Timeouts over all repeats.
+    pub errors: u64,
+    /// Responses from the wrong worker over all repeats (meaningless for `Reuseport`).
+    pub misdispatched: u64,
+    /// The kernel program's mean run time per packet, if `kernel.bpf_stats_enabled` was on.
+    pub kernel_ns: Option<f64>,
+    /// Server threads' CPU µs per request.
+    pub cpu_us: Spread,
+}
+
+fn point(mode: Mode, x: usize, runs: &[ModeResult]) -> Point {
+    let col = |f: fn(&ModeResult) -> f64| Spread::of(&runs.iter().map(f).collect::<Vec<_>>());
+    let ns: Vec<f64> = runs.iter().filter_map(|r| r.kernel_ns_per_packet).collect();
+    Point {
+        mode,
+        x,
+        rps: col(|r| r.report.rps()),
+        p50_us: col(|r| r.report.p50_us),
+        p99_us: col(|r| r.report.p99_us),
+        errors: runs.iter().map(|r| r.report.errors).sum(),
+        misdispatched: runs.iter().map(|r| r.report.misdispatched).sum(),
+        kernel_ns: (!ns.is_empty()).then(|| Spread::of(&ns).median),
+        cpu_us: col(|r| r.server_cpu_us_per_req),
+    }
+}
+
+/// Table 1's row for one number of skip-and-checks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecisionCost {
+    pub checks: usize,
+    /// CAM lookups the Matcher's image takes for the benchmark's request (the paper's cycles
+    /// grow the same way: 6 cycles per skip-and-check).
+    pub lookups: usize,
+    /// The software matcher's time per decision (header parse, field lookup, rule scan), in ns.
+    pub software_ns: f64,
+    /// The kernel program's run time per packet under load, in ns (needs bpf_stats_enabled).
+    pub kernel_ns: Option<f64>,
+}
+
+/// Everything measured.
+#[derive(Debug, Clone, Default)]
+pub struct BenchReport {
+    pub headline: Vec<Point>,
+    pub by_checks: Vec<Point>,
+    pub by_rules: Vec<Point>,
+    pub decision_cost: Vec<DecisionCost>,
+}
+
+/// The benchmark's rules, a request value for each rule, and the queue each must reach.
+#[derive(Debug, Clone)]
+pub struct DispatchWorkload {
+    pub rules: RuleSet,
+    pub values: Vec<Vec<u8>>,
+    pub expect: Vec<u8>,
+}
+
+/// The benchmark's rules and requests: `rules` rules on field 0 of [`BENCH_APP`], each of
+/// `checks` skip-and-checks (skip one byte, compare [`MATCHED_BYTES`]); rule *i* differs from
+/// the others only in its first check and sends to queue *i* mod `workers`. Returns the rules,
+/// for each rule a value that passes all of its checks, and the queue it must reach.
+///
+/// Differing first checks let the image compare one window against all rules in one CAM
+/// lookup; the rule's later checks then take one lookup each, so a request costs
+/// `checks + 1` lookups. (The compiler gives every rule its own states after the first, and a
+/// field has 127: rules × (checks − 1) must stay below that.)
+pub fn dispatch_workload(
+    checks: usize,
+    rules: usize,
+    workers: usize,
+) -> Result<DispatchWorkload, QnpError> {
+    let (checks, rules, workers) = (checks.max(1), rules.max(1), workers.clamp(1, 256));
+    // Check k of rule r compares `tag_lo b c d tag_hi`: tag 1000 + r, distinct for every rule,
+    // for the first check, and tag k for the others.
+    let check = |k: usize, r: usize| {
+        let tag = if k == 0 { 1000 + r } else { k };
+        [(tag % 256) as u8, b'b', b'c', b'd', (tag / 256) as u8]
+    };
+    let mut src = String::new();
+    let (mut values, mut expect) = (Vec::new(), Vec::new());
+    for r in 0..rules {
+        let (mut pattern, mut value) = (String::new(), Vec::new());
+        for k in 0..checks {
+            pattern.push('.');
+            value.push(b'-');
+            for b in check(k, r) {
+                let _ = write!(pattern, "\\x{b:02x}");
+                value.push(b);
+            }
+        }
+        let queue = (r % workers) as u8;
+        let _ = writeln!(src, "rule {BENCH_APP} 0 0 \"{pattern}\" -> {queue}");
+        values.push(value);
+        expect.push(queue);
+    }
+    Ok(DispatchWorkload {
+        rules: RuleSet::parse("bench", &src)?,
+        values,
+        expect,
+    })
+}
+
+/// The benchmark's service: answers with the index of the worker that got the request.
+pub fn worker_echo() -> Handler {
+    Arc::new(|w, req: &Request| OutReq {
+        app_id: req.app_id,
+        req_type: req.req_type,
+        payload: vec![w as u8].into(),
+        dispatch_len: 0,
+    })
+}
+
+/// Runs `modes` on one workload, `repeats` times round-robin, and folds the runs into points.
+fn sweep_point(
+    rt: &tokio::runtime::Runtime,
+    cfg: &BenchConfig,
+    x: usize,
+    rules: &RuleSet,
+    workload: &Workload,
+    handler: &Handler,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<Point>, QnpError> {
+    let mut runs: Vec<Vec<ModeResult>> = vec![Vec::new(); cfg.modes.len()];
+    for rep in 0..cfg.repeats.max(1) {
+        for (i, &mode) in cfg.modes.iter().enumerate() {
+            let r = run_mode(rt, mode, &cfg.spec, rules, workload, handler)?;
+            progress(&format!(
+                "  x={x} run {} {mode:?}: {:.0} req/s p50 {:.1} µs",
+                rep + 1,
+                r.report.rps(),
+                r.report.p50_us
+            ));
+            runs[i].push(r);
+        }
+    }
+    Ok(cfg
+        .modes
+        .iter()
+        .zip(&runs)
+        .map(|(&m, r)| point(m, x, r))
+        .collect())
+}
+
+/// The software matcher's mean time per decision on the benchmark's first packets.
+fn software_decision_ns(rules: &RuleSet, values: &[Vec<u8>]) -> Result<f64, QnpError> {
+    let rsd = Rsd::new(rules.clone());
+    let mut pkts = Vec::new();
+    for v in values {
+        let mut payload = Vec::new();
+        crate::tlv::put_bytes(&mut payload, 0, v)?;
+        let req = OutReq {
+            app_id: BENCH_APP,
+            req_type: 0,
+            dispatch_len: payload.len(),
+            payload: payload.into(),
+        };
+        pkts.extend(
+            segment(&req, 1, None, &QnpConfig::default())?
+                .into_iter()
+                .take(1),
+        );
+    }
+    let peer = SocketAddr::from(([127, 0, 0, 1], 9));
+    let mut stash = Stash::new(STASH_DEPTH);
+    let iters = 200_000usize;
+    let start = Instant::now();
+    let mut hits = 0usize;
+    for i in 0..iters {
+        let p = &pkts[i % pkts.len()];
+        hits += usize::from(rsd.decide(p, peer, &mut stash) != Decision::Drop);
+    }
+    let ns = start.elapsed().as_nanos() as f64 / iters as f64;
+    if hits != iters {
+        return Err(QnpError::TooLarge(
+            "the benchmark's requests did not all match their rules; this is a bug in bench.rs"
+                .into(),
+        ));
+    }
+    Ok(ns)
+}
+
+/// Runs the benchmark; `progress` gets one line per run.
+pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<BenchReport, QnpError> {
+    let rt = crate::load::load_runtime()?;
+    let mut report = BenchReport::default();
+    let workers = cfg.spec.workers.max(1);
+    if cfg.headline {
+        progress("headline: key-value GETs on RocksDB, Zipf(0.9)");
+        let store = crate::kv_store::KvStore::temporary()?;
+        store.preload(crate::load::DEMO_KEYS)?;
+        let handler = crate::apps::kv_service(Arc::new(store));
+        let rules = RuleSet::parse(
+            "demo",
+            &crate::apps::demo_rules(workers, crate::load::DEMO_LANES),
+        )?;
+        let load = Workload::KvGet {
+            keys: crate::load::DEMO_KEYS,
+            s: 0.9,
+        };
+        report.headline = sweep_point(&rt, cfg, 0, &rules, &load, &handler, progress)?;
+    }
+    let handler = worker_echo();
+    for &checks in &cfg.checks {
+        // One rule per worker: the image holds 127 check states per field, and a rule of 48
+        // skip-and-checks takes 48 of them.
+        progress(&format!(
+            "{checks} skip-and-checks per rule, {workers} rules"
+        ));
+        let DispatchWorkload {
+            rules,
+            values,
+            expect,
+        } = dispatch_workload(checks, workers, workers)?;
+        let img = Image::compile(&rules)?;
+        let (_, lookups) = img.run(BENCH_APP, 0, |_| Some(&values[0][..]));
+        let software_ns = software_decision_ns(&rules, &values)?;
+        let load = Workload::Dispatch {
+            app_id: BENCH_APP,
+            values: Arc::new(values),
+            expect: Arc::new(expect),
+        };
+        let points = sweep_point(&rt, cfg, checks, &rules, &load, &handler, progress)?;
+        report.decision_cost.push(DecisionCost {
+            checks,
+            lookups,
+            software_ns,
+            kernel_ns: points.iter().find_map(|p| p.kernel_ns),
+        });
+        report.by_checks.extend(points);
+    }
+    for &n in &cfg.rules {
+        progress(&format!("{n} rules of 1 skip-and-check"));
+        let DispatchWorkload {
+            rules,
+            values,
+            expect,
+        } = dispatch_workload(1, n, workers)?;
+        Image::compile(&rules)?;
+        let load = Workload::Dispatch {
+            app_id: BENCH_APP,
+            values: Arc::new(values),
+            expect: Arc::new(expect),
+        };
+        report
+            .by_rules
+            .extend(sweep_point(&rt, cfg, n, &rules, &load, &handler, progress)?);
+    }
+    Ok(report)
+}
+
+/// The targets over one set of points: throughput ratios, and the same ratios of server
+/// CPU per request (the cost side of "L7 dispatch at L4 cost", less sensitive to noise).
+fn ratios(points: &[Point]) -> String {
+    let get = |m: Mode| points.iter().find(|p| p.mode == m);
+    let mut out = String::new();
+    for (other, target) in [
+        (Mode::Reuseport, Some("≥ 0.90")),
+        (Mode::SoftwareUds, Some("≥ 3")),
+        (Mode::SoftwareQueue, None),
+    ] {
+        if let (Some(k), Some(o)) = (get(Mode::Kernel), get(other)) {
+            let _ = writeln!(
+                out,
+                "- kernel / {}: throughput **{:.2}**{}; server CPU per request, {} / kernel: **{:.2}**",
+                mode_name(other),
+                k.rps.median / o.rps.median.max(1e-9),
+                target.map_or(String::new(), |t| format!(" (target {t})")),
+                mode_name(other),
+                o.cpu_us.median / k.cpu_us.median.max(1e-9),
+            );
+            // On loopback the kernel program runs in the sender's system call; a NIC-less
+            // server would run it on its own core, so charge it there too.
+            if let Some(ns) = k.kernel_ns {
+                let _ = writeln!(
+                    out,
+                    "  - charging the kernel program's {ns:.0} ns/packet to the server: {} / kernel: **{:.2}**",
+                    mode_name(other),
+                    o.cpu_us.median / (k.cpu_us.median + ns / 1000.0).max(1e-9),
+                );
+            }
+        }
+    }
+    out
+}
+
+fn fmt_spread(s: &Spread, digits: usize) -> String {
+    format!("{:.d$} ({:.d$}–{:.d$})", s.median, s.min, s.max, d = digits)
+}
+
+fn mode_name(m: Mode) -> &'static str {
+    match m {
+        Mode::Reuseport => "reuseport",
+        Mode::Kernel => "kernel",
+        Mode::SoftwareQueue => "software-queue",
+        Mode::SoftwareUds => "software-uds",
+    }
+}
+
+impl BenchReport {
+    /// The report as Markdown tables.
+    pub fn markdown(&self, cfg: &BenchConfig) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{} workers, {} dispatcher(s) (software modes), {} client sockets, load generator {:?}, {:.1} s per run, {} runs per point; server CPUs {:?}, load CPUs {:?}. Cells: median (min–max).\n",
+            cfg.spec.workers,
+            cfg.spec.dispatchers,
+            cfg.spec.clients,
+            cfg.spec.generator,
+            cfg.spec.duration.as_secs_f64(),
+            cfg.repeats,
+            cfg.spec.pinning.server,
+            cfg.spec.pinning.load
+        );
+        if !self.headline.is_empty() {
+            out.push_str("### Key-value GETs on RocksDB (Zipf 0.9, 24 key ranges)\n\n");
+            out.push_str("| mode | req/s | p50 µs | p99 µs | server CPU µs/req | timeouts |\n|---|---|---|---|---|---|\n");
+            for p in &self.headline {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {} | {} |",
+                    mode_name(p.mode),
+                    fmt_spread(&p.rps, 0),
+                    fmt_spread(&p.p50_us, 1),
+                    fmt_spread(&p.p99_us, 1),
+                    fmt_spread(&p.cpu_us, 2),
+                    p.errors
+                );
+            }
+            out.push('\n');
+            out.push_str(&ratios(&self.headline));
+            out.push('\n');
+        }
+        if !self.decision_cost.is_empty() {
+            out.push_str("### Cost of one dispatch decision (Table 1)\n\n");
+            out.push_str("| skip-and-checks | CAM lookups (image) | kernel program ns/packet | software matcher ns/decision |\n|---|---|---|---|\n");
+            for c in &self.decision_cost {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {:.0} |",
+                    c.checks,
+                    c.lookups,
+                    c.kernel_ns
+                        .map_or("n/a (bpf_stats off)".to_string(), |n| format!("{n:.0}")),
+                    c.software_ns
+                );
+            }
+            out.push('\n');
+        }
+        for (title, points, what) in [
+            (
+                "Throughput and latency against skip-and-checks per rule (Figs. 15, 18)",
+                &self.by_checks,
+                "skip-and-checks",
+            ),
+            (
+                "Throughput and latency against the number of rules, 1 skip-and-check each (Figs. 16, 19)",
+                &self.by_rules,
+                "rules",
+            ),
+        ] {
+            if points.is_empty() {
+                continue;
+            }
+            let _ = writeln!(out, "### {title}\n");
+            let _ = writeln!(
+                out,
+                "| {what} | mode | req/s | p50 µs | p99 µs | server CPU µs/req | timeouts | misdispatched |\n|---|---|---|---|---|---|---|---|"
+            );
+            for p in points {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                    p.x,
+                    mode_name(p.mode),
+                    fmt_spread(&p.rps, 0),
+                    fmt_spread(&p.p50_us, 1),
+                    fmt_spread(&p.p99_us, 1),
+                    fmt_spread(&p.cpu_us, 2),
+                    p.errors,
+                    if p.mode == Mode::Reuseport {
+                        "n/a (no L7)".to_string()
+                    } else {
+                        p.misdispatched.to_string()
+                    }
+                );
+            }
+            out.push('\n');
+            let mut xs: Vec<usize> = points.iter().map(|p| p.x).collect();
+            xs.dedup();
+            for x in xs {
+                let at: Vec<Point> = points.iter().filter(|p| p.x == x).cloned().collect();
+                for line in ratios(&at).lines() {
+                    match line.strip_prefix("- ") {
+                        Some(l) => {
+                            let _ = writeln!(out, "- {what} {x}: {l}");
+                        }
+                        None => {
+                            let _ = writeln!(out, "{line}");
+                        }
+                    }
+                }
+            }
+            out.push('\n');
+        }
+        out
+    }
+
+    /// SVG plots: `(file name, contents)`.
+    pub fn svgs(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for (name, points, xlabel) in [
+            ("qnp-checks", &self.by_checks, "skip-and-checks per rule"),
+            ("qnp-rules", &self.by_rules, "rules"),
+        ] {
+            if points.is_empty() {
+                continue;
+            }
+            let series = |f: fn(&Point) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
+                let mut modes: Vec<Mode> = Vec::new();
+                for p in points.iter() {
+                    if !modes.contains(&p.mode) {
+                        modes.push(p.mode);
+                    }
+                }
+                modes
+                    .iter()
+                    .map(|&m| {
+                        (
+                            mode_name(m).to_string(),
+                            points
+                                .iter()
+                                .filter(|p| p.mode == m)
+                                .map(|p| (p.x as f64, f(p)))
+                                .collect(),
+                        )
+                    })
+                    .collect()
+            };
+            out.push((
+                format!("{name}-throughput.svg"),
+                crate::svg::line_chart(
+                    &format!("Throughput against {xlabel} (median)"),
+                    xlabel,
+                    "requests/s",
+                    &series(|p| p.rps.median),
+                ),
+            ));
+            out.push((
+                format!("{name}-cpu.svg"),
+                crate::svg::line_chart(
+                    &format!("Server CPU per request against {xlabel} (median)"),
+                    xlabel,
+                    "µs CPU / request",
+                    &series(|p| p.cpu_us.median),
+                ),
+            ));
+            out.push((
+                format!("{name}-latency.svg"),
+                crate::svg::line_chart(
+                    &format!("p50 latency against {xlabel} (median)"),
+                    xlabel,
+                    "µs",
+                    &series(|p| p.p50_us.median),
+                ),
+            ));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_workload_values_reach_their_rules_in_every_matcher() {
+        for (checks, rules) in [(1, 511), (4, 32), (48, 2)] {
+            let DispatchWorkload {
+                rules: set,
+                values,
+                expect,
+            } = dispatch_workload(checks, rules, 2).unwrap();
+            let img = Image::compile(&set).unwrap();
+            let fast = crate::rules::FastMatcher::new(&set);
+            for (v, q) in values.iter().zip(&expect) {
+                let want = Decision::Queue(*q);
+                assert_eq!(set.eval(BENCH_APP, 0, |_| Some(v)), want);
+                assert_eq!(fast.eval(BENCH_APP, 0, |_| Some(v)), want);
+                assert_eq!(img.run(BENCH_APP, 0, |_| Some(v)).0, want);
+            }
+            assert_eq!(
+                set.rules.iter().map(crate::image::skip_and_checks).max(),
+                Some(checks)
+            );
+        }
+    }
+
+    #[test]
+    fn spreads_take_the_median() {
+        let s = Spread::of(&[3.0, 1.0, 2.0]);
+        assert_eq!((s.median, s.min, s.max), (2.0, 1.0, 3.0));
+        assert_eq!(Spread::of(&[1.0, 2.0]).median, 1.5);
+    }
+}

@@ -1,0 +1,278 @@
+//! One shared-memory connection as this process sees it, and the table that attaches it to
+//! kernel fd numbers. The kernel socket stays the identity of the connection: dup, fork and
+//! close act on it as usual, and its byte stream carries only wake-up bytes once the data path
+//! has moved (plus, for the connector, the bytes it sent before the acceptor attached).
+
+use crate::region::{Region, Ring, SpinGuard, ATTACHED};
+use std::ffi::CString;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Role {
+    /// Called connect(); created the region; writes direction 0.
+    Connector,
+    /// Returned from accept(); attached the region; writes direction 1.
+    Acceptor,
+}
+
+/// Where the next incoming bytes come from.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Inbound {
+    /// The ring. Kernel bytes are wake-ups only.
+    Ring,
+    /// Connector before the acceptor attached: the kernel carries data (a peer without the
+    /// library never attaches, so this is the plain-TCP fallback).
+    Kernel,
+    /// Acceptor: the connector's bytes sent before it switched; `u64::MAX` while not switched.
+    KernelPrefix(u64),
+}
+
+pub struct Conn {
+    pub region: Region,
+    pub role: Role,
+    /// Connector: the rendezvous file, removed on drop if the acceptor never took it.
+    pub handoff_path: Option<CString>,
+    pub nonblocking: AtomicBool,
+    /// The kernel socket reported EOF (peer closed or shut down its side).
+    pub kernel_eof: AtomicBool,
+    /// The kernel socket reported an error (reset): its errno.
+    pub kernel_error: AtomicI32,
+    /// shutdown(SHUT_RD) was called here.
+    pub read_shut: AtomicBool,
+    /// A probe byte was sent to learn whether a peer that sent FIN is gone entirely.
+    pub probe_sent: AtomicBool,
+    /// Held by the one thread of this process that may read (drain) wake-up bytes from the
+    /// kernel socket. Draining without it could steal a wake-up another thread sleeps for.
+    pub kernel_waiter: parking_lot::Mutex<()>,
+    /// Bumped whenever the kernel waiter role is released; other threads sleep on it (futex).
+    pub local_sequence: AtomicU32,
+    pub local_sleepers: AtomicU32,
+    /// fds of this process that refer to the connection.
+    fds: AtomicUsize,
+}
+
+impl Conn {
+    pub fn new(
+        region: Region,
+        role: Role,
+        handoff_path: Option<CString>,
+        nonblocking: bool,
+    ) -> Conn {
+        Conn {
+            region,
+            role,
+            handoff_path,
+            nonblocking: AtomicBool::new(nonblocking),
+            kernel_eof: AtomicBool::new(false),
+            kernel_error: AtomicI32::new(0),
+            read_shut: AtomicBool::new(false),
+            probe_sent: AtomicBool::new(false),
+            kernel_waiter: parking_lot::Mutex::new(()),
+            local_sequence: AtomicU32::new(0),
+            local_sleepers: AtomicU32::new(0),
+            fds: AtomicUsize::new(0),
+        }
+    }
+
+    fn side(&self) -> usize {
+        if self.role == Role::Connector {
+            0
+        } else {
+            1
+        }
+    }
+
+    /// A forked child holds the connection too.
+    pub fn add_process_hold(&self) {
+        self.region.control().holders[self.side()].fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// This process lets go; true if it was the last process on its side.
+    pub fn release_process_hold(&self) -> bool {
+        self.region.control().holders[self.side()].fetch_sub(1, Ordering::AcqRel) == 1
+    }
+
+    pub fn outbound(&self) -> Ring<'_> {
+        self.region
+            .direction(if self.role == Role::Connector { 0 } else { 1 })
+    }
+
+    pub fn inbound(&self) -> Ring<'_> {
+        self.region
+            .direction(if self.role == Role::Connector { 1 } else { 0 })
+    }
+
+    pub fn attached(&self) -> bool {
+        self.region.control().state.load(Ordering::Acquire) == ATTACHED
+    }
+
+    /// Connector: once the acceptor has attached, record how many bytes went over the kernel
+    /// and move the outgoing direction to the ring. Must happen before any wake-up byte is sent,
+    /// so that the acceptor can tell data from wake-ups in the kernel stream.
+    pub fn ensure_switched(&self) {
+        if self.role != Role::Connector {
+            return;
+        }
+        let control = &self.region.direction(0).control.control.0;
+        if control.switched.load(Ordering::Acquire) != 0 {
+            return;
+        }
+        let _guard = SpinGuard::lock(&control.write_lock);
+        if control.switched.load(Ordering::Acquire) == 0 {
+            control.kernel_prefix.store(
+                control.kernel_sent.load(Ordering::Acquire),
+                Ordering::Release,
+            );
+            control.switched.store(1, Ordering::Release);
+        }
+    }
+
+    /// True when outgoing bytes go to the ring (otherwise over the kernel socket).
+    pub fn outbound_on_ring(&self) -> bool {
+        match self.role {
+            Role::Acceptor => true,
+            Role::Connector => {
+                if self.attached() {
+                    self.ensure_switched();
+                    true
+                } else {
+                    false
+                }
+            }
+        }
+    }
+
+    pub fn inbound_source(&self) -> Inbound {
+        match self.role {
+            Role::Connector => {
+                if self.attached() {
+                    self.ensure_switched();
+                    Inbound::Ring
+                } else {
+                    Inbound::Kernel
+                }
+            }
+            Role::Acceptor => {
+                let control = &self.region.direction(0).control.control.0;
+                if control.switched.load(Ordering::Acquire) == 0 {
+                    return Inbound::KernelPrefix(u64::MAX);
+                }
+                let prefix = control.kernel_prefix.load(Ordering::Acquire);
+                let consumed = control.kernel_consumed.load(Ordering::Acquire);
+                if consumed >= prefix {
+                    Inbound::Ring
+                } else {
+                    Inbound::KernelPrefix(prefix - consumed)
+                }
+            }
+        }
+    }
+
+    /// The peer shut down its sending side through the library (a fast EOF hint; the kernel
+    /// FIN that follows is the authoritative one).
+    pub fn peer_shut_wr(&self) -> bool {
+        self.inbound()
+            .control
+            .control
+            .0
+            .shut_wr
+            .load(Ordering::Acquire)
+            != 0
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if let Some(path) = &self.handoff_path {
+            if !self.attached() {
+                // SAFETY: NUL-terminated path.
+                unsafe { libc::unlink(path.as_ptr()) };
+            }
+        }
+    }
+}
+
+/// Highest fd number the library accelerates; sockets above it use plain TCP.
+pub const MAX_FD: usize = 1 << 16;
+
+static TABLE: [AtomicPtr<Conn>; MAX_FD] = [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_FD];
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+fn slot(fd: libc::c_int) -> Option<&'static AtomicPtr<Conn>> {
+    usize::try_from(fd).ok().and_then(|index| TABLE.get(index))
+}
+
+/// The connection behind `fd`, if it is a shared-memory one.
+///
+/// Closing an fd while another thread is inside a call on it is undefined for applications
+/// anyway; the table does not try to make that race safe.
+pub fn lookup(fd: libc::c_int) -> Option<Arc<Conn>> {
+    let pointer = slot(fd)?.load(Ordering::Acquire);
+    if pointer.is_null() {
+        return None;
+    }
+    // SAFETY: the pointer came from Arc::into_raw and the table still holds its reference.
+    unsafe {
+        Arc::increment_strong_count(pointer);
+        Some(Arc::from_raw(pointer))
+    }
+}
+
+/// Attaches `conn` to `fd` (dropping whatever was there).
+pub fn insert(fd: libc::c_int, conn: Arc<Conn>) {
+    let Some(slot) = slot(fd) else { return };
+    conn.fds.fetch_add(1, Ordering::AcqRel);
+    let previous = slot.swap(Arc::into_raw(conn).cast_mut(), Ordering::AcqRel);
+    if previous.is_null() {
+        LIVE.fetch_add(1, Ordering::Relaxed);
+    } else {
+        // SAFETY: from Arc::into_raw.
+        let previous = unsafe { Arc::from_raw(previous) };
+        if previous.fds.fetch_sub(1, Ordering::AcqRel) == 1 {
+            previous.release_process_hold();
+        }
+    }
+}
+
+/// Detaches the connection behind `fd`. Returns it, and whether this was the last process
+/// holding this side of it (the caller then drains wake-ups before the kernel socket closes).
+pub fn remove(fd: libc::c_int) -> Option<(Arc<Conn>, bool)> {
+    let pointer = slot(fd)?.swap(std::ptr::null_mut(), Ordering::AcqRel);
+    if pointer.is_null() {
+        return None;
+    }
+    LIVE.fetch_sub(1, Ordering::Relaxed);
+    // SAFETY: from Arc::into_raw.
+    let conn = unsafe { Arc::from_raw(pointer) };
+    let last = conn.fds.fetch_sub(1, Ordering::AcqRel) == 1 && conn.release_process_hold();
+    Some((conn, last))
+}
+
+/// Every distinct connection in the table, with one of its fds.
+pub fn all() -> Vec<(libc::c_int, Arc<Conn>)> {
+    let mut found: Vec<(libc::c_int, Arc<Conn>)> = Vec::new();
+    if !any_live() {
+        return found;
+    }
+    for fd in 0..MAX_FD as libc::c_int {
+        if let Some(conn) = lookup(fd) {
+            if !found.iter().any(|(_, c)| Arc::ptr_eq(c, &conn)) {
+                found.push((fd, conn));
+            }
+        }
+    }
+    found
+}
+
+/// In a forked child: every connection has one more process holding it.
+pub fn after_fork_in_child() {
+    for (_, conn) in all() {
+        conn.add_process_hold();
+    }
+}
+
+/// Whether any fd in this process is a shared-memory connection (fast path for poll/select).
+pub fn any_live() -> bool {
+    LIVE.load(Ordering::Relaxed) != 0
+}

@@ -1,0 +1,708 @@
+//! The exported libc functions. Each one looks the fd up; a shared-memory connection goes to
+//! the library, anything else straight to libc (the kernel socket is the fallback for all that
+//! the library does not handle).
+
+use crate::conn::{self, Conn};
+use crate::io;
+use crate::multiplex;
+use crate::negotiate;
+use crate::real;
+use libc::{
+    c_int, c_ulong, c_void, iovec, msghdr, nfds_t, pollfd, sigset_t, size_t, sockaddr, socklen_t,
+    ssize_t, timespec,
+};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+fn chunks(iov: *const iovec, count: c_int) -> Vec<(*const u8, usize)> {
+    if iov.is_null() || count <= 0 {
+        return Vec::new();
+    }
+    // SAFETY: the caller passed `count` iovecs.
+    unsafe { std::slice::from_raw_parts(iov, count as usize) }
+        .iter()
+        .map(|v| (v.iov_base.cast_const().cast::<u8>(), v.iov_len))
+        .collect()
+}
+
+fn buffers(iov: *const iovec, count: c_int) -> Vec<(*mut u8, usize)> {
+    chunks(iov, count)
+        .into_iter()
+        .map(|(p, l)| (p.cast_mut(), l))
+        .collect()
+}
+
+fn msg_iov_count(msg: &msghdr) -> c_int {
+    c_int::try_from(msg.msg_iovlen).unwrap_or(c_int::MAX)
+}
+
+fn timespec_ms(spec: *const timespec) -> c_int {
+    if spec.is_null() {
+        return -1;
+    }
+    // SAFETY: non-null timespec from the caller.
+    let spec = unsafe { &*spec };
+    let ms = spec.tv_sec as i128 * 1000 + (spec.tv_nsec as i128 + 999_999) / 1_000_000;
+    ms.clamp(0, c_int::MAX as i128) as c_int
+}
+
+fn with_conn<R>(fd: c_int, shm: impl FnOnce(Arc<Conn>) -> R, kernel: impl FnOnce() -> R) -> R {
+    match conn::lookup(fd) {
+        Some(conn) => shm(conn),
+        None => kernel(),
+    }
+}
+
+// ---- connection set-up -------------------------------------------------------------------
+
+#[no_mangle]
+pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    unsafe { negotiate::connect(fd, addr, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
+    let rc = unsafe { real::listen(fd, backlog) };
+    if rc == 0 {
+        let code = real::errno();
+        negotiate::advertise(fd);
+        real::set_errno(code);
+    }
+    rc
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn accept4(
+    fd: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+    flags: c_int,
+) -> c_int {
+    let accepted = unsafe { real::accept4(fd, addr, len, flags) };
+    if accepted >= 0 {
+        negotiate::accepted(accepted, flags & libc::SOCK_NONBLOCK != 0);
+    }
+    accepted
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    unsafe { accept4(fd, addr, len, 0) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    if conn::lookup(fd).is_some() {
+        multiplex::forget_fd(fd);
+        if let Some((conn, last)) = conn::remove(fd) {
+            if last {
+                io::drain_before_close(fd, &conn);
+            }
+        }
+    } else {
+        multiplex::forget_fd(fd);
+    }
+    negotiate::forget_listener(fd);
+    unsafe { real::close(fd) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
+    if let Some(conn) = conn::lookup(fd) {
+        if how == libc::SHUT_RD || how == libc::SHUT_RDWR {
+            conn.read_shut.store(true, Ordering::Release);
+        }
+        if (how == libc::SHUT_WR || how == libc::SHUT_RDWR) && conn.outbound_on_ring() {
+            conn.outbound()
+                .control
+                .control
+                .0
+                .shut_wr
+                .store(1, Ordering::SeqCst);
+            io::wake_reader(fd, &conn);
+        }
+    }
+    let rc = unsafe { real::shutdown(fd, how) };
+    if rc != 0
+        && real::errno() == libc::ENOTCONN
+        && conn::lookup(fd).is_some_and(|c| {
+            c.kernel_error.load(Ordering::Acquire) == libc::ECONNRESET
+                || c.kernel_eof.load(Ordering::Acquire)
+        })
+    {
+        // The peer closed and a stray wake-up byte made its kernel reset the connection; with
+        // plain TCP this shutdown would have succeeded.
+        return 0;
+    }
+    rc
+}
+
+// ---- data ---------------------------------------------------------------------------------
+
+#[no_mangle]
+pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
+    with_conn(
+        fd,
+        |c| io::recv(fd, &c, &[(buf.cast(), n)], 0),
+        || unsafe { real::read(fd, buf, n) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __read_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+) -> ssize_t {
+    if n > buflen {
+        return unsafe { real::__read_chk(fd, buf, n, buflen) };
+    }
+    with_conn(
+        fd,
+        |c| io::recv(fd, &c, &[(buf.cast(), n)], 0),
+        || unsafe { real::__read_chk(fd, buf, n, buflen) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
+    with_conn(
+        fd,
+        |c| io::send(fd, &c, &[(buf.cast(), n)], 0),
+        || unsafe { real::write(fd, buf, n) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, count: c_int) -> ssize_t {
+    with_conn(
+        fd,
+        |c| io::recv(fd, &c, &buffers(iov, count), 0),
+        || unsafe { real::readv(fd, iov, count) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, count: c_int) -> ssize_t {
+    with_conn(
+        fd,
+        |c| io::send(fd, &c, &chunks(iov, count), 0),
+        || unsafe { real::writev(fd, iov, count) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
+    with_conn(
+        fd,
+        |c| io::recv(fd, &c, &[(buf.cast(), n)], flags),
+        || unsafe { real::recv(fd, buf, n, flags) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recv_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+    flags: c_int,
+) -> ssize_t {
+    if n > buflen {
+        return unsafe { real::__recv_chk(fd, buf, n, buflen, flags) };
+    }
+    with_conn(
+        fd,
+        |c| io::recv(fd, &c, &[(buf.cast(), n)], flags),
+        || unsafe { real::__recv_chk(fd, buf, n, buflen, flags) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
+    with_conn(
+        fd,
+        |c| io::send(fd, &c, &[(buf.cast(), n)], flags),
+        || unsafe { real::send(fd, buf, n, flags) },
+    )
+}
+
+/// TCP reports no source address: a connected stream's recvfrom leaves the address empty.
+fn clear_address(len: *mut socklen_t) {
+    if !len.is_null() {
+        // SAFETY: caller-provided length.
+        unsafe { *len = 0 };
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvfrom(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+) -> ssize_t {
+    with_conn(
+        fd,
+        |c| {
+            let rc = io::recv(fd, &c, &[(buf.cast(), n)], flags);
+            if rc >= 0 && !addr.is_null() {
+                clear_address(len);
+            }
+            rc
+        },
+        || unsafe { real::recvfrom(fd, buf, n, flags, addr, len) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recvfrom_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+) -> ssize_t {
+    if n > buflen {
+        return unsafe { real::__recvfrom_chk(fd, buf, n, buflen, flags, addr, len) };
+    }
+    unsafe { recvfrom(fd, buf, n, flags, addr, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendto(
+    fd: c_int,
+    buf: *const c_void,
+    n: size_t,
+    flags: c_int,
+    addr: *const sockaddr,
+    len: socklen_t,
+) -> ssize_t {
+    with_conn(
+        fd,
+        |c| io::send(fd, &c, &[(buf.cast(), n)], flags),
+        || unsafe { real::sendto(fd, buf, n, flags, addr, len) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
+    if msg.is_null() {
+        return unsafe { real::recvmsg(fd, msg, flags) };
+    }
+    with_conn(
+        fd,
+        |c| {
+            // SAFETY: non-null msghdr from the caller.
+            let header = unsafe { &mut *msg };
+            let rc = io::recv(
+                fd,
+                &c,
+                &buffers(header.msg_iov, msg_iov_count(header)),
+                flags,
+            );
+            if rc >= 0 {
+                header.msg_namelen = 0;
+                header.msg_controllen = 0;
+                header.msg_flags = 0;
+            }
+            rc
+        },
+        || unsafe { real::recvmsg(fd, msg, flags) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
+    if msg.is_null() {
+        return unsafe { real::sendmsg(fd, msg, flags) };
+    }
+    with_conn(
+        fd,
+        |c| {
+            // SAFETY: non-null msghdr from the caller.
+            let header = unsafe { &*msg };
+            if header.msg_controllen != 0 {
+                // Ancillary data cannot travel through the ring.
+                real::set_errno(libc::EOPNOTSUPP);
+                return -1;
+            }
+            io::send(
+                fd,
+                &c,
+                &chunks(header.msg_iov, msg_iov_count(header)),
+                flags,
+            )
+        },
+        || unsafe { real::sendmsg(fd, msg, flags) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendmmsg(
+    fd: c_int,
+    msgs: *mut libc::mmsghdr,
+    count: libc::c_uint,
+    flags: c_int,
+) -> c_int {
+    let Some(_) = conn::lookup(fd) else {
+        // SAFETY: forwarded unchanged.
+        return unsafe { libc::syscall(libc::SYS_sendmmsg, fd, msgs, count, flags) as c_int };
+    };
+    let mut done = 0;
+    for index in 0..count as usize {
+        // SAFETY: the caller passed `count` entries.
+        let entry = unsafe { &mut *msgs.add(index) };
+        let rc = unsafe { sendmsg(fd, &entry.msg_hdr, flags) };
+        if rc < 0 {
+            return if done > 0 { done } else { -1 };
+        }
+        entry.msg_len = rc as libc::c_uint;
+        done += 1;
+    }
+    done
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvmmsg(
+    fd: c_int,
+    msgs: *mut libc::mmsghdr,
+    count: libc::c_uint,
+    flags: c_int,
+    timeout: *mut timespec,
+) -> c_int {
+    let Some(_) = conn::lookup(fd) else {
+        // SAFETY: forwarded unchanged.
+        return unsafe {
+            libc::syscall(libc::SYS_recvmmsg, fd, msgs, count, flags, timeout) as c_int
+        };
+    };
+    let mut done = 0;
+    for index in 0..count as usize {
+        // SAFETY: the caller passed `count` entries.
+        let entry = unsafe { &mut *msgs.add(index) };
+        let rc = unsafe {
+            recvmsg(
+                fd,
+                &mut entry.msg_hdr,
+                if done > 0 {
+                    flags | libc::MSG_DONTWAIT
+                } else {
+                    flags
+                },
+            )
+        };
+        if rc <= 0 {
+            return if done > 0 { done } else { rc as c_int };
+        }
+        entry.msg_len = rc as libc::c_uint;
+        done += 1;
+    }
+    done
+}
+
+unsafe fn sendfile_impl(
+    out: c_int,
+    input: c_int,
+    offset: *mut libc::off_t,
+    count: size_t,
+) -> ssize_t {
+    let Some(conn) = conn::lookup(out) else {
+        return unsafe { real::sendfile(out, input, offset, count) };
+    };
+    let mut buffer = vec![0u8; count.clamp(1, 64 * 1024)];
+    // SAFETY: reading into our buffer.
+    let got = unsafe {
+        if offset.is_null() {
+            real::read(input, buffer.as_mut_ptr().cast(), buffer.len())
+        } else {
+            libc::pread(input, buffer.as_mut_ptr().cast(), buffer.len(), *offset)
+        }
+    };
+    if got <= 0 {
+        return got;
+    }
+    let sent = io::send(out, &conn, &[(buffer.as_ptr(), got as usize)], 0);
+    let code = real::errno();
+    let unsent = if sent < 0 { got } else { got - sent };
+    unsafe {
+        if offset.is_null() {
+            if unsent > 0 {
+                libc::lseek(input, -(unsent as libc::off_t), libc::SEEK_CUR);
+            }
+        } else if sent > 0 {
+            *offset += sent as libc::off_t;
+        }
+    }
+    real::set_errno(code);
+    sent
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile(
+    out: c_int,
+    input: c_int,
+    offset: *mut libc::off_t,
+    count: size_t,
+) -> ssize_t {
+    unsafe { sendfile_impl(out, input, offset, count) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile64(
+    out: c_int,
+    input: c_int,
+    offset: *mut libc::off_t,
+    count: size_t,
+) -> ssize_t {
+    unsafe { sendfile_impl(out, input, offset, count) }
+}
+
+// ---- fd bookkeeping ---------------------------------------------------------------------
+
+fn copy_conn(old: c_int, new: c_int) {
+    if new >= 0 {
+        if let Some(conn) = conn::lookup(old) {
+            conn::insert(new, conn);
+        }
+    }
+}
+
+/// `new` is about to be replaced by dup2/dup3: forget what it was.
+fn release_target(new: c_int) {
+    if conn::lookup(new).is_some() {
+        multiplex::forget_fd(new);
+        if let Some((conn, true)) = conn::remove(new) {
+            io::drain_before_close(new, &conn);
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
+    let new = unsafe { real::dup(fd) };
+    copy_conn(fd, new);
+    new
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
+    if old != new && (conn::lookup(old).is_some() || conn::lookup(new).is_some()) {
+        release_target(new);
+    }
+    let rc = unsafe { real::dup2(old, new) };
+    if old != new {
+        copy_conn(old, rc);
+    }
+    rc
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    if old != new {
+        release_target(new);
+    }
+    let rc = unsafe { real::dup3(old, new, flags) };
+    if old != new {
+        copy_conn(old, rc);
+    }
+    rc
+}
+
+unsafe fn fcntl_impl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
+    let rc = unsafe { real::fcntl(fd, cmd, arg) };
+    match cmd {
+        libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => copy_conn(fd, rc),
+        libc::F_SETFL if rc == 0 => {
+            if let Some(conn) = conn::lookup(fd) {
+                conn.nonblocking
+                    .store(arg as c_int & libc::O_NONBLOCK != 0, Ordering::Relaxed);
+            }
+        }
+        _ => {}
+    }
+    rc
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
+    unsafe { fcntl_impl(fd, cmd, arg) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
+    unsafe { fcntl_impl(fd, cmd, arg) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ioctl(fd: c_int, request: c_ulong, arg: *mut c_void) -> c_int {
+    if let Some(conn) = conn::lookup(fd) {
+        if request == libc::FIONREAD && !arg.is_null() {
+            if let Some(bytes) = io::bytes_readable(&conn) {
+                // SAFETY: FIONREAD takes an int*.
+                unsafe { *arg.cast::<c_int>() = bytes.min(c_int::MAX as u64) as c_int };
+                return 0;
+            }
+        }
+        let rc = unsafe { real::ioctl(fd, request, arg) };
+        if request == libc::FIONBIO && rc == 0 && !arg.is_null() {
+            // SAFETY: FIONBIO takes an int*.
+            conn.nonblocking
+                .store(unsafe { *arg.cast::<c_int>() } != 0, Ordering::Relaxed);
+        }
+        return rc;
+    }
+    unsafe { real::ioctl(fd, request, arg) }
+}
+
+// ---- readiness ----------------------------------------------------------------------------
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_ctl(
+    epfd: c_int,
+    op: c_int,
+    fd: c_int,
+    event: *mut libc::epoll_event,
+) -> c_int {
+    unsafe { multiplex::epoll_ctl(epfd, op, fd, event) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_wait(
+    epfd: c_int,
+    events: *mut libc::epoll_event,
+    max: c_int,
+    timeout: c_int,
+) -> c_int {
+    unsafe { multiplex::epoll_wait(epfd, events, max, timeout, std::ptr::null()) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_pwait(
+    epfd: c_int,
+    events: *mut libc::epoll_event,
+    max: c_int,
+    timeout: c_int,
+    mask: *const sigset_t,
+) -> c_int {
+    unsafe { multiplex::epoll_wait(epfd, events, max, timeout, mask) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn poll(fds: *mut pollfd, count: nfds_t, timeout: c_int) -> c_int {
+    unsafe { multiplex::poll(fds, count, timeout, None) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __poll_chk(
+    fds: *mut pollfd,
+    count: nfds_t,
+    timeout: c_int,
+    fdslen: size_t,
+) -> c_int {
+    if (fdslen / std::mem::size_of::<pollfd>()) < count as usize {
+        // SAFETY: plain abort path of FORTIFY.
+        unsafe { libc::abort() };
+    }
+    unsafe { multiplex::poll(fds, count, timeout, None) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ppoll(
+    fds: *mut pollfd,
+    count: nfds_t,
+    timeout: *const timespec,
+    mask: *const sigset_t,
+) -> c_int {
+    if !conn::any_live() {
+        return unsafe { real::ppoll(fds, count, timeout, mask) };
+    }
+    unsafe { multiplex::poll(fds, count, timespec_ms(timeout), Some(mask)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn select(
+    nfds: c_int,
+    read: *mut libc::fd_set,
+    write: *mut libc::fd_set,
+    except: *mut libc::fd_set,
+    timeout: *mut libc::timeval,
+) -> c_int {
+    let ms = if timeout.is_null() {
+        -1
+    } else {
+        // SAFETY: non-null timeval from the caller.
+        let t = unsafe { &*timeout };
+        (t.tv_sec as i128 * 1000 + (t.tv_usec as i128 + 999) / 1000).clamp(0, c_int::MAX as i128)
+            as c_int
+    };
+    match unsafe { multiplex::select(nfds, read, write, except, ms, None) } {
+        Some(rc) => {
+            if rc == 0 && !timeout.is_null() {
+                // SAFETY: as above; Linux reports the time left.
+                unsafe {
+                    *timeout = libc::timeval {
+                        tv_sec: 0,
+                        tv_usec: 0,
+                    }
+                };
+            }
+            rc
+        }
+        None => unsafe { real::select(nfds, read, write, except, timeout) },
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pselect(
+    nfds: c_int,
+    read: *mut libc::fd_set,
+    write: *mut libc::fd_set,
+    except: *mut libc::fd_set,
+    timeout: *const timespec,
+    mask: *const sigset_t,
+) -> c_int {
+    match unsafe { multiplex::select(nfds, read, write, except, timespec_ms(timeout), Some(mask)) }
+    {
+        Some(rc) => rc,
+        None => unsafe { real::pselect(nfds, read, write, except, timeout, mask) },
+    }
+}
+
+// ---- process life cycle -------------------------------------------------------------------
+
+extern "C" fn child_after_fork() {
+    conn::after_fork_in_child();
+}
+
+/// Registers the fork hook when the library loads.
+extern "C" fn on_load() {
+    // SAFETY: registering a plain function.
+    unsafe { libc::pthread_atfork(None, None, Some(child_after_fork)) };
+}
+
+/// At exit(), let go of every connection the way close() would, so that queued wake-up bytes
+/// do not turn the peer's EOF into a reset.
+extern "C" fn on_exit() {
+    if !conn::any_live() {
+        return;
+    }
+    for fd in 0..conn::MAX_FD as c_int {
+        if let Some((conn, true)) = conn::remove(fd) {
+            io::drain_before_close(fd, &conn);
+        }
+    }
+}
+
+#[used]
+#[link_section = ".init_array"]
+static ON_LOAD: extern "C" fn() = on_load;
+
+#[used]
+#[link_section = ".fini_array"]
+static ON_EXIT: extern "C" fn() = on_exit;

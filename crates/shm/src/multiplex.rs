@@ -1,0 +1,599 @@
+//! epoll, poll and select over a mix of kernel fds and shared-memory connections.
+//!
+//! A shared-memory connection's kernel socket stays in the application's epoll set, but
+//! registered by the library: for `EPOLLIN | EPOLLRDHUP | EPOLLET` with a token as its data, so
+//! that wake-up bytes, EOF and resets wake the set. The application's own registration
+//! (events, data, EPOLLET, EPOLLONESHOT) lives in a shadow table here. epoll_wait() first polls
+//! the rings (no system call), then sleeps in the real epoll_wait() with the rings armed, and
+//! turns tokens back into the application's events. poll() and select() do the same with a
+//! copy of the fd array. Readiness of ring data is checked in user space; edge-triggered
+//! registrations report an edge when the ring's byte counters moved since the last report.
+
+use crate::conn::{self, Conn, Inbound};
+use crate::io::{self, Readiness};
+use crate::real::{self, errno, set_errno};
+use libc::{c_int, epoll_event};
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const TOKEN_TAG: u64 = 0xF1A7_5E00_0000_0000;
+const TOKEN_MASK: u64 = 0xFFFF_FF00_0000_0000;
+const NEVER: u64 = u64::MAX - 1;
+
+struct Watch {
+    fd: c_int,
+    conn: Arc<Conn>,
+    events: u32,
+    data: u64,
+    last_in: u64,
+    last_out: u64,
+    eof_reported: bool,
+    error_reported: bool,
+    disabled: bool,
+    /// Kernel-mode connections: data was there at the last look, so look again.
+    kernel_hint: bool,
+}
+
+#[derive(Default)]
+struct EpollSet {
+    watches: Vec<Watch>,
+    cursor: usize,
+}
+
+static SETS: Mutex<BTreeMap<c_int, EpollSet>> = Mutex::new(BTreeMap::new());
+static WATCH_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+fn kernel_registration(fd: c_int) -> epoll_event {
+    epoll_event {
+        events: (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLET) as u32,
+        u64: TOKEN_TAG | fd as u32 as u64,
+    }
+}
+
+fn remove_watch(sets: &mut BTreeMap<c_int, EpollSet>, epfd: c_int, fd: c_int) {
+    if let Some(set) = sets.get_mut(&epfd) {
+        let before = set.watches.len();
+        set.watches.retain(|w| w.fd != fd);
+        WATCH_COUNT.fetch_sub(before - set.watches.len(), Ordering::Relaxed);
+    }
+}
+
+/// epoll_ctl() interposer.
+///
+/// # Safety
+/// Arguments as for epoll_ctl(2).
+pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut epoll_event) -> c_int {
+    let Some(conn) = conn::lookup(fd) else {
+        if WATCH_COUNT.load(Ordering::Relaxed) != 0 {
+            remove_watch(&mut SETS.lock(), epfd, fd);
+        }
+        return unsafe { real::epoll_ctl(epfd, op, fd, event) };
+    };
+    let app = if event.is_null() {
+        None
+    } else {
+        Some(unsafe { std::ptr::read_unaligned(event) })
+    };
+    let mut kernel = kernel_registration(fd);
+    match op {
+        libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD => {
+            let Some(app) = app else {
+                set_errno(libc::EFAULT);
+                return -1;
+            };
+            let rc = unsafe { real::epoll_ctl(epfd, op, fd, &mut kernel) };
+            if rc != 0 {
+                return rc;
+            }
+            let mut sets = SETS.lock();
+            remove_watch(&mut sets, epfd, fd);
+            sets.entry(epfd).or_default().watches.push(Watch {
+                fd,
+                conn,
+                events: app.events,
+                data: app.u64,
+                last_in: NEVER,
+                last_out: NEVER,
+                eof_reported: false,
+                error_reported: false,
+                disabled: false,
+                kernel_hint: true,
+            });
+            WATCH_COUNT.fetch_add(1, Ordering::Relaxed);
+            0
+        }
+        _ => {
+            let rc = unsafe { real::epoll_ctl(epfd, op, fd, event) };
+            if rc == 0 {
+                remove_watch(&mut SETS.lock(), epfd, fd);
+            }
+            rc
+        }
+    }
+}
+
+/// Bookkeeping when `fd` closes: drop its watches (and the kernel registrations, which a dup
+/// of the socket would otherwise keep alive), and forget it as an epoll set.
+pub fn forget_fd(fd: c_int) {
+    if WATCH_COUNT.load(Ordering::Relaxed) == 0 && SETS.lock().is_empty() {
+        return;
+    }
+    let mut sets = SETS.lock();
+    if let Some(set) = sets.remove(&fd) {
+        WATCH_COUNT.fetch_sub(set.watches.len(), Ordering::Relaxed);
+    }
+    let epfds: Vec<c_int> = sets
+        .iter()
+        .filter(|(_, s)| s.watches.iter().any(|w| w.fd == fd))
+        .map(|(&e, _)| e)
+        .collect();
+    for epfd in epfds {
+        // SAFETY: removing our own registration.
+        unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+        remove_watch(&mut sets, epfd, fd);
+    }
+}
+
+fn has_watches(epfd: c_int) -> bool {
+    WATCH_COUNT.load(Ordering::Relaxed) != 0
+        && SETS
+            .lock()
+            .get(&epfd)
+            .is_some_and(|s| !s.watches.is_empty())
+}
+
+/// What to report for a watch now (and update its edge state).
+fn evaluate(watch: &mut Watch, activity: bool) -> u32 {
+    if watch.disabled {
+        return 0;
+    }
+    let check_kernel = activity || watch.kernel_hint;
+    let ready = readiness(watch.fd, &watch.conn, activity, check_kernel);
+    if watch.conn.inbound_source() != Inbound::Ring {
+        watch.kernel_hint = ready.readable || ready.eof;
+    }
+    let edge = watch.events & libc::EPOLLET as u32 != 0;
+    let mut events = 0u32;
+    let wants_in = watch.events & libc::EPOLLIN as u32 != 0;
+    let wants_rdhup = watch.events & libc::EPOLLRDHUP as u32 != 0;
+    if ready.readable || ready.eof {
+        let new_edge = ready.in_sequence != watch.last_in
+            || (ready.eof && !watch.eof_reported)
+            || (activity && ready.in_sequence == u64::MAX);
+        if !edge || new_edge {
+            if wants_in {
+                events |= libc::EPOLLIN as u32;
+            }
+            if ready.eof && wants_rdhup {
+                events |= libc::EPOLLRDHUP as u32;
+            }
+        }
+    }
+    if watch.events & libc::EPOLLOUT as u32 != 0
+        && ready.writable
+        && (!edge
+            || ready.out_sequence != watch.last_out
+            || (activity && ready.out_sequence == u64::MAX && watch.last_out != u64::MAX))
+    {
+        events |= libc::EPOLLOUT as u32;
+    }
+    if ready.error && (!edge || !watch.error_reported) {
+        events |= (libc::EPOLLERR | libc::EPOLLHUP) as u32;
+    }
+    if events != 0 {
+        if events & (libc::EPOLLIN | libc::EPOLLRDHUP) as u32 != 0 {
+            watch.last_in = ready.in_sequence;
+            watch.eof_reported |= ready.eof;
+        }
+        if events & libc::EPOLLOUT as u32 != 0 {
+            watch.last_out = ready.out_sequence;
+        }
+        watch.error_reported |= ready.error;
+        if watch.events & libc::EPOLLONESHOT as u32 != 0 {
+            watch.disabled = true;
+        }
+    }
+    events
+}
+
+fn readiness(fd: c_int, conn: &Conn, activity: bool, check_kernel: bool) -> Readiness {
+    if !check_kernel && conn.inbound_source() != Inbound::Ring {
+        // Nothing came over the kernel since the last look and nothing was there then.
+        let mut ready = io::readiness_without_kernel(conn);
+        ready.in_sequence = u64::MAX;
+        return ready;
+    }
+    io::readiness(fd, conn, activity)
+}
+
+/// A look at the rings only, no system call: would a wait return now?
+fn quick_ready(watch: &Watch) -> bool {
+    if watch.disabled || watch.conn.inbound_source() != Inbound::Ring {
+        return false;
+    }
+    let edge = watch.events & libc::EPOLLET as u32 != 0;
+    let inbound = watch.conn.inbound();
+    if watch.events & libc::EPOLLIN as u32 != 0
+        && inbound.readable() > 0
+        && (!edge || inbound.written() != watch.last_in)
+    {
+        return true;
+    }
+    if watch.events & libc::EPOLLOUT as u32 != 0 && watch.conn.outbound_on_ring() {
+        let outbound = watch.conn.outbound();
+        if outbound.writable() > 0 && (!edge || outbound.consumed() != watch.last_out) {
+            return true;
+        }
+    }
+    false
+}
+
+fn collect(epfd: c_int, out: &mut [epoll_event], fired: &[c_int]) -> usize {
+    let mut sets = SETS.lock();
+    let Some(set) = sets.get_mut(&epfd) else {
+        return 0;
+    };
+    let count = set.watches.len();
+    let mut written = 0;
+    for step in 0..count {
+        if written == out.len() {
+            break;
+        }
+        let index = (set.cursor + step) % count;
+        let watch = &mut set.watches[index];
+        let events = evaluate(watch, fired.contains(&watch.fd));
+        if events != 0 {
+            out[written] = epoll_event {
+                events,
+                u64: watch.data,
+            };
+            written += 1;
+        }
+    }
+    if count > 0 {
+        set.cursor = (set.cursor + 1) % count;
+    }
+    written
+}
+
+fn arm_set(epfd: c_int) {
+    if let Some(set) = SETS.lock().get(&epfd) {
+        for watch in set.watches.iter().filter(|w| !w.disabled) {
+            io::arm(
+                &watch.conn,
+                watch.events & libc::EPOLLIN as u32 != 0,
+                watch.events & libc::EPOLLOUT as u32 != 0,
+            );
+        }
+    }
+}
+
+fn any_quick_ready(epfd: c_int) -> bool {
+    SETS.lock()
+        .get(&epfd)
+        .is_some_and(|s| s.watches.iter().any(quick_ready))
+}
+
+/// Moves the application's events to the front of `events[..n]` and returns their count,
+/// collecting the fds whose kernel sockets (our tokens) fired.
+fn split_tokens(events: &mut [epoll_event], fired: &mut Vec<c_int>) -> usize {
+    let mut kept = 0;
+    for index in 0..events.len() {
+        let event = events[index];
+        let data = event.u64;
+        if data & TOKEN_MASK == TOKEN_TAG {
+            fired.push((data & 0xFFFF_FFFF) as u32 as c_int);
+        } else {
+            events[kept] = event;
+            kept += 1;
+        }
+    }
+    kept
+}
+
+fn remaining_ms(deadline: Option<Instant>) -> Option<c_int> {
+    match deadline {
+        None => Some(-1),
+        Some(at) => {
+            let now = Instant::now();
+            if now >= at {
+                None
+            } else {
+                Some((at - now).as_micros().div_ceil(1000).min(i32::MAX as u128) as c_int)
+            }
+        }
+    }
+}
+
+/// epoll_wait()/epoll_pwait() interposer.
+///
+/// # Safety
+/// Arguments as for epoll_pwait(2).
+pub unsafe fn epoll_wait(
+    epfd: c_int,
+    events: *mut epoll_event,
+    max: c_int,
+    timeout: c_int,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    if max <= 0 || events.is_null() || !has_watches(epfd) {
+        return unsafe { real::epoll_pwait(epfd, events, max, timeout, mask) };
+    }
+    // SAFETY: the caller gave `max` writable events.
+    let out = unsafe { std::slice::from_raw_parts_mut(events, max as usize) };
+    let deadline = (timeout >= 0).then(|| Instant::now() + Duration::from_millis(timeout as u64));
+    let mut spun = false;
+    let mut fired = Vec::new();
+    loop {
+        // Kernel events that are already there, then the rings.
+        fired.clear();
+        let rc = unsafe { real::epoll_pwait(epfd, events, max, 0, std::ptr::null()) };
+        if rc < 0 {
+            return rc;
+        }
+        let mut count = split_tokens(&mut out[..rc as usize], &mut fired);
+        count += collect(epfd, &mut out[count..], &fired);
+        if count > 0 || timeout == 0 {
+            return count as c_int;
+        }
+        if !spun {
+            spun = true;
+            if io::spin_until(|| any_quick_ready(epfd)) {
+                continue;
+            }
+        }
+        arm_set(epfd);
+        let count = collect(epfd, out, &[]);
+        if count > 0 {
+            return count as c_int;
+        }
+        let Some(wait_ms) = remaining_ms(deadline) else {
+            return 0;
+        };
+        let rc = unsafe { real::epoll_pwait(epfd, events, max, wait_ms, mask) };
+        if rc < 0 {
+            return rc;
+        }
+        fired.clear();
+        let mut count = split_tokens(&mut out[..rc as usize], &mut fired);
+        count += collect(epfd, &mut out[count..], &fired);
+        if count > 0 {
+            return count as c_int;
+        }
+        if remaining_ms(deadline).is_none() {
+            return 0;
+        }
+    }
+}
+
+fn poll_bits(ready: &Readiness, requested: i16) -> i16 {
+    let mut bits = 0;
+    if requested & libc::POLLIN != 0 && (ready.readable || ready.eof) {
+        bits |= libc::POLLIN;
+    }
+    if requested & libc::POLLRDHUP != 0 && ready.eof {
+        bits |= libc::POLLRDHUP;
+    }
+    if requested & libc::POLLOUT != 0 && ready.writable {
+        bits |= libc::POLLOUT;
+    }
+    if ready.error {
+        bits |= libc::POLLERR | libc::POLLHUP;
+    }
+    bits
+}
+
+/// poll()/ppoll() interposer.
+///
+/// # Safety
+/// Arguments as for ppoll(2), with the timeout in milliseconds (-1: none).
+pub unsafe fn poll(
+    fds: *mut libc::pollfd,
+    count: libc::nfds_t,
+    timeout: c_int,
+    mask: Option<*const libc::sigset_t>,
+) -> c_int {
+    let real_poll = |fds: *mut libc::pollfd, timeout: c_int| unsafe {
+        match mask {
+            None => real::poll(fds, count, timeout),
+            Some(mask) => {
+                let spec = (timeout >= 0).then(|| libc::timespec {
+                    tv_sec: (timeout / 1000) as libc::time_t,
+                    tv_nsec: (timeout % 1000) as libc::c_long * 1_000_000,
+                });
+                real::ppoll(
+                    fds,
+                    count,
+                    spec.as_ref()
+                        .map_or(std::ptr::null(), |s| s as *const libc::timespec),
+                    mask,
+                )
+            }
+        }
+    };
+    if !conn::any_live() || fds.is_null() || count == 0 {
+        return real_poll(fds, timeout);
+    }
+    // SAFETY: the caller gave `count` entries.
+    let entries = unsafe { std::slice::from_raw_parts_mut(fds, count as usize) };
+    let shm: Vec<(usize, Arc<Conn>)> = entries
+        .iter()
+        .enumerate()
+        .filter_map(|(i, e)| conn::lookup(e.fd).map(|c| (i, c)))
+        .collect();
+    if shm.is_empty() {
+        return real_poll(fds, timeout);
+    }
+    let deadline = (timeout >= 0).then(|| Instant::now() + Duration::from_millis(timeout as u64));
+    let mut copy: Vec<libc::pollfd> = entries.to_vec();
+    let mut spun = false;
+    let merge = |entries: &mut [libc::pollfd], copy: &[libc::pollfd]| -> c_int {
+        let mut ready_count = 0;
+        for (index, entry) in entries.iter_mut().enumerate() {
+            entry.revents = match shm.iter().find(|(i, _)| *i == index) {
+                Some((_, conn)) => {
+                    let activity = copy[index].revents != 0;
+                    poll_bits(&io::readiness(entry.fd, conn, activity), entry.events)
+                }
+                None => copy[index].revents,
+            };
+            if entry.revents != 0 {
+                ready_count += 1;
+            }
+        }
+        ready_count
+    };
+    loop {
+        for (index, entry) in entries.iter().enumerate() {
+            copy[index] = *entry;
+            copy[index].revents = 0;
+        }
+        for (index, _) in &shm {
+            copy[*index].events = libc::POLLIN;
+        }
+        let rc = unsafe { real::poll(copy.as_mut_ptr(), count, 0) };
+        if rc < 0 {
+            return rc;
+        }
+        let ready = merge(entries, &copy);
+        if ready > 0 || timeout == 0 {
+            return ready;
+        }
+        if !spun {
+            spun = true;
+            let ring_ready = || {
+                shm.iter().any(|(index, conn)| {
+                    let wanted = entries[*index].events;
+                    conn.inbound_source() == Inbound::Ring
+                        && ((wanted & libc::POLLIN != 0 && conn.inbound().readable() > 0)
+                            || (wanted & libc::POLLOUT != 0
+                                && conn.outbound_on_ring()
+                                && conn.outbound().writable() > 0))
+                })
+            };
+            if io::spin_until(ring_ready) {
+                continue;
+            }
+        }
+        for (index, conn) in &shm {
+            io::arm(
+                conn,
+                entries[*index].events & libc::POLLIN != 0,
+                entries[*index].events & libc::POLLOUT != 0,
+            );
+        }
+        for entry in copy.iter_mut() {
+            entry.revents = 0;
+        }
+        if merge(entries, &copy) > 0 {
+            continue;
+        }
+        let Some(wait_ms) = remaining_ms(deadline) else {
+            return 0;
+        };
+        for (index, entry) in entries.iter().enumerate() {
+            copy[index] = *entry;
+            copy[index].revents = 0;
+        }
+        for (index, _) in &shm {
+            copy[*index].events = libc::POLLIN;
+        }
+        let rc = real_poll(copy.as_mut_ptr(), wait_ms);
+        if rc < 0 {
+            return rc;
+        }
+        let ready = merge(entries, &copy);
+        if ready > 0 {
+            return ready;
+        }
+        if remaining_ms(deadline).is_none() {
+            return 0;
+        }
+    }
+}
+
+/// select()/pselect() interposer over poll. `None` when no shared-memory fd is involved.
+///
+/// # Safety
+/// Arguments as for pselect(2), timeout in milliseconds (-1: none).
+pub unsafe fn select(
+    nfds: c_int,
+    read: *mut libc::fd_set,
+    write: *mut libc::fd_set,
+    except: *mut libc::fd_set,
+    timeout: c_int,
+    mask: Option<*const libc::sigset_t>,
+) -> Option<c_int> {
+    if !conn::any_live() || nfds <= 0 {
+        return None;
+    }
+    let nfds = nfds.min(libc::FD_SETSIZE as c_int);
+    let is_set =
+        |set: *mut libc::fd_set, fd: c_int| !set.is_null() && unsafe { libc::FD_ISSET(fd, set) };
+    let mut entries = Vec::new();
+    let mut any_shm = false;
+    for fd in 0..nfds {
+        let mut events = 0;
+        if is_set(read, fd) {
+            events |= libc::POLLIN;
+        }
+        if is_set(write, fd) {
+            events |= libc::POLLOUT;
+        }
+        if is_set(except, fd) {
+            events |= libc::POLLPRI;
+        }
+        if events != 0 {
+            any_shm |= conn::lookup(fd).is_some();
+            entries.push(libc::pollfd {
+                fd,
+                events,
+                revents: 0,
+            });
+        }
+    }
+    if !any_shm {
+        return None;
+    }
+    let rc = unsafe {
+        poll(
+            entries.as_mut_ptr(),
+            entries.len() as libc::nfds_t,
+            timeout,
+            mask,
+        )
+    };
+    if rc < 0 {
+        return Some(rc);
+    }
+    for set in [read, write, except] {
+        if !set.is_null() {
+            unsafe { libc::FD_ZERO(set) };
+        }
+    }
+    let mut bits = 0;
+    for entry in &entries {
+        if entry.revents & libc::POLLNVAL != 0 {
+            set_errno(libc::EBADF);
+            return Some(-1);
+        }
+        let readable = entry.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+        let writable = entry.revents & (libc::POLLOUT | libc::POLLERR) != 0;
+        let exceptional = entry.revents & libc::POLLPRI != 0;
+        for (wanted, set, hit) in [
+            (libc::POLLIN, read, readable),
+            (libc::POLLOUT, write, writable),
+            (libc::POLLPRI, except, exceptional),
+        ] {
+            if entry.events & wanted != 0 && hit {
+                unsafe { libc::FD_SET(entry.fd, set) };
+                bits += 1;
+            }
+        }
+    }
+    let _ = errno();
+    Some(bits)
+}

@@ -1,0 +1,378 @@
+//! Moving a TCP connection's data path to shared memory, without ever putting a byte on the
+//! wire that a peer without the library could see.
+//!
+//! 1. `listen()` in a process with the library binds an abstract Unix socket
+//!    `@flatmesh-shm/l/<port>` (per network namespace, gone when the process is).
+//! 2. `connect()` to a local address whose port has that advertisement: the connector binds its
+//!    socket (to learn its port before the SYN leaves), creates the region file
+//!    `/dev/shm/flatmesh-shm-<netns>-<dst ip>-<dst port>-<src port>` (mode 0600), then connects.
+//!    The connection starts *pending*: the connector sends over TCP as usual.
+//! 3. `accept()` looks the accepted 4-tuple's file up. If it is there, the acceptor maps it,
+//!    removes the name and marks the region attached. From then on the acceptor writes to the
+//!    ring; the connector, on seeing "attached", records how many bytes it had sent over TCP
+//!    (the prefix the acceptor must still read from the kernel) and writes to the ring as well.
+//!
+//! If the acceptor does not run the library, or loses the race, or anything fails, nothing is
+//! ever attached and the connection simply stays TCP.
+
+use crate::conn::{self, Conn, Role};
+use crate::real;
+use crate::region::{Region, ATTACHED};
+use crate::settings;
+use libc::c_int;
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Listening fd -> its advertisement socket.
+static ADVERTS: Mutex<BTreeMap<c_int, c_int>> = Mutex::new(BTreeMap::new());
+
+fn advert_address(port: u16) -> (libc::sockaddr_un, libc::socklen_t) {
+    // SAFETY: zeroed sockaddr_un is valid.
+    let mut address: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    address.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let name = format!("flatmesh-shm/l/{port}");
+    // sun_path[0] stays 0: abstract namespace.
+    for (slot, byte) in address.sun_path[1..].iter_mut().zip(name.bytes()) {
+        *slot = byte as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + name.len();
+    (address, len as libc::socklen_t)
+}
+
+fn socket_address(fd: c_int, peer: bool) -> Option<SocketAddr> {
+    // SAFETY: storage large enough for any address.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    let pointer = (&mut storage as *mut libc::sockaddr_storage).cast();
+    let rc = unsafe {
+        if peer {
+            libc::getpeername(fd, pointer, &mut len)
+        } else {
+            libc::getsockname(fd, pointer, &mut len)
+        }
+    };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: the kernel wrote `len` bytes of a sockaddr.
+    unsafe { parse_address(pointer, len) }
+}
+
+/// # Safety
+/// `address` must point to `len` readable bytes.
+pub unsafe fn parse_address(
+    address: *const libc::sockaddr,
+    len: libc::socklen_t,
+) -> Option<SocketAddr> {
+    if address.is_null() {
+        return None;
+    }
+    let len = len as usize;
+    match unsafe { (*address).sa_family } as c_int {
+        libc::AF_INET if len >= std::mem::size_of::<libc::sockaddr_in>() => {
+            let v4 = unsafe { &*address.cast::<libc::sockaddr_in>() };
+            let ip = std::net::Ipv4Addr::from(u32::from_be(v4.sin_addr.s_addr));
+            Some(SocketAddr::new(IpAddr::V4(ip), u16::from_be(v4.sin_port)))
+        }
+        libc::AF_INET6 if len >= std::mem::size_of::<libc::sockaddr_in6>() => {
+            let v6 = unsafe { &*address.cast::<libc::sockaddr_in6>() };
+            let ip = std::net::Ipv6Addr::from(v6.sin6_addr.s6_addr);
+            Some(SocketAddr::new(IpAddr::V6(ip), u16::from_be(v6.sin6_port)))
+        }
+        _ => None,
+    }
+}
+
+fn is_tcp_stream(fd: c_int) -> bool {
+    let option = |name: c_int| {
+        let mut value: c_int = 0;
+        let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt into an int.
+        let rc = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                name,
+                (&mut value as *mut c_int).cast(),
+                &mut len,
+            )
+        };
+        (rc == 0).then_some(value)
+    };
+    option(libc::SO_TYPE) == Some(libc::SOCK_STREAM)
+        && option(libc::SO_PROTOCOL) == Some(libc::IPPROTO_TCP)
+}
+
+/// After a successful listen(): advertise the port (once per listening fd).
+pub fn advertise(listen_fd: c_int) {
+    if !settings::get().enabled || !is_tcp_stream(listen_fd) {
+        return;
+    }
+    let Some(local) = socket_address(listen_fd, false) else {
+        return;
+    };
+    let mut adverts = ADVERTS.lock();
+    if adverts.contains_key(&listen_fd) {
+        return;
+    }
+    // SAFETY: plain socket calls.
+    let advert = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if advert < 0 {
+        return;
+    }
+    let (address, len) = advert_address(local.port());
+    let rc = unsafe { libc::bind(advert, (&address as *const libc::sockaddr_un).cast(), len) };
+    if rc != 0 {
+        // EADDRINUSE: another library process (or a sibling worker) already advertises the port.
+        unsafe { real::close(advert) };
+        return;
+    }
+    adverts.insert(listen_fd, advert);
+}
+
+/// When a listening fd closes, its advertisement goes too.
+/// Also called for every other closing fd: if the application closes our advertisement fd
+/// (daemons close all fds), forget it rather than later closing someone else's fd.
+pub fn forget_listener(fd: c_int) {
+    let mut adverts = ADVERTS.lock();
+    if adverts.is_empty() {
+        return;
+    }
+    if let Some(advert) = adverts.remove(&fd) {
+        // SAFETY: our own fd.
+        unsafe { real::close(advert) };
+    }
+    adverts.retain(|_, advert| *advert != fd);
+}
+
+fn port_advertised(port: u16) -> bool {
+    // SAFETY: plain socket calls on our own fd.
+    let probe = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if probe < 0 {
+        return false;
+    }
+    let (address, len) = advert_address(port);
+    let rc = unsafe { real::connect(probe, (&address as *const libc::sockaddr_un).cast(), len) };
+    unsafe { real::close(probe) };
+    rc == 0
+}
+
+fn is_local(ip: IpAddr) -> bool {
+    if ip.is_loopback() {
+        return true;
+    }
+    // A local address is one we can bind to.
+    let bound = SocketAddr::new(ip, 0);
+    let (storage, len) = to_sockaddr(bound);
+    let family = if ip.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
+    // SAFETY: plain socket calls on our own fd.
+    unsafe {
+        let probe = libc::socket(family, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if probe < 0 {
+            return false;
+        }
+        let rc = libc::bind(
+            probe,
+            (&storage as *const libc::sockaddr_storage).cast(),
+            len,
+        );
+        real::close(probe);
+        rc == 0
+    }
+}
+
+fn to_sockaddr(address: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: zeroed storage, then filled as the right family.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match address {
+        SocketAddr::V4(v4) => {
+            let sin = unsafe {
+                &mut *(&mut storage as *mut libc::sockaddr_storage).cast::<libc::sockaddr_in>()
+            };
+            sin.sin_family = libc::AF_INET as libc::sa_family_t;
+            sin.sin_port = v4.port().to_be();
+            sin.sin_addr.s_addr = u32::from(*v4.ip()).to_be();
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(v6) => {
+            let sin6 = unsafe {
+                &mut *(&mut storage as *mut libc::sockaddr_storage).cast::<libc::sockaddr_in6>()
+            };
+            sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+            sin6.sin6_port = v6.port().to_be();
+            sin6.sin6_addr.s6_addr = v6.ip().octets();
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (storage, len as libc::socklen_t)
+}
+
+fn netns_id() -> u64 {
+    static CACHE: AtomicU64 = AtomicU64::new(0);
+    let cached = CACHE.load(Ordering::Relaxed);
+    if cached != 0 {
+        return cached;
+    }
+    let id = std::fs::metadata("/proc/self/ns/net")
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        .unwrap_or(1);
+    CACHE.store(id, Ordering::Relaxed);
+    id
+}
+
+/// IPv4-mapped IPv6 addresses name the same endpoint as the IPv4 address.
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6
+            .to_ipv4_mapped()
+            .map(IpAddr::V4)
+            .unwrap_or(IpAddr::V6(v6)),
+        v4 => v4,
+    }
+}
+
+/// The rendezvous file for a connection, keyed by what both ends can see of its 4-tuple.
+pub fn handoff_path(server: SocketAddr, client_port: u16) -> Option<CString> {
+    let name = format!(
+        "/dev/shm/flatmesh-shm-{}-{}-{}-{}",
+        netns_id(),
+        canonical(server.ip()),
+        server.port(),
+        client_port
+    );
+    CString::new(name).ok()
+}
+
+/// Wake-up bytes must leave at once: with Nagle's algorithm a one-byte segment waits for the
+/// peer's delayed ACK (40 ms). The only visible effect: getsockopt(TCP_NODELAY) reports 1.
+fn set_nodelay(fd: c_int) {
+    let one: c_int = 1;
+    // SAFETY: setsockopt with an int.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_NODELAY,
+            (&one as *const c_int).cast(),
+            std::mem::size_of::<c_int>() as libc::socklen_t,
+        )
+    };
+}
+
+fn fd_nonblocking(fd: c_int) -> bool {
+    // SAFETY: F_GETFL.
+    let flags = unsafe { real::fcntl(fd, libc::F_GETFL, 0) };
+    flags >= 0 && flags & libc::O_NONBLOCK != 0
+}
+
+/// The connect() interposer's work: prepare a region before the real connect if the
+/// destination is a local listener that runs the library, then connect.
+///
+/// # Safety
+/// Arguments as for connect(2).
+pub unsafe fn connect(fd: c_int, address: *const libc::sockaddr, len: libc::socklen_t) -> c_int {
+    let plain = || unsafe { real::connect(fd, address, len) };
+    if !settings::get().enabled || conn::lookup(fd).is_some() || fd as usize >= conn::MAX_FD {
+        return plain();
+    }
+    let Some(server) = (unsafe { parse_address(address, len) }) else {
+        return plain();
+    };
+    if server.port() == 0
+        || !is_tcp_stream(fd)
+        || !port_advertised(server.port())
+        || !is_local(server.ip())
+    {
+        return plain();
+    }
+    // Bind now so the source port (half of the rendezvous name) is known before the SYN leaves.
+    let Some(mut local) = socket_address(fd, false) else {
+        return plain();
+    };
+    if local.port() == 0 {
+        let wildcard = SocketAddr::new(
+            if local.is_ipv4() {
+                IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
+            } else {
+                IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
+            },
+            0,
+        );
+        let (storage, storage_len) = to_sockaddr(wildcard);
+        if unsafe {
+            libc::bind(
+                fd,
+                (&storage as *const libc::sockaddr_storage).cast(),
+                storage_len,
+            )
+        } != 0
+        {
+            return plain();
+        }
+        match socket_address(fd, false) {
+            Some(bound) => local = bound,
+            None => return plain(),
+        }
+    }
+    let Some(path) = handoff_path(server, local.port()) else {
+        return plain();
+    };
+    let Some(region) = Region::create(&path, settings::get().ring_bytes) else {
+        return plain();
+    };
+    let rc = plain();
+    let code = real::errno();
+    if rc == 0 || code == libc::EINPROGRESS {
+        set_nodelay(fd);
+        let conn = Conn::new(region, Role::Connector, Some(path), fd_nonblocking(fd));
+        conn::insert(fd, Arc::new(conn));
+    } else {
+        // SAFETY: NUL-terminated path.
+        unsafe { libc::unlink(path.as_ptr()) };
+        drop(region);
+    }
+    real::set_errno(code);
+    rc
+}
+
+/// After accept(): take over the connector's region if there is one.
+pub fn accepted(fd: c_int, nonblocking: bool) {
+    if !settings::get().enabled || fd as usize >= conn::MAX_FD {
+        return;
+    }
+    let (Some(local), Some(peer)) = (socket_address(fd, false), socket_address(fd, true)) else {
+        return;
+    };
+    let Some(path) = handoff_path(local, peer.port()) else {
+        return;
+    };
+    // SAFETY: open/unlink on a NUL-terminated path.
+    let file = unsafe {
+        libc::open(
+            path.as_ptr(),
+            libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+        )
+    };
+    if file < 0 {
+        return;
+    }
+    unsafe { libc::unlink(path.as_ptr()) };
+    let region = Region::attach(file);
+    unsafe { real::close(file) };
+    let Some(region) = region else { return };
+    set_nodelay(fd);
+    region.control().holders[1].store(1, Ordering::Release);
+    region.control().state.store(ATTACHED, Ordering::Release);
+    conn::insert(
+        fd,
+        Arc::new(Conn::new(region, Role::Acceptor, None, nonblocking)),
+    );
+}

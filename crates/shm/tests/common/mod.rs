@@ -1,0 +1,217 @@
+//! Helpers for tests that run real programs with the library preloaded.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// target/<profile>/ (tests run from target/<profile>/deps/).
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .unwrap()
+        .to_path_buf()
+}
+
+/// The preload library built from this crate. `cargo test` builds the copy in examples/
+/// (see Cargo.toml); a plain `cargo build` builds libflatmesh_shm.so.
+pub fn library() -> PathBuf {
+    let dir = profile_dir();
+    for candidate in [
+        dir.join("examples/libflatmesh_shm_preload.so"),
+        dir.join("libflatmesh_shm.so"),
+    ] {
+        if candidate.exists() {
+            return candidate;
+        }
+    }
+    panic!("libflatmesh_shm.so not found next to {}: build it with `cargo build --release -p flatmesh-shm --lib`", dir.display());
+}
+
+/// The probe program (crates/shm/examples/shm_probe.rs).
+pub fn probe() -> PathBuf {
+    let path = profile_dir().join("examples/shm_probe");
+    assert!(
+        path.exists(),
+        "{} not found: build it with `cargo build --release -p flatmesh-shm --examples`",
+        path.display()
+    );
+    path
+}
+
+/// Fails with the Debian package to install when a program is missing.
+pub fn require(program: &str, package: &str) {
+    let found = std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
+        .unwrap_or(false);
+    assert!(found, "`{program}` is not installed: install the Debian package `{package}` (apt-get install -y {package}); CI installs it in scripts/setup");
+}
+
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(
+        unsafe { libc_geteuid() },
+        0,
+        "this test needs root (it writes /dev/shm and may raise fd limits); CI runs as root"
+    );
+}
+
+extern "C" {
+    #[link_name = "geteuid"]
+    fn libc_geteuid() -> u32;
+}
+
+/// A command with the library preloaded (or not).
+pub fn command(program: impl AsRef<std::ffi::OsStr>, preload: bool) -> Command {
+    let mut command = Command::new(program);
+    if preload {
+        command.env("LD_PRELOAD", library());
+    } else {
+        command.env_remove("LD_PRELOAD");
+    }
+    command
+}
+
+/// A child process killed on drop, with its stdout lines on a channel.
+pub struct Running {
+    pub child: Child,
+    pub lines: mpsc::Receiver<String>,
+}
+
+impl Running {
+    pub fn spawn(mut command: Command) -> Running {
+        command.stdout(Stdio::piped()).stderr(Stdio::inherit());
+        let mut child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {command:?}: {e}"));
+        let stdout = child.stdout.take().unwrap();
+        let (sender, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Running { child, lines }
+    }
+
+    /// Waits for a line starting with `prefix` and returns it.
+    pub fn expect_line(&self, prefix: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.starts_with(prefix) => return line,
+                Ok(_) => continue,
+                Err(_) => panic!("no line starting with {prefix:?} within {within:?} (a hang?)"),
+            }
+        }
+    }
+
+    /// Waits for the exit status, killing the process if it takes longer than `within`.
+    pub fn wait(&mut self, within: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                panic!("process did not finish within {within:?} (a hang?)");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs a command to completion with a time limit; returns (success, stdout, stderr).
+pub fn run(mut command: Command, within: Duration) -> (bool, String, String) {
+    command.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = command
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {command:?}: {e}"));
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut stdout, &mut s).ok();
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut stderr, &mut s).ok();
+        s
+    });
+    let deadline = Instant::now() + within;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{command:?} did not finish within {within:?} (a hang?)");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status.success(), out.join().unwrap(), err.join().unwrap())
+}
+
+/// Shared-memory regions mapped by a process: >0 means the library moved a connection.
+pub fn shm_mappings(pid: u32) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("flatmesh-shm-"))
+        .count()
+}
+
+/// Shared-memory mappings of a process and all its descendants.
+pub fn shm_mappings_tree(pid: u32) -> usize {
+    let mut total = shm_mappings(pid);
+    let children =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    for child in children
+        .split_whitespace()
+        .filter_map(|c| c.parse::<u32>().ok())
+    {
+        total += shm_mappings_tree(child);
+    }
+    total
+}
+
+/// A free TCP port on loopback (bound and released; fine for tests on a private host).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Waits until something listens on the port (connecting without the library).
+pub fn wait_listening(port: u16, within: Duration) {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("nothing listens on 127.0.0.1:{port} after {within:?}");
+}

