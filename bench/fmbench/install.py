@@ -25,6 +25,10 @@ APT_PACKAGES = {
     "sockperf": "sockperf",
     "iperf3": "iperf3",
     "libnginx-mod-stream": None,  # nginx as a TCP proxy; checked by module file below
+    # Real programs the shared-memory socket tests (crates/shm/tests/programs.rs) run.
+    "redis-server": "redis-server",
+    "redis-tools": "redis-benchmark",
+    "curl": "curl",
 }
 NGINX_STREAM_MODULE = "/usr/lib/nginx/modules/ngx_stream_module.so"
 

@@ -25,6 +25,7 @@ fn attach_pins_everything_and_detach_removes_it() {
     for pin in [
         "prog_fm_sk_msg",
         "prog_fm_sockops_redirect",
+        "prog_fm_sockops_l7",
         "prog_fm_parser",
         "prog_fm_verdict",
         "fm_redirect_socks",
@@ -37,7 +38,7 @@ fn attach_pins_everything_and_detach_removes_it() {
     }
     let st = tier.status().unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(st.owner, Some(std::process::id()));
-    assert_eq!(st.programs.len(), 4, "{st}");
+    assert_eq!(st.programs.len(), 5, "{st}");
 
     // Idempotent: the same config gives the same programs, not a second copy.
     let ids = tier.program_ids().unwrap_or_else(|e| panic!("{e}"));
