@@ -4,6 +4,7 @@
 //! rules it wrote keep working while it is down or restarting.
 
 use std::collections::BTreeSet;
+use std::fs::{File, OpenOptions, TryLockError};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -40,6 +41,15 @@ pub struct Agent {
     table: PortTable,
     placeholders: Placeholders,
     applied: Option<Desired>,
+    /// `agent-<pu>.lock` in the table directory, flocked while this agent runs: one agent per PU.
+    /// The kernel drops the lock when the process dies, so a crashed agent never blocks its
+    /// successor.
+    instance: Option<File>,
+    /// The network namespace the agent was started in (checked by `start` to be its PU's);
+    /// every pass checks it is still there before touching a rule.
+    netns: Option<(u64, u64)>,
+    /// Ports owned elsewhere that could not be reserved at the last pass (logged on change).
+    unreserved: Vec<u16>,
 }
 
 impl Agent {
@@ -59,6 +69,9 @@ impl Agent {
             me,
             placeholders: Placeholders::default(),
             applied: None,
+            instance: None,
+            netns: None,
+            unreserved: Vec::new(),
         })
     }
 
@@ -66,10 +79,19 @@ impl Agent {
         &self.topo.pus[self.me]
     }
 
-    /// Registers the agent and rebuilds this PU's rules and placeholders from the table as it is
-    /// now (after a restart, that is the table the previous run left). Call on the thread that
-    /// entered the PU.
-    pub fn start(&mut self) -> Result<TickReport> {
+    /// Checks that the calling thread is on this agent's PU, takes the PU's agent lock (failing if
+    /// another agent of this PU runs), registers, and rebuilds this PU's rules and placeholders
+    /// from the table as it is now (after a restart: the table the previous run left). Calling it
+    /// again on a started agent resynchronises it.
+    pub fn start(&mut self, backend: &dyn PuBackend) -> Result<TickReport> {
+        backend.check_on(self.me)?;
+        self.netns = Some(
+            crate::netns::current_id()
+                .map_err(|e| PuError::io("cannot identify this thread's network namespace", e))?,
+        );
+        if self.instance.is_none() {
+            self.instance = Some(self.lock_instance()?);
+        }
         raise_fd_limit(70_000);
         let pu = self.pu().to_string();
         let pid = std::process::id();
@@ -80,8 +102,48 @@ impl Agent {
         self.tick()
     }
 
+    fn lock_instance(&self) -> Result<File> {
+        let dir = self.config.table_dir();
+        let path = dir.join(format!("agent-{}.lock", self.pu()));
+        let io = |e| PuError::TableIo {
+            path: path.clone(),
+            source: e,
+        };
+        std::fs::create_dir_all(&dir).map_err(io)?;
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(io)?;
+        match file.try_lock() {
+            Ok(()) => Ok(file),
+            Err(TryLockError::WouldBlock) => {
+                let pid = self
+                    .table
+                    .read()
+                    .ok()
+                    .and_then(|s| s.agents.get(self.pu()).copied())
+                    .map_or(String::new(), |p| format!(" (pid {p})"));
+                Err(PuError::AgentRunning {
+                    pu: self.pu().to_string(),
+                    pid,
+                })
+            }
+            Err(TryLockError::Error(e)) => Err(io(e)),
+        }
+    }
+
     /// One pass: scan, claim, reserve, rewrite rules.
     pub fn tick(&mut self) -> Result<TickReport> {
+        // Never write a rule from anywhere but the PU the agent was started on.
+        let here = crate::netns::current_id().ok();
+        if self.netns.is_none() || here != self.netns {
+            return Err(PuError::NotOnPu {
+                pu: self.pu().to_string(),
+                netns: self.topo.netns(self.me),
+            });
+        }
         let listening: BTreeSet<u16> = scan::listening_ports()?
             .into_iter()
             .filter(|p| !self.placeholders.holds(*p))
@@ -115,10 +177,23 @@ impl Agent {
         for port in stale {
             self.placeholders.release(port);
         }
+        let mut first_error = None;
         for &port in desired.remote.keys() {
-            if self.placeholders.reserve(port).is_err() {
+            if let Err(e) = self.placeholders.reserve(port) {
                 report.unreserved.push(port);
+                first_error.get_or_insert(e);
             }
+        }
+        if report.unreserved != self.unreserved {
+            if let Some(e) = first_error {
+                let hint = if e.raw_os_error() == Some(libc::EMFILE) {
+                    "this agent is out of file descriptors (one per port owned elsewhere); raise its open-file limit (ulimit -n)"
+                } else {
+                    "a socket on this PU already holds them, so binds here are not refused for these ports"
+                };
+                tracing::warn!(pu = %self.pu(), count = report.unreserved.len(), first = report.unreserved[0], error = %e, "cannot reserve ports owned by other PUs: {hint}");
+            }
+            self.unreserved = report.unreserved.clone();
         }
 
         let started = Instant::now();
@@ -163,9 +238,13 @@ impl Agent {
     /// of this PU picks up where this one stopped. Placeholders close with the process.
     pub fn stop(&mut self) -> Result<()> {
         let pu = self.pu().to_string();
+        let pid = std::process::id();
         self.table.update(|s| {
-            s.agents.remove(&pu);
+            if s.agents.get(&pu) == Some(&pid) {
+                s.agents.remove(&pu);
+            }
         })?;
+        self.instance = None;
         Ok(())
     }
 
@@ -183,7 +262,7 @@ impl Agent {
     ) -> Result<()> {
         let mut agent = Agent::new(config, pu)?;
         backend.enter_thread(agent.me)?;
-        let first = agent.start()?;
+        let first = agent.start(backend)?;
         tracing::info!(
             pu,
             listening = first.listening,

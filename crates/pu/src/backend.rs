@@ -27,6 +27,15 @@ pub trait PuBackend: Send + Sync {
     fn enter_thread(&self, pu: usize) -> Result<()>;
     /// A command that will run `program` on PU `pu`.
     fn command(&self, pu: usize, program: &OsStr) -> Result<Command>;
+    /// Fails unless the calling thread is on PU `pu`. The agent checks it before it writes any
+    /// rule, so a rule can never land anywhere else (the host namespace above all).
+    fn check_on(&self, pu: usize) -> Result<()>;
+}
+
+/// The backend a config asks for. Only the emulated one exists on this machine; a DPU backend
+/// is one more `impl PuBackend` chosen here.
+pub fn for_config(config: &SplitConfig) -> std::sync::Arc<dyn PuBackend> {
+    std::sync::Arc::new(Emulated::new(config))
 }
 
 /// PUs emulated by network namespaces, cpusets and veth pairs on one Linux host.
@@ -218,25 +227,26 @@ impl PuBackend for Emulated {
     }
 
     fn enter_thread(&self, pu: usize) -> Result<()> {
-        let ns = self.topology.netns(pu);
-        if !netns::exists(&ns) {
-            return Err(PuError::NoSuchPu {
-                pu: self.topology.pus[pu].clone(),
-                netns: ns,
-            });
-        }
+        let ns = self.netns_of(pu)?;
         netns::enter(&ns)?;
         self.cpusets[pu].enter_thread()
     }
 
-    fn command(&self, pu: usize, program: &OsStr) -> Result<Command> {
-        let ns = self.topology.netns(pu);
-        if !netns::exists(&ns) {
-            return Err(PuError::NoSuchPu {
-                pu: self.topology.pus[pu].clone(),
-                netns: ns,
-            });
+    fn check_on(&self, pu: usize) -> Result<()> {
+        let ns = self.netns_of(pu)?;
+        let not_on = || PuError::NotOnPu {
+            pu: self.topology.pus[pu].clone(),
+            netns: ns.clone(),
+        };
+        let want = netns::id_of(&netns::path(&ns)).map_err(|_| not_on())?;
+        match netns::current_id() {
+            Ok(id) if id == want => Ok(()),
+            _ => Err(not_on()),
         }
+    }
+
+    fn command(&self, pu: usize, program: &OsStr) -> Result<Command> {
+        let ns = self.netns_of(pu)?;
         let ns_file = netns::open(&ns)?;
         let mut procs = self.cpusets[pu].procs_file()?;
         let cpus = self.cpusets[pu].cpus.clone();
@@ -258,6 +268,19 @@ impl PuBackend for Emulated {
             });
         }
         Ok(command)
+    }
+}
+
+impl Emulated {
+    fn netns_of(&self, pu: usize) -> Result<String> {
+        let ns = self.topology.netns(pu);
+        if !netns::exists(&ns) {
+            return Err(PuError::NoSuchPu {
+                pu: self.topology.pus[pu].clone(),
+                netns: ns,
+            });
+        }
+        Ok(ns)
     }
 }
 

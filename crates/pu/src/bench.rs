@@ -13,7 +13,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::agent::Agent;
-use crate::backend::{run_on, PuBackend as _};
+use crate::backend::run_on;
 use crate::config::SplitConfig;
 use crate::echo::{EchoServer, Mode};
 use crate::error::{PuError, Result};
@@ -76,6 +76,50 @@ fn config(ns: &str, state_dir: &std::path::Path) -> Result<SplitConfig> {
     )
 }
 
+/// Most connections (and round trips) per path in one run: 3 paths x this many TIME_WAIT sockets
+/// must fit in the ephemeral port range of one client namespace.
+pub const MAX_ITERATIONS: usize = 20_000;
+/// Most mapped ports in the rule benchmark: the agent holds one placeholder descriptor per port,
+/// and this machine caps a process at 20,000 descriptors.
+pub const MAX_PORTS: usize = 15_000;
+
+/// The first CPU of PU `pu`'s cpuset, if it has one.
+fn pod_cpu(pod: &Pod, pu: &str) -> Option<usize> {
+    let i = pod.config.pu_index(pu)?;
+    pod.config.pus[i]
+        .cpus
+        .as_deref()
+        .and_then(crate::config::parse_cpu_list)
+        .and_then(|c| c.first().copied())
+}
+
+/// Checks the arguments of both benchmarks, before anything is built or timed.
+pub fn check_args(iterations: usize, sizes: &[usize]) -> Result<()> {
+    if !(1..=MAX_ITERATIONS).contains(&iterations) {
+        return Err(bad_arg(format!(
+            "--iterations {iterations}: use 1 to {MAX_ITERATIONS} (each connection leaves a TIME_WAIT socket holding an ephemeral port for 60 s)"
+        )));
+    }
+    if sizes.is_empty() {
+        return Err(bad_arg(
+            "--ports is empty; give port counts such as 10,100,1000,10000".into(),
+        ));
+    }
+    if let Some(bad) = sizes.iter().find(|n| !(1..=MAX_PORTS).contains(*n)) {
+        return Err(bad_arg(format!(
+            "--ports {bad}: use 1 to {MAX_PORTS} (the agent holds one placeholder descriptor per mapped port)"
+        )));
+    }
+    Ok(())
+}
+
+fn bad_arg(message: String) -> PuError {
+    PuError::Config {
+        path: "flatmesh pu bench".into(),
+        message,
+    }
+}
+
 fn io(context: &str) -> impl Fn(std::io::Error) -> PuError + '_ {
     move |e| PuError::io(context.to_string(), e)
 }
@@ -106,6 +150,7 @@ fn measure(addr: SocketAddr, n: usize) -> std::io::Result<(Vec<Duration>, Vec<Du
 
 /// Benchmark 1. `iterations` connections and round trips per path, in 5 interleaved rounds.
 pub fn mapping_cost(state_dir: &std::path::Path, iterations: usize) -> Result<Vec<PathResult>> {
+    check_args(iterations, &[1])?;
     crate::backend::require_root()?;
     crate::placeholder::raise_fd_limit(70_000);
     let mut mapped = Pod::up(config("bnchmap", state_dir)?)?;
@@ -118,17 +163,34 @@ pub fn mapping_cost(state_dir: &std::path::Path, iterations: usize) -> Result<Ve
     };
     let _mapped_srv = mapped.on("b", || echo(TcpListener::bind(("127.0.0.1", PORT))))??;
     let _plain_srv = plain.on("b", || echo(TcpListener::bind(("0.0.0.0", PORT))))??;
-    // Same-PU reference: server on PU a's network, but on CPU 1 like the others.
-    let _local_srv = mapped.on("a", || {
-        let _ = crate::cpuset::set_affinity(&[1]);
-        echo(TcpListener::bind(("127.0.0.1", PORT + 1)))
-    })??;
+    // Same-PU reference: a server in PU a's network namespace but, like the other servers, on
+    // the other CPU (so every path crosses CPUs). Its thread enters only the namespace, not PU
+    // a's cpuset, which would confine it to CPU 0.
+    let server_cpu = pod_cpu(&mapped, "b");
+    let netns_a = mapped.backend.topology().netns(mapped.pu("a")?);
+    let _local_srv = std::thread::scope(|scope| {
+        scope
+            .spawn(|| -> Result<EchoServer> {
+                crate::netns::enter(&netns_a)?;
+                if let Some(cpu) = server_cpu {
+                    crate::cpuset::set_affinity(&[cpu]).map_err(io("pin the reference server"))?;
+                }
+                echo(TcpListener::bind(("127.0.0.1", PORT + 1)))
+            })
+            .join()
+            .unwrap_or_else(|_| Err(PuError::io("bench", std::io::Error::other("panicked"))))
+    })?;
     if !mapped.wait_for_table(Duration::from_secs(10), |s| s.ports.contains_key(&PORT)) {
         return Err(PuError::io(
             "bench",
             std::io::Error::other("port table never filled"),
         ));
     }
+    // The agents have written the rules; stop them, so their polling (which reads every socket
+    // of the PU, TIME_WAIT included, each poll interval) does not share the client's CPU while
+    // it is timed. The rules stay in force without them: they are control plane only.
+    mapped.stop_agent("a")?;
+    mapped.stop_agent("b")?;
     let plain_b = plain
         .backend
         .topology()
@@ -196,13 +258,16 @@ pub fn rule_updates(
     sizes: &[usize],
     repeats: usize,
 ) -> Result<Vec<RuleUpdateResult>> {
+    check_args(1, sizes)?;
+    if repeats == 0 {
+        return Err(bad_arg("repeats must be at least 1".into()));
+    }
     crate::backend::require_root()?;
     crate::placeholder::raise_fd_limit(70_000);
     let pod = Pod::up(config("bnchrule", state_dir)?)?;
     let topo = pod.backend.topology().clone();
     let mut results = Vec::new();
     for &n in sizes {
-        let n = n.clamp(1, 60_000);
         let ports: Vec<u16> = (1..=n as u16).map(|i| 2000 + i).collect();
         // PU b's ports, written into the table as b's agent writes them. (Not 10,000 real
         // listeners: with a's 10,000 placeholders that would pass this machine's fixed limit of
@@ -216,12 +281,13 @@ pub fn rule_updates(
         let config_a = pod.config.clone();
         let table = pod.table();
         let topo = topo.clone();
+        let backend = pod.backend.as_ref();
         let result = run_on(
             pod.backend.as_ref(),
             0,
             move || -> Result<RuleUpdateResult> {
                 let mut agent = Agent::new(&config_a, "a")?;
-                agent.start()?;
+                agent.start(backend)?;
                 let state = table.read()?;
                 let desired = Desired::from_table(&topo, 0, &state, &[]);
                 let script = rules::full_script(&topo, 0, &[], &desired);
@@ -253,7 +319,7 @@ pub fn rule_updates(
                     remove.push(t.elapsed());
                 }
                 // Resynchronise the agent with what is applied, then time its passes.
-                agent.start()?;
+                agent.start(backend)?;
                 for _ in 0..repeats {
                     let t = Instant::now();
                     agent.tick()?;

@@ -1,18 +1,23 @@
 //! `flatmesh pu demo`: one pod split over two emulated PUs, `host` (CPU 0) and `dpu` (CPU 1).
-//! The app runs on `host`; the mesh proxies run on `dpu` (HeteroK8s-Mesh's "offload the proxy to
-//! the DPU", §5.1). Outside the pod, a network namespace `fmpu-<ns>-ext` plays the rest of the
-//! cluster: services at 10.96.0.10:80, 10.96.0.11:5432 and 10.96.0.12:7000, reached through
-//! `dpu`, which holds the pod's uplink.
+//! The app runs on `host`; the mesh proxy, the real `flatmesh node` process, runs on `dpu`
+//! (HeteroK8s-Mesh's "offload the proxy to the DPU", §5.1). Outside the pod, a network namespace
+//! `fmpu-<ns>-ext` plays the rest of the cluster: services at 10.96.0.10:80, 10.96.0.11:5432 and
+//! 10.96.0.12:7000, reached through `dpu`, which holds the pod's uplink.
 //!
 //! It shows, each as a row: direct calls over localhost in both directions, a port conflict
-//! across PUs, outbound calls intercepted and read with SO_ORIGINAL_DST by a relay on the other
-//! PU, and an intercepted call carried by the flatmesh node proxy on the other PU.
+//! across PUs, outbound calls intercepted on `host` and carried by the flatmesh node proxy on
+//! `dpu`, with `getsockopt(SO_ORIGINAL_DST)` on the proxy's own accepted socket returning the
+//! address the app dialed, one call through a relay that connects to whatever SO_ORIGINAL_DST
+//! says, and that nothing is left behind afterwards.
 
-use std::net::{SocketAddr, TcpListener};
+use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::process::CommandExt as _;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
+use crate::cleanup;
 use crate::config::SplitConfig;
 use crate::echo::{ask, EchoServer, Mode};
 use crate::error::{PuError, Result};
@@ -20,8 +25,7 @@ use crate::exec::run;
 use crate::netns;
 use crate::pod::Pod;
 use crate::relay::Relay;
-use crate::topology::NETNS_PREFIX;
-use crate::{cleanup, PuBackend as _};
+use crate::topology::{NETNS_PREFIX, RESOURCE_PREFIX};
 
 pub struct DemoOptions {
     pub namespace: String,
@@ -53,14 +57,34 @@ const SERVICES: [(&str, &str); 3] = [
     ("svc-c", "10.96.0.12:7000"),
 ];
 
+/// The node proxy's config: one `tcp` listener per intercepted service, on the proxy ports the
+/// interception rules redirect to.
+const NODE_YAML: &str = "admin: 127.0.0.1:15000
+workers: 1
+listeners:
+  - { name: to-svc-a, address: 127.0.0.1:15006, protocol: tcp, cluster: svc-a }
+  - { name: to-svc-c, address: 127.0.0.1:15007, protocol: tcp, cluster: svc-c }
+clusters:
+  - { name: svc-a, endpoints: [ 10.96.0.10:80 ] }
+  - { name: svc-c, endpoints: [ 10.96.0.12:7000 ] }
+";
+
+/// (service, proxy port, node listener) of the calls the node proxy carries.
+const THROUGH_NODE: [(usize, u16, &str); 2] = [(0, 15006, "to-svc-a"), (2, 15007, "to-svc-c")];
+/// The proxy port of the original-destination relay (carries svc-b).
+const RELAY_PORT: u16 = 15001;
+const NODE_ADMIN: u16 = 15000;
+
 fn demo_config(opts: &DemoOptions) -> Result<SplitConfig> {
     let dpu_cpu = if std::thread::available_parallelism().map_or(1, |n| n.get()) > 1 {
         "1"
     } else {
         "0"
     };
+    // The interception rules as they would be written for a single host (sidecar style); the
+    // agents split them across the PUs (§4.1.2).
     let text = format!(
-        "namespace: {ns}\nstate_dir: {dir}\npoll_interval_ms: 20\npus:\n  - {{ name: host, cpus: \"0\" }}\n  - {{ name: dpu, cpus: \"{dpu_cpu}\" }}\nuplink: dpu\nintercept:\n  - {{ proxy_port: 15001, ports: [80, 5432] }}\n  - {{ proxy_port: 15006, ports: [7000] }}\n",
+        "namespace: {ns}\nstate_dir: {dir}\npoll_interval_ms: 20\npus:\n  - {{ name: host, cpus: \"0\" }}\n  - {{ name: dpu, cpus: \"{dpu_cpu}\" }}\nuplink: dpu\nintercept:\n  - {{ proxy_port: 15006, ports: [80] }}\n  - {{ proxy_port: 15007, ports: [7000] }}\n  - {{ proxy_port: {RELAY_PORT}, ports: [5432] }}\n",
         ns = opts.namespace,
         dir = opts.state_dir.display()
     );
@@ -153,13 +177,151 @@ fn bind(a: &str) -> Result<TcpListener> {
     TcpListener::bind(a).map_err(|e| PuError::io(format!("cannot listen on {a}"), e))
 }
 
+/// Starts `flatmesh node` on the dpu PU; it dies with this process (also on `kill -9`).
+fn start_node(pod: &mut Pod, exe: &std::path::Path) -> Result<(u32, PathBuf)> {
+    let dir = pod.config.table_dir();
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| PuError::io(format!("cannot create {}", dir.display()), e))?;
+    let node_yaml = dir.join("node.yaml");
+    std::fs::write(&node_yaml, NODE_YAML)
+        .map_err(|e| PuError::io("cannot write the node proxy config", e))?;
+    let log_path = dir.join("node.log");
+    let log = std::fs::File::create(&log_path)
+        .map_err(|e| PuError::io("cannot create the node proxy log", e))?;
+    let dpu = pod.pu("dpu")?;
+    let mut command = pod.backend.command(dpu, exe.as_os_str())?;
+    command
+        .args(["node", "--config"])
+        .arg(&node_yaml)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log);
+    // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of ours.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = command
+        .spawn()
+        .map_err(|e| PuError::io(format!("cannot start {}", exe.display()), e))?;
+    let pid = child.id();
+    pod.adopt(child);
+    Ok((pid, log_path))
+}
+
+/// `flatmesh_downstream_connections_total{listener="NAME"}` from the node's admin port, read
+/// from a thread on the dpu PU (HTTP/1.0, so the body is not chunked).
+fn node_connections(pod: &Pod, listener: &str) -> Option<u64> {
+    let text = pod
+        .on("dpu", || -> std::io::Result<String> {
+            let timeout = Duration::from_secs(2);
+            let mut s = TcpStream::connect_timeout(
+                &SocketAddr::from(([127, 0, 0, 1], NODE_ADMIN)),
+                timeout,
+            )?;
+            s.set_read_timeout(Some(timeout))?;
+            s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+            let mut body = String::new();
+            s.take(4 << 20).read_to_string(&mut body)?;
+            Ok(body)
+        })
+        .ok()?
+        .ok()?;
+    // Prometheus counters carry a `_total` suffix; the listener is the only label.
+    let key = format!("flatmesh_downstream_connections_total{{listener=\"{listener}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// One call from the app on `host` to `target`, intercepted and carried by the node proxy on
+/// `dpu`: the app's view, what the proxy's own socket says with SO_ORIGINAL_DST, the proxy's
+/// connection count, and the service's answer.
+fn call_through_node(
+    pod: &Pod,
+    node_pid: u32,
+    (name, target): (&str, SocketAddr),
+    proxy_port: u16,
+    listener: &str,
+) -> Result<DemoRow> {
+    let timeout = Duration::from_secs(2);
+    let mut row = DemoRow {
+        call: "intercepted".into(),
+        from: "host".into(),
+        dialed: target.to_string(),
+        handled_by: format!("flatmesh node on dpu\nlistener {listener} (:{proxy_port})"),
+        seen: String::new(),
+        ok: false,
+    };
+    let before = node_connections(pod, listener).unwrap_or(0);
+    let stream = pod.on("host", || TcpStream::connect_timeout(&target, timeout))?;
+    let mut stream = match stream {
+        Ok(s) => s,
+        Err(e) => {
+            row.seen = format!("connect failed: {e}");
+            return Ok(row);
+        }
+    };
+    let app_peer = stream.peer_addr().ok();
+    let app_port = stream.local_addr().map(|a| a.port()).unwrap_or(0);
+    // The proxy accepts asynchronously; look for its end of this connection for up to 3 s.
+    let mut orig = Err("the node never accepted the connection".to_string());
+    for _ in 0..150 {
+        match crate::relay::original_dst_in_process(node_pid, proxy_port, app_port) {
+            Ok(Some(o)) => {
+                orig = Ok(o);
+                break;
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => {
+                orig = Err(format!("cannot inspect the node's socket: {e}"));
+                break;
+            }
+        }
+    }
+    let answer = (|| -> std::io::Result<String> {
+        stream.set_read_timeout(Some(timeout))?;
+        writeln!(stream, "GET via flatmesh node")?;
+        let mut line = String::new();
+        BufReader::new(&stream).take(4096).read_line(&mut line)?;
+        Ok(line.trim().to_string())
+    })();
+    drop(stream);
+    let after = node_connections(pod, listener).unwrap_or(0);
+    let counted = after.saturating_sub(before);
+    row.ok = app_peer == Some(target)
+        && orig.as_ref().ok().map(|o| SocketAddr::V4(*o)) == Some(target)
+        && counted >= 1
+        && answer.as_ref().is_ok_and(|a| a.starts_with(name));
+    row.seen = format!(
+        "app's peer={}\nSO_ORIGINAL_DST on the node's socket={}\nnode metrics: {counted} new connection(s) on {listener}\n{}",
+        app_peer.map_or("?".into(), |p| p.to_string()),
+        orig.map_or_else(|e| e, |o| o.to_string()),
+        answer.unwrap_or_else(|e| format!("error: {e}"))
+    );
+    Ok(row)
+}
+
 pub fn run_demo(opts: &DemoOptions) -> Result<DemoReport> {
     crate::backend::require_root()?;
     let config = demo_config(opts)?;
-    let _ = cleanup::cleanup(Some(&opts.namespace), &opts.state_dir);
+    // Whatever an earlier run left (it was killed, say): removed before anything is built.
+    let earlier = cleanup::cleanup(Some(&opts.namespace), &opts.state_dir)?;
+    let mut report = DemoReport::default();
+    if !earlier.is_empty() {
+        report.notes.push(format!(
+            "removed leftovers of an earlier run: {} network namespace(s), {} cgroup(s), {} state dir(s)",
+            earlier.netns.len(),
+            earlier.cgroups.len(),
+            earlier.state_dirs.len()
+        ));
+    }
     let mut pod = Pod::up(config)?;
     let ext = build_ext(&mut pod)?;
-    let mut report = DemoReport::default();
 
     // The rest of the cluster.
     let _services = in_netns(&ext, || -> Result<Vec<EchoServer>> {
@@ -184,35 +346,21 @@ pub fn run_demo(opts: &DemoOptions) -> Result<DemoReport> {
             .map_err(|e| PuError::io("cart", e))
     })??;
     let relay = pod.on("dpu", || -> Result<Relay> {
-        Relay::start(bind("127.0.0.1:15001")?).map_err(|e| PuError::io("relay", e))
+        Relay::start(bind(&format!("127.0.0.1:{RELAY_PORT}"))?).map_err(|e| PuError::io("relay", e))
     })??;
-    if let Some(exe) = &opts.node_proxy {
-        let node_yaml = pod.config.table_dir().join("node.yaml");
-        std::fs::write(
-            &node_yaml,
-            "admin: 127.0.0.1:15000\nworkers: 1\nlisteners:\n  - { name: intercepted, address: 127.0.0.1:15006, protocol: tcp, cluster: svc-c }\nclusters:\n  - { name: svc-c, endpoints: [ 10.96.0.12:7000 ] }\n",
-        )
-        .map_err(|e| PuError::io("cannot write the node proxy config", e))?;
-        let dpu = pod.pu("dpu")?;
-        let child = pod
-            .backend
-            .command(dpu, exe.as_os_str())?
-            .args(["node", "--config"])
-            .arg(&node_yaml)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| PuError::io(format!("cannot start {}", exe.display()), e))?;
-        pod.adopt(child);
-    }
-    let want_node = opts.node_proxy.is_some();
+    let node = match &opts.node_proxy {
+        Some(exe) => Some(start_node(&mut pod, exe)?),
+        None => None,
+    };
     let ready = pod.wait_for_table(Duration::from_secs(10), |s| {
         let owner = |p: u16| s.ports.get(&p).map(String::as_str);
         owner(8080) == Some("host")
             && owner(9080) == Some("dpu")
-            && owner(15001) == Some("dpu")
-            && (!want_node || owner(15006) == Some("dpu"))
+            && owner(RELAY_PORT) == Some("dpu")
+            && (node.is_none()
+                || THROUGH_NODE
+                    .iter()
+                    .all(|(_, port, _)| owner(*port) == Some("dpu")))
     });
     if !ready {
         report
@@ -230,7 +378,7 @@ pub fn run_demo(opts: &DemoOptions) -> Result<DemoReport> {
         "127.0.0.1:9080",
         "cart on dpu",
         host_to_dpu,
-        |s| s.contains("peer=127.0.0.1"),
+        |s| s.starts_with("cart@dpu") && s.contains("peer=127.0.0.1"),
     ));
     let dpu_to_host = pod.on("dpu", || {
         ask(SocketAddr::from(([127, 0, 0, 1], 8080)), "hello from dpu")
@@ -241,7 +389,7 @@ pub fn run_demo(opts: &DemoOptions) -> Result<DemoReport> {
         "127.0.0.1:8080",
         "web on host",
         dpu_to_host,
-        |s| s.contains("peer=127.0.0.1"),
+        |s| s.starts_with("web@host") && s.contains("peer=127.0.0.1"),
     ));
 
     // A port held by the other PU.
@@ -258,41 +406,54 @@ pub fn run_demo(opts: &DemoOptions) -> Result<DemoReport> {
         },
     });
 
-    // Intercepted calls, read with SO_ORIGINAL_DST on the other PU.
-    for (name, a) in &SERVICES[..2] {
-        let target = addr(a)?;
-        let answer = pod.on("host", || ask(target, "GET via relay"))?;
-        let local = answer.as_ref().ok().map(|(_, l)| *l);
-        let record = relay.records().into_iter().find(|r| Some(r.peer) == local);
-        let orig = record.as_ref().and_then(|r| r.original_dst);
-        let ok = answer.as_ref().is_ok_and(|(s, _)| s.starts_with(name))
-            && orig.map(SocketAddr::V4) == Some(target);
-        report.rows.push(DemoRow {
-            call: "intercepted".into(),
-            from: "host".into(),
-            dialed: a.to_string(),
-            handled_by: "orig-dst relay on dpu :15001".into(),
-            seen: format!(
-                "SO_ORIGINAL_DST={} -> {}",
-                orig.map_or("none".into(), |o| o.to_string()),
-                answer.map_or_else(|e| format!("error: {e}"), |(s, _)| s)
-            ),
-            ok,
-        });
+    // Intercepted calls carried by the flatmesh node proxy on the other PU.
+    match &node {
+        Some((pid, log)) => {
+            for (service, port, listener) in THROUGH_NODE {
+                let (name, a) = SERVICES[service];
+                report.rows.push(call_through_node(
+                    &pod,
+                    *pid,
+                    (name, addr(a)?),
+                    port,
+                    listener,
+                )?);
+            }
+            if report.rows.iter().any(|r| !r.ok) {
+                let text = std::fs::read_to_string(log).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(5).collect();
+                for line in tail.into_iter().rev() {
+                    report.notes.push(format!("flatmesh node: {line}"));
+                }
+            }
+        }
+        None => report
+            .notes
+            .push("--no-node-proxy: the rows through `flatmesh node` were skipped".into()),
     }
-    if want_node {
-        let (name, a) = SERVICES[2];
-        let target = addr(a)?;
-        let answer = pod.on("host", || ask(target, "GET via flatmesh node"))?;
-        report.rows.push(DemoRow {
-            call: "intercepted".into(),
-            from: "host".into(),
-            dialed: a.to_string(),
-            handled_by: "flatmesh node on dpu :15006 (tcp listener)".into(),
-            ok: answer.as_ref().is_ok_and(|(s, _)| s.starts_with(name)),
-            seen: answer.map_or_else(|e| format!("error: {e}"), |(s, _)| s),
-        });
-    }
+
+    // One call through a relay that connects wherever SO_ORIGINAL_DST says (what an
+    // original-destination cluster does; the node proxy has none yet, see docs/pu.md).
+    let (name, a) = SERVICES[1];
+    let target = addr(a)?;
+    let answer = pod.on("host", || ask(target, "GET via relay"))?;
+    let local = answer.as_ref().ok().map(|(_, l)| *l);
+    let record = relay.records().into_iter().find(|r| Some(r.peer) == local);
+    let orig = record.as_ref().and_then(|r| r.original_dst);
+    report.rows.push(DemoRow {
+        call: "intercepted".into(),
+        from: "host".into(),
+        dialed: a.to_string(),
+        handled_by: format!("orig-dst relay on dpu (:{RELAY_PORT})"),
+        ok: answer.as_ref().is_ok_and(|(s, _)| s.starts_with(name))
+            && orig.map(SocketAddr::V4) == Some(target),
+        seen: format!(
+            "SO_ORIGINAL_DST on the relay's socket={}, relay connected there\n{}",
+            orig.map_or("none".into(), |o| o.to_string()),
+            answer.map_or_else(|e| format!("error: {e}"), |(s, _)| s)
+        ),
+    });
+
     report.port_table = pod.table().read()?.ports.into_iter().collect();
     let leaked = cleanup::host_tables()?;
     report.rows.push(DemoRow {
@@ -308,12 +469,45 @@ pub fn run_demo(opts: &DemoOptions) -> Result<DemoReport> {
         },
     });
     drop(relay);
+    let table_dir = pod.config.table_dir();
     pod.down()?;
-    let left = netns::list(&format!("{NETNS_PREFIX}{}-", opts.namespace));
-    if !left.is_empty() {
-        report.notes.push(format!("left behind: {left:?}"));
-    }
+    let left = leftovers(&opts.namespace, &table_dir);
+    report.rows.push(DemoRow {
+        call: "clean-up".into(),
+        from: "-".into(),
+        dialed: "pod down".into(),
+        handled_by: "-".into(),
+        ok: left.is_empty(),
+        seen: if left.is_empty() {
+            "no namespace, veth, cpuset, rule or port table left".into()
+        } else {
+            format!("left behind: {}", left.join(", "))
+        },
+    });
     Ok(report)
+}
+
+/// What of split namespace `namespace` still exists: network namespaces (their veths and rules
+/// live in them), cpuset cgroups, the state directory, a host-namespace table.
+pub fn leftovers(namespace: &str, table_dir: &std::path::Path) -> Vec<String> {
+    let mut left = netns::list(&format!("{NETNS_PREFIX}{namespace}-"));
+    left.extend(
+        crate::cpuset::list(&format!("{RESOURCE_PREFIX}{namespace}-"))
+            .into_iter()
+            .map(|p| p.display().to_string()),
+    );
+    if table_dir.exists() {
+        left.push(table_dir.display().to_string());
+    }
+    let table = format!("{RESOURCE_PREFIX}{namespace}");
+    left.extend(
+        cleanup::host_tables()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|t| *t == table)
+            .map(|t| format!("host nft table {t}")),
+    );
+    left
 }
 
 fn row(

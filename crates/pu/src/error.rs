@@ -48,6 +48,12 @@ pub enum PuError {
         source: std::io::Error,
     },
 
+    #[error("an agent for PU `{pu}` is already running{pid}; stop it first (or see `flatmesh pu status --config FILE`)")]
+    AgentRunning { pu: String, pid: String },
+
+    #[error("refusing to write rules for PU `{pu}`: this thread is not in its network namespace {netns} (the rules would land in the wrong namespace, e.g. the host's); start the agent with `flatmesh pu agent`, which enters the PU itself")]
+    NotOnPu { pu: String, netns: String },
+
     #[error("this needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces; run it with sudo or as root")]
     NotRoot,
 }

@@ -45,6 +45,19 @@ pub fn set(file: &File) -> std::io::Result<()> {
     }
 }
 
+/// Identity (device, inode) of a network namespace file, e.g. `/run/netns/NAME` or
+/// `/proc/thread-self/ns/net`: two paths name the same namespace iff these are equal.
+pub fn id_of(path: &std::path::Path) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt as _;
+    let m = std::fs::metadata(path)?;
+    Ok((m.dev(), m.ino()))
+}
+
+/// Identity of the calling thread's network namespace.
+pub fn current_id() -> std::io::Result<(u64, u64)> {
+    id_of(std::path::Path::new("/proc/thread-self/ns/net"))
+}
+
 /// Lists the named network namespaces whose name starts with `prefix`.
 pub fn list(prefix: &str) -> Vec<String> {
     let Ok(dir) = std::fs::read_dir("/run/netns") else {

@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::agent::Agent;
-use crate::backend::{remove_netns, run_on, Emulated, PuBackend};
+use crate::backend::{for_config, remove_netns, run_on, PuBackend};
 use crate::config::SplitConfig;
 use crate::error::{PuError, Result};
 use crate::table::{PortTable, TableState};
@@ -23,7 +23,7 @@ struct AgentThread {
 
 pub struct Pod {
     pub config: SplitConfig,
-    pub backend: Arc<Emulated>,
+    pub backend: Arc<dyn PuBackend>,
     agents: Vec<AgentThread>,
     /// Network namespaces outside the pod made for it (e.g. the demo's "rest of the cluster").
     extra_netns: Vec<String>,
@@ -33,7 +33,12 @@ pub struct Pod {
 impl Pod {
     /// Creates the PUs (removing leftovers of an earlier run of the same namespace first).
     pub fn up(config: SplitConfig) -> Result<Pod> {
-        let backend = Arc::new(Emulated::new(&config));
+        let backend = for_config(&config);
+        Pod::with_backend(config, backend)
+    }
+
+    /// As `up`, on a given backend.
+    pub fn with_backend(config: SplitConfig, backend: Arc<dyn PuBackend>) -> Result<Pod> {
         let _ = std::fs::remove_dir_all(config.table_dir());
         let pod = Pod {
             config,

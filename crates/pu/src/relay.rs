@@ -40,6 +40,66 @@ pub fn original_dst(stream: &TcpStream) -> io::Result<SocketAddrV4> {
     }
 }
 
+/// Asks another process's socket for its original destination, the way that process itself
+/// would: finds, among the sockets of process `pid`, the TCP connection with local port
+/// `local_port` whose peer uses port `peer_port`, takes a duplicate of it (`pidfd_getfd`, which
+/// needs ptrace rights over the process: root), and calls `getsockopt(SO_ORIGINAL_DST)` on it.
+/// The demo uses it to show what the unmodified flatmesh node proxy on the other PU would read.
+/// `Ok(None)`: no such connection (yet).
+pub fn original_dst_in_process(
+    pid: u32,
+    local_port: u16,
+    peer_port: u16,
+) -> io::Result<Option<SocketAddrV4>> {
+    use std::os::fd::{FromRawFd as _, OwnedFd};
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if pidfd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: pidfd_open returned a fresh descriptor that nothing else owns.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as libc::c_int) };
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+        let Ok(entry) = entry else { continue };
+        let is_socket = std::fs::read_link(entry.path())
+            .is_ok_and(|t| t.to_string_lossy().starts_with("socket:"));
+        let Some(target_fd) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<libc::c_int>().ok())
+        else {
+            continue;
+        };
+        if !is_socket {
+            continue;
+        }
+        // SAFETY: pidfd_getfd takes a pidfd we own, a descriptor number of that process and
+        // flags; it returns a new descriptor of ours or -1.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_getfd,
+                pidfd.as_raw_fd(),
+                target_fd,
+                0 as libc::c_uint,
+            )
+        };
+        if fd < 0 {
+            // The process closed it meanwhile, or it is not ours to take.
+            continue;
+        }
+        // SAFETY: a fresh descriptor from pidfd_getfd; closing it leaves the process's own
+        // descriptor (and the connection) untouched.
+        let stream = TcpStream::from(unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) });
+        let (Ok(local), Ok(peer)) = (stream.local_addr(), stream.peer_addr()) else {
+            continue;
+        };
+        if local.port() == local_port && peer.port() == peer_port {
+            return original_dst(&stream).map(Some);
+        }
+    }
+    Ok(None)
+}
+
 /// One relayed connection, as the relay saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RelayRecord {

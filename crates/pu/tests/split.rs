@@ -1,7 +1,9 @@
 //! The split namespace in real network namespaces, as root: direct calls over localhost in both
-//! directions, port conflicts, interception with the original destination read on the other PU,
-//! an agent restart (a real process, killed with SIGKILL) that keeps the table, and 100 ports
-//! churned. Each test uses its own namespace name, so they can run in parallel.
+//! directions, port conflicts, interception with the original destination read on the other PU
+//! (and on the proxy's own PU, and after the proxy moved), an agent restart (a real process,
+//! killed with SIGKILL) that keeps the table, one agent per PU, no rule outside a PU, 100 ports
+//! churned, and the clean-up of a crashed run. Each test uses its own namespace name, so they
+//! can run in parallel.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -13,7 +15,6 @@ use std::time::Duration;
 use common::*;
 use flatmesh_pu::echo::{ask, EchoServer, Mode};
 use flatmesh_pu::relay::Relay;
-use flatmesh_pu::PuBackend as _;
 
 #[test]
 fn direct_calls_cross_pus_over_localhost_both_ways() {
@@ -57,6 +58,36 @@ fn direct_calls_cross_pus_over_localhost_both_ways() {
         std::io::ErrorKind::ConnectionRefused
     );
     host_has_no_tables();
+}
+
+/// The relay's record of the connection from `local`, waiting up to 5 s (the relay records a
+/// connection once its upstream connect has succeeded or failed).
+fn record_for(relay: &Relay, local: SocketAddr) -> flatmesh_pu::relay::RelayRecord {
+    for _ in 0..250 {
+        if let Some(r) = relay.records().into_iter().find(|r| r.peer == local) {
+            return r;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!(
+        "the relay never saw the connection from {local}: {:?}",
+        relay.records()
+    );
+}
+
+/// Gives PU `pu` a route to 10.96.0.0/24 via the other PU, which does not forward (only the
+/// uplink does): a way out whose far end never answers. Packets that no rule intercepts vanish.
+fn route_to_nowhere(pod: &flatmesh_pu::pod::Pod, pu: &str) {
+    let topo = pod.backend.topology();
+    let me = pod.pu(pu).unwrap();
+    let link = &topo.links(me)[0];
+    let ns = topo.netns(me);
+    let via = link.peer_addr.to_string();
+    flatmesh_pu::exec::run(
+        "ip",
+        &["-n", &ns, "route", "add", "10.96.0.0/24", "via", &via],
+    )
+    .unwrap();
 }
 
 /// Binds on the calling thread (which must be inside a PU).
@@ -138,15 +169,7 @@ fn interception_keeps_the_original_destination_on_the_proxy_pu() {
                 s.local_addr().unwrap()
             })
             .unwrap();
-        let mut found = None;
-        for _ in 0..100 {
-            found = relay.records().into_iter().find(|r| r.peer == local);
-            if found.is_some() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let record = found.expect("the relay on b never saw the connection");
+        let record = record_for(&relay, local);
         assert_eq!(record.original_dst.map(SocketAddr::V4), Some(target));
     }
     // Ports not in the rule are not intercepted (here: no route beyond b, so no relay record).
@@ -231,16 +254,44 @@ fn agent_restart_keeps_the_port_table() {
     // The other agent crashes: its placeholders go with it, and come back with the restart.
     agent_a.kill().unwrap();
     agent_a.wait().unwrap();
+    // While it is down, b opens another port: only b's side of the table changes.
+    let _svc2 = pod
+        .on("b", || {
+            EchoServer::start(listen_raw(7302), "svc2@b", Mode::Describe).unwrap()
+        })
+        .unwrap();
+    wait_owner(&pod, 7302, Some("b"));
+    assert_eq!(
+        mapped(&pod, "a"),
+        1,
+        "nobody updates a's rules while its agent is down"
+    );
     let mut agent_a = spawn("a");
     eventually("the restarted agent on a reserves port 7301 again", || {
         bind_errno(&pod, "a", 7301) == Some(libc::EADDRINUSE)
     });
-    let (answer, _) = pod.on("a", || ask(localhost(7301), "y")).unwrap().unwrap();
-    assert!(answer.starts_with("svc@b"), "{answer}");
-    for child in [&mut agent_a, &mut agent_b] {
-        child.kill().unwrap();
-        child.wait().unwrap();
+    // ... and catches up with what changed meanwhile.
+    eventually("the restarted agent on a maps 7302", || {
+        mapped(&pod, "a") == 2
+    });
+    for (port, name) in [(7301, "svc@b"), (7302, "svc2@b")] {
+        let (answer, _) = pod.on("a", || ask(localhost(port), "y")).unwrap().unwrap();
+        assert!(answer.starts_with(name), "{answer}");
     }
+
+    // A clean stop (SIGTERM): the agent deregisters and exits 0; ports and rules stay.
+    // SAFETY: kill with the pid of our own child and a valid signal.
+    assert_eq!(unsafe { libc::kill(agent_b.id() as i32, libc::SIGTERM) }, 0);
+    let status = wait_exit(&mut agent_b, Duration::from_secs(10));
+    assert!(status.success(), "agent b exited with {status}");
+    let state = pod.table().read().unwrap();
+    assert_eq!(state.agents.get("b"), None, "{state:?}");
+    assert_eq!(state.ports.get(&7301).map(String::as_str), Some("b"));
+    let (answer, _) = pod.on("a", || ask(localhost(7301), "z")).unwrap().unwrap();
+    assert!(answer.starts_with("svc@b"), "{answer}");
+    agent_a.kill().unwrap();
+    agent_a.wait().unwrap();
+    host_has_no_tables();
 }
 
 #[test]
@@ -299,18 +350,301 @@ fn a_hundred_ports_churned() {
     }
 }
 
+/// Removes a split namespace when dropped, for the tests that build one without a `Pod`.
+struct Remove(String);
+
+impl Drop for Remove {
+    fn drop(&mut self) {
+        let _ = flatmesh_pu::cleanup::cleanup(Some(&self.0), std::path::Path::new(STATE_DIR));
+    }
+}
+
 #[test]
-fn cleanup_finds_leftovers_of_a_crashed_run() {
+fn the_next_start_cleans_up_after_a_crashed_run() {
     require_root();
+    reap_stale();
     let config = config("cln", "");
-    let backend = flatmesh_pu::Emulated::new(&config);
+    let _guard = Remove(config.namespace.clone());
+    let backend = flatmesh_pu::backend::for_config(&config);
+    let table_dir = config.table_dir();
+
+    // A run that crashes: PUs up, both agents running (real processes, rules written, table
+    // filled), an app process on PU a; then everything is killed with SIGKILL, no destructor runs.
     backend.up().unwrap();
-    // As if the process had died here: nothing torn down.
+    std::fs::create_dir_all(&table_dir).unwrap();
+    let yaml = table_dir.join("split.yaml");
+    std::fs::write(&yaml, config_text("cln", "")).unwrap();
+    let mut agents: Vec<_> = ["a", "b"]
+        .iter()
+        .map(|pu| {
+            backend
+                .command(
+                    config.pu_index(pu).unwrap(),
+                    env!("CARGO_BIN_EXE_flatmesh-pu-agent").as_ref(),
+                )
+                .unwrap()
+                .args(["--pu", pu, "--config"])
+                .arg(&yaml)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut app = backend
+        .command(0, "sleep".as_ref())
+        .unwrap()
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let table = flatmesh_pu::PortTable::new(&table_dir);
+    eventually("both agents registered", || {
+        table.read().is_ok_and(|s| s.agents.len() == 2)
+    });
+    let nft_table = backend.topology().nft_table();
+    eventually("both PUs have their rules", || {
+        (0..2).all(|pu| {
+            flatmesh_pu::backend::run_on(backend.as_ref(), pu, || {
+                flatmesh_pu::exec::run("nft", &["list", "table", "ip", &nft_table]).is_ok()
+            })
+            .unwrap()
+        })
+    });
+    let old_ns =
+        flatmesh_pu::netns::id_of(&flatmesh_pu::netns::path(&backend.topology().netns(0))).unwrap();
+    for agent in &mut agents {
+        agent.kill().unwrap();
+        agent.wait().unwrap();
+    }
+    assert!(!flatmesh_pu::demo::leftovers(&config.namespace, &table_dir).is_empty());
+
+    // The next start of the same namespace removes all of it first: the app left in the PU is
+    // stopped, the namespaces (with their veths and rules) and the table are new.
+    let pod = flatmesh_pu::pod::Pod::up(config.clone()).unwrap();
+    let exited = (0..500).any(|_| {
+        let done = app.try_wait().unwrap().is_some();
+        if !done {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        done
+    });
+    assert!(
+        exited,
+        "the process left in the crashed PU is still running"
+    );
+    let new_ns =
+        flatmesh_pu::netns::id_of(&flatmesh_pu::netns::path(&backend.topology().netns(0))).unwrap();
+    assert_ne!(old_ns, new_ns, "PU a was not re-created");
+    assert_eq!(
+        pod.table().read().unwrap(),
+        flatmesh_pu::TableState::empty()
+    );
+    assert_eq!(rules_text(&pod, "a"), "", "old rules survived");
+    pod.down().unwrap();
+    assert_eq!(
+        flatmesh_pu::demo::leftovers(&config.namespace, &table_dir),
+        Vec::<String>::new()
+    );
+
+    // `flatmesh pu cleanup` (the library call) finds the leftovers of a crash just as well.
+    backend.up().unwrap();
+    std::fs::create_dir_all(&table_dir).unwrap();
     let report =
         flatmesh_pu::cleanup::cleanup(Some(&config.namespace), std::path::Path::new(STATE_DIR))
             .unwrap();
     assert_eq!(report.netns.len(), 2, "{report:?}");
-    assert!(flatmesh_pu::netns::list(&format!("fmpu-{}-", config.namespace)).is_empty());
-    assert!(!backend.exists(0) && !backend.exists(1));
+    assert_eq!(report.state_dirs, vec![table_dir.clone()]);
+    assert_eq!(
+        flatmesh_pu::demo::leftovers(&config.namespace, &table_dir),
+        Vec::<String>::new()
+    );
     host_has_no_tables();
+}
+
+#[test]
+fn interception_follows_the_proxy_to_the_other_pu() {
+    let mut pod = pod(
+        "mov",
+        "intercept:\n  - { proxy_port: 15001, ports: [80] }\n",
+    );
+    route_to_nowhere(&pod, "b");
+    pod.start_agent("a").unwrap();
+    pod.start_agent("b").unwrap();
+    let target: SocketAddr = "10.96.0.10:80".parse().unwrap();
+    let relay_b = pod
+        .on("b", || Relay::start(listen_raw(15001)).unwrap())
+        .unwrap();
+    wait_owner(&pod, 15001, Some("b"));
+    eventually("a sends port 80 to b", || {
+        rules_text(&pod, "a").contains("meta mark set 0x4d500001")
+    });
+    // The proxy moves: b's goes away, one starts on a. The agents rewrite the split rules.
+    drop(relay_b);
+    wait_owner(&pod, 15001, None);
+    let relay_a = pod
+        .on("a", || Relay::start(listen_raw(15001)).unwrap())
+        .unwrap();
+    wait_owner(&pod, 15001, Some("a"));
+    eventually("b sends port 80 to a", || {
+        rules_text(&pod, "b").contains("meta mark set 0x4d500000")
+    });
+    let local = pod
+        .on("b", || {
+            let s = TcpStream::connect_timeout(&target, Duration::from_secs(2)).unwrap();
+            assert_eq!(s.peer_addr().unwrap(), target);
+            s.local_addr().unwrap()
+        })
+        .unwrap();
+    let record = record_for(&relay_a, local);
+    assert_eq!(record.original_dst.map(SocketAddr::V4), Some(target));
+    host_has_no_tables();
+}
+
+/// Sets the calling thread's effective (and so file-system) uid with the raw system call, which,
+/// unlike libc's setresuid, changes this thread only. Sockets it creates belong to `uid`.
+fn set_thread_euid(uid: u32) {
+    // SAFETY: setresuid with -1 (unchanged) for the real and saved ids.
+    let rc = unsafe { libc::syscall(libc::SYS_setresuid, u32::MAX, uid, u32::MAX) };
+    assert_eq!(rc, 0, "setresuid: {}", std::io::Error::last_os_error());
+}
+
+#[test]
+fn interception_on_the_proxy_pu_exempts_the_proxy_uid() {
+    // The proxy runs as root here (uid 0), the app on the same PU as uid 4242.
+    let mut pod = pod(
+        "uid",
+        "intercept:\n  - { proxy_port: 15001, ports: [80], proxy_uid: 0 }\n",
+    );
+    route_to_nowhere(&pod, "b");
+    pod.start_agent("a").unwrap();
+    pod.start_agent("b").unwrap();
+    let relay = pod
+        .on("b", || Relay::start(listen_raw(15001)).unwrap())
+        .unwrap();
+    wait_owner(&pod, 15001, Some("b"));
+    eventually("b intercepts its own apps", || {
+        rules_text(&pod, "b").contains("meta skuid != 0")
+    });
+    let target: SocketAddr = "10.96.0.10:80".parse().unwrap();
+    let local = pod
+        .on("b", || {
+            set_thread_euid(4242);
+            let s = TcpStream::connect_timeout(&target, Duration::from_secs(2)).unwrap();
+            assert_eq!(s.peer_addr().unwrap(), target);
+            s.local_addr().unwrap()
+        })
+        .unwrap();
+    let record = record_for(&relay, local);
+    assert_eq!(record.original_dst.map(SocketAddr::V4), Some(target));
+    // The proxy's own uid is not intercepted: its connection goes out (and here, nowhere).
+    let before = relay.records().len();
+    let own = pod
+        .on("b", || {
+            TcpStream::connect_timeout(&target, Duration::from_millis(300))
+        })
+        .unwrap();
+    assert_eq!(own.unwrap_err().kind(), std::io::ErrorKind::TimedOut);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(relay.records().len(), before);
+}
+
+#[test]
+fn one_agent_per_pu_and_clear_errors_for_bad_input() {
+    let mut pod = pod("lck", "");
+    pod.start_agent("a").unwrap();
+    let dir = pod.config.table_dir();
+    eventually("agent a registered", || {
+        pod.table().read().is_ok_and(|s| s.agents.contains_key("a"))
+    });
+    let yaml = dir.join("split.yaml");
+    std::fs::write(&yaml, config_text("lck", "")).unwrap();
+    let other = dir.join("other.yaml");
+    std::fs::write(
+        &other,
+        config_text("lck", "")
+            .replace(&pod.config.namespace, &format!("{}x", pod.config.namespace)),
+    )
+    .unwrap();
+    let agent = |args: &[&str]| {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_flatmesh-pu-agent"))
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let status = wait_exit(&mut child, Duration::from_secs(10));
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        (status, err)
+    };
+    let y = yaml.to_str().unwrap();
+    for (args, needle) in [
+        (vec!["--pu", "a", "--config", y], "already running"),
+        (vec!["--pu", "nope", "--config", y], "no PU named `nope`"),
+        (
+            vec!["--pu", "a", "--config", "/nonexistent.yaml"],
+            "cannot read /nonexistent.yaml",
+        ),
+        (
+            vec!["--pu", "a", "--config", other.to_str().unwrap()],
+            "flatmesh pu up",
+        ),
+        (vec!["--pu", "a"], "usage"),
+    ] {
+        let (status, err) = agent(&args);
+        assert!(!status.success(), "{args:?} succeeded");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    // Once the running agent has stopped, a new one starts.
+    pod.stop_agent("a").unwrap();
+    let mut child = pod
+        .backend
+        .command(0, env!("CARGO_BIN_EXE_flatmesh-pu-agent").as_ref())
+        .unwrap()
+        .args(["--pu", "a", "--config", y])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    eventually("the new agent of a registers", || {
+        pod.table()
+            .read()
+            .is_ok_and(|s| s.agents.get("a") == Some(&pid))
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+#[test]
+fn the_agent_never_writes_rules_outside_its_pu() {
+    let pod = pod("hst", "");
+    let mut agent = flatmesh_pu::Agent::new(&pod.config, "a").unwrap();
+    // On a thread of the host namespace: refused before anything is written.
+    let e = agent.start(pod.backend.as_ref()).unwrap_err().to_string();
+    assert!(e.contains("refusing to write rules"), "{e}");
+    host_has_no_tables();
+    // Started on its PU, then called from another PU's thread or the host's: refused.
+    let backend = pod.backend.clone();
+    let mut agent = pod
+        .on("a", move || {
+            agent.start(backend.as_ref()).unwrap();
+            agent
+        })
+        .unwrap();
+    let e = agent.tick().unwrap_err().to_string();
+    assert!(e.contains("not in its network namespace"), "{e}");
+    let (agent, e) = pod
+        .on("b", move || {
+            let r = agent.tick().map(|_| ());
+            (agent, r)
+        })
+        .unwrap();
+    assert!(e.is_err());
+    assert_eq!(rules_text(&pod, "b"), "", "b got a's rules");
+    host_has_no_tables();
+    drop(agent);
 }

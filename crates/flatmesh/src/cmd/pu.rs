@@ -4,7 +4,8 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use comfy_table::Table;
-use flatmesh_pu::{cleanup, demo, Emulated, PuBackend as _, SplitConfig};
+use flatmesh_pu::backend::{for_config, run_on};
+use flatmesh_pu::{cleanup, demo, SplitConfig};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -45,14 +46,15 @@ enum Sub {
         #[arg(long, default_value = "/run/flatmesh/pu")]
         state_dir: PathBuf,
     },
-    /// Two PUs, an app on one, proxies on the other: direct calls, a port conflict and
-    /// intercepted calls with their original destinations, as a table. Cleans up after itself.
+    /// Two PUs, an app on one, the flatmesh node proxy on the other: direct calls, a port
+    /// conflict, and intercepted calls through the proxy with their original destinations, as a
+    /// table. Cleans up after itself (and after a killed earlier run).
     Demo {
         #[arg(long, default_value = "fmdemo")]
         namespace: String,
         #[arg(long, default_value = "/run/flatmesh/pu")]
         state_dir: PathBuf,
-        /// Skip the row that runs `flatmesh node` on the dpu PU.
+        /// Do not start `flatmesh node` on the dpu PU (skips the rows through it).
         #[arg(long)]
         no_node_proxy: bool,
     },
@@ -88,7 +90,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     match args.command {
         Sub::Up(c) => {
             let config = load(&c)?;
-            Emulated::new(&config).up()?;
+            for_config(&config).up()?;
             println!(
                 "split namespace `{}` is up: PUs {}; start one agent per PU with `flatmesh pu agent --pu NAME --config {}`",
                 config.namespace,
@@ -99,9 +101,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         Sub::Agent { pu, config } => {
             let config = load(&config)?;
-            let backend = Emulated::new(&config);
+            let backend = for_config(&config);
             let stop = flatmesh_pu::agent::stop_on_signals();
-            flatmesh_pu::Agent::run(&config, &pu, &backend, stop)?;
+            flatmesh_pu::Agent::run(&config, &pu, backend.as_ref(), stop)?;
             Ok(())
         }
         Sub::Run {
@@ -113,7 +115,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let index = config.pu_index(&pu).with_context(|| {
                 format!("no PU `{pu}`; the PUs are {}", config.pu_names().join(", "))
             })?;
-            let backend = Emulated::new(&config);
+            let backend = for_config(&config);
             let (program, rest) = command.split_first().context("no command given")?;
             let status = backend
                 .command(index, program.as_ref())?
@@ -125,7 +127,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Sub::Status(c) => status(&load(&c)?),
         Sub::Down(c) => {
             let config = load(&c)?;
-            Emulated::new(&config).down()?;
+            for_config(&config).down()?;
             let _ = std::fs::remove_dir_all(config.table_dir());
             println!("split namespace `{}` removed", config.namespace);
             Ok(())
@@ -169,7 +171,7 @@ fn run_demo(namespace: String, state_dir: PathBuf, no_node_proxy: bool) -> anyho
     } else {
         Some(std::env::current_exe().context("cannot find the flatmesh binary")?)
     };
-    println!("building split namespace `{namespace}`: PU host (CPU 0, the app) and PU dpu (CPU 1, the proxies, the uplink) ...");
+    println!("building split namespace `{namespace}`: PU host (CPU 0, the app) and PU dpu (CPU 1, the flatmesh node proxy, the uplink) ...");
     let report = demo::run_demo(&demo::DemoOptions {
         namespace,
         state_dir,
@@ -204,7 +206,6 @@ fn run_demo(namespace: String, state_dir: PathBuf, no_node_proxy: bool) -> anyho
     for n in &report.notes {
         println!("note: {n}");
     }
-    println!("cleaned up: namespaces, veths, cpusets, rules and the port table are gone");
     let failed = report.rows.iter().filter(|r| !r.ok).count();
     if failed > 0 {
         anyhow::bail!("{failed} demo row(s) failed");
@@ -213,7 +214,7 @@ fn run_demo(namespace: String, state_dir: PathBuf, no_node_proxy: bool) -> anyho
 }
 
 fn status(config: &SplitConfig) -> anyhow::Result<()> {
-    let backend = Emulated::new(config);
+    let backend = for_config(config);
     let topo = backend.topology().clone();
     let state = flatmesh_pu::PortTable::new(&config.table_dir()).read()?;
     let mut table = Table::new();
@@ -229,34 +230,23 @@ fn status(config: &SplitConfig) -> anyhow::Result<()> {
             Some(pid) if std::path::Path::new(&format!("/proc/{pid}")).exists() => {
                 format!("pid {pid}")
             }
-            Some(pid) => format!("pid {pid} (gone)"),
+            Some(pid) => format!("pid {pid} (gone; restart it with `flatmesh pu agent`)"),
             None => "not running".into(),
         };
         let owned = state.ports.values().filter(|o| *o == pu).count();
-        let ns = topo.netns(i);
         let rules = if backend.exists(i) {
-            let out = flatmesh_pu::exec::run(
-                "ip",
-                &[
-                    "netns",
-                    "exec",
-                    &ns,
-                    "nft",
-                    "list",
-                    "map",
-                    "ip",
-                    &topo.nft_table(),
-                    "remote_ports",
-                ],
-            );
+            let nft_table = topo.nft_table();
+            let out = run_on(backend.as_ref(), i, || {
+                flatmesh_pu::exec::run("nft", &["list", "map", "ip", &nft_table, "remote_ports"])
+            })?;
             match out {
                 Ok(text) => flatmesh_pu::rules::count_mapped(&text).to_string(),
-                Err(_) => "no table".into(),
+                Err(_) => "no table (no agent has run)".into(),
             }
         } else {
-            "PU missing".into()
+            "PU missing (run `flatmesh pu up`)".into()
         };
-        table.add_row([pu.clone(), ns, agent, owned.to_string(), rules]);
+        table.add_row([pu.clone(), topo.netns(i), agent, owned.to_string(), rules]);
     }
     println!("{table}");
     let ports: Vec<String> = state
@@ -270,6 +260,7 @@ fn status(config: &SplitConfig) -> anyhow::Result<()> {
 
 fn bench(args: BenchArgs) -> anyhow::Result<()> {
     use flatmesh_pu::bench;
+    bench::check_args(args.iterations, &args.ports)?;
     println!("## Mapping cost: cross-PU connection set-up and 64-byte round trip (client PU a on CPU 0, server PU b on CPU 1)\n");
     println!(
         "{} connections and {} round trips per path, 5 interleaved rounds.\n",

@@ -11,6 +11,10 @@ fn main() -> ExitCode {
         match a.as_str() {
             "--pu" => pu = it.next().cloned(),
             "--config" | "-c" => config = it.next().cloned(),
+            "--help" | "-h" => {
+                println!("usage: flatmesh-pu-agent --pu NAME --config FILE\n\nRuns the agent of one PU of a split network namespace (docs/pu.md); the same as `flatmesh pu agent`.");
+                return ExitCode::SUCCESS;
+            }
             _ => {
                 eprintln!("error: unexpected argument `{a}`\nusage: flatmesh-pu-agent --pu NAME --config FILE");
                 return ExitCode::FAILURE;
@@ -28,8 +32,13 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .try_init();
     let result = flatmesh_pu::SplitConfig::load(std::path::Path::new(&config)).and_then(|c| {
-        let backend = flatmesh_pu::Emulated::new(&c);
-        flatmesh_pu::Agent::run(&c, &pu, &backend, flatmesh_pu::agent::stop_on_signals())
+        let backend = flatmesh_pu::backend::for_config(&c);
+        flatmesh_pu::Agent::run(
+            &c,
+            &pu,
+            backend.as_ref(),
+            flatmesh_pu::agent::stop_on_signals(),
+        )
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

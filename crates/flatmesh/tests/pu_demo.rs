@@ -1,0 +1,169 @@
+//! `flatmesh pu demo` for real (root; CI runs as root): every row passes, including the calls
+//! carried by the `flatmesh node` proxy on the other PU with SO_ORIGINAL_DST intact; nothing is
+//! left behind; and a run killed with SIGKILL is cleaned up by the next one.
+
+#![allow(clippy::unwrap_used)]
+
+use std::io::Read as _;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const STATE_DIR: &str = "/run/flatmesh/pu-clitest";
+
+fn require_root() {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let euid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .unwrap_or("?");
+    assert_eq!(
+        euid, "0",
+        "this test creates network namespaces and nftables rules: run it as root (CI does)"
+    );
+}
+
+fn demo(namespace: &str) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_flatmesh"));
+    c.args([
+        "pu",
+        "demo",
+        "--namespace",
+        namespace,
+        "--state-dir",
+        STATE_DIR,
+    ])
+    .stdin(Stdio::null());
+    c
+}
+
+/// Runs the demo to its end (killed after `limit`: a hung demo must not hang CI).
+fn run_to_end(namespace: &str, limit: Duration) -> (bool, String) {
+    let mut child = demo(namespace)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = child.stdout.take().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("`flatmesh pu demo` did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let text = format!(
+        "{}\n--- stderr ---\n{}",
+        reader.join().unwrap(),
+        err_reader.join().unwrap()
+    );
+    (status.success(), text)
+}
+
+fn leftovers(namespace: &str) -> Vec<String> {
+    flatmesh_pu::demo::leftovers(namespace, &Path::new(STATE_DIR).join(namespace))
+}
+
+/// Processes still running the demo's node proxy of `namespace`.
+fn node_processes(namespace: &str) -> Vec<u32> {
+    let needle = format!("{STATE_DIR}/{namespace}/node.yaml");
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(&needle))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+/// Removes whatever the demos of `namespace` left, also when the test fails half-way.
+struct Remove(String);
+
+impl Drop for Remove {
+    fn drop(&mut self) {
+        let _ = flatmesh_pu::cleanup::cleanup(Some(&self.0), Path::new(STATE_DIR));
+    }
+}
+
+#[test]
+fn pu_demo_goes_through_the_node_proxy_and_cleans_up_even_after_kill_9() {
+    require_root();
+    let ns = format!("fmt{}", std::process::id());
+    let _remove = Remove(ns.clone());
+    let limit = Duration::from_secs(60);
+
+    // 1. A run to the end: every row ok, nothing left.
+    let (ok, out) = run_to_end(&ns, limit);
+    assert!(ok, "the demo failed:\n{out}");
+    for needle in [
+        "SO_ORIGINAL_DST on the node's socket=10.96.0.10:80",
+        "SO_ORIGINAL_DST on the node's socket=10.96.0.12:7000",
+        "svc-a saw peer=10.213.255.1",
+        "Address already in use",
+    ] {
+        assert!(out.contains(needle), "missing {needle:?} in:\n{out}");
+    }
+    assert!(!out.contains("| NO "), "a row failed:\n{out}");
+    assert_eq!(leftovers(&ns), Vec::<String>::new());
+
+    // 2. A run killed with SIGKILL while its PUs are up and its node proxy runs: it leaves the
+    //    PUs behind, but its node proxy dies with it.
+    let mut child = demo(&ns)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while node_processes(&ns).is_empty() {
+        assert!(
+            Instant::now() < deadline && child.try_wait().unwrap().is_none(),
+            "the demo never started its node proxy"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        !leftovers(&ns).is_empty(),
+        "a killed demo should have left its namespaces (or the test killed it too late)"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !node_processes(&ns).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the node proxy outlived the killed demo: {:?}",
+            node_processes(&ns)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    // 3. The next run removes what the killed one left, then works as usual.
+    let (ok, out) = run_to_end(&ns, limit);
+    assert!(ok, "the demo after a killed run failed:\n{out}");
+    assert!(
+        out.contains("removed leftovers of an earlier run"),
+        "no clean-up reported:\n{out}"
+    );
+    assert_eq!(leftovers(&ns), Vec::<String>::new());
+    let _ = std::fs::remove_dir(STATE_DIR);
+}
