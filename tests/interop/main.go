@@ -1,10 +1,14 @@
 // xds-test-server: a go-control-plane xDS server (ADS, SotW and delta) driven over stdin, for
 // flatmesh's interop tests (crates/xds/tests/go_control_plane.rs).
 //
-// It prints "LISTENING <addr>" once, then one JSON line per request the node sends
-// ({"event":"request","delta":false,"type":"CDS","version":"2","nonce":"3","error":""}), so a
-// test sees the real ACKs and NACKs. Each stdin line is a JSON snapshot (see Snapshot below)
-// that replaces what the node is served; "quit" stops the server.
+// It prints {"event":"listening","addr":"127.0.0.1:PORT"} once, then one JSON line per request
+// the node sends ({"event":"request","delta":false,"type":"CDS","version":"2","nonce":"3","error":""}),
+// so a test sees the real ACKs and NACKs. Each stdin line is a JSON snapshot (see Snapshot
+// below) that replaces what the node is served ({"event":"snapshot"} confirms it); "quit"
+// stops the server.
+//
+// Built by the tests with `go build -mod=readonly`: the committed go.sum must be complete, and
+// the module proxy is used only to download what it pins.
 package main
 
 import (
@@ -122,7 +126,6 @@ func addr(hostport string) *core.Address {
 	return &core.Address{Address: &core.Address_SocketAddress{SocketAddress: &core.SocketAddress{
 		Address: host, PortSpecifier: &core.SocketAddress_PortValue{PortValue: p}}}}
 }
-
 
 func build(s Snapshot) map[resource.Type][]types.Resource {
 	res := map[resource.Type][]types.Resource{}

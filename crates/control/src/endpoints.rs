@@ -1,6 +1,7 @@
 //! Where traffic should go: a placement turned into endpoint lists per service, and the sinks that
-//! carry them to the node proxies. This is the seam for the xDS server (issue 9): it implements
-//! [`EndpointSink`] and turns each snapshot into ClusterLoadAssignments. Until then the
+//! carry them to the node proxies. This is the seam for the xDS server (issue 9):
+//! `flatmesh_xds::feed::XdsSink` implements [`EndpointSink`] and turns each snapshot into
+//! ClusterLoadAssignments (`flatmesh control --cluster ... --heartbeats ...`). The
 //! [`FileSink`] writes a watched JSON file, and the [`ProxyConfigSink`] rewrites the node proxies'
 //! own YAML config files (which `flatmesh node --config FILE` reloads on change without dropping
 //! requests); both replace files atomically, so a reader never sees half of one.

@@ -399,6 +399,12 @@ fn http_connection_manager(o: &mut Obj) -> Result<HttpConnectionManager> {
             )
         })? as i32;
     }
+    if let Some(strip) = o.bool("strip_any_host_port")? {
+        h.strip_port_mode = Some(http_connection_manager::StripPortMode::StripAnyHostPort(
+            strip,
+        ));
+    }
+    h.strip_matching_host_port = o.bool("strip_matching_host_port")?.unwrap_or(false);
     if let Some(rc) = o.take("route_config") {
         h.route_specifier = Some(http_connection_manager::RouteSpecifier::RouteConfig(
             route_configuration(rc, &o.at("route_config"))?,
@@ -704,6 +710,12 @@ fn cluster(v: Value, path: &str) -> Result<Cluster> {
                 format!("`{t}` is not a cluster type; use STATIC or EDS"),
             )
         })?;
+        if t == cluster::DiscoveryType::Eds {
+            return Err(XdsError::resource(
+                o.at("type"),
+                "EDS takes endpoints from a control plane, which a static import has not; make the cluster STATIC with a load_assignment, or serve it over xDS (flatmesh node --xds)",
+            ));
+        }
         c.cluster_discovery_type = Some(cluster::ClusterDiscoveryType::Type(t as i32));
     }
     c.connect_timeout = o.duration("connect_timeout")?;
@@ -712,10 +724,11 @@ fn cluster(v: Value, path: &str) -> Result<Cluster> {
             XdsError::resource(o.at("lb_policy"), format!("`{p}` is not a load-balancing policy; use ROUND_ROBIN, LEAST_REQUEST, RING_HASH, MAGLEV or RANDOM"))
         })? as i32;
     }
-    if let Some(family) = o.string("dns_lookup_family")? {
-        // Meaningless without DNS; accepted because Envoy examples set it everywhere.
-        let _ = family;
-    }
+    // DNS settings mean nothing for IP addresses (the only ones flatmesh takes); accepted because
+    // Envoy's examples set them everywhere.
+    o.string("dns_lookup_family")?;
+    o.duration("dns_refresh_rate")?;
+    o.bool("respect_dns_ttl")?;
     if o.take("http2_protocol_options").is_some() {
         c.http2_protocol_options = Some(Http2ProtocolOptions::default());
     }

@@ -1,11 +1,12 @@
 //! The ADS client of `flatmesh node --xds`: one gRPC stream to the control plane carrying LDS,
 //! RDS, CDS and EDS, in state-of-the-world or delta form.
 //!
-//! Every response is applied to a copy of the node's resources, translated and validated as a
-//! whole ([`crate::to_model::translate`]) and handed to the node (a zero-drop swap, the same one a
-//! file reload uses). Only then is it ACKed; otherwise it is NACKed with the reason and the node
-//! keeps what it had. When the stream breaks the node keeps serving its last good config and the
-//! client reconnects with exponential backoff, telling the server what it already holds.
+//! Every response is applied to the node's resources (recording how to undo it), translated and
+//! validated as a whole ([`crate::to_model::Translator`], which re-translates only the resources
+//! that changed) and handed to the node (a zero-drop swap, the same one a file reload uses). Only
+//! then is it ACKed; otherwise it is undone and NACKed with the reason, and the node keeps what it
+//! had. When the stream breaks the node keeps serving its last good config and the client
+//! reconnects with jittered exponential backoff, telling the server what it already holds.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -24,6 +25,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::error::{Result, XdsError};
 use crate::resources::{self, Resource, Resources, CLUSTER, ENDPOINT, LISTENER, ROUTE};
+use crate::to_model::Translator;
 
 /// Responses up to this size are accepted (10,000 endpoints take well under 1 MB).
 const MAX_MESSAGE: usize = 64 * 1024 * 1024;
@@ -58,8 +60,12 @@ pub trait Apply: Send + 'static {
 #[derive(Debug, Clone, Default)]
 pub struct Status {
     pub connected: bool,
+    /// Connection attempts so far, successful or not.
+    pub attempts: u64,
     /// Streams opened so far (1 + reconnects).
     pub streams: u64,
+    /// Why the last stream or connection attempt ended, if it failed.
+    pub last_error: Option<String>,
     /// The last version ACKed per type URL.
     pub acked: BTreeMap<String, String>,
     /// Every NACK's error_detail, oldest first (bounded).
@@ -86,6 +92,7 @@ impl Client {
             apply: Box::new(apply),
             status: status.clone(),
             state: Resources::default(),
+            translator: Translator::default(),
             applied: None,
             acked: BTreeMap::new(),
             nonces: BTreeMap::new(),
@@ -129,6 +136,8 @@ struct Session {
     status: Arc<Mutex<Status>>,
     /// The resources of the last good (applied) state.
     state: Resources,
+    /// Remembers each resource's translation, so an update re-translates only what it changed.
+    translator: Translator,
     applied: Option<Config>,
     /// SotW: last ACKed version per type; kept across reconnects.
     acked: BTreeMap<String, String>,
@@ -140,40 +149,45 @@ struct Session {
 
 impl Session {
     async fn run(mut self, mut stop: tokio::sync::oneshot::Receiver<()>) {
-        let mut backoff = BACKOFF_FIRST;
+        let mut backoff = Backoff::new(&self.options.node_id);
         loop {
             let outcome = tokio::select! {
                 _ = &mut stop => return,
                 outcome = self.stream() => outcome,
             };
-            self.status.lock().connected = false;
             self.nonces.clear();
             let made_progress = match &outcome {
                 Ok(progress) => *progress,
                 Err((progress, _)) => *progress,
             };
             if made_progress {
-                backoff = BACKOFF_FIRST;
+                backoff.reset();
+            }
+            let wait = backoff.next();
+            {
+                let mut status = self.status.lock();
+                status.connected = false;
+                status.last_error = outcome.as_ref().err().map(|(_, e)| e.to_string());
             }
             match outcome {
                 Ok(_) => {
-                    tracing::warn!(server = %self.options.server, "xDS stream closed by the server; reconnecting, the node keeps its last good config")
+                    tracing::warn!(server = %self.options.server, retry_in = ?wait, "xDS stream closed by the server; reconnecting, the node keeps its last good config")
                 }
                 Err((_, e)) => {
-                    tracing::warn!(error = %e, retry_in = ?backoff, "xDS stream failed; the node keeps its last good config")
+                    tracing::warn!(error = %e, retry_in = ?wait, "xDS stream failed; the node keeps its last good config")
                 }
             }
             tokio::select! {
                 _ = &mut stop => return,
-                _ = tokio::time::sleep(backoff) => {}
+                _ = tokio::time::sleep(wait) => {}
             }
-            backoff = (backoff * 2).min(BACKOFF_MAX);
         }
     }
 
     /// One stream, until it ends. The bool says whether any response arrived (resets backoff).
     async fn stream(&mut self) -> std::result::Result<bool, (bool, XdsError)> {
         let address = self.options.server.clone();
+        self.status.lock().attempts += 1;
         let endpoint = format!("http://{address}");
         let channel = tonic::transport::Endpoint::from_shared(endpoint)
             .map_err(|e| {
@@ -241,16 +255,61 @@ impl Session {
         ]
     }
 
-    /// Translate `candidate` and hand it to the node. On success it becomes the state.
-    fn try_apply(&mut self, candidate: Resources) -> Result<()> {
-        let config = crate::to_model::translate(&candidate, &self.base)?;
+    /// Translate the held resources and hand the config to the node (if it changed).
+    fn apply_state(&mut self) -> Result<()> {
+        let config = self.translator.translate(&self.state, &self.base)?;
         if self.applied.as_ref() != Some(&config) {
             self.apply.apply(config.clone()).map_err(XdsError::Apply)?;
             self.applied = Some(config);
             self.status.lock().applied += 1;
         }
-        self.state = candidate;
         Ok(())
+    }
+
+    /// Apply one response's `changes` (already made to the held resources): drop what nobody
+    /// references any more, translate, hand to the node. If any of it fails, undo the changes,
+    /// so the held resources are again exactly the last good state.
+    fn commit(&mut self, mut changes: Changes) -> Result<()> {
+        self.prune(&mut changes);
+        let result = self.apply_state();
+        if result.is_err() {
+            for (type_url, name, previous) in changes.0.into_iter().rev() {
+                match previous {
+                    Some(resource) => drop(self.state.put(resource)),
+                    None => drop(self.state.take(type_url, &name)),
+                }
+            }
+        }
+        result
+    }
+
+    fn put(&mut self, changes: &mut Changes, resource: Resource) {
+        let (type_url, name) = (resource.type_url(), resource.name().to_string());
+        let previous = self.state.put(resource);
+        changes.0.push((type_url, name, previous));
+    }
+
+    fn take(&mut self, changes: &mut Changes, type_url: &'static str, name: &str) {
+        if let Some(previous) = self.state.take(type_url, name) {
+            changes.0.push((type_url, name.to_string(), Some(previous)));
+        }
+    }
+
+    /// Route configs and assignments that no listener or cluster references any more go
+    /// (they are unsubscribed).
+    fn prune(&mut self, changes: &mut Changes) {
+        let routes = self.state.wanted_routes();
+        for name in self.state.names(ROUTE) {
+            if !routes.contains(&name) {
+                self.take(changes, ROUTE, &name);
+            }
+        }
+        let endpoints = self.state.wanted_endpoints();
+        for name in self.state.names(ENDPOINT) {
+            if !endpoints.contains(&name) {
+                self.take(changes, ENDPOINT, &name);
+            }
+        }
     }
 
     fn record_nack(&self, type_url: &str, detail: &str) {
@@ -303,13 +362,13 @@ impl Session {
                         .insert(type_url.clone(), response.version_info.clone());
                     tracing::debug!(type_url = resources::short(&type_url), version = %response.version_info, "ACK");
                     let names = sent.get(type_url.as_str()).cloned().unwrap_or_default();
-                    self.sotw_request(static_type(&type_url), names, None)
+                    self.sotw_request(&type_url, names, None)
                 }
                 Err(e) => {
                     let detail = e.to_string();
                     self.record_nack(&type_url, &detail);
                     let names = sent.get(type_url.as_str()).cloned().unwrap_or_default();
-                    self.sotw_request(static_type(&type_url), names, Some(detail))
+                    self.sotw_request(&type_url, names, Some(detail))
                 }
             };
             if tx.send(reply).await.is_err() {
@@ -352,17 +411,32 @@ impl Session {
     }
 
     fn sotw_response(&mut self, response: &DiscoveryResponse) -> Result<()> {
-        let type_url = response.type_url.as_str();
-        let mut candidate = self.state.clone();
+        let type_url = static_type(&response.type_url);
         let mut decoded = Vec::with_capacity(response.resources.len());
+        let mut names = BTreeSet::new();
         for any in &response.resources {
-            decoded.push(Resource::decode(any, type_url)?);
+            let resource = Resource::decode(any, &response.type_url)?;
+            if !names.insert(resource.name().to_string()) {
+                return Err(XdsError::resource(
+                    format!("{} response", resources::short(type_url)),
+                    format!(
+                        "lists the resource `{}` twice; a response names each resource once",
+                        resource.name()
+                    ),
+                ));
+            }
+            decoded.push(resource);
         }
-        match type_url {
-            // LDS and CDS responses are the whole set: anything missing is removed.
-            LISTENER | CLUSTER => candidate.clear(type_url),
-            _ => {}
+        let mut changes = Changes::default();
+        // LDS and CDS responses are the whole set: anything missing is removed.
+        if type_url == LISTENER || type_url == CLUSTER {
+            for name in self.state.names(type_url) {
+                if !names.contains(&name) {
+                    self.take(&mut changes, type_url, &name);
+                }
+            }
         }
+        // RDS and EDS responses carry what was asked for; anything else is not ours to hold.
         let wanted = match type_url {
             ROUTE => Some(self.state.wanted_routes()),
             ENDPOINT => Some(self.state.wanted_endpoints()),
@@ -370,11 +444,10 @@ impl Session {
         };
         for resource in decoded {
             if wanted.as_ref().is_none_or(|w| w.contains(resource.name())) {
-                candidate.insert(resource);
+                self.put(&mut changes, resource);
             }
         }
-        prune(&mut candidate);
-        self.try_apply(candidate)
+        self.commit(changes)
     }
 
     // ---- delta -------------------------------------------------------------------------------
@@ -469,8 +542,8 @@ impl Session {
     }
 
     fn delta_response(&mut self, response: &DeltaDiscoveryResponse) -> Result<()> {
-        let type_url = response.type_url.as_str();
-        let mut candidate = self.state.clone();
+        let type_url = static_type(&response.type_url);
+        let mut decoded = Vec::with_capacity(response.resources.len());
         let mut versions = self.versions.get(type_url).cloned().unwrap_or_default();
         for r in &response.resources {
             let Some(any) = &r.resource else {
@@ -479,16 +552,19 @@ impl Session {
                     "has no `resource` body",
                 ));
             };
-            let resource = Resource::decode(any, type_url)?;
+            let resource = Resource::decode(any, &response.type_url)?;
             versions.insert(resource.name().to_string(), r.version.clone());
-            candidate.insert(resource);
+            decoded.push(resource);
+        }
+        let mut changes = Changes::default();
+        for resource in decoded {
+            self.put(&mut changes, resource);
         }
         for name in &response.removed_resources {
-            candidate.remove(type_url, name);
+            self.take(&mut changes, type_url, name);
             versions.remove(name);
         }
-        prune(&mut candidate);
-        self.try_apply(candidate)?;
+        self.commit(changes)?;
         self.versions.insert(type_url.to_string(), versions);
         // Drop versions of resources pruned away (unsubscribed route configs / assignments).
         for t in [ROUTE, ENDPOINT] {
@@ -501,14 +577,53 @@ impl Session {
     }
 }
 
-/// Route configs and assignments nobody references any more are dropped (unsubscribed).
-fn prune(resources: &mut Resources) {
-    let routes = resources.wanted_routes();
-    resources.routes.retain(|name, _| routes.contains(name));
-    let endpoints = resources.wanted_endpoints();
-    resources
-        .endpoints
-        .retain(|name, _| endpoints.contains(name));
+/// What one response changed in the held resources: (type, name, what was there before), in
+/// order, so that a refused response can be undone.
+#[derive(Default)]
+struct Changes(Vec<(&'static str, String, Option<Resource>)>);
+
+/// Reconnect delays: 100 ms doubling up to 5 s, each drawn at random from its upper half so that
+/// many nodes cut off together do not all come back at the same instant; back to the start once
+/// a stream has delivered a response.
+#[derive(Debug)]
+pub(crate) struct Backoff {
+    ceiling: Duration,
+    seed: u64,
+}
+
+impl Backoff {
+    pub(crate) fn new(node_id: &str) -> Backoff {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        node_id.hash(&mut h);
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0)
+            .hash(&mut h);
+        Backoff {
+            ceiling: BACKOFF_FIRST,
+            seed: h.finish() | 1,
+        }
+    }
+
+    pub(crate) fn reset(&mut self) {
+        self.ceiling = BACKOFF_FIRST;
+    }
+
+    /// The next delay: between half the ceiling and the ceiling; the ceiling then doubles.
+    pub(crate) fn next(&mut self) -> Duration {
+        // xorshift64: a few bits of spread, no need for a random number crate.
+        self.seed ^= self.seed << 13;
+        self.seed ^= self.seed >> 7;
+        self.seed ^= self.seed << 17;
+        let ceiling = self.ceiling;
+        let half = ceiling / 2;
+        let spread = half.as_micros() as u64;
+        let wait = half + Duration::from_micros(self.seed % spread.max(1));
+        self.ceiling = (ceiling * 2).min(BACKOFF_MAX);
+        wait
+    }
 }
 
 fn static_type(type_url: &str) -> &'static str {
@@ -531,4 +646,32 @@ fn source_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_five_seconds_with_jitter_and_resets() {
+        let mut b = Backoff::new("node-1");
+        let mut ceiling = BACKOFF_FIRST;
+        for _ in 0..10 {
+            let wait = b.next();
+            assert!(
+                wait >= ceiling / 2 && wait <= ceiling,
+                "{wait:?} not within [{:?}, {ceiling:?}]",
+                ceiling / 2
+            );
+            ceiling = (ceiling * 2).min(BACKOFF_MAX);
+        }
+        assert_eq!(ceiling, BACKOFF_MAX, "the ceiling stops at 5 s");
+        b.reset();
+        assert!(b.next() <= BACKOFF_FIRST, "a reset starts over at 100 ms");
+        // Two nodes cut off together do not retry in lockstep.
+        let (mut x, mut y) = (Backoff::new("node-a"), Backoff::new("node-b"));
+        let xs: Vec<Duration> = (0..6).map(|_| x.next()).collect();
+        let ys: Vec<Duration> = (0..6).map(|_| y.next()).collect();
+        assert_ne!(xs, ys);
+    }
 }

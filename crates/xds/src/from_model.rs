@@ -162,6 +162,10 @@ fn listener(l: &model::Listener) -> Listener {
             config_type: Some(filter::ConfigType::TypedConfig(pack(
                 &HttpConnectionManager {
                     stat_prefix: l.name.clone(),
+                    // flatmesh matches a route's host without the port; so should Envoy.
+                    strip_port_mode: Some(
+                        http_connection_manager::StripPortMode::StripAnyHostPort(true),
+                    ),
                     route_specifier: Some(http_connection_manager::RouteSpecifier::Rds(Rds {
                         config_source: Some(ads()),
                         route_config_name: l.name.clone(),
@@ -386,6 +390,20 @@ fn route(r: &model::Route, config: &model::Config) -> Route {
                         ..Default::default()
                     },
                 )),
+                ..Default::default()
+            });
+        } else if targets
+            .iter()
+            .filter_map(|t| config.cluster(t))
+            .any(|c| matches!(c.lb, model::LbPolicy::RingHash | model::LbPolicy::Maglev))
+        {
+            // Without a header flatmesh hashes the client address; Envoy would pick at random.
+            a.hash_policy.push(route_action::HashPolicy {
+                policy_specifier: Some(
+                    route_action::hash_policy::PolicySpecifier::ConnectionProperties(
+                        route_action::hash_policy::ConnectionProperties { source_ip: true },
+                    ),
+                ),
                 ..Default::default()
             });
         }

@@ -6,6 +6,8 @@
 //! - [`bootstrap`]: an Envoy v3 bootstrap file (`static_resources`) -> the config model.
 //! - [`client`]: the ADS client of `flatmesh node --xds`, state-of-the-world and delta.
 //! - [`server`]: the ADS server of `flatmesh control`.
+//! - [`feed`]: what `flatmesh control` serves: its state file plus the endpoints the control
+//!   center's placement and orchestrator publish (the control crate's `EndpointSink`).
 
 // Envoy configs in the wild still use deprecated fields (header `exact_match`, cluster
 // `http2_protocol_options`, ...); accepting them is part of the job.
@@ -15,6 +17,7 @@ pub mod apply;
 pub mod bootstrap;
 pub mod client;
 pub mod error;
+pub mod feed;
 pub mod from_model;
 pub mod resources;
 pub mod server;
@@ -24,18 +27,17 @@ mod unset;
 pub use error::{Result, XdsError};
 pub use resources::{Resource, Resources};
 
-/// Read the `--config` file that goes with `--xds`: node settings (admin, workers, limits,
-/// access log) and any static listeners and clusters. Unlike a plain `flatmesh node --config`
-/// file it may have no listeners, since xDS brings them.
+/// Read the `--config` file that goes with `--xds` (node settings: admin, workers, limits,
+/// access log; and any static listeners and clusters), or the `--state` file of
+/// `flatmesh control`. Unlike a plain `flatmesh node --config` file it may have no listeners
+/// (xDS brings them) and clusters without endpoints (EDS or the placement brings them).
 pub fn load_base(path: &std::path::Path) -> Result<flatmesh_config::Config> {
+    let allowed = |d: &flatmesh_config::Diagnostic| {
+        d.message.starts_with("config has no listeners") || d.message.ends_with("has no endpoints")
+    };
     match flatmesh_config::load(path) {
         Ok(config) => Ok(config),
-        Err(e)
-            if !e.diagnostics().is_empty()
-                && e.diagnostics()
-                    .iter()
-                    .all(|d| d.message.starts_with("config has no listeners")) =>
-        {
+        Err(e) if !e.diagnostics().is_empty() && e.diagnostics().iter().all(allowed) => {
             let text = std::fs::read_to_string(path).map_err(|source| XdsError::Read {
                 path: path.to_path_buf(),
                 source,

@@ -96,6 +96,15 @@ impl Resource {
         })
     }
 
+    pub fn type_url(&self) -> &'static str {
+        match self {
+            Resource::Listener(_) => LISTENER,
+            Resource::Route(_) => ROUTE,
+            Resource::Cluster(_) => CLUSTER,
+            Resource::Endpoint(_) => ENDPOINT,
+        }
+    }
+
     pub fn to_any(&self) -> Any {
         match self {
             Resource::Listener(r) => pack(r),
@@ -154,6 +163,36 @@ impl Resources {
             Resource::Endpoint(r) => {
                 self.endpoints.insert(r.cluster_name.clone(), r);
             }
+        }
+    }
+
+    /// Insert `resource`, returning the one of the same type and name it replaces.
+    pub fn put(&mut self, resource: Resource) -> Option<Resource> {
+        match resource {
+            Resource::Listener(r) => self
+                .listeners
+                .insert(r.name.clone(), r)
+                .map(Resource::Listener),
+            Resource::Route(r) => self.routes.insert(r.name.clone(), r).map(Resource::Route),
+            Resource::Cluster(r) => self
+                .clusters
+                .insert(r.name.clone(), r)
+                .map(Resource::Cluster),
+            Resource::Endpoint(r) => self
+                .endpoints
+                .insert(r.cluster_name.clone(), r)
+                .map(Resource::Endpoint),
+        }
+    }
+
+    /// Remove and return the resource of `type_url` named `name`.
+    pub fn take(&mut self, type_url: &str, name: &str) -> Option<Resource> {
+        match type_url {
+            LISTENER => self.listeners.remove(name).map(Resource::Listener),
+            ROUTE => self.routes.remove(name).map(Resource::Route),
+            CLUSTER => self.clusters.remove(name).map(Resource::Cluster),
+            ENDPOINT => self.endpoints.remove(name).map(Resource::Endpoint),
+            _ => None,
         }
     }
 

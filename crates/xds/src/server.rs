@@ -41,22 +41,75 @@ pub struct Published {
 
 impl Published {
     fn build(resources: &Resources) -> Published {
+        Published::build_from(resources, None)
+    }
+
+    /// Like [`Published::build`], reusing the encoding and version of every resource that is
+    /// the same as in `previous` (resources, what was published for them): an endpoint move
+    /// re-encodes one assignment, not ten thousand endpoints.
+    fn build_from(resources: &Resources, previous: Option<(&Resources, &Published)>) -> Published {
         let mut out = Published::default();
-        for type_url in ORDER {
-            let mut all = std::collections::hash_map::DefaultHasher::new();
-            let mut named = BTreeMap::new();
-            for r in resources.of_type(type_url) {
-                let any = r.to_any();
-                let version = hash_hex(&any.value);
-                r.name().hash(&mut all);
-                version.hash(&mut all);
-                named.insert(r.name().to_string(), (any, version));
-            }
-            out.versions
-                .insert(type_url, format!("{:016x}", all.finish()));
-            out.by_type.insert(type_url, named);
-        }
+        let (before, published) = match previous {
+            Some((r, p)) => (Some(r), Some(p)),
+            None => (None, None),
+        };
+        out.add(
+            resources::LISTENER,
+            &resources.listeners,
+            before.map(|r| &r.listeners),
+            published,
+        );
+        out.add(
+            resources::ROUTE,
+            &resources.routes,
+            before.map(|r| &r.routes),
+            published,
+        );
+        out.add(
+            resources::CLUSTER,
+            &resources.clusters,
+            before.map(|r| &r.clusters),
+            published,
+        );
+        out.add(
+            resources::ENDPOINT,
+            &resources.endpoints,
+            before.map(|r| &r.endpoints),
+            published,
+        );
         out
+    }
+
+    fn add<M: prost::Message + prost::Name + PartialEq>(
+        &mut self,
+        type_url: &'static str,
+        now: &BTreeMap<String, M>,
+        before: Option<&BTreeMap<String, M>>,
+        published: Option<&Published>,
+    ) {
+        let old = published.and_then(|p| p.resources(type_url));
+        let mut all = std::collections::hash_map::DefaultHasher::new();
+        let mut named = BTreeMap::new();
+        for (name, r) in now {
+            let reused = match (
+                before.and_then(|b| b.get(name)),
+                old.and_then(|o| o.get(name)),
+            ) {
+                (Some(was), Some(sent)) if was == r => Some(sent.clone()),
+                _ => None,
+            };
+            let (any, version) = reused.unwrap_or_else(|| {
+                let any = crate::resources::pack(r);
+                let version = hash_hex(&any.value);
+                (any, version)
+            });
+            name.hash(&mut all);
+            version.hash(&mut all);
+            named.insert(name.clone(), (any, version));
+        }
+        self.versions
+            .insert(type_url, format!("{:016x}", all.finish()));
+        self.by_type.insert(type_url, named);
     }
 
     fn version(&self, type_url: &str) -> String {
@@ -100,8 +153,13 @@ impl Store {
 
     /// Serve exactly `resources` from now on.
     pub fn publish(&self, resources: Resources) {
-        let published = Arc::new(Published::build(&resources));
-        *self.current.lock() = resources;
+        let mut current = self.current.lock();
+        let previous = self.tx.borrow().clone();
+        let published = Arc::new(Published::build_from(
+            &resources,
+            Some((&current, &previous)),
+        ));
+        *current = resources;
         self.tx.send_replace(published);
     }
 
@@ -119,6 +177,11 @@ impl Store {
             crate::from_model::assignment(cluster, endpoints),
         );
         self.publish(resources);
+    }
+
+    /// The published form of the current state (tests and diagnostics).
+    pub fn published(&self) -> Arc<Published> {
+        self.tx.borrow().clone()
     }
 
     pub fn resources(&self) -> Resources {
@@ -166,12 +229,16 @@ pub async fn serve(
         let _ = bound.send(actual);
     }
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    let service = AggregatedDiscoveryServiceServer::new(Ads { store })
-        .max_decoding_message_size(MAX_MESSAGE)
-        .max_encoding_message_size(MAX_MESSAGE);
-    // xDS streams never end by themselves, so a graceful shutdown would wait forever: give
-    // open streams a moment after the signal, then stop (clients reconnect elsewhere).
+    // xDS streams never end by themselves, so on shutdown every stream is ended with
+    // UNAVAILABLE (clients reconnect, here or elsewhere), then the server stops; if a
+    // connection still lingers after a second, it is dropped.
     let (fired_tx, mut fired_rx) = watch::channel(false);
+    let service = AggregatedDiscoveryServiceServer::new(Ads {
+        store,
+        closing: fired_rx.clone(),
+    })
+    .max_decoding_message_size(MAX_MESSAGE)
+    .max_encoding_message_size(MAX_MESSAGE);
     let signal = async move {
         shutdown.await;
         let _ = fired_tx.send(true);
@@ -190,6 +257,17 @@ pub async fn serve(
 
 struct Ads {
     store: Store,
+    /// Becomes true when the server shuts down.
+    closing: watch::Receiver<bool>,
+}
+
+/// Resolves when the server shuts down (at once if it already has).
+async fn closed(mut closing: watch::Receiver<bool>) {
+    let _ = closing.wait_for(|closing| *closing).await;
+}
+
+fn shutting_down() -> tonic::Status {
+    tonic::Status::unavailable("the xDS server is shutting down; reconnect")
 }
 
 type ResponseStream<T> = Pin<Box<dyn Stream<Item = std::result::Result<T, tonic::Status>> + Send>>;
@@ -206,7 +284,12 @@ impl AggregatedDiscoveryService for Ads {
     {
         let requests = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
-        tokio::spawn(sotw_stream(self.store.clone(), requests, tx));
+        tokio::spawn(sotw_stream(
+            self.store.clone(),
+            requests,
+            tx,
+            self.closing.clone(),
+        ));
         Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -217,7 +300,12 @@ impl AggregatedDiscoveryService for Ads {
     {
         let requests = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
-        tokio::spawn(delta_stream(self.store.clone(), requests, tx));
+        tokio::spawn(delta_stream(
+            self.store.clone(),
+            requests,
+            tx,
+            self.closing.clone(),
+        ));
         Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
@@ -225,8 +313,11 @@ impl AggregatedDiscoveryService for Ads {
 /// `None` = wildcard (everything of the type).
 type Names = Option<BTreeSet<String>>;
 
-fn names_of(list: &[String]) -> Names {
-    if list.is_empty() || list.iter().any(|n| n == "*") {
+/// What a SotW request subscribes to. An empty list is the (legacy) wildcard only for LDS and
+/// CDS; for RDS and EDS it means "none of them", as in Envoy. `*` is the wildcard for any type.
+fn names_of(type_url: &str, list: &[String]) -> Names {
+    let wildcard_type = type_url == resources::LISTENER || type_url == resources::CLUSTER;
+    if (list.is_empty() && wildcard_type) || list.iter().any(|n| n == "*") {
         None
     } else {
         Some(list.iter().cloned().collect())
@@ -244,6 +335,7 @@ async fn sotw_stream(
     store: Store,
     mut requests: tonic::Streaming<DiscoveryRequest>,
     tx: mpsc::Sender<std::result::Result<DiscoveryResponse, tonic::Status>>,
+    closing: watch::Receiver<bool>,
 ) {
     let mut watch = store.tx.subscribe();
     let mut types: BTreeMap<String, SotwType> = BTreeMap::new();
@@ -266,6 +358,10 @@ async fn sotw_stream(
             }
         }
         tokio::select! {
+            _ = closed(closing.clone()) => {
+                let _ = tx.send(Err(shutting_down())).await;
+                return;
+            }
             changed = watch.changed() => if changed.is_err() { return },
             request = requests.message() => {
                 let request = match request {
@@ -281,7 +377,7 @@ async fn sotw_stream(
                     continue;
                 }
                 let t = types.entry(type_url.clone()).or_insert(SotwType {
-                    names: names_of(&request.resource_names),
+                    names: names_of(&type_url, &request.resource_names),
                     sent_version: None,
                     nonce: String::new(),
                 });
@@ -291,7 +387,7 @@ async fn sotw_stream(
                 if let Some(error) = &request.error_detail {
                     store.record_nack(&node, &type_url, &error.message);
                 }
-                let names = names_of(&request.resource_names);
+                let names = names_of(&type_url, &request.resource_names);
                 if names != t.names {
                     t.names = names;
                     t.sent_version = None; // a new subscription gets an answer even if nothing changed
@@ -339,6 +435,7 @@ async fn delta_stream(
     store: Store,
     mut requests: tonic::Streaming<DeltaDiscoveryRequest>,
     tx: mpsc::Sender<std::result::Result<DeltaDiscoveryResponse, tonic::Status>>,
+    closing: watch::Receiver<bool>,
 ) {
     let mut watch = store.tx.subscribe();
     let mut types: BTreeMap<String, DeltaType> = BTreeMap::new();
@@ -356,6 +453,10 @@ async fn delta_stream(
             }
         }
         tokio::select! {
+            _ = closed(closing.clone()) => {
+                let _ = tx.send(Err(shutting_down())).await;
+                return;
+            }
             changed = watch.changed() => if changed.is_err() { return },
             request = requests.message() => {
                 let request = match request {

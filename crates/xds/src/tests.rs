@@ -108,10 +108,45 @@ fn unsupported_values_are_named() {
 
     let e = import_error(&example().replace(
         "type: STATIC\n    lb_policy: MAGLEV",
-        "type: STRICT_DNS\n    lb_policy: MAGLEV",
+        "type: ORIGINAL_DST\n    lb_policy: MAGLEV",
     ));
     assert!(
-        e.contains("Cluster \"sticky\": type") && e.contains("DNS"),
+        e.contains("Cluster \"sticky\": type") && e.contains("ORIGINAL_DST is not supported"),
+        "{e}"
+    );
+
+    // A DNS cluster is fine with IP addresses, and names the address it cannot resolve.
+    let dns = example().replace(
+        "type: STATIC\n    lb_policy: MAGLEV",
+        "type: STRICT_DNS\n    dns_lookup_family: V4_ONLY\n    dns_refresh_rate: 5s\n    lb_policy: MAGLEV",
+    );
+    let config = bootstrap::parse(&dns, "envoy.yaml").unwrap();
+    assert_eq!(config.cluster("sticky").unwrap().endpoints.len(), 2);
+    let e = import_error(&dns.replace(
+        "address: 127.0.0.1, port_value: 9102 } } }\n  - name: echo",
+        "address: sticky.local, port_value: 9102 } } }\n  - name: echo",
+    ));
+    assert!(
+        e.contains("Cluster \"sticky\": load_assignment.endpoints[0].lb_endpoints[1].endpoint.address.socket_address.address")
+            && e.contains("not an IP address"),
+        "{e}"
+    );
+    let e = import_error(&example().replace(
+        "type: STATIC\n    lb_policy: MAGLEV",
+        "type: LOGICAL_DNS\n    lb_policy: MAGLEV",
+    ));
+    assert!(
+        e.contains("LOGICAL_DNS cluster has exactly one endpoint"),
+        "{e}"
+    );
+
+    // EDS needs a control plane, which a static import does not have.
+    let e = import_error(&example().replace(
+        "type: STATIC\n    lb_policy: MAGLEV",
+        "type: EDS\n    lb_policy: MAGLEV",
+    ));
+    assert!(
+        e.contains("static_resources.clusters[2] (\"sticky\").type") && e.contains("--xds"),
         "{e}"
     );
 

@@ -8,7 +8,7 @@
 //! non-wildcard host ends in a 404 route so a request never falls through into another host's
 //! routes, exactly as in Envoy.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::mem::take;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -51,40 +51,163 @@ pub const HTTP_OPTIONS_KEY: &str = "envoy.extensions.upstreams.http.v3.HttpProto
 /// Listeners whose RDS route configuration has not arrived yet are left out until it does
 /// (Envoy's listener warming). A cluster that routes name but that does not exist (yet) becomes
 /// a cluster without endpoints, which answers 503 like Envoy's `cluster_not_found_response_code`.
+///
+/// A one-off translation; the xDS client keeps a [`Translator`] so that an update re-translates
+/// only the resources it changed.
 pub fn translate(resources: &Resources, base: &model::Config) -> Result<model::Config> {
-    let mut config = base.clone();
-    let mut hash_headers: BTreeMap<String, String> = BTreeMap::new();
-    for l in resources.listeners.values() {
-        if let Some(listener) = listener(l, &resources.routes, &mut hash_headers)? {
-            if config.listeners.iter().any(|s| s.name == listener.name) {
+    Translator::default().translate(resources, base)
+}
+
+/// Translates [`Resources`] into configs and remembers each resource's translation, keyed by
+/// the resource itself (and the route configuration or assignment it draws on). The next
+/// translation re-does only the listeners and clusters whose inputs changed: an EDS push that
+/// moves one cluster's endpoints re-translates that cluster, not the thousand others. The
+/// assembled config is still validated as a whole, so nothing about the result differs from a
+/// fresh [`translate`].
+#[derive(Debug, Default)]
+pub struct Translator {
+    listeners: HashMap<String, ListenerEntry>,
+    clusters: HashMap<String, ClusterEntry>,
+}
+
+#[derive(Debug)]
+struct ListenerEntry {
+    input: Listener,
+    /// The RDS route configuration it was built from (None: inline routes or not arrived).
+    routes: Option<RouteConfiguration>,
+    /// None while its RDS route configuration has not arrived (warming).
+    output: Option<model::Listener>,
+    hashes: Vec<HashUse>,
+}
+
+#[derive(Debug)]
+struct ClusterEntry {
+    input: Cluster,
+    assignment: Option<ClusterLoadAssignment>,
+    output: model::Cluster,
+}
+
+/// A route's `hash_policy` header for one of its clusters; `at` names the route.
+#[derive(Debug, Clone)]
+struct HashUse {
+    cluster: String,
+    header: String,
+    at: String,
+}
+
+impl Translator {
+    /// Like [`translate`], reusing what earlier calls translated.
+    pub fn translate(
+        &mut self,
+        resources: &Resources,
+        base: &model::Config,
+    ) -> Result<model::Config> {
+        let mut config = base.clone();
+        // Names from the --config file, which pushed resources may not reuse.
+        let static_listeners: BTreeSet<String> =
+            base.listeners.iter().map(|l| l.name.clone()).collect();
+        let static_clusters: BTreeSet<String> =
+            base.clusters.iter().map(|c| c.name.clone()).collect();
+        let mut hash_headers: BTreeMap<String, String> = BTreeMap::new();
+        for l in resources.listeners.values() {
+            let rds = rds_of(l);
+            let routes = rds.as_ref().and_then(|name| resources.routes.get(name));
+            let fresh = self
+                .listeners
+                .get(&l.name)
+                .is_none_or(|e| e.input != *l || e.routes.as_ref() != routes);
+            if fresh {
+                let mut hashes = Vec::new();
+                let output = listener(l, &resources.routes, &mut hashes)?;
+                self.listeners.insert(
+                    l.name.clone(),
+                    ListenerEntry {
+                        input: l.clone(),
+                        routes: routes.cloned(),
+                        output,
+                        hashes,
+                    },
+                );
+            }
+            let Some(entry) = self.listeners.get(&l.name) else {
+                continue;
+            };
+            for h in &entry.hashes {
+                match hash_headers.get(&h.cluster) {
+                    Some(previous) if *previous != h.header => {
+                        return Err(XdsError::resource(
+                            h.at.clone(),
+                            format!("cluster `{}` is hashed on `{previous}` by another route; flatmesh hashes a cluster on one header", h.cluster),
+                        ))
+                    }
+                    Some(_) => {}
+                    None => {
+                        hash_headers.insert(h.cluster.clone(), h.header.clone());
+                    }
+                }
+            }
+            if let Some(listener) = &entry.output {
+                if static_listeners.contains(&listener.name) {
+                    return Err(XdsError::resource(
+                        format!("Listener \"{}\"", l.name),
+                        "name: a listener of this name is already in the --config file; rename one",
+                    ));
+                }
+                config.listeners.push(listener.clone());
+            }
+        }
+        for c in resources.clusters.values() {
+            let assignment = eds_name(c).and_then(|name| resources.endpoints.get(&name));
+            let fresh = self
+                .clusters
+                .get(&c.name)
+                .is_none_or(|e| e.input != *c || e.assignment.as_ref() != assignment);
+            if fresh {
+                let output = cluster(c, &resources.endpoints)?;
+                self.clusters.insert(
+                    c.name.clone(),
+                    ClusterEntry {
+                        input: c.clone(),
+                        assignment: assignment.cloned(),
+                        output,
+                    },
+                );
+            }
+            let Some(entry) = self.clusters.get(&c.name) else {
+                continue;
+            };
+            if static_clusters.contains(&entry.output.name) {
                 return Err(XdsError::resource(
-                    format!("Listener \"{}\"", l.name),
-                    "name: a listener of this name is already in the --config file; rename one",
+                    format!("Cluster \"{}\"", c.name),
+                    "name: a cluster of this name is already in the --config file; rename one",
                 ));
             }
-            config.listeners.push(listener);
+            config.clusters.push(entry.output.clone());
         }
-    }
-    for c in resources.clusters.values() {
-        let cluster = cluster(c, &resources.endpoints)?;
-        if config.clusters.iter().any(|s| s.name == cluster.name) {
-            return Err(XdsError::resource(
-                format!("Cluster \"{}\"", c.name),
-                "name: a cluster of this name is already in the --config file; rename one",
-            ));
-        }
-        config.clusters.push(cluster);
-    }
-    for (cluster_name, header) in hash_headers {
-        if let Some(c) = config.clusters.iter_mut().find(|c| c.name == cluster_name) {
-            if matches!(c.lb, model::LbPolicy::RingHash | model::LbPolicy::Maglev) {
-                c.hash_on = Some(model::HashOn { header });
+        for (cluster_name, header) in hash_headers {
+            if let Some(c) = config.clusters.iter_mut().find(|c| c.name == cluster_name) {
+                if matches!(c.lb, model::LbPolicy::RingHash | model::LbPolicy::Maglev) {
+                    c.hash_on = Some(model::HashOn { header });
+                }
             }
         }
+        add_missing_clusters(&mut config);
+        check(&config)?;
+        // Forget what is no longer held.
+        self.listeners
+            .retain(|name, _| resources.listeners.contains_key(name));
+        self.clusters
+            .retain(|name, _| resources.clusters.contains_key(name));
+        Ok(config)
     }
-    add_missing_clusters(&mut config);
-    check(&config)?;
-    Ok(config)
+}
+
+/// The RDS route configuration name a listener's (single) HTTP connection manager asks for.
+fn rds_of(l: &Listener) -> Option<String> {
+    l.filter_chains
+        .iter()
+        .flat_map(|c| c.filters.iter())
+        .find_map(rds_name)
 }
 
 /// Validate with the same rules as a config file, minus two that xDS legitimately breaks:
@@ -157,7 +280,7 @@ fn add_missing_clusters(config: &mut model::Config) {
 }
 
 /// Fails with the names of every field of `rest` still set: flatmesh does not run them.
-fn reject_rest<T: std::fmt::Debug + Default>(rest: &T, at: &str) -> Result<()> {
+fn reject_rest<T: std::fmt::Debug + Default + PartialEq>(rest: &T, at: &str) -> Result<()> {
     let fields = set_fields(rest);
     if fields.is_empty() {
         return Ok(());
@@ -272,7 +395,7 @@ pub fn eds_name(c: &Cluster) -> Option<String> {
 fn listener(
     l: &Listener,
     routes: &BTreeMap<String, RouteConfiguration>,
-    hash_headers: &mut BTreeMap<String, String>,
+    hash_headers: &mut Vec<HashUse>,
 ) -> Result<Option<model::Listener>> {
     let at = format!("Listener \"{}\"", l.name);
     let mut rest = l.clone();
@@ -377,6 +500,14 @@ fn http_routes(
         ));
     }
     hcm.codec_type = 0; // flatmesh serves HTTP/1.1 and h2c on every HTTP listener
+                        // flatmesh matches hosts without their port, which is what both of these ask for.
+    hcm.strip_matching_host_port = false;
+    if matches!(
+        hcm.strip_port_mode,
+        Some(http_connection_manager::StripPortMode::StripAnyHostPort(_))
+    ) {
+        hcm.strip_port_mode = None;
+    }
     for (i, f) in take(&mut hcm.http_filters).into_iter().enumerate() {
         let here = format!("{at}.http_filters[{i}]");
         let is_router = match &f.config_type {
@@ -446,10 +577,7 @@ fn domain(d: &str, at: &str) -> Result<Domain> {
     }
 }
 
-fn flatten(
-    rc: &RouteConfiguration,
-    hash_headers: &mut BTreeMap<String, String>,
-) -> Result<Vec<model::Route>> {
+fn flatten(rc: &RouteConfiguration, hash_headers: &mut Vec<HashUse>) -> Result<Vec<model::Route>> {
     let at = format!("RouteConfiguration \"{}\"", rc.name);
     let mut rest = rc.clone();
     let vhosts = take(&mut rest.virtual_hosts);
@@ -537,7 +665,7 @@ fn not_found(host: Option<String>) -> model::Route {
 fn route(
     r: &envoy_types::pb::envoy::config::route::v3::Route,
     at: &str,
-    hash_headers: &mut BTreeMap<String, String>,
+    hash_headers: &mut Vec<HashUse>,
 ) -> Result<model::Route> {
     let mut rest = r.clone();
     let name = take(&mut rest.name);
@@ -764,7 +892,7 @@ fn route_action(
     mut a: envoy_types::pb::envoy::config::route::v3::RouteAction,
     out: &mut model::Route,
     at: &str,
-    hash_headers: &mut BTreeMap<String, String>,
+    hash_headers: &mut Vec<HashUse>,
 ) -> Result<()> {
     match a.cluster_specifier.take() {
         Some(route_action::ClusterSpecifier::Cluster(c)) => out.cluster = Some(c),
@@ -819,32 +947,55 @@ fn route_action(
     }
     for (i, h) in take(&mut a.hash_policy).into_iter().enumerate() {
         let here = format!("{at}.hash_policy[{i}]");
-        let header = match h.policy_specifier {
-            Some(route_action::hash_policy::PolicySpecifier::Header(h)) => h.header_name,
+        let mut rest = h.clone();
+        rest.terminal = false; // flatmesh hashes on one thing, so the first policy is the last
+        let header = match rest.policy_specifier.take() {
+            Some(route_action::hash_policy::PolicySpecifier::Header(mut h)) => {
+                let name = take(&mut h.header_name);
+                reject_rest(&h, &format!("{here}.header"))?;
+                name
+            }
+            // flatmesh's own fallback when a cluster has no hash header: the client address.
+            Some(route_action::hash_policy::PolicySpecifier::ConnectionProperties(p))
+                if p.source_ip =>
+            {
+                reject_rest(&rest, &here)?;
+                continue;
+            }
             _ => {
                 return Err(XdsError::resource(
                     here,
-                    "only `header` hash policies are supported",
+                    "only `header` and `connection_properties: { source_ip: true }` hash policies are supported",
                 ))
             }
         };
+        reject_rest(&rest, &here)?;
         let targets: Vec<String> = out
             .cluster
             .iter()
             .cloned()
             .chain(out.split.iter().flatten().map(|w| w.cluster.clone()))
             .collect();
+        let header = header.to_ascii_lowercase();
+        // Within one listener; across listeners, Translator::translate checks the same rule.
+        if let Some(other) = hash_headers
+            .iter()
+            .find(|h| targets.contains(&h.cluster) && h.header != header)
+        {
+            return Err(XdsError::resource(
+                here,
+                format!(
+                    "cluster `{}` is hashed on `{}` by another route; flatmesh hashes a cluster on one header",
+                    other.cluster, other.header
+                ),
+            ));
+        }
         for cluster in targets {
-            if let Some(previous) =
-                hash_headers.insert(cluster.clone(), header.to_ascii_lowercase())
-            {
-                if previous != header.to_ascii_lowercase() {
-                    return Err(XdsError::resource(
-                        here,
-                        format!("cluster `{cluster}` is hashed on `{previous}` by another route; flatmesh hashes a cluster on one header"),
-                    ));
-                }
-            }
+            hash_headers.push(HashUse {
+                cluster,
+                header: header.clone(),
+                at: here.clone(),
+            });
         }
     }
     a.cluster_not_found_response_code = 0; // flatmesh answers 503, Envoy's default
@@ -876,13 +1027,29 @@ fn cluster(
                 None => Vec::new(), // not arrived yet: 503 until it does
             }
         }
+        // Envoy resolves a DNS cluster's addresses; an IP address resolves to itself, and that
+        // is what flatmesh takes (Envoy's own examples write STRICT_DNS with 127.0.0.1).
+        Some(cluster::ClusterDiscoveryType::Type(t @ (1 | 2))) => {
+            rest.dns_refresh_rate = None;
+            rest.dns_failure_refresh_rate = None;
+            rest.respect_dns_ttl = false;
+            let cla = rest.load_assignment.take().unwrap_or_default();
+            let found = endpoints(&cla, &format!("{at}: load_assignment"))?;
+            if t == 2 && found.len() > 1 {
+                return Err(XdsError::resource(
+                    format!("{at}: load_assignment"),
+                    "a LOGICAL_DNS cluster has exactly one endpoint; list several under STATIC or STRICT_DNS",
+                ));
+            }
+            found
+        }
         Some(cluster::ClusterDiscoveryType::Type(t)) => {
             let kind = cluster::DiscoveryType::try_from(t)
                 .map(|t| t.as_str_name())
                 .unwrap_or("unknown");
             return Err(XdsError::resource(
                 format!("{at}: type"),
-                format!("{kind} is not supported; flatmesh resolves no DNS, so use STATIC or EDS with IP endpoints"),
+                format!("{kind} is not supported; use STATIC, EDS, or STRICT_DNS/LOGICAL_DNS with IP addresses"),
             ));
         }
         Some(cluster::ClusterDiscoveryType::ClusterType(t)) => {

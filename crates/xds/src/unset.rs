@@ -8,7 +8,13 @@
 use std::fmt::Debug;
 
 /// The names of the top-level fields of `rest` that are not at their default value.
-pub fn set_fields<T: Debug + Default>(rest: &T) -> Vec<String> {
+///
+/// The common case, nothing left over, is one derived `==` against the default; the `Debug`
+/// text (slow: it formats the whole message) is only made to name what is left.
+pub fn set_fields<T: Debug + Default + PartialEq>(rest: &T) -> Vec<String> {
+    if *rest == T::default() {
+        return Vec::new();
+    }
     let now = top_level_fields(&format!("{rest:#?}"));
     let default = top_level_fields(&format!("{:#?}", T::default()));
     now.into_iter()

@@ -198,3 +198,27 @@ fn envoy_follows_flatmesh_control_sotw() {
 fn envoy_follows_flatmesh_control_delta() {
     scenario(true);
 }
+
+/// The example bootstrap that `flatmesh node --envoy-config` imports is a valid Envoy 1.40
+/// config too, so one file feeds both proxies (Envoy's own `--mode validate` checks it).
+#[test]
+fn the_example_bootstrap_is_valid_for_envoy_too() {
+    let example = repo_root().join("examples/envoy-bootstrap.yaml");
+    let out = Command::new(envoy_bin())
+        .arg("--mode")
+        .arg("validate")
+        .arg("-c")
+        .arg(&example)
+        .args(["--use-dynamic-base-id", "-l", "error"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "Envoy refuses {}:\n{}{}",
+        example.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // And flatmesh imports the same file.
+    flatmesh_xds::bootstrap::load(&example).unwrap();
+}

@@ -101,8 +101,10 @@ pub fn go_test_server() -> PathBuf {
         .get_or_init(|| {
             let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("xds-test-server");
             let source = repo_root().join("tests/interop");
+            // -mod=readonly on the command line beats any GOFLAGS=-mod=mod: go.sum is never
+            // rewritten behind the test's back, and a missing entry is an error.
             let status = std::process::Command::new("go")
-                .args(["build", "-o"])
+                .args(["build", "-mod=readonly", "-o"])
                 .arg(&out)
                 .arg(".")
                 .current_dir(&source)
@@ -110,16 +112,74 @@ pub fn go_test_server() -> PathBuf {
                 .unwrap_or_else(|e| {
                     panic!(
                         "cannot run `go` ({e}): the interop tests need the Go toolchain to build the \
-                         go-control-plane test server in tests/interop; install Go 1.24+ (scripts/setup does)"
+                         go-control-plane test server in tests/interop; install Go 1.26+ (tests/interop/go.mod)"
                     )
                 });
             assert!(
                 status.success(),
-                "`go build` of {} failed (see the output above); it needs network access to the Go \
-                 module proxy the first time, or a filled module cache",
+                "`go build -mod=readonly` of {} failed (see the output above); it needs the Go module \
+                 proxy the first time, or a filled module cache; if go.sum is incomplete, run \
+                 `go mod tidy` in tests/interop and commit go.mod and go.sum",
                 source.display()
             );
             out
         })
         .clone()
+}
+
+/// flatmesh's own xDS server on its own runtime, so that stopping it ends everything it runs.
+pub struct XdsServer {
+    pub addr: SocketAddr,
+    rt: Option<tokio::runtime::Runtime>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<flatmesh_xds::Result<()>>>,
+}
+
+impl XdsServer {
+    /// Serve `store` on `addr` (port 0 picks one).
+    pub fn start(store: &flatmesh_xds::server::Store, addr: SocketAddr) -> XdsServer {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = rt.spawn(flatmesh_xds::server::serve(
+            addr,
+            store.clone(),
+            Some(bound_tx),
+            async {
+                let _ = stop_rx.await;
+            },
+        ));
+        let addr = rt.block_on(bound_rx).unwrap();
+        XdsServer {
+            addr,
+            rt: Some(rt),
+            stop: Some(stop_tx),
+            task: Some(task),
+        }
+    }
+
+    /// Shut down: every stream is ended, the port closes.
+    pub fn stop(mut self) {
+        self.shut();
+    }
+
+    fn shut(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let (Some(rt), Some(task)) = (self.rt.take(), self.task.take()) {
+            let _ = rt.block_on(task);
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for XdsServer {
+    fn drop(&mut self) {
+        self.shut();
+    }
 }

@@ -1,0 +1,368 @@
+//! `flatmesh control` serves xDS from the control center's state: a placement (HCM) of an app on
+//! a cluster of hosts and SmartNICs gives the EDS endpoints, and the orchestrator moves them. A
+//! real `flatmesh node --xds` follows: heartbeats that show the SmartNIC overloaded migrate the
+//! instance to the host (the step program sees the five cold-migration steps), a silent host
+//! fails its server over, and traffic follows each move with no failed request.
+#![allow(clippy::unwrap_used)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flatmesh_control::heartbeat::{Heartbeat, NO_SAMPLE};
+
+const CLUSTER: &str = r#"
+name: lab
+server_types:
+  Small:
+    host:     {core: beefy, cores: 2, memory_mb: 4096, idle_watts: 83, peak_watts: 201, cost_usd: 4500, bandwidth_gbps: 0}
+    smartnic: {core: wimpy, cores: 1, memory_mb: 1024, idle_watts: 15, peak_watts: 21, cost_usd: 150, bandwidth_gbps: 10}
+    smartnic_count: 1
+racks:
+  - name: r0
+    servers: [{type: Small, count: 2}]
+"#;
+
+const APP: &str = r#"
+name: shop
+rps: 1000
+replicas: 0
+stages: [{name: kvs, microservice: KVS, shards: 1}]
+"#;
+
+/// Topology order: per server its host, then its SmartNIC. The index is the heartbeat's node.
+const NODES: [(&str, [u8; 4]); 4] = [
+    ("r0-s0/host", [127, 0, 0, 1]),
+    ("r0-s0/nic0", [127, 0, 0, 2]),
+    ("r0-s1/host", [127, 0, 0, 3]),
+    ("r0-s1/nic0", [127, 0, 0, 4]),
+];
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn flatmesh(args: &[&str], log: &Path) -> Proc {
+    let log = std::fs::File::create(log).unwrap();
+    Proc(
+        Command::new(env!("CARGO_BIN_EXE_flatmesh"))
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// An HTTP/1.1 backend on `addr` answering every request with `name`.
+fn backend(addr: SocketAddr, name: &'static str) {
+    let listener = TcpListener::bind(addr).unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            std::thread::spawn(move || {
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        buf.drain(..end + 4);
+                        let reply = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{name}",
+                            name.len()
+                        );
+                        if conn.write_all(reply.as_bytes()).is_err() {
+                            return;
+                        }
+                    }
+                    match conn.read(&mut chunk) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// `200 BODY` from GET / on `addr`, or None if the connection failed.
+fn get(addr: SocketAddr) -> Option<String> {
+    let mut conn = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    conn.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    conn.write_all(b"GET /kvs/x HTTP/1.1\r\nhost: shop.local\r\nconnection: close\r\n\r\n")
+        .ok()?;
+    let mut text = String::new();
+    conn.read_to_string(&mut text).ok()?;
+    let status = text.split(' ').nth(1)?;
+    let body = text.split_once("\r\n\r\n")?.1;
+    Some(format!("{status} {body}"))
+}
+
+fn wait_for(what: &str, logs: &[&Path], mut check: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(30) {
+        if check() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let logs: Vec<String> = logs
+        .iter()
+        .map(|p| {
+            format!(
+                "--- {}\n{}",
+                p.display(),
+                std::fs::read_to_string(p).unwrap_or_default()
+            )
+        })
+        .collect();
+    panic!(
+        "timed out after 30 s waiting for: {what}\n{}",
+        logs.join("\n")
+    );
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn beat(socket: &UdpSocket, to: SocketAddr, node: u32, exec_us: u16) {
+    let hb = Heartbeat {
+        node,
+        queue_len: 0,
+        bw_util_pct: 10,
+        slot_base: 0,
+        exec_us: [exec_us, NO_SAMPLE, NO_SAMPLE, NO_SAMPLE],
+    };
+    socket.send_to(&hb.encode(), to).unwrap();
+}
+
+fn workdir() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("xds-control");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn control_serves_placed_endpoints_and_the_orchestrator_moves_them() {
+    let dir = workdir();
+    let service_port = free_port();
+    for (node, ip) in NODES {
+        backend((ip, service_port).into(), node);
+    }
+    let web: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let xds: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let heartbeats: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let file = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let cluster = file("cluster.yaml", CLUSTER);
+    let app = file("app.yaml", APP);
+    let nodes: Vec<String> = NODES
+        .iter()
+        .map(|(n, ip)| format!("{n}: {}.{}.{}.{}", ip[0], ip[1], ip[2], ip[3]))
+        .collect();
+    let addresses = file(
+        "addresses.yaml",
+        &format!(
+            "nodes: {{ {} }}\nservices: {{ shop/kvs: {service_port} }}\n",
+            nodes.join(", ")
+        ),
+    );
+    let state = file(
+        "state.yaml",
+        &format!(
+            "listeners:\n  - name: web\n    address: {web}\n    protocol: http\n    routes: [ {{ match: {{ path: {{ prefix: /kvs/ }} }}, cluster: shop/kvs }} ]\nclusters:\n  - {{ name: shop/kvs, lb: least_request, endpoints: [] }}\n"
+        ),
+    );
+    let steps = dir.join("steps.log");
+    let step_command = file(
+        "step.sh",
+        &format!("#!/bin/sh\necho \"$@\" >> {}\n", steps.display()),
+    );
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&step_command, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let base = file("base.yaml", "admin: 127.0.0.1:0\nworkers: 1\n");
+
+    let control_log = dir.join("control.log");
+    let node_log = dir.join("node.log");
+    let logs = [control_log.as_path(), node_log.as_path()];
+    let _control = flatmesh(
+        &[
+            "control",
+            "--listen",
+            &xds.to_string(),
+            "--state",
+            &state,
+            "--cluster",
+            &cluster,
+            "--app",
+            &app,
+            "--addresses",
+            &addresses,
+            "--heartbeats",
+            &heartbeats.to_string(),
+            "--step-command",
+            &step_command,
+        ],
+        &control_log,
+    );
+    let _node = flatmesh(
+        &[
+            "node",
+            "--xds",
+            &xds.to_string(),
+            "--node-id",
+            "node-1",
+            "--config",
+            &base,
+        ],
+        &node_log,
+    );
+
+    // 1. HCM puts the KVS on a SmartNIC (the offload rule allows it, SmartNICs come first).
+    wait_for(
+        "the node routes /kvs/ to the placed instance",
+        &logs,
+        || get(web).is_some_and(|b| b.starts_with("200 r0-s")),
+    );
+    let first = get(web).unwrap();
+    assert_eq!(
+        first, "200 r0-s0/nic0",
+        "HCM placed the KVS on the first SmartNIC"
+    );
+
+    // Traffic runs through every move below; not one request may fail.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let load = {
+        let (stop, ok, failed) = (stop.clone(), ok.clone(), failed.clone());
+        std::thread::spawn(move || {
+            let mut bad = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                match get(web) {
+                    Some(b) if b.starts_with("200 ") => ok.fetch_add(1, Ordering::Relaxed),
+                    other => {
+                        bad.push(other);
+                        failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            bad
+        })
+    };
+
+    // 2. The SmartNIC reports a slot 2x slower than its average: overload. The orchestrator
+    //    migrates the KVS to its server's host in five steps and pushes the new endpoint.
+    let udp = UdpSocket::bind("127.0.0.1:0").unwrap();
+    for _ in 0..6 {
+        beat(&udp, heartbeats, 1, 100);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    beat(&udp, heartbeats, 1, 200);
+    wait_for("traffic follows the migration to r0-s0/host", &logs, || {
+        get(web).as_deref() == Some("200 r0-s0/host")
+    });
+    let log = std::fs::read_to_string(&steps).unwrap();
+    let expected: Vec<String> = [
+        "push-binary",
+        "remove",
+        "cleanup",
+        "migrate-state",
+        "restart",
+    ]
+    .iter()
+    .map(|s| format!("{s} shop/kvs-0 r0-s0/nic0 r0-s0/host"))
+    .collect();
+    assert_eq!(
+        log.lines().take(5).collect::<Vec<_>>(),
+        expected,
+        "the cold-migration steps, in order"
+    );
+
+    // 3. The host goes silent after one heartbeat: its whole server (host and SmartNIC, one
+    //    fault domain) fails over to the other server, and the endpoint follows again.
+    beat(&udp, heartbeats, 0, NO_SAMPLE);
+    wait_for(
+        "traffic follows the failover to server r0-s1",
+        &logs,
+        || get(web).is_some_and(|b| b.starts_with("200 r0-s1/")),
+    );
+    let log = std::fs::read_to_string(&steps).unwrap();
+    assert!(
+        log.lines()
+            .any(|l| l.starts_with("restart shop/kvs-0 r0-s0/host r0-s1/")),
+        "the failover restarts the KVS on the other server:\n{log}"
+    );
+
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    let bad = load.join().unwrap();
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    assert!(ok > 20, "the load ran: {ok} requests");
+    assert_eq!(
+        failed, 0,
+        "no request failed across the moves ({ok} ok): {bad:?}"
+    );
+}
+
+#[test]
+fn control_refuses_incomplete_addresses_and_names_what_is_missing() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("xds-control-bad");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("cluster.yaml"), CLUSTER).unwrap();
+    std::fs::write(dir.join("app.yaml"), APP).unwrap();
+    std::fs::write(
+        dir.join("addresses.yaml"),
+        "nodes: { r0-s0/host: 127.0.0.1, r0-s0/nic0: 127.0.0.2, r0-s1/host: 127.0.0.3 }\nservices: { shop/kvs: 9100 }\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_flatmesh"))
+        .current_dir(&dir)
+        .args([
+            "control",
+            "--listen",
+            "127.0.0.1:0",
+            "--cluster",
+            "cluster.yaml",
+            "--app",
+            "app.yaml",
+            "--addresses",
+            "addresses.yaml",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("addresses.yaml: node `r0-s1/nic0` has no address"),
+        "{stderr}"
+    );
+
+    // --cluster without --addresses is a usage error that says what is missing.
+    let out = Command::new(env!("CARGO_BIN_EXE_flatmesh"))
+        .current_dir(&dir)
+        .args(["control", "--cluster", "cluster.yaml", "--app", "app.yaml"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("--addresses"), "{stderr}");
+}
