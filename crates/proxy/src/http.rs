@@ -13,24 +13,65 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use flatmesh_config::RetryOn;
-use flatmesh_rules::{ClusterId, CompiledRoute, RouteAction};
+use flatmesh_rules::{ClusterId, CompiledRoute, ListenerId, RouteAction};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body::{Body as _, Frame, SizeHint};
-use http_body_util::{BodyExt, Either, Empty, Full};
+use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::Incoming;
 
 use crate::access_log::AccessRecord;
+use crate::h1::client::{H1Body, SendError};
 use crate::lb::{hash64, hash_client};
-use crate::upstream::UpstreamBody;
+use crate::snapshot::Snapshot;
+use crate::upstream::{BoxError, Pool, UpstreamBody};
 use crate::worker::ConnContext;
 
-/// Body of a response sent downstream: the upstream's body streamed through, or our own.
-pub type ResponseBody = Either<Incoming, Full<Bytes>>;
+/// Body of a response sent downstream: an upstream's body streamed through, or our own.
+pub enum ResponseBody {
+    /// From an HTTP/2 endpoint (hyper's client).
+    Http2(Incoming),
+    /// From an HTTP/1.1 endpoint (`crate::h1::client`).
+    Http1(H1Body),
+    /// Made by the proxy.
+    Local(Full<Bytes>),
+}
+
+impl http_body::Body for ResponseBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            ResponseBody::Http2(b) => Pin::new(b).poll_frame(cx).map_err(BoxError::from),
+            ResponseBody::Http1(b) => Pin::new(b).poll_frame(cx),
+            ResponseBody::Local(b) => Pin::new(b).poll_frame(cx).map_err(|never| match never {}),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ResponseBody::Http2(b) => b.is_end_stream(),
+            ResponseBody::Http1(b) => b.is_end_stream(),
+            ResponseBody::Local(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ResponseBody::Http2(b) => b.size_hint(),
+            ResponseBody::Http1(b) => b.size_hint(),
+            ResponseBody::Local(b) => b.size_hint(),
+        }
+    }
+}
 
 /// Where a failure came from (Pingora's idea): it decides the status and whether to retry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Failure {
+pub(crate) enum Failure {
     /// The client sent a malformed body (e.g. a bad chunk size): 400, close.
     Downstream,
     /// No connection to the endpoint could be made: 503, retryable.
@@ -39,6 +80,8 @@ enum Failure {
     Reset,
     /// The route's timeout passed: 504.
     Timeout,
+    /// The endpoint answered with something that is not valid HTTP: 502.
+    Invalid,
 }
 
 /// hop-by-hop headers (RFC 9110 §7.6.1) are never forwarded.
@@ -81,8 +124,12 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-fn text_response(status: StatusCode, body: String, close: bool) -> Response<ResponseBody> {
-    let mut resp = Response::new(Either::Right(Full::new(Bytes::from(body))));
+pub(crate) fn text_response(
+    status: StatusCode,
+    body: String,
+    close: bool,
+) -> Response<ResponseBody> {
+    let mut resp = Response::new(ResponseBody::Local(Full::new(Bytes::from(body))));
     *resp.status_mut() = status;
     let h = resp.headers_mut();
     h.insert(
@@ -107,7 +154,7 @@ fn grpc_status(status: StatusCode) -> u8 {
     }
 }
 
-fn is_grpc(headers: &HeaderMap) -> bool {
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
@@ -115,7 +162,7 @@ fn is_grpc(headers: &HeaderMap) -> bool {
 
 /// A reply made by the proxy itself. gRPC clients get a trailers-only response carrying
 /// `grpc-status` / `grpc-message` (as Envoy does), everyone else plain text.
-fn local_reply(
+pub(crate) fn local_reply(
     status: StatusCode,
     message: String,
     close: bool,
@@ -124,7 +171,7 @@ fn local_reply(
     if !grpc {
         return text_response(status, message, close);
     }
-    let mut resp = Response::new(Either::Right(Full::new(Bytes::new())));
+    let mut resp = Response::new(ResponseBody::Local(Full::new(Bytes::new())));
     let h = resp.headers_mut();
     h.insert(
         header::CONTENT_TYPE,
@@ -152,39 +199,6 @@ fn local_reply(
     resp
 }
 
-/// Request smuggling shapes (RFC 9112 §6.3): refuse rather than guess which framing wins.
-fn framing_error(headers: &HeaderMap, version: Version) -> Option<&'static str> {
-    if version != Version::HTTP_11 && version != Version::HTTP_10 {
-        return None;
-    }
-    let te = headers.contains_key(header::TRANSFER_ENCODING);
-    let mut lengths = headers.get_all(header::CONTENT_LENGTH).iter();
-    if te && headers.contains_key(header::CONTENT_LENGTH) {
-        return Some("request has both Content-Length and Transfer-Encoding; send exactly one");
-    }
-    // RFC 9112 §3.2: an HTTP/1.1 request without Host must be answered with 400.
-    if version == Version::HTTP_11 && !headers.contains_key(header::HOST) {
-        return Some("HTTP/1.1 request has no Host header");
-    }
-    if let Some(first) = lengths.next() {
-        let first_values: Vec<&[u8]> = first
-            .as_bytes()
-            .split(|b| *b == b',')
-            .map(|v| v.trim_ascii())
-            .collect();
-        let all_same = first_values.windows(2).all(|w| w[0] == w[1])
-            && lengths.all(|v| {
-                v.as_bytes()
-                    .split(|b| *b == b',')
-                    .all(|x| x.trim_ascii() == first_values[0])
-            });
-        if !all_same {
-            return Some("request has conflicting Content-Length values");
-        }
-    }
-    None
-}
-
 /// Wraps the client's body so that a framing error inside it (a bad chunk size, say) is
 /// recognised as the client's fault, not the upstream's.
 struct DownstreamBody {
@@ -194,17 +208,17 @@ struct DownstreamBody {
 
 impl http_body::Body for DownstreamBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         if let Poll::Ready(Some(Err(_))) = &polled {
             self.failed.store(true, Ordering::Relaxed);
         }
-        polled
+        polled.map_err(BoxError::from)
     }
 
     fn is_end_stream(&self) -> bool {
@@ -223,7 +237,82 @@ fn authority<'a>(uri: &'a Uri, headers: &'a HeaderMap) -> Option<&'a str> {
         .or_else(|| headers.get(header::HOST).and_then(|h| h.to_str().ok()))
 }
 
-/// Serve one request on a connection of an http listener.
+/// What the rule program decided for one request.
+pub(crate) enum Decision<'v> {
+    /// The proxy answers itself: a direct response, or 404 when no route matched.
+    Reply(Option<&'v CompiledRoute>, Response<ResponseBody>),
+    /// Forward to this cluster (a split has already picked it).
+    Forward(&'v CompiledRoute, ClusterId),
+}
+
+/// Runs the listener's match-action table on a request: the part of the L7 path both HTTP
+/// codecs share.
+pub(crate) fn decide<'v>(
+    snap: &'v Snapshot,
+    listener: ListenerId,
+    meta: &flatmesh_rules::Request<'_>,
+    grpc: bool,
+    target: impl FnOnce() -> String,
+) -> Decision<'v> {
+    let Some(route) = snap.program.route(listener, meta) else {
+        let plan = &snap.listeners[listener];
+        return Decision::Reply(
+            None,
+            local_reply(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "no route matched: listener `{}` has no route for {} {}{}\n",
+                    plan.name,
+                    meta.method,
+                    meta.host.unwrap_or("-"),
+                    target()
+                ),
+                false,
+                grpc,
+            ),
+        );
+    };
+    match &route.action {
+        RouteAction::DirectResponse { status, body } => {
+            let mut resp = Response::new(ResponseBody::Local(Full::new(body.clone())));
+            *resp.status_mut() = *status;
+            add_headers(resp.headers_mut(), &route.response_headers_to_add);
+            Decision::Reply(Some(route), resp)
+        }
+        RouteAction::Forward(c) => Decision::Forward(route, *c),
+        RouteAction::Split(split) => Decision::Forward(route, split.pick(rand::random::<u32>())),
+    }
+}
+
+/// Counts a finished request: by route and cluster, or as unrouted.
+pub(crate) fn record(
+    ctx: &ConnContext,
+    snap: &Snapshot,
+    listener: ListenerId,
+    route: Option<&CompiledRoute>,
+    cluster: Option<ClusterId>,
+    status: u16,
+    elapsed: Duration,
+) {
+    let stats = match route {
+        Some(r) => snap.request_stats(listener, r.id, cluster),
+        None => snap.listeners.get(listener).map(|l| &l.no_route_stats),
+    };
+    if let Some(s) = stats {
+        s.record(ctx.worker, status, elapsed);
+    }
+}
+
+/// The answer on a listener a reload has removed while the connection stayed open.
+pub(crate) fn listener_removed() -> Response<ResponseBody> {
+    text_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "this listener was removed by a config reload; reconnect\n".into(),
+        true,
+    )
+}
+
+/// Serve one request of an HTTP/2 connection (hyper's server).
 pub async fn serve(
     ctx: Arc<ConnContext>,
     req: Request<Incoming>,
@@ -232,11 +321,7 @@ pub async fn serve(
     let view = ctx.view.load_full();
     let snap = &view.snapshot;
     let Some(lid) = snap.listener_at(ctx.listener_address, ctx.protocol) else {
-        return Ok(text_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "this listener was removed by a config reload; reconnect\n".into(),
-            true,
-        ));
+        return Ok(listener_removed());
     };
     let listener = &snap.listeners[lid];
     let method = req.method().clone();
@@ -246,13 +331,24 @@ pub async fn serve(
 
     // The access log line is built only when logging is on: nothing is allocated otherwise.
     let finish = |route: Option<&CompiledRoute>,
-                  cluster: &str,
+                  cluster: Option<ClusterId>,
                   upstream: Option<SocketAddr>,
                   resp: &Response<ResponseBody>| {
+        record(
+            &ctx,
+            snap,
+            lid,
+            route,
+            cluster,
+            resp.status().as_u16(),
+            started.elapsed(),
+        );
         ctx.access_log.write(|| AccessRecord {
             listener: listener.name.clone(),
             route: route.map(|r| r.name.clone()).unwrap_or_default(),
-            cluster: cluster.to_owned(),
+            cluster: cluster
+                .map(|c| snap.clusters[c].name.clone())
+                .unwrap_or_default(),
             method: method.to_string(),
             path: path_and_query(),
             status: resp.status().as_u16(),
@@ -262,76 +358,37 @@ pub async fn serve(
         });
     };
 
-    let conflict = ctx
-        .signals
-        .framing_conflict
-        .load(Ordering::Relaxed)
-        .then_some("request has both Content-Length and Transfer-Encoding; send exactly one");
-    if let Some(problem) = conflict.or_else(|| framing_error(req.headers(), req.version())) {
-        listener
-            .no_route_stats
-            .record(ctx.worker, 400, started.elapsed());
-        let resp = text_response(
-            StatusCode::BAD_REQUEST,
-            format!("bad request: {problem}\n"),
-            true,
-        );
-        finish(None, "", None, &resp);
-        return Ok(resp);
-    }
-
-    let decided = {
-        let (path, query) = (req.uri().path(), req.uri().query());
-        let host = authority(req.uri(), req.headers());
+    let grpc = is_grpc(req.headers());
+    let decision = {
         let meta = flatmesh_rules::Request {
             method: &method,
-            host,
-            path,
-            query,
-            headers: req.headers(),
+            host: authority(req.uri(), req.headers()),
+            path: req.uri().path(),
+            query: req.uri().query(),
+            headers: req.headers().into(),
         };
-        snap.program.route(lid, &meta)
+        decide(snap, lid, &meta, grpc, path_and_query)
     };
-    let Some(route) = decided else {
-        listener
-            .no_route_stats
-            .record(ctx.worker, 404, started.elapsed());
-        let host = authority(req.uri(), req.headers()).unwrap_or("-");
-        let resp = local_reply(
-            StatusCode::NOT_FOUND,
-            format!(
-                "no route matched: listener `{}` has no route for {method} {host}{}\n",
-                listener.name,
-                path_and_query()
-            ),
-            false,
-            is_grpc(req.headers()),
-        );
-        finish(None, "", None, &resp);
-        return Ok(resp);
-    };
-
-    let cluster = match &route.action {
-        RouteAction::DirectResponse { status, body } => {
-            let mut resp = Response::new(Either::Right(Full::new(body.clone())));
-            *resp.status_mut() = *status;
-            add_headers(resp.headers_mut(), &route.response_headers_to_add);
-            if let Some(s) = snap.request_stats(lid, route.id, None) {
-                s.record(ctx.worker, status.as_u16(), started.elapsed());
-            }
-            finish(Some(route), "", None, &resp);
-            return Ok(resp);
+    match decision {
+        Decision::Reply(route, resp) => {
+            finish(route, None, None, &resp);
+            Ok(resp)
         }
-        RouteAction::Forward(c) => *c,
-        RouteAction::Split(split) => split.pick(rand::random::<u32>()),
-    };
-
-    let (resp, upstream) = forward(&ctx, &view, route, cluster, req).await;
-    if let Some(s) = snap.request_stats(lid, route.id, Some(cluster)) {
-        s.record(ctx.worker, resp.status().as_u16(), started.elapsed());
+        Decision::Forward(route, cluster) => {
+            let (parts, body) = req.into_parts();
+            let failed = Arc::new(AtomicBool::new(false));
+            let replayable = body.is_end_stream();
+            let body = DownstreamBody {
+                inner: body,
+                failed: failed.clone(),
+            }
+            .boxed_unsync();
+            let (resp, upstream) =
+                forward(&ctx, &view, route, cluster, parts, body, replayable, failed).await;
+            finish(Some(route), Some(cluster), upstream, &resp);
+            Ok(resp)
+        }
     }
-    finish(Some(route), &snap.clusters[cluster].name, upstream, &resp);
-    Ok(resp)
 }
 
 fn add_headers(headers: &mut HeaderMap, add: &[(HeaderName, HeaderValue)]) {
@@ -341,14 +398,18 @@ fn add_headers(headers: &mut HeaderMap, add: &[(HeaderName, HeaderValue)]) {
 }
 
 /// The hash key for ring_hash / maglev: the configured header, else the client address.
-fn hash_key(headers: &HeaderMap, hash_header: Option<&HeaderName>, peer: SocketAddr) -> u64 {
-    match hash_header.and_then(|h| headers.get(h)) {
-        Some(v) => hash64(v.as_bytes()),
+pub(crate) fn hash_key(
+    headers: flatmesh_rules::Headers<'_>,
+    hash_header: Option<&HeaderName>,
+    peer: SocketAddr,
+) -> u64 {
+    match hash_header.and_then(|h| headers.first(h)) {
+        Some(v) => hash64(v),
         None => hash_client(peer.ip()),
     }
 }
 
-fn should_retry(failure: Failure, on: &[RetryOn]) -> bool {
+pub(crate) fn should_retry(failure: Failure, on: &[RetryOn]) -> bool {
     on.iter().any(|r| {
         matches!(
             (r, failure),
@@ -359,7 +420,7 @@ fn should_retry(failure: Failure, on: &[RetryOn]) -> bool {
     })
 }
 
-fn should_retry_status(status: StatusCode, on: &[RetryOn]) -> bool {
+pub(crate) fn should_retry_status(status: StatusCode, on: &[RetryOn]) -> bool {
     on.iter().any(|r| match r {
         RetryOn::Status5xx => status.is_server_error(),
         RetryOn::GatewayError => matches!(status.as_u16(), 502..=504),
@@ -367,22 +428,28 @@ fn should_retry_status(status: StatusCode, on: &[RetryOn]) -> bool {
     })
 }
 
-/// Send the request to `cluster`, with the route's timeout and retry policy.
-async fn forward(
+/// Send a request to `cluster` through hyper's client (HTTP/2 clusters, and HTTP/2 clients),
+/// with the route's timeout and retry policy. `replayable` says the body is empty, so the
+/// request may be sent again; `downstream_failed` is raised by the body when the client's
+/// framing broke, which makes the answer a 400 rather than an upstream error.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn forward(
     ctx: &ConnContext,
     view: &crate::worker::WorkerView,
     route: &CompiledRoute,
     cluster: ClusterId,
-    req: Request<Incoming>,
+    mut parts: http::request::Parts,
+    body: UpstreamBody,
+    replayable: bool,
+    downstream_failed: Arc<AtomicBool>,
 ) -> (Response<ResponseBody>, Option<SocketAddr>) {
     let snap = &view.snapshot;
     let plan = &snap.clusters[cluster];
     let upstream = &view.upstreams.by_cluster[cluster];
-    let mut picked = None;
+    let mut picked;
     let timeout = route.timeout.unwrap_or(snap.config.limits.request_timeout);
-    let (mut parts, body) = req.into_parts();
     let grpc = is_grpc(&parts.headers);
-    let key = hash_key(&parts.headers, plan.hash_header.as_ref(), ctx.peer);
+    let key = hash_key((&parts.headers).into(), plan.hash_header.as_ref(), ctx.peer);
 
     // Deparser work that is the same for every attempt.
     // An HTTP/1 upstream needs Host: from :authority for an h2 client (it wins over any
@@ -406,121 +473,111 @@ async fn forward(
     }
     add_headers(&mut parts.headers, &route.request_headers_to_add);
     append_forwarded_for(&mut parts.headers, &ctx.peer_ip);
-    let version = match plan.protocol {
-        flatmesh_config::UpstreamProtocol::Http1 => Version::HTTP_11,
-        flatmesh_config::UpstreamProtocol::Http2 => Version::HTTP_2,
-    };
-    let path_and_query = parts.uri.path_and_query().cloned();
-
     // A body can be sent only once; requests without one may be retried.
-    let replayable = body.is_end_stream();
     let attempts = if replayable {
-        1 + route.retries.as_ref().map_or(0, |r| r.attempts)
+        1 + route.retries.as_ref().map_or(0, |r| r.attempts as usize)
     } else {
         1
     };
     let retry_on: &[RetryOn] = route.retries.as_ref().map_or(&[], |r| &r.on);
-    let downstream_failed = Arc::new(AtomicBool::new(false));
+    let limits = &snap.config.limits;
     let mut body = Some(body);
     let deadline = tokio::time::Instant::now() + timeout;
-    let mut last_error = String::new();
-    let mut last_failure = Failure::Connect;
-
-    for attempt in 0..attempts as usize {
-        if attempt > 0 {
-            plan.stats.retries.add(ctx.worker, 1);
-        }
+    let mut last_error;
+    let mut last_failure;
+    let mut attempt = 0;
+    let mut stale_retried = false;
+    loop {
         let Some((index, _in_flight)) = upstream.balancer.pick(key, attempt) else {
-            let msg = format!(
-                "no healthy upstream: cluster `{}` has no endpoints\n",
-                plan.name
-            );
-            return (
-                text_response(StatusCode::SERVICE_UNAVAILABLE, msg, false),
-                None,
-            );
+            return (no_endpoints(&plan.name, grpc), None);
         };
         let endpoint = plan.endpoints[index];
         picked = Some(endpoint);
-        let uri = Uri::builder()
-            .scheme(http::uri::Scheme::HTTP)
-            .authority(plan.authorities[index].clone())
-            .path_and_query(
-                path_and_query
-                    .clone()
-                    .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
-            )
-            .build();
-        let Ok(uri) = uri else {
-            return (
-                text_response(
-                    StatusCode::BAD_REQUEST,
-                    "bad request: unusable request target\n".into(),
-                    true,
-                ),
-                picked,
-            );
-        };
         let upstream_body: UpstreamBody = match body.take() {
-            Some(b) if !replayable => DownstreamBody {
-                inner: b,
-                failed: downstream_failed.clone(),
-            }
-            .boxed_unsync(),
+            Some(b) if !replayable => b,
             _ => Empty::<Bytes>::new()
                 .map_err(|never| match never {})
                 .boxed_unsync(),
         };
-        let mut builder = Request::builder()
-            .method(parts.method.clone())
-            .uri(uri)
-            .version(version);
-        if let Some(h) = builder.headers_mut() {
-            *h = if attempt + 1 < attempts as usize {
-                parts.headers.clone()
-            } else {
-                std::mem::take(&mut parts.headers)
-            };
-        }
-        let Ok(up_req) = builder.body(upstream_body) else {
-            return (
-                text_response(
-                    StatusCode::BAD_REQUEST,
-                    "bad request: unusable request head\n".into(),
-                    true,
-                ),
-                picked,
-            );
+        let last = attempt + 1 >= attempts;
+        let outcome = match &upstream.pool {
+            Pool::Http1(pool) => {
+                let sent = crate::h1::client::send(
+                    pool,
+                    plan,
+                    ctx.worker,
+                    endpoint,
+                    &parts,
+                    upstream_body,
+                    limits.max_header_bytes,
+                    limits.idle_timeout,
+                );
+                match tokio::time::timeout_at(deadline, sent).await {
+                    Ok(Ok(resp)) => Ok(resp.map(ResponseBody::Http1)),
+                    Ok(Err(SendError::Upstream { error, stale: true }))
+                        if replayable && !stale_retried =>
+                    {
+                        // The endpoint closed an idle keep-alive connection as we used it:
+                        // not a failure of the endpoint, so try again on a fresh one.
+                        tracing::debug!(%endpoint, %error, "pooled connection was closed; retrying on a new one");
+                        stale_retried = true;
+                        continue;
+                    }
+                    Ok(Err(err)) => Err(match err {
+                        SendError::Connect(e) => (Failure::Connect, e.to_string()),
+                        SendError::Upstream { error, .. } => (Failure::Reset, error.to_string()),
+                        SendError::Invalid(why) => (Failure::Invalid, why),
+                        SendError::Downstream(e) => (Failure::Downstream, e.to_string()),
+                    }),
+                    Err(_) => Err((Failure::Timeout, String::new())),
+                }
+            }
+            Pool::Http2(client) => {
+                let headers = if last {
+                    std::mem::take(&mut parts.headers)
+                } else {
+                    parts.headers.clone()
+                };
+                let up_req = match http2_request(&parts, headers, plan, index, upstream_body) {
+                    Ok(req) => req,
+                    Err(resp) => return (resp, picked),
+                };
+                match tokio::time::timeout_at(deadline, client.request(up_req)).await {
+                    Ok(Ok(resp)) => Ok(resp.map(ResponseBody::Http2)),
+                    Ok(Err(err)) => Err((
+                        if downstream_failed.load(Ordering::Relaxed) {
+                            Failure::Downstream
+                        } else if err.is_connect() {
+                            Failure::Connect
+                        } else {
+                            Failure::Reset
+                        },
+                        error_chain(&err),
+                    )),
+                    Err(_) => Err((Failure::Timeout, String::new())),
+                }
+            }
         };
-
-        let outcome = tokio::time::timeout_at(deadline, upstream.client.request(up_req)).await;
         let failure = match outcome {
-            Ok(Ok(resp)) => {
-                if attempt + 1 < attempts as usize && should_retry_status(resp.status(), retry_on) {
-                    last_error = format!("endpoint {endpoint} answered {}", resp.status());
+            Ok(resp) => {
+                if !last && should_retry_status(resp.status(), retry_on) {
+                    attempt += 1;
+                    plan.stats.retries.add(ctx.worker, 1);
                     continue;
                 }
                 return (downstream_response(resp, route), picked);
             }
-            Ok(Err(err)) => {
-                last_error = format!("endpoint {endpoint}: {}", error_chain(&err));
-                if downstream_failed.load(Ordering::Relaxed) {
-                    Failure::Downstream
-                } else if err.is_connect() {
-                    Failure::Connect
-                } else {
-                    Failure::Reset
-                }
+            Err((failure, detail)) => {
+                last_error = format!("endpoint {endpoint}: {detail}");
+                failure
             }
-            Err(_) => Failure::Timeout,
         };
         last_failure = failure;
-        if failure == Failure::Timeout
-            || failure == Failure::Downstream
-            || !should_retry(failure, retry_on)
-        {
+        if last || !should_retry(failure, retry_on) {
             break;
         }
+        attempt += 1;
+        plan.stats.retries.add(ctx.worker, 1);
     }
     (
         failure_response(last_failure, &plan.name, &last_error, timeout, grpc),
@@ -528,7 +585,56 @@ async fn forward(
     )
 }
 
-fn failure_response(
+/// The request as hyper's HTTP/2 client sends it to endpoint `index` of the cluster. A
+/// target or head that cannot be built is the client's fault: the error is the 400 to
+/// answer with.
+fn http2_request(
+    parts: &http::request::Parts,
+    headers: HeaderMap,
+    plan: &crate::snapshot::ClusterPlan,
+    index: usize,
+    body: UpstreamBody,
+) -> Result<Request<UpstreamBody>, Response<ResponseBody>> {
+    let bad = |what: &str| {
+        text_response(
+            StatusCode::BAD_REQUEST,
+            format!("bad request: unusable request {what}\n"),
+            true,
+        )
+    };
+    let uri = Uri::builder()
+        .scheme(http::uri::Scheme::HTTP)
+        .authority(plan.authorities[index].clone())
+        .path_and_query(
+            parts
+                .uri
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
+        )
+        .build()
+        .map_err(|_| bad("target"))?;
+    let mut builder = Request::builder()
+        .method(parts.method.clone())
+        .uri(uri)
+        .version(Version::HTTP_2);
+    if let Some(h) = builder.headers_mut() {
+        *h = headers;
+    }
+    builder.body(body).map_err(|_| bad("head"))
+}
+
+/// The answer when a cluster has no endpoint to send to.
+pub(crate) fn no_endpoints(cluster: &str, grpc: bool) -> Response<ResponseBody> {
+    local_reply(
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("no healthy upstream: cluster `{cluster}` has no endpoints\n"),
+        false,
+        grpc,
+    )
+}
+
+pub(crate) fn failure_response(
     failure: Failure,
     cluster: &str,
     detail: &str,
@@ -540,6 +646,12 @@ fn failure_response(
             StatusCode::BAD_REQUEST,
             "bad request: the request body is malformed (bad chunked encoding)\n".into(),
             true,
+        ),
+        Failure::Invalid => local_reply(
+            StatusCode::BAD_GATEWAY,
+            format!("upstream sent an invalid response: cluster `{cluster}`, {detail}\n"),
+            false,
+            grpc,
         ),
         Failure::Connect => local_reply(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -565,7 +677,7 @@ fn failure_response(
     }
 }
 
-fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+pub(crate) fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
     let mut text = err.to_string();
     let mut source = err.source();
     while let Some(s) = source {
@@ -595,11 +707,14 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer_ip: &HeaderValue) {
     }
 }
 
-fn downstream_response(resp: Response<Incoming>, route: &CompiledRoute) -> Response<ResponseBody> {
+fn downstream_response(
+    resp: Response<ResponseBody>,
+    route: &CompiledRoute,
+) -> Response<ResponseBody> {
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     add_headers(&mut parts.headers, &route.response_headers_to_add);
-    Response::from_parts(parts, Either::Left(body))
+    Response::from_parts(parts, body)
 }
 
 #[cfg(test)]
@@ -615,31 +730,6 @@ mod tests {
             );
         }
         h
-    }
-
-    #[test]
-    fn smuggling_shapes_are_refused() {
-        let both = headers(&[("content-length", "5"), ("transfer-encoding", "chunked")]);
-        assert!(framing_error(&both, Version::HTTP_11).is_some());
-        let conflict = headers(&[("content-length", "5"), ("content-length", "6")]);
-        assert!(framing_error(&conflict, Version::HTTP_11).is_some());
-        let list = headers(&[("content-length", "5, 6")]);
-        assert!(framing_error(&list, Version::HTTP_11).is_some());
-        let same = headers(&[
-            ("host", "a"),
-            ("content-length", "5"),
-            ("content-length", "5"),
-        ]);
-        assert!(framing_error(&same, Version::HTTP_11).is_none());
-        assert!(framing_error(
-            &headers(&[("host", "a"), ("content-length", "5")]),
-            Version::HTTP_11
-        )
-        .is_none());
-        assert!(
-            framing_error(&headers(&[("content-length", "5")]), Version::HTTP_11).is_some(),
-            "no Host"
-        );
     }
 
     #[test]

@@ -10,6 +10,7 @@ pub mod access_log;
 mod admin;
 pub mod downstream;
 pub mod error;
+pub mod h1;
 pub mod http;
 pub mod kernel;
 pub mod lb;

@@ -20,12 +20,15 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
 
+use crate::h1::pool::H1Pool;
 use crate::lb::Balancer;
 use crate::metrics::ClusterStats;
 use crate::snapshot::{ClusterPlan, Snapshot};
 
+/// Why a request body stopped early: the client's framing, or the client went away.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Body of a request sent upstream: the client's body streamed through, or empty.
-pub type UpstreamBody = UnsyncBoxBody<Bytes, hyper::Error>;
+pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;
 pub type HttpClient = Client<CountingConnector, UpstreamBody>;
 
 /// An HttpConnector that counts upstream connections and connect failures per cluster.
@@ -69,6 +72,7 @@ pub struct PoolKey {
     connect_timeout: Duration,
 }
 
+/// hyper's client for an HTTP/2 cluster.
 fn build_client(plan: &ClusterPlan, worker: usize) -> HttpClient {
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
@@ -80,39 +84,40 @@ fn build_client(plan: &ClusterPlan, worker: usize) -> HttpClient {
         worker,
     };
     let mut builder = Client::builder(TokioExecutor::new());
+    // One connection carries every stream of this worker, so its windows are large.
+    // A fixed connection window also sizes h2's small-DATA-frame flood budget (half the
+    // window); with the adaptive window it stays near 25 KiB, and gRPC streams of small
+    // messages from many clients exhaust it: h2 then sends GOAWAY(ENHANCE_YOUR_CALM)
+    // upstream and every stream on it is reset.
     builder
         .timer(TokioTimer::new())
         .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_secs(90));
-    match plan.protocol {
-        UpstreamProtocol::Http1 => {
-            builder.pool_max_idle_per_host(1024);
-        }
-        UpstreamProtocol::Http2 => {
-            // One connection carries every stream of this worker, so its windows are large.
-            // A fixed connection window also sizes h2's small-DATA-frame flood budget
-            // (half the window); with the adaptive window it stays near 25 KiB, and gRPC
-            // streams of small messages from many clients exhaust it: h2 then sends
-            // GOAWAY(ENHANCE_YOUR_CALM) upstream and every stream on it is reset.
-            builder
-                .http2_only(true)
-                .http2_initial_connection_window_size(8 << 20)
-                .http2_initial_stream_window_size(1 << 20);
-        }
-    }
+        .pool_idle_timeout(Duration::from_secs(90))
+        .http2_only(true)
+        .http2_initial_connection_window_size(8 << 20)
+        .http2_initial_stream_window_size(1 << 20);
     builder.build(connector)
 }
 
 /// One cluster as seen by one worker.
 pub struct Upstream {
     pub balancer: Balancer,
-    pub client: HttpClient,
+    pub pool: Pool,
+}
+
+/// The connections of one cluster, kept across reloads that leave its settings alone.
+#[derive(Clone)]
+pub enum Pool {
+    /// Keep-alive HTTP/1.1 connections per endpoint (`crate::h1`), for every client.
+    Http1(Arc<H1Pool>),
+    /// hyper's client: one multiplexed HTTP/2 connection per endpoint.
+    Http2(HttpClient),
 }
 
 /// A worker's upstream state for one snapshot.
 pub struct Upstreams {
     pub by_cluster: Vec<Upstream>,
-    pub pools: HashMap<PoolKey, HttpClient>,
+    pub pools: HashMap<PoolKey, Pool>,
 }
 
 impl Upstreams {
@@ -129,10 +134,13 @@ impl Upstreams {
                     protocol: plan.protocol,
                     connect_timeout: plan.connect_timeout,
                 };
-                let client = previous
+                let pool = previous
                     .and_then(|p| p.pools.get(&key).cloned())
-                    .unwrap_or_else(|| build_client(plan, worker));
-                pools.insert(key, client.clone());
+                    .unwrap_or_else(|| match plan.protocol {
+                        UpstreamProtocol::Http1 => Pool::Http1(H1Pool::new()),
+                        UpstreamProtocol::Http2 => Pool::Http2(build_client(plan, worker)),
+                    });
+                pools.insert(key, pool.clone());
                 Upstream {
                     balancer: Balancer::new(
                         plan.policy,
@@ -140,7 +148,7 @@ impl Upstreams {
                         &plan.table,
                         worker,
                     ),
-                    client,
+                    pool,
                 }
             })
             .collect();

@@ -125,7 +125,7 @@ fn bench(c: &mut Criterion<ThreadCpu>) {
                 host: Some("api.local"),
                 path,
                 query: None,
-                headers: &headers,
+                headers: (&headers).into(),
             };
             let got = program.route(web, &req).map(|r| r.id);
             assert_eq!(got, *want, "bench case {label} routed wrong");
@@ -140,7 +140,7 @@ fn bench(c: &mut Criterion<ThreadCpu>) {
             host: Some("api.local"),
             path: &path,
             query: None,
-            headers: &headers,
+            headers: (&headers).into(),
         };
         c.bench_function(&format!("route_linear/{n}/last_prefix"), |b| {
             b.iter(|| black_box(program.route_linear(web, black_box(&req)).map(|r| r.id)))

@@ -27,7 +27,7 @@ pub use program::{
     compile, ClusterInfo, CompiledRoute, HttpTable, ListenerTable, RouteAction, RuleProgram,
     TableKind, TcpRule,
 };
-pub use request::{strip_port, Request};
+pub use request::{strip_port, Headers, Request, Values};
 pub use split::WeightedSplit;
 pub use tier::{Placement, Tier, TierSet};
 

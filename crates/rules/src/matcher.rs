@@ -11,12 +11,11 @@
 
 use std::borrow::Cow;
 
-use http::header::GetAll;
-use http::{HeaderName, HeaderValue, Method};
+use http::{HeaderName, Method};
 use regex_automata::meta;
 use regex_syntax::hir::{Hir, Look};
 
-use crate::request::{strip_port, Request};
+use crate::request::{strip_port, Headers, Request};
 
 /// A regex that must match a whole value. Keeps its source text for explain and JSON.
 #[derive(Debug, Clone)]
@@ -183,26 +182,26 @@ pub struct HeaderCond {
 }
 
 impl HeaderCond {
-    pub fn matches(&self, headers: &http::HeaderMap) -> bool {
-        let all = headers.get_all(&self.name);
-        let mut iter = all.iter();
+    pub fn matches(&self, headers: Headers<'_>) -> bool {
+        let all = || headers.values(&self.name);
+        let mut iter = all();
         let first = iter.next();
         let second = iter.next();
         match (first, second) {
             (None, _) => self.value.matches_value(None),
-            (Some(one), None) => self.value.matches_value(Some(one.as_bytes())),
+            (Some(one), None) => self.value.matches_value(Some(one)),
             // Several values: compare against their `,`-join without building it when we can.
             (Some(_), Some(_)) => match &self.value {
                 ValueMatch::Present(want) => *want,
-                ValueMatch::Exact(want) => joined_cmp(all, want.as_bytes(), false),
-                ValueMatch::Prefix(want) => joined_cmp(all, want.as_bytes(), true),
+                ValueMatch::Exact(want) => joined_cmp(all(), want.as_bytes(), false),
+                ValueMatch::Prefix(want) => joined_cmp(all(), want.as_bytes(), true),
                 ValueMatch::Regex(r) => {
                     let mut joined = Vec::new();
-                    for (i, v) in all.iter().enumerate() {
+                    for (i, v) in all().enumerate() {
                         if i > 0 {
                             joined.push(b',');
                         }
-                        joined.extend_from_slice(v.as_bytes());
+                        joined.extend_from_slice(v);
                     }
                     r.full_match(&joined)
                 }
@@ -216,11 +215,11 @@ impl HeaderCond {
 }
 
 /// Is `want` equal to (or, with `prefix`, a prefix of) the `,`-join of `values`? No allocation.
-fn joined_cmp(values: GetAll<'_, HeaderValue>, want: &[u8], prefix: bool) -> bool {
+fn joined_cmp<'v>(values: impl Iterator<Item = &'v [u8]>, want: &[u8], prefix: bool) -> bool {
     let mut rest = want;
-    for (i, v) in values.iter().enumerate() {
+    for (i, v) in values.enumerate() {
         let sep: &[u8] = if i > 0 { b"," } else { b"" };
-        for part in [sep, v.as_bytes()] {
+        for part in [sep, v] {
             if prefix && rest.len() <= part.len() {
                 return part.starts_with(rest);
             }
@@ -310,7 +309,7 @@ impl RuleMatch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::HeaderMap;
+    use http::{HeaderMap, HeaderValue};
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut map = HeaderMap::new();
@@ -390,25 +389,32 @@ mod tests {
             ("x-multi", "a"),
             ("x-multi", "b"),
         ]);
-        assert!(cond("x-canary", ValueMatch::Exact("1".into())).matches(&map));
-        assert!(!cond("x-canary", ValueMatch::Exact("2".into())).matches(&map));
-        assert!(cond("X-TAG", ValueMatch::Prefix("ab".into())).matches(&map));
-        assert!(!cond("x-tag", ValueMatch::Prefix("b".into())).matches(&map));
-        assert!(cond("x-tag", ValueMatch::Present(true)).matches(&map));
-        assert!(!cond("x-tag", ValueMatch::Present(false)).matches(&map));
-        assert!(cond("x-none", ValueMatch::Present(false)).matches(&map));
-        assert!(!cond("x-none", ValueMatch::Present(true)).matches(&map));
-        assert!(!cond("x-none", ValueMatch::Exact(String::new())).matches(&map));
-        assert!(!cond("x-none", ValueMatch::Prefix(String::new())).matches(&map));
-        assert!(cond("x-tag", ValueMatch::Regex(Pattern::new("a.c").unwrap())).matches(&map));
-        assert!(!cond("x-tag", ValueMatch::Regex(Pattern::new("a").unwrap())).matches(&map));
+        assert!(cond("x-canary", ValueMatch::Exact("1".into())).matches(Headers::Map(&map)));
+        assert!(!cond("x-canary", ValueMatch::Exact("2".into())).matches(Headers::Map(&map)));
+        assert!(cond("X-TAG", ValueMatch::Prefix("ab".into())).matches(Headers::Map(&map)));
+        assert!(!cond("x-tag", ValueMatch::Prefix("b".into())).matches(Headers::Map(&map)));
+        assert!(cond("x-tag", ValueMatch::Present(true)).matches(Headers::Map(&map)));
+        assert!(!cond("x-tag", ValueMatch::Present(false)).matches(Headers::Map(&map)));
+        assert!(cond("x-none", ValueMatch::Present(false)).matches(Headers::Map(&map)));
+        assert!(!cond("x-none", ValueMatch::Present(true)).matches(Headers::Map(&map)));
+        assert!(!cond("x-none", ValueMatch::Exact(String::new())).matches(Headers::Map(&map)));
+        assert!(!cond("x-none", ValueMatch::Prefix(String::new())).matches(Headers::Map(&map)));
+        assert!(
+            cond("x-tag", ValueMatch::Regex(Pattern::new("a.c").unwrap()))
+                .matches(Headers::Map(&map))
+        );
+        assert!(
+            !cond("x-tag", ValueMatch::Regex(Pattern::new("a").unwrap()))
+                .matches(Headers::Map(&map))
+        );
     }
 
     #[test]
     fn multiple_header_values_are_joined_with_comma() {
         let map = headers(&[("x-m", "ab"), ("x-m", "cd"), ("x-m", "")]);
-        let exact = |v: &str| cond("x-m", ValueMatch::Exact(v.into())).matches(&map);
-        let prefix = |v: &str| cond("x-m", ValueMatch::Prefix(v.into())).matches(&map);
+        let exact = |v: &str| cond("x-m", ValueMatch::Exact(v.into())).matches(Headers::Map(&map));
+        let prefix =
+            |v: &str| cond("x-m", ValueMatch::Prefix(v.into())).matches(Headers::Map(&map));
         assert!(exact("ab,cd,"));
         assert!(!exact("ab,cd"));
         assert!(!exact("ab"));
@@ -419,8 +425,46 @@ mod tests {
         for p in ["b", "ab,d", "ab,cd,x", "abc"] {
             assert!(!prefix(p), "{p}");
         }
-        assert!(cond("x-m", ValueMatch::Regex(Pattern::new("ab,cd,").unwrap())).matches(&map));
-        assert!(cond("x-m", ValueMatch::Present(true)).matches(&map));
+        assert!(
+            cond("x-m", ValueMatch::Regex(Pattern::new("ab,cd,").unwrap()))
+                .matches(Headers::Map(&map))
+        );
+        assert!(cond("x-m", ValueMatch::Present(true)).matches(Headers::Map(&map)));
+    }
+
+    #[test]
+    fn raw_header_lines_match_like_the_map() {
+        let pairs = [
+            ("X-M", "ab"),
+            ("x-other", "1"),
+            ("x-m", "cd"),
+            ("X-Tag", "abc"),
+        ];
+        let map = headers(&pairs);
+        let raw: Vec<httparse::Header<'_>> = pairs
+            .iter()
+            .map(|(name, value)| httparse::Header {
+                name,
+                value: value.as_bytes(),
+            })
+            .collect();
+        let conds = [
+            cond("x-m", ValueMatch::Exact("ab,cd".into())),
+            cond("x-m", ValueMatch::Prefix("ab,c".into())),
+            cond("x-tag", ValueMatch::Exact("abc".into())),
+            cond("x-tag", ValueMatch::Regex(Pattern::new("a.c").unwrap())),
+            cond("x-none", ValueMatch::Present(false)),
+            cond("x-other", ValueMatch::Present(true)),
+            cond("x-other", ValueMatch::Exact("2".into())),
+        ];
+        for c in &conds {
+            assert_eq!(
+                c.matches(Headers::Raw(&raw)),
+                c.matches(Headers::Map(&map)),
+                "{}",
+                c.describe()
+            );
+        }
     }
 
     #[test]

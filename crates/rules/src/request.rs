@@ -10,7 +10,62 @@ pub struct Request<'a> {
     pub path: &'a str,
     /// Raw query without `?`, percent-encoded as received.
     pub query: Option<&'a str>,
-    pub headers: &'a http::HeaderMap,
+    pub headers: Headers<'a>,
+}
+
+/// The request's headers as the matcher reads them: hyper's map (HTTP/2), or the raw header
+/// lines of the proxy's own HTTP/1 parser, which builds no map on its hot path.
+#[derive(Debug, Clone, Copy)]
+pub enum Headers<'a> {
+    Map(&'a http::HeaderMap),
+    Raw(&'a [httparse::Header<'a>]),
+}
+
+impl<'a> From<&'a http::HeaderMap> for Headers<'a> {
+    fn from(map: &'a http::HeaderMap) -> Self {
+        Headers::Map(map)
+    }
+}
+
+impl<'a> Headers<'a> {
+    /// Every value of `name`, in order. Names compare case-insensitively.
+    pub fn values<'n>(&self, name: &'n http::HeaderName) -> Values<'a, 'n> {
+        match *self {
+            Headers::Map(map) => Values::Map(map.get_all(name).into_iter()),
+            Headers::Raw(raw) => Values::Raw {
+                name: name.as_str(),
+                rest: raw.iter(),
+            },
+        }
+    }
+
+    /// The first value of `name`.
+    pub fn first<'n>(&self, name: &'n http::HeaderName) -> Option<&'a [u8]> {
+        self.values(name).next()
+    }
+}
+
+/// The values of one header name; see [`Headers::values`].
+pub enum Values<'a, 'n> {
+    Map(http::header::ValueIter<'a, http::HeaderValue>),
+    Raw {
+        /// Lower case, as `HeaderName` keeps it.
+        name: &'n str,
+        rest: std::slice::Iter<'a, httparse::Header<'a>>,
+    },
+}
+
+impl<'a> Iterator for Values<'a, '_> {
+    type Item = &'a [u8];
+
+    fn next(&mut self) -> Option<&'a [u8]> {
+        match self {
+            Values::Map(values) => values.next().map(http::HeaderValue::as_bytes),
+            Values::Raw { name, rest } => rest
+                .find(|h| h.name.eq_ignore_ascii_case(name))
+                .map(|h| h.value),
+        }
+    }
 }
 
 /// The host without its port: `a.b:80` -> `a.b`, `[::1]:80` -> `[::1]`.

@@ -94,7 +94,7 @@ impl Req {
             host: self.host.as_deref(),
             path: &self.path,
             query: self.query.as_deref(),
-            headers: &self.headers,
+            headers: (&self.headers).into(),
         }
     }
 }

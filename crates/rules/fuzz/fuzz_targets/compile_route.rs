@@ -145,7 +145,7 @@ fuzz_target!(|case: Case| {
             host: r.host.as_deref(),
             path: &r.path,
             query: r.query.as_deref(),
-            headers: &headers,
+            headers: (&headers).into(),
         };
         let fast = program.route(0, &req).map(|c| c.id);
         let linear = program.route_linear(0, &req).map(|c| c.id);

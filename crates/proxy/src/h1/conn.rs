@@ -1,0 +1,1066 @@
+//! One client connection speaking HTTP/1.x: read a request head, decide, forward, relay the
+//! answer, and again for the next request (keep-alive and pipelining).
+//!
+//! This is the proxy's hot path, FlatProxy's PPM chain for HTTP/1: the parser is httparse
+//! over the connection's read buffer; the match is the rule program run on borrowed header
+//! lines (no header map is built); the deparser writes the upstream head straight from the
+//! parsed lines with the route's edits. Bodies are streamed in their own framing. Requests
+//! for an HTTP/2 cluster cross over to hyper's client (`http::forward`).
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use flatmesh_config::{Limits, RetryOn};
+use flatmesh_rules::{ClusterId, CompiledRoute, ListenerId};
+use http::{HeaderName, HeaderValue, Method, Response, StatusCode};
+use http_body::Body as _;
+use http_body_util::BodyExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+use super::body::{self, ChannelSink, DiscardSink, Encode, RelayError, WriteSink};
+use super::head::{self, Framing, Refusal, MAX_HEADERS};
+use super::pool::{self, H1Pool, HeadState, UpstreamConn};
+use crate::access_log::AccessRecord;
+use crate::http::{self as l7, Decision, Failure, ResponseBody};
+use crate::upstream::{BoxError, Pool, UpstreamBody};
+use crate::worker::{ConnContext, WorkerView};
+
+/// Read buffer of a client connection; grows up to `limits.max_header_bytes` for a head.
+const READ_BUFFER: usize = 16 * 1024;
+/// A request body the proxy answered without forwarding is read and dropped up to this
+/// size, so the connection can carry the next request; beyond it the connection is closed.
+const MAX_DRAIN: u64 = 1 << 20;
+
+const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+/// The client side of the connection: its socket and the bytes read from it not yet used.
+struct Client<S> {
+    io: S,
+    buf: BytesMut,
+}
+
+/// Everything about one request that outlives its parsed head.
+struct Exchange<'v> {
+    view: &'v WorkerView,
+    listener: ListenerId,
+    started: Instant,
+    framing: Framing,
+    http10: bool,
+    keep_alive: bool,
+    is_head: bool,
+    expect_continue: bool,
+    /// A protocol upgrade was asked for (and is forwarded: HTTP/1.1 clusters only).
+    upgrade: bool,
+    /// Method and target for the access log; only taken when logging is on.
+    logged: Option<(String, String)>,
+}
+
+enum Action<'v> {
+    /// Refuse the request and close: the connection's framing can no longer be trusted.
+    Refuse(Refusal),
+    /// The proxy answers itself (direct response, no route, removed listener).
+    Reply(Option<&'v CompiledRoute>, Response<ResponseBody>),
+    /// Forward to an HTTP/1.1 cluster over its pool; `head` is the upstream request head.
+    Forward {
+        route: &'v CompiledRoute,
+        cluster: ClusterId,
+        pool: &'v H1Pool,
+        head: Vec<u8>,
+        key: u64,
+    },
+    /// Forward to an HTTP/2 cluster through hyper's client.
+    Bridge {
+        route: &'v CompiledRoute,
+        cluster: ClusterId,
+        parts: http::request::Parts,
+    },
+}
+
+/// How one request ended, for the stats and the access log.
+struct Done {
+    status: u16,
+    cluster: Option<ClusterId>,
+    upstream: Option<SocketAddr>,
+    /// The connection cannot carry another request.
+    close: bool,
+}
+
+/// Serves HTTP/1.x on `io`, starting with the bytes already read into `buf`.
+pub async fn serve<S>(ctx: Arc<ConnContext>, io: S, buf: BytesMut)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let mut client = Client { io, buf };
+    client.buf.reserve(READ_BUFFER);
+    loop {
+        // The snapshot is read once the next request has begun to arrive, so a request
+        // that comes after a reload, on a connection older than it, meets the new config.
+        if client.buf.is_empty() {
+            let idle = ctx.view.load().snapshot.config.limits.idle_timeout;
+            client.buf.reserve(READ_BUFFER);
+            let read = tokio::io::AsyncReadExt::read_buf(&mut client.io, &mut client.buf);
+            match tokio::time::timeout(idle, read).await {
+                Ok(Ok(1..)) => {}
+                _ => return,
+            }
+        }
+        let view = ctx.view.load_full();
+        let limits = &view.snapshot.config.limits;
+        let Some((exchange, action)) = next_request(&ctx, &view, &mut client, limits).await else {
+            return;
+        };
+        let done = match action {
+            Action::Refuse(refusal) => {
+                let resp = l7::text_response(
+                    StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::BAD_REQUEST),
+                    format!("bad request: {}\n", refusal.reason),
+                    true,
+                );
+                let _ = respond(&mut client.io, resp, false, exchange.http10, true).await;
+                finish(&ctx, &exchange, None, refusal.status, None, None);
+                close_gracefully(&mut client.io).await;
+                return;
+            }
+            Action::Reply(route, resp) => {
+                let status = resp.status().as_u16();
+                // An unread body must go before the next request can be read.
+                let drained = drain(&mut client, &exchange, limits).await;
+                let close = !drained || !exchange.keep_alive;
+                let ok = respond(
+                    &mut client.io,
+                    resp,
+                    exchange.is_head,
+                    exchange.http10,
+                    close,
+                )
+                .await;
+                finish(&ctx, &exchange, route, status, None, None);
+                Done {
+                    status,
+                    cluster: None,
+                    upstream: None,
+                    close: close || !ok,
+                }
+            }
+            Action::Forward {
+                route,
+                cluster,
+                pool,
+                head,
+                key,
+            } => {
+                let target = Target {
+                    route,
+                    cluster,
+                    pool,
+                };
+                let done = forward(&ctx, &mut client, &exchange, target, head, key, limits).await;
+                finish(
+                    &ctx,
+                    &exchange,
+                    Some(route),
+                    done.status,
+                    done.cluster,
+                    done.upstream,
+                );
+                done
+            }
+            Action::Bridge {
+                route,
+                cluster,
+                parts,
+            } => {
+                let done =
+                    bridge(&ctx, &mut client, &exchange, route, cluster, parts, limits).await;
+                finish(
+                    &ctx,
+                    &exchange,
+                    Some(route),
+                    done.status,
+                    done.cluster,
+                    done.upstream,
+                );
+                done
+            }
+        };
+        if done.close || !exchange.keep_alive {
+            close_gracefully(&mut client.io).await;
+            return;
+        }
+    }
+}
+
+/// Closes a connection the proxy is done with without losing its last answer: close()
+/// with unread bytes in the socket makes the kernel send a reset, which can destroy a
+/// response the client has not read yet. So: FIN first, then read and drop what the client
+/// still sends until it closes too (bounded in time and bytes), as nginx and HAProxy do.
+async fn close_gracefully<S: AsyncRead + AsyncWrite + Unpin + Send>(io: &mut S) {
+    if io.shutdown().await.is_err() {
+        return;
+    }
+    let mut scratch = [0u8; 4096];
+    let mut left = 256 * 1024usize;
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        while let Ok(n @ 1..) = tokio::io::AsyncReadExt::read(io, &mut scratch).await {
+            left = left.saturating_sub(n);
+            if left == 0 {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
+fn finish(
+    ctx: &ConnContext,
+    exchange: &Exchange<'_>,
+    route: Option<&CompiledRoute>,
+    status: u16,
+    cluster: Option<ClusterId>,
+    upstream: Option<SocketAddr>,
+) {
+    let snap = &exchange.view.snapshot;
+    let elapsed = exchange.started.elapsed();
+    l7::record(
+        ctx,
+        snap,
+        exchange.listener,
+        route,
+        cluster,
+        status,
+        elapsed,
+    );
+    if let Some((method, path)) = &exchange.logged {
+        ctx.access_log.write(|| AccessRecord {
+            listener: snap
+                .listeners
+                .get(exchange.listener)
+                .map(|l| l.name.clone())
+                .unwrap_or_default(),
+            route: route.map(|r| r.name.clone()).unwrap_or_default(),
+            cluster: cluster
+                .map(|c| snap.clusters[c].name.clone())
+                .unwrap_or_default(),
+            method: method.clone(),
+            path: path.clone(),
+            status,
+            duration: elapsed,
+            upstream,
+            peer: ctx.peer,
+        });
+    }
+}
+
+/// Reads the rest of the request head that has begun to arrive and decides what to do with
+/// it. `None` when the connection is over: the client closed it, or sent a head that is too
+/// large, malformed or too slow (answered here with 431, 400 or 408).
+async fn next_request<'v, S>(
+    ctx: &ConnContext,
+    view: &'v WorkerView,
+    client: &mut Client<S>,
+    limits: &Limits,
+) -> Option<(Exchange<'v>, Action<'v>)>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let listener = view
+        .snapshot
+        .listener_at(ctx.listener_address, ctx.protocol);
+    let mut head_deadline = None;
+    loop {
+        if !client.buf.is_empty() {
+            match prepare(ctx, view, listener, &client.buf) {
+                Ok(Some((head_len, exchange, action))) => {
+                    client.buf.advance(head_len);
+                    return Some((exchange, action));
+                }
+                Ok(None) if client.buf.len() < limits.max_header_bytes => {}
+                Ok(None) | Err(httparse::Error::TooManyHeaders) => {
+                    let resp = l7::text_response(
+                        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                        format!(
+                            "request header fields too large: the head must fit in {} bytes and {MAX_HEADERS} lines\n",
+                            limits.max_header_bytes
+                        ),
+                        true,
+                    );
+                    let _ = respond(&mut client.io, resp, false, false, true).await;
+                    close_gracefully(&mut client.io).await;
+                    return None;
+                }
+                Err(err) => {
+                    let resp = l7::text_response(
+                        StatusCode::BAD_REQUEST,
+                        format!("bad request: malformed request head ({err})\n"),
+                        true,
+                    );
+                    let _ = respond(&mut client.io, resp, false, false, true).await;
+                    if let Some(l) = listener {
+                        view.snapshot.listeners[l].no_route_stats.record(
+                            ctx.worker,
+                            400,
+                            Duration::ZERO,
+                        );
+                    }
+                    close_gracefully(&mut client.io).await;
+                    return None;
+                }
+            }
+        }
+        // The whole head must arrive within header_read_timeout.
+        let wait = *head_deadline
+            .get_or_insert_with(|| tokio::time::Instant::now() + limits.header_read_timeout);
+        client.buf.reserve(READ_BUFFER.min(limits.max_header_bytes));
+        match tokio::time::timeout_at(
+            wait,
+            tokio::io::AsyncReadExt::read_buf(&mut client.io, &mut client.buf),
+        )
+        .await
+        {
+            Ok(Ok(0)) | Ok(Err(_)) => return None,
+            Ok(Ok(_)) => {}
+            Err(_) => {
+                let resp = l7::text_response(
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!(
+                        "request timeout: the request head did not arrive within {}\n",
+                        flatmesh_config::duration::format(&limits.header_read_timeout)
+                    ),
+                    true,
+                );
+                let _ = respond(&mut client.io, resp, false, false, true).await;
+                return None;
+            }
+        }
+    }
+}
+
+/// What `prepare` found: the head's length, the request, and what to do with it.
+type Prepared<'v> = (usize, Exchange<'v>, Action<'v>);
+
+/// Parses the head at the front of `buf` and decides the request: `Ok(None)` until the head
+/// is complete. Consumes nothing: the caller advances past the head.
+fn prepare<'v>(
+    ctx: &ConnContext,
+    view: &'v WorkerView,
+    listener: Option<ListenerId>,
+    buf: &BytesMut,
+) -> Result<Option<Prepared<'v>>, httparse::Error> {
+    let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut lines);
+    let head_len = match req.parse(buf)? {
+        httparse::Status::Complete(n) => n,
+        httparse::Status::Partial => return Ok(None),
+    };
+    let snap = &view.snapshot;
+    let method_text = req.method.unwrap_or("GET");
+    let mut exchange = Exchange {
+        view,
+        listener: listener.unwrap_or(0),
+        started: Instant::now(),
+        framing: Framing::Empty,
+        http10: req.version == Some(0),
+        keep_alive: false,
+        is_head: method_text == "HEAD",
+        expect_continue: false,
+        upgrade: false,
+        logged: ctx
+            .access_log
+            .enabled()
+            .then(|| (method_text.to_owned(), req.path.unwrap_or("").to_owned())),
+    };
+    let info = match head::analyze_request(&req) {
+        Ok(info) => info,
+        Err(refusal) => return Ok(Some((head_len, exchange, Action::Refuse(refusal)))),
+    };
+    exchange.framing = info.framing;
+    exchange.keep_alive = info.keep_alive;
+    exchange.expect_continue = info.expect_continue;
+    exchange.upgrade = info.upgrade;
+    let Some(lid) = listener else {
+        return Ok(Some((
+            head_len,
+            exchange,
+            Action::Reply(None, l7::listener_removed()),
+        )));
+    };
+    let Ok(method) = Method::from_bytes(method_text.as_bytes()) else {
+        let refusal = Refusal {
+            status: 400,
+            reason: "the method is not a valid token",
+        };
+        return Ok(Some((head_len, exchange, Action::Refuse(refusal))));
+    };
+    let headers = flatmesh_rules::Headers::Raw(req.headers);
+    let meta = flatmesh_rules::Request {
+        method: &method,
+        host: info.host,
+        path: info.path,
+        query: info.query,
+        headers,
+    };
+    let action = match l7::decide(snap, lid, &meta, false, || info.target()) {
+        Decision::Reply(route, resp) => Action::Reply(route, resp),
+        Decision::Forward(route, cluster) => {
+            let plan = &snap.clusters[cluster];
+            match &view.upstreams.by_cluster[cluster].pool {
+                Pool::Http1(pool) => {
+                    let mut out = Vec::with_capacity(head_len + 128);
+                    let endpoint = plan.authorities.first().map_or("", |a| a.as_str());
+                    head::write_request_head(
+                        &mut out,
+                        &req,
+                        &info,
+                        route,
+                        ctx.peer_ip.as_bytes(),
+                        endpoint,
+                    );
+                    Action::Forward {
+                        route,
+                        cluster,
+                        pool,
+                        head: out,
+                        key: l7::hash_key(headers, plan.hash_header.as_ref(), ctx.peer),
+                    }
+                }
+                Pool::Http2(_) => match bridge_parts(&req, &info) {
+                    Ok(parts) => Action::Bridge {
+                        route,
+                        cluster,
+                        parts,
+                    },
+                    Err(refusal) => Action::Refuse(refusal),
+                },
+            }
+        }
+    };
+    exchange.listener = lid;
+    Ok(Some((head_len, exchange, action)))
+}
+
+/// The request as hyper's client wants it, for an HTTP/2 cluster.
+fn bridge_parts(
+    req: &httparse::Request<'_, '_>,
+    info: &head::RequestInfo<'_>,
+) -> Result<http::request::Parts, Refusal> {
+    let bad = |reason| Refusal {
+        status: 400,
+        reason,
+    };
+    let mut builder = http::Request::builder()
+        .method(req.method.unwrap_or("GET"))
+        .uri(info.target())
+        .version(http::Version::HTTP_11);
+    let headers = builder.headers_mut().ok_or(bad("unusable request line"))?;
+    for h in req.headers.iter() {
+        let name = HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| bad("bad header name"))?;
+        let value = HeaderValue::from_bytes(h.value).map_err(|_| bad("bad header value"))?;
+        headers.append(name, value);
+    }
+    if info.absolute_form {
+        if let Some(host) = info.host.and_then(|h| HeaderValue::from_str(h).ok()) {
+            headers.insert(http::header::HOST, host);
+        }
+    }
+    // The body is re-framed by hyper; the client's own framing headers do not go on.
+    headers.remove(http::header::CONTENT_LENGTH);
+    headers.remove(http::header::TRANSFER_ENCODING);
+    headers.remove(http::header::EXPECT);
+    builder
+        .body(())
+        .map(|r| r.into_parts().0)
+        .map_err(|_| bad("unusable request target"))
+}
+
+/// Reads and drops the body of a request the proxy answered itself. False if the
+/// connection cannot be reused (body too large, malformed or cut off).
+async fn drain<S: AsyncRead + AsyncWrite + Unpin + Send>(
+    client: &mut Client<S>,
+    exchange: &Exchange<'_>,
+    limits: &Limits,
+) -> bool {
+    if exchange.framing == Framing::Empty {
+        return true;
+    }
+    if exchange.expect_continue {
+        // The client waits for a go-ahead that a final answer makes moot; it will not send the body.
+        return false;
+    }
+    body::relay(
+        &mut client.io,
+        &mut client.buf,
+        &mut DiscardSink { left: MAX_DRAIN },
+        Vec::new(),
+        exchange.framing,
+        Encode::Dechunk,
+        limits.header_read_timeout,
+    )
+    .await
+    .is_ok()
+}
+
+/// Writes a response the proxy made (or hyper's client returned) to an HTTP/1 client, with
+/// `Connection: close` if `close`. False if the client is gone or the body broke off.
+async fn respond<W: AsyncWrite + Unpin>(
+    io: &mut W,
+    resp: Response<ResponseBody>,
+    is_head: bool,
+    http10: bool,
+    close: bool,
+) -> bool {
+    let (parts, mut body) = resp.into_parts();
+    let status = parts.status.as_u16();
+    let no_body = is_head || (100..200).contains(&status) || status == 204 || status == 304;
+    let length = body.size_hint().exact().or_else(|| {
+        parts
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+    });
+    let (framing, close) = match (no_body, length) {
+        (true, _) => (Framing::Empty, close),
+        (false, Some(n)) => (Framing::Length(n), close),
+        // Unknown length: chunked to HTTP/1.1, to the end of the connection for HTTP/1.0.
+        (false, None) if http10 => (Framing::UntilClose, true),
+        (false, None) => (Framing::Chunked, close),
+    };
+    let mut out = Vec::with_capacity(256);
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(parts.status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(parts.status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in &parts.headers {
+        if name == http::header::CONTENT_LENGTH && framing != Framing::Empty
+            || name == http::header::TRANSFER_ENCODING
+            || name == http::header::CONNECTION
+        {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    match framing {
+        Framing::Length(n) => out.extend_from_slice(format!("content-length: {n}\r\n").as_bytes()),
+        Framing::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+        Framing::Empty if !no_body => out.extend_from_slice(b"content-length: 0\r\n"),
+        _ => {}
+    }
+    if close {
+        out.extend_from_slice(b"connection: close\r\n");
+    } else if http10 {
+        out.extend_from_slice(b"connection: keep-alive\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    if framing == Framing::Empty {
+        return io.write_all(&out).await.is_ok();
+    }
+    // Stream the body frames; data goes out behind the head where it can.
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else {
+            // The upstream broke mid-body: the client can only learn it from the close.
+            let _ = io.write_all(&out).await;
+            return false;
+        };
+        let Ok(data) = frame.into_data() else {
+            continue; // trailers have no HTTP/1 form worth sending
+        };
+        if data.is_empty() {
+            continue;
+        }
+        if framing == Framing::Chunked {
+            super::chunked::chunk_header(&mut out, data.len());
+            out.extend_from_slice(&data);
+            out.extend_from_slice(b"\r\n");
+        } else {
+            out.extend_from_slice(&data);
+        }
+        if io.write_all(&out).await.is_err() {
+            return false;
+        }
+        out.clear();
+    }
+    if framing == Framing::Chunked {
+        out.extend_from_slice(super::chunked::LAST_CHUNK);
+    }
+    io.write_all(&out).await.is_ok()
+}
+
+/// Answers `Expect: 100-continue` once the request is on its way, unless the client has
+/// started sending its body anyway.
+async fn go_ahead<S: AsyncRead + AsyncWrite + Unpin + Send>(
+    client: &mut Client<S>,
+    exchange: &Exchange<'_>,
+) -> io::Result<()> {
+    if exchange.expect_continue && client.buf.is_empty() && !exchange.http10 {
+        client.io.write_all(CONTINUE).await?;
+    }
+    Ok(())
+}
+
+/// Where an attempt at an upstream exchange failed.
+enum AttemptError {
+    Connect(io::Error),
+    /// The upstream failed or closed before a complete response head.
+    Upstream(io::Error),
+    /// The upstream's answer is not valid HTTP/1.
+    Invalid(String),
+    /// The client's body was malformed: 400, close.
+    ClientFraming(&'static str),
+    /// The client vanished mid-body: nobody to answer.
+    ClientGone,
+}
+
+/// Where a request goes: its route, the cluster the route picked, and that cluster's pool.
+struct Target<'v> {
+    route: &'v CompiledRoute,
+    cluster: ClusterId,
+    pool: &'v H1Pool,
+}
+
+/// Forwards a request to an HTTP/1.1 cluster over the worker's keep-alive pool.
+#[allow(clippy::too_many_arguments)]
+async fn forward<S: AsyncRead + AsyncWrite + Unpin + Send>(
+    ctx: &ConnContext,
+    client: &mut Client<S>,
+    exchange: &Exchange<'_>,
+    target: Target<'_>,
+    head: Vec<u8>,
+    key: u64,
+    limits: &Limits,
+) -> Done {
+    let Target {
+        route,
+        cluster,
+        pool,
+    } = target;
+    let view = exchange.view;
+    let plan = &view.snapshot.clusters[cluster];
+    let upstream = &view.upstreams.by_cluster[cluster];
+    let timeout = route.timeout.unwrap_or(limits.request_timeout);
+    let deadline = tokio::time::Instant::now() + timeout;
+    // A body can be sent only once; requests without one may be sent again.
+    let replayable = exchange.framing == Framing::Empty;
+    let attempts = if replayable {
+        1 + route.retries.as_ref().map_or(0, |r| r.attempts as usize)
+    } else {
+        1
+    };
+    let retry_on: &[RetryOn] = route.retries.as_ref().map_or(&[], |r| &r.on);
+    let mut stale_retried = false;
+    let mut attempt = 0;
+    let mut picked;
+    let mut failure;
+    let mut detail = String::new();
+    let done = |status: u16, upstream, close| Done {
+        status,
+        cluster: Some(cluster),
+        upstream,
+        close,
+    };
+    loop {
+        let Some((index, _in_flight)) = upstream.balancer.pick(key, attempt) else {
+            let resp = l7::no_endpoints(&plan.name, false);
+            let close = !respond(
+                &mut client.io,
+                resp,
+                exchange.is_head,
+                exchange.http10,
+                false,
+            )
+            .await;
+            return done(503, None, close || !replayable);
+        };
+        let endpoint = plan.endpoints[index];
+        picked = Some(endpoint);
+        let attempted = tokio::time::timeout_at(
+            deadline,
+            attempt_exchange(ctx, client, exchange, pool, plan, endpoint, &head, limits),
+        )
+        .await;
+        let mut conn = match attempted {
+            Ok(Ok(conn)) => conn,
+            Ok(Err((err, reused))) => {
+                match err {
+                    AttemptError::Upstream(e) if reused && replayable && !stale_retried => {
+                        // The endpoint closed an idle keep-alive connection as we used it:
+                        // not a failure of the endpoint, so try again on a fresh one.
+                        tracing::debug!(%endpoint, error = %e, "pooled connection was closed; retrying on a new one");
+                        stale_retried = true;
+                        continue;
+                    }
+                    AttemptError::Connect(e) => {
+                        failure = Failure::Connect;
+                        detail = format!("endpoint {endpoint}: {e}");
+                    }
+                    AttemptError::Upstream(e) => {
+                        failure = Failure::Reset;
+                        detail = format!("endpoint {endpoint}: {e}");
+                    }
+                    AttemptError::Invalid(why) => {
+                        failure = Failure::Invalid;
+                        detail = format!("endpoint {endpoint}: {why}");
+                    }
+                    AttemptError::ClientFraming(why) => {
+                        failure = Failure::Downstream;
+                        detail = why.to_owned();
+                    }
+                    AttemptError::ClientGone => return done(499, picked, true),
+                }
+                if l7::should_retry(failure, retry_on) && attempt + 1 < attempts {
+                    attempt += 1;
+                    plan.stats.retries.add(ctx.worker, 1);
+                    continue;
+                }
+                break;
+            }
+            Err(_) => {
+                failure = Failure::Timeout;
+                break;
+            }
+        };
+        // A complete response head sits at the front of conn.buf.
+        match relay_response(
+            client,
+            exchange,
+            route,
+            &mut conn,
+            attempt + 1 < attempts,
+            retry_on,
+            limits,
+        )
+        .await
+        {
+            Relayed::Retry(status) => {
+                detail = format!("endpoint {endpoint} answered {status}");
+                attempt += 1;
+                plan.stats.retries.add(ctx.worker, 1);
+            }
+            Relayed::Done {
+                status,
+                reusable,
+                client_ok,
+            } => {
+                if reusable {
+                    pool.checkin(endpoint, conn);
+                }
+                return done(status, picked, !client_ok);
+            }
+            Relayed::Invalid(why) => {
+                failure = Failure::Invalid;
+                detail = format!("endpoint {endpoint}: {why}");
+                break;
+            }
+        }
+    }
+    let resp = l7::failure_response(failure, &plan.name, &detail, timeout, false);
+    let status = resp.status().as_u16();
+    // After a failure mid-body the client's framing is unknown: close.
+    let close = !replayable || failure == Failure::Downstream;
+    let ok = respond(
+        &mut client.io,
+        resp,
+        exchange.is_head,
+        exchange.http10,
+        close,
+    )
+    .await;
+    done(status, picked, close || !ok)
+}
+
+/// Sends the request on a pooled or new connection and reads until a complete final
+/// response head is buffered. Informational (1xx) answers are passed to the client on the
+/// way. On error, also says whether the connection came from the pool.
+#[allow(clippy::too_many_arguments)]
+async fn attempt_exchange<S: AsyncRead + AsyncWrite + Unpin + Send>(
+    ctx: &ConnContext,
+    client: &mut Client<S>,
+    exchange: &Exchange<'_>,
+    pool: &pool::H1Pool,
+    plan: &crate::snapshot::ClusterPlan,
+    endpoint: SocketAddr,
+    head: &[u8],
+    limits: &Limits,
+) -> Result<UpstreamConn, (AttemptError, bool)> {
+    let mut conn = pool::acquire(pool, endpoint, plan, ctx.worker)
+        .await
+        .map_err(|e| (AttemptError::Connect(e), false))?;
+    let reused = conn.reused;
+    let fail = |e| (e, reused);
+    go_ahead(client, exchange)
+        .await
+        .map_err(|_| fail(AttemptError::ClientGone))?;
+    body::relay(
+        &mut client.io,
+        &mut client.buf,
+        &mut WriteSink(&mut conn.stream),
+        head.to_vec(),
+        exchange.framing,
+        Encode::AsIs,
+        limits.idle_timeout,
+    )
+    .await
+    .map_err(|e| {
+        fail(match e {
+            RelayError::Sink(e) => AttemptError::Upstream(e),
+            RelayError::Framing(e) => AttemptError::ClientFraming(e.describe()),
+            RelayError::Source(_) => AttemptError::ClientGone,
+        })
+    })?;
+    loop {
+        match conn.response_head(limits.max_header_bytes, exchange.upgrade) {
+            HeadState::Final => return Ok(conn),
+            HeadState::Invalid(why) => return Err(fail(AttemptError::Invalid(why))),
+            // Pass an informational answer on (HTTP/1.1 clients only); the final one follows.
+            HeadState::Informational { len, head } => {
+                conn.buf.advance(len);
+                if !exchange.http10 {
+                    client
+                        .io
+                        .write_all(&head)
+                        .await
+                        .map_err(|_| fail(AttemptError::ClientGone))?;
+                }
+            }
+            HeadState::Incomplete => {
+                let stale = conn.failed_stale();
+                if let Err(e) = conn.read_more().await {
+                    return Err((AttemptError::Upstream(e), stale));
+                }
+            }
+        }
+    }
+}
+
+enum Relayed {
+    /// The response is retryable by policy and nothing was sent to the client.
+    Retry(u16),
+    Done {
+        status: u16,
+        /// The upstream connection can go back to the pool.
+        reusable: bool,
+        /// The client connection is still good for another request.
+        client_ok: bool,
+    },
+    Invalid(&'static str),
+}
+
+/// Sends the buffered final response head (rewritten) and streams its body to the client.
+async fn relay_response<S: AsyncRead + AsyncWrite + Unpin + Send>(
+    client: &mut Client<S>,
+    exchange: &Exchange<'_>,
+    route: &CompiledRoute,
+    conn: &mut UpstreamConn,
+    may_retry: bool,
+    retry_on: &[RetryOn],
+    limits: &Limits,
+) -> Relayed {
+    let (status, head_len, framing, reusable, encode, close, out) = {
+        let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut resp = httparse::Response::new(&mut lines);
+        let Ok(httparse::Status::Complete(head_len)) = resp.parse(&conn.buf) else {
+            return Relayed::Invalid("malformed response head");
+        };
+        let info = match head::analyze_response(&resp, exchange.is_head) {
+            Ok(info) => info,
+            Err(why) => return Relayed::Invalid(why),
+        };
+        let status = info.status;
+        if may_retry {
+            if let Ok(code) = StatusCode::from_u16(status) {
+                if l7::should_retry_status(code, retry_on) {
+                    return Relayed::Retry(status);
+                }
+            }
+        }
+        let (out_framing, encode, until_close) = match (info.framing, exchange.http10) {
+            (Framing::Chunked, true) => (Framing::UntilClose, Encode::Dechunk, true),
+            (Framing::UntilClose, true) => (Framing::UntilClose, Encode::AsIs, true),
+            (Framing::UntilClose, false) => (Framing::Chunked, Encode::Rechunk, false),
+            (f, _) => (f, Encode::AsIs, false),
+        };
+        let close = !exchange.keep_alive || until_close;
+        let mut out = Vec::with_capacity(head_len + 64);
+        head::write_response_head(
+            &mut out,
+            &resp,
+            &info,
+            &route.response_headers_to_add,
+            out_framing,
+            close,
+            exchange.http10 && !close,
+        );
+        (
+            status,
+            head_len,
+            info.framing,
+            info.reusable,
+            encode,
+            close,
+            out,
+        )
+    };
+    conn.buf.advance(head_len);
+    if status == 101 {
+        return tunnel(client, conn, out).await;
+    }
+    let relayed = body::relay(
+        &mut conn.stream,
+        &mut conn.buf,
+        &mut WriteSink(&mut client.io),
+        out,
+        framing,
+        encode,
+        limits.idle_timeout,
+    )
+    .await;
+    match relayed {
+        Ok(()) => Relayed::Done {
+            status,
+            reusable: reusable && conn.buf.is_empty(),
+            client_ok: !close,
+        },
+        Err(err) => {
+            tracing::debug!(?err, "response body cut short");
+            Relayed::Done {
+                status,
+                reusable: false,
+                client_ok: false,
+            }
+        }
+    }
+}
+
+/// After a 101 answer: the connection is the new protocol's, both ways, until either side
+/// closes. Bytes already read on either side go first. The upstream connection is used up.
+async fn tunnel<S: AsyncRead + AsyncWrite + Unpin + Send>(
+    client: &mut Client<S>,
+    conn: &mut UpstreamConn,
+    mut head: Vec<u8>,
+) -> Relayed {
+    head.extend_from_slice(&conn.buf);
+    conn.buf.clear();
+    let early = std::mem::take(&mut client.buf);
+    let ready =
+        client.io.write_all(&head).await.is_ok() && conn.stream.write_all(&early).await.is_ok();
+    if ready {
+        if let Err(err) = tokio::io::copy_bidirectional(&mut client.io, &mut conn.stream).await {
+            tracing::debug!(error = %err, "upgraded connection ended with an error");
+        }
+    }
+    Relayed::Done {
+        status: 101,
+        reusable: false,
+        client_ok: false,
+    }
+}
+
+/// A request body handed to hyper's client through a channel.
+struct ChannelBody(mpsc::Receiver<Result<Bytes, BoxError>>);
+
+impl http_body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|next| next.map(|item| item.map(http_body::Frame::data)))
+    }
+}
+
+/// Forwards a request to an HTTP/2 cluster: hyper's client sends it, the body is pumped
+/// from the client connection into it, and the answer is written back as HTTP/1.
+async fn bridge<S: AsyncRead + AsyncWrite + Unpin + Send>(
+    ctx: &ConnContext,
+    client: &mut Client<S>,
+    exchange: &Exchange<'_>,
+    route: &CompiledRoute,
+    cluster: ClusterId,
+    parts: http::request::Parts,
+    limits: &Limits,
+) -> Done {
+    let failed = Arc::new(AtomicBool::new(false));
+    let replayable = exchange.framing == Framing::Empty;
+    let (body, pump) = if replayable {
+        (
+            http_body_util::Empty::<Bytes>::new()
+                .map_err(|never| match never {})
+                .boxed_unsync(),
+            None,
+        )
+    } else {
+        let (tx, rx) = mpsc::channel(4);
+        (ChannelBody(rx).boxed_unsync() as UpstreamBody, Some(tx))
+    };
+    let pumped = async {
+        let Some(tx) = pump else {
+            return true;
+        };
+        if go_ahead(client, exchange).await.is_err() {
+            return false;
+        }
+        let mut sink = ChannelSink(tx);
+        match body::relay(
+            &mut client.io,
+            &mut client.buf,
+            &mut sink,
+            Vec::new(),
+            exchange.framing,
+            Encode::Dechunk,
+            limits.idle_timeout,
+        )
+        .await
+        {
+            Ok(()) => true,
+            Err(RelayError::Framing(e)) => {
+                failed.store(true, Ordering::Relaxed);
+                let _ = sink.0.send(Err(e.describe().into())).await;
+                false
+            }
+            Err(RelayError::Source(e)) => {
+                let _ = sink.0.send(Err(Box::new(e))).await;
+                false
+            }
+            Err(RelayError::Sink(_)) => false,
+        }
+    };
+    let view = exchange.view;
+    let forwarded = l7::forward(
+        ctx,
+        view,
+        route,
+        cluster,
+        parts,
+        body,
+        replayable,
+        failed.clone(),
+    );
+    let ((resp, upstream), body_complete) = tokio::join!(forwarded, pumped);
+    let status = resp.status().as_u16();
+    let close = !body_complete || !exchange.keep_alive;
+    let ok = respond(
+        &mut client.io,
+        resp,
+        exchange.is_head,
+        exchange.http10,
+        close,
+    )
+    .await;
+    Done {
+        status,
+        cluster: Some(cluster),
+        upstream,
+        close: close || !ok,
+    }
+}

@@ -1,0 +1,272 @@
+//! Keep-alive HTTP/1.1 connections to one cluster's endpoints, owned by one worker.
+//!
+//! Hand-written rather than hyper-util's pool: that pool keys every checkout by a hashed
+//! scheme+authority, wraps each connection in a dispatcher task and hands requests over a
+//! channel, which together cost more user-space CPU per request than the rest of the
+//! proxy's HTTP/1 path. Here a request takes a socket out of a per-endpoint stack, uses it
+//! directly from its own task, and puts it back.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use parking_lot::Mutex;
+use tokio::net::TcpStream;
+
+use super::head::{self, Framing, MAX_HEADERS};
+use crate::metrics::ClusterStats;
+use crate::snapshot::ClusterPlan;
+
+/// Idle connections kept per endpoint and how long one may stay idle. hyper-util's defaults
+/// for the pool this replaces.
+const MAX_IDLE_PER_ENDPOINT: usize = 1024;
+const MAX_IDLE_TIME: Duration = Duration::from_secs(90);
+/// Read buffer of an upstream connection; grows for a large response head.
+const READ_BUFFER: usize = 16 * 1024;
+
+/// One connection to an endpoint, with the bytes read from it and not yet used.
+pub struct UpstreamConn {
+    pub stream: TcpStream,
+    pub buf: BytesMut,
+    /// Taken from the pool rather than freshly connected: the endpoint may have closed it
+    /// while it was idle, so a request that fails on it before any answer is retried.
+    pub reused: bool,
+    idle_since: Instant,
+}
+
+impl UpstreamConn {
+    /// True if the idle socket is known to be unusable: the endpoint closed it (EOF or
+    /// reset) or sent bytes nobody asked for. Costs no system call unless the reactor has
+    /// seen the socket become readable.
+    fn is_stale(&self) -> bool {
+        let mut cx = Context::from_waker(Waker::noop());
+        match self.stream.poll_read_ready(&mut cx) {
+            Poll::Pending => false,
+            Poll::Ready(Err(_)) => true,
+            Poll::Ready(Ok(())) => {
+                let mut probe = [0u8; 1];
+                !matches!(self.stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+            }
+        }
+    }
+}
+
+/// The idle connections of one cluster, per endpoint.
+#[derive(Default)]
+pub struct H1Pool {
+    idle: Mutex<HashMap<SocketAddr, Vec<UpstreamConn>>>,
+}
+
+impl H1Pool {
+    pub fn new() -> Arc<H1Pool> {
+        Arc::new(H1Pool::default())
+    }
+
+    /// The most recently used live connection to `endpoint`, if any.
+    pub fn checkout(&self, endpoint: SocketAddr) -> Option<UpstreamConn> {
+        let mut idle = self.idle.lock();
+        let stack = idle.get_mut(&endpoint)?;
+        while let Some(mut conn) = stack.pop() {
+            if conn.idle_since.elapsed() < MAX_IDLE_TIME && !conn.is_stale() {
+                conn.reused = true;
+                return Some(conn);
+            }
+        }
+        None
+    }
+
+    /// Keeps `conn` for the next request to `endpoint`. Call only after a complete
+    /// response with nothing left over.
+    pub fn checkin(&self, endpoint: SocketAddr, mut conn: UpstreamConn) {
+        conn.idle_since = Instant::now();
+        let mut idle = self.idle.lock();
+        let stack = idle.entry(endpoint).or_default();
+        if stack.len() >= MAX_IDLE_PER_ENDPOINT {
+            // Drop the oldest: it is the likeliest to have been closed by the endpoint.
+            stack.remove(0);
+        }
+        stack.push(conn);
+    }
+
+    /// Idle connections right now (for tests).
+    pub fn idle_count(&self) -> usize {
+        self.idle.lock().values().map(Vec::len).sum()
+    }
+}
+
+/// What the bytes buffered from an upstream connection hold, while a response is awaited.
+pub enum HeadState {
+    /// Not a whole head yet: read more.
+    Incomplete,
+    /// A final response head is at the front of the buffer.
+    Final,
+    /// An informational (1xx) head of `len` bytes, rewritten for the client as `head`.
+    Informational { len: usize, head: Vec<u8> },
+    /// Not an acceptable response: the endpoint answers 502.
+    Invalid(String),
+}
+
+impl UpstreamConn {
+    /// Looks at the buffered bytes for the head of the answer to a request. `upgrade`: the
+    /// request asked to switch protocols, so a 101 is its final answer.
+    pub fn response_head(&self, max_head: usize, upgrade: bool) -> HeadState {
+        if self.buf.is_empty() {
+            return HeadState::Incomplete;
+        }
+        let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut resp = httparse::Response::new(&mut lines);
+        match resp.parse(&self.buf) {
+            Ok(httparse::Status::Complete(len)) => match resp.code {
+                Some(101) if upgrade => HeadState::Final,
+                Some(101) => HeadState::Invalid(
+                    "101 Switching Protocols to a request that asked for no upgrade".into(),
+                ),
+                Some(code) if (100..200).contains(&code) => {
+                    match head::analyze_response(&resp, false) {
+                        Ok(info) => {
+                            let mut out = Vec::new();
+                            head::write_response_head(
+                                &mut out,
+                                &resp,
+                                &info,
+                                &[],
+                                Framing::Empty,
+                                false,
+                                false,
+                            );
+                            HeadState::Informational { len, head: out }
+                        }
+                        Err(why) => HeadState::Invalid(why.into()),
+                    }
+                }
+                _ => HeadState::Final,
+            },
+            Ok(httparse::Status::Partial) if self.buf.len() < max_head => HeadState::Incomplete,
+            Ok(httparse::Status::Partial) => HeadState::Invalid("response head too large".into()),
+            Err(e) => HeadState::Invalid(format!("malformed response head ({e})")),
+        }
+    }
+
+    /// Reads more of the answer. The end of the connection is an error here: the caller
+    /// still expects bytes.
+    pub async fn read_more(&mut self) -> io::Result<()> {
+        self.buf.reserve(4096);
+        match tokio::io::AsyncReadExt::read_buf(&mut self.stream, &mut self.buf).await? {
+            0 => Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "connection closed before a complete response",
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// A pooled connection that failed before any byte of an answer was probably closed by
+    /// the endpoint while idle: a request without a body may go again on a fresh one.
+    pub fn failed_stale(&self) -> bool {
+        self.reused && self.buf.is_empty()
+    }
+}
+
+/// A connection to `endpoint`: an idle pooled one, else a new one.
+pub async fn acquire(
+    pool: &H1Pool,
+    endpoint: SocketAddr,
+    plan: &ClusterPlan,
+    worker: usize,
+) -> io::Result<UpstreamConn> {
+    match pool.checkout(endpoint) {
+        Some(conn) => Ok(conn),
+        None => connect(endpoint, plan.connect_timeout, &plan.stats, worker).await,
+    }
+}
+
+/// Opens a connection to `endpoint` within `timeout`, counting it (or its failure) for the
+/// cluster.
+pub async fn connect(
+    endpoint: SocketAddr,
+    timeout: Duration,
+    stats: &ClusterStats,
+    worker: usize,
+) -> io::Result<UpstreamConn> {
+    let connected = match tokio::time::timeout(timeout, TcpStream::connect(endpoint)).await {
+        Ok(result) => result,
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "connect timed out after {}",
+                flatmesh_config::duration::format(&timeout)
+            ),
+        )),
+    };
+    match connected {
+        Ok(stream) => {
+            // Connect outcomes are rare next to requests and may race a scrape.
+            stats.connections.add_shared(worker, 1);
+            let _ = stream.set_nodelay(true);
+            Ok(UpstreamConn {
+                stream,
+                buf: BytesMut::with_capacity(READ_BUFFER),
+                reused: false,
+                idle_since: Instant::now(),
+            })
+        }
+        Err(err) => {
+            stats.connect_failures.add_shared(worker, 1);
+            Err(err)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    #[tokio::test]
+    async fn closed_and_chatty_idle_connections_are_not_handed_out() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stats = crate::metrics::Metrics::new(1).cluster("c");
+        let pool = H1Pool::new();
+
+        let quiet = connect(addr, Duration::from_secs(1), &stats, 0)
+            .await
+            .unwrap();
+        let (_quiet_peer, _) = listener.accept().await.unwrap();
+        pool.checkin(addr, quiet);
+        let conn = pool.checkout(addr).expect("a live idle connection");
+        assert!(conn.reused);
+        pool.checkin(addr, conn);
+
+        let closed = connect(addr, Duration::from_secs(1), &stats, 0)
+            .await
+            .unwrap();
+        let (closed_peer, _) = listener.accept().await.unwrap();
+        let chatty = connect(addr, Duration::from_secs(1), &stats, 0)
+            .await
+            .unwrap();
+        let (mut chatty_peer, _) = listener.accept().await.unwrap();
+        pool.checkin(addr, closed);
+        pool.checkin(addr, chatty);
+        drop(closed_peer);
+        chatty_peer.write_all(b"unasked").await.unwrap();
+        // Let the reactor see both sockets become readable.
+        for _ in 0..50 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let conn = pool
+            .checkout(addr)
+            .expect("the quiet connection is still there");
+        assert_eq!(
+            pool.idle_count(),
+            0,
+            "the closed and chatty ones were dropped"
+        );
+        drop(conn);
+        assert_eq!(stats.connections.sum(), 3);
+    }
+}
