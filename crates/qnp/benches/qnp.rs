@@ -87,12 +87,13 @@ fn packet(value: &[u8]) -> Vec<u8> {
 fn dispatch(c: &mut Criterion) {
     let peer = SocketAddr::from(([10, 0, 0, 1], 9));
     let mut g = c.benchmark_group("dispatch_vs_checks");
+    // The paper's skip-and-check sweep: 32 rules.
     for checks in [1usize, 4, 12, 24, 48] {
-        let (set, value) = workload(checks, 1);
+        let (set, value) = workload(checks, 32);
         let rsd = Rsd::new(set.clone());
         let pkt = packet(&value);
         let mut stash = Stash::new(STASH_DEPTH);
-        assert_eq!(rsd.decide(&pkt, peer, &mut stash), Decision::Queue(0));
+        assert_eq!(rsd.decide(&pkt, peer, &mut stash), Decision::Queue(31 % 8));
         g.bench_with_input(BenchmarkId::new("software_rsd", checks), &checks, |b, _| {
             b.iter(|| black_box(rsd.decide(black_box(&pkt), peer, &mut stash)))
         });
@@ -103,8 +104,9 @@ fn dispatch(c: &mut Criterion) {
     }
     g.finish();
     let mut g = c.benchmark_group("dispatch_vs_rules");
-    for rules in [1usize, 32, 128, 256, 500] {
-        let (set, value) = workload(1, rules);
+    // The paper's rule sweep: 4 skip-and-checks per rule; 508 such rules fill the image.
+    for rules in [1usize, 32, 128, 256, 508] {
+        let (set, value) = workload(4, rules);
         let rsd = Rsd::new(set.clone());
         let pkt = packet(&value);
         let mut stash = Stash::new(STASH_DEPTH);
@@ -118,9 +120,12 @@ fn dispatch(c: &mut Criterion) {
         let img = Image::compile(&set).expect("fits");
         let (_, lookups) = img.run(1, 0, |_| Some(&value[..]));
         assert_eq!(
-            lookups, 2,
-            "one shared state: the CAM matches all rules at once"
+            lookups, 5,
+            "shared leading checks, one state for the last: the CAM matches all rules at once"
         );
+        g.bench_with_input(BenchmarkId::new("image_model", rules), &rules, |b, _| {
+            b.iter(|| black_box(img.run(1, 0, |_| Some(&value[..]))))
+        });
     }
     g.finish();
 }

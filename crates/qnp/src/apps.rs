@@ -152,9 +152,9 @@ mod tests {
     fn demo_rules_split_ranges_over_workers() {
         let set = RuleSet::parse("demo", &demo_rules(4, 8)).unwrap();
         let d = |k: &str| set.eval(kv::APP_ID, 0, |_| Some(k.as_bytes()));
-        assert_eq!(d("a00001"), Decision::Queue(0));
-        assert_eq!(d("f00001"), Decision::Queue(1));
-        assert_eq!(d("x23999"), Decision::Queue(3));
+        assert_eq!(d(&kv_key(1, 24_000)), Decision::Queue(0));
+        assert_eq!(d(&kv_key(5_001, 24_000)), Decision::Queue(1), "range f");
+        assert_eq!(d(&kv_key(23_999, 24_000)), Decision::Queue(3), "range x");
         assert_eq!(
             set.eval(pingpong::APP_ID, 0, |_| Some(b"lane05")),
             Decision::Queue(1)

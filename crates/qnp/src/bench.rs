@@ -1,15 +1,21 @@
 //! The dispatch benchmark (`flatmesh qnp bench`): every mode side by side on the same cores, in
-//! the dimensions of the paper's evaluation (§5.2):
+//! the dimensions of the paper's evaluation (§5.1–5.2):
 //!
 //! - the headline: the key-value GET service on RocksDB under Zipf(0.9) load, per mode;
-//! - Figs. 15/18: throughput and latency against the number of skip-and-checks per rule;
-//! - Figs. 16/19: throughput and latency against the number of rules;
+//! - Figs. 15/18: throughput and latency against the number of skip-and-checks per rule
+//!   (1–48; [`BenchConfig::fixed_rules`] rules, the paper's 32);
+//! - Figs. 16/19: throughput and latency against the number of rules (up to 508, which with
+//!   [`BenchConfig::fixed_checks`] = 4 skip-and-checks fill the 512-entry image);
 //! - Table 1: the cost of one dispatch decision against the number of skip-and-checks (CAM
 //!   lookups of the image, the kernel program's run time, the software matcher's time).
 //!
-//! Every point runs the modes one after the other, and the whole set `repeats` times, so that a
-//! noisy neighbour hits all modes alike; the report gives the median and the spread (min–max).
+//! Every run pins the server's threads (workers, dispatchers) to the same server CPUs and the
+//! load generator to the same load CPUs, whatever the mode, and records how busy both CPU sets
+//! were (from `/proc/stat`, softirq included) besides the server threads' own CPU time. Every
+//! point runs the modes one after the other, and the whole set `repeats` times, so that a noisy
+//! neighbour hits all modes alike; the report gives the median and the spread (min–max).
 
+use crate::cpu::pin_current_thread;
 use crate::dispatch::{Handler, Mode, Rsd, Stash, STASH_DEPTH};
 use crate::image::Image;
 use crate::load::{run_mode, ModeResult, RunSpec, Workload};
@@ -25,6 +31,10 @@ use std::time::Instant;
 pub const BENCH_APP: u8 = 9;
 /// Bytes one skip-and-check of the benchmark's rules compares (the paper's default, §5.2).
 pub const MATCHED_BYTES: usize = 5;
+/// Rules while skip-and-checks vary (the paper's default, §5 footnote 4).
+pub const FIXED_RULES: usize = 32;
+/// Skip-and-checks per rule while rules vary (the paper's default).
+pub const FIXED_CHECKS: usize = 4;
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -37,8 +47,14 @@ pub struct BenchConfig {
     pub checks: Vec<usize>,
     /// Rule counts for the Figs. 16/19 sweep (empty: skip it).
     pub rules: Vec<usize>,
+    /// Rules during the skip-and-check sweep.
+    pub fixed_rules: usize,
+    /// Skip-and-checks per rule during the rule sweep.
+    pub fixed_checks: usize,
     /// Run the key-value headline.
     pub headline: bool,
+    /// Keys pre-loaded into the headline's RocksDB store.
+    pub keys: usize,
 }
 
 /// The median and spread of repeated measurements.
@@ -83,21 +99,38 @@ pub struct Point {
     pub kernel_ns: Option<f64>,
     /// Server threads' CPU µs per request.
     pub cpu_us: Spread,
+    /// Busy µs of the server CPUs per request (`/proc/stat`: softirq and other processes too).
+    pub server_cpus_us: Spread,
+    /// Server CPUs busy, in percent.
+    pub server_busy: Spread,
+    /// Load generator CPUs busy, in percent.
+    pub load_busy: Spread,
+    /// Load generator idle (polls that found nothing), in percent; `None` for the endpoint
+    /// generator.
+    pub load_idle: Option<Spread>,
 }
 
 fn point(mode: Mode, x: usize, runs: &[ModeResult]) -> Point {
-    let col = |f: fn(&ModeResult) -> f64| Spread::of(&runs.iter().map(f).collect::<Vec<_>>());
+    let col = |f: &dyn Fn(&ModeResult) -> f64| Spread::of(&runs.iter().map(f).collect::<Vec<_>>());
     let ns: Vec<f64> = runs.iter().filter_map(|r| r.kernel_ns_per_packet).collect();
     Point {
         mode,
         x,
-        rps: col(|r| r.report.rps()),
-        p50_us: col(|r| r.report.p50_us),
-        p99_us: col(|r| r.report.p99_us),
+        rps: col(&|r| r.report.rps()),
+        p50_us: col(&|r| r.report.p50_us),
+        p99_us: col(&|r| r.report.p99_us),
         errors: runs.iter().map(|r| r.report.errors).sum(),
         misdispatched: runs.iter().map(|r| r.report.misdispatched).sum(),
         kernel_ns: (!ns.is_empty()).then(|| Spread::of(&ns).median),
-        cpu_us: col(|r| r.server_cpu_us_per_req),
+        cpu_us: col(&|r| r.server_cpu_us_per_req),
+        server_cpus_us: col(&|r| r.server_cpus_us_per_req()),
+        server_busy: col(&|r| 100.0 * r.server_cpus.busy_fraction),
+        load_busy: col(&|r| 100.0 * r.load_cpus.busy_fraction),
+        load_idle: runs
+            .iter()
+            .map(|r| r.report.idle_fraction.map(|f| 100.0 * f))
+            .collect::<Option<Vec<f64>>>()
+            .map(|v| Spread::of(&v)),
     }
 }
 
@@ -131,25 +164,27 @@ pub struct DispatchWorkload {
     pub expect: Vec<u8>,
 }
 
-/// The benchmark's rules and requests: `rules` rules on field 0 of [`BENCH_APP`], each of
-/// `checks` skip-and-checks (skip one byte, compare [`MATCHED_BYTES`]); rule *i* differs from
-/// the others only in its first check and sends to queue *i* mod `workers`. Returns the rules,
-/// for each rule a value that passes all of its checks, and the queue it must reach.
+/// The benchmark's rules and requests, as the paper builds them (§5): `rules` rules on field 0
+/// of [`BENCH_APP`], each of `checks` skip-and-checks (skip one byte, compare
+/// [`MATCHED_BYTES`]); rule *i* sends to queue *i* mod `workers`. Returns the rules, for each
+/// rule a value that passes all of its checks, and the queue it must reach: every request goes
+/// through all `checks` skip-and-checks and hits exactly one rule.
 ///
-/// Differing first checks let the image compare one window against all rules in one CAM
-/// lookup; the rule's later checks then take one lookup each, so a request costs
-/// `checks + 1` lookups. (The compiler gives every rule its own states after the first, and a
-/// field has 127: rules × (checks − 1) must stay below that.)
+/// The rules differ only in their last skip-and-check. The image shares the others (one state
+/// each) and tells the rules apart in one CAM lookup, so a request costs `checks + 1` lookups
+/// whatever the number of rules, and 508 rules of 4 skip-and-checks fill the 512 entries
+/// (1 start + 3 shared + 508). The software matcher scans the rules in order (the paper's
+/// straw man), comparing each rule's checks until one fails, so its cost grows with both.
 pub fn dispatch_workload(
     checks: usize,
     rules: usize,
     workers: usize,
 ) -> Result<DispatchWorkload, QnpError> {
     let (checks, rules, workers) = (checks.max(1), rules.max(1), workers.clamp(1, 256));
-    // Check k of rule r compares `tag_lo b c d tag_hi`: tag 1000 + r, distinct for every rule,
-    // for the first check, and tag k for the others.
+    // Check k compares `tag_lo b c d tag_hi`: tag 60000 + k for the shared checks, the rule's
+    // number for the last, so the last check is distinct for every rule.
     let check = |k: usize, r: usize| {
-        let tag = if k == 0 { 1000 + r } else { k };
+        let tag = if k + 1 == checks { r } else { 60_000 + k };
         [(tag % 256) as u8, b'b', b'c', b'd', (tag / 256) as u8]
     };
     let mut src = String::new();
@@ -201,10 +236,16 @@ fn sweep_point(
         for (i, &mode) in cfg.modes.iter().enumerate() {
             let r = run_mode(rt, mode, &cfg.spec, rules, workload, handler)?;
             progress(&format!(
-                "  x={x} run {} {mode:?}: {:.0} req/s p50 {:.1} µs",
+                "  x={x} run {} {}: {:.0} req/s p50 {:.1} µs, server CPUs {:.0} % busy, load CPUs {:.0} % busy, generator idle {}",
                 rep + 1,
+                mode_name(mode),
                 r.report.rps(),
-                r.report.p50_us
+                r.report.p50_us,
+                100.0 * r.server_cpus.busy_fraction,
+                100.0 * r.load_cpus.busy_fraction,
+                r.report
+                    .idle_fraction
+                    .map_or("n/a".to_string(), |f| format!("{:.0} %", 100.0 * f)),
             ));
             runs[i].push(r);
         }
@@ -217,8 +258,13 @@ fn sweep_point(
         .collect())
 }
 
-/// The software matcher's mean time per decision on the benchmark's first packets.
-fn software_decision_ns(rules: &RuleSet, values: &[Vec<u8>]) -> Result<f64, QnpError> {
+/// The software matcher's mean time per decision on the benchmark's first packets, measured on
+/// a thread pinned to `cpus` (the server's).
+fn software_decision_ns(
+    rules: &RuleSet,
+    values: &[Vec<u8>],
+    cpus: &[usize],
+) -> Result<f64, QnpError> {
     let rsd = Rsd::new(rules.clone());
     let mut pkts = Vec::new();
     for v in values {
@@ -236,23 +282,30 @@ fn software_decision_ns(rules: &RuleSet, values: &[Vec<u8>]) -> Result<f64, QnpE
                 .take(1),
         );
     }
-    let peer = SocketAddr::from(([127, 0, 0, 1], 9));
-    let mut stash = Stash::new(STASH_DEPTH);
-    let iters = 200_000usize;
-    let start = Instant::now();
-    let mut hits = 0usize;
-    for i in 0..iters {
-        let p = &pkts[i % pkts.len()];
-        hits += usize::from(rsd.decide(p, peer, &mut stash) != Decision::Drop);
-    }
-    let ns = start.elapsed().as_nanos() as f64 / iters as f64;
-    if hits != iters {
-        return Err(QnpError::TooLarge(
-            "the benchmark's requests did not all match their rules; this is a bug in bench.rs"
-                .into(),
-        ));
-    }
-    Ok(ns)
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            pin_current_thread(cpus)?;
+            let peer = SocketAddr::from(([127, 0, 0, 1], 9));
+            let mut stash = Stash::new(STASH_DEPTH);
+            let iters = 200_000usize;
+            let start = Instant::now();
+            let mut hits = 0usize;
+            for i in 0..iters {
+                let p = &pkts[i % pkts.len()];
+                hits += usize::from(rsd.decide(p, peer, &mut stash) != Decision::Drop);
+            }
+            let ns = start.elapsed().as_nanos() as f64 / iters as f64;
+            if hits != iters {
+                return Err(QnpError::Config(
+                    "the benchmark's requests did not all match their rules; this is a bug in bench.rs"
+                        .into(),
+                ));
+            }
+            Ok(ns)
+        })
+        .join()
+        .unwrap_or_else(|_| Err(QnpError::Config("the matcher timing thread panicked".into())))
+    })
 }
 
 /// Runs the benchmark; `progress` gets one line per run.
@@ -261,35 +314,37 @@ pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<BenchRep
     let mut report = BenchReport::default();
     let workers = cfg.spec.workers.max(1);
     if cfg.headline {
-        progress("headline: key-value GETs on RocksDB, Zipf(0.9)");
+        progress(&format!(
+            "headline: key-value GETs on RocksDB ({} keys), Zipf(0.9) within 24 key ranges",
+            cfg.keys
+        ));
         let store = crate::kv_store::KvStore::temporary()?;
-        store.preload(crate::load::DEMO_KEYS)?;
+        store.preload(cfg.keys)?;
         let handler = crate::apps::kv_service(Arc::new(store));
         let rules = RuleSet::parse(
             "demo",
             &crate::apps::demo_rules(workers, crate::load::DEMO_LANES),
         )?;
         let load = Workload::KvGet {
-            keys: crate::load::DEMO_KEYS,
+            keys: cfg.keys,
             s: 0.9,
         };
         report.headline = sweep_point(&rt, cfg, 0, &rules, &load, &handler, progress)?;
     }
     let handler = worker_echo();
     for &checks in &cfg.checks {
-        // One rule per worker: the image holds 127 check states per field, and a rule of 48
-        // skip-and-checks takes 48 of them.
         progress(&format!(
-            "{checks} skip-and-checks per rule, {workers} rules"
+            "{checks} skip-and-checks per rule, {} rules",
+            cfg.fixed_rules
         ));
         let DispatchWorkload {
             rules,
             values,
             expect,
-        } = dispatch_workload(checks, workers, workers)?;
+        } = dispatch_workload(checks, cfg.fixed_rules, workers)?;
         let img = Image::compile(&rules)?;
         let (_, lookups) = img.run(BENCH_APP, 0, |_| Some(&values[0][..]));
-        let software_ns = software_decision_ns(&rules, &values)?;
+        let software_ns = software_decision_ns(&rules, &values, &cfg.spec.pinning.server)?;
         let load = Workload::Dispatch {
             app_id: BENCH_APP,
             values: Arc::new(values),
@@ -305,12 +360,15 @@ pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<BenchRep
         report.by_checks.extend(points);
     }
     for &n in &cfg.rules {
-        progress(&format!("{n} rules of 1 skip-and-check"));
+        progress(&format!(
+            "{n} rules of {} skip-and-checks",
+            cfg.fixed_checks
+        ));
         let DispatchWorkload {
             rules,
             values,
             expect,
-        } = dispatch_workload(1, n, workers)?;
+        } = dispatch_workload(cfg.fixed_checks, n, workers)?;
         Image::compile(&rules)?;
         let load = Workload::Dispatch {
             app_id: BENCH_APP,
@@ -324,32 +382,39 @@ pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<BenchRep
     Ok(report)
 }
 
-/// The issue's targets over one set of points: throughput ratios, and the same ratios of server
-/// CPU per request (the cost side of "L7 dispatch at L4 cost", less sensitive to noise).
+/// The issue's targets over one set of points: throughput ratios with the target and whether
+/// this run met it, and the same comparison by server CPU per request (the cost side of "L7
+/// dispatch at L4 cost", less sensitive to noise).
 fn ratios(points: &[Point]) -> String {
     let get = |m: Mode| points.iter().find(|p| p.mode == m);
     let mut out = String::new();
     for (other, target) in [
-        (Mode::Reuseport, Some("≥ 0.90")),
-        (Mode::SoftwareUds, Some("≥ 3")),
+        (Mode::Reuseport, Some(0.90)),
+        (Mode::SoftwareUds, Some(3.0)),
         (Mode::SoftwareQueue, None),
     ] {
         if let (Some(k), Some(o)) = (get(Mode::Kernel), get(other)) {
+            let ratio = k.rps.median / o.rps.median.max(1e-9);
+            let verdict = target.map_or(String::new(), |t| {
+                format!(
+                    " (target ≥ {t:.2}: {})",
+                    if ratio >= t { "met" } else { "missed" }
+                )
+            });
             let _ = writeln!(
                 out,
-                "- kernel / {}: throughput **{:.2}**{}; server CPU per request, {} / kernel: **{:.2}**",
+                "- kernel / {}: throughput **{ratio:.2}**{verdict}; server CPU per request, {} / kernel: threads **{:.2}**, server CPUs **{:.2}**",
                 mode_name(other),
-                k.rps.median / o.rps.median.max(1e-9),
-                target.map_or(String::new(), |t| format!(" (target {t})")),
                 mode_name(other),
                 o.cpu_us.median / k.cpu_us.median.max(1e-9),
+                o.server_cpus_us.median / k.server_cpus_us.median.max(1e-9),
             );
             // On loopback the kernel program runs in the sender's system call; a NIC-less
             // server would run it on its own core, so charge it there too.
             if let Some(ns) = k.kernel_ns {
                 let _ = writeln!(
                     out,
-                    "  - charging the kernel program's {ns:.0} ns/packet to the server: {} / kernel: **{:.2}**",
+                    "  - charging the kernel program's {ns:.0} ns/packet to the server threads: {} / kernel: **{:.2}**",
                     mode_name(other),
                     o.cpu_us.median / (k.cpu_us.median + ns / 1000.0).max(1e-9),
                 );
@@ -363,7 +428,8 @@ fn fmt_spread(s: &Spread, digits: usize) -> String {
     format!("{:.d$} ({:.d$}–{:.d$})", s.median, s.min, s.max, d = digits)
 }
 
-fn mode_name(m: Mode) -> &'static str {
+/// The name of a mode on the command line and in reports.
+pub fn mode_name(m: Mode) -> &'static str {
     match m {
         Mode::Reuseport => "reuseport",
         Mode::Kernel => "kernel",
@@ -376,39 +442,64 @@ impl BenchReport {
     /// The report as Markdown tables.
     pub fn markdown(&self, cfg: &BenchConfig) -> String {
         let mut out = String::new();
+        let cpus = |v: &[usize]| {
+            if v.is_empty() {
+                "unpinned".to_string()
+            } else {
+                format!("{v:?}")
+            }
+        };
         let _ = writeln!(
             out,
-            "{} workers, {} dispatcher(s) (software modes), {} client sockets, load generator {:?}, {:.1} s per run, {} runs per point; server CPUs {:?}, load CPUs {:?}. Cells: median (min–max).\n",
+            "{} workers, {} dispatcher(s) (software modes), {} client sockets, load generator {:?}, {:.1} s per run, {} runs per point. Every mode: server threads on CPUs {}, load generator on CPUs {}. Cells: median (min–max).\n",
             cfg.spec.workers,
             cfg.spec.dispatchers,
             cfg.spec.clients,
             cfg.spec.generator,
             cfg.spec.duration.as_secs_f64(),
             cfg.repeats,
-            cfg.spec.pinning.server,
-            cfg.spec.pinning.load
+            cpus(&cfg.spec.pinning.server),
+            cpus(&cfg.spec.pinning.load),
         );
+        out.push_str("CPU columns: *threads* is the CPU time of the server's worker and dispatcher threads per request; *server CPUs* is the busy time (user, system, irq, softirq; `/proc/stat`) of the server's CPUs per request, and the busy % columns say how loaded each side's CPUs were. The pipelined load generator busy-polls, so its CPUs always look busy: *load generator idle %* is the share of its time spent in polls that found no response, its spare capacity. A mode is limited by the server when the server CPUs are ~100 % busy and the generator still idles; near 0 % idle, the generator limited the run and the req/s of the modes cannot be compared. On loopback a request's receive path (UDP, socket lookup, the kernel dispatcher) runs in the sender's `sendmmsg`, on the load CPUs.\n\n");
+        let header = "| mode | req/s | p50 µs | p99 µs | threads CPU µs/req | server CPUs µs/req | server CPUs busy % | load CPUs busy % | load generator idle % | timeouts |";
+        let sep = "|---|---|---|---|---|---|---|---|---|---|";
+        let row = |p: &Point| {
+            format!(
+                "| {} | {} | {} | {} | {} | {} | {:.0} | {:.0} | {} | {} |",
+                mode_name(p.mode),
+                fmt_spread(&p.rps, 0),
+                fmt_spread(&p.p50_us, 1),
+                fmt_spread(&p.p99_us, 1),
+                fmt_spread(&p.cpu_us, 2),
+                fmt_spread(&p.server_cpus_us, 2),
+                p.server_busy.median,
+                p.load_busy.median,
+                p.load_idle
+                    .map_or("n/a".to_string(), |s| format!("{:.0}", s.median)),
+                p.errors
+            )
+        };
         if !self.headline.is_empty() {
-            out.push_str("### Key-value GETs on RocksDB (Zipf 0.9, 24 key ranges)\n\n");
-            out.push_str("| mode | req/s | p50 µs | p99 µs | server CPU µs/req | timeouts |\n|---|---|---|---|---|---|\n");
+            let _ = writeln!(
+                out,
+                "### Key-value GETs on RocksDB ({} keys of 62 bytes, Zipf 0.9 within 24 key ranges)\n",
+                cfg.keys
+            );
+            let _ = writeln!(out, "{header}\n{sep}");
             for p in &self.headline {
-                let _ = writeln!(
-                    out,
-                    "| {} | {} | {} | {} | {} | {} |",
-                    mode_name(p.mode),
-                    fmt_spread(&p.rps, 0),
-                    fmt_spread(&p.p50_us, 1),
-                    fmt_spread(&p.p99_us, 1),
-                    fmt_spread(&p.cpu_us, 2),
-                    p.errors
-                );
+                let _ = writeln!(out, "{}", row(p));
             }
             out.push('\n');
             out.push_str(&ratios(&self.headline));
             out.push('\n');
         }
         if !self.decision_cost.is_empty() {
-            out.push_str("### Cost of one dispatch decision (Table 1)\n\n");
+            let _ = writeln!(
+                out,
+                "### Cost of one dispatch decision (Table 1), {} rules\n",
+                cfg.fixed_rules
+            );
             out.push_str("| skip-and-checks | CAM lookups (image) | kernel program ns/packet | software matcher ns/decision |\n|---|---|---|---|\n");
             for c in &self.decision_cost {
                 let _ = writeln!(
@@ -425,12 +516,18 @@ impl BenchReport {
         }
         for (title, points, what) in [
             (
-                "Throughput and latency against skip-and-checks per rule (Figs. 15, 18)",
+                format!(
+                    "Throughput and latency against skip-and-checks per rule, {} rules (Figs. 15, 18)",
+                    cfg.fixed_rules
+                ),
                 &self.by_checks,
                 "skip-and-checks",
             ),
             (
-                "Throughput and latency against the number of rules, 1 skip-and-check each (Figs. 16, 19)",
+                format!(
+                    "Throughput and latency against the number of rules, {} skip-and-checks each (Figs. 16, 19)",
+                    cfg.fixed_checks
+                ),
                 &self.by_rules,
                 "rules",
             ),
@@ -441,19 +538,15 @@ impl BenchReport {
             let _ = writeln!(out, "### {title}\n");
             let _ = writeln!(
                 out,
-                "| {what} | mode | req/s | p50 µs | p99 µs | server CPU µs/req | timeouts | misdispatched |\n|---|---|---|---|---|---|---|---|"
+                "| {what} {}| misdispatched |\n|---{sep}---|",
+                header.trim_end_matches('|')
             );
             for p in points {
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                    "| {} {} {} |",
                     p.x,
-                    mode_name(p.mode),
-                    fmt_spread(&p.rps, 0),
-                    fmt_spread(&p.p50_us, 1),
-                    fmt_spread(&p.p99_us, 1),
-                    fmt_spread(&p.cpu_us, 2),
-                    p.errors,
+                    row(p),
                     if p.mode == Mode::Reuseport {
                         "n/a (no L7)".to_string()
                     } else {
@@ -551,7 +644,7 @@ mod tests {
 
     #[test]
     fn the_workload_values_reach_their_rules_in_every_matcher() {
-        for (checks, rules) in [(1, 511), (4, 32), (48, 2)] {
+        for (checks, rules) in [(1, 511), (4, 508), (48, FIXED_RULES), (FIXED_CHECKS, 3)] {
             let DispatchWorkload {
                 rules: set,
                 values,
@@ -563,13 +656,118 @@ mod tests {
                 let want = Decision::Queue(*q);
                 assert_eq!(set.eval(BENCH_APP, 0, |_| Some(v)), want);
                 assert_eq!(fast.eval(BENCH_APP, 0, |_| Some(v)), want);
-                assert_eq!(img.run(BENCH_APP, 0, |_| Some(v)).0, want);
+                let (d, lookups) = img.run(BENCH_APP, 0, |_| Some(v));
+                assert_eq!(d, want);
+                assert_eq!(
+                    lookups,
+                    checks + 1,
+                    "every request takes every skip-and-check"
+                );
             }
-            assert_eq!(
-                set.rules.iter().map(crate::image::skip_and_checks).max(),
-                Some(checks)
-            );
+            assert!(set
+                .rules
+                .iter()
+                .all(|r| crate::image::skip_and_checks(r) == checks));
+            assert_eq!(values.len(), rules);
         }
+        // 508 rules of 4 skip-and-checks fill the image exactly.
+        let full = dispatch_workload(4, 508, 2).unwrap();
+        assert_eq!(Image::compile(&full.rules).unwrap().cam.len(), 512);
+        let over = dispatch_workload(4, 509, 2).unwrap();
+        assert!(Image::compile(&over.rules).is_err());
+    }
+
+    #[test]
+    fn the_report_has_every_table_and_a_verdict_for_each_target() {
+        let spread = |v: f64| Spread::of(&[v]);
+        let pt = |mode, x, rps: f64| Point {
+            mode,
+            x,
+            rps: spread(rps),
+            p50_us: spread(10.0),
+            p99_us: spread(20.0),
+            errors: 0,
+            misdispatched: 0,
+            kernel_ns: (mode == Mode::Kernel).then_some(400.0),
+            cpu_us: spread(8.0),
+            server_cpus_us: spread(9.0),
+            server_busy: spread(100.0),
+            load_busy: spread(80.0),
+            load_idle: Some(spread(30.0)),
+        };
+        let modes = [
+            Mode::Reuseport,
+            Mode::Kernel,
+            Mode::SoftwareQueue,
+            Mode::SoftwareUds,
+        ];
+        let set = |x| {
+            modes
+                .iter()
+                .zip([100.0, 95.0, 60.0, 30.0])
+                .map(|(&m, r)| pt(m, x, r))
+                .collect::<Vec<_>>()
+        };
+        let report = BenchReport {
+            headline: set(0),
+            by_checks: [set(1), set(48)].concat(),
+            by_rules: set(508),
+            decision_cost: vec![DecisionCost {
+                checks: 1,
+                lookups: 2,
+                software_ns: 100.0,
+                kernel_ns: None,
+            }],
+        };
+        let cfg = BenchConfig {
+            modes: modes.to_vec(),
+            spec: RunSpec {
+                generator: crate::load::Generator::Pipelined { window: 8 },
+                workers: 2,
+                dispatchers: 1,
+                clients: 8,
+                duration: std::time::Duration::from_secs(2),
+                pinning: crate::load::Pinning {
+                    server: vec![1],
+                    load: vec![0],
+                },
+            },
+            repeats: 3,
+            checks: vec![1, 48],
+            rules: vec![508],
+            fixed_rules: FIXED_RULES,
+            fixed_checks: FIXED_CHECKS,
+            headline: true,
+            keys: 24_000,
+        };
+        let md = report.markdown(&cfg);
+        assert!(
+            md.contains("server threads on CPUs [1], load generator on CPUs [0]"),
+            "{md}"
+        );
+        assert!(
+            md.contains("kernel / reuseport: throughput **0.95** (target ≥ 0.90: met)"),
+            "{md}"
+        );
+        assert!(
+            md.contains("kernel / software-uds: throughput **3.17** (target ≥ 3.00: met)"),
+            "{md}"
+        );
+        assert!(
+            md.contains("- skip-and-checks 48: kernel / reuseport"),
+            "{md}"
+        );
+        assert!(
+            md.contains("against the number of rules, 4 skip-and-checks each"),
+            "{md}"
+        );
+        assert!(md.contains("| 508 | kernel | 95 (95–95) |"), "{md}");
+        // Every table row has as many cells as its header.
+        for table in md.split("\n\n").filter(|t| t.starts_with('|')) {
+            let cells: Vec<usize> = table.lines().map(|l| l.matches('|').count()).collect();
+            assert!(cells.iter().all(|c| *c == cells[0]), "{table}");
+        }
+        assert_eq!(report.svgs().len(), 6);
     }
 
     #[test]

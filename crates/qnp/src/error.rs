@@ -31,6 +31,9 @@ pub enum QnpError {
         "malformed QNP packet: {0}; check that the peer speaks QNP (header layout of docs/qnp.md)"
     )]
     Packet(String),
+    /// A transport setting makes no working endpoint.
+    #[error("bad QNP setting: {0}")]
+    Config(String),
     /// A request cannot be segmented under the configured limits.
     #[error("{0}")]
     TooLarge(String),

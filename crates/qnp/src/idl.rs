@@ -225,7 +225,16 @@ pub fn parse(file: &str, src: &str) -> Result<Schema, QnpError> {
         lx.pos -= 1;
         return Err(lx.err_here(format!("a file starts with `app NAME = ID;`, found `{kw}`")));
     }
+    let app_at = lx.pos;
     let app_name = lx.ident("the application name")?;
+    if KEYWORDS.contains(&app_name.as_str())
+        || app_name.starts_with(|c: char| c.is_ascii_uppercase())
+    {
+        lx.pos = app_at;
+        return Err(lx.err_here(format!(
+            "application name `{app_name}` cannot name a Rust module (`{app_name}.rs`); use a snake_case name that is not a Rust keyword"
+        )));
+    }
     lx.punct('=')?;
     let app_id = lx.byte("app id")?;
     lx.punct(';')?;
@@ -329,7 +338,21 @@ pub fn parse(file: &str, src: &str) -> Result<Schema, QnpError> {
     })
 }
 
+/// Names the generated module uses itself (imports, the app id constant).
+const RESERVED_TYPES: &[&str] = &["QnpError", "QnpMessage", "APP_ID"];
+
 fn check_type_name(lx: &Lexer<'_>, at: usize, name: &str) -> Result<(), QnpError> {
+    if RESERVED_TYPES.contains(&name) {
+        let here = Lexer {
+            file: lx.file,
+            toks: lx.toks.clone(),
+            pos: at,
+            eof_line: lx.eof_line,
+        };
+        return Err(here.err_here(format!(
+            "message name `{name}` is taken by the generated code; rename the message"
+        )));
+    }
     if name.starts_with(|c: char| c.is_ascii_uppercase()) && !KEYWORDS.contains(&name) {
         return Ok(());
     }
@@ -509,6 +532,13 @@ mod tests {
         assert!(e.contains("end of file"), "{e}");
         let e = err_of("");
         assert!(e.starts_with("x.qnp:1:1:"), "{e}");
+        let e = err_of("app kv = 1;\nmessage QnpError = 0 {}");
+        assert!(
+            e.starts_with("x.qnp:2:9: message name `QnpError` is taken"),
+            "{e}"
+        );
+        let e = err_of("app mod = 1;");
+        assert!(e.starts_with("x.qnp:1:5: application name `mod`"), "{e}");
         let e = err_of("app kv = 1; $");
         assert!(e.contains("unexpected character `$`"), "{e}");
     }

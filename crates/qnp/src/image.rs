@@ -16,9 +16,15 @@
 //! 3. On a miss (or mismatch) of a check state *s*, look up `(app, type, field, s | 0x80, 0)`:
 //!    the fall-through to the next rule in file order, or to the default. A miss there drops.
 //!
-//! The compiler gives each rule its own chain of states (1..=127 per app, type and field), so the
-//! first-match-wins order of the rule file holds by construction. A rule costs two entries per
-//! skip-and-check (its hit entry and its fall-through entry), plus one start entry per app/type.
+//! The compiler walks each app/type's rules in file order and groups consecutive rules on one
+//! field that share their leading skip-and-checks and then, at one step, skip and check the same
+//! number of bytes but want different bytes. A group shares the states of its common prefix and
+//! one state for the step where its members differ, whose CAM entries compare the window with
+//! every member at once (the CAM's reason to exist, §5.2.1); at most one member can match, so a
+//! miss anywhere in a group falls through to the next group and first-match order holds. Each
+//! member then has its own states for its remaining steps. States are numbered 1..=127 per app,
+//! type and field. A state costs a hit entry per value it tests and one fall-through entry (none
+//! when nothing follows: no later rule and no default), plus one start entry per app/type.
 
 use crate::rules::{Decision, PatByte, Rule, RuleSet};
 use crate::QnpError;
@@ -169,6 +175,56 @@ pub fn skip_and_checks(rule: &Rule) -> usize {
     steps_of(&rule.pattern).len()
 }
 
+/// Consecutive rules (file order) of one app/type that the image tests together: they read the
+/// same field, their first `prefix` skip-and-checks are identical, and at step `prefix` they
+/// skip and check the same number of bytes but want pairwise different bytes. So at most one
+/// member can match any value, and first-match order holds when a miss anywhere in the group
+/// falls through to the next group. A single rule is a group of one (`prefix` 0).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Group {
+    members: Vec<usize>,
+    prefix: usize,
+}
+
+fn group_rules(rules: &[&Rule], steps: &[Vec<Step>]) -> Vec<Group> {
+    let same_shape = |a: &Step, b: &Step| a.skip == b.skip && a.lit.len() == b.lit.len();
+    let mut groups: Vec<Group> = Vec::new();
+    for i in 0..rules.len() {
+        let joined = groups.last_mut().is_some_and(|g| {
+            let first = g.members[0];
+            if rules[first].field != rules[i].field {
+                return false;
+            }
+            let (a, b) = (&steps[first], &steps[i]);
+            let prefix = if g.members.len() == 1 {
+                // The second member fixes the prefix: the steps the two rules share.
+                a.iter().zip(b).take_while(|(x, y)| x == y).count()
+            } else {
+                g.prefix
+            };
+            let fits = prefix < a.len()
+                && prefix < b.len()
+                && a[..prefix] == b[..prefix]
+                && same_shape(&a[prefix], &b[prefix])
+                && g.members
+                    .iter()
+                    .all(|&k| steps[k][prefix].lit != b[prefix].lit);
+            if fits {
+                g.prefix = prefix;
+                g.members.push(i);
+            }
+            fits
+        });
+        if !joined {
+            groups.push(Group {
+                members: vec![i],
+                prefix: 0,
+            });
+        }
+    }
+    groups
+}
+
 impl Image {
     /// Compiles a rule set into tables of [`TABLE_ENTRIES`] entries.
     pub fn compile(set: &RuleSet) -> Result<Image, QnpError> {
@@ -185,71 +241,57 @@ impl Image {
                 .filter(|r| r.app_id == app && r.req_type == ty)
                 .collect();
             let steps: Vec<Vec<Step>> = rules.iter().map(|r| steps_of(&r.pattern)).collect();
-            // Consecutive rules on one field whose first skip-and-check has the same shape and
-            // pairwise different bytes share their first state: the CAM compares the window with
-            // all of them in one lookup (the CAM's reason to exist, §5.2.1). First-match order
-            // still holds: at most one of them can equal the window.
-            let mut runs: Vec<Vec<usize>> = Vec::new();
-            for i in 0..rules.len() {
-                let joins = runs.last().is_some_and(|run| {
-                    let j = run[0];
-                    match (steps[j].first(), steps[i].first()) {
-                        (Some(a), Some(b)) => {
-                            rules[j].field == rules[i].field
-                                && a.skip == b.skip
-                                && a.lit.len() == b.lit.len()
-                                && run.iter().all(|&k| steps[k][0].lit != b.lit)
-                        }
-                        _ => false,
-                    }
-                });
-                match runs.last_mut() {
-                    Some(run) if joins => run.push(i),
-                    _ => runs.push(vec![i]),
-                }
-            }
-            // State numbers: per run its shared first state, per rule its later steps' states.
+            let groups = group_rules(&rules, &steps);
+            // State numbers, per field: each group's shared prefix states and its distinguishing
+            // state, then each member's own states for its remaining steps.
             let mut next_state: HashMap<u8, usize> = HashMap::new();
             let mut states: Vec<Vec<u8>> = vec![Vec::new(); rules.len()];
-            for run in &runs {
-                let field = rules[run[0]].field;
+            for g in &groups {
+                let first = g.members[0];
+                let field = rules[first].field;
                 let next = next_state.entry(field).or_insert(1);
-                let first = *next;
-                *next += 1;
-                for &i in run {
-                    let later = *next..*next + steps[i].len().saturating_sub(1);
-                    *next = later.end;
+                // Shared: the prefix steps and the distinguishing step (none for an empty rule).
+                let shared_len = if steps[first].is_empty() {
+                    0
+                } else {
+                    g.prefix + 1
+                };
+                let shared: Vec<usize> = (*next..*next + shared_len).collect();
+                *next += shared_len;
+                for &i in &g.members {
+                    let own = *next..*next + steps[i].len().saturating_sub(shared_len);
+                    *next = own.end;
                     if *next - 1 > MAX_STATES {
                         return Err(QnpError::TableFull(format!(
-                            "app {app} type {ty} field {field} needs {} check states by rule line {} but the 8-bit state (high bit reserved) allows {MAX_STATES}; use fewer or shorter rules on this field",
+                            "app {app} type {ty} field {field} needs {} check states by rule line {} but the 8-bit state (high bit reserved) allows {MAX_STATES}; use fewer or shorter rules on this field, or let rules share their leading skip-and-checks (rules that differ only from one skip-and-check on share the ones before it)",
                             *next - 1,
                             rules[i].line
                         )));
                     }
                     // Bounded by MAX_STATES just above.
-                    states[i] = std::iter::once(first)
-                        .chain(later)
-                        .map(|s| s as u8)
-                        .collect();
+                    states[i] = shared.iter().copied().chain(own).map(|s| s as u8).collect();
                 }
             }
             let default = set.defaults.get(&(app, ty)).map(|(q, _)| *q);
-            // The RAM entry that starts run `r` (or the default after the last run).
-            let entry_of = |r: usize| -> Option<RamEntry> {
-                let Some(run) = runs.get(r) else {
-                    return default.map(RamEntry::exit);
-                };
-                let i = run[0];
-                Some(match steps[i].first() {
+            // The RAM entry that executes step `j` of rule `i`, or its exit after the last step.
+            let step_entry = |i: usize, j: usize| -> RamEntry {
+                match steps[i].get(j) {
                     None => RamEntry::exit(rules[i].queue),
                     Some(s) => RamEntry {
                         field: rules[i].field,
                         skip: s.skip,
                         // A step holds at most CHECK_BYTES bytes.
                         check: s.lit.len() as u8,
-                        state: states[i][0],
+                        state: states[i][j],
                     },
-                })
+                }
+            };
+            // The RAM entry that starts group `g` (or the default after the last group).
+            let entry_of = |g: usize| -> Option<RamEntry> {
+                match groups.get(g) {
+                    Some(group) => Some(step_entry(group.members[0], 0)),
+                    None => default.map(RamEntry::exit),
+                }
             };
             let mut push = |cam: CamEntry, ram: RamEntry| {
                 img.cam.push(cam);
@@ -269,27 +311,46 @@ impl Image {
             if let Some(start) = entry_of(0) {
                 push(key(0, 0, &[]), start);
             }
-            for (r, run) in runs.iter().enumerate() {
-                // A rule that fails falls past its whole run: the run's other rules need other
-                // bytes in the window this rule already matched.
-                let fall_through = entry_of(r + 1);
-                for (pos_in_run, &i) in run.iter().enumerate() {
-                    let rule = rules[i];
-                    for (j, step) in steps[i].iter().enumerate() {
-                        let hit = match steps[i].get(j + 1) {
-                            Some(n) => RamEntry {
-                                field: rule.field,
-                                skip: n.skip,
-                                check: n.lit.len() as u8,
-                                state: states[i][j + 1],
-                            },
-                            None => RamEntry::exit(rule.queue),
-                        };
-                        push(key(rule.field, states[i][j], &step.lit), hit);
-                        // The shared first state gets one fall-through, after the run's last hit.
-                        let owns_miss = j > 0 || pos_in_run + 1 == run.len();
-                        if let (Some(ft), true) = (fall_through, owns_miss) {
-                            push(key(rule.field, states[i][j] | MISS_BIT, &[]), ft);
+            for (g, group) in groups.iter().enumerate() {
+                // A miss anywhere in a group falls past the whole group: its members need the
+                // same bytes in the prefix and other bytes at the distinguishing step.
+                let fall_through = entry_of(g + 1);
+                let first = group.members[0];
+                let field = rules[first].field;
+                if steps[first].is_empty() {
+                    // An empty pattern matches everything: its group starts with its exit.
+                    continue;
+                }
+                let p = group.prefix;
+                // The shared prefix: one hit and one fall-through entry per step.
+                for j in 0..p {
+                    push(
+                        key(field, states[first][j], &steps[first][j].lit),
+                        step_entry(first, j + 1),
+                    );
+                    if let Some(ft) = fall_through {
+                        push(key(field, states[first][j] | MISS_BIT, &[]), ft);
+                    }
+                }
+                // The distinguishing step: one hit per member, all in one state, so the CAM
+                // compares the window with every member at once; then each member's own steps.
+                for &i in &group.members {
+                    push(
+                        key(field, states[i][p], &steps[i][p].lit),
+                        step_entry(i, p + 1),
+                    );
+                }
+                if let Some(ft) = fall_through {
+                    push(key(field, states[first][p] | MISS_BIT, &[]), ft);
+                }
+                for &i in &group.members {
+                    for j in p + 1..steps[i].len() {
+                        push(
+                            key(field, states[i][j], &steps[i][j].lit),
+                            step_entry(i, j + 1),
+                        );
+                        if let Some(ft) = fall_through {
+                            push(key(field, states[i][j] | MISS_BIT, &[]), ft);
                         }
                     }
                 }
@@ -297,7 +358,7 @@ impl Image {
         }
         if img.cam.len() > capacity {
             return Err(QnpError::TableFull(format!(
-                "the rules need {} RAM and {} CAM entries but each table holds {capacity}: {} entries over; remove rules, shorten patterns (each skip-and-check costs 2 entries) or merge app/types",
+                "the rules need {} RAM and {} CAM entries but each table holds {capacity}: {} entries over; remove rules or shorten patterns (a skip-and-check a rule does not share with its neighbours costs a hit and a fall-through entry; rules that differ only from one skip-and-check on share the ones before it)",
                 img.ram.len(),
                 img.cam.len(),
                 img.cam.len() - capacity
@@ -624,13 +685,14 @@ mod tests {
             e.contains("need 600 RAM and 600 CAM entries") && e.contains("88 entries over"),
             "{e}"
         );
-        let src: String = (0..70)
-            .map(|i| format!("rule 1 0 0 \"a.b{i}\" -> 1\n"))
+        // Distinct first checks share one state; each rule's three later checks need their own.
+        let src: String = (0..50)
+            .map(|i| format!("rule 1 0 0 \"{i:03}.a.b.c\" -> 1\n"))
             .collect();
         let e = Image::compile(&RuleSet::parse("r", &src).unwrap())
             .unwrap_err()
             .to_string();
-        assert!(e.contains("needs 128 check states by rule line 64"), "{e}");
+        assert!(e.contains("needs 130 check states by rule line 43"), "{e}");
     }
 
     #[test]
@@ -662,6 +724,84 @@ mod tests {
             img.run(1, 0, |_| Some(&b"xy\x02\x00"[..])).0,
             Decision::Drop
         );
+    }
+
+    #[test]
+    fn rules_that_differ_late_share_their_leading_checks() {
+        // 32 rules of 48 skip-and-checks that differ only in the last: 47 shared states and one
+        // distinguishing state, instead of 32 × 48 states.
+        let src: String = (0..32)
+            .map(|r| {
+                let mut p: String = (0..47)
+                    .map(|k| format!(".\\x{:02x}bcd\\x00", k + 1))
+                    .collect();
+                p.push_str(&format!(".\\x{r:02x}bcd\\x01"));
+                format!("rule 1 0 0 \"{p}\" -> {}\n", r % 4)
+            })
+            .collect();
+        let set = RuleSet::parse("r", &src).unwrap();
+        assert_eq!(set.rules.iter().map(skip_and_checks).max(), Some(48));
+        let img = Image::compile(&set).unwrap();
+        // start + 47 shared hits + 32 distinguishing hits; no fall-through (no default).
+        assert_eq!(img.cam.len(), 1 + 47 + 32);
+        assert!(img.cam.iter().all(|c| c.state <= 48));
+        let value = |r: u8| -> Vec<u8> {
+            let mut v: Vec<u8> = (0..47u8)
+                .flat_map(|k| [b'-', k + 1, b'b', b'c', b'd', 0])
+                .collect();
+            v.extend_from_slice(&[b'-', r, b'b', b'c', b'd', 1]);
+            v
+        };
+        for r in [0u8, 17, 31] {
+            let v = value(r);
+            let (d, lookups) = img.run(1, 0, |_| Some(&v[..]));
+            assert_eq!(d, Decision::Queue(r % 4));
+            assert_eq!(lookups, 49, "start + one lookup per skip-and-check");
+        }
+        let mut miss = value(3);
+        miss[6 * 20 + 2] = b'X';
+        assert_eq!(img.run(1, 0, |_| Some(&miss[..])).0, Decision::Drop);
+        // With a default, a miss in the shared prefix or at the last check falls through to it.
+        let with_default = RuleSet::parse("r", &format!("{src}default 1 0 -> 9\n")).unwrap();
+        let img = Image::compile(&with_default).unwrap();
+        assert_eq!(img.run(1, 0, |_| Some(&miss[..])).0, Decision::Queue(9));
+        let mut last = value(3);
+        last[6 * 47 + 1] = 200;
+        assert_eq!(img.run(1, 0, |_| Some(&last[..])).0, Decision::Queue(9));
+    }
+
+    #[test]
+    fn a_group_ends_where_first_match_order_needs_it() {
+        // "ab.x" and "ab.y" share "ab" and differ at the last check; "ab" alone cannot join
+        // (it is the prefix itself), nor can "ab.x" again (same bytes as a member).
+        let set = RuleSet::parse(
+            "r",
+            "rule 1 0 0 \"ab.x\" -> 1\nrule 1 0 0 \"ab.y\" -> 2\nrule 1 0 0 \"ab.x\" -> 3\nrule 1 0 0 \"ab\" -> 4\ndefault 1 0 -> 5\n",
+        )
+        .unwrap();
+        let img = Image::compile(&set).unwrap();
+        for (v, want) in [
+            (&b"ab-x"[..], 1),
+            (b"ab-y", 2),
+            (b"ab-z", 4),
+            (b"a", 5),
+            (b"abyx", 1),
+        ] {
+            assert_eq!(img.run(1, 0, |_| Some(v)).0, Decision::Queue(want), "{v:?}");
+            assert_eq!(set.eval(1, 0, |_| Some(v)), Decision::Queue(want), "{v:?}");
+        }
+        // "ac.d" checks the same shape at its second step as "a.a" and "a.b" but its first
+        // step differs: it must not join their group.
+        let set = RuleSet::parse(
+            "r",
+            "rule 1 0 0 \"a.a\" -> 1\nrule 1 0 0 \"a.b\" -> 2\nrule 1 0 0 \"ac.d\" -> 3\n",
+        )
+        .unwrap();
+        let img = Image::compile(&set).unwrap();
+        for (v, want) in [(&b"aczd"[..], 3), (b"azb", 2), (b"aca", 1)] {
+            assert_eq!(img.run(1, 0, |_| Some(v)).0, Decision::Queue(want), "{v:?}");
+            assert_eq!(set.eval(1, 0, |_| Some(v)), Decision::Queue(want), "{v:?}");
+        }
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! keys (§5.3), keys named so that the rule file `examples/rules/kv.rules` splits 24 key ranges.
 
 use crate::apps::{kv, pingpong};
+use crate::cpu::{CpuTimes, CpuUse};
 use crate::transport::{Endpoint, OutReq, QnpConfig};
 use crate::QnpError;
 use rand::rngs::StdRng;
@@ -36,11 +37,36 @@ pub enum Workload {
     },
 }
 
-/// The key of key number `n` out of `keys`: range letter `a`..`x`, then the number.
-pub fn kv_key(n: usize, keys: usize) -> String {
-    let range = n * KEY_RANGES / keys.max(1);
-    format!("{}{n:05}", char::from(b'a' + range as u8))
+/// Bytes of a key, as in the paper's store (§5.1: 62-byte keys, 64-byte values).
+pub const KEY_BYTES: usize = 62;
+
+/// The key range (0..24) of key number `n` out of `keys`: keys are split evenly and in order.
+pub fn key_range(n: usize, keys: usize) -> usize {
+    (n * KEY_RANGES / keys.max(1)).min(KEY_RANGES - 1)
 }
+
+/// The key of key number `n` out of `keys`: its range's letter `a`..`x`, then the number,
+/// zero-padded to [`KEY_BYTES`] bytes. Dispatch rules read the first byte.
+pub fn kv_key(n: usize, keys: usize) -> String {
+    let letter = char::from(b'a' + key_range(n, keys) as u8);
+    format!("{letter}{n:0width$}", width = KEY_BYTES - 1)
+}
+
+/// The key numbers of range `r`: `start..end`.
+pub fn range_keys(r: usize, keys: usize) -> std::ops::Range<usize> {
+    let keys = keys.max(KEY_RANGES);
+    let start = (r * keys).div_ceil(KEY_RANGES);
+    let end = ((r + 1) * keys).div_ceil(KEY_RANGES);
+    start..end
+}
+
+/// Bytes of a PingPong request (and response) on the wire, all headers included (§5.2): Ethernet,
+/// IPv4, UDP and QNP take 64, the TLV payload the other 64.
+pub const WIRE_BYTES: usize = 128;
+/// Headers in front of the QNP payload: Ethernet, IPv4, UDP and the QNP header.
+pub const FRAME_OVERHEAD: usize = crate::header::L2_L4_HEADERS + crate::header::HEADER_LEN;
+/// PingPong's body: the payload minus the TLV fields `lane` (3 + 6), `body` (3) and `sent_ns` (3 + 8).
+pub const PING_BODY: usize = WIRE_BYTES - FRAME_OVERHEAD - (3 + 6) - 3 - (3 + 8);
 
 /// Zipf(s) over ranks 1..=n by inverse CDF. Hand-written: rand 0.9 has no Zipf and this is ten
 /// lines; `rand_distr` would be a new dependency for one distribution.
@@ -69,6 +95,14 @@ impl Zipf {
     }
 }
 
+/// Keys in the largest range: the Zipf ranks within a range.
+pub fn keys_per_range(keys: usize) -> usize {
+    (0..KEY_RANGES)
+        .map(|r| range_keys(r, keys).len())
+        .max()
+        .unwrap_or(1)
+}
+
 /// Results of a run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadReport {
@@ -79,6 +113,9 @@ pub struct LoadReport {
     pub seconds: f64,
     pub p50_us: f64,
     pub p99_us: f64,
+    /// The pipelined generator: the share of its time spent in polls that found no response,
+    /// its spare capacity (near 0: the generator, not the server, limited the run).
+    pub idle_fraction: Option<f64>,
 }
 
 impl LoadReport {
@@ -97,16 +134,17 @@ fn request(
         Workload::PingPong { lanes } => {
             let lane = rng.random_range(0..(*lanes).max(1));
             OutReq::from_message(&pingpong::Ping {
-                // 128 bytes on the wire: 3 + 6 (lane) + 3 + 105 (body) + 3 + 8 (sent_ns).
-                body: vec![0x5a; 105],
+                body: vec![0x5a; PING_BODY],
                 lane: format!("lane{lane:02}"),
                 sent_ns: 0,
             })
         }
         Workload::KvGet { keys, .. } => {
+            // As in the paper (§5.1): a key range picked uniformly, and within it a key by
+            // Zipf popularity (rank 0, the range's first key, the most popular).
+            let range = range_keys(rng.random_range(0..KEY_RANGES), *keys);
             let rank = zipf.map_or(0, |z| z.sample(rng));
-            // Spread popular ranks over the key space, so the hot keys are not all in range `a`.
-            let n = rank.wrapping_mul(7919) % (*keys).max(1);
+            let n = (range.start + rank).min(range.end.saturating_sub(1));
             OutReq::from_message(&kv::Get {
                 key: kv_key(n, *keys),
                 flags: 0,
@@ -119,11 +157,11 @@ fn request(
         } => {
             let i = rng.random_range(0..values.len().max(1));
             let value = values.get(i).map_or(&[][..], Vec::as_slice);
-            let mut payload = Vec::with_capacity(128);
+            let mut payload = Vec::with_capacity(WIRE_BYTES);
             crate::tlv::put_bytes(&mut payload, 0, value)?;
             let dispatch_len = payload.len();
-            // Pad to 128 bytes, as the PingPong app (fields of 3 + value bytes).
-            let pad = 128usize.saturating_sub(dispatch_len + 3);
+            // Pad to 128 bytes on the wire, as the PingPong app, where the value leaves room.
+            let pad = WIRE_BYTES.saturating_sub(FRAME_OVERHEAD + dispatch_len + 3);
             crate::tlv::put_bytes(&mut payload, 1, &vec![0x5a; pad])?;
             return Ok((
                 OutReq {
@@ -148,7 +186,7 @@ pub async fn run(
     cfg: QnpConfig,
 ) -> Result<LoadReport, QnpError> {
     let zipf = match workload {
-        Workload::KvGet { keys, s } => Some(Arc::new(Zipf::new(keys, s))),
+        Workload::KvGet { keys, s } => Some(Arc::new(Zipf::new(keys_per_range(keys), s))),
         Workload::PingPong { .. } | Workload::Dispatch { .. } => None,
     };
     let bind = SocketAddr::new(target.ip(), 0);
@@ -161,7 +199,7 @@ pub async fn run(
             .map_err(|e| QnpError::io(format!("binding a load client on {bind}"), e))?;
         let (zipf, workload) = (zipf.clone(), workload.clone());
         tasks.push(tokio::spawn(async move {
-            let ep = Endpoint::new(sock, cfg);
+            let ep = Endpoint::new(sock, cfg)?;
             let mut rng = StdRng::seed_from_u64(c as u64);
             let (mut lat, mut errors, mut wrong) = (Vec::new(), 0u64, 0u64);
             while Instant::now() < deadline {
@@ -208,6 +246,7 @@ fn report(mut lat: Vec<u64>, errors: u64, misdispatched: u64, seconds: f64) -> L
         seconds,
         p50_us: pct(0.50),
         p99_us: pct(0.99),
+        idle_fraction: None,
     }
 }
 
@@ -259,6 +298,18 @@ pub struct ModeResult {
     /// the receive path of a request (and the kernel dispatcher) runs in the sender's system
     /// call, so it is charged to the load generator, not here.
     pub server_cpu_us_per_req: f64,
+    /// How busy the server's CPUs were (all CPUs when the server is unpinned), from
+    /// `/proc/stat`: every process and the kernel's softirq work on them count.
+    pub server_cpus: CpuUse,
+    /// How busy the load generator's CPUs were (zero when it is unpinned).
+    pub load_cpus: CpuUse,
+}
+
+impl ModeResult {
+    /// Busy time of the server's CPUs per answered request, in µs (softirq included).
+    pub fn server_cpus_us_per_req(&self) -> f64 {
+        self.server_cpus.busy_secs * 1e6 / self.report.requests.max(1) as f64
+    }
 }
 
 /// Keys of the demo's key-value store.
@@ -267,7 +318,8 @@ pub const DEMO_KEYS: usize = 24_000;
 pub const DEMO_LANES: usize = 16;
 
 /// Serves `handler` under `rules` in `mode` on `spec`'s server CPUs and drives it with
-/// `workload` from the calling thread, pinned to `spec`'s load CPUs, on `rt`.
+/// `workload` from the calling thread, pinned to `spec`'s load CPUs, on `rt`. The calling
+/// thread stays pinned afterwards.
 pub fn run_mode(
     rt: &tokio::runtime::Runtime,
     mode: crate::dispatch::Mode,
@@ -289,6 +341,7 @@ pub fn run_mode(
         cfg,
         Arc::clone(handler),
     )?;
+    let before = CpuTimes::now()?;
     let report = match spec.generator {
         Generator::Endpoint => rt.block_on(run(
             server.addr(),
@@ -301,21 +354,27 @@ pub fn run_mode(
             pipelined::run(server.addr(), spec.clients, window, spec.duration, workload)?
         }
     };
-    let result = ModeResult {
-        mode,
-        report,
-        per_worker: server.handled(),
-        dropped: server.dispatched_dropped().1,
-        kernel_ns_per_packet: server
-            .kernel_run_stats()
-            .filter(|(_, runs)| *runs > 0)
-            .map(|(ns, runs)| ns as f64 / runs as f64),
-        server_cpu_us_per_req: 0.0,
-    };
-    let cpu = server.stop();
+    let after = CpuTimes::now()?;
+    let per_worker = server.handled();
+    let dropped = server.dispatched_dropped().1;
+    let kernel_ns_per_packet = server
+        .kernel_run_stats()
+        .filter(|(_, runs)| *runs > 0)
+        .map(|(ns, runs)| ns as f64 / runs as f64);
+    let cpu = server.stop().cpu;
     Ok(ModeResult {
-        server_cpu_us_per_req: cpu.as_secs_f64() * 1e6 / result.report.requests.max(1) as f64,
-        ..result
+        mode,
+        server_cpu_us_per_req: cpu.as_secs_f64() * 1e6 / report.requests.max(1) as f64,
+        report,
+        per_worker,
+        dropped,
+        kernel_ns_per_packet,
+        server_cpus: after.since(&before, &spec.pinning.server),
+        load_cpus: if spec.pinning.load.is_empty() {
+            CpuUse::default()
+        } else {
+            after.since(&before, &spec.pinning.load)
+        },
     })
 }
 
@@ -327,47 +386,121 @@ pub fn load_runtime() -> Result<tokio::runtime::Runtime, QnpError> {
         .map_err(|e| QnpError::io("starting the load generator's runtime", e))
 }
 
-/// The demo: serves `workload` (`kv`: GETs on a RocksDB store of [`DEMO_KEYS`] pre-loaded keys,
-/// or `pingpong`) in each mode in turn, with the same workers and rules ([`crate::apps::demo_rules`]).
+/// A mode and how its run went (an error: the mode could not run).
+pub type ModeOutcome = (crate::dispatch::Mode, Result<ModeResult, QnpError>);
+
+/// The demo's applications.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DemoApp {
+    /// GETs on a RocksDB store of `keys` pre-loaded keys, Zipf(0.9) within 24 key ranges.
+    Kv { keys: usize },
+    /// PingPong, 128 bytes on the wire, over [`DEMO_LANES`] lanes.
+    PingPong,
+}
+
+impl std::str::FromStr for DemoApp {
+    type Err = QnpError;
+    fn from_str(s: &str) -> Result<DemoApp, QnpError> {
+        match s {
+            "kv" => Ok(DemoApp::Kv { keys: DEMO_KEYS }),
+            "pingpong" => Ok(DemoApp::PingPong),
+            other => Err(QnpError::Config(format!(
+                "unknown workload `{other}`; use kv or pingpong"
+            ))),
+        }
+    }
+}
+
+/// The demo: serves `app` in each mode in turn, with the same workers, cores and rules
+/// ([`crate::apps::demo_rules`]). A mode that cannot run (kernel mode without root) gets its
+/// error and the others still run.
 pub fn compare_modes(
     modes: &[crate::dispatch::Mode],
-    workload: &str,
+    app: DemoApp,
     spec: &RunSpec,
-) -> Result<Vec<ModeResult>, QnpError> {
-    let (load, handler) = match workload {
-        "kv" => {
+) -> Result<Vec<ModeOutcome>, QnpError> {
+    let (load, handler) = match app {
+        DemoApp::Kv { keys } => {
             let store = crate::kv_store::KvStore::temporary()?;
-            store.preload(DEMO_KEYS)?;
+            store.preload(keys)?;
             (
-                Workload::KvGet {
-                    keys: DEMO_KEYS,
-                    s: 0.9,
-                },
+                Workload::KvGet { keys, s: 0.9 },
                 crate::apps::kv_service(Arc::new(store)),
             )
         }
-        "pingpong" => (
+        DemoApp::PingPong => (
             Workload::PingPong { lanes: DEMO_LANES },
             crate::apps::pingpong_service(),
         ),
-        other => {
-            return Err(QnpError::TooLarge(format!(
-                "unknown workload `{other}`; use kv or pingpong"
-            )))
-        }
     };
     let rules =
         crate::rules::RuleSet::parse("demo", &crate::apps::demo_rules(spec.workers, DEMO_LANES))?;
     let rt = load_runtime()?;
-    modes
+    Ok(modes
         .iter()
-        .map(|&mode| run_mode(&rt, mode, spec, &rules, &load, &handler))
-        .collect()
+        .map(|&mode| (mode, run_mode(&rt, mode, spec, &rules, &load, &handler)))
+        .collect())
+}
+
+/// The demo's result table, one row per mode, as aligned text.
+pub fn demo_table(results: &[ModeOutcome]) -> String {
+    let mut rows = vec![[
+        "mode",
+        "req/s",
+        "p50 µs",
+        "p99 µs",
+        "timeouts",
+        "requests per worker",
+        "dispatcher drops",
+    ]
+    .map(String::from)
+    .to_vec()];
+    let mut notes = String::new();
+    for (mode, r) in results {
+        let name = crate::bench::mode_name(*mode).to_string();
+        match r {
+            Ok(r) => rows.push(vec![
+                name,
+                format!("{:.0}", r.report.rps()),
+                format!("{:.1}", r.report.p50_us),
+                format!("{:.1}", r.report.p99_us),
+                r.report.errors.to_string(),
+                format!("{:?}", r.per_worker),
+                r.dropped.to_string(),
+            ]),
+            Err(e) => {
+                rows.push(vec![name.clone(), "skipped".into()]);
+                notes.push_str(&format!("{name}: {e}\n"));
+            }
+        }
+    }
+    let cols = rows[0].len();
+    let width: Vec<usize> = (0..cols)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|s| s.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for row in &rows {
+        let cells: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(c, s)| format!("{s:<w$}", w = width[c]))
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out + &notes
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::QnpMessage as _;
 
     #[test]
     fn zipf_prefers_low_ranks_and_stays_in_range() {
@@ -384,21 +517,68 @@ mod tests {
         );
         assert!(
             counts[0] > 1000,
-            "rank 1 of Zipf(0.9) over 1000 keys has ~13% of the mass"
+            "rank 1 of Zipf(0.9) over 1000 keys has ~10% of the mass"
         );
     }
 
     #[test]
-    fn keys_fall_into_24_ranges() {
-        assert_eq!(kv_key(0, 24_000), "a00000");
-        assert_eq!(kv_key(23_999, 24_000), "x23999");
-        assert_eq!(kv_key(1_000, 24_000), "b01000");
+    fn keys_are_62_bytes_in_24_ranges() {
+        let k = kv_key(0, 24_000);
+        assert_eq!(k.len(), KEY_BYTES);
+        assert!(k.starts_with("a000") && k.ends_with("0000"));
+        assert!(
+            kv_key(23_999, 24_000).starts_with('x') && kv_key(23_999, 24_000).ends_with("23999")
+        );
+        assert!(kv_key(1_000, 24_000).starts_with('b'));
+        for keys in [24, 100, 24_000, 3_140_000] {
+            let mut total = 0;
+            for r in 0..KEY_RANGES {
+                let range = range_keys(r, keys);
+                total += range.len();
+                assert!(
+                    range.clone().all(|n| key_range(n, keys) == r),
+                    "{keys} keys, range {r}"
+                );
+            }
+            assert_eq!(total, keys);
+        }
     }
 
     #[test]
-    fn ping_is_128_bytes() {
+    fn kv_gets_spread_over_the_ranges_and_are_zipf_within_each() {
+        let keys = 24_000;
+        let z = Zipf::new(keys_per_range(keys), 0.9);
+        let mut rng = StdRng::seed_from_u64(3);
+        let w = Workload::KvGet { keys, s: 0.9 };
+        let (mut per_range, mut first_keys) = (vec![0u32; KEY_RANGES], 0u32);
+        let n = 24_000;
+        for _ in 0..n {
+            let (r, _) = request(&w, Some(&z), &mut rng).unwrap();
+            let get = kv::Get::decode(&r.payload).unwrap();
+            let num: usize = get.key[1..].parse().unwrap();
+            per_range[key_range(num, keys)] += 1;
+            first_keys += u32::from(range_keys(key_range(num, keys), keys).start == num);
+        }
+        // Uniform over ranges: each near 1000.
+        assert!(
+            per_range.iter().all(|c| (800..1200).contains(c)),
+            "{per_range:?}"
+        );
+        // Zipf(0.9) over 1000 keys gives rank 1 1/H = 9.8 % of a range's requests.
+        assert!((2_050..2_650).contains(&first_keys), "{first_keys}");
+    }
+
+    #[test]
+    fn ping_is_128_bytes_on_the_wire() {
         let mut rng = StdRng::seed_from_u64(0);
         let (r, _) = request(&Workload::PingPong { lanes: 4 }, None, &mut rng).unwrap();
-        assert_eq!(r.payload.len(), 128);
+        assert_eq!(FRAME_OVERHEAD + r.payload.len(), 128);
+        let w = Workload::Dispatch {
+            app_id: 9,
+            values: Arc::new(vec![b"12345".to_vec()]),
+            expect: Arc::new(vec![0]),
+        };
+        let (r, _) = request(&w, None, &mut rng).unwrap();
+        assert_eq!(FRAME_OVERHEAD + r.payload.len(), 128);
     }
 }

@@ -68,6 +68,54 @@ impl Default for QnpConfig {
     }
 }
 
+impl QnpConfig {
+    /// Checks that the limits make a working endpoint; the error names the setting and a value
+    /// that works.
+    pub fn validate(&self) -> Result<(), QnpError> {
+        let bad = |what: String| Err(QnpError::Config(what));
+        // 65,507 is the largest UDP payload over IPv4.
+        if self.max_packet_bytes <= crate::header::HEADER_LEN || self.max_packet_bytes > 65_507 {
+            return bad(format!(
+                "max_packet_bytes is {} but must leave room after the {}-byte QNP header and fit a UDP datagram ({}..=65507); 1472 fills a 1500-byte IPv4 packet",
+                self.max_packet_bytes,
+                crate::header::HEADER_LEN,
+                crate::header::HEADER_LEN + 1
+            ));
+        }
+        if self.max_pkts_per_req == 0 {
+            return bad(
+                "max_pkts_per_req is 0; a request needs at least one packet (default 64)".into(),
+            );
+        }
+        if self.max_tracked_requests == 0 {
+            return bad("max_tracked_requests is 0, so every request would be dropped; the paper tracks 1024".into());
+        }
+        if self.max_completed_requests == 0 {
+            return bad("max_completed_requests is 0, so every request would be refused; keep it above the request rate × dedup_window (default 262144)".into());
+        }
+        if self.request_expiry.is_zero() {
+            return bad("request_expiry is 0, so a request of several packets could never be reassembled; the paper uses 1 s".into());
+        }
+        if self.rto.is_zero() {
+            return bad("rto is 0, which would retransmit in a busy loop; use e.g. 50 ms".into());
+        }
+        if self.max_attempts == 0 {
+            return bad(
+                "max_attempts is 0, so no request would ever be sent; use at least 1 (default 20)"
+                    .into(),
+            );
+        }
+        if self.dedup_window < self.rto.saturating_mul(self.max_attempts) {
+            return bad(format!(
+                "dedup_window ({:?}) is shorter than rto × max_attempts ({:?}): a late retransmission of an answered request would be delivered twice; raise dedup_window",
+                self.dedup_window,
+                self.rto.saturating_mul(self.max_attempts)
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// A request delivered to the application.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
@@ -122,8 +170,9 @@ impl Drop for PendingGuard<'_> {
 
 impl<S: Datagram> Endpoint<S> {
     /// Starts an endpoint on `sock`. Must be called inside a tokio runtime: it spawns the
-    /// receive task.
-    pub fn new(sock: S, cfg: QnpConfig) -> Self {
+    /// receive task. Fails if `cfg` does not pass [`QnpConfig::validate`].
+    pub fn new(sock: S, cfg: QnpConfig) -> Result<Self, QnpError> {
+        cfg.validate()?;
         let (tx, rx) = mpsc::channel(cfg.max_tracked_requests.max(1));
         let shared = Arc::new(Shared {
             sock,
@@ -135,11 +184,11 @@ impl<S: Datagram> Endpoint<S> {
             rx: Mutex::new(RxTable::new(cfg, Instant::now())),
         });
         let task = tokio::spawn(receive_loop(Arc::clone(&shared), tx));
-        Endpoint {
+        Ok(Endpoint {
             shared,
             requests: tokio::sync::Mutex::new(rx),
             task,
-        }
+        })
     }
 
     /// The address peers send to.
@@ -218,6 +267,24 @@ impl<S: Datagram> Endpoint<S> {
         }
         Ok(())
     }
+}
+
+/// Feeds `packets` (each with the port of the peer that sent it, on 127.0.0.1) to a fresh
+/// receive table, as an endpoint's receive task does, and returns what it counted and the
+/// payloads it would deliver. For fuzzing and tests: no socket, no runtime.
+#[doc(hidden)]
+pub fn receive_packets(cfg: QnpConfig, packets: &[(&[u8], u16)]) -> (RxStats, Vec<Bytes>) {
+    let mut t = RxTable::new(cfg, Instant::now());
+    let mut delivered = Vec::new();
+    for (pkt, port) in packets {
+        let peer = SocketAddr::from(([127, 0, 0, 1], *port));
+        match t.on_packet(Instant::now(), peer, pkt) {
+            RxEvent::Request(r) => delivered.push(r.payload),
+            RxEvent::Response { resp, .. } => delivered.push(resp.payload),
+            RxEvent::Nothing | RxEvent::Replay(_) => {}
+        }
+    }
+    (t.stats, delivered)
 }
 
 async fn receive_loop<S: Datagram>(shared: Arc<Shared<S>>, requests: mpsc::Sender<Request>) {
@@ -316,20 +383,26 @@ mod tests {
 
     async fn run_lossy(how: Impairment, n: u32, len: usize) -> (Vec<u32>, RxStats) {
         let net = MemNet::new();
-        let server = Arc::new(Endpoint::new(
-            LossySocket::new(
-                net.socket(a(1)),
-                Impairment {
-                    seed: how.seed ^ 1,
-                    ..how
-                },
-            ),
-            QnpConfig::default(),
-        ));
-        let client = Arc::new(Endpoint::new(
-            LossySocket::new(net.socket(a(2)), how),
-            QnpConfig::default(),
-        ));
+        let server = Arc::new(
+            Endpoint::new(
+                LossySocket::new(
+                    net.socket(a(1)),
+                    Impairment {
+                        seed: how.seed ^ 1,
+                        ..how
+                    },
+                ),
+                QnpConfig::default(),
+            )
+            .unwrap(),
+        );
+        let client = Arc::new(
+            Endpoint::new(
+                LossySocket::new(net.socket(a(2)), how),
+                QnpConfig::default(),
+            )
+            .unwrap(),
+        );
         let seen = Arc::new(Mutex::new(Vec::new()));
         let srv = echo_server(Arc::clone(&server), Arc::clone(&seen));
         let mut calls = Vec::new();
@@ -399,7 +472,7 @@ mod tests {
             max_attempts: 3,
             ..QnpConfig::default()
         };
-        let client = Endpoint::new(net.socket(a(2)), cfg);
+        let client = Endpoint::new(net.socket(a(2)), cfg).unwrap();
         let start = Instant::now();
         let err = client.send_req(a(9), &out(1, 10)).await.unwrap_err();
         assert!(
@@ -413,11 +486,98 @@ mod tests {
         );
     }
 
+    #[test]
+    fn bad_settings_are_refused_by_name() {
+        QnpConfig::default().validate().unwrap();
+        let d = QnpConfig::default();
+        for (cfg, name) in [
+            (
+                QnpConfig {
+                    max_packet_bytes: 22,
+                    ..d
+                },
+                "max_packet_bytes",
+            ),
+            (
+                QnpConfig {
+                    max_packet_bytes: 70_000,
+                    ..d
+                },
+                "max_packet_bytes",
+            ),
+            (
+                QnpConfig {
+                    max_pkts_per_req: 0,
+                    ..d
+                },
+                "max_pkts_per_req",
+            ),
+            (
+                QnpConfig {
+                    max_tracked_requests: 0,
+                    ..d
+                },
+                "max_tracked_requests",
+            ),
+            (
+                QnpConfig {
+                    max_completed_requests: 0,
+                    ..d
+                },
+                "max_completed_requests",
+            ),
+            (
+                QnpConfig {
+                    request_expiry: Duration::ZERO,
+                    ..d
+                },
+                "request_expiry",
+            ),
+            (
+                QnpConfig {
+                    rto: Duration::ZERO,
+                    ..d
+                },
+                "rto",
+            ),
+            (
+                QnpConfig {
+                    max_attempts: 0,
+                    ..d
+                },
+                "max_attempts",
+            ),
+            (
+                QnpConfig {
+                    dedup_window: Duration::from_millis(100),
+                    ..d
+                },
+                "dedup_window",
+            ),
+        ] {
+            let e = cfg.validate().unwrap_err().to_string();
+            assert!(e.starts_with(&format!("bad QNP setting: {name} ")), "{e}");
+        }
+    }
+
+    #[tokio::test]
+    async fn endpoints_refuse_bad_settings() {
+        let net = MemNet::new();
+        let cfg = QnpConfig {
+            max_attempts: 0,
+            ..QnpConfig::default()
+        };
+        assert!(matches!(
+            Endpoint::new(net.socket(a(3)), cfg),
+            Err(QnpError::Config(_))
+        ));
+    }
+
     #[tokio::test]
     async fn works_over_real_udp() {
         let bind = |_| async { tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap() };
-        let server = Arc::new(Endpoint::new(bind(()).await, QnpConfig::default()));
-        let client = Endpoint::new(bind(()).await, QnpConfig::default());
+        let server = Arc::new(Endpoint::new(bind(()).await, QnpConfig::default()).unwrap());
+        let client = Endpoint::new(bind(()).await, QnpConfig::default()).unwrap();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let srv = echo_server(Arc::clone(&server), Arc::clone(&seen));
         let to = server.local_addr().unwrap();

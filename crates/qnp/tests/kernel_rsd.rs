@@ -108,7 +108,7 @@ fn the_kernel_dispatcher_agrees_with_the_rule_semantics() {
             rto: Duration::from_millis(60),
             ..QnpConfig::default()
         };
-        let client = Endpoint::new(sock, cfg);
+        let client = Endpoint::new(sock, cfg).unwrap();
         for set_no in 0..25 {
             let src = rule_file(&mut rng);
             let set = RuleSet::parse("random", &src).unwrap();

@@ -3,7 +3,7 @@
 //! also after the image went through its file format.
 
 use flatmesh_qnp::image::Image;
-use flatmesh_qnp::rules::{FastMatcher, RuleSet};
+use flatmesh_qnp::rules::{FastMatcher, PatByte, RuleSet};
 use proptest::prelude::*;
 
 /// A pattern over a tiny alphabet so that random values often match; sometimes with a long skip
@@ -34,6 +34,47 @@ fn rule_file() -> impl Strategy<Value = String> {
                 .map(|((a, t), q)| format!("default {a} {t} -> {q}\n"))
                 .collect();
             rules.concat() + &defaults
+        })
+}
+
+/// Families of rules that share a leading pattern and differ after it, so the image compiler's
+/// groups with a shared prefix (and the group boundaries of first-match order) are exercised.
+fn family_rule_file() -> impl Strategy<Value = String> {
+    let tail = prop_oneof![
+        Just("a".to_owned()),
+        Just("b".to_owned()),
+        Just("c".to_owned()),
+        Just("ab".to_owned()),
+        Just("cd".to_owned()),
+        Just(".a".to_owned()),
+        Just(".b".to_owned()),
+        Just(".c".to_owned()),
+        Just(".d".to_owned()),
+        Just("".to_owned()),
+    ];
+    let field = prop_oneof![4 => Just(0u8), 1 => Just(1u8)];
+    let rule = (field, proptest::collection::vec(tail, 0..3), 0u8..6);
+    let base = prop_oneof![
+        3 => Just("a".to_owned()),
+        2 => Just("a.b".to_owned()),
+        1 => Just("..".to_owned()),
+        1 => Just(String::new()),
+        2 => pattern(),
+    ];
+    (
+        base,
+        proptest::collection::vec(rule, 1..12),
+        proptest::option::of(0u8..6),
+    )
+        .prop_map(|(base, rules, default)| {
+            let mut s: String = rules
+                .into_iter()
+                .map(|(f, t, q)| format!("rule 1 0 {f} \"{base}{}\" -> {q}\n", t.concat()))
+                .collect();
+            if let Some(q) = default {
+                s += &format!("default 1 0 -> {q}\n");
+            }
+            s
         })
 }
 
@@ -68,6 +109,39 @@ proptest! {
             let want = set.eval(*app, *ty, field);
             prop_assert_eq!(fast.eval(*app, *ty, field), want, "fast matcher, rules:\n{}", src);
             prop_assert_eq!(img.run(*app, *ty, field).0, want, "image, rules:\n{}", src);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    #[test]
+    fn image_agrees_on_rule_families_with_shared_prefixes(
+        src in family_rule_file(),
+        inputs in proptest::collection::vec((value(), value()), 1..24),
+    ) {
+        let set = RuleSet::parse("family.rules", &src).unwrap();
+        let fast = FastMatcher::new(&set);
+        let img = Image::compile(&set).unwrap();
+        // Besides random values, a value that each rule matches (skips filled with `z`), so
+        // every group is walked to its end and its members are told apart.
+        let exact = set.rules.iter().map(|r| {
+            let v: Vec<u8> = r.pattern.iter().map(|p| match p {
+                PatByte::Skip => b'z',
+                PatByte::Byte(b) => *b,
+            }).collect();
+            (Some(v.clone()), Some(v))
+        });
+        let inputs: Vec<_> = inputs.into_iter().chain(exact).collect();
+        for (f0, f1) in &inputs {
+            let field = |i: u8| match i {
+                0 => f0.as_deref(),
+                1 => f1.as_deref(),
+                _ => None,
+            };
+            let want = set.eval(1, 0, field);
+            prop_assert_eq!(fast.eval(1, 0, field), want, "fast matcher, rules:\n{}", src);
+            prop_assert_eq!(img.run(1, 0, field).0, want, "image, rules:\n{}", src);
         }
     }
 }

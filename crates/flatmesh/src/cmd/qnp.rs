@@ -64,12 +64,22 @@ struct BenchArgs {
     /// Skip-and-checks per rule to sweep (Figs. 15/18, Table 1); empty to skip.
     #[arg(long, default_value = "1,2,4,8,16,32,48")]
     checks: String,
-    /// Rule counts to sweep (Figs. 16/19); empty to skip. 511 is the most that fit the image.
-    #[arg(long, default_value = "1,32,128,256,511")]
+    /// Rules during the skip-and-check sweep (the paper's 32).
+    #[arg(long, default_value_t = flatmesh_qnp::bench::FIXED_RULES)]
+    fixed_rules: usize,
+    /// Rule counts to sweep (Figs. 16/19); empty to skip. With 4 skip-and-checks per rule, 508
+    /// rules fill the 512-entry image.
+    #[arg(long, default_value = "1,8,32,128,256,508")]
     rules: String,
+    /// Skip-and-checks per rule during the rule sweep (the paper's 4).
+    #[arg(long, default_value_t = flatmesh_qnp::bench::FIXED_CHECKS)]
+    fixed_checks: usize,
     /// Skip the key-value headline.
     #[arg(long)]
     no_headline: bool,
+    /// Keys pre-loaded into the headline's RocksDB store (the paper: 3140000).
+    #[arg(long, default_value_t = flatmesh_qnp::load::DEMO_KEYS)]
+    keys: usize,
     /// Turn on the sysctl kernel.bpf_stats_enabled during the run (restored after) to measure
     /// the kernel program's run time per packet.
     #[arg(long)]
@@ -84,9 +94,13 @@ struct BenchArgs {
 
 #[derive(clap::Args)]
 struct DemoArgs {
-    /// `kv` (Zipf(0.9) GETs over 24 key ranges) or `pingpong` (128-byte echo).
-    #[arg(long, default_value = "kv")]
+    /// Workloads, comma-separated: `kv` (RocksDB GETs, Zipf(0.9) within 24 key ranges that
+    /// the rules split over the workers) and `pingpong` (128 bytes on the wire, echoed).
+    #[arg(long, default_value = "kv,pingpong")]
     workload: String,
+    /// Keys pre-loaded into the RocksDB store of `kv`.
+    #[arg(long, default_value_t = flatmesh_qnp::load::DEMO_KEYS)]
+    keys: usize,
     /// Worker threads (one per core in a real deployment).
     #[arg(long, default_value_t = 2)]
     workers: usize,
@@ -102,6 +116,12 @@ struct DemoArgs {
     /// Modes to run, comma-separated: reuseport, kernel (needs root), software-queue, software-uds.
     #[arg(long, default_value = "reuseport,kernel,software-queue,software-uds")]
     modes: String,
+    /// CPUs of the workers and dispatchers, the same for every mode (empty: unpinned).
+    #[arg(long, default_value = "")]
+    server_cpus: String,
+    /// CPUs of the load generator (empty: unpinned).
+    #[arg(long, default_value = "")]
+    load_cpus: String,
 }
 
 #[derive(clap::Subcommand)]
@@ -162,65 +182,89 @@ fn parse_list(what: &str, s: &str) -> anyhow::Result<Vec<usize>> {
         .collect()
 }
 
+fn seconds(s: f64) -> anyhow::Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .with_context(|| format!("--seconds {s} is not a positive number of seconds"))
+}
+
+fn pinning(server: &str, load: &str) -> anyhow::Result<flatmesh_qnp::load::Pinning> {
+    use flatmesh_qnp::cpu;
+    let pinning = flatmesh_qnp::load::Pinning {
+        server: cpu::parse_cpu_list(server)?,
+        load: cpu::parse_cpu_list(load)?,
+    };
+    // Fail now, not in a server thread, if a CPU does not exist.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            cpu::pin_current_thread(&pinning.server)?;
+            cpu::pin_current_thread(&pinning.load)
+        })
+        .join()
+        .unwrap_or(Ok(()))
+    })?;
+    Ok(pinning)
+}
+
 fn demo(args: DemoArgs) -> anyhow::Result<()> {
+    use flatmesh_qnp::load::{compare_modes, demo_table, DemoApp, Generator, RunSpec};
     let modes = parse_modes(&args.modes)?;
-    let spec = flatmesh_qnp::load::RunSpec {
-        generator: flatmesh_qnp::load::Generator::Endpoint,
+    let apps: Vec<(String, DemoApp)> = args
+        .workload
+        .split(',')
+        .map(str::trim)
+        .filter(|w| !w.is_empty())
+        .map(|w| {
+            let app = match w.parse()? {
+                DemoApp::Kv { .. } => DemoApp::Kv { keys: args.keys },
+                other => other,
+            };
+            Ok((w.to_string(), app))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    anyhow::ensure!(
+        !apps.is_empty(),
+        "--workload is empty; use kv, pingpong or both"
+    );
+    let spec = RunSpec {
+        generator: Generator::Endpoint,
         workers: args.workers,
         dispatchers: args.dispatchers,
         clients: args.clients,
-        duration: std::time::Duration::from_secs_f64(args.seconds),
-        pinning: Default::default(),
+        duration: seconds(args.seconds)?,
+        pinning: pinning(&args.server_cpus, &args.load_cpus)?,
     };
-    let results = flatmesh_qnp::load::compare_modes(&modes, &args.workload, &spec)?;
-    let mut table = comfy_table::Table::new();
-    table.set_header([
-        "mode",
-        "req/s",
-        "p50 µs",
-        "p99 µs",
-        "timeouts",
-        "per worker",
-        "dispatcher drops",
-    ]);
-    for r in results {
-        table.add_row([
-            format!("{:?}", r.mode),
-            format!("{:.0}", r.report.rps()),
-            format!("{:.1}", r.report.p50_us),
-            format!("{:.1}", r.report.p99_us),
-            r.report.errors.to_string(),
-            format!("{:?}", r.per_worker),
-            r.dropped.to_string(),
-        ]);
+    for (name, app) in apps {
+        let what = match app {
+            DemoApp::Kv { keys } => format!(
+                "kv: GETs of {keys} pre-loaded 62-byte keys on RocksDB (librocksdb 7.8), Zipf(0.9) within 24 key ranges; rules send range r to worker r mod {}",
+                args.workers
+            ),
+            DemoApp::PingPong => format!(
+                "pingpong: 128-byte requests echoed; rules send {} lanes round-robin to the workers",
+                flatmesh_qnp::load::DEMO_LANES
+            ),
+        };
+        eprintln!(
+            "running {name} in {} mode(s), {} s each ...",
+            modes.len(),
+            args.seconds
+        );
+        let results = compare_modes(&modes, app, &spec)?;
+        println!(
+            "{what}\n{} workers, {} dispatcher(s) in the software modes, {} closed-loop clients, {} s per mode",
+            args.workers, args.dispatchers, args.clients, args.seconds
+        );
+        println!("{}", demo_table(&results));
     }
-    let store = if args.workload == "kv" {
-        ", store: RocksDB (librocksdb 7.8, 24,000 pre-loaded keys)"
-    } else {
-        ""
-    };
-    println!(
-        "workload {}{store}, {} workers, {} dispatcher(s), {} clients, {} s per mode",
-        args.workload, args.workers, args.dispatchers, args.clients, args.seconds
-    );
-    println!("{table}");
     Ok(())
 }
 
 const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
 fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    use flatmesh_qnp::{bench, cpu, load};
-    let pinning = load::Pinning {
-        server: cpu::parse_cpu_list(&args.server_cpus)?,
-        load: cpu::parse_cpu_list(&args.load_cpus)?,
-    };
-    // Fail now, not in a server thread, if a CPU does not exist.
-    std::thread::scope(|s| {
-        s.spawn(|| cpu::pin_current_thread(&pinning.server))
-            .join()
-            .unwrap_or(Ok(()))
-    })?;
+    use flatmesh_qnp::{bench, load};
     let cfg = bench::BenchConfig {
         modes: parse_modes(&args.modes)?,
         spec: load::RunSpec {
@@ -231,13 +275,16 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
             workers: args.workers,
             dispatchers: args.dispatchers,
             clients: args.clients,
-            duration: std::time::Duration::from_secs_f64(args.seconds),
-            pinning,
+            duration: seconds(args.seconds)?,
+            pinning: pinning(&args.server_cpus, &args.load_cpus)?,
         },
         repeats: args.repeats,
         checks: parse_list("skip-and-check count", &args.checks)?,
         rules: parse_list("rule count", &args.rules)?,
+        fixed_rules: args.fixed_rules,
+        fixed_checks: args.fixed_checks,
         headline: !args.no_headline,
+        keys: args.keys,
     };
     let previous = if args.bpf_stats {
         let old = std::fs::read_to_string(BPF_STATS).unwrap_or_default();

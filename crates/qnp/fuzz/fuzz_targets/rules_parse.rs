@@ -11,10 +11,16 @@ fuzz_target!(|data: &[u8]| {
         Some(i) => (&data[..i], &data[i + 1..]),
         None => (data, &[][..]),
     };
-    let Ok(src) = std::str::from_utf8(text) else { return };
-    let Ok(set) = RuleSet::parse("fuzz.rules", src) else { return };
+    let Ok(src) = std::str::from_utf8(text) else {
+        return;
+    };
+    let Ok(set) = RuleSet::parse("fuzz.rules", src) else {
+        return;
+    };
     let fast = FastMatcher::new(&set);
-    let Ok(img) = Image::compile(&set) else { return };
+    let Ok(img) = Image::compile(&set) else {
+        return;
+    };
     let back = Image::from_bytes(&img.to_bytes()).expect("an image reads back");
     assert_eq!(back, img);
     let _ = img.explain();

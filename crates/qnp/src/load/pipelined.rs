@@ -45,7 +45,7 @@ pub fn run(
 ) -> Result<LoadReport, QnpError> {
     let cfg = QnpConfig::default();
     let zipf = match workload {
-        Workload::KvGet { keys, s } => Some(Zipf::new(*keys, *s)),
+        Workload::KvGet { keys, s } => Some(Zipf::new(super::keys_per_range(*keys), *s)),
         _ => None,
     };
     let mut rng = StdRng::seed_from_u64(7);
@@ -78,9 +78,13 @@ pub fn run(
         send_batch(&c.sock, &dest, &tx)?;
     }
     let mut now = Instant::now();
+    let mut idle = Duration::ZERO;
     while now < deadline {
+        let round = now;
+        let mut received = false;
         for c in &mut clients {
             let lens = recv_batch(&c.sock, &mut rx)?;
+            received |= !lens.is_empty();
             now = Instant::now();
             tx.clear();
             for (i, len) in lens.iter().enumerate() {
@@ -105,6 +109,9 @@ pub fn run(
                 send_batch(&c.sock, &dest, &tx)?;
             }
         }
+        if !received {
+            idle += now - round;
+        }
         if now - last_sweep > TIMEOUT / 4 {
             last_sweep = now;
             for c in &mut clients {
@@ -121,7 +128,10 @@ pub fn run(
         }
     }
     let seconds = start.elapsed().as_secs_f64();
-    Ok(super::report(lat, errors, wrong, seconds))
+    Ok(LoadReport {
+        idle_fraction: Some(idle.as_secs_f64() / seconds.max(1e-9)),
+        ..super::report(lat, errors, wrong, seconds)
+    })
 }
 
 /// The worker index the benchmark's service answers with: the first byte of the response

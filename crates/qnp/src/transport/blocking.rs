@@ -25,7 +25,7 @@ impl BlockingEndpoint {
             .map_err(|e| QnpError::io(format!("binding UDP {addr} (is the port in use?)"), e))?;
         let ep = {
             let _enter = rt.enter();
-            Endpoint::new(sock, cfg)
+            Endpoint::new(sock, cfg)?
         };
         Ok(BlockingEndpoint { ep, rt })
     }

@@ -22,6 +22,19 @@ pub struct RxStats {
     pub expired: u64,
 }
 
+impl RxStats {
+    /// Adds another endpoint's counters to these.
+    pub fn add(&mut self, o: &RxStats) {
+        self.delivered += o.delivered;
+        self.responses += o.responses;
+        self.dropped_no_first_packet += o.dropped_no_first_packet;
+        self.dropped_table_full += o.dropped_table_full;
+        self.dropped_malformed += o.dropped_malformed;
+        self.duplicates += o.duplicates;
+        self.expired += o.expired;
+    }
+}
+
 /// What the caller must do after a packet.
 #[derive(Debug)]
 pub(crate) enum RxEvent {
