@@ -5,10 +5,10 @@
 //! share one. Each member is watched by its successor on the ring, so when a member leaves only the
 //! keys (and the watch duty) of that member move.
 //!
-//! When nodes die, their instances are re-placed: a lost primary is replaced by promoting a live
-//! backup replica (the primary now runs where the backup was), and every instance still without a
-//! node (lost backups, primaries without a live backup) is placed again with HCM's MS_PLACE relative
-//! to its primary, which keeps the fault-domain rule.
+//! When nodes die, their instances are re-placed (see [`fail_nodes`]): a lost primary is replaced by
+//! promoting a live backup replica, and every instance still without a node is placed again with
+//! HCM's MS_PLACE, near its primary or near the member that now owns it on the ring, which keeps the
+//! fault-domain rule.
 
 use std::collections::BTreeMap;
 
@@ -95,10 +95,26 @@ pub struct Moved {
 }
 
 /// Marks `dead` nodes out of service and re-places everything that ran on them.
-pub fn fail_nodes(st: &mut State, dead: &[usize]) -> Result<Vec<Moved>, crate::ControlError> {
+///
+/// 1. A lost primary with a live backup is promoted: it takes over the backup's node (and state)
+///    when its full load fits there; a passive backup (`backup_load` < 1) may not have room.
+/// 2. Everything still unplaced is placed again with HCM's MS_PLACE, primaries first, anchored at:
+///    its primary's node (a backup: the fault-domain rule sends it to another server); else, when
+///    only a SmartNIC died, its own server's host (the work falls back to the host CPU, as
+///    HeteroK8s does when a DPU fails); else the host of the server that now owns the instance on
+///    the membership ring. The dead member's instances so spread over its ring successors, and
+///    nothing else moves.
+pub fn fail_nodes(
+    st: &mut State,
+    dead: &[usize],
+    ring: &Ring,
+) -> Result<Vec<Moved>, crate::ControlError> {
     let wl = st.wl;
+    let topo = st.topo;
     for &n in dead {
-        st.dead[n] = true;
+        if let Some(d) = st.dead.get_mut(n) {
+            *d = true;
+        }
     }
     let lost: Vec<(usize, usize)> = (0..wl.instances.len())
         .filter_map(|i| st.assign[i].filter(|n| st.dead[*n]).map(|n| (i, n)))
@@ -107,56 +123,54 @@ pub fn fail_nodes(st: &mut State, dead: &[usize]) -> Result<Vec<Moved>, crate::C
         st.unplace(i);
     }
     let mut moved = Vec::new();
-    // Promote a live backup for every lost primary.
+    // Where each unplaced instance came from (for the log and for anchoring).
+    let mut origin: Vec<Option<usize>> = vec![None; wl.instances.len()];
+    for &(i, n) in &lost {
+        origin[i] = Some(n);
+    }
     for &(i, from) in &lost {
         if !wl.instances[i].is_primary() {
             continue;
         }
-        let backup = wl.replicas[i]
-            .iter()
-            .copied()
-            .find(|&r| st.assign[r].is_some());
-        if let Some(r) = backup {
+        for &r in &wl.replicas[i] {
             let Some(rn) = st.assign[r] else { continue };
             st.unplace(r);
-            st.place(i, rn);
-            moved.push(Moved {
-                instance: i,
-                from,
-                to: rn,
-                promoted: true,
-            });
+            if st.fits(i, rn) {
+                st.place(i, rn);
+                origin[r] = Some(rn);
+                moved.push(Moved {
+                    instance: i,
+                    from,
+                    to: rn,
+                    promoted: true,
+                });
+                break;
+            }
+            st.place(r, rn);
         }
     }
-    // Re-place whatever is still unplaced (lost backups, promoted backups, unprotected primaries):
-    // primaries first, so backups can be placed relative to them.
-    let mut todo: Vec<(usize, usize)> = (0..wl.instances.len())
+    let mut todo: Vec<usize> = (0..wl.instances.len())
         .filter(|&i| st.assign[i].is_none())
-        .map(|i| {
-            let from = lost
-                .iter()
-                .find(|(j, _)| *j == i)
-                .map(|(_, n)| *n)
-                .or_else(|| {
-                    moved
-                        .iter()
-                        .find(|m| wl.replicas[m.instance].contains(&i))
-                        .map(|m| m.to)
-                })
-                .unwrap_or(0);
-            (i, from)
-        })
         .collect();
-    todo.sort_by_key(|&(i, _)| (!wl.instances[i].is_primary(), i));
-    for (i, from) in todo {
-        let anchor = wl.instances[i]
-            .replica_of
-            .and_then(|p| st.assign[p])
-            .unwrap_or(from);
-        let to = if st.dead[anchor] {
-            hcm::find_first_fit(st, i)
-        } else {
-            hcm::ms_place(st, i, anchor)
+    todo.sort_by_key(|&i| (!wl.instances[i].is_primary(), i));
+    for i in todo {
+        let from = origin[i].unwrap_or(0);
+        let anchor = match wl.instances[i].replica_of.and_then(|p| st.assign[p]) {
+            Some(primary_node) => Some(primary_node),
+            None => {
+                let host = topo.servers[topo.nodes[from].server].nodes[0];
+                if !st.dead[host] {
+                    Some(host)
+                } else {
+                    ring.owner(&wl.instances[i].id)
+                        .map(|s| topo.servers[s].nodes[0])
+                        .filter(|&h| !st.dead[h])
+                }
+            }
+        };
+        let to = match anchor {
+            Some(a) => hcm::ms_place(st, i, a),
+            None => hcm::find_first_fit(st, i),
         }
         .ok_or_else(|| st.no_fit(i))?;
         st.place(i, to);
@@ -175,6 +189,7 @@ mod tests {
     use super::*;
     use crate::placement::tests::setup;
     use crate::placement::{hcm, verify};
+    use crate::topology::Topology;
 
     #[test]
     fn ring_moves_only_the_leavers_keys() {
@@ -212,7 +227,9 @@ mod tests {
             .filter(|&i| server0.contains(&st.assign[i].unwrap()))
             .collect();
         assert!(!on0.is_empty());
-        let moved = fail_nodes(&mut st, &server0).unwrap();
+        let mut ring = Ring::new(0..topo.servers.len());
+        ring.remove(0);
+        let moved = fail_nodes(&mut st, &server0, &ring).unwrap();
         let assign = st.complete().unwrap();
         verify(&topo, &wl, &assign).unwrap();
         for &i in &on0 {
@@ -226,7 +243,85 @@ mod tests {
         assert_eq!(moved.iter().filter(|m| m.promoted).count(), lost_primaries);
         // A second server failure leaves one server: backups have nowhere to go.
         let server1 = topo.servers[1].nodes.clone();
-        let err = fail_nodes(&mut st, &server1).unwrap_err().to_string();
+        ring.remove(1);
+        let err = fail_nodes(&mut st, &server1, &ring)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("fits on no node"), "{err}");
+    }
+
+    #[test]
+    fn a_dead_smartnic_falls_back_to_its_host() {
+        // Without backups, what ran on a failed SmartNIC restarts on its own server's host (the
+        // rest of the fault domain is alive), as HeteroK8s falls back to the CPU when a DPU fails.
+        let (topo, _) = setup("preset:3xType1-SmartNIC", "preset:RTA-SHM");
+        let mut app = crate::model::load_app("preset:RTA-SHM").unwrap();
+        app.replicas = 0;
+        let wl = crate::workload::Workload::from_apps(&[app]).unwrap();
+        let mut st = State::new(&topo, &wl);
+        hcm::run(&mut st).unwrap();
+        let nic = topo.first_fit_order[0];
+        let host = topo.servers[topo.nodes[nic].server].nodes[0];
+        let on_nic: Vec<usize> = (0..wl.instances.len())
+            .filter(|&i| st.assign[i] == Some(nic))
+            .collect();
+        assert!(!on_nic.is_empty());
+        let ring = Ring::new(0..topo.servers.len());
+        let moved = fail_nodes(&mut st, &[nic], &ring).unwrap();
+        assert_eq!(moved.len(), on_nic.len());
+        verify(&topo, &wl, &st.complete().unwrap()).unwrap();
+        for i in on_nic {
+            assert_eq!(st.assign[i], Some(host), "{}", wl.instances[i].id);
+        }
+    }
+
+    #[test]
+    fn a_dead_servers_unprotected_instances_go_to_its_ring_successors() {
+        // No backups: every instance of the dead server is re-placed near the member that owns it
+        // on the ring now, so they spread over several servers instead of piling onto the first.
+        let topo = Topology::build(&crate::model::uniform_cluster(
+            "c",
+            "Type2-SmartNIC",
+            12,
+            40,
+        ))
+        .unwrap();
+        let mut app = crate::model::load_app("preset:NFV-FIN").unwrap();
+        app.replicas = 0;
+        let wl = crate::workload::Workload::from_apps(&[app]).unwrap();
+        let mut st = State::new(&topo, &wl);
+        hcm::run(&mut st).unwrap();
+        let victim = st.assign[0].map(|n| topo.nodes[n].server).unwrap();
+        let lost: Vec<usize> = (0..wl.instances.len())
+            .filter(|&i| st.assign[i].map(|n| topo.nodes[n].server) == Some(victim))
+            .collect();
+        let mut ring = Ring::new(0..topo.servers.len());
+        ring.remove(victim);
+        let moved = fail_nodes(&mut st, &topo.servers[victim].nodes.clone(), &ring).unwrap();
+        assert_eq!(moved.len(), lost.len());
+        verify(&topo, &wl, &st.complete().unwrap()).unwrap();
+        let mut servers: Vec<usize> = lost
+            .iter()
+            .map(|&i| topo.nodes[st.assign[i].unwrap()].server)
+            .collect();
+        servers.sort_unstable();
+        servers.dedup();
+        assert!(!servers.contains(&victim));
+        assert!(
+            servers.len() >= 3,
+            "the lost instances landed on only {servers:?}"
+        );
+        // Each instance went to (or next to) its ring owner's server first.
+        let owner_hits = lost
+            .iter()
+            .filter(|&&i| {
+                Some(topo.nodes[st.assign[i].unwrap()].server) == ring.owner(&wl.instances[i].id)
+            })
+            .count();
+        assert!(
+            owner_hits * 2 >= lost.len(),
+            "{owner_hits} of {}",
+            lost.len()
+        );
     }
 }

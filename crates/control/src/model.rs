@@ -171,6 +171,12 @@ pub struct AppSpec {
     /// Backup replicas per shard (Service Fabric secondaries); they never share a server with their primary.
     #[serde(default = "one")]
     pub replicas: u32,
+    /// Share of its primary's CPU and bandwidth that each backup reserves, in [0, 1]. A backup
+    /// always holds its memory (the replicated state). 0 (the default) is a passive secondary, as
+    /// E3 measured at peak: backups serve no requests. 1 is a hot standby sized so that promoting
+    /// it can never overload its node.
+    #[serde(default)]
+    pub backup_load: f64,
     /// Extra or overriding microservice profiles; Table 1's profiles are always available.
     #[serde(default)]
     pub microservices: BTreeMap<String, Microservice>,
@@ -584,6 +590,15 @@ fn validate_app(app: &AppSpec) -> Result<()> {
                 }
             }
         }
+    }
+    if !(app.backup_load.is_finite() && (0.0..=1.0).contains(&app.backup_load)) {
+        return Err(invalid(
+            "app",
+            format!(
+                "app {}: backup_load must be in [0, 1] (share of a primary's CPU a backup reserves), got {}",
+                app.name, app.backup_load
+            ),
+        ));
     }
     if app.replicas > 16 {
         return Err(invalid(

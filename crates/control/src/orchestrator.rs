@@ -184,9 +184,13 @@ impl Detector {
                         ema_us: st.ema,
                     });
                 }
-            } else {
-                st.over = 0;
+                // The EMA is the baseline of normal execution: a sample judged overloaded is not
+                // folded into it, or the baseline would learn the very overload it is there to
+                // detect (with alpha 1/8 it catches up with a 2x step in about 8 heartbeats, and
+                // a confirmation window of `overload_beats` could then never fill).
+                continue;
             }
+            st.over = 0;
             st.ema = if st.n == 0 {
                 x
             } else {
@@ -211,6 +215,17 @@ impl Detector {
         out
     }
 
+    /// The EMA of a slot's execution time in µs, once it has a sample.
+    pub fn ema_us(&self, node: usize, slot: usize) -> Option<f64> {
+        let h = self.health.get(node)?.as_ref()?;
+        let st = if slot < INLINE_SLOTS {
+            h.ema.get(slot)?
+        } else {
+            h.more.get(slot - INLINE_SLOTS)?
+        };
+        (st.n > 0).then_some(st.ema)
+    }
+
     /// Forgets a node's statistics (its slots changed after a migration).
     pub fn reset(&mut self, node: usize) {
         if let Some(Some(h)) = self.health.get_mut(node) {
@@ -221,8 +236,8 @@ impl Detector {
     }
 }
 
-/// How often an overloaded host is noted in the log (E3 migrates only off SmartNICs, so there is
-/// nothing to do but say so).
+/// How often an overloaded node that nothing can be moved off is noted in the log (a host: E3
+/// migrates only off SmartNICs; or a SmartNIC whose migration found no room or failed).
 const HOST_NOTE_EVERY: Duration = Duration::from_secs(5);
 
 /// The primaries on `node`, in slot order (the order agents report execution times in).
@@ -400,10 +415,10 @@ impl<'a, R: Runtime, E: EndpointSink> Controller<'a, R, E> {
                     return Ok(());
                 }
                 self.record(LogEntry::Detected(signal.clone()));
-                if self.state.topo.nodes[node].kind == NodeKind::Host {
-                    // Nothing to do for a host; say so once per HOST_NOTE_EVERY, not per heartbeat.
-                    self.cooldown_until[node] = Instant::now() + HOST_NOTE_EVERY;
-                }
+                // Nothing can be done for a host, and a SmartNIC whose migration did not happen
+                // (no room, a failed step) keeps signalling: say so once per HOST_NOTE_EVERY, not
+                // per heartbeat. A migration that happens sets a shorter cool-down instead.
+                self.cooldown_until[node] = Instant::now() + HOST_NOTE_EVERY;
                 self.migrate_hottest(node).await
             }
             Signal::NodeDead { node } => {
@@ -424,10 +439,31 @@ impl<'a, R: Runtime, E: EndpointSink> Controller<'a, R, E> {
             });
             return Ok(());
         }
-        let Some(hot) = slots(&self.state, node).into_iter().max_by(|&a, &b| {
-            let (ia, ib) = (&self.state.wl.instances[a], &self.state.wl.instances[b]);
-            ia.cores_on(n.core).total_cmp(&ib.cores_on(n.core))
-        }) else {
+        // The microservice with the highest CPU use: measured (execution time EMA x its request
+        // rate = cores busy) when every slot has reported, else the model's (Table 1's cost at
+        // its design rate).
+        let on_node = slots(&self.state, node);
+        let measured: Option<Vec<f64>> = on_node
+            .iter()
+            .enumerate()
+            .map(|(slot, &i)| {
+                let ema = self.detector.ema_us(node, slot)?;
+                Some(ema * 1e-6 * self.state.wl.instances[i].rps)
+            })
+            .collect();
+        let cpu: Vec<f64> = match measured {
+            Some(m) => m,
+            None => on_node
+                .iter()
+                .map(|&i| self.state.wl.instances[i].cores_on(n.core))
+                .collect(),
+        };
+        let Some(hot) = on_node
+            .iter()
+            .zip(&cpu)
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(&i, _)| i)
+        else {
             return Ok(());
         };
         // The host of the same server first (one PCIe hop away), then hosts by distance.
@@ -520,7 +556,7 @@ impl<'a, R: Runtime, E: EndpointSink> Controller<'a, R, E> {
         } else {
             vec![node]
         };
-        let moved = fail_nodes(&mut self.state, &dead)?;
+        let moved = fail_nodes(&mut self.state, &dead, &self.ring)?;
         for m in &moved {
             let id = self.state.wl.instances[m.instance].id.clone();
             let (from, to) = (&topo.nodes[m.from].id, &topo.nodes[m.to].id);
@@ -622,6 +658,48 @@ mod tests {
                 .unwrap(),
             None
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_confirmation_window_sees_through_bursts_but_not_noise() {
+        // The live demo's setting: 8 heartbeats in a row above 1.2 x EMA.
+        let cfg = DetectorConfig {
+            overload_beats: 8,
+            warmup: 5,
+            ..DetectorConfig::default()
+        };
+        let mut d = Detector::new(cfg, 2);
+        let t = Instant::now();
+        let beat = |d: &mut Detector, e: u16| {
+            d.observe(&hb(1, 0, 10, 0, [e, NO_SAMPLE, NO_SAMPLE, NO_SAMPLE]), t)
+                .unwrap()
+        };
+        for _ in 0..10 {
+            assert_eq!(beat(&mut d, 100), None);
+        }
+        // Noise: a few slow windows, then normal again. Not acted on.
+        for e in [145, 150, 140, 100, 100, 145, 100] {
+            assert_eq!(beat(&mut d, e), None);
+        }
+        assert!(
+            (d.ema_us(1, 0).unwrap() - 100.0).abs() < 1e-9,
+            "noise not learnt"
+        );
+        // A throttled SmartNIC: bursty, but every window well above the baseline. The baseline
+        // does not learn it, so the window fills and the 8th heartbeat signals.
+        let burst = [600, 4000, 350, 20000, 700, 2000, 400, 900];
+        for (k, e) in burst.into_iter().enumerate() {
+            let s = beat(&mut d, e);
+            if k < 7 {
+                assert_eq!(s, None, "heartbeat {k}");
+            } else {
+                assert!(
+                    matches!(s, Some(Signal::Overload { exec_us: 900, .. })),
+                    "{s:?}"
+                );
+                assert!((d.ema_us(1, 0).unwrap() - 100.0).abs() < 1e-9);
+            }
+        }
     }
 
     #[tokio::test(start_paused = true)]
@@ -801,6 +879,55 @@ mod tests {
             .any(|e| &e.instance == inst && &e.node == to));
         assert!(c.sink.published.len() >= 2);
         crate::placement::verify(&topo, &wl, &c.state.complete().unwrap()).unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn hottest_is_measured_when_every_slot_reports() {
+        // One shard per stage, no backups: Flow mon., IPsec and NIDS share the first SmartNIC
+        // (three slots, all reported in every heartbeat).
+        let (topo, _) = setup("preset:3xType1-SmartNIC", "preset:NFV-FIN");
+        let mut app = crate::model::load_app("preset:NFV-FIN").unwrap();
+        app.replicas = 0;
+        app.rps = 1000.0;
+        for s in &mut app.stages {
+            s.shards = 1;
+        }
+        let wl = crate::workload::Workload::from_apps(&[app]).unwrap();
+        let mut st = State::new(&topo, &wl);
+        hcm::run(&mut st).unwrap();
+        let nic = topo.first_fit_order[0];
+        let on_nic = slots(&st, nic);
+        assert_eq!(on_nic.len(), 3);
+        // The model alone would move IPsec (the costliest per request on a SmartNIC, slot 1).
+        let core = topo.nodes[nic].core;
+        let by_model = *on_nic
+            .iter()
+            .max_by(|&&a, &&b| {
+                wl.instances[a]
+                    .cores_on(core)
+                    .total_cmp(&wl.instances[b].cores_on(core))
+            })
+            .unwrap();
+        assert_eq!(wl.instances[by_model].microservice, "IPsec");
+        let rt = FakeRuntime::default();
+        let mut c =
+            Controller::new(st, DetectorConfig::default(), rt, MemorySink::default()).unwrap();
+        // NIDS (slot 2) slows down: it is the one that uses the CPU now.
+        for k in 0..8 {
+            let nids = if k < 6 { 100 } else { 300 };
+            c.on_heartbeat(&hb(nic as u32, 0, 20, 0, [50, 60, nids, NO_SAMPLE]))
+                .await;
+            tokio::time::advance(Duration::from_millis(50)).await;
+        }
+        let moved: Vec<&String> = c
+            .log
+            .iter()
+            .filter_map(|e| match e {
+                LogEntry::Migrated { instance, .. } => Some(instance),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(moved, vec![&wl.instances[on_nic[2]].id], "{:?}", c.log);
     }
 
     #[tokio::test(start_paused = true)]

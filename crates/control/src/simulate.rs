@@ -29,13 +29,36 @@ const ILP_SAMPLES: usize = 8;
 pub struct ScaleRow {
     pub servers: u32,
     pub algorithm: &'static str,
-    /// Microservice instances deployed (shards and replicas).
+    /// Microservice instances deployed in all (shards and replicas).
     pub microservices: usize,
     /// Mean wall time to deploy one microservice, ms; None when the algorithm gave up.
     pub ms_per_microservice: Option<f64>,
-    /// Mean hops over the DAG edges of what was deployed.
+    /// The same for the last application only, deployed when all the others already are: one
+    /// microservice placed with ~`microservices` deployed (the 26 ms target).
+    pub ms_per_microservice_last_app: Option<f64>,
+    /// Mean hops over the DAG edges this algorithm placed (for the ILP: between its samples).
     pub avg_hops: Option<f64>,
     pub note: String,
+}
+
+/// Largest simulated cluster and workload: bounds that keep a typo from eating the machine.
+pub const MAX_SIM_SERVERS: u32 = 100_000;
+pub const MAX_SIM_MICROSERVICES: usize = 1_000_000;
+
+fn check_scale_args(servers: u32, target: usize) -> Result<()> {
+    if servers == 0 || servers > MAX_SIM_SERVERS {
+        return Err(ControlError::Invalid {
+            what: "simulation",
+            message: format!("{servers} servers: use 1 to {MAX_SIM_SERVERS}"),
+        });
+    }
+    if target == 0 || target > MAX_SIM_MICROSERVICES {
+        return Err(ControlError::Invalid {
+            what: "simulation",
+            message: format!("{target} microservices: use 1 to {MAX_SIM_MICROSERVICES}"),
+        });
+    }
+    Ok(())
 }
 
 /// Copies of Table 3's apps, renamed `NAME#k`, until `target` instances (shards and replicas).
@@ -58,14 +81,35 @@ pub fn background_apps(target: usize) -> Result<Vec<AppSpec>> {
     Ok(apps)
 }
 
-/// One Table 6 cell: deploy `target` microservices on `servers` Type2-SmartNIC servers with `algo`.
-pub fn scale(servers: u32, target: usize, algo: Algorithm, seed: u64) -> Result<ScaleRow> {
-    let topo = Topology::build(&uniform_cluster(
+/// The simulated FatTree of `servers` Type2-SmartNIC servers, 40 per rack.
+pub fn fat_tree(servers: u32) -> Result<Topology> {
+    Topology::build(&uniform_cluster(
         "fattree",
         "Type2-SmartNIC",
         servers,
         SERVERS_PER_RACK,
-    ))?;
+    ))
+}
+
+/// Mean hops over the DAG edges with both endpoints in `placed`.
+fn hops_of(topo: &Topology, wl: &Workload, st: &State, placed: &[bool]) -> Option<f64> {
+    let (mut sum, mut n) = (0u64, 0u64);
+    for (a, b) in wl.edges() {
+        if !(placed[a] && placed[b]) {
+            continue;
+        }
+        if let (Some(na), Some(nb)) = (st.assign[a], st.assign[b]) {
+            sum += u64::from(crate::topology::hops(topo, na, nb));
+            n += 1;
+        }
+    }
+    (n > 0).then(|| sum as f64 / n as f64)
+}
+
+/// One Table 6 cell: deploy `target` microservices on `servers` Type2-SmartNIC servers with `algo`.
+pub fn scale(servers: u32, target: usize, algo: Algorithm, seed: u64) -> Result<ScaleRow> {
+    check_scale_args(servers, target)?;
+    let topo = fat_tree(servers)?;
     let apps = background_apps(target)?;
     let wl = Workload::from_apps(&apps)?;
     let mut st = State::new(&topo, &wl);
@@ -74,12 +118,14 @@ pub fn scale(servers: u32, target: usize, algo: Algorithm, seed: u64) -> Result<
         algorithm: algo.name(),
         microservices: wl.instances.len(),
         ms_per_microservice: None,
+        ms_per_microservice_last_app: None,
         avg_hops: None,
         note: String::new(),
     };
     match algo {
         Algorithm::Hcm | Algorithm::Anneal => {
             let mut spent = 0.0;
+            let mut last = 0.0;
             for (a, app) in wl.apps.iter().enumerate() {
                 let range = app.first_instance..app.end_instance;
                 let t = Instant::now();
@@ -90,26 +136,45 @@ pub fn scale(servers: u32, target: usize, algo: Algorithm, seed: u64) -> Result<
                     let p = anneal::Params::for_size(movable.len(), seed.wrapping_add(a as u64));
                     anneal::run(&mut st, &movable, &p)?;
                 }
-                spent += t.elapsed().as_secs_f64();
+                last = t.elapsed().as_secs_f64();
+                spent += last;
             }
             let assign = st.complete()?;
             verify(&topo, &wl, &assign)?;
             row.ms_per_microservice = Some(spent * 1e3 / wl.instances.len() as f64);
+            if let Some(app) = wl.apps.last() {
+                let n = (app.end_instance - app.first_instance).max(1);
+                row.ms_per_microservice_last_app = Some(last * 1e3 / n as f64);
+            }
             row.avg_hops = Some(avg_hops(&topo, &wl, &assign));
         }
         Algorithm::Ilp => {
             // Background with HCM (untimed); then the ILP deploys a few more microservices, each
-            // (a shard and its replicas) as one ILP over the remaining capacity.
+            // (a shard and its replicas) as one ILP over the remaining capacity; then HCM places
+            // the rest of that app (untimed) and the whole placement is verified.
             let Some(last) = wl.apps.last() else {
                 return Ok(row);
             };
             hcm::run_range(&mut st, 0..last.first_instance)?;
-            let primaries: Vec<usize> = (last.first_instance..last.end_instance)
-                .filter(|&i| wl.instances[i].is_primary())
-                .take(ILP_SAMPLES)
-                .collect();
+            // Samples along DAG paths (source, its first child, that one's first child, ...), so
+            // that the ILP's own edges show how far apart it puts communicating microservices.
+            let mut primaries: Vec<usize> = Vec::new();
+            for &src in wl.sources.iter().filter(|&&v| v >= last.first_instance) {
+                let mut v = Some(src);
+                while let Some(x) = v {
+                    if primaries.len() == ILP_SAMPLES || primaries.contains(&x) {
+                        break;
+                    }
+                    primaries.push(x);
+                    v = wl.children[x].first().copied();
+                }
+                if primaries.len() == ILP_SAMPLES {
+                    break;
+                }
+            }
             let mut spent = 0.0;
             let mut placed = 0usize;
+            let mut by_ilp = vec![false; wl.instances.len()];
             for p in primaries {
                 let mut group = vec![p];
                 group.extend(&wl.replicas[p]);
@@ -120,6 +185,9 @@ pub fn scale(servers: u32, target: usize, algo: Algorithm, seed: u64) -> Result<
                     Ok(()) if dt < ILP_BUDGET_SECONDS => {
                         spent += dt;
                         placed += group.len();
+                        for &g in &group {
+                            by_ilp[g] = true;
+                        }
                     }
                     Ok(()) | Err(ControlError::Solver(_)) => {
                         row.note =
@@ -130,9 +198,14 @@ pub fn scale(servers: u32, target: usize, algo: Algorithm, seed: u64) -> Result<
                 }
             }
             if placed > 0 {
-                row.ms_per_microservice = Some(spent * 1e3 / placed as f64);
+                hcm::run_range(&mut st, last.first_instance..last.end_instance)?;
+                verify(&topo, &wl, &st.complete()?)?;
+                let ms = spent * 1e3 / placed as f64;
+                row.ms_per_microservice = Some(ms);
+                row.ms_per_microservice_last_app = Some(ms);
+                row.avg_hops = hops_of(&topo, &wl, &st, &by_ilp);
                 row.note = format!(
-                    "mean over {placed} microservices deployed by ILP after {} by HCM",
+                    "mean over {placed} microservices (DAG paths) deployed by ILP after {} by HCM; hops between them",
                     last.first_instance
                 );
             }
@@ -280,51 +353,88 @@ pub struct OrchestratorRow {
     pub signals: usize,
 }
 
-/// §5.6 / Fig. 11: one decision round of the orchestrator over heartbeats from every SmartNIC of
-/// `servers` Type2-SmartNIC servers (4 each), after `warm_rounds` rounds of warm-up. One SmartNIC
-/// in 1,000 reports a slow microservice, so the round also produces signals.
-pub fn orchestrator_round(servers: u32, warm_rounds: u32) -> OrchestratorRow {
-    use crate::heartbeat::{Heartbeat, NO_SAMPLE};
-    use crate::orchestrator::{Detector, DetectorConfig};
-    let nics = servers as usize * 4;
-    let nodes = servers as usize * 5;
-    let mut det = Detector::new(DetectorConfig::default(), nodes);
-    let beat = |nic: usize, exec: u16| {
-        let node = (nic / 4) * 5 + 1 + nic % 4;
-        Heartbeat {
-            node: node as u32,
-            queue_len: 0,
-            bw_util_pct: 30,
-            slot_base: 0,
-            exec_us: [exec, 100, NO_SAMPLE, NO_SAMPLE],
+/// The orchestrator's side of §5.6 / Fig. 11: a detector that has seen `warm_rounds` rounds of
+/// heartbeats from every SmartNIC of `servers` Type2-SmartNIC servers (4 each), and the next
+/// round's 16-byte messages, ready to be judged. One SmartNIC in 1,000 reports a slow microservice
+/// in that round, so judging it also produces signals.
+pub struct HeartbeatRound {
+    detector: crate::orchestrator::Detector,
+    round: Vec<[u8; crate::heartbeat::HEARTBEAT_LEN]>,
+    now: tokio::time::Instant,
+}
+
+impl HeartbeatRound {
+    pub fn new(servers: u32, warm_rounds: u32) -> Result<Self> {
+        use crate::heartbeat::{Heartbeat, NO_SAMPLE};
+        use crate::orchestrator::{Detector, DetectorConfig};
+        if servers == 0 || servers > MAX_SIM_SERVERS {
+            return Err(ControlError::Invalid {
+                what: "simulation",
+                message: format!("{servers} servers: use 1 to {MAX_SIM_SERVERS}"),
+            });
         }
-    };
-    let mut now = tokio::time::Instant::now();
-    for _ in 0..warm_rounds {
-        for nic in 0..nics {
-            let _ = det.observe(&beat(nic, 100), now);
+        let nics = servers as usize * 4;
+        let nodes = servers as usize * 5;
+        let mut detector = Detector::new(DetectorConfig::default(), nodes);
+        let beat = |nic: usize, exec: u16| {
+            let node = (nic / 4) * 5 + 1 + nic % 4;
+            Heartbeat {
+                node: node as u32,
+                queue_len: 0,
+                bw_util_pct: 30,
+                slot_base: 0,
+                exec_us: [exec, 100, NO_SAMPLE, NO_SAMPLE],
+            }
+        };
+        let mut now = tokio::time::Instant::now();
+        for _ in 0..warm_rounds {
+            for nic in 0..nics {
+                detector.observe(&beat(nic, 100), now)?;
+            }
+            now += std::time::Duration::from_millis(50);
         }
-        now += std::time::Duration::from_millis(50);
+        let round = (0..nics)
+            .map(|nic| beat(nic, if nic % 1000 == 0 { 400 } else { 100 }).encode())
+            .collect();
+        Ok(HeartbeatRound {
+            detector,
+            round,
+            now,
+        })
     }
-    let round: Vec<[u8; 16]> = (0..nics)
-        .map(|nic| beat(nic, if nic % 1000 == 0 { 400 } else { 100 }).encode())
-        .collect();
-    let t = Instant::now();
-    let mut signals = 0usize;
-    for bytes in &round {
-        if let Ok(hb) = Heartbeat::decode(bytes) {
-            if let Ok(Some(_)) = det.observe(&hb, now) {
-                signals += 1;
+
+    pub fn heartbeats(&self) -> usize {
+        self.round.len()
+    }
+
+    /// Decodes and judges every heartbeat of the round, then sweeps for silent nodes: one
+    /// decision round. Returns the signals raised.
+    pub fn judge(&mut self) -> usize {
+        use crate::heartbeat::Heartbeat;
+        let mut signals = 0usize;
+        for bytes in &self.round {
+            if let Ok(hb) = Heartbeat::decode(bytes) {
+                if let Ok(Some(_)) = self.detector.observe(&hb, self.now) {
+                    signals += 1;
+                }
             }
         }
+        signals + self.detector.sweep(self.now).len()
     }
-    signals += det.sweep(now).len();
-    OrchestratorRow {
+}
+
+/// §5.6 / Fig. 11: the wall time of one decision round over heartbeats from every SmartNIC of
+/// `servers` Type2-SmartNIC servers, after `warm_rounds` rounds of warm-up.
+pub fn orchestrator_round(servers: u32, warm_rounds: u32) -> Result<OrchestratorRow> {
+    let mut r = HeartbeatRound::new(servers, warm_rounds)?;
+    let t = Instant::now();
+    let signals = r.judge();
+    Ok(OrchestratorRow {
         servers,
-        heartbeats: nics,
+        heartbeats: r.heartbeats(),
         round_ms: t.elapsed().as_secs_f64() * 1e3,
         signals,
-    }
+    })
 }
 
 #[cfg(test)]
@@ -333,41 +443,104 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn orchestrator_round_flags_the_slow_smartnics() {
-        let row = orchestrator_round(2000, 6);
+        let row = orchestrator_round(2000, 6).unwrap();
         assert_eq!(row.heartbeats, 8000);
         assert_eq!(row.signals, 8, "one SmartNIC in 1,000 is slow");
+        assert!(orchestrator_round(0, 1).is_err());
     }
 
     #[test]
-    fn scale_runs_small_and_verifies() {
-        for algo in [Algorithm::Hcm, Algorithm::Anneal] {
-            let row = scale(20, 500, algo, 1).unwrap();
-            assert!(row.microservices >= 500);
+    fn scale_runs_small_verifies_and_hcm_keeps_edges_short() {
+        // Two racks of 40, so distances of 0, 1, 2 and 4 hops all occur.
+        let hcm = scale(80, 1000, Algorithm::Hcm, 1).unwrap();
+        let anneal = scale(80, 1000, Algorithm::Anneal, 1).unwrap();
+        let ilp = scale(80, 1000, Algorithm::Ilp, 1).unwrap();
+        for row in [&hcm, &anneal] {
+            assert!(row.microservices >= 1000);
             assert!(row.ms_per_microservice.unwrap() > 0.0);
-            assert!(row.avg_hops.unwrap() >= 0.0);
+            assert!(row.ms_per_microservice_last_app.unwrap() > 0.0);
         }
-        let row = scale(4, 100, Algorithm::Ilp, 1).unwrap();
-        assert!(row.ms_per_microservice.is_some() || !row.note.is_empty());
+        // Communication-aware placement: HCM's edges are shorter than the baselines' (§5.4).
+        let h = hcm.avg_hops.unwrap();
+        assert!(h < anneal.avg_hops.unwrap(), "{hcm:?} vs {anneal:?}");
+        if let Some(i) = ilp.avg_hops {
+            assert!(h < i, "{hcm:?} vs {ilp:?}");
+        } else {
+            assert!(!ilp.note.is_empty(), "{ilp:?}");
+        }
+        for (servers, micro) in [(0, 10), (10, 0), (MAX_SIM_SERVERS + 1, 10)] {
+            let err = scale(servers, micro, Algorithm::Hcm, 1)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("use 1 to"), "{err}");
+        }
     }
 
     #[test]
-    fn energy_ranks_clusters_like_table5() {
-        // The shape of Table 5: for the mixed apps the 2xType2-SmartNIC cluster is the most
-        // energy-efficient, and SmartNICs beat the all-Beefy cluster for every app.
-        for (app, _) in PAPER_TABLE5 {
-            let spec = load_app(&format!("preset:{app}")).unwrap();
-            let rows: Vec<EnergyRow> = crate::model::TABLE5_CLUSTERS
-                .iter()
-                .map(|c| energy(&spec, &format!("preset:{c}")).unwrap())
-                .collect();
-            let by = |c: &str| rows.iter().find(|r| r.cluster == c).unwrap().krpj;
-            assert!(by("2xType2-SmartNIC") > by("4xBeefy"), "{app}: {rows:?}");
-            if *app != "NFV-FIN" {
-                let best = rows
+    fn energy_and_cost_have_the_shape_of_table5_and_fig10() {
+        let table: Vec<(&str, Vec<EnergyRow>)> = PAPER_TABLE5
+            .iter()
+            .map(|(app, _)| {
+                let spec = load_app(&format!("preset:{app}")).unwrap();
+                let rows = crate::model::TABLE5_CLUSTERS
                     .iter()
-                    .max_by(|a, b| a.krpj.total_cmp(&b.krpj))
-                    .unwrap();
-                assert_eq!(best.cluster, "2xType2-SmartNIC", "{app}: {rows:?}");
+                    .map(|c| energy(&spec, &format!("preset:{c}")).unwrap())
+                    .collect();
+                (*app, rows)
+            })
+            .collect();
+        let rank = |rows: &[EnergyRow], key: &dyn Fn(&EnergyRow) -> f64| {
+            let mut r: Vec<&EnergyRow> = rows.iter().collect();
+            r.sort_by(|a, b| key(b).total_cmp(&key(a)));
+            r.into_iter().map(|r| r.cluster.clone()).collect::<Vec<_>>()
+        };
+        let five_years = |r: &EnergyRow| r.cost_efficiency.last().unwrap().1;
+        for (app, rows) in &table {
+            let energy = rank(rows, &|r| r.krpj);
+            let cost = rank(rows, &five_years);
+            let pos = |v: &[String], c: &str| v.iter().position(|x| x == c).unwrap();
+            // SmartNICs beat the all-Beefy cluster for every app (§5.5).
+            assert!(
+                pos(&energy, "2xType2-SmartNIC") < pos(&energy, "4xBeefy"),
+                "{app}: {energy:?}"
+            );
+            if *app == "NFV-FIN" {
+                // Everything runs on low-power cores: 4xWimpy first, 2xType2 second, in energy
+                // and in 5-year cost efficiency.
+                assert_eq!(&energy[..2], ["4xWimpy", "2xType2-SmartNIC"], "{app}");
+                assert_eq!(&cost[..2], ["4xWimpy", "2xType2-SmartNIC"], "{app}");
+            } else {
+                // Mixed apps: 2xType2-SmartNIC is the most energy- and cost-efficient, 1xSuperBeefy
+                // the second most energy-efficient, 4xWimpy the least.
+                assert_eq!(energy[0], "2xType2-SmartNIC", "{app}: {energy:?}");
+                assert_eq!(energy[1], "1xSuperBeefy", "{app}: {energy:?}");
+                assert_eq!(energy[4], "4xWimpy", "{app}: {energy:?}");
+                assert_eq!(cost[0], "2xType2-SmartNIC", "{app}: {cost:?}");
+            }
+            if *app == "RTA-SHM" {
+                // Table 5's whole RTA-SHM row in order, and Fig. 10's runner-up after 5 years.
+                assert_eq!(
+                    energy,
+                    [
+                        "2xType2-SmartNIC",
+                        "1xSuperBeefy",
+                        "4xBeefy",
+                        "2xBeefy+2xWimpy",
+                        "4xWimpy"
+                    ]
+                );
+                assert_eq!(cost[1], "4xBeefy");
+            }
+            for r in rows {
+                // Fig. 10: cost efficiency grows with ownership time towards the energy bound.
+                let ce: Vec<f64> = r.cost_efficiency.iter().map(|c| c.1).collect();
+                assert!(
+                    ce.windows(2).all(|w| w[0] < w[1]),
+                    "{app} {}: {ce:?}",
+                    r.cluster
+                );
+                let bound = r.krpj * 1000.0 * 3.6e6 / crate::energy::USD_PER_KWH;
+                assert!(*ce.last().unwrap() < bound, "{app} {}", r.cluster);
             }
         }
     }

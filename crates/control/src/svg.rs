@@ -47,20 +47,23 @@ fn legend(out: &mut String, names: &[String]) {
     }
 }
 
-/// y axis with 5 ticks; returns the mapping from value to pixel.
-fn y_axis(out: &mut String, max: f64, log: bool) -> impl Fn(f64) -> f64 {
+/// y axis; returns the mapping from value to pixel. Linear: 0 to 1.1 x max in 5 ticks. Log: whole
+/// decades from below `min` to above `max` (at least one), a tick per decade.
+fn y_axis(out: &mut String, min: f64, max: f64, log: bool) -> impl Fn(f64) -> f64 {
     let plot_h = H - TOP - BOTTOM;
-    let (lo, hi) = if log {
-        let hi = max.max(1e-9).log10().ceil();
-        (hi - 5.0, hi)
+    let (lo, hi, ticks) = if log {
+        let hi = max.max(1e-12).log10().ceil();
+        let lo = min.max(1e-12).log10().floor().min(hi - 1.0).max(hi - 12.0);
+        (lo, hi, (hi - lo) as u32)
     } else {
-        (0.0, if max > 0.0 { max * 1.1 } else { 1.0 })
+        (0.0, if max > 0.0 { max * 1.1 } else { 1.0 }, 5)
     };
-    for k in 0..=5 {
-        let v = lo + (hi - lo) * f64::from(k) / 5.0;
-        let y = H - BOTTOM - plot_h * f64::from(k) / 5.0;
+    for k in 0..=ticks {
+        let v = lo + (hi - lo) * f64::from(k) / f64::from(ticks);
+        let y = H - BOTTOM - plot_h * f64::from(k) / f64::from(ticks);
         let label = if log {
-            format!("1e{v:.0}")
+            // Whole decades: 0.001, 0.01, ..., 1, 10, 100.
+            format!("{:.*}", (-v).max(0.0) as usize, 10f64.powf(v))
         } else {
             format!("{v:.3}")
         };
@@ -96,7 +99,7 @@ pub fn bar_chart(
         .flat_map(|(_, v)| v.iter().copied())
         .filter(|v| v.is_finite())
         .fold(0.0, f64::max);
-    let y = y_axis(&mut out, max, false);
+    let y = y_axis(&mut out, 0.0, max, false);
     let plot_w = W - LEFT - RIGHT;
     let group_w = plot_w / categories.len().max(1) as f64;
     let bar_w = group_w * 0.8 / series.len().max(1) as f64;
@@ -142,12 +145,15 @@ pub fn line_chart(
 ) -> String {
     let mut out = String::new();
     header(&mut out, title, ylabel);
-    let max = series
-        .iter()
-        .flat_map(|(_, v)| v.iter().flatten().copied())
-        .filter(|v| v.is_finite())
-        .fold(0.0, f64::max);
-    let y = y_axis(&mut out, max, log_y);
+    let values = || {
+        series
+            .iter()
+            .flat_map(|(_, v)| v.iter().flatten().copied())
+            .filter(|v| v.is_finite() && (!log_y || *v > 0.0))
+    };
+    let max = values().fold(0.0, f64::max);
+    let min = values().fold(f64::INFINITY, f64::min);
+    let y = y_axis(&mut out, min, max, log_y);
     let (xmin, xmax) = xs
         .iter()
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
@@ -234,5 +240,23 @@ mod tests {
         assert_eq!(l.matches("<circle").count(), 2);
         let d = l.split("d=\"").nth(1).unwrap().split('"').next().unwrap();
         assert_eq!(d.matches('M').count(), 2, "line broken at the gap: {d}");
+        // A log axis spans every value: the decades from 0.001 to 1000, nothing clamped to an edge.
+        let l = line_chart(
+            "t",
+            "x",
+            "y",
+            &[1.0, 2.0],
+            &[("s".into(), vec![Some(0.002), Some(263.0)])],
+            true,
+        );
+        for label in [">0.001<", ">0.01<", ">1<", ">1000<"] {
+            assert!(l.contains(label), "{label} missing: {l}");
+        }
+        let ys: Vec<f64> = l
+            .split("cy=\"")
+            .skip(1)
+            .map(|s| s.split('"').next().unwrap().parse().unwrap())
+            .collect();
+        assert!(ys.iter().all(|&y| y > TOP && y < H - BOTTOM), "{ys:?}");
     }
 }

@@ -10,19 +10,25 @@ pub struct Instance {
     pub id: String,
     pub app: usize,
     pub microservice: String,
-    /// Requests/s this shard carries. A backup reserves the same so promotion never overloads.
+    /// Requests/s this shard carries (a backup: the rate of its primary, served only once promoted).
     pub rps: f64,
+    /// Share of `rps` whose CPU and bandwidth this instance reserves: 1 for a primary, the app's
+    /// `backup_load` for a backup.
+    pub load: f64,
     pub replica_of: Option<usize>,
     /// Fault-domain group: a primary and its replicas. No two members share a server (§3.5).
     pub group: usize,
+    /// Reserved by primaries and backups alike: a backup holds the replicated state.
     pub memory_mb: u64,
     pub pin: Pin,
     pub offloadable: bool,
+    /// Cores reserved on each core class (`rps x load x` Table 1's cores/RPS).
     pub cores_beefy: f64,
     pub cores_wimpy: f64,
     /// Active joules per request on each core class (Table 1's W / RPS).
     pub joules_beefy: f64,
     pub joules_wimpy: f64,
+    /// Bandwidth of the server's shared ports reserved (`rps x load x` request size).
     pub bandwidth_gbps: f64,
 }
 
@@ -112,7 +118,7 @@ impl Workload {
                     app_idx,
                     &stage.microservice,
                     profile,
-                    shard_rps,
+                    (shard_rps, 1.0),
                     None,
                     group,
                 );
@@ -123,7 +129,7 @@ impl Workload {
                         app_idx,
                         &stage.microservice,
                         profile,
-                        shard_rps,
+                        (shard_rps, app.backup_load),
                         Some(primary),
                         group,
                     );
@@ -168,26 +174,28 @@ impl Workload {
         app: usize,
         name: &str,
         m: &Microservice,
-        rps: f64,
+        (rps, load): (f64, f64),
         replica_of: Option<usize>,
         group: usize,
     ) -> usize {
         let idx = self.instances.len();
+        let reserved = rps * load;
         self.instances.push(Instance {
             id,
             app,
             microservice: name.to_string(),
             rps,
+            load,
             replica_of,
             group,
             memory_mb: m.memory_mb,
             pin: m.pin,
             offloadable: m.offloadable(),
-            cores_beefy: rps * m.beefy.core_seconds_per_request(),
-            cores_wimpy: rps * m.wimpy.core_seconds_per_request(),
+            cores_beefy: reserved * m.beefy.core_seconds_per_request(),
+            cores_wimpy: reserved * m.wimpy.core_seconds_per_request(),
             joules_beefy: m.beefy.joules_per_request(),
             joules_wimpy: m.wimpy.joules_per_request(),
-            bandwidth_gbps: rps * f64::from(m.request_bytes) * 8.0 / 1e9,
+            bandwidth_gbps: reserved * f64::from(m.request_bytes) * 8.0 / 1e9,
         });
         self.children.push(Vec::new());
         self.replicas.push(Vec::new());
@@ -261,9 +269,9 @@ mod tests {
                 .unwrap()
                 .rps
         };
-        // 2,000 req/s over 12 shards; Recommend sees 1% of them.
+        // 2,000 req/s over 12 shards; Recommend sees 0.2% of them.
         assert!((rate("SQL") - 2000.0 / 12.0).abs() < 1e-9);
-        assert!((rate("Recommend") - 20.0 / 12.0).abs() < 1e-9);
+        assert!((rate("Recommend") - 4.0 / 12.0).abs() < 1e-9);
     }
 
     #[test]

@@ -23,7 +23,7 @@ enum Command {
     Check(cmd::check::Args),
     /// Start built-in services and a node proxy, drive load, print a report.
     Demo(cmd::demo::Args),
-    /// QingNiao: IDL compiler, skip-and-check rules and their RAM/CAM image.
+    /// QingNiao: IDL compiler, skip-and-check rules and their RAM/CAM image (runs `flatmesh-qnp`).
     Qnp(cmd::qnp::Args),
     /// Place microservice DAGs on hosts and SmartNICs (E3: hcm, anneal, ilp).
     Place(cmd::place::Args),
@@ -39,8 +39,25 @@ enum Command {
     Pu(cmd::pu::Args),
 }
 
+/// Commands that print a report and exit end quietly, like other Unix tools, when their output
+/// goes to a pipe that closes early (`flatmesh place ... | head`), instead of panicking on the
+/// failed print. Long-running commands keep Rust's default (SIGPIPE ignored): a peer closing a
+/// socket must never kill the node.
+fn end_quietly_on_closed_stdout() {
+    // SAFETY: plain signal disposition change at start-up, before any thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Check(_) | Command::Place(_) | Command::Simulate(_) | Command::Kernel(_)
+    ) {
+        end_quietly_on_closed_stdout();
+    }
     let result = match cli.command {
         Command::Node(args) => cmd::node::run(args),
         Command::Check(args) => cmd::check::run(args),

@@ -32,7 +32,7 @@ pub enum ResponseBody {
     /// From an HTTP/2 endpoint (hyper's client).
     Http2(Incoming),
     /// From an HTTP/1.1 endpoint (`crate::h1::client`).
-    Http1(H1Body),
+    Http1(Box<H1Body>),
     /// Made by the proxy.
     Local(Full<Bytes>),
 }
@@ -513,7 +513,7 @@ pub(crate) async fn forward(
                     limits.idle_timeout,
                 );
                 match tokio::time::timeout_at(deadline, sent).await {
-                    Ok(Ok(resp)) => Ok(resp.map(ResponseBody::Http1)),
+                    Ok(Ok(resp)) => Ok(resp.map(|body| ResponseBody::Http1(Box::new(body)))),
                     Ok(Err(SendError::Upstream { error, stale: true }))
                         if replayable && !stale_retried =>
                     {
@@ -540,7 +540,14 @@ pub(crate) async fn forward(
                 };
                 let up_req = match http2_request(&parts, headers, plan, index, upstream_body) {
                     Ok(req) => req,
-                    Err(resp) => return (resp, picked),
+                    Err(what) => {
+                        let resp = text_response(
+                            StatusCode::BAD_REQUEST,
+                            format!("bad request: unusable request {what}\n"),
+                            true,
+                        );
+                        return (resp, picked);
+                    }
                 };
                 match tokio::time::timeout_at(deadline, client.request(up_req)).await {
                     Ok(Ok(resp)) => Ok(resp.map(ResponseBody::Http2)),
@@ -586,22 +593,15 @@ pub(crate) async fn forward(
 }
 
 /// The request as hyper's HTTP/2 client sends it to endpoint `index` of the cluster. A
-/// target or head that cannot be built is the client's fault: the error is the 400 to
-/// answer with.
+/// target or head that cannot be built is the client's fault: the error names the part,
+/// for the 400 to answer with.
 fn http2_request(
     parts: &http::request::Parts,
     headers: HeaderMap,
     plan: &crate::snapshot::ClusterPlan,
     index: usize,
     body: UpstreamBody,
-) -> Result<Request<UpstreamBody>, Response<ResponseBody>> {
-    let bad = |what: &str| {
-        text_response(
-            StatusCode::BAD_REQUEST,
-            format!("bad request: unusable request {what}\n"),
-            true,
-        )
-    };
+) -> Result<Request<UpstreamBody>, &'static str> {
     let uri = Uri::builder()
         .scheme(http::uri::Scheme::HTTP)
         .authority(plan.authorities[index].clone())
@@ -613,7 +613,7 @@ fn http2_request(
                 .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
         )
         .build()
-        .map_err(|_| bad("target"))?;
+        .map_err(|_| "target")?;
     let mut builder = Request::builder()
         .method(parts.method.clone())
         .uri(uri)
@@ -621,7 +621,7 @@ fn http2_request(
     if let Some(h) = builder.headers_mut() {
         *h = headers;
     }
-    builder.body(body).map_err(|_| bad("head"))
+    builder.body(body).map_err(|_| "head")
 }
 
 /// The answer when a cluster has no endpoint to send to.

@@ -111,7 +111,7 @@ pub enum Pool {
     /// Keep-alive HTTP/1.1 connections per endpoint (`crate::h1`), for every client.
     Http1(Arc<H1Pool>),
     /// hyper's client: one multiplexed HTTP/2 connection per endpoint.
-    Http2(HttpClient),
+    Http2(Box<HttpClient>),
 }
 
 /// A worker's upstream state for one snapshot.
@@ -138,7 +138,7 @@ impl Upstreams {
                     .and_then(|p| p.pools.get(&key).cloned())
                     .unwrap_or_else(|| match plan.protocol {
                         UpstreamProtocol::Http1 => Pool::Http1(H1Pool::new()),
-                        UpstreamProtocol::Http2 => Pool::Http2(build_client(plan, worker)),
+                        UpstreamProtocol::Http2 => Pool::Http2(Box::new(build_client(plan, worker))),
                     });
                 pools.insert(key, pool.clone());
                 Upstream {

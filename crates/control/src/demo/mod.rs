@@ -428,11 +428,14 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
         info(format!("HCM placed {inst} on {node}; started"));
     }
     let detector = DetectorConfig {
-        // Three heartbeats in a row above 1.2 x EMA, not one: this machine is shared and noisy.
-        overload_beats: 3,
-        // The EMA learns for a second (20 heartbeats) before it judges: connection set-up and
+        // Eight heartbeats in a row (400 ms) above 1.2 x EMA, not one: this machine is shared and
+        // noisy. The EMA (alpha 1/8) catches up with a step in execution time, so a step stays
+        // 20% above it for fewer than 8 heartbeats unless it is larger than ~2x: the noise of other
+        // jobs (1.5x for a while) is not acted on, a throttled SmartNIC (several x) is.
+        overload_beats: 8,
+        // The EMA learns for two seconds (40 heartbeats) before it judges: connection set-up and
         // first-touch page faults make the first requests slow on any node.
-        warmup: 20,
+        warmup: 40,
         // The agents are not throttled, but the machine may stall them; a false "dead" would
         // fail over a healthy node.
         dead_after: Duration::from_secs(1),

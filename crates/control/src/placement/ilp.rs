@@ -139,6 +139,14 @@ pub fn place_into(
         let k = (0..p.len())
             .max_by(|&a, &b| sol.value(x[t][a]).total_cmp(&sol.value(x[t][b])))
             .unwrap_or(0);
+        // A solution cut short by the time limit may not be integral: never place what does not
+        // fit. (The check runs in solution order, so it also sees what was placed before.)
+        if sol.value(x[t][k]) < 0.5 || !st.fits(targets[t], p[k]) {
+            return Err(ControlError::Solver(format!(
+                "the solver stopped without a usable assignment for {} (time limit {time_limit_seconds} s)",
+                wl.instances[targets[t]].id
+            )));
+        }
         st.place(targets[t], p[k]);
     }
     Ok(())
