@@ -199,13 +199,28 @@ class Usage:
     peak_rss_kb: int
 
 
+def host_cpu_seconds() -> float:
+    """Busy time of the whole machine, all CPUs (user, nice, system, irq, softirq, steal)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / CLK_TCK
+
+
 class Meter:
-    """CPU and peak memory of a system's process tree across one measurement."""
+    """CPU and peak memory of a system's process tree across one measurement, and the busy
+    time of the whole host: a system whose work the kernel does in other processes' context
+    (tier K) shows little CPU of its own, so the host figure is the fair comparison."""
 
     def __init__(self, root: int | None):
         self.root = root
         self.pids: list[int] = tree(root) if root else []
         self.cpu0 = cpu_seconds(self.pids) if root else 0.0
+        self.host0 = host_cpu_seconds()
+
+    def host_cpu_s(self) -> float:
+        """Busy CPU seconds of the host (load generator, backends, system and kernel) so far."""
+        return host_cpu_seconds() - self.host0
 
     def finish(self) -> Usage | None:
         if not self.root:

@@ -36,6 +36,7 @@ def summarize(records: list[dict]) -> list[dict]:
                 "rate": _median([r["rate"] for r in rs]),
                 "lat_us": {k: _median([(r["lat_us"] or {}).get(k) for r in rs]) for k in LAT_KEYS},
                 "cpu_per_unit": _median([r["cpu_per_unit"] for r in rs]),
+                "host_cpu_per_unit": _median([r.get("host_cpu_per_unit") for r in rs]),
                 "peak_rss_kb": _median([r["peak_rss_kb"] for r in rs]),
                 "idle_rss_kb": _median([r["idle_rss_kb"] for r in rs]),
                 "errors": sum(r["errors"] for r in rs),
@@ -106,7 +107,7 @@ def scenario_table(s: Scenario, rows: list[dict], systems: list[str]) -> list[st
         return []
     if s.sweep:
         return sweep_table(s, rows, systems)
-    cols = [rate_header(s), "× Envoy", *(LAT_NAMES[k] for k in LAT_KEYS), "p99 × Envoy", cpu_header(s), "CPU × Envoy", "peak RSS MB", "idle RSS MB", "errors"]
+    cols = [rate_header(s), "× Envoy", *(LAT_NAMES[k] for k in LAT_KEYS), "p99 × Envoy", cpu_header(s), "CPU × Envoy", "host " + cpu_header(s), "peak RSS MB", "idle RSS MB", "errors"]
     if s.name == "tcp_pingpong":
         cols.insert(6, "added p50 vs direct")
     out = ["| system | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
@@ -119,6 +120,7 @@ def scenario_table(s: Scenario, rows: list[dict], systems: list[str]) -> list[st
             f_x(r["p99_vs_envoy"]),
             f_cpu(r["cpu_per_unit"]),
             f_x(r["cpu_vs_envoy"]),
+            f_cpu(r.get("host_cpu_per_unit")),
             f_mb(r["peak_rss_kb"]),
             f_mb(r["idle_rss_kb"]),
             str(r["errors"]),
@@ -170,7 +172,7 @@ MB15_KB = 15 * 1024
 
 
 def targets(rows: list[dict]) -> list[dict]:
-    """The issue-2 targets, each with the measured value and pass / FAIL / n/a."""
+    """The issue-2 and issue-4 targets, each with the measured value and pass / FAIL / n/a."""
 
     def get(scn, system):
         for r in rows:
@@ -206,6 +208,28 @@ def targets(rows: list[dict]) -> list[dict]:
         add("sockperf added p50 ≤ ½ Envoy's added p50 (TCP, 64 B)", a <= b / 2, f"+{a:.1f} µs vs +{b:.1f} µs over direct")
     else:
         add("sockperf added p50 ≤ ½ Envoy's added p50 (TCP, 64 B)", None, "flatmesh, Envoy or direct not measured")
+    # Issue 4 (tier K): flatmesh+kernel against Envoy's tcp_proxy and nginx grpc_pass.
+    kp = get("tcp_pingpong", "flatmesh+kernel")
+    name = "tier K: sockperf added p50 ≤ 10% of Envoy's added p50 (TCP, 64 B)"
+    if kp and ep and kp["added_p50_us"] is not None and ep["added_p50_us"] is not None:
+        a, b = kp["added_p50_us"], ep["added_p50_us"]
+        add(name, a <= b / 10, f"{a:+.1f} µs vs +{b:.1f} µs over direct")
+    else:
+        add(name, None, "flatmesh+kernel, Envoy or direct not measured")
+    kt, et = get("tcp_throughput", "flatmesh+kernel"), get("tcp_throughput", "envoy")
+    name = "tier K: iperf3 throughput ≥ 2× Envoy's tcp_proxy"
+    if kt and et and kt["rate"] and et["rate"]:
+        x = kt["rate"] / et["rate"]
+        add(name, x >= 2, f"{kt['rate'] / 1e9:.2f} vs {et['rate'] / 1e9:.2f} Gbit/s = {x:.2f}×")
+    else:
+        add(name, None, "flatmesh+kernel or Envoy not measured")
+    kg, ng = get("grpc_unary", "flatmesh+kernel"), get("grpc_unary", "nginx")
+    name = "tier K: gRPC unary p50 ≥ 35% lower than nginx grpc_pass"
+    if kg and ng and kg["lat_us"]["p50"] and ng["lat_us"]["p50"]:
+        a, b = kg["lat_us"]["p50"], ng["lat_us"]["p50"]
+        add(name, a <= 0.65 * b, f"{f_lat(a)} vs {f_lat(b)} = {100 * (1 - a / b):.0f}% lower")
+    else:
+        add(name, None, "flatmesh+kernel or nginx not measured")
     return out
 
 

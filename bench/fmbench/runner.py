@@ -14,7 +14,7 @@ from pathlib import Path
 from . import checks, loadgen, procs
 from .backends import Backends
 from .scenarios import Scenario
-from .systems import System
+from .systems import System, SystemError_
 
 WARMUP_S = 1.0
 SETTLE_S = 0.5  # after readiness, before reading idle RSS
@@ -31,11 +31,17 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _record(system: System, scenario: Scenario, rep: int, load, res: loadgen.LoadResult, usage, idle_kb) -> dict:
-    per = None
-    if usage and res.ops > 0:
-        # CPU seconds per 10k operations; per GB moved for the byte-stream scenario.
-        per = usage.cpu_s / (res.ops / 1e9) if scenario.unit == "byte" else usage.cpu_s / res.ops * 1e4
+def _per_unit(scenario: Scenario, cpu_s: float | None, ops: float) -> float | None:
+    """CPU seconds per 10k operations; per GB moved for the byte-stream scenario."""
+    if cpu_s is None or ops <= 0:
+        return None
+    return cpu_s / (ops / 1e9) if scenario.unit == "byte" else cpu_s / ops * 1e4
+
+
+def _record(
+    system: System, scenario: Scenario, rep: int, load, res: loadgen.LoadResult, usage, idle_kb, host_cpu_s=None
+) -> dict:
+    per = _per_unit(scenario, usage.cpu_s, res.ops) if usage else None
     return {
         "system": system.name,
         "scenario": scenario.name,
@@ -50,6 +56,8 @@ def _record(system: System, scenario: Scenario, rep: int, load, res: loadgen.Loa
         "errors": res.errors,
         "cpu_s": round(usage.cpu_s, 3) if usage else None,
         "cpu_per_unit": per,
+        "host_cpu_s": round(host_cpu_s, 3) if host_cpu_s is not None else None,
+        "host_cpu_per_unit": _per_unit(scenario, host_cpu_s, res.ops),
         "peak_rss_kb": usage.peak_rss_kb if usage else None,
         "idle_rss_kb": idle_kb,
         "raw": res.raw,
@@ -72,6 +80,7 @@ def measure_system(
             procs.ensure_free(listen, system.name)
             proc = procs.start(system.name, procs.SUT_CPU, launch.argv, workdir, launch.env)
             procs.wait_ready(proc, listen, launch.ready_url, 30, workdir)
+            system.after_ready(workdir)
             time.sleep(SETTLE_S)
             idle_kb = procs.rss_kb(procs.tree(proc.pid))
         where = "correctness check"
@@ -85,7 +94,7 @@ def measure_system(
             meter = procs.Meter(proc.pid if proc else None)
             res = loadgen.run(scenario, load, port, system.client_env, workdir)
             usage = meter.finish()
-            rec = _record(system, scenario, rep, load, res, usage, idle_kb)
+            rec = _record(system, scenario, rep, load, res, usage, idle_kb, meter.host_cpu_s())
             outcome.records.append(rec)
             lat = res.lat_us or {}
             p99 = lat.get("p99")
@@ -94,7 +103,7 @@ def measure_system(
                 f"{res.rate:,.0f}/s p99={'-' if p99 is None else f'{p99:,.0f}us'} errors={res.errors}"
                 + (f" cpu={usage.cpu_s:.2f}s" if usage else "")
             )
-    except (procs.ProcError, checks.CheckFailed, loadgen.LoadError, OSError) as e:
+    except (procs.ProcError, checks.CheckFailed, loadgen.LoadError, SystemError_, OSError) as e:
         outcome.failures.append({"system": system.name, "scenario": scenario.name, "repeat": rep, "stage": where, "error": str(e)})
         _log(f"  FAIL {system.name} / {scenario.name} ({where}): {e}")
         if stop_on_failure:

@@ -53,6 +53,10 @@ class System:
     def launch(self, scenario: Scenario, workdir: Path) -> Launch | None:
         raise NotImplementedError
 
+    def after_ready(self, workdir: Path) -> None:
+        """Checks run once the system is ready, before its correctness checks (raise
+        SystemError_ to refuse measuring it)."""
+
 
 # ---------------------------------------------------------------- direct
 
@@ -407,13 +411,78 @@ class Nginx(System):
 # ---------------------------------------------------------------- registry
 
 
+class FlatmeshShm(Flatmesh):
+    """flatmesh with the hetero-socket library (crates/shm, docs/shm.md) preloaded into the node
+    and the load generator: the client-to-node hop runs over shared memory. (Statically linked
+    load tools, ghz and fortio, ignore LD_PRELOAD and stay on TCP; the node-to-backend hop stays
+    TCP unless the backends are preloaded too.)"""
+
+    def __init__(self):
+        super().__init__("flatmesh+shm")
+        self.library: Path | None = None
+
+    def available(self) -> tuple[bool, str]:
+        ok, why = super().available()
+        if not ok:
+            return ok, why
+        candidates = [Path(os.environ["FLATMESH_SHM_LIB"])] if os.environ.get("FLATMESH_SHM_LIB") else []
+        candidates.append(self.binary.parent / "libflatmesh_shm.so")
+        self.library = next((c for c in candidates if c.is_file()), None)
+        if self.library is None:
+            return False, "libflatmesh_shm.so not found; build it with `cargo build --release -p flatmesh-shm` or set FLATMESH_SHM_LIB"
+        self.client_env = {"LD_PRELOAD": str(self.library)}
+        return True, f"{self.binary} + {self.library}"
+
+    def launch(self, scenario: Scenario, workdir: Path) -> Launch:
+        launch = super().launch(scenario, workdir)
+        launch.env = {"LD_PRELOAD": str(self.library)}
+        return launch
+
+
+KERNEL_PIN_DIR = "/sys/fs/bpf/fmbench"
+
+
+class FlatmeshKernel(Flatmesh):
+    """flatmesh with tier K (crates/kernel, docs/kernel.md): tcp listeners go socket direct
+    (the client's and the backend's sockets exchange payload through sk_msg, the node keeps
+    the connections and their FIN/RST), and the http listener's first request is decided in
+    the kernel (HTTP/1.1 request line, gRPC :path) and then handed to the kernel too. Needs
+    root. The kernel does the moving in the sender's context, so the node's own CPU column
+    is small by design: compare the host CPU column (every process and the kernel)."""
+
+    def __init__(self):
+        super().__init__(
+            "flatmesh+kernel",
+            extra={"kernel": {"pin_dir": KERNEL_PIN_DIR, "redirect": True, "l7_dispatch": True}},
+        )
+
+    def available(self) -> tuple[bool, str]:
+        if os.geteuid() != 0:
+            return False, "flatmesh+kernel attaches eBPF programs: run bench/run as root"
+        return super().available()
+
+    def after_ready(self, workdir: Path) -> None:
+        """A node that could not attach tier K runs on the user tiers: refuse to measure it."""
+        import subprocess
+
+        p = subprocess.run(
+            [str(self.binary), "kernel", "status", "--pin-dir", KERNEL_PIN_DIR],
+            capture_output=True, text=True, timeout=10,
+        )
+        if "attached by pid" not in p.stdout:
+            log = "\n".join(
+                line for f in workdir.glob("*.log") for line in f.read_text(errors="replace").splitlines()
+                if "tier K" in line
+            )
+            raise SystemError_(f"tier K is not attached, so this would measure the user tiers: {p.stdout.strip()} {log}")
+
+
 def registry() -> dict[str, System]:
     """Every known system, in report order. Envoy is the reference for ratios."""
     systems: list[System] = [
         Flatmesh(),
-        # Later tiers plug in here, e.g.:
-        #   Flatmesh("flatmesh+kernel", extra={"kernel": {...}}),
-        #   Flatmesh("flatmesh+shm", extra={"shm": {...}}, client_env={"LD_PRELOAD": ".../libflatmesh_shm.so"}),
+        FlatmeshKernel(),
+        FlatmeshShm(),
         Envoy(),
         Haproxy(),
         Nginx(),

@@ -268,6 +268,33 @@ class ReportTests(unittest.TestCase):
         env = next(r for r in rows if r["system"] == "envoy")
         self.assertAlmostEqual(env["added_p50_us"], 32.5)
 
+    def test_kernel_tier_targets(self):
+        recs = [
+            rec("direct", "tcp_pingpong", 1, 4.0, 5.0),
+            rec("envoy", "tcp_pingpong", 1, 36.7, 50.0),
+            rec("flatmesh+kernel", "tcp_pingpong", 1, 6.0, 9.0),
+            rec("envoy", "tcp_throughput", 13e9, None, None),
+            rec("flatmesh+kernel", "tcp_throughput", 28e9, None, None),
+            rec("nginx", "grpc_unary", 9000, 1360.0, 3000.0),
+            rec("flatmesh+kernel", "grpc_unary", 15000, 700.0, 2000.0),
+        ]
+        t = {x["target"]: x["status"] for x in report.targets(report.summarize(recs))}
+        self.assertEqual(t["tier K: sockperf added p50 ≤ 10% of Envoy's added p50 (TCP, 64 B)"], "pass")  # +2.0 <= 3.27
+        self.assertEqual(t["tier K: iperf3 throughput ≥ 2× Envoy's tcp_proxy"], "pass")  # 2.15x
+        self.assertEqual(t["tier K: gRPC unary p50 ≥ 35% lower than nginx grpc_pass"], "pass")  # 49% lower
+        recs[2] = rec("flatmesh+kernel", "tcp_pingpong", 1, 8.0, 9.0)
+        t = {x["target"]: x["status"] for x in report.targets(report.summarize(recs))}
+        self.assertEqual(t["tier K: sockperf added p50 ≤ 10% of Envoy's added p50 (TCP, 64 B)"], "FAIL")
+
+    def test_kernel_system_config_and_host_cpu_column(self):
+        k = systems.registry()["flatmesh+kernel"]
+        cfg = systems.flatmesh_config(scenario("grpc_unary").topology, k.extra)
+        self.assertEqual(cfg["kernel"], {"pin_dir": systems.KERNEL_PIN_DIR, "redirect": True, "l7_dispatch": True})
+        rows = report.summarize([dict(rec("flatmesh+kernel", "tcp_pingpong", 100, 5.0, 9.0), host_cpu_per_unit=0.5)])
+        table = "\n".join(report.scenario_table(scenario("tcp_pingpong"), rows, ["flatmesh+kernel"]))
+        self.assertIn("host CPU s / 10k round trips", table)
+        self.assertIn("0.500", table)
+
     def test_targets_without_flatmesh_are_not_applicable(self):
         t = report.targets(report.summarize([rec("envoy", "http1_keepalive", 1, 1, 1)]))
         self.assertTrue(all(x["status"] == "n/a" for x in t))

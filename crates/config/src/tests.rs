@@ -749,3 +749,85 @@ fn ipv6_addresses_and_flow_style_config() {
     let d = only(&bad, 1, 96, "unknown cluster `d`");
     assert_eq!(d.hint, "defined clusters: c");
 }
+
+/// A tcp listener `db` and a kernel section (from line 5 on).
+fn with_kernel(kernel: &str) -> String {
+    format!("listeners:\n  - name: db\n    address: 127.0.0.1:7000\n    protocol: tcp\n    cluster: db\n{kernel}{CLUSTERS}")
+}
+
+#[test]
+fn kernel_section_parses_with_its_defaults() {
+    let text = with_kernel("kernel: { capture: { cgroup: /sys/fs/cgroup/unified/w, services: [ { address: \"10.96.0.10:80\", listener: db } ] } }\n");
+    let config = parse(&text, "t").unwrap_or_else(|e| panic!("{e}"));
+    let k = config.kernel.unwrap_or_else(|| panic!("kernel section"));
+    assert!(k.redirect && k.tcp_splice && !k.l7_dispatch && !k.l7_stream_parser);
+    assert_eq!(k.pin_dir, None);
+    assert_eq!(k.capture.map(|c| c.services.len()), Some(1));
+}
+
+#[test]
+fn kernel_paths_are_absolute() {
+    only(
+        &with_kernel("kernel: { pin_dir: fm }\n"),
+        6,
+        20,
+        "kernel.pin_dir `fm` is not an absolute path",
+    );
+    only(
+        &with_kernel("kernel: { capture: { cgroup: w, services: [ { address: \"10.0.0.1:80\", listener: db } ] } }\n"),
+        6,
+        30,
+        "is not an absolute path",
+    );
+}
+
+#[test]
+fn kernel_capture_rules() {
+    let dup = with_kernel(
+        "kernel:\n  capture:\n    cgroup: /sys/fs/cgroup/unified/w\n    services:\n      - { address: \"10.0.0.1:80\", listener: db }\n      - { address: \"10.0.0.1:80\", listener: db }\n",
+    );
+    only(
+        &dup,
+        11,
+        20,
+        "service address 10.0.0.1:80 is captured twice",
+    );
+    let family = with_kernel(
+        "kernel:\n  capture:\n    cgroup: /sys/fs/cgroup/unified/w\n    services:\n      - { address: \"[fd00::1]:80\", listener: db }\n",
+    );
+    only(&family, 10, 20, "different address families");
+    let unknown = with_kernel(
+        "kernel:\n  capture:\n    cgroup: /sys/fs/cgroup/unified/w\n    services:\n      - { address: \"10.0.0.1:80\", listener: dbb }\n",
+    );
+    let d = only(&unknown, 10, 45, "unknown listener `dbb`");
+    assert!(d.hint.contains("did you mean `db`"), "{}", d.hint);
+    only(
+        &with_kernel("kernel: { capture: { cgroup: /sys/fs/cgroup/unified/w, services: [] } }\n"),
+        6,
+        66,
+        "nothing would be captured",
+    );
+}
+
+#[test]
+fn kernel_l7_dispatch_needs_one_http_listener() {
+    only(
+        &with_kernel("kernel: { l7_dispatch: true }\n"),
+        6,
+        24,
+        "no `http` listener to dispatch",
+    );
+    only(
+        &with_kernel("kernel: { l7_listener: db }\n"),
+        6,
+        24,
+        "listener `db` is not an http listener",
+    );
+    let d = only(
+        &with_kernel("kernel: { sockmap: true }\n"),
+        6,
+        11,
+        "unknown",
+    );
+    assert!(!d.hint.is_empty());
+}

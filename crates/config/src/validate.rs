@@ -271,7 +271,63 @@ impl Checker<'_> {
         let Some(kernel) = &config.kernel else {
             return;
         };
+        for (key, path) in [
+            ("kernel.pin_dir", kernel.pin_dir.as_ref()),
+            ("kernel.cgroup_root", kernel.cgroup_root.as_ref()),
+            (
+                "kernel.capture.cgroup",
+                kernel.capture.as_ref().map(|c| &c.cgroup),
+            ),
+        ] {
+            if let Some(path) = path.filter(|p| !p.is_absolute()) {
+                self.report(
+                    key,
+                    Target::Value,
+                    format!("{key} `{}` is not an absolute path", path.display()),
+                    match key {
+                        "kernel.pin_dir" => {
+                            "use a directory on bpffs, e.g. /sys/fs/bpf/flatmesh".into()
+                        }
+                        _ => "use a cgroup v2 directory, e.g. /sys/fs/cgroup/unified/workloads"
+                            .into(),
+                    },
+                );
+            }
+        }
         if let Some(capture) = &kernel.capture {
+            for (i, service) in capture.services.iter().enumerate() {
+                let at = format!("kernel.capture.services[{i}].address");
+                if let Some(first) = capture.services[..i]
+                    .iter()
+                    .position(|s| s.address == service.address)
+                {
+                    self.report_duplicate(
+                        at,
+                        format!("kernel.capture.services[{first}].address"),
+                        format!("service address {} is captured twice", service.address),
+                        "list each service address once; it goes to one listener".into(),
+                    );
+                    continue;
+                }
+                // connect4 can only send an IPv4 connection to an IPv4 address (and connect6
+                // an IPv6 one): a listener of the other family cannot take it, except a
+                // dual-stack [::] listener, which takes IPv4 on 127.0.0.1 too.
+                let listener = config.listeners.iter().find(|l| l.name == service.listener);
+                if let Some(l) = listener {
+                    let dual_stack = l.address.is_ipv6() && l.address.ip().is_unspecified();
+                    if !dual_stack && l.address.is_ipv4() != service.address.is_ipv4() {
+                        self.report(
+                            at,
+                            Target::Value,
+                            format!(
+                                "service {} and listener `{}` ({}) are of different address families",
+                                service.address, l.name, l.address
+                            ),
+                            "capture each service to a listener of its own family, or bind the listener to [::] (dual stack)".into(),
+                        );
+                    }
+                }
+            }
             if capture.services.is_empty() {
                 self.report(
                     "kernel.capture.services",

@@ -1,27 +1,93 @@
-//! Tier K wired into the node (`kernel:` section), as root: tcp listeners spliced in the
-//! kernel, the L7 listener's first request decided in the kernel with fallbacks that answer
-//! exactly as the user tier does, capture of a workload cgroup's connections to a service
-//! address, and the one-line degradation when tier K cannot attach.
+//! Tier K wired into the node (`kernel:` section), as root, each test in a network namespace
+//! of its own (the test re-runs itself under `unshare -n`) and with cgroup v2 for capture:
+//! - tcp listeners go *socket direct* (client and backend sockets talk through sk_msg, the
+//!   payload never crosses TCP nor the proxy) with large transfers, half-close, resets,
+//!   1,000 concurrent connections and connections closed mid-transfer; or are spliced by the
+//!   sk_skb verdict when sk_msg redirect is off;
+//! - the L7 listener's first request is decided in the kernel (HTTP/1.1 request line, and
+//!   HTTP/2 / gRPC `:path`, Huffman-coded as hyper and grpc-go send it), and every answer is
+//!   compared with a user-tier-only node's;
+//! - capture of a workload cgroup's connections to a service address, without ever capturing
+//!   the node's own connection to that same address;
+//! - lifecycle: pins while running, none after a clean exit, a crashed node's pins cleaned
+//!   by the next start, `flatmesh kernel status` with per-program runs and bytes;
+//! - the one-line degradation when tier K cannot attach (no bpffs pin dir, no root).
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::backends::{pattern, HttpBackend, Proto, TcpBackend, TcpMode};
+use common::backends::{pattern, HttpBackend, Proto, TcpBackend, TcpEnd, TcpMode};
 use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 fn require_root() {
     use std::os::unix::fs::MetadataExt as _;
-    let uid = std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(u32::MAX);
+    let uid = std::fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(u32::MAX);
     assert_eq!(
         uid, 0,
         "the tier-K node tests attach eBPF programs and need root: run them as root (CI does)"
+    );
+}
+
+/// Runs `body` in a fresh network namespace: the test binary runs this one test again under
+/// `unshare -n` (loopback brought up first) and this process checks that it passed. Inside,
+/// every address is the namespace's own, so the tests also prove that tier K keys loopback
+/// sockets by namespace and leaves other namespaces alone (tests run in parallel, each in
+/// its own namespace, each with its own node).
+fn in_netns<F, Fut>(test: &str, body: F)
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = ()>,
+{
+    require_root();
+    if std::env::var("FM_NETNS_TEST").as_deref() == Ok(test) {
+        let up = std::process::Command::new("ip")
+            .args(["link", "set", "lo", "up"])
+            .status()
+            .expect("run `ip link set lo up` (iproute2)");
+        assert!(
+            up.success(),
+            "cannot bring loopback up in the test's namespace"
+        );
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(body());
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let mut child = std::process::Command::new("unshare")
+        .arg("--net")
+        .arg(exe)
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env("FM_NETNS_TEST", test)
+        .spawn()
+        .expect("run `unshare --net` (util-linux) to give the test its own network namespace");
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{test} did not finish within 240 s in its network namespace");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        status.success(),
+        "{test} failed in its network namespace (output above)"
     );
 }
 
@@ -48,70 +114,424 @@ impl Drop for Pins {
     }
 }
 
-async fn spliced_metric(proxy: &Proxy, listener: &str) -> f64 {
+async fn metric_sum(proxy: &Proxy, name: &str, labels: &[&str]) -> f64 {
     let text = proxy.metrics().await;
-    metric_samples(
-        &text,
+    metric_samples(&text, name, labels)
+        .iter()
+        .map(|(_, v)| v)
+        .sum()
+}
+
+async fn spliced_metric(proxy: &Proxy, listener: &str) -> f64 {
+    metric_sum(
+        proxy,
         "flatmesh_kernel_spliced_connections_total",
         &[&format!("listener=\"{listener}\"")],
     )
-    .iter()
-    .map(|(_, v)| v)
-    .sum()
+    .await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tcp_listener_bytes_are_spliced_in_the_kernel() {
-    require_root();
-    let pins = Pins::new("tcp");
-    let echo = TcpBackend::start(TcpMode::Echo).await;
-    let (admin, listen) = (free_addr(), free_addr());
-    let yaml = format!(
+async fn tcp_bytes_metric(proxy: &Proxy, listener: &str, direction: &str) -> f64 {
+    metric_sum(
+        proxy,
+        "flatmesh_tcp_bytes_total",
+        &[
+            &format!("listener=\"{listener}\""),
+            &format!("direction=\"{direction}\""),
+        ],
+    )
+    .await
+}
+
+/// Polls `check` for up to 10 s.
+async fn until(what: &str, mut check: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if check() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+fn tcp_node(admin: SocketAddr, listen: SocketAddr, backend: SocketAddr, kernel: &str) -> String {
+    format!(
         r#"
 admin: {admin}
 workers: 2
-kernel: {{ pin_dir: {pins}, redirect: false, tcp_splice: true }}
+kernel: {kernel}
 listeners:
   - {{ name: db, address: {listen}, protocol: tcp, cluster: db }}
 clusters:
-  - {{ name: db, endpoints: [ {echo} ] }}
-"#,
-        pins = pins.0.display(),
-        echo = echo.addr
-    );
-    let proxy = Proxy::start(admin, &yaml).await;
+  - {{ name: db, endpoints: [ {backend} ] }}
+"#
+    )
+}
 
-    const LEN: usize = 4 * 1024 * 1024;
-    let data = pattern(LEN, 7);
-    let stream = TcpStream::connect(listen).await.unwrap();
+async fn connect(addr: SocketAddr) -> TcpStream {
+    tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr))
+        .await
+        .expect("connect in time")
+        .unwrap_or_else(|e| panic!("connect to {addr}: {e}"))
+}
+
+/// Sends `data` and reads the echo concurrently; returns the stream and what came back.
+async fn echo_through(stream: TcpStream, data: Vec<u8>) -> (Vec<u8>, flatmesh_kernel::TcpCounters) {
     let (mut rd, mut wr) = stream.into_split();
-    let sent = data.clone();
+    let len = data.len();
     let writer = tokio::spawn(async move {
-        for chunk in sent.chunks(64 * 1024) {
+        for chunk in data.chunks(64 * 1024) {
             wr.write_all(chunk).await.unwrap();
         }
         // Half-close: the echo backend must still answer everything, then close.
         wr.shutdown().await.unwrap();
+        wr
     });
-    let mut back = Vec::with_capacity(LEN);
-    tokio::time::timeout(Duration::from_secs(30), rd.read_to_end(&mut back))
+    let mut back = Vec::with_capacity(len);
+    tokio::time::timeout(Duration::from_secs(60), rd.read_to_end(&mut back))
         .await
         .expect("the echo came back in time")
         .unwrap();
-    writer.await.unwrap();
-    assert_eq!(back.len(), LEN, "every byte came back");
-    assert!(back == data, "the bytes came back unchanged");
+    let wr = writer.await.unwrap();
+    let stream = rd.reunite(wr).unwrap();
+    let counters = flatmesh_kernel::tcp_counters(&stream).unwrap();
+    (back, counters)
+}
 
-    let verdict = pins.status().stat("fm_verdict");
-    // Almost all of the 2 × 4 MiB went through the kernel; a first chunk sent before the
-    // splice may reach the relay.
-    assert!(
-        verdict.bytes >= (2 * LEN as u64) * 9 / 10,
-        "the kernel moved only {} of {} bytes: {verdict:?}",
-        verdict.bytes,
-        2 * LEN
+#[test]
+fn tcp_socket_direct_moves_large_transfers_outside_tcp_and_the_proxy() {
+    in_netns(
+        "tcp_socket_direct_moves_large_transfers_outside_tcp_and_the_proxy",
+        || async {
+            let pins = Pins::new("direct");
+            let echo = TcpBackend::start(TcpMode::Echo).await;
+            let (admin, listen) = (free_addr(), free_addr());
+            let kernel = format!("{{ pin_dir: {}, redirect: true }}", pins.0.display());
+            let proxy = Proxy::start(admin, &tcp_node(admin, listen, echo.addr, &kernel)).await;
+
+            const LEN: usize = 8 * 1024 * 1024;
+            let data = pattern(LEN, 7);
+            let (back, client) = echo_through(connect(listen).await, data.clone()).await;
+            assert_eq!(back.len(), LEN, "every byte came back");
+            assert!(back == data, "the bytes came back unchanged and in order");
+            // The client's socket received 8 MiB, none of it through TCP (the FIN counts 1).
+            assert!(
+                client.received <= 1 && client.sent == 0,
+                "payload crossed the client's TCP stack: {client:?}"
+            );
+            let st = pins.status();
+            let direct = st.stat("fm_sk_msg_direct");
+            assert!(
+                direct.bytes >= (2 * LEN as u64) * 9 / 10,
+                "the kernel carried only {} of {} bytes socket direct\n{st}",
+                direct.bytes,
+                2 * LEN
+            );
+            // The proxy still accounts for every byte and the connection.
+            let mut counted = (0.0, 0.0);
+            for _ in 0..200 {
+                counted = (
+                    tcp_bytes_metric(&proxy, "db", "downstream_to_upstream").await,
+                    tcp_bytes_metric(&proxy, "db", "upstream_to_downstream").await,
+                );
+                if counted == (LEN as f64, LEN as f64) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert_eq!(
+                counted,
+                (LEN as f64, LEN as f64),
+                "bytes in the node's metrics"
+            );
+            assert_eq!(spliced_metric(&proxy, "db").await, 1.0);
+            let st = pins.status();
+            assert_eq!(
+                st.entries("fm_shortcuts"),
+                0,
+                "shortcuts removed at close\n{st}"
+            );
+            assert_eq!(st.entries("fm_direct_bytes"), 0, "{st}");
+        },
     );
-    assert_eq!(spliced_metric(&proxy, "db").await, 1.0);
+}
+
+#[test]
+fn tcp_socket_direct_keeps_half_close_and_reset_semantics() {
+    in_netns(
+        "tcp_socket_direct_keeps_half_close_and_reset_semantics",
+        || async {
+            let pins = Pins::new("direct-close");
+            let kernel = format!("{{ pin_dir: {}, redirect: true }}", pins.0.display());
+
+            // Client half-close: the backend answers only after the client's FIN, which must
+            // come after all of the client's (direct) bytes.
+            let counter = TcpBackend::start(TcpMode::Count).await;
+            let (admin, listen) = (free_addr(), free_addr());
+            let proxy = Proxy::start(admin, &tcp_node(admin, listen, counter.addr, &kernel)).await;
+            for round in 0..5 {
+                let data = pattern(256 * 1024 + round, round as u64);
+                let mut s = connect(listen).await;
+                // A first message, then a pause so the shortcut is armed, then the rest.
+                s.write_all(&data[..1000]).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                s.write_all(&data[1000..]).await.unwrap();
+                s.shutdown().await.unwrap();
+                let mut reply = String::new();
+                tokio::time::timeout(Duration::from_secs(10), s.read_to_string(&mut reply))
+                    .await
+                    .expect("reply after half-close in time")
+                    .unwrap();
+                assert_eq!(
+                    reply,
+                    format!("{} {}\n", data.len(), crc32fast::hash(&data))
+                );
+            }
+            assert!(
+                pins.status().stat("fm_sk_msg_direct").bytes > 0,
+                "{}",
+                pins.status()
+            );
+            drop(proxy);
+
+            // Server first, then server half-close: "hello" and EOF reach the client, and the
+            // client's later bytes still reach the backend.
+            let mut greeter = TcpBackend::start(TcpMode::GreetThenHold).await;
+            let (admin, listen) = (free_addr(), free_addr());
+            let pins2 = Pins::new("direct-greet");
+            let kernel2 = format!("{{ pin_dir: {}, redirect: true }}", pins2.0.display());
+            let proxy = Proxy::start(admin, &tcp_node(admin, listen, greeter.addr, &kernel2)).await;
+            let mut s = connect(listen).await;
+            let mut hello = Vec::new();
+            tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut hello))
+                .await
+                .expect("greeting and EOF in time")
+                .unwrap();
+            assert_eq!(hello, b"hello");
+            s.write_all(&[7u8; 100_000]).await.unwrap();
+            s.shutdown().await.unwrap();
+            assert_eq!(
+                greeter.next_end(Duration::from_secs(10)).await,
+                Some(TcpEnd::Eof(100_000))
+            );
+            drop(proxy);
+
+            // The backend resets: the client sees a reset (or EOF), never a hang.
+            let resetter = TcpBackend::start(TcpMode::Reset).await;
+            let (admin, listen) = (free_addr(), free_addr());
+            let pins3 = Pins::new("direct-reset");
+            let kernel3 = format!("{{ pin_dir: {}, redirect: true }}", pins3.0.display());
+            let _proxy =
+                Proxy::start(admin, &tcp_node(admin, listen, resetter.addr, &kernel3)).await;
+            let mut s = connect(listen).await;
+            s.write_all(b"trigger").await.unwrap();
+            let mut buf = [0u8; 16];
+            match tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+                .await
+                .expect("the reset reached the client in time")
+            {
+                Ok(0) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+                other => panic!("after the backend's reset the client read {other:?}"),
+            }
+
+            // The client resets: the backend sees the reset.
+            let mut holder = TcpBackend::start(TcpMode::Hold).await;
+            let (admin, listen) = (free_addr(), free_addr());
+            let pins4 = Pins::new("direct-creset");
+            let kernel4 = format!("{{ pin_dir: {}, redirect: true }}", pins4.0.display());
+            let _proxy = Proxy::start(admin, &tcp_node(admin, listen, holder.addr, &kernel4)).await;
+            let s = connect(listen).await;
+            let mut s = s;
+            s.write_all(&[1u8; 5000]).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            s.set_zero_linger().unwrap();
+            drop(s);
+            match holder.next_end(Duration::from_secs(10)).await {
+                Some(TcpEnd::Error(n, std::io::ErrorKind::ConnectionReset)) => assert_eq!(n, 5000),
+                other => panic!("the backend should see the client's reset, saw {other:?}"),
+            }
+        },
+    );
+}
+
+#[test]
+fn a_thousand_concurrent_connections_go_socket_direct() {
+    in_netns(
+        "a_thousand_concurrent_connections_go_socket_direct",
+        || async {
+            let pins = Pins::new("direct-1000");
+            let echo = TcpBackend::start(TcpMode::Echo).await;
+            let (admin, listen) = (free_addr(), free_addr());
+            let kernel = format!("{{ pin_dir: {}, redirect: true }}", pins.0.display());
+            let proxy = Proxy::start(admin, &tcp_node(admin, listen, echo.addr, &kernel)).await;
+            let before = pins.status().stat("fm_sk_msg_direct");
+            let mut conns = Vec::new();
+            for _ in 0..1000 {
+                conns.push(connect(listen).await);
+            }
+            // All open at once; each carries its own id there and back, twice (the second
+            // round trip is certain to go direct: the first armed the shortcut).
+            for round in 0..2u32 {
+                let mut tasks = tokio::task::JoinSet::new();
+                for (i, mut s) in conns.drain(..).enumerate() {
+                    tasks.spawn(async move {
+                        let msg = format!("{i:06}-{round}");
+                        s.write_all(msg.as_bytes()).await.unwrap();
+                        let mut back = vec![0u8; msg.len()];
+                        tokio::time::timeout(Duration::from_secs(20), s.read_exact(&mut back))
+                            .await
+                            .expect("echo in time")
+                            .unwrap();
+                        assert_eq!(back, msg.as_bytes(), "connection {i} got another's bytes");
+                        (i, s)
+                    });
+                }
+                let mut back = Vec::new();
+                while let Some(r) = tasks.join_next().await {
+                    back.push(r.unwrap());
+                }
+                back.sort_by_key(|(i, _)| *i);
+                conns = back.into_iter().map(|(_, s)| s).collect();
+            }
+            let st = pins.status();
+            let direct = st.stat("fm_sk_msg_direct").hits - before.hits;
+            assert!(
+                direct >= 2 * 1000,
+                "at least the second round went direct both ways: {direct}\n{st}"
+            );
+            assert!(st.entries("fm_shortcuts") >= 2 * 1000, "{st}");
+            drop(conns);
+            until("every shortcut to be removed", || {
+                let st = pins.status();
+                st.entries("fm_shortcuts") == 0 && st.entries("fm_direct_bytes") == 0
+            })
+            .await;
+            until("the sockhash to empty", || {
+                pins.status().entries("fm_redirect_socks") == 0
+            })
+            .await;
+            // The node saw every connection open and close, though it carried none of the bytes
+            // after the first round trip.
+            let mut active = -1.0;
+            for _ in 0..250 {
+                active = metric_sum(
+                    &proxy,
+                    "flatmesh_downstream_connections_active",
+                    &["listener=\"db\""],
+                )
+                .await;
+                if active == 0.0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert_eq!(active, 0.0, "open connections after all closed");
+            assert_eq!(
+                metric_sum(
+                    &proxy,
+                    "flatmesh_downstream_connections_total",
+                    &["listener=\"db\""]
+                )
+                .await,
+                1000.0
+            );
+        },
+    );
+}
+
+#[test]
+fn connections_closed_mid_transfer_leave_nothing_behind() {
+    in_netns(
+        "connections_closed_mid_transfer_leave_nothing_behind",
+        || async {
+            let pins = Pins::new("direct-abort");
+            let mut holder = TcpBackend::start(TcpMode::Hold).await;
+            let (admin, listen) = (free_addr(), free_addr());
+            let kernel = format!("{{ pin_dir: {}, redirect: true }}", pins.0.display());
+            let proxy = Proxy::start(admin, &tcp_node(admin, listen, holder.addr, &kernel)).await;
+            // 20 clients stream and vanish mid-transfer, half with a reset, half with a FIN.
+            for i in 0..20 {
+                let mut s = connect(listen).await;
+                let chunk = pattern(64 * 1024, i);
+                for _ in 0..8 {
+                    s.write_all(&chunk).await.unwrap();
+                }
+                if i % 2 == 0 {
+                    s.set_zero_linger().unwrap();
+                }
+                drop(s);
+            }
+            let mut ends = 0;
+            while ends < 20 {
+                match holder.next_end(Duration::from_secs(10)).await {
+                    Some(_) => ends += 1,
+                    None => {
+                        panic!("only {ends} of 20 aborted connections reached the backend's end")
+                    }
+                }
+            }
+            until("the aborted connections' kernel state to go", || {
+                let st = pins.status();
+                st.entries("fm_shortcuts") == 0
+                    && st.entries("fm_direct_bytes") == 0
+                    && st.entries("fm_redirect_socks") == 0
+            })
+            .await;
+            // The node is unharmed: a new connection carries bytes both ways.
+            drop(proxy);
+            let echo = TcpBackend::start(TcpMode::Echo).await;
+            let (admin, listen) = (free_addr(), free_addr());
+            let pins2 = Pins::new("direct-abort2");
+            let kernel2 = format!("{{ pin_dir: {}, redirect: true }}", pins2.0.display());
+            let _proxy = Proxy::start(admin, &tcp_node(admin, listen, echo.addr, &kernel2)).await;
+            let (back, _) = echo_through(connect(listen).await, b"still alive".to_vec()).await;
+            assert_eq!(back, b"still alive");
+        },
+    );
+}
+
+#[test]
+fn tcp_splice_moves_the_bytes_in_the_kernel_when_redirect_is_off() {
+    in_netns(
+        "tcp_splice_moves_the_bytes_in_the_kernel_when_redirect_is_off",
+        || async {
+            let pins = Pins::new("tcp");
+            let echo = TcpBackend::start(TcpMode::Echo).await;
+            let (admin, listen) = (free_addr(), free_addr());
+            let kernel = format!(
+                "{{ pin_dir: {}, redirect: false, tcp_splice: true }}",
+                pins.0.display()
+            );
+            let proxy = Proxy::start(admin, &tcp_node(admin, listen, echo.addr, &kernel)).await;
+
+            const LEN: usize = 4 * 1024 * 1024;
+            let data = pattern(LEN, 7);
+            let (back, _) = echo_through(connect(listen).await, data.clone()).await;
+            assert_eq!(back.len(), LEN, "every byte came back");
+            assert!(back == data, "the bytes came back unchanged");
+            let verdict = pins.status().stat("fm_verdict");
+            // Almost all of the 2 × 4 MiB went through the kernel; a first chunk sent before the
+            // splice may reach the relay.
+            assert!(
+                verdict.bytes >= (2 * LEN as u64) * 9 / 10,
+                "the kernel moved only {} of {} bytes: {verdict:?}",
+                verdict.bytes,
+                2 * LEN
+            );
+            assert_eq!(spliced_metric(&proxy, "db").await, 1.0);
+            // Relayed plus spliced: every byte is accounted for.
+            let mut counted = 0.0;
+            for _ in 0..200 {
+                counted = tcp_bytes_metric(&proxy, "db", "downstream_to_upstream").await;
+                if counted == LEN as f64 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert_eq!(counted, LEN as f64);
+        },
+    );
 }
 
 /// One HTTP/1.1 request on its own connection; returns (status, x-backend or body).
@@ -138,7 +558,14 @@ async fn ask(addr: SocketAddr, method: &str, path: &str, extra: &str) -> (u16, S
     (status, backend)
 }
 
-fn l7_config(admin: SocketAddr, web: SocketAddr, kernel: &str, api: SocketAddr, canary: SocketAddr) -> String {
+fn l7_config(
+    admin: SocketAddr,
+    web: SocketAddr,
+    kernel: &str,
+    api: SocketAddr,
+    canary: SocketAddr,
+    grpc: SocketAddr,
+) -> String {
     format!(
         r#"
 admin: {admin}
@@ -157,34 +584,130 @@ listeners:
         direct_response: {{ status: 200, body: "ok" }}
       - match: {{ path: {{ prefix: /v2 }}, method: POST }}
         cluster: canary
+      - match: {{ path: {{ prefix: /grpc.Echo/ }} }}
+        cluster: grpc
+      - match: {{ path: {{ prefix: /h1only/ }} }}
+        cluster: api
       - match: {{ path: {{ regex: "^/r[0-9]+$" }} }}
         cluster: api
 clusters:
   - {{ name: api, endpoints: [ {api} ] }}
   - {{ name: canary, endpoints: [ {canary} ] }}
+  - {{ name: grpc, protocol: http2, endpoints: [ {grpc} ] }}
 "#
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn l7_first_request_is_decided_in_the_kernel_and_fallbacks_answer_as_the_user_tier() {
-    require_root();
-    let pins = Pins::new("l7");
+/// One h2c (prior knowledge) request on its own connection, as hyper sends it (HPACK with
+/// Huffman-coded strings); returns (status, x-backend).
+async fn ask_h2(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
+    let client = h2c_client();
+    let req = http::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(10), send(&client, req))
+        .await
+        .expect("h2 answer in time")
+        .unwrap_or_else(|e| panic!("h2 {method} {path}: {e}"));
+    // A local answer names the authority, which differs between the two nodes compared.
+    let body = resp.body.replace(&addr.to_string(), "NODE");
+    (
+        resp.status.as_u16(),
+        resp.backend().map(str::to_owned).unwrap_or(body),
+    )
+}
+
+/// A shim in front of `target` that makes an HTTP/2 client behave as grpc-go does: after
+/// its connection preface and first SETTINGS frame it sends nothing more until a SETTINGS
+/// frame from the server has arrived. Returns the shim's address.
+async fn grpc_go_like(target: SocketAddr) -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((client, _)) = l.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let _ = shim_conn(client, target).await;
+            });
+        }
+    });
+    addr
+}
+
+/// Reads complete HTTP/2 frames' worth of bytes into `buf` until `done(frames)` says stop.
+fn frames_end(buf: &[u8], mut at: usize, mut want: impl FnMut(u8, u8) -> bool) -> Option<usize> {
+    while let Some(h) = buf.get(at..at + 9) {
+        let len = (usize::from(h[0]) << 16) | (usize::from(h[1]) << 8) | usize::from(h[2]);
+        if buf.len() < at + 9 + len {
+            return None;
+        }
+        at += 9 + len;
+        if want(h[3], h[4]) {
+            return Some(at);
+        }
+    }
+    None
+}
+
+async fn shim_conn(mut client: TcpStream, target: SocketAddr) -> std::io::Result<()> {
+    let mut server = TcpStream::connect(target).await?;
+    let mut head = Vec::new();
+    let mut buf = vec![0u8; 16 * 1024];
+    // The client's preface and first frame (its SETTINGS) go on; the rest waits.
+    let first = loop {
+        if let Some(end) = frames_end(&head, 24, |_, _| true) {
+            break end;
+        }
+        let n = client.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        head.extend_from_slice(&buf[..n]);
+    };
+    server.write_all(&head[..first]).await?;
+    // The server's bytes go to the client; wait for its SETTINGS (not an ACK).
+    let mut from_server = Vec::new();
+    loop {
+        let n = server.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        client.write_all(&buf[..n]).await?;
+        from_server.extend_from_slice(&buf[..n]);
+        if frames_end(&from_server, 0, |kind, flags| kind == 4 && flags & 1 == 0).is_some() {
+            break;
+        }
+    }
+    server.write_all(&head[first..]).await?;
+    tokio::io::copy_bidirectional(&mut client, &mut server).await?;
+    Ok(())
+}
+
+/// The L7 listener with tier K against the same config without it: every answer must be
+/// the same, whether the kernel decided the request or fell back, for `redirect` on (decided
+/// connections go socket direct) and off (they are spliced).
+async fn l7_equivalence(test: &str, redirect: bool) {
+    let pins = Pins::new(test);
     let api = HttpBackend::start("api", Proto::H1).await;
     let canary = HttpBackend::start("canary", Proto::H1).await;
+    let grpc = HttpBackend::start("grpc", Proto::H2c).await;
     let (admin_k, web_k, admin_u, web_u) = (free_addr(), free_addr(), free_addr(), free_addr());
     let kernel = format!(
-        "kernel: {{ pin_dir: {}, redirect: false, l7_dispatch: true }}",
+        "kernel: {{ pin_dir: {}, redirect: {redirect}, l7_dispatch: true }}",
         pins.0.display()
     );
     let with_kernel = Proxy::start(
         admin_k,
-        &l7_config(admin_k, web_k, &kernel, api.addr, canary.addr),
+        &l7_config(admin_k, web_k, &kernel, api.addr, canary.addr, grpc.addr),
     )
     .await;
     let user_only = Proxy::start(
         admin_u,
-        &l7_config(admin_u, web_u, "", api.addr, canary.addr),
+        &l7_config(admin_u, web_u, "", api.addr, canary.addr, grpc.addr),
     )
     .await;
 
@@ -200,109 +723,462 @@ async fn l7_first_request_is_decided_in_the_kernel_and_fallbacks_answer_as_the_u
         ("GET", "/v2/orders", "", false),
         ("GET", "/r42", "", false),
         ("GET", "/nothing", "", false),
+        // An HTTP/1.1 client to the HTTP/2 cluster: the user tier translates.
+        ("POST", "/grpc.Echo/Unary", "", false),
     ];
     let mut decided = 0;
     for (method, path, extra, in_kernel) in cases {
         let k = ask(web_k, method, path, extra).await;
         let u = ask(web_u, method, path, extra).await;
-        assert_eq!(k, u, "{method} {path} {extra:?}: the kernel path answered differently");
-        decided += in_kernel as u32;
         assert_eq!(
-            spliced_metric(&with_kernel, "web").await,
-            decided as f64,
+            k, u,
+            "{method} {path} {extra:?}: the kernel path answered differently"
+        );
+        decided += in_kernel as u32;
+        let mut seen = 0.0;
+        for _ in 0..100 {
+            seen = spliced_metric(&with_kernel, "web").await;
+            if seen == decided as f64 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            seen, decided as f64,
             "after {method} {path} {extra:?}: spliced connections"
         );
     }
-    let verdict = pins.status().stat("fm_verdict");
-    assert!(verdict.hits >= decided as u64, "verdict decisions: {verdict:?}");
-    assert!(verdict.fallbacks >= 1, "fallbacks were counted: {verdict:?}");
-    let sockops = pins.status().stat("fm_sockops_l7");
-    assert!(sockops.hits >= cases.len() as u64, "each connection was registered at establishment: {sockops:?}");
+    let hits_h1 = pins.status().stat("fm_verdict").hits;
+    assert!(
+        hits_h1 >= decided as u64,
+        "verdict decisions: {}",
+        pins.status()
+    );
+
+    // HTTP/2 (hyper Huffman-codes :path): decided in the kernel when the cluster speaks
+    // HTTP/2, left to the user tier (which translates) when it speaks HTTP/1.1.
+    let h2_cases = [
+        ("POST", "/grpc.Echo/Unary", true),
+        ("GET", "/grpc.Echo/Stream?x=1", true),
+        ("GET", "/api/items", false),
+        ("GET", "/h1only/x", false),
+        ("GET", "/healthz", false),
+        ("GET", "/nothing", false),
+    ];
+    for (method, path, in_kernel) in h2_cases {
+        let before = pins.status().stat("fm_verdict").hits;
+        let k = ask_h2(web_k, method, path).await;
+        let u = ask_h2(web_u, method, path).await;
+        assert_eq!(
+            k, u,
+            "h2 {method} {path}: the kernel path answered differently"
+        );
+        let after = pins.status().stat("fm_verdict").hits;
+        assert_eq!(
+            after - before,
+            in_kernel as u64,
+            "h2 {method} {path}: decided in the kernel? {}",
+            pins.status()
+        );
+    }
+    // The reference really is the user tier: it answered every request itself and handed
+    // nothing to a kernel.
+    let answered = metric_sum(&user_only, "flatmesh_requests_total", &[]).await;
+    assert_eq!(
+        answered,
+        (cases.len() + h2_cases.len()) as f64,
+        "the user-tier node answered each request"
+    );
+    assert_eq!(spliced_metric(&user_only, "web").await, 0.0);
+    // A client that waits for the server's SETTINGS before its first HEADERS (grpc-go):
+    // the proxy must speak first while the kernel waits for the request, and neither the
+    // backend nor the user tier may see the client's ACK of that SETTINGS (both would treat
+    // an ACK of settings they never sent as a protocol error).
+    let (shim_k, shim_u) = (grpc_go_like(web_k).await, grpc_go_like(web_u).await);
+    let waiting_cases = [
+        ("POST", "/grpc.Echo/Unary", true),
+        ("GET", "/healthz", false),
+        ("GET", "/api/items", false),
+    ];
+    for (method, path, in_kernel) in waiting_cases {
+        let before = pins.status().stat("fm_verdict").hits;
+        let k = ask_h2(shim_k, method, path).await;
+        let u = ask_h2(shim_u, method, path).await;
+        assert_eq!(
+            k, u,
+            "waiting h2 client, {method} {path}: the kernel path answered differently"
+        );
+        let after = pins.status().stat("fm_verdict").hits;
+        assert_eq!(
+            after - before,
+            in_kernel as u64,
+            "waiting h2 {method} {path}: decided in the kernel?"
+        );
+    }
+    let st = pins.status();
+    assert!(
+        st.stat("fm_verdict").fallbacks >= 1,
+        "fallbacks were counted: {st}"
+    );
+    let sockops = st.stat("fm_sockops_l7");
+    assert!(
+        sockops.hits >= (cases.len() + h2_cases.len()) as u64,
+        "each connection was registered at establishment: {st}"
+    );
+    if redirect {
+        assert!(
+            st.stat("fm_sk_msg_direct").bytes > 0,
+            "decided connections went socket direct: {st}"
+        );
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_captured_workload_reaches_the_node_listener_through_the_service_address() {
-    require_root();
-    let pins = Pins::new("cap");
-    let cgroup = flatmesh_kernel::default_cgroup_root().join(format!("fm-node-cap-{}", std::process::id()));
-    std::fs::create_dir_all(&cgroup).unwrap();
-    let echo = TcpBackend::start(TcpMode::Echo).await;
-    let (admin, listen) = (free_addr(), free_addr());
-    let vip = "10.250.7.1:80";
-    let yaml = format!(
-        r#"
+#[test]
+fn l7_decisions_and_fallbacks_answer_as_the_user_tier_socket_direct() {
+    in_netns(
+        "l7_decisions_and_fallbacks_answer_as_the_user_tier_socket_direct",
+        || l7_equivalence("l7-direct", true),
+    );
+}
+
+#[test]
+fn l7_decisions_and_fallbacks_answer_as_the_user_tier_spliced() {
+    in_netns(
+        "l7_decisions_and_fallbacks_answer_as_the_user_tier_spliced",
+        || l7_equivalence("l7-splice", false),
+    );
+}
+
+#[test]
+fn a_captured_workload_reaches_the_service_through_the_node_and_the_node_is_never_captured() {
+    in_netns(
+        "a_captured_workload_reaches_the_service_through_the_node_and_the_node_is_never_captured",
+        || async {
+            let pins = Pins::new("cap");
+            let cgroup = flatmesh_kernel::default_cgroup_root()
+                .join(format!("fm-node-cap-{}", std::process::id()));
+            std::fs::create_dir_all(&cgroup).unwrap();
+            // The service address is real in this namespace: an echo server listens on it.
+            // The node's own upstream connection goes to that same address; were the node
+            // captured, it would loop back to itself.
+            let add = std::process::Command::new("ip")
+                .args(["addr", "add", "10.250.7.1/32", "dev", "lo"])
+                .status()
+                .unwrap();
+            assert!(add.success(), "ip addr add 10.250.7.1/32 dev lo");
+            let vip: SocketAddr = "10.250.7.1:80".parse().unwrap();
+            let service = tokio::net::TcpListener::bind(vip).await.unwrap();
+            let served = tokio::spawn(async move {
+                let mut n = 0u32;
+                loop {
+                    let (mut s, _) = service.accept().await.unwrap();
+                    n += 1;
+                    let mut buf = [0u8; 8];
+                    let got = s.read(&mut buf).await.unwrap_or(0);
+                    let _ = s
+                        .write_all(
+                            format!("svc:{}", String::from_utf8_lossy(&buf[..got])).as_bytes(),
+                        )
+                        .await;
+                    let _ = s.shutdown().await;
+                    if n == 2 {
+                        return n;
+                    }
+                }
+            });
+            let (admin, listen) = (free_addr(), free_addr());
+            let yaml = format!(
+                r#"
 admin: {admin}
 workers: 1
 kernel:
   pin_dir: {pins}
   redirect: false
   tcp_splice: false
-  capture: {{ cgroup: {cg}, services: [ {{ address: "{vip}", listener: db }} ] }}
+  capture: {{ cgroup: {cg}, services: [ {{ address: "{vip}", listener: svc }} ] }}
 listeners:
-  - {{ name: db, address: {listen}, protocol: tcp, cluster: db }}
+  - {{ name: svc, address: {listen}, protocol: tcp, cluster: svc }}
 clusters:
-  - {{ name: db, endpoints: [ {echo} ] }}
+  - {{ name: svc, endpoints: [ {vip} ] }}
 "#,
-        pins = pins.0.display(),
-        cg = cgroup.display(),
-        echo = echo.addr
+                pins = pins.0.display(),
+                cg = cgroup.display(),
+            );
+            let proxy = Proxy::start(admin, &yaml).await;
+            // The node itself joins the capture cgroup: only its bypass keeps its own
+            // connection to the service address from being sent back to its listener.
+            std::fs::write(cgroup.join("cgroup.procs"), proxy.pid().to_string()).unwrap();
+            // A workload: a shell that joins the cgroup, then talks to the service address.
+            let script = format!(
+                "echo $$ > {procs} && exec 3<>/dev/tcp/10.250.7.1/80 && printf captured >&3 && cat <&3",
+                procs = cgroup.join("cgroup.procs").display()
+            );
+            let out = tokio::time::timeout(
+                Duration::from_secs(10),
+                tokio::process::Command::new("bash")
+                    .arg("-c")
+                    .arg(&script)
+                    .output(),
+            )
+            .await
+            .expect("the workload finished in time")
+            .unwrap();
+            // A process outside the cgroup reaches the service directly.
+            let mut direct = connect(vip).await;
+            direct.write_all(b"direct").await.unwrap();
+            let mut answer = String::new();
+            direct.read_to_string(&mut answer).await.unwrap();
+            let _ = std::fs::remove_dir(&cgroup);
+            assert!(
+                out.status.success(),
+                "workload failed: {}; node output:\n{}",
+                String::from_utf8_lossy(&out.stderr),
+                proxy.output()
+            );
+            assert_eq!(String::from_utf8_lossy(&out.stdout), "svc:captured");
+            assert_eq!(answer, "svc:direct");
+            assert_eq!(
+                served.await.unwrap(),
+                2,
+                "the service saw exactly two connections"
+            );
+            let opened = metric_sum(
+                &proxy,
+                "flatmesh_downstream_connections_total",
+                &["listener=\"svc\""],
+            )
+            .await;
+            let st = pins.status();
+            assert_eq!(st.stat("fm_connect4").hits, 1, "one captured connect: {st}");
+            assert_eq!(
+                opened, 1.0,
+                "the node's listener saw {opened} connections (2 would mean it captured itself)"
+            );
+            assert!(
+                st.stat("fm_sockops_capture").hits >= 2,
+                "both ends' original destination recorded: {st}"
+            );
+        },
     );
-    let proxy = Proxy::start(admin, &yaml).await;
-    // A workload: a shell that joins the cgroup, then talks to the service address.
-    let script = format!(
-        "echo $$ > {procs} && exec 3<>/dev/tcp/10.250.7.1/80 && printf captured >&3 && head -c 8 <&3",
-        procs = cgroup.join("cgroup.procs").display()
-    );
-    let out = tokio::time::timeout(
-        Duration::from_secs(10),
-        tokio::process::Command::new("bash").arg("-c").arg(&script).output(),
-    )
-    .await
-    .expect("the workload finished in time")
-    .unwrap();
-    let _ = std::fs::remove_dir(&cgroup);
-    assert!(
-        out.status.success(),
-        "workload failed: {}; node output:\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        proxy.output()
-    );
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "captured");
-    assert!(pins.status().stat("fm_connect4").hits >= 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_kernel_support_the_node_logs_one_line_and_runs_on_the_user_tiers() {
-    let echo = TcpBackend::start(TcpMode::Echo).await;
-    let (admin, listen) = (free_addr(), free_addr());
-    // A pin directory outside bpffs cannot hold eBPF pins: tier K cannot attach.
-    let dir = TempDir::new();
-    let yaml = format!(
-        r#"
-admin: {admin}
-workers: 1
-kernel: {{ pin_dir: {pins}/flatmesh }}
-listeners:
-  - {{ name: db, address: {listen}, protocol: tcp, cluster: db }}
-clusters:
-  - {{ name: db, endpoints: [ {echo} ] }}
-"#,
-        pins = dir.path.display(),
-        echo = echo.addr
+/// A node process this test controls directly (signals, restarts).
+fn spawn_node(config: &std::path::Path, log: &std::path::Path) -> std::process::Child {
+    let out = std::fs::File::create(log).unwrap();
+    std::process::Command::new(flatmesh_bin())
+        .args(["node", "--config"])
+        .arg(config)
+        .env("RUST_LOG", "info")
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .spawn()
+        .unwrap()
+}
+
+fn signal(child: &std::process::Child, sig: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig} {}", child.id());
+}
+
+async fn wait_exit(child: &mut std::process::Child) -> std::process::ExitStatus {
+    for _ in 0..500 {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = child.kill();
+    panic!("the node did not exit within 10 s");
+}
+
+async fn wait_ready(admin: SocketAddr) {
+    let client = h1_client();
+    for _ in 0..500 {
+        if let Ok(r) = send(&client, get_req(&format!("http://{admin}/ready"))).await {
+            if r.status == http::StatusCode::OK {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("node at {admin} not ready in 10 s");
+}
+
+#[test]
+fn lifecycle_pins_status_clean_exit_and_crash_cleanup() {
+    in_netns(
+        "lifecycle_pins_status_clean_exit_and_crash_cleanup",
+        || async {
+            let pins = Pins::new("life");
+            let dir = TempDir::new();
+            let echo = TcpBackend::start(TcpMode::Echo).await;
+            let (admin, listen) = (free_addr(), free_addr());
+            let kernel = format!(
+                "{{ pin_dir: {}, redirect: true, l7_dispatch: false }}",
+                pins.0.display()
+            );
+            let config = dir.write("node.yaml", &tcp_node(admin, listen, echo.addr, &kernel));
+
+            // Running: programs and maps pinned; status shows runs and bytes.
+            let mut node = spawn_node(&config, &dir.path.join("1.log"));
+            wait_ready(admin).await;
+            assert!(pins.0.join("prog_fm_sk_msg").exists());
+            let (back, _) = echo_through(connect(listen).await, pattern(100_000, 3)).await;
+            assert_eq!(back.len(), 100_000);
+            let out = std::process::Command::new(flatmesh_bin())
+                .args(["kernel", "status", "--pin-dir"])
+                .arg(&pins.0)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "kernel status failed: {text}");
+            assert!(
+                text.contains(&format!("attached by pid {}", node.id())),
+                "{text}"
+            );
+            let row = text
+                .lines()
+                .find(|l| l.starts_with("fm_sk_msg "))
+                .unwrap_or_else(|| panic!("no fm_sk_msg row in\n{text}"));
+            let cols: Vec<u64> = row
+                .split_whitespace()
+                .skip(2)
+                .filter_map(|c| c.parse().ok())
+                .collect();
+            assert!(
+                cols[0] > 0 && cols[1] >= 200_000,
+                "fm_sk_msg runs and bytes: {row}"
+            );
+            assert!(text.contains("fm_redirect_socks"), "{text}");
+
+            // Clean exit: nothing left behind.
+            signal(&node, "-TERM");
+            assert!(
+                wait_exit(&mut node).await.success(),
+                "{}",
+                std::fs::read_to_string(dir.path.join("1.log")).unwrap_or_default()
+            );
+            assert!(
+                !pins.0.exists(),
+                "pins left after a clean exit: {:?}",
+                std::fs::read_dir(&pins.0).map(|d| d.count())
+            );
+
+            // Crash: the pins stay (the owner is dead), the next start removes them, says so once,
+            // and attaches afresh.
+            let mut node = spawn_node(&config, &dir.path.join("2.log"));
+            wait_ready(admin).await;
+            signal(&node, "-KILL");
+            let _ = wait_exit(&mut node).await;
+            assert!(
+                pins.0.join("fm_owner").exists(),
+                "a killed node's pins remain until the next start"
+            );
+            let text = String::from_utf8_lossy(
+                &std::process::Command::new(flatmesh_bin())
+                    .args(["kernel", "status", "--pin-dir"])
+                    .arg(&pins.0)
+                    .output()
+                    .unwrap()
+                    .stdout,
+            )
+            .into_owned();
+            assert!(text.contains(&format!("pid {}", node.id())), "{text}");
+            let mut node = spawn_node(&config, &dir.path.join("3.log"));
+            wait_ready(admin).await;
+            let (back, _) = echo_through(connect(listen).await, b"after a crash".to_vec()).await;
+            assert_eq!(back, b"after a crash");
+            signal(&node, "-TERM");
+            assert!(wait_exit(&mut node).await.success());
+            let log = std::fs::read_to_string(dir.path.join("3.log")).unwrap();
+            assert_eq!(
+                log.lines()
+                    .filter(|l| l.contains("left by a node that is no longer running"))
+                    .count(),
+                1,
+                "one line about the crashed node's pins:\n{log}"
+            );
+            assert!(
+                !pins.0.exists(),
+                "pins left after the restarted node's clean exit"
+            );
+        },
     );
-    let proxy = Proxy::start(admin, &yaml).await;
-    let mut s = TcpStream::connect(listen).await.unwrap();
-    s.write_all(b"ping").await.unwrap();
-    let mut back = [0u8; 4];
-    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut back))
-        .await
-        .expect("echo in time")
-        .unwrap();
-    assert_eq!(&back, b"ping");
-    let out = proxy.output();
-    let lines: Vec<&str> = out
-        .lines()
-        .filter(|l| l.contains("running on the user tiers"))
-        .collect();
-    assert_eq!(lines.len(), 1, "one line says tier K is off and why:\n{out}");
+}
+
+#[test]
+fn without_kernel_support_the_node_logs_one_line_and_runs_on_the_user_tiers() {
+    in_netns(
+        "without_kernel_support_the_node_logs_one_line_and_runs_on_the_user_tiers",
+        || async {
+            let echo = TcpBackend::start(TcpMode::Echo).await;
+            // A pin directory outside bpffs cannot hold eBPF pins: tier K cannot attach.
+            let dir = TempDir::new();
+            let (admin, listen) = (free_addr(), free_addr());
+            let kernel = format!("{{ pin_dir: {}/flatmesh }}", dir.path.display());
+            let proxy = Proxy::start(admin, &tcp_node(admin, listen, echo.addr, &kernel)).await;
+            let (back, _) = echo_through(connect(listen).await, b"ping".to_vec()).await;
+            assert_eq!(back, b"ping");
+            let out = proxy.output();
+            let lines: Vec<&str> = out
+                .lines()
+                .filter(|l| l.contains("running on the user tiers"))
+                .collect();
+            assert_eq!(
+                lines.len(),
+                1,
+                "one line says tier K is off and why:\n{out}"
+            );
+            assert!(
+                lines[0].contains("bpffs"),
+                "the line names what is missing: {}",
+                lines[0]
+            );
+            drop(proxy);
+
+            // Without root: the line names the missing privilege.
+            let dir = TempDir::new();
+            let (admin, listen) = (free_addr(), free_addr());
+            let config = dir.write(
+                "node.yaml",
+                &tcp_node(admin, listen, echo.addr, "{ redirect: true }"),
+            );
+            // The unprivileged node must be able to read its config.
+            let _ = std::process::Command::new("chmod")
+                .args(["-R", "a+rX"])
+                .arg(&dir.path)
+                .status();
+            let log = dir.path.join("node.log");
+            let out = std::fs::File::create(&log).unwrap();
+            let mut node = std::process::Command::new("setpriv")
+                .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+                .arg(flatmesh_bin())
+                .args(["node", "--config"])
+                .arg(&config)
+                .stdout(out.try_clone().unwrap())
+                .stderr(out)
+                .spawn()
+                .expect("setpriv (util-linux) runs the node unprivileged");
+            wait_ready(admin).await;
+            let (back, _) = echo_through(connect(listen).await, b"pong".to_vec()).await;
+            let _ = node.kill();
+            let _ = node.wait();
+            assert_eq!(back, b"pong");
+            let text = std::fs::read_to_string(&log).unwrap();
+            let lines: Vec<&str> = text
+                .lines()
+                .filter(|l| l.contains("running on the user tiers"))
+                .collect();
+            assert_eq!(lines.len(), 1, "one line:\n{text}");
+            assert!(
+                lines[0].contains("root"),
+                "it says root is missing: {}",
+                lines[0]
+            );
+        },
+    );
 }

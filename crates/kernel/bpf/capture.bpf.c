@@ -81,12 +81,10 @@ int fm_connect6(struct bpf_sock_addr *ctx)
 		fm_count(FM_ST_CONNECT6, 1, 0, 0, 0);
 		return 1;
 	}
+	/* A v4-mapped destination (a dual-stack socket reaching an IPv4 service) is looked up
+	 * as the IPv4 address it is. */
 	struct fm_addr key = {};
-	key.family = FM_AF_INET6;
-	key.ip[0] = ctx->user_ip6[0];
-	key.ip[1] = ctx->user_ip6[1];
-	key.ip[2] = ctx->user_ip6[2];
-	key.ip[3] = ctx->user_ip6[3];
+	fm_addr_ip6(&key, ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]);
 	key.port = bpf_ntohs((__u16)ctx->user_port);
 	struct fm_addr *proxy = bpf_map_lookup_elem(&fm_services, &key);
 	if (!proxy) {
@@ -95,34 +93,37 @@ int fm_connect6(struct bpf_sock_addr *ctx)
 	}
 	__u64 cookie = bpf_get_socket_cookie(ctx);
 	bpf_map_update_elem(&fm_orig_by_cookie, &cookie, &key, BPF_ANY);
-	ctx->user_ip6[0] = proxy->ip[0];
-	ctx->user_ip6[1] = proxy->ip[1];
-	ctx->user_ip6[2] = proxy->ip[2];
-	ctx->user_ip6[3] = proxy->ip[3];
+	if (proxy->family == FM_AF_INET) {
+		ctx->user_ip6[0] = 0;
+		ctx->user_ip6[1] = 0;
+		ctx->user_ip6[2] = bpf_htonl(0xffff);
+		ctx->user_ip6[3] = proxy->ip[0];
+	} else {
+		ctx->user_ip6[0] = proxy->ip[0];
+		ctx->user_ip6[1] = proxy->ip[1];
+		ctx->user_ip6[2] = proxy->ip[2];
+		ctx->user_ip6[3] = proxy->ip[3];
+	}
 	ctx->user_port = bpf_htons(proxy->port);
 	fm_count(FM_ST_CONNECT6, 1, 0, 1, 0);
 	return 1;
 }
 
-/* Local and remote endpoint of a sock_ops socket, ports in host order. */
+/* Local and remote endpoint of a sock_ops socket, ports in host order, v4-mapped addresses
+ * as IPv4 (fm_addr_ip6). */
 static __always_inline void fm_sockops_ends(struct bpf_sock_ops *skops, struct fm_addr *local,
 					    struct fm_addr *remote)
 {
-	__u32 family = skops->family;
-	local->family = family;
-	remote->family = family;
-	if (family == FM_AF_INET) {
+	if (skops->family == FM_AF_INET) {
+		local->family = FM_AF_INET;
+		remote->family = FM_AF_INET;
 		local->ip[0] = skops->local_ip4;
 		remote->ip[0] = skops->remote_ip4;
 	} else {
-		local->ip[0] = skops->local_ip6[0];
-		local->ip[1] = skops->local_ip6[1];
-		local->ip[2] = skops->local_ip6[2];
-		local->ip[3] = skops->local_ip6[3];
-		remote->ip[0] = skops->remote_ip6[0];
-		remote->ip[1] = skops->remote_ip6[1];
-		remote->ip[2] = skops->remote_ip6[2];
-		remote->ip[3] = skops->remote_ip6[3];
+		fm_addr_ip6(local, skops->local_ip6[0], skops->local_ip6[1], skops->local_ip6[2],
+			    skops->local_ip6[3]);
+		fm_addr_ip6(remote, skops->remote_ip6[0], skops->remote_ip6[1],
+			    skops->remote_ip6[2], skops->remote_ip6[3]);
 	}
 	local->port = (__u16)skops->local_port;
 	/* remote_port holds the big-endian port in its upper half on little-endian hosts. */
@@ -185,20 +186,14 @@ int fm_getsockopt(struct bpf_sockopt *ctx)
 		return 1;
 	struct fm_tuple t = {};
 	__u32 family = sk->family;
-	t.client.family = family;
-	t.server.family = family;
 	if (family == FM_AF_INET) {
+		t.client.family = FM_AF_INET;
+		t.server.family = FM_AF_INET;
 		t.client.ip[0] = sk->dst_ip4;
 		t.server.ip[0] = sk->src_ip4;
 	} else if (family == FM_AF_INET6) {
-		t.client.ip[0] = sk->dst_ip6[0];
-		t.client.ip[1] = sk->dst_ip6[1];
-		t.client.ip[2] = sk->dst_ip6[2];
-		t.client.ip[3] = sk->dst_ip6[3];
-		t.server.ip[0] = sk->src_ip6[0];
-		t.server.ip[1] = sk->src_ip6[1];
-		t.server.ip[2] = sk->src_ip6[2];
-		t.server.ip[3] = sk->src_ip6[3];
+		fm_addr_ip6(&t.client, sk->dst_ip6[0], sk->dst_ip6[1], sk->dst_ip6[2], sk->dst_ip6[3]);
+		fm_addr_ip6(&t.server, sk->src_ip6[0], sk->src_ip6[1], sk->src_ip6[2], sk->src_ip6[3]);
 	} else {
 		return 1;
 	}
@@ -217,17 +212,19 @@ int fm_getsockopt(struct bpf_sockopt *ctx)
 		sa->sin_port = bpf_htons(o->port);
 		sa->sin_addr.s_addr = o->ip[0];
 		ctx->optlen = sizeof(*sa);
-	} else if (ctx->level == FM_SOL_IPV6 && o->family == FM_AF_INET6) {
+	} else if (ctx->level == FM_SOL_IPV6) {
+		/* An IPv4 destination asked for on a dual-stack socket comes back v4-mapped. */
 		struct sockaddr_in6 *sa6 = ctx->optval;
 		if ((void *)(sa6 + 1) > ctx->optval_end)
 			return 1;
+		int v4 = o->family == FM_AF_INET;
 		__builtin_memset(sa6, 0, sizeof(*sa6));
 		sa6->sin6_family = FM_AF_INET6;
 		sa6->sin6_port = bpf_htons(o->port);
-		sa6->sin6_addr.in6_u.u6_addr32[0] = o->ip[0];
-		sa6->sin6_addr.in6_u.u6_addr32[1] = o->ip[1];
-		sa6->sin6_addr.in6_u.u6_addr32[2] = o->ip[2];
-		sa6->sin6_addr.in6_u.u6_addr32[3] = o->ip[3];
+		sa6->sin6_addr.in6_u.u6_addr32[0] = v4 ? 0 : o->ip[0];
+		sa6->sin6_addr.in6_u.u6_addr32[1] = v4 ? 0 : o->ip[1];
+		sa6->sin6_addr.in6_u.u6_addr32[2] = v4 ? bpf_htonl(0xffff) : o->ip[2];
+		sa6->sin6_addr.in6_u.u6_addr32[3] = v4 ? o->ip[0] : o->ip[3];
 		ctx->optlen = sizeof(*sa6);
 	} else {
 		return 1;

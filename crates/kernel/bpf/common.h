@@ -22,7 +22,10 @@ enum fm_stat_id {
 	FM_ST_PARSER = 6,
 	FM_ST_VERDICT = 7,
 	FM_ST_SOCKOPS_L7 = 8,
-	FM_ST_MAX = 9,
+	/* Not a program: the part of fm_sk_msg's work that went straight from one end of a
+	 * proxied connection to the other ("socket direct", see redirect.bpf.c). */
+	FM_ST_SK_MSG_DIRECT = 9,
+	FM_ST_MAX = 10,
 };
 
 struct fm_stat {
@@ -65,6 +68,26 @@ struct fm_addr {
 	__u8 pad;
 };
 
+/* Fills `a` from an IPv6 socket address, as IPv4 when it is v4-mapped (::ffff:a.b.c.d): a
+ * dual-stack listener's accepted sockets are AF_INET6 with mapped addresses while their IPv4
+ * clients are AF_INET, and both ends must produce the same keys. */
+static __always_inline void fm_addr_ip6(struct fm_addr *a, __u32 w0, __u32 w1, __u32 w2, __u32 w3)
+{
+	if (w0 == 0 && w1 == 0 && w2 == bpf_htonl(0xffff)) {
+		a->family = FM_AF_INET;
+		a->ip[0] = w3;
+		a->ip[1] = 0;
+		a->ip[2] = 0;
+		a->ip[3] = 0;
+		return;
+	}
+	a->family = FM_AF_INET6;
+	a->ip[0] = w0;
+	a->ip[1] = w1;
+	a->ip[2] = w2;
+	a->ip[3] = w3;
+}
+
 /* A connection as seen from the client: client address -> address it reached (the proxy). */
 struct fm_tuple {
 	struct fm_addr client;
@@ -72,6 +95,30 @@ struct fm_tuple {
 };
 
 char LICENSE[] SEC("license") = "GPL";
+
+/* Node-wide settings, written by the loader at attach. */
+struct fm_settings {
+	/* The node's network namespace (its cookie): the sockops programs only take sockets
+	 * in it, so two nodes in two namespaces on one host never touch each other's sockets.
+	 * 0 = any namespace. */
+	__u64 netns;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct fm_settings);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} fm_settings SEC(".maps");
+
+/* Whether a sockops socket is in the node's network namespace. */
+static __always_inline int fm_own_netns(struct bpf_sock_ops *skops)
+{
+	__u32 zero = 0;
+	struct fm_settings *cfg = bpf_map_lookup_elem(&fm_settings, &zero);
+	return !cfg || !cfg->netns || bpf_get_netns_cookie(skops) == cfg->netns;
+}
 
 /* Slot 0 holds the pid of the node that attached this pin directory, so the next start can
  * tell a live owner from a crashed one. */

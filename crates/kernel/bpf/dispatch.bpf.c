@@ -1,7 +1,8 @@
 /* In-kernel L7 dispatch (tier K, after "Application Layer Processing Offload in the Kernel"):
  * the sk_skb verdict (alone, or behind the stream parser) reads the first request of a connection, the HTTP/1.1
- * request line or the gRPC :path in the first HTTP/2 HEADERS frame (literal, non-Huffman
- * HPACK, static table only), and picks a backend from the tier-K route table. Once the proxy's
+ * request line or the gRPC :method and :path in the first HTTP/2 HEADERS frame (HPACK literal
+ * or static-table indexed, plain or Huffman-coded: grpc-go and h2 Huffman-code :path), and
+ * picks a backend from the tier-K route table. Once the proxy's
  * slow path has opened the upstream socket and paired the two, every later byte is spliced
  * between them in the kernel. Whatever the kernel cannot decide is left to user space. */
 #include "common.h"
@@ -11,7 +12,15 @@
 #define FM_ROUTES_MAX 64
 #define FM_SCAN 256
 #define FM_MAX_FRAMES 8
-#define FM_MAX_FIELDS 16
+/* Enough iterations for a block of one-byte fields filling the scan window: the walk must
+ * reach the end of the block, since a pseudo-header anywhere in it can make it malformed. */
+#define FM_MAX_FIELDS FM_SCAN
+/* Huffman-coded :path / :method values longer than this are left to user space. */
+#define FM_HUFF_IN_MAX 96
+#define FM_HUFF_EMIT 1
+#define FM_HUFF_FAIL 2
+#define FM_HUFF_ACCEPT 4
+#define FM_NO_QUERY 0xffffffff
 
 enum { FM_MATCH_END = 0, FM_MATCH_EXACT = 1, FM_MATCH_PREFIX = 2 };
 enum { FM_ACT_BACKEND = 1, FM_ACT_PUNT = 2 };
@@ -27,6 +36,7 @@ enum {
 	FM_WHY_DYNAMIC_TABLE = 6,
 	FM_WHY_TOO_LONG = 7,
 	FM_WHY_BUSY = 8,
+	FM_WHY_PROTOCOL = 9,
 };
 
 /* One tier-K route, in rule order; the first entry with kind END ends the table. */
@@ -38,14 +48,15 @@ struct fm_route {
 	__u32 action;
 	__u32 backend;
 	__u32 route_id;
-	__u32 pad;
+	__u32 protos; /* ACT_BACKEND only for these connection protocols: 1 << FM_PROTO_* */
 };
 
 /* Per-connection state, keyed by socket cookie; written by the proxy, advanced here. */
 struct fm_l7_conn {
 	__u64 peer;       /* cookie of the socket to splice to; 0 while not paired */
-	__u64 stream_pos; /* bytes of this stream the verdict has seen */
+	__u64 stream_pos; /* bytes of this stream the verdict has seen before pairing */
 	__u64 next_frame; /* HTTP/2: stream offset of the next frame header */
+	__u64 spliced;    /* bytes redirected to the peer since pairing */
 	__u32 state;
 	__u32 proto;
 	__u32 backend;
@@ -62,10 +73,28 @@ struct fm_scratch {
 	__u32 busy;
 	/* bpf_loop state lives here, not on the stack: map values are not tracked precisely,
 	 * so the verifier checks each callback once instead of once per distinct position. */
-	__u32 pos, end, have_path, have_method, why; /* HTTP/2 header-block walk */
+	__u32 pos, end, have_path, have_method, why, regular, seen, pseudo; /* HTTP/2 header-block walk */
 	__u32 n, sp1, sp2, crlf, bad;                /* HTTP/1.1 request-line scan */
 	__u32 hit;                                   /* route match */
+	/* Huffman-coded :path / :method found by the field walk, decoded after it. */
+	__u32 hp_pos, hp_len, hp_huff, hm_pos, hm_len, hm_huff;
+	/* Huffman decode state: input at buf[hpos..hpos+hlen] into path or method. */
+	__u32 hpos, hlen, hfield, hstate, hout, hacc, hbad, hlong, hq;
 };
+
+/* The HPACK Huffman code as a nibble automaton (src/huffman.rs builds it): entry
+ * state * 16 + nibble = next state | symbol << 8 | FM_HUFF_* << 16. */
+struct fm_huff_table {
+	__u32 e[256 * 16];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct fm_huff_table);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} fm_huffman SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_SOCKHASH);
@@ -159,6 +188,12 @@ static __always_inline void fm_route(struct fm_scratch *s, struct fm_l7_conn *c)
 	if (r->action != FM_ACT_BACKEND) {
 		c->route_id = r->route_id;
 		fm_fallback(c, FM_WHY_PUNT_RULE);
+		return;
+	}
+	/* A spliced connection reaches the backend as the client speaks it. */
+	if (!(r->protos & (1u << (c->proto & 31)))) {
+		c->route_id = r->route_id;
+		fm_fallback(c, FM_WHY_PROTOCOL);
 		return;
 	}
 	c->state = FM_L7_DECIDED;
@@ -260,6 +295,82 @@ static __always_inline void fm_h1(struct fm_scratch *s, __u32 n, struct fm_l7_co
 	fm_route(s, c);
 }
 
+enum { FM_FIELD_OTHER = 0, FM_FIELD_METHOD = 1, FM_FIELD_PATH = 2 };
+
+/* One nibble of a Huffman-coded value per bpf_loop iteration (state in struct fm_scratch). */
+static long fm_huff_nibble(__u32 i, void *unused)
+{
+	__u32 zero = 0;
+	struct fm_scratch *s = bpf_map_lookup_elem(&fm_scratch, &zero);
+	struct fm_huff_table *t = bpf_map_lookup_elem(&fm_huffman, &zero);
+	if (!s || !t || i >= s->hlen * 2)
+		return 1;
+	__u8 b = s->buf[(s->hpos + (i >> 1)) & (FM_SCAN * 2 - 1)];
+	__u32 nib = (i & 1) ? (b & 0xf) : (b >> 4);
+	__u32 e = t->e[(((s->hstate & 0xff) << 4) | nib) & (256 * 16 - 1)];
+	__u32 flags = e >> 16;
+	if (flags & FM_HUFF_FAIL) {
+		s->hbad = 1;
+		return 1;
+	}
+	if (flags & FM_HUFF_EMIT) {
+		__u8 ch = (e >> 8) & 0xff;
+		__u32 n = s->hout;
+		if (s->hfield == FM_FIELD_PATH) {
+			/* Only paths whose every byte the kernel has checked are decided here. */
+			if (ch < 0x21 || ch > 0x7e) {
+				s->hbad = 1;
+				return 1;
+			}
+			if (n >= FM_PATH_MAX) {
+				s->hlong = 1;
+				return 1;
+			}
+			s->path[n & (FM_PATH_MAX - 1)] = ch;
+			if (ch == '?' && s->hq == FM_NO_QUERY)
+				s->hq = n;
+		} else {
+			if (ch < 'A' || ch > 'Z' || n >= FM_METHOD_MAX) {
+				s->hbad = 1;
+				return 1;
+			}
+			s->method[n & (FM_METHOD_MAX - 1)] = ch;
+		}
+		s->hout = n + 1;
+	}
+	s->hstate = e & 0xff;
+	s->hacc = (flags & FM_HUFF_ACCEPT) != 0;
+	return 0;
+}
+
+/* Decodes the Huffman string at buf[pos..pos+len] into s->path or s->method; returns an
+ * FM_WHY_* reason, or 0 when it decoded cleanly. */
+static __always_inline __u32 fm_huff_decode(struct fm_scratch *s, __u32 pos, __u32 len, __u32 field)
+{
+	if (len > FM_HUFF_IN_MAX)
+		return FM_WHY_TOO_LONG;
+	s->hpos = pos;
+	s->hlen = len;
+	s->hfield = field;
+	s->hstate = 0;
+	s->hout = 0;
+	s->hacc = 1;
+	s->hbad = 0;
+	s->hlong = 0;
+	s->hq = FM_NO_QUERY;
+	bpf_loop(FM_HUFF_IN_MAX * 2, fm_huff_nibble, NULL, 0);
+	if (s->hlong)
+		return FM_WHY_TOO_LONG;
+	if (s->hbad || !s->hacc || s->hout == 0)
+		return FM_WHY_MALFORMED;
+	if (field == FM_FIELD_PATH) {
+		if (s->path[0] != '/')
+			return FM_WHY_MALFORMED;
+		s->path_len = s->hq == FM_NO_QUERY ? s->hout : s->hq;
+	}
+	return 0;
+}
+
 /* Reads an HPACK integer with an N-bit prefix at buf[*pos]. One continuation byte at most
  * (values up to prefix max + 127): enough for static-table indexes and for strings that fit
  * the scan window; anything larger ends the walk, which then falls back. No inner loop, so the
@@ -286,7 +397,48 @@ static __always_inline int fm_hpack_int(struct fm_scratch *s, __u32 *pos, __u32 
 	return 0;
 }
 
-enum { FM_FIELD_OTHER = 0, FM_FIELD_METHOD = 1, FM_FIELD_PATH = 2 };
+enum { FM_NAME_AUTHORITY = 3, FM_NAME_REGULAR = 4, FM_NAME_BAD = 5, FM_NAME_SCHEME = 6 };
+
+/* What a static-table name index names in a request. */
+static __always_inline int fm_static_name(__u32 idx)
+{
+	if (idx == 2 || idx == 3)
+		return FM_FIELD_METHOD;
+	if (idx == 4 || idx == 5)
+		return FM_FIELD_PATH;
+	if (idx == 1)
+		return FM_NAME_AUTHORITY;
+	if (idx == 6 || idx == 7)
+		return FM_NAME_SCHEME;
+	if (idx >= 8 && idx <= 14)
+		return FM_NAME_BAD; /* :status has no place in a request */
+	return FM_NAME_REGULAR;
+}
+
+/* RFC 9113 8.3: pseudo-header fields come before the regular ones, each at most once, and
+ * only the request ones (:method, :scheme, :authority, :path) belong in a request. A block
+ * that breaks that is malformed: the user tier refuses it, so the kernel must not decide it.
+ * The walk covers the whole block (fm_h2_block decides nothing otherwise), so a violation
+ * after :method and :path is seen too. Returns nonzero (with w->why set) to stop the walk. */
+static __always_inline int fm_field_order(struct fm_scratch *w, int kind)
+{
+	w->seen = 1;
+	if (kind == FM_NAME_BAD) {
+		w->why = FM_WHY_MALFORMED;
+		return 1;
+	}
+	if (kind == FM_NAME_REGULAR) {
+		w->regular = 1;
+		return 0;
+	}
+	__u32 bit = 1u << (kind & 7);
+	if (w->regular || (w->pseudo & bit)) {
+		w->why = FM_WHY_MALFORMED;
+		return 1;
+	}
+	w->pseudo |= bit;
+	return 0;
+}
 
 /* One header field per bpf_loop iteration; the walk state is in the scratch map (s->pos ..). */
 static long fm_h2_field(__u32 unused, void *unused_ctx)
@@ -296,8 +448,6 @@ static long fm_h2_field(__u32 unused, void *unused_ctx)
 	if (!s)
 		return 1;
 	struct fm_scratch *w = s;
-	if (w->have_path && w->have_method)
-		return 1;
 	__u32 pos = w->pos, end = w->end;
 	if (end > FM_SCAN)
 		end = FM_SCAN;
@@ -314,6 +464,12 @@ static long fm_h2_field(__u32 unused, void *unused_ctx)
 			w->why = FM_WHY_DYNAMIC_TABLE;
 			return 1;
 		}
+		if (idx == 0) {
+			w->why = FM_WHY_MALFORMED; /* index 0 is not a table entry */
+			return 1;
+		}
+		if (fm_field_order(w, fm_static_name(idx)))
+			return 1;
 		if (idx == 2 || idx == 3) {
 			s->method[0] = idx == 2 ? 'G' : 'P';
 			s->method[1] = idx == 2 ? 'E' : 'O';
@@ -331,7 +487,11 @@ static long fm_h2_field(__u32 unused, void *unused_ctx)
 		return 0;
 	}
 	if ((b & 0xe0) == 0x20) {
-		/* Dynamic table size update. */
+		/* Dynamic table size update: only at the start of a block (RFC 7541 4.2). */
+		if (w->seen) {
+			w->why = FM_WHY_MALFORMED;
+			return 1;
+		}
 		if (fm_hpack_int(s, &pos, end, 0x1f, &idx) < 0)
 			return 1;
 		w->pos = pos;
@@ -341,11 +501,7 @@ static long fm_h2_field(__u32 unused, void *unused_ctx)
 	if (fm_hpack_int(s, &pos, end, mask, &idx) < 0)
 		return 1;
 	int field = FM_FIELD_OTHER;
-	if (idx == 2 || idx == 3) {
-		field = FM_FIELD_METHOD;
-	} else if (idx == 4 || idx == 5) {
-		field = FM_FIELD_PATH;
-	} else if (idx > 61) {
+	if (idx > 61) {
 		w->why = FM_WHY_DYNAMIC_TABLE;
 		return 1;
 	} else if (idx == 0) {
@@ -370,26 +526,54 @@ static long fm_h2_field(__u32 unused, void *unused_ctx)
 		__u8 c4 = s->buf[(pos + 4) & (FM_SCAN * 2 - 1)];
 		__u8 c5 = s->buf[(pos + 5) & (FM_SCAN * 2 - 1)];
 		__u8 c6 = s->buf[(pos + 6) & (FM_SCAN * 2 - 1)];
+		__u8 c7 = s->buf[(pos + 7) & (FM_SCAN * 2 - 1)];
+		__u8 c8 = s->buf[(pos + 8) & (FM_SCAN * 2 - 1)];
+		__u8 c9 = s->buf[(pos + 9) & (FM_SCAN * 2 - 1)];
 		if (nlen == 5 && c0 == ':' && c1 == 'p' && c2 == 'a' && c3 == 't' && c4 == 'h')
 			field = FM_FIELD_PATH;
 		else if (nlen == 7 && c0 == ':' && c1 == 'm' && c2 == 'e' && c3 == 't' && c4 == 'h' &&
 			 c5 == 'o' && c6 == 'd')
 			field = FM_FIELD_METHOD;
+		else if (nlen == 7 && c0 == ':' && c1 == 's' && c2 == 'c' && c3 == 'h' && c4 == 'e' &&
+			 c5 == 'm' && c6 == 'e')
+			field = FM_NAME_SCHEME;
+		else if (nlen == 10 && c0 == ':' && c1 == 'a' && c2 == 'u' && c3 == 't' && c4 == 'h' &&
+			 c5 == 'o' && c6 == 'r' && c7 == 'i' && c8 == 't' && c9 == 'y')
+			field = FM_NAME_AUTHORITY;
+		else /* any other pseudo-header (:status, :protocol, unknown) is not for the kernel */
+			field = nlen > 0 && c0 == ':' ? FM_NAME_BAD : FM_NAME_REGULAR;
 		pos += nlen;
+	} else {
+		field = fm_static_name(idx);
 	}
+	if (fm_field_order(w, field))
+		return 1;
+	if (field != FM_FIELD_METHOD && field != FM_FIELD_PATH)
+		field = FM_FIELD_OTHER;
 	if (pos >= end)
 		return 1;
 	int vhuff = s->buf[pos & (FM_SCAN * 2 - 1)] & 0x80;
 	__u32 vlen = 0;
 	if (fm_hpack_int(s, &pos, end, 0x7f, &vlen) < 0)
 		return 1;
-	if (field != FM_FIELD_OTHER && vhuff) {
-		w->why = FM_WHY_HUFFMAN;
+	if (vlen > FM_SCAN || (pos + vlen > end && field != FM_FIELD_OTHER)) {
+		w->pos = pos + vlen; /* past the end: malformed when the block is whole */
 		return 1;
 	}
-	if (vlen > FM_SCAN || (pos + vlen > end && field != FM_FIELD_OTHER))
-		return 1;
-	if (field == FM_FIELD_PATH) {
+	if (field != FM_FIELD_OTHER && vhuff) {
+		/* Decoded after the walk (no bpf_loop inside a bpf_loop callback). */
+		if (field == FM_FIELD_PATH) {
+			w->hp_pos = pos;
+			w->hp_len = vlen;
+			w->hp_huff = 1;
+			w->have_path = 1;
+		} else {
+			w->hm_pos = pos;
+			w->hm_len = vlen;
+			w->hm_huff = 1;
+			w->have_method = 1;
+		}
+	} else if (field == FM_FIELD_PATH) {
 		if (vlen == 0 || s->buf[pos & (FM_SCAN * 2 - 1)] != '/') {
 			w->why = FM_WHY_MALFORMED;
 			return 1;
@@ -431,8 +615,10 @@ static long fm_h2_field(__u32 unused, void *unused_ctx)
 	return 0;
 }
 
-/* Walks the header block of the first HEADERS frame (s->buf[pos..end]). */
-static __always_inline void fm_h2_block(__u32 pos, __u32 end, int truncated, struct fm_l7_conn *c)
+/* Walks the header block of the first HEADERS frame (s->buf[pos..end]). `partial` is 0 when
+ * buf[pos..end] is the whole block, else the FM_WHY_* reason it is not (the rest is in a later
+ * chunk, a CONTINUATION frame, or past the scan window). */
+static __always_inline void fm_h2_block(__u32 pos, __u32 end, __u32 partial, struct fm_l7_conn *c)
 {
 	__u32 zero = 0;
 	struct fm_scratch *s = bpf_map_lookup_elem(&fm_scratch, &zero);
@@ -443,16 +629,51 @@ static __always_inline void fm_h2_block(__u32 pos, __u32 end, int truncated, str
 	s->have_path = 0;
 	s->have_method = 0;
 	s->why = 0;
+	s->regular = 0;
+	s->seen = 0;
+	s->pseudo = 0;
+	s->hp_huff = 0;
+	s->hm_huff = 0;
 	bpf_loop(FM_MAX_FIELDS, fm_h2_field, NULL, 0);
 	if (s->why) {
 		fm_fallback(c, s->why);
 		return;
 	}
+	/* Only a block checked to its end is decided: what the kernel has not read could still
+	 * make the request malformed (a repeated or late pseudo-header). */
+	if (partial) {
+		fm_fallback(c, partial);
+		return;
+	}
+	if (s->pos != end) {
+		/* A field running past the block is malformed; a walk that stopped short (an
+		 * integer too large for the kernel's reader) is simply not decided here. */
+		fm_fallback(c, s->pos > end ? FM_WHY_MALFORMED : FM_WHY_TOO_LONG);
+		return;
+	}
 	if (s->have_path && s->have_method) {
+		__u32 why = 0;
+		if (s->hm_huff)
+			why = fm_huff_decode(s, s->hm_pos, s->hm_len, FM_FIELD_METHOD);
+		if (!why && s->hp_huff)
+			why = fm_huff_decode(s, s->hp_pos, s->hp_len, FM_FIELD_PATH);
+		if (why) {
+			fm_fallback(c, why);
+			return;
+		}
+		/* RFC 9113 8.3.1: a request other than CONNECT carries :scheme; CONNECT carries
+		 * neither :scheme nor :path. The user tier refuses both as malformed. */
+		if (!(s->pseudo & (1u << FM_NAME_SCHEME)) ||
+		    (s->method[0] == 'C' && s->method[1] == 'O' && s->method[2] == 'N' &&
+		     s->method[3] == 'N' && s->method[4] == 'E' && s->method[5] == 'C' &&
+		     s->method[6] == 'T' && s->method[7] == 0)) {
+			fm_fallback(c, FM_WHY_MALFORMED);
+			return;
+		}
 		fm_route(s, c);
 		return;
 	}
-	fm_fallback(c, truncated ? FM_WHY_TRUNCATED : FM_WHY_MALFORMED);
+	fm_fallback(c, FM_WHY_MALFORMED);
 }
 
 /* HTTP/2: skip frames (SETTINGS, WINDOW_UPDATE, ...) up to the first HEADERS frame, which may
@@ -495,13 +716,15 @@ static __always_inline void fm_h2(struct __sk_buff *skb, struct fm_scratch *s, s
 	}
 	__u32 start = off + 9;
 	__u32 avail = len > start ? len - start : 0;
-	int truncated = flen > avail;
+	__u32 partial = flen > avail ? FM_WHY_TRUNCATED : 0;
 	if (avail > flen)
 		avail = flen;
 	if (avail > FM_SCAN) {
 		avail = FM_SCAN;
-		truncated = 1;
+		partial = FM_WHY_TOO_LONG;
 	}
+	if (!(flags & 0x4) && !partial)
+		partial = FM_WHY_TOO_LONG; /* the block goes on in CONTINUATION frames */
 	if (avail == 0) {
 		fm_fallback(c, FM_WHY_TRUNCATED);
 		return;
@@ -518,13 +741,18 @@ static __always_inline void fm_h2(struct __sk_buff *skb, struct fm_scratch *s, s
 	}
 	if (flags & 0x20)
 		pos += 5;
-	if (!truncated && pad + pos <= end)
+	if (!partial) {
+		if (pad + pos > end) {
+			fm_fallback(c, FM_WHY_MALFORMED); /* more padding than frame */
+			return;
+		}
 		end -= pad;
+	}
 	if (pos >= end) {
 		fm_fallback(c, FM_WHY_MALFORMED);
 		return;
 	}
-	fm_h2_block(pos, end, truncated, c);
+	fm_h2_block(pos, end, partial, c);
 }
 
 static __always_inline void fm_decide(struct __sk_buff *skb, struct fm_l7_conn *c)
@@ -580,7 +808,7 @@ out:
 SEC("sockops")
 int fm_sockops_l7(struct bpf_sock_ops *skops)
 {
-	if (skops->op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB)
+	if (skops->op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB || !fm_own_netns(skops))
 		return 1;
 	__u16 port = (__u16)skops->local_port;
 	if (!bpf_map_lookup_elem(&fm_l7_ports, &port))
@@ -613,6 +841,18 @@ int fm_verdict(struct __sk_buff *skb)
 	__u64 cookie = bpf_get_socket_cookie(skb);
 	struct fm_l7_conn *c = bpf_map_lookup_elem(&fm_l7_conns, &cookie);
 	__u32 len = skb->len;
+	if (len == 0) {
+		/* Without a stream parser the verdict also sees the FIN, as an empty skb
+		 * (tcp_read_skb). TCP has recorded the FIN already (the socket reads EOF), so the skb
+		 * carries nothing: drop it, and the proxy carries the half-close itself, after the
+		 * spliced bytes. Redirected, the peer's psock backlog would fail to send zero bytes
+		 * and set EPIPE on the peer; passed, it can queue behind bytes redirected to this
+		 * socket and, taken in the backlog as a zero-byte ingress, set EPIPE here and stop
+		 * this socket's transmit, dropping the peer's later bytes (sk_psock_backlog). Nor is
+		 * it a first request to decide. */
+		fm_count(FM_ST_VERDICT, 1, 0, 0, 0);
+		return FM_SK_DROP;
+	}
 	if (!c) {
 		fm_count(FM_ST_VERDICT, 1, 0, 0, 1);
 		return FM_SK_PASS;
@@ -620,6 +860,8 @@ int fm_verdict(struct __sk_buff *skb)
 	__u64 peer = c->peer;
 	if (peer) {
 		if (bpf_sk_redirect_hash(skb, &fm_l7_socks, &peer, 0) == FM_SK_PASS) {
+			/* What the proxy never sees, for its byte counts. */
+			c->spliced += len;
 			fm_count(FM_ST_VERDICT, 1, len, 0, 0);
 			return FM_SK_PASS;
 		}

@@ -8,7 +8,9 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
-use flatmesh_kernel::{lower_routes, KernelConfig, KernelTier, L7Decision, PathMatch, RouteSpec};
+use flatmesh_kernel::{
+    lower_routes, KernelConfig, KernelTier, L7Decision, PathMatch, Protocols, RouteSpec,
+};
 
 mod common;
 use common::pct;
@@ -130,6 +132,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         path: PathMatch::Prefix("/echo".into()),
         other_conditions: false,
         backend: Some(0),
+        protocols: Protocols::HTTP1,
     }]))?;
     let backend = echo_backend()?;
     let direct = backend;

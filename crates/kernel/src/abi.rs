@@ -6,8 +6,9 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 pub(crate) const AF_INET: u8 = 2;
 pub(crate) const AF_INET6: u8 = 10;
 
-/// Indexes into `fm_stats`, one per program (enum fm_stat_id).
-pub(crate) const STAT_NAMES: [&str; 9] = [
+/// Indexes into `fm_stats`, one per program (enum fm_stat_id), then counters that are not
+/// programs of their own.
+pub(crate) const STAT_NAMES: [&str; 10] = [
     "fm_connect4",
     "fm_connect6",
     "fm_getsockopt",
@@ -17,11 +18,16 @@ pub(crate) const STAT_NAMES: [&str; 9] = [
     "fm_parser",
     "fm_verdict",
     "fm_sockops_l7",
+    "fm_sk_msg_direct",
 ];
+
+/// Counters in `fm_stats` that belong to no pinned program: (name, the program that does
+/// the work). `flatmesh kernel status` shows them under that program.
+pub(crate) const DERIVED_STATS: [(&str, &str); 1] = [("fm_sk_msg_direct", "fm_sk_msg")];
 
 /// struct fm_addr: IPv4 in ip[0] (network order), ports in host order.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub(crate) struct FmAddr {
     pub ip: [u32; 4],
     pub port: u16,
@@ -57,6 +63,22 @@ impl FmAddr {
         }
     }
 
+    /// As `from_socket_addr`, with a v4-mapped IPv6 address as the IPv4 address it is (what
+    /// the programs do: `fm_addr_ip6` in bpf/common.h).
+    pub(crate) fn from_socket_addr_normalized(addr: SocketAddr) -> Self {
+        match addr.ip() {
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => FmAddr::from_socket_addr(SocketAddr::new(IpAddr::V4(v4), addr.port())),
+                None => FmAddr::from_socket_addr(addr),
+            },
+            IpAddr::V4(_) => FmAddr::from_socket_addr(addr),
+        }
+    }
+
+    pub(crate) fn is_loopback(&self) -> bool {
+        self.to_socket_addr().is_some_and(|a| a.ip().is_loopback())
+    }
+
     pub(crate) fn to_socket_addr(self) -> Option<SocketAddr> {
         match self.family {
             AF_INET => Some(SocketAddr::new(
@@ -74,6 +96,55 @@ impl FmAddr {
         }
     }
 }
+
+/// struct fm_sock_key (redirect.bpf.c): a socket's own (local, remote) ends, with the netns
+/// cookie when the local end is loopback.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub(crate) struct FmSockKey {
+    pub local: FmAddr,
+    pub remote: FmAddr,
+    pub netns: u64,
+}
+
+// SAFETY: two FmAddr (20 bytes each, no holes) then a u64 at offset 40: no padding.
+unsafe impl aya::Pod for FmSockKey {}
+
+/// struct fm_shortcut (redirect.bpf.c)
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct FmShortcut {
+    pub target: FmSockKey,
+    pub armed_at: u64,
+}
+
+// SAFETY: a key struct without holes and a u64.
+unsafe impl aya::Pod for FmShortcut {}
+
+/// struct fm_direct (redirect.bpf.c)
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct FmDirect {
+    pub bytes: u64,
+    pub msgs: u64,
+}
+
+// SAFETY: two u64.
+unsafe impl aya::Pod for FmDirect {}
+
+/// Values of `fm_redirect_ports`.
+pub(crate) const PORT_BOTH: u8 = 1;
+pub(crate) const PORT_CLIENT: u8 = 2;
+
+/// struct fm_settings (common.h)
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct FmSettings {
+    pub netns: u64,
+}
+
+// SAFETY: one u64.
+unsafe impl aya::Pod for FmSettings {}
 
 /// struct fm_stat
 #[repr(C)]
@@ -109,7 +180,8 @@ pub(crate) struct FmRoute {
     pub action: u32,
     pub backend: u32,
     pub route_id: u32,
-    pub pad: u32,
+    /// 1 << connection protocol (1 HTTP/1.x, 2 HTTP/2) the backend action applies to.
+    pub protos: u32,
 }
 
 impl Default for FmRoute {
@@ -122,7 +194,7 @@ impl Default for FmRoute {
             action: 0,
             backend: 0,
             route_id: 0,
-            pad: 0,
+            protos: 0,
         }
     }
 }
@@ -141,6 +213,7 @@ pub(crate) struct FmL7Conn {
     pub peer: u64,
     pub stream_pos: u64,
     pub next_frame: u64,
+    pub spliced: u64,
     pub state: u32,
     pub proto: u32,
     pub backend: u32,
@@ -161,7 +234,10 @@ mod tests {
         assert_eq!(std::mem::size_of::<FmAddr>(), 20);
         assert_eq!(std::mem::size_of::<FmStat>(), 32);
         assert_eq!(std::mem::size_of::<FmRoute>(), 8 + 64 + 6 * 4);
-        assert_eq!(std::mem::size_of::<FmL7Conn>(), 3 * 8 + 6 * 4);
+        assert_eq!(std::mem::size_of::<FmL7Conn>(), 4 * 8 + 6 * 4);
+        assert_eq!(std::mem::size_of::<FmSockKey>(), 48);
+        assert_eq!(std::mem::size_of::<FmShortcut>(), 56);
+        assert_eq!(std::mem::size_of::<FmDirect>(), 16);
     }
 
     #[test]
@@ -178,5 +254,10 @@ mod tests {
         let v4 = FmAddr::from_socket_addr("127.0.0.1:80".parse().unwrap_or_else(|e| panic!("{e}")));
         // Network byte order in memory, as the kernel's user_ip4.
         assert_eq!(v4.ip[0].to_ne_bytes(), [127, 0, 0, 1]);
+        let mapped: SocketAddr = "[::ffff:127.0.0.1]:80"
+            .parse()
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(FmAddr::from_socket_addr_normalized(mapped), v4);
+        assert!(v4.is_loopback());
     }
 }

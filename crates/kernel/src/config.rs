@@ -24,6 +24,10 @@ pub struct KernelConfig {
     /// default: on this kernel, strparser mode stalls or resets spliced connections under
     /// sustained small-message traffic; verdict-only mode does not (docs/kernel.md).
     pub l7_stream_parser: bool,
+    /// Only take sockets of the attaching process's network namespace into the redirect and
+    /// L7 sockhashes (the node's namespace), so nodes in other namespaces on the same host,
+    /// with the same addresses and ports, are never touched.
+    pub own_netns_only: bool,
 }
 
 /// Which workloads are captured.
@@ -42,6 +46,7 @@ impl Default for KernelConfig {
             redirect: true,
             l7_dispatch: true,
             l7_stream_parser: false,
+            own_netns_only: true,
         }
     }
 }

@@ -24,6 +24,7 @@ use crate::tier::KernelTier;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FallbackReason {
     NoMatch,
+    /// A Huffman-coded header *name* before :path (only values are decoded in the kernel).
     Huffman,
     Truncated,
     Malformed,
@@ -31,6 +32,9 @@ pub enum FallbackReason {
     DynamicTable,
     TooLong,
     Busy,
+    /// The route's cluster speaks another protocol than the client (HTTP/1.1 vs HTTP/2):
+    /// only the user tier can translate.
+    Protocol,
     Other(u32),
 }
 
@@ -45,6 +49,7 @@ impl FallbackReason {
             6 => FallbackReason::DynamicTable,
             7 => FallbackReason::TooLong,
             8 => FallbackReason::Busy,
+            9 => FallbackReason::Protocol,
             other => FallbackReason::Other(other),
         }
     }
@@ -169,7 +174,7 @@ impl KernelTier {
                 },
                 L7_FALLBACK => L7Decision::Fallback {
                     reason: FallbackReason::from_raw(c.reason),
-                    route_id: (c.reason == 5).then_some(c.route_id),
+                    route_id: (c.reason == 5 || c.reason == 9).then_some(c.route_id),
                 },
                 other => L7Decision::Fallback {
                     reason: FallbackReason::Other(other),
@@ -240,7 +245,11 @@ impl KernelTier {
     /// listener in tier K (no decision to wait for). Returns both cookies for
     /// [`KernelTier::l7_forget`]. Bytes already queued before the call still reach user space
     /// and must be forwarded by hand, as must anything that arrives if a peer closes.
-    pub fn splice(&self, client: &impl AsFd, upstream: &impl AsFd) -> Result<(u64, u64), KernelError> {
+    pub fn splice(
+        &self,
+        client: &impl AsFd,
+        upstream: &impl AsFd,
+    ) -> Result<(u64, u64), KernelError> {
         let client_cookie =
             socket_cookie(client).map_err(|e| KernelError::io("getsockopt(SO_COOKIE)", e))?;
         let upstream_cookie =
@@ -249,7 +258,10 @@ impl KernelTier {
             let conns = l.maps.l7_conns.as_mut().ok_or(KernelError::MissingMap {
                 map: "fm_l7_conns (tcp_splice and l7_dispatch are off in the config)",
             })?;
-            for (cookie, peer) in [(client_cookie, upstream_cookie), (upstream_cookie, client_cookie)] {
+            for (cookie, peer) in [
+                (client_cookie, upstream_cookie),
+                (upstream_cookie, client_cookie),
+            ] {
                 let state = FmL7Conn {
                     peer,
                     state: L7_DECIDED,
@@ -266,14 +278,31 @@ impl KernelTier {
                 .ok_or(KernelError::MissingMap { map: "fm_l7_socks" })?;
             // Upstream first: once the client is in the sockhash its bytes are redirected to
             // the upstream, which must already be there to receive them.
-            socks.insert(upstream_cookie, upstream.as_fd(), 0).map_err(|e| {
-                KernelError::map("fm_l7_socks", "insert (is the upstream connected?)", e)
-            })?;
+            socks
+                .insert(upstream_cookie, upstream.as_fd(), 0)
+                .map_err(|e| {
+                    KernelError::map("fm_l7_socks", "insert (is the upstream connected?)", e)
+                })?;
             socks.insert(client_cookie, client.as_fd(), 0).map_err(|e| {
                 KernelError::map("fm_l7_socks", "insert (is the client connected?)", e)
             })
         })?;
         Ok((client_cookie, upstream_cookie))
+    }
+
+    /// Bytes the verdict redirected from the socket with `cookie` to its peer: the bytes
+    /// user space never saw. `None` when the kernel has no state for it.
+    pub fn l7_spliced_bytes(&self, cookie: u64) -> Result<Option<u64>, KernelError> {
+        self.with(|l| {
+            let conns = l.maps.l7_conns.as_ref().ok_or(KernelError::MissingMap {
+                map: "fm_l7_conns (l7_dispatch is off in the config)",
+            })?;
+            match conns.get(&cookie, 0) {
+                Ok(c) => Ok(Some(c.spliced)),
+                Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+                Err(e) => Err(KernelError::map("fm_l7_conns", "lookup", e)),
+            }
+        })
     }
 
     /// Drops a connection's dispatch state (its sockhash entry goes when the socket closes).

@@ -20,6 +20,35 @@ pub enum PathMatch {
     Other,
 }
 
+/// Connection protocols a route's backend can be spliced for: the backend gets the client's
+/// bytes as they are, so it must speak the protocol the client speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Protocols(u32);
+
+impl Protocols {
+    pub const NONE: Protocols = Protocols(0);
+    /// HTTP/1.0 and HTTP/1.1 (the verdict's FM_PROTO_H1 = 1).
+    pub const HTTP1: Protocols = Protocols(1 << 1);
+    /// HTTP/2 with prior knowledge, gRPC (FM_PROTO_H2 = 2).
+    pub const HTTP2: Protocols = Protocols(1 << 2);
+
+    pub fn contains(self, p: Protocols) -> bool {
+        self.0 & p.0 == p.0 && p.0 != 0
+    }
+
+    pub(crate) fn bits(self) -> u32 {
+        self.0
+    }
+}
+
+impl std::ops::BitOr for Protocols {
+    type Output = Protocols;
+
+    fn bitor(self, other: Protocols) -> Protocols {
+        Protocols(self.0 | other.0)
+    }
+}
+
 /// One route as the rule program has it, reduced to what tier K can look at.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RouteSpec {
@@ -33,6 +62,8 @@ pub struct RouteSpec {
     /// Backend (cluster) the route forwards to, or `None` when its action needs the user
     /// tier (weighted split, rewrites, direct responses, ...).
     pub backend: Option<u32>,
+    /// Which client protocols the backend can be handed: its own protocol.
+    pub protocols: Protocols,
 }
 
 /// One entry of the kernel route table, as lowered.
@@ -44,6 +75,16 @@ pub struct KernelRoute {
     pub path: PathMatch,
     /// `Some(backend)`: the kernel decides; `None`: punt to user space.
     pub backend: Option<u32>,
+    /// Connection protocols the backend is decided for; others punt.
+    pub protocols: Protocols,
+}
+
+impl KernelRoute {
+    /// The backend the kernel decides for a connection speaking `protocol` (one of
+    /// [`Protocols::HTTP1`], [`Protocols::HTTP2`]) when this route is the first match.
+    pub fn backend_for(&self, protocol: Protocols) -> Option<u32> {
+        self.backend.filter(|_| self.protocols.contains(protocol))
+    }
 }
 
 /// Lowers routes (in rule order) to kernel table entries. Always succeeds: whatever does not
@@ -57,6 +98,7 @@ pub fn lower_routes(routes: &[RouteSpec]) -> Vec<KernelRoute> {
                 method: None,
                 path: PathMatch::Prefix(String::new()),
                 backend: None,
+                protocols: Protocols::NONE,
             });
             return out;
         }
@@ -84,6 +126,7 @@ pub fn lower_routes(routes: &[RouteSpec]) -> Vec<KernelRoute> {
             method,
             path,
             backend,
+            protocols: r.protocols,
         });
         if catch_all {
             // Nothing after a catch-all can match.
@@ -128,6 +171,7 @@ impl KernelRoute {
             _ => r.action = ACT_PUNT,
         }
         r.route_id = self.route_id;
+        r.protos = self.protocols.bits();
         r
     }
 }
@@ -157,6 +201,7 @@ mod tests {
             path,
             other_conditions: false,
             backend,
+            protocols: Protocols::HTTP1,
         }
     }
 

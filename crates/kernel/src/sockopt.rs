@@ -77,3 +77,38 @@ pub fn original_dst_sockopt(sock: &impl AsFd, ipv6: bool) -> io::Result<SocketAd
         ))
     }
 }
+
+/// What crossed a TCP socket's stack, from TCP_INFO: payload bytes sent, acknowledged by
+/// the peer and received. Bytes the sockmap moved in the kernel are in none of them (the SYN
+/// and FIN count one byte each in `acked`/`received`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TcpCounters {
+    pub sent: u64,
+    pub acked: u64,
+    pub received: u64,
+}
+
+/// Reads [`TcpCounters`] of a TCP socket.
+pub fn tcp_counters(sock: &impl AsFd) -> io::Result<TcpCounters> {
+    // SAFETY: tcp_info is plain data; zero is a valid bit pattern.
+    let mut info: libc::tcp_info = unsafe { zeroed() };
+    let mut len = size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: buffer and length describe `info`; the kernel writes at most `len` bytes.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_fd().as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(TcpCounters {
+        sent: info.tcpi_bytes_sent,
+        acked: info.tcpi_bytes_acked,
+        received: info.tcpi_bytes_received,
+    })
+}

@@ -7,7 +7,10 @@ use std::path::Path;
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, SockHash};
 use aya::programs::ProgramInfo;
 
-use crate::abi::{FmAddr, FmL7Conn, FmRoute, FmStat, MATCH_END, STAT_NAMES};
+use crate::abi::{
+    FmAddr, FmDirect, FmL7Conn, FmRoute, FmShortcut, FmSockKey, FmStat, DERIVED_STATS, MATCH_END,
+    STAT_NAMES,
+};
 use crate::error::KernelError;
 use crate::tier::{pinned_owner, KernelTier};
 
@@ -21,6 +24,9 @@ pub struct ProgramStatus {
     pub kernel_run_time_ns: u64,
     /// flatmesh's own counters (always on), summed over CPUs.
     pub stats: FmStat,
+    /// A counter row for part of another program's work (`fm_sk_msg_direct` is the part of
+    /// `fm_sk_msg` that went socket direct), not a program of its own.
+    pub derived: bool,
 }
 
 /// One pinned map.
@@ -107,23 +113,17 @@ pub fn status(pin_dir: &Path) -> Result<KernelStatus, KernelError> {
         if let Some(prog) = name.strip_prefix("prog_") {
             let info = ProgramInfo::from_pin(&path)
                 .map_err(|e| KernelError::program("status", "read a pinned program", e))?;
-            let mut sum = FmStat::default();
-            if let (Some(stats), Some(idx)) = (&stats, STAT_NAMES.iter().position(|n| *n == prog)) {
-                if let Ok(per_cpu) = stats.get(&(idx as u32), 0) {
-                    for s in per_cpu.iter() {
-                        sum.runs += s.runs;
-                        sum.bytes += s.bytes;
-                        sum.hits += s.hits;
-                        sum.fallbacks += s.fallbacks;
-                    }
-                }
-            }
+            let sum = stats
+                .as_ref()
+                .map(|m| stat_sum(m, prog))
+                .unwrap_or_default();
             st.programs.push(ProgramStatus {
                 name: prog.to_string(),
                 id: info.id(),
                 kernel_run_count: info.run_count(),
                 kernel_run_time_ns: info.run_time().as_nanos() as u64,
                 stats: sum,
+                derived: false,
             });
             continue;
         }
@@ -138,6 +138,8 @@ pub fn status(pin_dir: &Path) -> Result<KernelStatus, KernelError> {
             "fm_redirect_ports" | "fm_l7_ports" => count::<u16, u8>(data, false),
             "fm_l7_conns" => count::<u64, FmL7Conn>(data, true),
             "fm_redirect_socks" => count_sock::<[u8; 48]>(data),
+            "fm_shortcuts" => count::<FmSockKey, FmShortcut>(data, false),
+            "fm_direct_bytes" => count::<FmSockKey, FmDirect>(data, false),
             "fm_l7_socks" => count_sock::<u64>(data),
             "fm_routes" => Array::<MapData, FmRoute>::try_from(Map::Array(data))
                 .map(|a| {
@@ -154,7 +156,43 @@ pub fn status(pin_dir: &Path) -> Result<KernelStatus, KernelError> {
             max_entries,
         });
     }
+    // Counters that are part of a program's work get a row of their own under it.
+    for (name, parent) in DERIVED_STATS {
+        let Some(pos) = st.programs.iter().position(|p| p.name == parent) else {
+            continue;
+        };
+        let stats = stats
+            .as_ref()
+            .map(|m| stat_sum(m, name))
+            .unwrap_or_default();
+        let row = ProgramStatus {
+            name: name.to_string(),
+            id: st.programs[pos].id,
+            kernel_run_count: 0,
+            kernel_run_time_ns: 0,
+            stats,
+            derived: true,
+        };
+        st.programs.insert(pos + 1, row);
+    }
     Ok(st)
+}
+
+/// One counter slot of `fm_stats`, summed over CPUs.
+fn stat_sum(stats: &PerCpuArray<MapData, FmStat>, name: &str) -> FmStat {
+    let mut sum = FmStat::default();
+    let Some(idx) = STAT_NAMES.iter().position(|n| *n == name) else {
+        return sum;
+    };
+    if let Ok(per_cpu) = stats.get(&(idx as u32), 0) {
+        for s in per_cpu.iter() {
+            sum.runs += s.runs;
+            sum.bytes += s.bytes;
+            sum.hits += s.hits;
+            sum.fallbacks += s.fallbacks;
+        }
+    }
+    sum
 }
 
 impl fmt::Display for KernelStatus {
@@ -170,10 +208,15 @@ impl fmt::Display for KernelStatus {
             "program", "id", "runs", "bytes", "hits", "fallbacks"
         )?;
         for p in &self.programs {
+            let name = if p.derived {
+                format!("  {}", p.name)
+            } else {
+                p.name.clone()
+            };
             writeln!(
                 f,
                 "{:<22} {:>6} {:>12} {:>14} {:>10} {:>10}",
-                p.name, p.id, p.stats.runs, p.stats.bytes, p.stats.hits, p.stats.fallbacks
+                name, p.id, p.stats.runs, p.stats.bytes, p.stats.hits, p.stats.fallbacks
             )?;
         }
         writeln!(f, "{:<22} {:>10} {:>10}", "map", "entries", "max")?;

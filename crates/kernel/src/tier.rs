@@ -19,7 +19,7 @@ use aya::programs::{CgroupAttachMode, CgroupSockAddr, CgroupSockopt, SkMsg, SkSk
 use aya::{Ebpf, EbpfLoader};
 use parking_lot::Mutex;
 
-use crate::abi::{FmAddr, FmL7Conn, FmRoute};
+use crate::abi::{FmAddr, FmDirect, FmL7Conn, FmRoute, FmSettings, FmShortcut, FmSockKey};
 use crate::config::KernelConfig;
 use crate::error::KernelError;
 
@@ -51,6 +51,8 @@ pub(crate) struct Maps {
     pub bypass_pids: Option<HashMap<MapData, u32, u8>>,
     pub orig_by_cookie: Option<HashMap<MapData, u64, FmAddr>>,
     pub redirect_ports: Option<HashMap<MapData, u16, u8>>,
+    pub shortcuts: Option<HashMap<MapData, FmSockKey, FmShortcut>>,
+    pub direct_bytes: Option<HashMap<MapData, FmSockKey, FmDirect>>,
     pub l7_socks: Option<SockHash<MapData, u64>>,
     pub l7_conns: Option<HashMap<MapData, u64, FmL7Conn>>,
     pub routes: Option<Array<MapData, FmRoute>>,
@@ -356,6 +358,8 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
     let mut bypass_pids = None;
     let mut orig_by_cookie = None;
     let mut redirect_ports = None;
+    let mut shortcuts = None;
+    let mut direct_bytes = None;
     let mut l7_socks = None;
     let mut l7_conns = None;
     let mut routes = None;
@@ -400,6 +404,8 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
             KernelError::program("fm_sockops_redirect", "attach to the root cgroup", e)
         })?;
         redirect_ports = Some(typed(&mut obj, "fm_redirect_ports")?);
+        shortcuts = Some(typed(&mut obj, "fm_shortcuts")?);
+        direct_bytes = Some(typed(&mut obj, "fm_direct_bytes")?);
         // The sockhash stays alive through its pin and the sk_msg attachment; the handle
         // itself is not needed after attaching.
         drop(socks);
@@ -421,13 +427,23 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
         p.attach(socks.fd())
             .map_err(|e| KernelError::program("fm_verdict", "attach to fm_l7_socks", e))?;
         let p = load_pin!(&mut obj, SockOps, "fm_sockops_l7", dir, ids);
-        p.attach(&root, CgroupAttachMode::Single).map_err(|e| {
-            KernelError::program("fm_sockops_l7", "attach to the root cgroup", e)
-        })?;
+        p.attach(&root, CgroupAttachMode::Single)
+            .map_err(|e| KernelError::program("fm_sockops_l7", "attach to the root cgroup", e))?;
         l7_ports = Some(typed(&mut obj, "fm_l7_ports")?);
         l7_socks = Some(socks);
         l7_conns = Some(typed(&mut obj, "fm_l7_conns")?);
         routes = Some(typed(&mut obj, "fm_routes")?);
+        let mut huffman: Array<MapData, [u32; crate::huffman::TABLE_LEN]> =
+            typed(&mut obj, "fm_huffman")?;
+        let table: [u32; crate::huffman::TABLE_LEN] =
+            crate::huffman::table()
+                .try_into()
+                .map_err(|_| KernelError::MissingMap {
+                    map: "fm_huffman (table size differs from the program's)",
+                })?;
+        huffman
+            .set(0, table, 0)
+            .map_err(|e| KernelError::map("fm_huffman", "load the HPACK Huffman table", e))?;
         objects.push(obj);
     }
 
@@ -438,6 +454,22 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
     owner
         .set(0, u64::from(std::process::id()), 0)
         .map_err(|e| KernelError::map("fm_owner", "record the owner pid", e))?;
+    let netns = if cfg.own_netns_only {
+        let probe = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)
+            .map_err(|e| {
+                KernelError::io(
+                    "opening a socket to read this network namespace's cookie",
+                    e,
+                )
+            })?;
+        crate::redirect::netns_cookie(&probe)?
+    } else {
+        0
+    };
+    let mut settings: Array<MapData, FmSettings> = typed(first, "fm_settings")?;
+    settings
+        .set(0, FmSettings { netns }, 0)
+        .map_err(|e| KernelError::map("fm_settings", "record the node's network namespace", e))?;
     Ok(Loaded {
         objects,
         maps: Maps {
@@ -445,6 +477,8 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
             bypass_pids,
             orig_by_cookie,
             redirect_ports,
+            shortcuts,
+            direct_bytes,
             l7_socks,
             l7_conns,
             routes,

@@ -38,7 +38,14 @@ fn attach_pins_everything_and_detach_removes_it() {
     }
     let st = tier.status().unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(st.owner, Some(std::process::id()));
-    assert_eq!(st.programs.len(), 5, "{st}");
+    assert_eq!(st.programs.iter().filter(|p| !p.derived).count(), 5, "{st}");
+    // The socket-direct share of fm_sk_msg has its own row.
+    assert!(
+        st.programs
+            .iter()
+            .any(|p| p.derived && p.name == "fm_sk_msg_direct"),
+        "{st}"
+    );
 
     // Idempotent: the same config gives the same programs, not a second copy.
     let ids = tier.program_ids().unwrap_or_else(|e| panic!("{e}"));

@@ -1,13 +1,14 @@
 //! The L4 relay for `tcp` listeners: no parsing, bytes spliced between two sockets.
 //! Half-close is carried through (a FIN on one side becomes a shutdown(WR) on the other)
-//! and a reset on one side becomes a reset on the other. When tier K splices the pair, the
-//! relay only carries what reaches user space anyway: the bytes queued before the splice,
-//! the FIN and the reset.
+//! and a reset on one side becomes a reset on the other. When tier K carries the bytes
+//! (socket direct or splice, see `kernel.rs`), the relay only carries what reaches user space
+//! anyway: the bytes sent before the kernel took over, the FIN and the reset.
 
 use std::sync::Arc;
 
 use tokio::net::TcpStream;
 
+use crate::kernel::{DirectConn, DirectDir, KernelBinding, KernelPath};
 use crate::lb::{hash_client, InFlight};
 use crate::tap::{Tap, Tapped};
 use crate::worker::{ConnContext, WorkerView};
@@ -50,18 +51,150 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
     let _ = downstream.set_nodelay(true);
     // Tier K: from here on the kernel moves the bytes; the relay below only carries what
     // was already queued, the half-close and the reset.
-    let spliced = match (&ctx.kernel, listener.kernel_splice) {
-        (Some(k), true) => k.splice(&downstream, &up),
-        _ => None,
+    let path = match &ctx.kernel {
+        Some(k) => kernel_path(k, listener.kernel_splice, &downstream, &up),
+        None => KernelPath::User,
     };
-    if spliced.is_some() {
-        listener.stats.kernel_spliced.add_shared(ctx.worker, 1);
-    }
-    let (bytes_in, bytes_out) = pump(downstream, up, spliced.is_some()).await;
+    let (bytes_in, bytes_out, in_kernel) =
+        pump_path(ctx.kernel.as_deref(), downstream, up, path).await;
     listener.stats.bytes_in.add_shared(ctx.worker, bytes_in);
     listener.stats.bytes_out.add_shared(ctx.worker, bytes_out);
-    if let (Some(k), Some((a, b))) = (&ctx.kernel, spliced) {
-        k.forget(&[a, b]);
+    if in_kernel {
+        listener.stats.kernel_spliced.add_shared(ctx.worker, 1);
+    }
+}
+
+/// Which tier-K path a connection takes once its upstream is connected (docs/kernel.md,
+/// "Which path a connection takes"):
+/// - both ends on this host and sk_msg redirect on: socket direct;
+/// - splice allowed and neither end in the redirect sockhash: the sk_skb splice (a socket
+///   that sk_msg may also feed must not be spliced: its bytes could arrive out of order);
+/// - otherwise the user relay, with its local hops shortened by sk_msg.
+pub fn kernel_path(
+    k: &KernelBinding,
+    splice: bool,
+    client: &TcpStream,
+    upstream: &TcpStream,
+) -> KernelPath {
+    let redirect = k.redirect_on();
+    let (client_local, upstream_local) = (
+        crate::kernel::peer_is_local(client),
+        crate::kernel::peer_is_local(upstream),
+    );
+    if redirect && client_local && upstream_local {
+        if let Some(d) = k.direct(client, upstream) {
+            return KernelPath::Direct(Box::new(d));
+        }
+    }
+    if splice && !(redirect && (client_local || upstream_local)) {
+        if let Some((a, b)) = k.splice(client, upstream) {
+            return KernelPath::Spliced(a, b);
+        }
+    }
+    KernelPath::User
+}
+
+/// Relays a connection on `path` until both sides are done. Returns the bytes from the
+/// client and from the upstream (what the kernel carried included, when it counts them) and
+/// whether the kernel carried any of it.
+pub async fn pump_path(
+    kernel: Option<&KernelBinding>,
+    client: TcpStream,
+    upstream: TcpStream,
+    path: KernelPath,
+) -> (u64, u64, bool) {
+    match path {
+        KernelPath::User => {
+            let (i, o) = pump(client, upstream, false).await;
+            (i, o, false)
+        }
+        KernelPath::Spliced(a, b) => {
+            let (i, o) = pump(client, upstream, true).await;
+            // What the relay read plus what the kernel moved without it.
+            let (ki, ko) = kernel.and_then(|k| k.splice_end(a, b)).unwrap_or_default();
+            (i + ki, o + ko, true)
+        }
+        KernelPath::Direct(d) => pump_direct(client, upstream, *d).await,
+    }
+}
+
+/// The relay of a socket-direct connection: a plain two-way copy that re-arms each direction's
+/// shortcut after every forward, so the kernel switches to the direct path as soon as the
+/// proxy has caught up (bpf/redirect.bpf.c). FIN and RST reach the proxy as always: the
+/// kernel's direct bytes are already in the receiver's queue by the time the sender's FIN
+/// is sent, so a plain shutdown keeps them ahead of it.
+async fn pump_direct(
+    mut client: TcpStream,
+    mut upstream: TcpStream,
+    mut d: DirectConn,
+) -> (u64, u64, bool) {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    let (relayed_in, relayed_out) = (AtomicU64::new(0), AtomicU64::new(0));
+    let result = {
+        let (mut cr, mut cw) = client.split();
+        let (mut ur, mut uw) = upstream.split();
+        tokio::try_join!(
+            direct_one_way(
+                &mut cr,
+                &mut uw,
+                &mut d.to_backend,
+                &relayed_in,
+                "client to upstream"
+            ),
+            direct_one_way(
+                &mut ur,
+                &mut cw,
+                &mut d.to_client,
+                &relayed_out,
+                "upstream to client"
+            )
+        )
+    };
+    if let Err(err) = result {
+        tracing::debug!(error = %err, "socket-direct relay ended with an error; resetting both sides");
+        reset_on_close(&client);
+        reset_on_close(&upstream);
+    }
+    let direct = d.end();
+    (
+        relayed_in.load(Relaxed) + direct.client_to_backend,
+        relayed_out.load(Relaxed) + direct.backend_to_client,
+        direct.client_to_backend + direct.backend_to_client > 0,
+    )
+}
+
+/// One direction of [`pump_direct`], counting what it relays into `relayed`.
+async fn direct_one_way(
+    from: &mut tokio::net::tcp::ReadHalf<'_>,
+    to: &mut tokio::net::tcp::WriteHalf<'_>,
+    dir: &mut DirectDir,
+    relayed: &std::sync::atomic::AtomicU64,
+    what: &str,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let tag =
+        |op: &str, e: std::io::Error| std::io::Error::new(e.kind(), format!("{op} ({what}): {e}"));
+    // Small: once the shortcut takes over, nothing but the FIN reaches this loop.
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = from.read(&mut buf).await.map_err(|e| tag("read", e))?;
+        if n == 0 {
+            break;
+        }
+        to.write_all(&buf[..n]).await.map_err(|e| tag("write", e))?;
+        relayed.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+        dir.forwarded(n, to.as_ref());
+    }
+    to.shutdown().await.map_err(|e| tag("shutdown", e))
+}
+
+/// Whether `sock` has handed any payload to TCP (sent, or queued to send) rather than to the
+/// kernel's sockmap redirect.
+pub fn sent_through_tcp(sock: &TcpStream) -> bool {
+    match tcp_info(sock) {
+        Some(i) => i.tcpi_bytes_sent > 0 || i.tcpi_notsent_bytes > 0,
+        // Cannot tell: assume the worst, which only keeps the proxy on the path.
+        None => true,
     }
 }
 
@@ -165,7 +298,16 @@ async fn spliced_one_way(
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let mut buf = vec![0u8; 16 * 1024];
     let tag = |op: &str, e: std::io::Error| {
-        std::io::Error::new(e.kind(), format!("{op} ({}): {e}", match to_opened { Opened::Actively => "client to upstream", Opened::Passively => "upstream to client" }))
+        std::io::Error::new(
+            e.kind(),
+            format!(
+                "{op} ({}): {e}",
+                match to_opened {
+                    Opened::Actively => "client to upstream",
+                    Opened::Passively => "upstream to client",
+                }
+            ),
+        )
     };
     loop {
         let n = from.read(&mut buf).await.map_err(|e| tag("read", e))?;
@@ -196,7 +338,12 @@ async fn wait_delivered(from: &TcpStream, to: &TcpStream, to_opened: Opened) {
                 if t.tcpi_bytes_acked.saturating_sub(syn)
                     < f.tcpi_bytes_received.saturating_sub(1) => {}
             (f, t) => {
-                tracing::debug!(from_received = f.map(|f| f.tcpi_bytes_received), to_acked = t.map(|t| t.tcpi_bytes_acked), syn, "spliced bytes delivered");
+                tracing::debug!(
+                    from_received = f.map(|f| f.tcpi_bytes_received),
+                    to_acked = t.map(|t| t.tcpi_bytes_acked),
+                    syn,
+                    "spliced bytes delivered"
+                );
                 return;
             }
         }

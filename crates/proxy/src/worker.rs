@@ -15,7 +15,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::sync::mpsc;
 
 use crate::access_log::AccessLog;
-use crate::downstream::{ConnSignals, HttpTap};
+use crate::downstream::{ActivityTap, ConnSignals};
 use crate::error::ProxyError;
 use crate::kernel::{FirstRequest, KernelBinding};
 use crate::snapshot::Snapshot;
@@ -252,11 +252,21 @@ async fn serve_http_with_kernel(
         .await
     {
         FirstRequest::Closed => return,
-        FirstRequest::UserTier { buffered } => buffered,
+        FirstRequest::UserTier {
+            buffered,
+            strip_settings_ack: true,
+        } => {
+            // The proxy sent the client an HTTP/2 SETTINGS frame while the kernel decided;
+            // the user tier must not see the client's ACK of it.
+            let stream = crate::kernel::StripSettingsAck::new(Rewind::new(buffered, stream));
+            return serve_http(ctx, stream, snapshot).await;
+        }
+        FirstRequest::UserTier { buffered, .. } => buffered,
         FirstRequest::Decided {
             cluster,
             cookie,
             buffered,
+            consumed,
         } => {
             let listener = snapshot
                 .listener_at(ctx.listener_address, ctx.protocol)
@@ -268,21 +278,22 @@ async fn serve_http_with_kernel(
             };
             match connected {
                 Some((mut up, _in_flight)) => {
-                    match kernel.splice_decided(cookie, &buffered, &mut up).await {
-                        Ok(spliced) => {
-                            if let (Some(l), Some(_)) = (listener, spliced) {
+                    match kernel
+                        .take_decided(cookie, &stream, &mut up, &buffered, consumed)
+                        .await
+                    {
+                        Ok(path) => {
+                            let (_, _, in_kernel) =
+                                crate::tcp::pump_path(Some(kernel), stream, up, path).await;
+                            if let (Some(l), true) = (listener, in_kernel) {
                                 l.stats.kernel_spliced.add_shared(ctx.worker, 1);
-                            }
-                            crate::tcp::pump(stream, up, spliced.is_some()).await;
-                            if let Some((a, b)) = spliced {
-                                kernel.forget(&[a, b]);
                             }
                         }
                         Err(err) => {
                             tracing::debug!(error = %err, "upstream closed before the first request was written");
-                            kernel.forget(&[cookie]);
                         }
                     }
+                    kernel.forget(&[cookie]);
                     return;
                 }
                 // No endpoint answered: the user tier gives the client its 503.
@@ -296,28 +307,48 @@ async fn serve_http_with_kernel(
     serve_http(ctx, Rewind::new(buffered, stream), snapshot).await
 }
 
-async fn serve_http<S>(ctx: Arc<ConnContext>, stream: S, snapshot: &Snapshot)
+/// The HTTP/2 connection preface a client with prior knowledge of h2c opens with.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// An http listener's connection: the first bytes tell the protocol. The HTTP/2 preface goes
+/// to hyper's HTTP/2 server, anything else to flatmesh's own HTTP/1 path.
+async fn serve_http<S>(ctx: Arc<ConnContext>, mut stream: S, snapshot: &Snapshot)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let limits = &snapshot.config.limits;
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let mut first = bytes::BytesMut::with_capacity(16 * 1024);
+    let mut deadline = tokio::time::Instant::now() + limits.idle_timeout;
+    while first.len() < H2_PREFACE.len() && H2_PREFACE.starts_with(&first) {
+        let read = tokio::io::AsyncReadExt::read_buf(&mut stream, &mut first);
+        match tokio::time::timeout_at(deadline, read).await {
+            Ok(Ok(n)) if n > 0 => {}
+            // Closed, failed, or silent: nothing to answer.
+            _ => return,
+        }
+        deadline = deadline.min(tokio::time::Instant::now() + limits.header_read_timeout);
+    }
+    if first.starts_with(H2_PREFACE) {
+        serve_h2(ctx, Rewind::new(first.to_vec(), stream), snapshot).await
+    } else {
+        crate::h1::serve(ctx, stream, first).await
+    }
+}
+
+async fn serve_h2<S>(ctx: Arc<ConnContext>, stream: S, snapshot: &Snapshot)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let limits = &snapshot.config.limits;
+    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
-        // hyper answers 431 when the request head does not fit this buffer (min 8 KiB).
-        .max_buf_size(limits.max_header_bytes.max(8192))
-        .keep_alive(true);
-    builder
-        .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
         .max_concurrent_streams(1024);
     let signals = ctx.signals.clone();
     let io = TokioIo::new(Tapped {
         inner: stream,
-        tap: HttpTap::new(signals.clone()),
+        tap: ActivityTap(signals.clone()),
     });
     let service = service_fn(move |req| crate::http::serve(ctx.clone(), req));
     let connection = builder.serve_connection(io, service);

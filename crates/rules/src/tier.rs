@@ -188,7 +188,10 @@ const KERNEL_ROUTES_MAX: usize = 64;
 /// listener's rule, and the routes of the L7 listener that the kernel's table decides. The
 /// table mirrors the kernel crate's lowering: rule order, at most 63 entries, and nothing
 /// after the first entry that matches every request (a catch-all or a regex with no method).
-pub(crate) fn place_in_kernel(cfg: &flatmesh_config::Config, listeners: &mut [crate::ListenerTable]) {
+pub(crate) fn place_in_kernel(
+    cfg: &flatmesh_config::Config,
+    listeners: &mut [crate::ListenerTable],
+) {
     use crate::matcher::PathCond;
     use crate::{RouteAction, TableKind};
     let l7 = cfg.kernel_l7_listener();
@@ -196,7 +199,8 @@ pub(crate) fn place_in_kernel(cfg: &flatmesh_config::Config, listeners: &mut [cr
         match &mut l.kind {
             TableKind::Tcp(rule) if cfg.kernel_tcp_splice() => {
                 rule.placement.tier = Tier::Kernel;
-                rule.placement.reason = "L4 only: spliced in the kernel (sk_skb), kernel.tcp_splice";
+                rule.placement.reason =
+                    "L4 only: spliced in the kernel (sk_skb), kernel.tcp_splice";
             }
             TableKind::Http(table) if Some(l.name.as_str()) == l7 => {
                 for (i, r) in table.routes.iter_mut().enumerate() {

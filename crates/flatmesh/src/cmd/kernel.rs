@@ -30,17 +30,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let status = flatmesh_kernel::status(&pin_dir).map_err(|e| {
                 anyhow::anyhow!("cannot read tier K's pins under {}: {e}", pin_dir.display())
             })?;
-            print!("{status}");
+            let mut text = status.to_string();
             if status.programs.is_empty() {
                 if let Some(missing) = flatmesh_kernel::probe() {
-                    println!("{missing}");
+                    text.push_str(&missing);
+                    text.push('\n');
                 }
             }
-            Ok(())
+            // A closed pipe (`| head`) is not an error worth a panic.
+            match std::io::Write::write_all(&mut std::io::stdout().lock(), text.as_bytes()) {
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+                _ => Ok(()),
+            }
         }
         KernelCommand::Cleanup { pin_dir } => {
-            let report = flatmesh_kernel::cleanup_stale(&pin_dir)
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            let report =
+                flatmesh_kernel::cleanup_stale(&pin_dir).map_err(|e| anyhow::anyhow!("{e}"))?;
             if report.removed.is_empty() {
                 println!("nothing to clean under {}", pin_dir.display());
             } else {

@@ -35,15 +35,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (Some(server), _, _) => run_xds(&args, server.clone()),
         (None, Some(envoy), _) => {
             let config = flatmesh_xds::bootstrap::load(envoy)?;
+            let stop = StopSignals::register()?;
             let node = Node::start(config, ConfigSource::Inline)?;
             tracing::info!(admin = %node.admin_addr(), envoy_config = %envoy.display(), "flatmesh node is ready (Envoy bootstrap imported)");
-            wait_and_stop(node)
+            wait_and_stop(node, stop)
         }
         (None, None, Some(path)) => {
             let config = flatmesh_config::load(path).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let stop = StopSignals::register()?;
             let node = Node::start(config, ConfigSource::File(path.clone()))?;
             tracing::info!(admin = %node.admin_addr(), config = %path.display(), "flatmesh node is ready");
-            wait_and_stop(node)
+            wait_and_stop(node, stop)
         }
         (None, None, None) => {
             anyhow::bail!("give --config FILE, --envoy-config FILE or --xds HOST:PORT --node-id ID")
@@ -93,13 +95,45 @@ fn run_xds(args: &Args, server: String) -> anyhow::Result<()> {
     stopped.context("cannot wait for SIGINT/SIGTERM")
 }
 
-fn wait_and_stop(node: Node) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start a runtime to wait for signals")?;
-    rt.block_on(signals())
-        .context("cannot wait for SIGINT/SIGTERM")?;
+/// SIGTERM/SIGINT handlers registered before the node starts: a signal that arrives right
+/// after "ready" must stop the node cleanly (draining, detaching tier K), not kill it by the
+/// default action with its pins left behind.
+struct StopSignals {
+    rt: tokio::runtime::Runtime,
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn register() -> anyhow::Result<StopSignals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start a runtime to wait for signals")?;
+        let (term, int) = {
+            let _in_rt = rt.enter();
+            (
+                signal(SignalKind::terminate()).context("cannot handle SIGTERM")?,
+                signal(SignalKind::interrupt()).context("cannot handle SIGINT")?,
+            )
+        };
+        Ok(StopSignals { rt, term, int })
+    }
+}
+
+fn wait_and_stop(node: Node, stop: StopSignals) -> anyhow::Result<()> {
+    let StopSignals {
+        rt,
+        mut term,
+        mut int,
+    } = stop;
+    rt.block_on(async {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    });
     tracing::info!("stopping: draining in-flight connections");
     node.shutdown();
     Ok(())
