@@ -250,12 +250,7 @@ impl Node {
                 snapshot: snapshot.clone(),
                 upstreams: Upstreams::build(&snapshot, id, None),
             };
-            handles.push(worker::spawn(
-                id,
-                view,
-                access_log.clone(),
-                kernel.clone(),
-            )?);
+            handles.push(worker::spawn(id, view, access_log.clone(), kernel.clone())?);
         }
         let state = State {
             snapshot,

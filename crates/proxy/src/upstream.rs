@@ -138,7 +138,9 @@ impl Upstreams {
                     .and_then(|p| p.pools.get(&key).cloned())
                     .unwrap_or_else(|| match plan.protocol {
                         UpstreamProtocol::Http1 => Pool::Http1(H1Pool::new()),
-                        UpstreamProtocol::Http2 => Pool::Http2(Box::new(build_client(plan, worker))),
+                        UpstreamProtocol::Http2 => {
+                            Pool::Http2(Box::new(build_client(plan, worker)))
+                        }
                     });
                 pools.insert(key, pool.clone());
                 Upstream {
