@@ -15,6 +15,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once at start-up and consumed at once: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Run the node proxy.

@@ -3,11 +3,23 @@
 //! `LD_PRELOAD`; it uses only plain libc/std socket calls, like any unmodified program.
 //!
 //! ```text
-//! shm_probe serve <thread|fork|epoll|poll|select> <connections>   prints "ready <port>", then
-//!                                                                  "served <n> attached <k> ticks <t>"
-//! shm_probe crash-serve                                            accepts one, reads a byte, SIGKILLs itself
-//! shm_probe client <port> <integrity|dup|fork|nonblocking|crash|many:N>
+//! shm_probe serve <thread|fork|epoll|epoll2|poll|select> <connections>
+//!                         prints "ready <port>", then "served <n> attached <k> ticks <t>"
+//! shm_probe crash-serve   accepts one, reads a byte, SIGKILLs itself
+//! shm_probe crash-hold    accepts one, reads a byte, answers one, stops reading, SIGKILLs itself
+//! shm_probe fork-close-first BYTES
+//!                         accepts one, waits for BYTES to be buffered, forks, and the parent
+//!                         closes its copy before the child runs; prints "child ok|failed ..."
+//! shm_probe client <port> <integrity|small:N|burst:MIB|dup|fork|nonblocking|epollout-thread|
+//!                          half-close-full|
+//!                          stale|crash|
+//!                          crash-burst:PID|many:N|fork-close-first:BYTES>
 //! ```
+//!
+//! Environment: `SHM_PROBE_TICK_MS` (epoll/poll/select servers: how often a thread writes to
+//! the pipe in the set; default 5, 0 = no pipe traffic), `SHM_PROBE_WAIT_MS` (epoll/poll
+//! servers: the timeout of one wait; default 1000, -1 = none) and `SHM_PROBE_HOLD_SECS` (`many:N`:
+//! how long the connections stay open and idle).
 #![allow(clippy::unwrap_used)]
 
 use std::io::{Read, Write};
@@ -22,6 +34,8 @@ fn main() {
     match arg(0) {
         "serve" => serve(arg(1), arg(2).parse().unwrap_or(1)),
         "crash-serve" => crash_serve(),
+        "crash-hold" => crash_hold(),
+        "fork-close-first" => fork_close_first(arg(1).parse().expect("bytes")),
         "client" => client(arg(1).parse().expect("port"), arg(2)),
         _ => {
             eprintln!("usage: shm_probe serve MODE N | crash-serve | client PORT TEST");
@@ -38,13 +52,27 @@ fn raise_fd_limit() {
     unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
 }
 
-/// Shared-memory regions this process has mapped (connections the library accelerated).
+/// Connection regions this process has mapped (connections the library accelerated; the
+/// shared arenas are not counted).
 fn shm_mappings() -> usize {
     std::fs::read_to_string("/proc/self/maps")
         .unwrap_or_default()
         .lines()
-        .filter(|l| l.contains("flatmesh-shm-"))
+        .filter(|l| l.contains("/dev/shm/flatmesh-shm-") && !l.contains("-arena-"))
         .count()
+}
+
+/// Whether the library moved this fd's connection to shared memory (asks the library through
+/// its `flatmesh_shm_fd_state` diagnostic; false when the library is not loaded).
+fn on_shared_memory(fd: RawFd) -> bool {
+    type FdState = unsafe extern "C" fn(libc::c_int) -> libc::c_int;
+    static STATE: std::sync::OnceLock<Option<FdState>> = std::sync::OnceLock::new();
+    let state = STATE.get_or_init(|| {
+        let symbol = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"flatmesh_shm_fd_state".as_ptr()) };
+        (!symbol.is_null())
+            .then(|| unsafe { std::mem::transmute::<*mut libc::c_void, FdState>(symbol) })
+    });
+    state.is_some_and(|f| unsafe { f(fd) } == 2)
 }
 
 fn check(rc: isize, what: &str) -> isize {
@@ -70,7 +98,7 @@ fn serve(mode: &str, connections: usize) {
     let (attached, ticks) = match mode {
         "thread" => serve_threads(&listener, connections),
         "fork" => serve_fork(&listener, connections),
-        "epoll" | "poll" | "select" => serve_events(listener, connections, mode),
+        "epoll" | "epoll2" | "poll" | "select" => serve_events(listener, connections, mode),
         _ => panic!("unknown mode {mode}"),
     };
     println!("served {connections} attached {attached} ticks {ticks}");
@@ -92,9 +120,8 @@ fn serve_threads(listener: &TcpListener, connections: usize) -> (usize, usize) {
     let mut attached = 0;
     let mut handles = Vec::new();
     for _ in 0..connections {
-        let before = shm_mappings();
         let (stream, _) = listener.accept().unwrap();
-        attached += usize::from(shm_mappings() > before);
+        attached += usize::from(on_shared_memory(stream.as_raw_fd()));
         handles.push(std::thread::spawn(move || echo_blocking(stream)));
     }
     for handle in handles {
@@ -108,9 +135,8 @@ fn serve_fork(listener: &TcpListener, connections: usize) -> (usize, usize) {
     let mut attached = 0;
     let mut children = Vec::new();
     for _ in 0..connections {
-        let before = shm_mappings();
         let (stream, _) = listener.accept().unwrap();
-        attached += usize::from(shm_mappings() > before);
+        attached += usize::from(on_shared_memory(stream.as_raw_fd()));
         let pid = unsafe { libc::fork() };
         if pid == 0 {
             echo_blocking(stream);
@@ -147,13 +173,24 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
     let ticker_fd = pipe[1];
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stop_ticker = stop.clone();
+    let tick_ms: u64 = std::env::var("SHM_PROBE_TICK_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5);
+    // How long one epoll_wait/poll may sleep (-1: forever, so that a missed wake-up hangs).
+    let wait_ms: libc::c_int = std::env::var("SHM_PROBE_WAIT_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
     let ticker = std::thread::spawn(move || {
         while !stop_ticker.load(std::sync::atomic::Ordering::Relaxed) {
-            unsafe { libc::write(ticker_fd, b"t".as_ptr().cast(), 1) };
-            std::thread::sleep(Duration::from_millis(5));
+            if tick_ms > 0 {
+                unsafe { libc::write(ticker_fd, b"t".as_ptr().cast(), 1) };
+            }
+            std::thread::sleep(Duration::from_millis(tick_ms.max(5)));
         }
     });
-    let epfd = if mode == "epoll" {
+    let epfd = if mode.starts_with("epoll") {
         unsafe { libc::epoll_create1(0) }
     } else {
         -1
@@ -179,12 +216,26 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
         // Which fds to look at.
         let mut ready: Vec<RawFd> = Vec::new();
         match mode {
-            "epoll" => {
+            "epoll" | "epoll2" => {
                 let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
-                let n = check(
-                    unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), 64, 1000) } as isize,
-                    "epoll_wait",
-                );
+                let n = if mode == "epoll" {
+                    unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), 64, wait_ms) }
+                } else {
+                    let timeout = libc::timespec {
+                        tv_sec: 1,
+                        tv_nsec: 0,
+                    };
+                    unsafe {
+                        libc::epoll_pwait2(
+                            epfd,
+                            events.as_mut_ptr(),
+                            64,
+                            &timeout,
+                            std::ptr::null(),
+                        )
+                    }
+                };
+                let n = check(n as isize, "epoll_wait");
                 ready.extend(events[..n as usize].iter().map(|e| e.u64 as RawFd));
             }
             "poll" => {
@@ -203,7 +254,7 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
                     })
                     .collect();
                 check(
-                    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as _, 1000) } as isize,
+                    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as _, wait_ms) } as isize,
                     "poll",
                 );
                 ready.extend(fds.iter().filter(|p| p.revents != 0).map(|p| p.fd));
@@ -244,7 +295,6 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
         for fd in ready {
             if fd == listen_fd {
                 loop {
-                    let before = shm_mappings();
                     let peer = unsafe {
                         libc::accept4(
                             listen_fd,
@@ -257,7 +307,7 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
                         break;
                     }
                     accepted += 1;
-                    attached += usize::from(shm_mappings() > before);
+                    attached += usize::from(on_shared_memory(peer));
                     add(
                         peer,
                         (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32,
@@ -323,6 +373,134 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
     (attached, ticks)
 }
 
+/// The byte at stream offset `i` of a `fork-close-first` burst.
+fn burst_byte(i: usize) -> u8 {
+    (i % 251) as u8
+}
+
+/// Accepts one connection, acknowledges its first byte, waits until the client's burst of
+/// `burst` bytes is buffered (the local record and a chain of arena records), then forks. The
+/// parent runs with a real-time priority on one CPU, so after fork() it keeps that CPU until it
+/// blocks: it closes its copy of the connection before the child has run at all (not even its
+/// fork hooks). The child must still read every byte: it became a holder when fork() returned.
+fn fork_close_first(burst: usize) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    println!("ready {}", listener.local_addr().unwrap().port());
+    std::io::stdout().flush().unwrap();
+    let (mut stream, _) = listener.accept().unwrap();
+    let attached = usize::from(on_shared_memory(stream.as_raw_fd()));
+    let mut byte = [0u8; 1];
+    stream.read_exact(&mut byte).unwrap();
+    stream.write_all(b"k").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut buffered: libc::c_int = 0;
+        check(
+            unsafe { libc::ioctl(stream.as_raw_fd(), libc::FIONREAD, &mut buffered) } as isize,
+            "FIONREAD",
+        );
+        if buffered as usize >= burst {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {buffered} of {burst} bytes arrived"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    unsafe {
+        let mut one: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(libc::sched_getcpu().max(0) as usize, &mut one);
+        check(
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one) as isize,
+            "sched_setaffinity",
+        );
+        let param = libc::sched_param { sched_priority: 10 };
+        check(
+            libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) as isize,
+            "sched_setscheduler(SCHED_FIFO) (needs root)",
+        );
+    }
+    let pid = unsafe { libc::fork() };
+    check(pid as isize, "fork");
+    if pid == 0 {
+        // Back to normal scheduling on every CPU, then read the whole burst.
+        unsafe {
+            let param = libc::sched_param { sched_priority: 0 };
+            libc::sched_setscheduler(0, libc::SCHED_OTHER, &param);
+            let mut all: libc::cpu_set_t = std::mem::zeroed();
+            for cpu in 0..libc::CPU_SETSIZE as usize {
+                libc::CPU_SET(cpu, &mut all);
+            }
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &all);
+        }
+        let mut data = vec![0u8; burst];
+        let code = match stream.read_exact(&mut data) {
+            Err(e) => {
+                eprintln!("fork-close-first child: read: {e}");
+                1
+            }
+            Ok(()) => match (0..burst).find(|&i| data[i] != burst_byte(i)) {
+                Some(i) => {
+                    eprintln!("fork-close-first child: byte {i} differs");
+                    1
+                }
+                None => i32::from(stream.write_all(b"ok").is_err()),
+            },
+        };
+        drop(stream);
+        unsafe { libc::_exit(code) };
+    }
+    drop(stream);
+    let mut status = 0;
+    check(
+        unsafe { libc::waitpid(pid, &mut status, 0) } as isize,
+        "waitpid",
+    );
+    let good = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
+    println!(
+        "child {} attached {attached}",
+        if good { "ok" } else { "failed" }
+    );
+}
+
+/// Client of `fork-close-first`: a byte (answered once the server attached, so the burst goes
+/// to shared memory), the burst, then the child's "ok" and EOF.
+fn fork_close_first_client(port: u16, burst: usize) {
+    let mut stream = connect(port);
+    stream.write_all(b"g").unwrap();
+    let mut ack = [0u8; 1];
+    stream.read_exact(&mut ack).unwrap();
+    assert_eq!(&ack, b"k");
+    let data: Vec<u8> = (0..burst).map(burst_byte).collect();
+    stream.write_all(&data).unwrap();
+    let mut reply = Vec::new();
+    stream.read_to_end(&mut reply).unwrap();
+    assert_eq!(reply, b"ok", "the forked child did not get every byte");
+}
+
+/// Accepts one connection, reads one byte and acknowledges it, then stops reading (the client
+/// fills the arena) and dies by SIGKILL with those records still in the chain.
+fn crash_hold() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    println!("ready {}", listener.local_addr().unwrap().port());
+    std::io::stdout().flush().unwrap();
+    let (mut stream, _) = listener.accept().unwrap();
+    let mut byte = [0u8; 1];
+    stream.read_exact(&mut byte).unwrap();
+    // The acknowledgement tells the client that we have attached (its burst then goes to
+    // shared memory, not over TCP as the bytes sent before the accept do).
+    stream.write_all(b"k").unwrap();
+    println!(
+        "attached {} pid {}",
+        usize::from(on_shared_memory(stream.as_raw_fd())),
+        std::process::id()
+    );
+    std::io::stdout().flush().unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+}
+
 fn crash_serve() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     println!("ready {}", listener.local_addr().unwrap().port());
@@ -330,7 +508,10 @@ fn crash_serve() {
     let (mut stream, _) = listener.accept().unwrap();
     let mut byte = [0u8; 1];
     stream.read_exact(&mut byte).unwrap();
-    println!("attached {}", shm_mappings());
+    println!(
+        "attached {}",
+        usize::from(on_shared_memory(stream.as_raw_fd()))
+    );
     std::io::stdout().flush().unwrap();
     unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
 }
@@ -367,8 +548,19 @@ fn client(port: u16, test: &str) {
         "dup" => dup_test(port),
         "fork" => fork_test(port),
         "nonblocking" => nonblocking(port),
+        "epollout-thread" => epollout_thread(port),
+        "half-close-full" => half_close_full(port),
         "crash" => crash(port),
+        "stale" => stale(port),
+        small if small.starts_with("small:") => small_messages(port, small[6..].parse().unwrap()),
+        burst if burst.starts_with("burst:") => burst_test(port, burst[6..].parse().unwrap()),
+        crash_burst if crash_burst.starts_with("crash-burst:") => {
+            crash_burst_test(port, crash_burst[12..].parse().unwrap())
+        }
         many if many.starts_with("many:") => many_connections(port, many[5..].parse().unwrap()),
+        fork if fork.starts_with("fork-close-first:") => {
+            fork_close_first_client(port, fork[17..].parse().unwrap())
+        }
         _ => panic!("unknown test {test}"),
     }
     println!("ok {test} mapped {}", shm_mappings());
@@ -533,6 +725,149 @@ fn nonblocking(port: u16) {
     );
 }
 
+/// Half-close while the echo is stuck on a full pipe: 6 MiB more than the server-to-client
+/// direction holds (local record plus its arena share) go out without reading, so the server
+/// blocks on EAGAIN and sleeps (epoll, poll) or blocks in send (threads). Then the client shuts
+/// down its sending side, which leaves its kernel socket unable to carry a wake-up byte, and
+/// only then reads. The server must still notice the room and send every byte.
+fn half_close_full(port: u16) {
+    let mut stream = connect(port);
+    let total = 6 << 20;
+    let message: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
+    stream.write_all(&message).unwrap();
+    stream.shutdown(Shutdown::Write).unwrap();
+    // Let the server fill the pipe, fail with EAGAIN and go to sleep.
+    std::thread::sleep(Duration::from_millis(300));
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut back = Vec::with_capacity(total);
+    let mut buffer = vec![0u8; 65536];
+    loop {
+        match stream.read(&mut buffer) {
+            Ok(0) => break,
+            Ok(n) => back.extend_from_slice(&buffer[..n]),
+            Err(e) => panic!(
+                "echo stalled after {} of {total} bytes: {e} (the server was not woken)",
+                back.len()
+            ),
+        }
+    }
+    assert_eq!(back.len(), total, "echo length");
+    assert!(back == message, "echo differs");
+}
+
+/// Edge-triggered EPOLLOUT across threads, as in a tokio runtime: a thread sleeps in
+/// epoll_wait (EPOLLOUT|EPOLLET only) while the pipe is empty, so nothing is full when it goes
+/// to sleep. Then the main thread writes until EAGAIN and reads the echo back with
+/// nonblocking reads (no poll, no epoll): the pipe drains, and the sleeper must get its
+/// EPOLLOUT edge, as with kernel TCP, instead of sleeping until its timeout.
+fn epollout_thread(port: u16) {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let mut stream = connect(port);
+    // One round trip first: both sides are on shared memory before the test starts (the switch
+    // itself may raise an EPOLLOUT edge).
+    roundtrip(&mut stream, b"x");
+    let fd = stream.as_raw_fd();
+    set_nonblocking(fd);
+    let epfd = check(
+        unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) } as isize,
+        "epoll",
+    ) as i32;
+    let mut event = libc::epoll_event {
+        events: (libc::EPOLLOUT | libc::EPOLLET) as u32,
+        u64: 7,
+    };
+    check(
+        unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut event) } as isize,
+        "epoll_ctl",
+    );
+    let mut events = [libc::epoll_event { events: 0, u64: 0 }; 4];
+    let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), 4, 5000) };
+    assert!(
+        n == 1 && events[0].events & libc::EPOLLOUT as u32 != 0,
+        "a new connection must be writable"
+    );
+    let asleep = Arc::new(AtomicBool::new(false));
+    let eagain_at = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let sleeper = {
+        let asleep = asleep.clone();
+        std::thread::spawn(move || {
+            let mut events = [libc::epoll_event { events: 0, u64: 0 }; 4];
+            asleep.store(true, Ordering::SeqCst);
+            let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), 4, 10_000) };
+            (n, events[0].events, start.elapsed())
+        })
+    };
+    while !asleep.load(Ordering::SeqCst) {
+        std::thread::yield_now();
+    }
+    // Let the sleeper spin out and sleep in the kernel.
+    std::thread::sleep(Duration::from_millis(300));
+    let chunk = vec![5u8; 16384];
+    let mut sent = 0usize;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(Instant::now() < deadline, "writes never blocked");
+        let n = unsafe { libc::write(fd, chunk.as_ptr().cast(), chunk.len()) };
+        if n < 0 {
+            assert_eq!(
+                std::io::Error::last_os_error().raw_os_error(),
+                Some(libc::EAGAIN)
+            );
+            eagain_at.store(start.elapsed().as_micros() as u64, Ordering::SeqCst);
+            break;
+        }
+        sent += n as usize;
+    }
+    let mut received = 0usize;
+    let mut buffer = vec![0u8; 65536];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while received < sent {
+        assert!(
+            Instant::now() < deadline,
+            "echo stalled with {} bytes outstanding",
+            sent - received
+        );
+        let n = unsafe { libc::read(fd, buffer.as_mut_ptr().cast(), buffer.len()) };
+        if n > 0 {
+            assert!(buffer[..n as usize].iter().all(|&b| b == 5));
+            received += n as usize;
+        } else {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    let drained = start.elapsed();
+    let (n, got, woke) = sleeper.join().unwrap();
+    // The sleeper's epoll_wait ends at 10 s anyway (and then sees the edge): it must have been
+    // woken long before that.
+    assert!(
+        woke < drained + Duration::from_secs(3),
+        "the sleeping thread was not woken: the pipe drained at {drained:?}, epoll_wait \
+         returned {n} (events {got:#x}) only at {woke:?}"
+    );
+    let eagain = Duration::from_micros(eagain_at.load(Ordering::SeqCst));
+    assert!(
+        n == 1 && got & libc::EPOLLOUT as u32 != 0,
+        "the sleeping thread got no EPOLLOUT after a write hit EAGAIN at {eagain:?} and the \
+         pipe drained (epoll_wait returned {n} after {woke:?})"
+    );
+    assert!(
+        woke >= eagain,
+        "EPOLLOUT at {woke:?}, before the pipe was full at {eagain:?}"
+    );
+    unsafe { libc::close(epfd) };
+    stream.shutdown(Shutdown::Write).unwrap();
+    let _ = stream.set_nonblocking(false);
+    assert_eq!(
+        stream.read(&mut buffer).unwrap(),
+        0,
+        "expected EOF after half-close"
+    );
+}
+
 /// The server SIGKILLs itself: reads must end with EOF or reset, writes with EPIPE or reset.
 fn crash(port: u16) {
     let mut stream = connect(port);
@@ -566,6 +901,139 @@ fn crash(port: u16) {
         }
     }
     panic!("writes to a dead peer kept succeeding");
+}
+
+/// Full duplex with small messages: a thread sends `count` 64-byte messages, the main thread
+/// reads the echo 64 bytes at a time and checks each.
+fn small_messages(port: u16, count: usize) {
+    let stream = connect(port);
+    let mut writer = stream.try_clone().unwrap();
+    let sender = std::thread::spawn(move || {
+        let mut source = Stream(0xA5A5_5A5A_1234_5678);
+        let mut message = [0u8; 64];
+        for _ in 0..count {
+            source.fill(&mut message);
+            writer.write_all(&message).unwrap();
+        }
+        writer.shutdown(Shutdown::Write).unwrap();
+    });
+    let mut reader = stream;
+    let mut expected = Stream(0xA5A5_5A5A_1234_5678);
+    let mut want = [0u8; 64];
+    let mut got = [0u8; 64];
+    for index in 0..count {
+        reader.read_exact(&mut got).unwrap();
+        expected.fill(&mut want);
+        assert_eq!(got, want, "message {index} differs");
+    }
+    assert_eq!(reader.read(&mut got).unwrap(), 0, "expected EOF");
+    sender.join().unwrap();
+}
+
+/// Writes `mib` MiB without reading anything back (far more than a local record: only the
+/// arena can hold it), then reads the whole echo and checks it.
+fn burst_test(port: u16, mib: usize) {
+    let mut stream = connect(port);
+    let total = mib << 20;
+    let mut data = vec![0u8; total];
+    Stream(0x0BAD_CAFE_F00D_0001).fill(&mut data);
+    stream.write_all(&data).unwrap();
+    println!("buffered {total}");
+    std::io::stdout().flush().unwrap();
+    let mut back = vec![0u8; total];
+    stream.read_exact(&mut back).unwrap();
+    assert!(back == data, "echo of the burst differs");
+    stream.shutdown(Shutdown::Write).unwrap();
+    assert_eq!(stream.read(&mut [0u8; 1]).unwrap(), 0);
+}
+
+/// Against `crash-hold`: fill the chain toward a peer that stopped reading, see it die, wait
+/// until its process is gone, then close (the library must give the records back).
+fn crash_burst_test(port: u16, server_pid: u32) {
+    let mut stream = connect(port);
+    stream.write_all(b"x").unwrap();
+    let mut ack = [0u8; 1];
+    stream.read_exact(&mut ack).unwrap();
+    assert_eq!(&ack, b"k");
+    let data = vec![0x5Au8; 2 << 20];
+    stream.write_all(&data).unwrap();
+    println!("buffered {}", data.len());
+    std::io::stdout().flush().unwrap();
+    match stream.read(&mut [0u8; 16]) {
+        Ok(0) => {}
+        Ok(n) => panic!("read {n} bytes from a peer that never wrote"),
+        Err(e) => assert_eq!(e.raw_os_error(), Some(libc::ECONNRESET), "unexpected {e}"),
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while process_exists(server_pid) {
+        assert!(
+            Instant::now() < deadline,
+            "server {server_pid} still exists"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(stream);
+}
+
+/// True while the pid names a process that has not exited (zombies count as exited).
+fn process_exists(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(
+            stat.rsplit(')')
+                .next()
+                .and_then(|rest| rest.trim_start().chars().next()),
+            Some('Z' | 'X')
+        ),
+        Err(_) => false,
+    }
+}
+
+/// fds closed by paths other than close() (close_range, fclose) must not leave the library
+/// believing that a later fd with the same number is the old connection.
+fn stale(port: u16) {
+    for how in ["close_range", "fclose"] {
+        let mut stream = connect(port);
+        roundtrip(&mut stream, how.as_bytes());
+        let fd = stream.into_raw_fd();
+        match how {
+            "close_range" => {
+                check(
+                    unsafe { libc::close_range(fd as u32, fd as u32, 0) } as isize,
+                    "close_range",
+                );
+            }
+            _ => {
+                let file = unsafe { libc::fdopen(fd, c"r+".as_ptr()) };
+                assert!(!file.is_null(), "fdopen");
+                check(unsafe { libc::fclose(file) } as isize, "fclose");
+            }
+        }
+        // pipe() is not intercepted and takes the lowest free numbers: the old socket's.
+        let mut pipe = [0; 2];
+        check(unsafe { libc::pipe(pipe.as_mut_ptr()) } as isize, "pipe");
+        assert!(
+            pipe.contains(&fd),
+            "pipe did not reuse fd {fd}: {pipe:?}; the test cannot check {how}"
+        );
+        check(
+            unsafe { libc::write(pipe[1], b"pipe-data".as_ptr().cast(), 9) },
+            "write to pipe",
+        );
+        let mut back = [0u8; 9];
+        let n = check(
+            unsafe { libc::read(pipe[0], back.as_mut_ptr().cast(), 9) },
+            "read from pipe",
+        );
+        assert_eq!(
+            &back[..n as usize],
+            b"pipe-data",
+            "{how}: the pipe read went elsewhere"
+        );
+        unsafe {
+            libc::close(pipe[0]);
+            libc::close(pipe[1]);
+        }
+    }
 }
 
 fn many_connections(port: u16, count: usize) {

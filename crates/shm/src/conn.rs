@@ -3,7 +3,8 @@
 //! close act on it as usual, and its byte stream carries only wake-up bytes once the data path
 //! has moved (plus, for the connector, the bytes it sent before the acceptor attached).
 
-use crate::region::{Region, Ring, SpinGuard, ATTACHED};
+use crate::lock::SpinGuard;
+use crate::region::{Pipe, Region, ATTACHED};
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -48,6 +49,10 @@ pub struct Conn {
     /// Bumped whenever the kernel waiter role is released; other threads sleep on it (futex).
     pub local_sequence: AtomicU32,
     pub local_sleepers: AtomicU32,
+    /// The connection is (or was) in one of this process's epoll sets. Wake-up bytes are then
+    /// left for the epoll waiter to drain: a nonblocking recv on another thread that drained
+    /// them would take the only event that ends the waiter's sleep.
+    pub epoll_watched: AtomicBool,
     /// fds of this process that refer to the connection.
     fds: AtomicUsize,
 }
@@ -71,6 +76,7 @@ impl Conn {
             kernel_waiter: parking_lot::Mutex::new(()),
             local_sequence: AtomicU32::new(0),
             local_sleepers: AtomicU32::new(0),
+            epoll_watched: AtomicBool::new(false),
             fds: AtomicUsize::new(0),
         }
     }
@@ -83,22 +89,39 @@ impl Conn {
         }
     }
 
-    /// A forked child holds the connection too.
-    pub fn add_process_hold(&self) {
+    /// One more process (a forked child) holds this side. Counted in the parent before the
+    /// fork (see [`before_fork`]), so the count never dips to zero while the child starts.
+    fn add_hold_count(&self) {
         self.region.control().holders[self.side()].fetch_add(1, Ordering::AcqRel);
     }
 
     /// This process lets go; true if it was the last process on its side.
     pub fn release_process_hold(&self) -> bool {
+        self.region.remove_pid(self.side());
         self.region.control().holders[self.side()].fetch_sub(1, Ordering::AcqRel) == 1
     }
 
-    pub fn outbound(&self) -> Ring<'_> {
+    /// The last process of this side is closing: nobody here will read the inbound direction
+    /// again, so its arena records go back (and the peer may append no more). The outbound
+    /// records stay for the peer to read, unless every process of the peer's side is dead.
+    pub fn release_records(&self) {
+        if !self.attached() {
+            return;
+        }
+        self.inbound().release_all(true);
+        let peer = 1 - self.side();
+        let outbound = self.outbound();
+        if outbound.records_held() > 0 && !self.region.side_may_live(peer) {
+            outbound.release_all(true);
+        }
+    }
+
+    pub fn outbound(&self) -> Pipe<'_> {
         self.region
             .direction(if self.role == Role::Connector { 0 } else { 1 })
     }
 
-    pub fn inbound(&self) -> Ring<'_> {
+    pub fn inbound(&self) -> Pipe<'_> {
         self.region
             .direction(if self.role == Role::Connector { 1 } else { 0 })
     }
@@ -118,13 +141,14 @@ impl Conn {
         if control.switched.load(Ordering::Acquire) != 0 {
             return;
         }
-        let _guard = SpinGuard::lock(&control.write_lock);
+        let _guard = SpinGuard::lock(&control.write_lock, self.region.same_pid_namespace());
         if control.switched.load(Ordering::Acquire) == 0 {
             control.kernel_prefix.store(
                 control.kernel_sent.load(Ordering::Acquire),
                 Ordering::Release,
             );
             control.switched.store(1, Ordering::Release);
+            crate::stats::bump(&crate::stats::get().accelerated);
         }
     }
 
@@ -229,8 +253,10 @@ pub fn insert(fd: libc::c_int, conn: Arc<Conn>) {
     } else {
         // SAFETY: from Arc::into_raw.
         let previous = unsafe { Arc::from_raw(previous) };
-        if previous.fds.fetch_sub(1, Ordering::AcqRel) == 1 {
-            previous.release_process_hold();
+        // The fd was closed behind the library's back (a path it does not intercept) and the
+        // number reused: let go of the old connection.
+        if previous.fds.fetch_sub(1, Ordering::AcqRel) == 1 && previous.release_process_hold() {
+            previous.release_records();
         }
     }
 }
@@ -265,10 +291,55 @@ pub fn all() -> Vec<(libc::c_int, Arc<Conn>)> {
     found
 }
 
-/// In a forked child: every connection has one more process holding it.
+/// Connections whose hold count `before_fork` raised for the coming child.
+static FORKING: parking_lot::Mutex<Vec<Arc<Conn>>> = parking_lot::Mutex::new(Vec::new());
+
+/// Before fork() (pthread_atfork prepare, in the parent): the child will hold every connection
+/// too. Counting it here, not in the child, matters: a parent that closes its copy right after
+/// fork() (a fork-per-connection server) must not look like the last holder while the child has
+/// not run its fork hook yet, or it would give back the child's unread records and take its
+/// wake-ups.
+pub fn before_fork() {
+    let conns: Vec<Arc<Conn>> = all().into_iter().map(|(_, conn)| conn).collect();
+    for conn in &conns {
+        conn.add_hold_count();
+    }
+    *FORKING.lock() = conns;
+}
+
+/// In the parent after fork() (pthread_atfork parent): the connections counted for the child.
+pub fn after_fork_in_parent() -> Vec<Arc<Conn>> {
+    std::mem::take(&mut *FORKING.lock())
+}
+
+/// fork() failed: no child holds `counted` after all.
+pub fn fork_failed(counted: Vec<Arc<Conn>>) {
+    for conn in counted {
+        if conn.region.control().holders[conn.side()].fetch_sub(1, Ordering::AcqRel) == 1 {
+            // This process closed its last fd of it meanwhile (not seen as last then).
+            conn.release_records();
+        }
+    }
+}
+
+/// In a forked child: register as a holder of every connection in the (copied) table, and fix
+/// the count where the table changed between `before_fork` and the fork itself (another thread
+/// opened or closed a connection).
 pub fn after_fork_in_child() {
-    for (_, conn) in all() {
-        conn.add_process_hold();
+    crate::process::after_fork_in_child();
+    crate::arena::after_fork_in_child();
+    let counted = std::mem::take(&mut *FORKING.lock());
+    let present = all();
+    for (_, conn) in &present {
+        if !counted.iter().any(|c| Arc::ptr_eq(c, conn)) {
+            conn.add_hold_count();
+        }
+        conn.region.add_pid(conn.side());
+    }
+    for conn in counted {
+        if !present.iter().any(|(_, c)| Arc::ptr_eq(c, &conn)) && conn.release_process_hold() {
+            conn.release_records();
+        }
     }
 }
 

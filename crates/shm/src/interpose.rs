@@ -61,6 +61,11 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn __connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    unsafe { connect(fd, addr, len) }
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
     let rc = unsafe { real::listen(fd, backlog) };
     if rc == 0 {
@@ -80,6 +85,7 @@ pub unsafe extern "C" fn accept4(
 ) -> c_int {
     let accepted = unsafe { real::accept4(fd, addr, len, flags) };
     if accepted >= 0 {
+        discard_stale(accepted);
         negotiate::accepted(accepted, flags & libc::SOCK_NONBLOCK != 0);
     }
     accepted
@@ -90,20 +96,98 @@ pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut sockle
     unsafe { accept4(fd, addr, len, 0) }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn close(fd: c_int) -> c_int {
-    if conn::lookup(fd).is_some() {
-        multiplex::forget_fd(fd);
-        if let Some((conn, last)) = conn::remove(fd) {
-            if last {
-                io::drain_before_close(fd, &conn);
-            }
-        }
-    } else {
-        multiplex::forget_fd(fd);
+/// The library's part of closing `fd` (before the kernel closes it).
+fn before_close(fd: c_int) {
+    multiplex::forget_fd(fd);
+    if let Some((conn, true)) = conn::remove(fd) {
+        io::last_close(fd, &conn);
     }
     negotiate::forget_listener(fd);
+}
+
+/// `fd` was just handed out by the kernel: any table entry under its number is stale (its
+/// previous owner was closed by a path the library does not intercept).
+fn discard_stale(fd: c_int) {
+    if fd >= 0 && conn::lookup(fd).is_some() {
+        multiplex::forget_fd(fd);
+        if let Some((conn, true)) = conn::remove(fd) {
+            conn.release_records();
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    before_close(fd);
     unsafe { real::close(fd) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __close(fd: c_int) -> c_int {
+    unsafe { close(fd) }
+}
+
+/// close_range(2): closes (or only marks close-on-exec) a range of fds; daemons and spawners
+/// use it to close everything they inherited.
+#[no_mangle]
+pub unsafe extern "C" fn close_range(
+    first: libc::c_uint,
+    last: libc::c_uint,
+    flags: c_int,
+) -> c_int {
+    if flags & libc::CLOSE_RANGE_CLOEXEC as c_int == 0 {
+        let end = last.min(conn::MAX_FD as libc::c_uint - 1);
+        for fd in first..=end {
+            before_close(fd as c_int);
+        }
+    }
+    unsafe { real::close_range(first, last, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn closefrom(first: c_int) {
+    for fd in first.max(0)..conn::MAX_FD as c_int {
+        before_close(fd);
+    }
+    unsafe { real::closefrom(first) }
+}
+
+/// fclose() on a FILE* made with fdopen() on a socket closes the fd inside libc.
+#[no_mangle]
+pub unsafe extern "C" fn fclose(stream: *mut libc::FILE) -> c_int {
+    if !stream.is_null() {
+        // SAFETY: a FILE* from the caller.
+        let fd = unsafe { libc::fileno(stream) };
+        if fd >= 0 {
+            before_close(fd);
+        }
+    }
+    unsafe { real::fclose(stream) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn socket(domain: c_int, kind: c_int, protocol: c_int) -> c_int {
+    let fd = unsafe { real::socket(domain, kind, protocol) };
+    discard_stale(fd);
+    fd
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn socketpair(
+    domain: c_int,
+    kind: c_int,
+    protocol: c_int,
+    fds: *mut c_int,
+) -> c_int {
+    let rc = unsafe { real::socketpair(domain, kind, protocol, fds) };
+    if rc == 0 && !fds.is_null() {
+        // SAFETY: the kernel filled two fds.
+        unsafe {
+            discard_stale(*fds);
+            discard_stale(*fds.add(1));
+        }
+    }
+    rc
 }
 
 #[no_mangle]
@@ -163,6 +247,16 @@ pub unsafe extern "C" fn __read_chk(
         |c| io::recv(fd, &c, &[(buf.cast(), n)], 0),
         || unsafe { real::__read_chk(fd, buf, n, buflen) },
     )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
+    unsafe { read(fd, buf, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
+    unsafe { write(fd, buf, n) }
 }
 
 #[no_mangle]
@@ -226,6 +320,11 @@ pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c
         |c| io::send(fd, &c, &[(buf.cast(), n)], flags),
         || unsafe { real::send(fd, buf, n, flags) },
     )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
+    unsafe { send(fd, buf, n, flags) }
 }
 
 /// TCP reports no source address: a connected stream's recvfrom leaves the address empty.
@@ -466,20 +565,21 @@ pub unsafe extern "C" fn sendfile64(
 // ---- fd bookkeeping ---------------------------------------------------------------------
 
 fn copy_conn(old: c_int, new: c_int) {
+    multiplex::duplicated(old, new);
     if new >= 0 {
-        if let Some(conn) = conn::lookup(old) {
-            conn::insert(new, conn);
+        match conn::lookup(old) {
+            Some(conn) => conn::insert(new, conn),
+            None => discard_stale(new),
         }
     }
 }
 
-/// `new` is about to be replaced by dup2/dup3: forget what it was.
-fn release_target(new: c_int) {
-    if conn::lookup(new).is_some() {
-        multiplex::forget_fd(new);
-        if let Some((conn, true)) = conn::remove(new) {
-            io::drain_before_close(new, &conn);
-        }
+/// `new` is about to be replaced by dup2/dup3 (the kernel closes it if `old` is valid):
+/// forget what it was.
+fn release_target(old: c_int, new: c_int) {
+    // SAFETY: F_GETFD only reads the fd flags.
+    if old != new && unsafe { real::fcntl(old, libc::F_GETFD, 0) } >= 0 {
+        before_close(new);
     }
 }
 
@@ -492,9 +592,7 @@ pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
-    if old != new && (conn::lookup(old).is_some() || conn::lookup(new).is_some()) {
-        release_target(new);
-    }
+    release_target(old, new);
     let rc = unsafe { real::dup2(old, new) };
     if old != new {
         copy_conn(old, rc);
@@ -503,10 +601,13 @@ pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn __dup2(old: c_int, new: c_int) -> c_int {
+    unsafe { dup2(old, new) }
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
-    if old != new {
-        release_target(new);
-    }
+    release_target(old, new);
     let rc = unsafe { real::dup3(old, new, flags) };
     if old != new {
         copy_conn(old, rc);
@@ -531,6 +632,11 @@ unsafe fn fcntl_impl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
+    unsafe { fcntl_impl(fd, cmd, arg) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
     unsafe { fcntl_impl(fd, cmd, arg) }
 }
 
@@ -561,6 +667,22 @@ pub unsafe extern "C" fn ioctl(fd: c_int, request: c_ulong, arg: *mut c_void) ->
 }
 
 // ---- readiness ----------------------------------------------------------------------------
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_create(size: c_int) -> c_int {
+    let epfd = unsafe { real::epoll_create(size) };
+    discard_stale(epfd);
+    multiplex::created(epfd);
+    epfd
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_create1(flags: c_int) -> c_int {
+    let epfd = unsafe { real::epoll_create1(flags) };
+    discard_stale(epfd);
+    multiplex::created(epfd);
+    epfd
+}
 
 #[no_mangle]
 pub unsafe extern "C" fn epoll_ctl(
@@ -594,8 +716,42 @@ pub unsafe extern "C" fn epoll_pwait(
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn epoll_pwait2(
+    epfd: c_int,
+    events: *mut libc::epoll_event,
+    max: c_int,
+    timeout: *const timespec,
+    mask: *const sigset_t,
+) -> c_int {
+    if !conn::any_live() {
+        return unsafe { real::epoll_pwait2(epfd, events, max, timeout, mask) };
+    }
+    unsafe { multiplex::epoll_wait(epfd, events, max, timespec_ms(timeout), mask) }
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn poll(fds: *mut pollfd, count: nfds_t, timeout: c_int) -> c_int {
     unsafe { multiplex::poll(fds, count, timeout, None) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __poll(fds: *mut pollfd, count: nfds_t, timeout: c_int) -> c_int {
+    unsafe { multiplex::poll(fds, count, timeout, None) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __ppoll_chk(
+    fds: *mut pollfd,
+    count: nfds_t,
+    timeout: *const timespec,
+    mask: *const sigset_t,
+    fdslen: size_t,
+) -> c_int {
+    if (fdslen / std::mem::size_of::<pollfd>()) < count as usize {
+        // Let glibc report the overflow exactly as it would.
+        return unsafe { real::__ppoll_chk(fds, count, timeout, mask, fdslen) };
+    }
+    unsafe { ppoll(fds, count, timeout, mask) }
 }
 
 #[no_mangle]
@@ -606,7 +762,7 @@ pub unsafe extern "C" fn __poll_chk(
     fdslen: size_t,
 ) -> c_int {
     if (fdslen / std::mem::size_of::<pollfd>()) < count as usize {
-        // SAFETY: plain abort path of FORTIFY.
+        // SAFETY: FORTIFY's abort path ("buffer overflow detected"), as glibc's __poll_chk.
         unsafe { libc::abort() };
     }
     unsafe { multiplex::poll(fds, count, timeout, None) }
@@ -659,6 +815,17 @@ pub unsafe extern "C" fn select(
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn __select(
+    nfds: c_int,
+    read: *mut libc::fd_set,
+    write: *mut libc::fd_set,
+    except: *mut libc::fd_set,
+    timeout: *mut libc::timeval,
+) -> c_int {
+    unsafe { select(nfds, read, write, except, timeout) }
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn pselect(
     nfds: c_int,
     read: *mut libc::fd_set,
@@ -674,29 +841,84 @@ pub unsafe extern "C" fn pselect(
     }
 }
 
+// ---- diagnostics --------------------------------------------------------------------------
+
+/// What the library knows of `fd`: 0 a plain kernel fd, 1 a connection waiting for its peer to
+/// attach (still TCP), 2 a connection whose data path is on shared memory. For tests and
+/// tools that want to know (found with dlsym; absent when the library is not loaded).
+#[no_mangle]
+pub extern "C" fn flatmesh_shm_fd_state(fd: c_int) -> c_int {
+    match conn::lookup(fd) {
+        None => 0,
+        Some(conn) if conn.attached() => 2,
+        Some(_) => 1,
+    }
+}
+
 // ---- process life cycle -------------------------------------------------------------------
 
+thread_local! {
+    /// Connections counted for the child of the fork() this thread is in (see `fork`).
+    static FORKED: std::cell::RefCell<Vec<std::sync::Arc<conn::Conn>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+extern "C" fn prepare_fork() {
+    conn::before_fork();
+}
+
+extern "C" fn parent_after_fork() {
+    let counted = conn::after_fork_in_parent();
+    // try_with: a thread forking while its thread-locals are torn down only skips the undo.
+    let _ = FORKED.try_with(|forked| *forked.borrow_mut() = counted);
+}
+
 extern "C" fn child_after_fork() {
+    let _ = FORKED.try_with(|forked| forked.borrow_mut().clear());
     conn::after_fork_in_child();
 }
 
-/// Registers the fork hook when the library loads.
+/// fork(): the atfork hooks count the child as a holder before it exists; only here is it
+/// known whether it came to exist.
+#[no_mangle]
+pub unsafe extern "C" fn fork() -> libc::pid_t {
+    let pid = unsafe { real::fork() };
+    if pid != 0 {
+        let counted = FORKED
+            .try_with(|forked| std::mem::take(&mut *forked.borrow_mut()))
+            .unwrap_or_default();
+        if pid < 0 {
+            let saved = real::errno();
+            conn::fork_failed(counted);
+            real::set_errno(saved);
+        }
+    }
+    pid
+}
+
+/// Registers the fork hooks when the library loads.
 extern "C" fn on_load() {
-    // SAFETY: registering a plain function.
-    unsafe { libc::pthread_atfork(None, None, Some(child_after_fork)) };
+    // SAFETY: registering plain functions.
+    unsafe {
+        libc::pthread_atfork(
+            Some(prepare_fork),
+            Some(parent_after_fork),
+            Some(child_after_fork),
+        )
+    };
 }
 
 /// At exit(), let go of every connection the way close() would, so that queued wake-up bytes
 /// do not turn the peer's EOF into a reset.
 extern "C" fn on_exit() {
-    if !conn::any_live() {
-        return;
-    }
-    for fd in 0..conn::MAX_FD as c_int {
-        if let Some((conn, true)) = conn::remove(fd) {
-            io::drain_before_close(fd, &conn);
+    if conn::any_live() {
+        for fd in 0..conn::MAX_FD as c_int {
+            if let Some((conn, true)) = conn::remove(fd) {
+                io::last_close(fd, &conn);
+            }
         }
     }
+    crate::stats::print_at_exit();
 }
 
 #[used]

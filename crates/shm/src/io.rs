@@ -6,9 +6,10 @@
 //! that dies wakes the sleeper through the kernel socket's EOF or reset.
 
 use crate::conn::{Conn, Inbound};
+use crate::lock::SpinGuard;
 use crate::real::{self, errno, set_errno};
-use crate::region::SpinGuard;
 use crate::settings;
+use crate::stats;
 use libc::c_int;
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
@@ -61,6 +62,7 @@ fn cap_buffers(buffers: &[(*mut u8, usize)], mut cap: usize) -> Vec<(*mut u8, us
 /// Sends one wake-up byte. False if the peer is gone.
 pub fn send_wake(fd: c_int) -> bool {
     let byte = 0u8;
+    stats::bump(&stats::get().wakeups_sent);
     // SAFETY: one byte from the stack.
     let sent = unsafe {
         real::send(
@@ -85,10 +87,14 @@ pub fn wake_reader(fd: c_int, conn: &Conn) {
     }
 }
 
+/// After a read: wake the peer's writer if it sleeps on a full pipe and the pipe has drained to
+/// its low-water mark (a writer that has not slept yet sees the space by itself).
 fn wake_writer(fd: c_int, conn: &Conn) {
-    let control = &conn.inbound().control.control.0;
+    let inbound = conn.inbound();
+    let control = &inbound.control.control.0;
     fence(Ordering::SeqCst);
     if control.writer_wants_wake.load(Ordering::Relaxed) != 0
+        && inbound.readable() <= inbound.wake_threshold()
         && control.writer_wants_wake.swap(0, Ordering::AcqRel) != 0
     {
         send_wake(fd);
@@ -123,7 +129,26 @@ pub fn kernel_check(fd: c_int, conn: &Conn) -> KernelState {
     }
 }
 
+/// `kernel_check` for a nonblocking read that found the ring empty. On a connection in an
+/// epoll set it only peeks: the wake-up bytes belong to the epoll waiter, which may be asleep
+/// in the kernel on another thread and would never learn of them if they were drained here
+/// (with EPOLLET, bytes left queued still raise a new edge for every byte that arrives later).
+fn nonblocking_check(fd: c_int, conn: &Conn) -> KernelState {
+    if !conn.epoll_watched.load(Ordering::Acquire) {
+        return kernel_check(fd, conn);
+    }
+    let error = conn.kernel_error.load(Ordering::Acquire);
+    if error != 0 {
+        return KernelState::Error;
+    }
+    if conn.kernel_eof.load(Ordering::Acquire) {
+        return KernelState::Eof;
+    }
+    drain(fd, conn, libc::MSG_DONTWAIT | libc::MSG_PEEK)
+}
+
 fn drain(fd: c_int, conn: &Conn, flags: c_int) -> KernelState {
+    stats::bump(&stats::get().kernel_checks);
     let mut scratch = [0u8; 256];
     for _ in 0..64 {
         // SAFETY: receive into a stack buffer.
@@ -183,6 +208,7 @@ fn sleep_on_kernel(
         let result = if !matches!(state, KernelState::Open) || prepare() {
             Ok(())
         } else {
+            stats::bump(&stats::get().sleeps);
             match poll_one(fd, events | libc::POLLIN, timeout_ms) {
                 Ok(0) => Err(libc::EAGAIN),
                 Ok(_) => Ok(()),
@@ -197,6 +223,7 @@ fn sleep_on_kernel(
         return Ok(());
     }
     conn.local_sleepers.fetch_add(1, Ordering::SeqCst);
+    stats::bump(&stats::get().sleeps);
     let timeout = (timeout_ms >= 0).then(|| libc::timespec {
         tv_sec: (timeout_ms / 1000) as libc::time_t,
         tv_nsec: (timeout_ms % 1000) as libc::c_long * 1_000_000,
@@ -222,10 +249,11 @@ fn sleep_on_kernel(
     }
 }
 
-/// Before the last process on this side closes the kernel socket: stop asking the peer for
-/// wake-ups and read the queued ones, since closing a TCP socket with unread bytes makes the
-/// kernel send a reset instead of FIN.
-pub fn drain_before_close(fd: c_int, conn: &Conn) {
+/// Before the last process on this side closes the kernel socket: give back arena records
+/// (see `Conn::release_records`), stop asking the peer for wake-ups and read the queued ones,
+/// since closing a TCP socket with unread bytes makes the kernel send a reset instead of FIN.
+pub fn last_close(fd: c_int, conn: &Conn) {
+    conn.release_records();
     if conn.inbound_source() != Inbound::Ring {
         return;
     }
@@ -460,7 +488,19 @@ pub fn recv(fd: c_int, conn: &Conn, buffers: Buffers<'_>, flags: c_int) -> isize
         match conn.inbound_source() {
             Inbound::Ring => {
                 let ring = conn.inbound();
-                let n = ring.read(&skip_buffers(buffers, got), peek);
+                let n = match ring.read(&skip_buffers(buffers, got), peek) {
+                    Ok(n) => n,
+                    Err(_) => {
+                        // The peer linked a record this connection may not read: a broken or
+                        // misbehaving peer. Reset, as TCP would on a protocol violation.
+                        conn.kernel_error.store(libc::ECONNRESET, Ordering::Release);
+                        return if got > 0 {
+                            got as isize
+                        } else {
+                            fail(libc::ECONNRESET)
+                        };
+                    }
+                };
                 if n > 0 {
                     if !peek {
                         wake_writer(fd, conn);
@@ -475,7 +515,7 @@ pub fn recv(fd: c_int, conn: &Conn, buffers: Buffers<'_>, flags: c_int) -> isize
                 let closed = conn.peer_shut_wr()
                     || conn.kernel_eof.load(Ordering::Acquire)
                     || conn.kernel_error.load(Ordering::Acquire) != 0
-                    || (nonblocking && !matches!(kernel_check(fd, conn), KernelState::Open));
+                    || (nonblocking && !matches!(nonblocking_check(fd, conn), KernelState::Open));
                 if closed {
                     if ring.readable() > 0 {
                         continue;
@@ -600,6 +640,7 @@ pub fn send(fd: c_int, conn: &Conn, chunks: Chunks<'_>, flags: c_int) -> isize {
     }
     let nonblocking = flags & libc::MSG_DONTWAIT != 0 || conn.nonblocking.load(Ordering::Relaxed);
     let mut sent = 0usize;
+    let mut retried = 0u32;
     let mut deadline = Deadline::new(libc::SO_SNDTIMEO);
     loop {
         if conn.outbound_on_ring() {
@@ -622,11 +663,27 @@ pub fn send(fd: c_int, conn: &Conn, chunks: Chunks<'_>, flags: c_int) -> isize {
                 }
                 continue;
             }
+            if nonblocking {
+                // EAGAIN or a short write. Like the kernel's SOCK_NOSPACE, ask the reader for a wake-up before
+                // reporting it: the caller's epoll waiter may be another thread that is already
+                // asleep, and armed nothing because the pipe still had room when it looked. Then
+                // look once more, since the reader may have drained before it saw the request.
+                ring.control
+                    .control
+                    .0
+                    .writer_wants_wake
+                    .store(1, Ordering::SeqCst);
+                fence(Ordering::SeqCst);
+                if ring.writable() > 0 && retried < 4 {
+                    retried += 1;
+                    continue;
+                }
+            }
         } else {
             // Connector before the acceptor attached: plain TCP, counted under the write lock so
             // that a concurrent switch records the exact prefix length.
             let control = &conn.region.direction(0).control.control.0;
-            let guard = SpinGuard::lock(&control.write_lock);
+            let guard = SpinGuard::lock(&control.write_lock, conn.region.same_pid_namespace());
             if conn.attached() {
                 drop(guard);
                 continue;
@@ -791,7 +848,10 @@ pub fn readiness(fd: c_int, conn: &Conn, kernel_activity: bool) -> Readiness {
         ready.writable = ring.writable() > 0 || ready.error;
         ready.out_sequence = ring.consumed();
     } else {
-        ready.writable = true;
+        // Still writing over the kernel socket (connector before the acceptor attached): its
+        // send buffer decides, as for plain TCP (a connect in progress is not writable yet).
+        ready.writable = poll_one(fd, libc::POLLOUT, 0)
+            .is_ok_and(|revents| revents & (libc::POLLOUT | libc::POLLERR | libc::POLLHUP) != 0);
         ready.out_sequence = u64::MAX;
     }
     ready
@@ -819,20 +879,44 @@ pub fn arm(conn: &Conn, want_in: bool, want_out: bool) {
     fence(Ordering::SeqCst);
 }
 
+/// A writer on this connection may be waiting for room that its peer cannot announce: the peer
+/// shut down its sending side (its kernel socket can carry no wake-up byte any more) while the
+/// pipe is full or a write asked for a wake-up. Waits must then look at the pipe in steps.
+pub fn writer_unwakeable(conn: &Conn) -> bool {
+    if !conn.outbound_on_ring() || !(conn.peer_shut_wr() || conn.kernel_eof.load(Ordering::Acquire))
+    {
+        return false;
+    }
+    let ring = conn.outbound();
+    ring.writable() == 0
+        || ring
+            .control
+            .control
+            .0
+            .writer_wants_wake
+            .load(Ordering::Acquire)
+            != 0
+}
+
 /// FIONREAD on a shared-memory connection.
 pub fn bytes_readable(conn: &Conn) -> Option<u64> {
     (conn.inbound_source() == Inbound::Ring).then(|| conn.inbound().readable())
 }
 
 /// Readiness without any system call (for kernel-mode connections that showed no activity).
-pub fn readiness_without_kernel(conn: &Conn) -> Readiness {
+pub fn readiness_without_kernel(fd: c_int, conn: &Conn) -> Readiness {
     let error = conn.kernel_error.load(Ordering::Acquire) != 0;
     let on_ring = conn.outbound_on_ring();
+    let writable = if on_ring {
+        conn.outbound().writable() > 0
+    } else {
+        poll_one(fd, libc::POLLOUT, 0).is_ok_and(|revents| revents & libc::POLLOUT != 0)
+    };
     Readiness {
         readable: false,
         eof: conn.kernel_eof.load(Ordering::Acquire),
         error,
-        writable: !on_ring || conn.outbound().writable() > 0 || error,
+        writable: writable || error,
         in_sequence: u64::MAX,
         out_sequence: if on_ring {
             conn.outbound().consumed()

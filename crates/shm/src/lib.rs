@@ -5,23 +5,21 @@
 //! local processes onto shared memory. See `docs/shm.md` for the design and its limits.
 //!
 //! Modules, one concept each:
-//! - [`region`]: the shared region of one connection (control page + two records/rings);
+//! - [`region`]: the shared region of one connection (two local records) and the pipe of one
+//!   direction (the local record as a ring, plus chained arena records);
+//! - [`arena`]: per-core shared arenas, speculative allocation, commit, per-process limits;
 //! - [`conn`]: a connection as one process sees it, and the fd table;
 //! - [`negotiate`]: rendezvous at connect/accept, with fallback to plain TCP;
 //! - [`io`]: send/receive and the poll-then-sleep waits (user-mode NAPI);
 //! - [`multiplex`]: epoll/poll/select over kernel and shared-memory fds;
 //! - `interpose`: the exported libc functions;
-//! - [`real`]: the real libc functions behind them; [`settings`]: environment knobs.
+//! - [`real`]: the real libc functions behind them; [`settings`]: environment knobs;
+//! - [`lock`]: a shared-memory spin lock that survives a dead holder; [`process`]: pids and
+//!   liveness; [`stats`]: counters of the slow events (system calls, records).
 //!
 //! Errors surface as errno values, exactly as libc's would, so the crate has no error enum.
 #![cfg_attr(test, allow(dead_code))]
 
-mod conn;
-#[cfg(not(test))]
-mod interpose;
-mod io;
-mod multiplex;
-mod negotiate;
-mod real;
-mod region;
-mod settings;
+// The module list lives in modules.rs so that examples/flatmesh_shm_preload.rs can build the
+// same library once more (see Cargo.toml).
+include!("modules.rs");

@@ -35,29 +35,157 @@ struct Watch {
     disabled: bool,
     /// Kernel-mode connections: data was there at the last look, so look again.
     kernel_hint: bool,
+    /// The kernel registration includes EPOLLOUT (while the connector still writes over the
+    /// kernel socket, its send buffer decides writability).
+    kernel_out: bool,
 }
 
 #[derive(Default)]
 struct EpollSet {
     watches: Vec<Watch>,
     cursor: usize,
+    pacer: Pacer,
 }
 
-static SETS: Mutex<BTreeMap<c_int, EpollSet>> = Mutex::new(BTreeMap::new());
+/// When the rings alone have something to report, a wait skips the kernel (no system call)
+/// except every `EVERY`-th time or once `INTERVAL` has passed: a busy event loop then makes no
+/// system call per message, and kernel fds in the same set still get their turn. (epoll never
+/// promises to report every ready fd in one call; poll and select do, see `poll`.)
+#[derive(Default, Clone, Copy)]
+struct Pacer {
+    skipped: u32,
+    last: Option<Instant>,
+}
+
+impl Pacer {
+    const EVERY: u32 = 16;
+    const INTERVAL: Duration = Duration::from_micros(200);
+
+    fn due(&self) -> bool {
+        self.skipped >= Self::EVERY || self.last.is_none_or(|at| at.elapsed() >= Self::INTERVAL)
+    }
+
+    fn looked(&mut self) {
+        self.skipped = 0;
+        self.last = Some(Instant::now());
+    }
+}
+
+thread_local! {
+    /// poll()/select() have no set to hang state on: one pacer per thread.
+    static POLL_PACER: std::cell::Cell<Pacer> = const {
+        std::cell::Cell::new(Pacer { skipped: 0, last: None })
+    };
+}
+
+fn pacer_due(epfd: c_int) -> bool {
+    EPOLLS.lock().set(epfd).is_none_or(|s| s.pacer.due())
+}
+
+fn pacer_update(epfd: c_int, looked: bool) {
+    if let Some(set) = EPOLLS.lock().set_mut(epfd) {
+        if looked {
+            set.pacer.looked();
+        } else {
+            set.pacer.skipped += 1;
+        }
+    }
+}
+
+/// The application's epoll instances. An instance can have several fds (mio clones its
+/// registry with dup and registers through one fd while it waits on the other), so sets are
+/// keyed by instance, and every fd of an instance maps to it.
+struct Epolls {
+    by_fd: BTreeMap<c_int, u64>,
+    sets: BTreeMap<u64, EpollSet>,
+    next_id: u64,
+}
+
+impl Epolls {
+    /// The instance behind `epfd`, registered on first sight.
+    fn id(&mut self, epfd: c_int) -> u64 {
+        if let Some(&id) = self.by_fd.get(&epfd) {
+            return id;
+        }
+        self.next_id += 1;
+        self.by_fd.insert(epfd, self.next_id);
+        self.next_id
+    }
+
+    fn set(&self, epfd: c_int) -> Option<&EpollSet> {
+        self.sets.get(self.by_fd.get(&epfd)?)
+    }
+
+    fn set_mut(&mut self, epfd: c_int) -> Option<&mut EpollSet> {
+        let id = *self.by_fd.get(&epfd)?;
+        self.sets.get_mut(&id)
+    }
+
+    /// Some open fd of instance `id`.
+    fn fd_of(&self, id: u64) -> Option<c_int> {
+        self.by_fd
+            .iter()
+            .find(|(_, &instance)| instance == id)
+            .map(|(&fd, _)| fd)
+    }
+
+    /// `fd` (an epoll fd or not) is closing.
+    fn forget_epoll_fd(&mut self, fd: c_int) {
+        let Some(id) = self.by_fd.remove(&fd) else {
+            return;
+        };
+        if self.fd_of(id).is_none() {
+            if let Some(set) = self.sets.remove(&id) {
+                WATCH_COUNT.fetch_sub(set.watches.len(), Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+static EPOLLS: Mutex<Epolls> = Mutex::new(Epolls {
+    by_fd: BTreeMap::new(),
+    sets: BTreeMap::new(),
+    next_id: 0,
+});
 static WATCH_COUNT: AtomicUsize = AtomicUsize::new(0);
 
-fn kernel_registration(fd: c_int) -> epoll_event {
+fn kernel_registration(fd: c_int, out: bool) -> epoll_event {
+    let mut events = (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
+    if out {
+        events |= libc::EPOLLOUT as u32;
+    }
     epoll_event {
-        events: (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLET) as u32,
+        events,
         u64: TOKEN_TAG | fd as u32 as u64,
     }
 }
 
-fn remove_watch(sets: &mut BTreeMap<c_int, EpollSet>, epfd: c_int, fd: c_int) {
-    if let Some(set) = sets.get_mut(&epfd) {
+fn remove_watch(epolls: &mut Epolls, epfd: c_int, fd: c_int) {
+    if let Some(set) = epolls.set_mut(epfd) {
         let before = set.watches.len();
         set.watches.retain(|w| w.fd != fd);
         WATCH_COUNT.fetch_sub(before - set.watches.len(), Ordering::Relaxed);
+    }
+}
+
+/// After epoll_create*(): a new instance (whatever an old fd of that number was is gone).
+pub fn created(epfd: c_int) {
+    if epfd < 0 {
+        return;
+    }
+    let mut epolls = EPOLLS.lock();
+    epolls.forget_epoll_fd(epfd);
+    epolls.id(epfd);
+}
+
+/// After dup*() or F_DUPFD: if `old` is an epoll fd, `new` names the same instance.
+pub fn duplicated(old: c_int, new: c_int) {
+    if new < 0 || old == new {
+        return;
+    }
+    let mut epolls = EPOLLS.lock();
+    if let Some(&id) = epolls.by_fd.get(&old) {
+        epolls.by_fd.insert(new, id);
     }
 }
 
@@ -68,7 +196,7 @@ fn remove_watch(sets: &mut BTreeMap<c_int, EpollSet>, epfd: c_int, fd: c_int) {
 pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut epoll_event) -> c_int {
     let Some(conn) = conn::lookup(fd) else {
         if WATCH_COUNT.load(Ordering::Relaxed) != 0 {
-            remove_watch(&mut SETS.lock(), epfd, fd);
+            remove_watch(&mut EPOLLS.lock(), epfd, fd);
         }
         return unsafe { real::epoll_ctl(epfd, op, fd, event) };
     };
@@ -77,20 +205,23 @@ pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut epoll_eve
     } else {
         Some(unsafe { std::ptr::read_unaligned(event) })
     };
-    let mut kernel = kernel_registration(fd);
     match op {
         libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD => {
             let Some(app) = app else {
                 set_errno(libc::EFAULT);
                 return -1;
             };
+            let kernel_out = app.events & libc::EPOLLOUT as u32 != 0 && !conn.outbound_on_ring();
+            let mut kernel = kernel_registration(fd, kernel_out);
             let rc = unsafe { real::epoll_ctl(epfd, op, fd, &mut kernel) };
             if rc != 0 {
                 return rc;
             }
-            let mut sets = SETS.lock();
-            remove_watch(&mut sets, epfd, fd);
-            sets.entry(epfd).or_default().watches.push(Watch {
+            conn.epoll_watched.store(true, Ordering::Release);
+            let mut epolls = EPOLLS.lock();
+            remove_watch(&mut epolls, epfd, fd);
+            let id = epolls.id(epfd);
+            epolls.sets.entry(id).or_default().watches.push(Watch {
                 fd,
                 conn,
                 events: app.events,
@@ -101,6 +232,7 @@ pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut epoll_eve
                 error_reported: false,
                 disabled: false,
                 kernel_hint: true,
+                kernel_out,
             });
             WATCH_COUNT.fetch_add(1, Ordering::Relaxed);
             0
@@ -108,7 +240,7 @@ pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut epoll_eve
         _ => {
             let rc = unsafe { real::epoll_ctl(epfd, op, fd, event) };
             if rc == 0 {
-                remove_watch(&mut SETS.lock(), epfd, fd);
+                remove_watch(&mut EPOLLS.lock(), epfd, fd);
             }
             rc
         }
@@ -116,39 +248,54 @@ pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut epoll_eve
 }
 
 /// Bookkeeping when `fd` closes: drop its watches (and the kernel registrations, which a dup
-/// of the socket would otherwise keep alive), and forget it as an epoll set.
+/// of the socket would otherwise keep alive), and forget it as an epoll fd.
 pub fn forget_fd(fd: c_int) {
-    if WATCH_COUNT.load(Ordering::Relaxed) == 0 && SETS.lock().is_empty() {
+    let mut epolls = EPOLLS.lock();
+    if epolls.by_fd.is_empty() {
         return;
     }
-    let mut sets = SETS.lock();
-    if let Some(set) = sets.remove(&fd) {
-        WATCH_COUNT.fetch_sub(set.watches.len(), Ordering::Relaxed);
+    epolls.forget_epoll_fd(fd);
+    if WATCH_COUNT.load(Ordering::Relaxed) == 0 {
+        return;
     }
-    let epfds: Vec<c_int> = sets
+    let ids: Vec<u64> = epolls
+        .sets
         .iter()
         .filter(|(_, s)| s.watches.iter().any(|w| w.fd == fd))
-        .map(|(&e, _)| e)
+        .map(|(&id, _)| id)
         .collect();
-    for epfd in epfds {
-        // SAFETY: removing our own registration.
-        unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
-        remove_watch(&mut sets, epfd, fd);
+    for id in ids {
+        if let Some(epfd) = epolls.fd_of(id) {
+            // SAFETY: removing our own registration.
+            unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+        }
+        if let Some(set) = epolls.sets.get_mut(&id) {
+            let before = set.watches.len();
+            set.watches.retain(|w| w.fd != fd);
+            WATCH_COUNT.fetch_sub(before - set.watches.len(), Ordering::Relaxed);
+        }
     }
 }
 
 fn has_watches(epfd: c_int) -> bool {
     WATCH_COUNT.load(Ordering::Relaxed) != 0
-        && SETS
+        && EPOLLS
             .lock()
-            .get(&epfd)
+            .set(epfd)
             .is_some_and(|s| !s.watches.is_empty())
 }
 
 /// What to report for a watch now (and update its edge state).
-fn evaluate(watch: &mut Watch, activity: bool) -> u32 {
+fn evaluate(epfd: c_int, watch: &mut Watch, activity: bool) -> u32 {
     if watch.disabled {
         return 0;
+    }
+    if watch.kernel_out && watch.conn.outbound_on_ring() {
+        // Writes go to shared memory now: stop waking on the kernel send buffer.
+        let mut kernel = kernel_registration(watch.fd, false);
+        // SAFETY: modifying our own registration.
+        unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_MOD, watch.fd, &mut kernel) };
+        watch.kernel_out = false;
     }
     let check_kernel = activity || watch.kernel_hint;
     let ready = readiness(watch.fd, &watch.conn, activity, check_kernel);
@@ -176,7 +323,7 @@ fn evaluate(watch: &mut Watch, activity: bool) -> u32 {
         && ready.writable
         && (!edge
             || ready.out_sequence != watch.last_out
-            || (activity && ready.out_sequence == u64::MAX && watch.last_out != u64::MAX))
+            || (activity && ready.out_sequence == u64::MAX))
     {
         events |= libc::EPOLLOUT as u32;
     }
@@ -202,7 +349,7 @@ fn evaluate(watch: &mut Watch, activity: bool) -> u32 {
 fn readiness(fd: c_int, conn: &Conn, activity: bool, check_kernel: bool) -> Readiness {
     if !check_kernel && conn.inbound_source() != Inbound::Ring {
         // Nothing came over the kernel since the last look and nothing was there then.
-        let mut ready = io::readiness_without_kernel(conn);
+        let mut ready = io::readiness_without_kernel(fd, conn);
         ready.in_sequence = u64::MAX;
         return ready;
     }
@@ -232,8 +379,8 @@ fn quick_ready(watch: &Watch) -> bool {
 }
 
 fn collect(epfd: c_int, out: &mut [epoll_event], fired: &[c_int]) -> usize {
-    let mut sets = SETS.lock();
-    let Some(set) = sets.get_mut(&epfd) else {
+    let mut epolls = EPOLLS.lock();
+    let Some(set) = epolls.set_mut(epfd) else {
         return 0;
     };
     let count = set.watches.len();
@@ -244,7 +391,7 @@ fn collect(epfd: c_int, out: &mut [epoll_event], fired: &[c_int]) -> usize {
         }
         let index = (set.cursor + step) % count;
         let watch = &mut set.watches[index];
-        let events = evaluate(watch, fired.contains(&watch.fd));
+        let events = evaluate(epfd, watch, fired.contains(&watch.fd));
         if events != 0 {
             out[written] = epoll_event {
                 events,
@@ -260,7 +407,7 @@ fn collect(epfd: c_int, out: &mut [epoll_event], fired: &[c_int]) -> usize {
 }
 
 fn arm_set(epfd: c_int) {
-    if let Some(set) = SETS.lock().get(&epfd) {
+    if let Some(set) = EPOLLS.lock().set(epfd) {
         for watch in set.watches.iter().filter(|w| !w.disabled) {
             io::arm(
                 &watch.conn,
@@ -271,9 +418,30 @@ fn arm_set(epfd: c_int) {
     }
 }
 
+/// How long a sleep may last when a writer on a full pipe cannot be woken by its peer: once
+/// the peer has shut down its sending side (or its kernel socket reported EOF), its kernel
+/// socket can send no wake-up byte, so the pipe is looked at in short steps instead (as the
+/// blocking send does, see `io::wait_writable`). Bounded: only while a write waits for room.
+const UNWAKEABLE_STEP_MS: c_int = 10;
+
+/// The sleep for `wait_ms` (-1: forever), shortened if a watched writer cannot be woken.
+fn cap_for_unwakeable(epfd: c_int, wait_ms: c_int) -> c_int {
+    let unwakeable = EPOLLS.lock().set(epfd).is_some_and(|s| {
+        s.watches.iter().any(|w| {
+            !w.disabled && w.events & libc::EPOLLOUT as u32 != 0 && io::writer_unwakeable(&w.conn)
+        })
+    });
+    if unwakeable && !(0..=UNWAKEABLE_STEP_MS).contains(&wait_ms) {
+        UNWAKEABLE_STEP_MS
+    } else {
+        wait_ms
+    }
+}
+
 fn any_quick_ready(epfd: c_int) -> bool {
-    SETS.lock()
-        .get(&epfd)
+    EPOLLS
+        .lock()
+        .set(epfd)
         .is_some_and(|s| s.watches.iter().any(quick_ready))
 }
 
@@ -328,12 +496,21 @@ pub unsafe fn epoll_wait(
     let mut spun = false;
     let mut fired = Vec::new();
     loop {
+        if !pacer_due(epfd) {
+            // The rings alone, no system call.
+            let count = collect(epfd, out, &[]);
+            if count > 0 {
+                pacer_update(epfd, false);
+                return count as c_int;
+            }
+        }
         // Kernel events that are already there, then the rings.
         fired.clear();
         let rc = unsafe { real::epoll_pwait(epfd, events, max, 0, std::ptr::null()) };
         if rc < 0 {
             return rc;
         }
+        pacer_update(epfd, true);
         let mut count = split_tokens(&mut out[..rc as usize], &mut fired);
         count += collect(epfd, &mut out[count..], &fired);
         if count > 0 || timeout == 0 {
@@ -353,6 +530,7 @@ pub unsafe fn epoll_wait(
         let Some(wait_ms) = remaining_ms(deadline) else {
             return 0;
         };
+        let wait_ms = cap_for_unwakeable(epfd, wait_ms);
         let rc = unsafe { real::epoll_pwait(epfd, events, max, wait_ms, mask) };
         if rc < 0 {
             return rc;
@@ -427,6 +605,33 @@ pub unsafe fn poll(
     if shm.is_empty() {
         return real_poll(fds, timeout);
     }
+    // poll and select promise every ready fd of the set, so the kernel may be skipped only when
+    // the set holds nothing but shared-memory connections (the kernel look then only drains
+    // wake-ups and notices EOF or reset, which can wait a few calls).
+    if shm.len() == entries.len() && !POLL_PACER.with(|p| p.get()).due() {
+        // The rings alone, no system call.
+        let mut ready = 0;
+        for (index, entry) in entries.iter_mut().enumerate() {
+            entry.revents = match shm.iter().find(|(i, _)| *i == index) {
+                Some((_, conn)) => poll_bits(&io::readiness(entry.fd, conn, false), entry.events),
+                None => 0,
+            };
+            ready += c_int::from(entry.revents != 0);
+        }
+        if ready > 0 {
+            POLL_PACER.with(|p| {
+                let mut pacer = p.get();
+                pacer.skipped += 1;
+                p.set(pacer);
+            });
+            return ready;
+        }
+    }
+    POLL_PACER.with(|p| {
+        let mut pacer = p.get();
+        pacer.looked();
+        p.set(pacer);
+    });
     let deadline = (timeout >= 0).then(|| Instant::now() + Duration::from_millis(timeout as u64));
     let mut copy: Vec<libc::pollfd> = entries.to_vec();
     let mut spun = false;
@@ -491,9 +696,15 @@ pub unsafe fn poll(
         if merge(entries, &copy) > 0 {
             continue;
         }
-        let Some(wait_ms) = remaining_ms(deadline) else {
+        let Some(mut wait_ms) = remaining_ms(deadline) else {
             return 0;
         };
+        let unwakeable = shm.iter().any(|(index, conn)| {
+            entries[*index].events & libc::POLLOUT != 0 && io::writer_unwakeable(conn)
+        });
+        if unwakeable && !(0..=UNWAKEABLE_STEP_MS).contains(&wait_ms) {
+            wait_ms = UNWAKEABLE_STEP_MS;
+        }
         for (index, entry) in entries.iter().enumerate() {
             copy[index] = *entry;
             copy[index].revents = 0;

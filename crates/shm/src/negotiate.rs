@@ -325,7 +325,7 @@ pub unsafe fn connect(fd: c_int, address: *const libc::sockaddr, len: libc::sock
     let Some(path) = handoff_path(server, local.port()) else {
         return plain();
     };
-    let Some(region) = Region::create(&path, settings::get().ring_bytes) else {
+    let Some(region) = Region::create(&path, settings::get().local_bytes) else {
         return plain();
     };
     let rc = plain();
@@ -369,8 +369,12 @@ pub fn accepted(fd: c_int, nonblocking: bool) {
     unsafe { real::close(file) };
     let Some(region) = region else { return };
     set_nodelay(fd);
-    region.control().holders[1].store(1, Ordering::Release);
-    region.control().state.store(ATTACHED, Ordering::Release);
+    let control = region.control();
+    control.pid_namespace[1].store(crate::process::pid_namespace(), Ordering::Relaxed);
+    control.holders[1].store(1, Ordering::Release);
+    region.add_pid(1);
+    control.state.store(ATTACHED, Ordering::Release);
+    crate::stats::bump(&crate::stats::get().accelerated);
     conn::insert(
         fd,
         Arc::new(Conn::new(region, Role::Acceptor, None, nonblocking)),

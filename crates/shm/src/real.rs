@@ -73,6 +73,16 @@ real! {
     pselect(n: c_int, r: *mut libc::fd_set, w: *mut libc::fd_set, e: *mut libc::fd_set, t: *const timespec, mask: *const sigset_t) -> c_int;
     epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut libc::epoll_event) -> c_int;
     epoll_pwait(epfd: c_int, events: *mut libc::epoll_event, max: c_int, timeout: c_int, mask: *const sigset_t) -> c_int;
+    epoll_pwait2(epfd: c_int, events: *mut libc::epoll_event, max: c_int, timeout: *const timespec, mask: *const sigset_t) -> c_int;
+    socket(domain: c_int, kind: c_int, protocol: c_int) -> c_int;
+    fork() -> libc::pid_t;
+    epoll_create(size: c_int) -> c_int;
+    epoll_create1(flags: c_int) -> c_int;
+    socketpair(domain: c_int, kind: c_int, protocol: c_int, fds: *mut c_int) -> c_int;
+    close_range(first: libc::c_uint, last: libc::c_uint, flags: c_int) -> c_int;
+    closefrom(first: c_int) -> ();
+    fclose(stream: *mut libc::FILE) -> c_int;
+    __ppoll_chk(fds: *mut pollfd, n: nfds_t, timeout: *const timespec, mask: *const sigset_t, fdslen: size_t) -> c_int;
     sendfile(out: c_int, input: c_int, offset: *mut libc::off_t, count: size_t) -> ssize_t;
     __read_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t) -> ssize_t;
     __recv_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t, flags: c_int) -> ssize_t;

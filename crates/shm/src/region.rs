@@ -1,25 +1,50 @@
-//! The shared-memory region of one connection: a control page and two records (byte rings),
-//! one per direction (§4.2.3 "two local records per connection").
+//! The shared-memory region of one connection: two page-aligned local records, one per
+//! direction (§4.2.3 "two local records per connection"), and the arena records a sender
+//! chains behind them when a local record is full.
 //!
-//! Layout (page-aligned): `[control page 4 KiB][record C->A][record A->C]`. Direction 0 carries
-//! the connector's bytes to the acceptor, direction 1 the reverse. Each ring has exactly one
-//! writing side and one reading side; a small spin lock per side serialises threads (or forked
-//! processes) that share one socket.
+//! Layout: `[record 0: header + ring][record 1: header + ring]`, each record
+//! `FLATMESH_SHM_LOCAL_KIB` long (64 KiB by default, so a connection takes 128 KiB). A record's
+//! first 1 KiB is its metadata: the direction's counters, wake-up flags, locks and chain state;
+//! record 0's header also holds the connection-wide words. Direction 0 carries the connector's
+//! bytes to the acceptor, direction 1 the reverse.
+//!
+//! One direction is a [`Pipe`]: a byte stream with one writing side and one reading side. Every
+//! byte has a stream offset; `written` and `consumed` count them. Bytes live either in the local
+//! record, used as a ring, or in arena records chained in stream order (each with its first
+//! offset). The writer fills the ring; when the ring is full it appends arena records
+//! (speculative allocation, see `arena`) and keeps writing there until the reader has drained
+//! the ring, then goes back to the ring. So at most one run of ring bytes is ever unconsumed and
+//! ring positions never collide.
 
+use crate::arena::{self, RecordRef};
+use crate::lock::SpinGuard;
+use crate::process;
 use std::ffi::CStr;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
-pub const MAGIC: u64 = 0x3168_736d_7461_6c66; // "flatmsh1"
-pub const VERSION: u32 = 1;
-pub const CONTROL_BYTES: usize = 4096;
-/// Default size of each local record; `FLATMESH_SHM_RING_KIB` overrides it.
-pub const DEFAULT_RING_BYTES: usize = 64 * 1024;
-pub const MIN_RING_BYTES: usize = 4096;
-pub const MAX_RING_BYTES: usize = 64 * 1024 * 1024;
+pub const MAGIC: u64 = 0x3268_736d_7461_6c66; // "flatmsh2"
+pub const VERSION: u32 = 2;
+/// Metadata at the start of each local record.
+pub const HEADER_BYTES: usize = 1024;
+/// Default size of each local record (header included); `FLATMESH_SHM_LOCAL_KIB` overrides it.
+pub const DEFAULT_LOCAL_BYTES: usize = 64 * 1024;
+pub const MIN_LOCAL_BYTES: usize = 8 * 1024;
+pub const MAX_LOCAL_BYTES: usize = 64 * 1024 * 1024;
+/// Regions up to this size are reserved at creation (no SIGBUS if /dev/shm fills up later).
+const POPULATE_LIMIT: usize = 1 << 20;
+/// Processes per side whose liveness is tracked (fork adds one).
+pub const PIDS_PER_SIDE: usize = 4;
 
 /// The connection state word: the acceptor flips it once it has mapped the region.
 pub const PENDING: u32 = 0;
 pub const ATTACHED: u32 = 1;
+
+/// Longest chain a reader walks; anything longer is a corrupt (cyclic) chain.
+const MAX_CHAIN: usize = 1 << 16;
+
+/// Writer modes of a pipe.
+const MODE_RING: u32 = 0;
+const MODE_CHAIN: u32 = 1;
 
 #[repr(C, align(64))]
 pub struct CacheLine<T>(pub T);
@@ -32,19 +57,21 @@ pub struct Direction {
     /// Bytes ever consumed (only the reader stores).
     pub consumed: CacheLine<AtomicU64>,
     pub control: CacheLine<DirectionControl>,
+    pub chain: CacheLine<ChainState>,
 }
 
 #[repr(C)]
 pub struct DirectionControl {
     /// Set by a reader before it sleeps; the writer that clears it sends a wake-up byte.
     pub reader_wants_wake: AtomicU32,
-    /// Set by a writer before it sleeps on a full ring; the reader that clears it wakes it.
+    /// Set by a writer before it sleeps on a full pipe; the reader that clears it wakes it.
     pub writer_wants_wake: AtomicU32,
+    /// Held (pid) by the writing side while it writes; serialises threads and forked processes.
     pub write_lock: AtomicU32,
     pub read_lock: AtomicU32,
-    /// The writer called shutdown(SHUT_WR): after the ring drains the reader sees EOF.
+    /// The writer called shutdown(SHUT_WR): after the pipe drains the reader sees EOF.
     pub shut_wr: AtomicU32,
-    /// Direction 0 only: the connector moved from the kernel socket to the ring.
+    /// Direction 0 only: the connector moved from the kernel socket to the pipe.
     pub switched: AtomicU32,
     /// Direction 0 only: bytes the connector sent over the kernel socket before switching.
     pub kernel_prefix: AtomicU64,
@@ -54,36 +81,86 @@ pub struct DirectionControl {
     pub kernel_consumed: AtomicU64,
 }
 
+/// The arena-record chain of one direction.
+#[repr(C)]
+pub struct ChainState {
+    /// Writer only (under `write_lock`): ring or chain.
+    pub mode: AtomicU32,
+    /// Held (pid) by whoever relinks records: the writer appending, the reader releasing.
+    pub lock: AtomicU32,
+    /// Writer only: first stream offset of the current ring run.
+    pub ring_start: AtomicU64,
+    /// Writer only, in chain mode: the offset where the ring run ended.
+    pub ring_end: AtomicU64,
+    /// Under `lock`: first and last record of the chain ([`RecordRef`]).
+    pub head: AtomicU32,
+    pub tail: AtomicU32,
+    /// Under `lock`: the reading side closed; nothing may be appended any more.
+    pub reader_gone: AtomicU32,
+    /// Records ever linked and ever released (their difference is what the direction holds).
+    pub linked: AtomicU32,
+    pub released: AtomicU32,
+}
+
+/// Connection-wide words (in record 0's header).
 #[repr(C)]
 pub struct Control {
     pub magic: u64,
     pub version: u32,
-    pub ring_bytes: u32,
+    pub local_bytes: u32,
     pub state: AtomicU32,
-    pub connector_pid: u32,
+    pub _reserved: u32,
+    /// A random number that names the connection; arena records carry it as their owner.
+    pub token: u64,
+    /// Pid namespace of each side (liveness by pid is judged only when they match).
+    pub pid_namespace: [AtomicU64; 2],
     /// Processes holding each side (0: connector, 1: acceptor); fork adds one.
     pub holders: [AtomicU32; 2],
-    pub directions: [Direction; 2],
+    /// Pids of the processes holding each side (0 = empty slot), for crash detection.
+    pub pids: [[AtomicU32; PIDS_PER_SIDE]; 2],
+    /// More processes held a side than there are pid slots: liveness is unknown.
+    pub pids_overflow: [AtomicU32; 2],
 }
 
-const _: () = assert!(std::mem::size_of::<Control>() <= CONTROL_BYTES);
+#[repr(C)]
+struct RecordHeader {
+    control: Control,
+    direction: Direction,
+}
+
+const _: () = assert!(std::mem::size_of::<RecordHeader>() <= HEADER_BYTES);
 
 /// A mapped connection region. Unmapped on drop.
 pub struct Region {
     base: *mut u8,
     len: usize,
-    ring_bytes: usize,
+    local_bytes: usize,
 }
 
 // SAFETY: the region is shared memory accessed only through atomics and lock-protected copies.
 unsafe impl Send for Region {}
 unsafe impl Sync for Region {}
 
+fn random_token() -> u64 {
+    let mut token = 0u64;
+    // SAFETY: getrandom into a local.
+    let got = unsafe { libc::getrandom((&mut token as *mut u64).cast(), 8, libc::GRND_NONBLOCK) };
+    if got != 8 || token == 0 {
+        // Not secret, only unique: fall back to time and pid.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        token = now ^ ((process::pid() as u64) << 32) | 1;
+    }
+    token
+}
+
 impl Region {
     /// Creates the backing file at `path` (exclusively; a stale file is replaced), maps it and
-    /// initialises the control page. Returns `None` on any failure: the caller then uses TCP.
-    pub fn create(path: &CStr, ring_bytes: usize) -> Option<Region> {
-        let len = CONTROL_BYTES + 2 * ring_bytes;
+    /// initialises the header. Returns `None` on any failure: the caller then uses TCP.
+    pub fn create(path: &CStr, local_bytes: usize) -> Option<Region> {
+        let len = 2 * local_bytes;
         let flags =
             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC | libc::O_NOFOLLOW;
         // SAFETY: plain syscalls on a NUL-terminated path.
@@ -99,26 +176,69 @@ impl Region {
         // SAFETY: fd is ours.
         let sized = unsafe { libc::ftruncate(fd, len as libc::off_t) } == 0;
         let region = if sized {
-            Self::map(fd, len, ring_bytes)
+            Self::map(fd, len, local_bytes)
         } else {
             None
         };
         unsafe { crate::real::close(fd) };
+        let region = region.filter(|r| len > POPULATE_LIMIT || arena::populate(r.base, r.len));
         let Some(region) = region else {
             unsafe { libc::unlink(path.as_ptr()) };
             return None;
         };
-        // SAFETY: freshly mapped, zero-filled and large enough for Control.
+        // SAFETY: freshly mapped, zero-filled and large enough for the header.
         unsafe {
-            let control = region.base.cast::<Control>();
-            (*control).version = VERSION;
-            (*control).ring_bytes = ring_bytes as u32;
-            (*control).connector_pid = libc::getpid() as u32;
-            (*control).holders[0].store(1, Ordering::Relaxed);
+            let control = &mut *region.base.cast::<Control>();
+            control.version = VERSION;
+            control.local_bytes = local_bytes as u32;
+            control.token = random_token();
+            control.pid_namespace[0].store(process::pid_namespace(), Ordering::Relaxed);
+            control.holders[0].store(1, Ordering::Relaxed);
+            control.pids[0][0].store(process::pid(), Ordering::Relaxed);
             fence(Ordering::Release);
-            (*control).magic = MAGIC;
+            control.magic = MAGIC;
         }
         Some(region)
+    }
+
+    /// A region in anonymous shared memory (no file), initialised as `create` does; for the
+    /// fuzzer, which then plays the peer.
+    #[cfg(fuzzing)]
+    pub fn anonymous(local_bytes: usize) -> Option<Region> {
+        let len = 2 * local_bytes;
+        // SAFETY: a fresh anonymous mapping, then the same initialisation as `create`.
+        unsafe {
+            let base = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            if base == libc::MAP_FAILED {
+                return None;
+            }
+            let region = Region {
+                base: base.cast(),
+                len,
+                local_bytes,
+            };
+            let control = &mut *region.base.cast::<Control>();
+            control.version = VERSION;
+            control.local_bytes = local_bytes as u32;
+            control.token = random_token();
+            control.pid_namespace[0].store(process::pid_namespace(), Ordering::Relaxed);
+            control.pid_namespace[1].store(process::pid_namespace(), Ordering::Relaxed);
+            control.magic = MAGIC;
+            Some(region)
+        }
+    }
+
+    /// The region's bytes, as the peer could scribble on them (fuzzer only).
+    #[cfg(fuzzing)]
+    pub fn raw(&self) -> (*mut u8, usize) {
+        (self.base, self.len)
     }
 
     /// Maps the region a connector created and checks that it is one. `None`: use TCP.
@@ -129,22 +249,26 @@ impl Region {
             return None;
         }
         let len = usize::try_from(stat.st_size).ok()?;
-        if !(CONTROL_BYTES + 2 * MIN_RING_BYTES..=CONTROL_BYTES + 2 * MAX_RING_BYTES).contains(&len)
-        {
+        if !(2 * MIN_LOCAL_BYTES..=2 * MAX_LOCAL_BYTES).contains(&len) {
             return None;
         }
-        let ring_bytes = (len - CONTROL_BYTES) / 2;
-        let region = Self::map(fd, len, ring_bytes)?;
-        let control = region.control();
-        let valid = control.magic == MAGIC
-            && control.version == VERSION
-            && control.ring_bytes as usize == ring_bytes
-            && ring_bytes.is_power_of_two()
-            && control.state.load(Ordering::Acquire) == PENDING;
-        valid.then_some(region)
+        let local_bytes = len / 2;
+        let region = Self::map(fd, len, local_bytes)?;
+        region.valid_header().then_some(region)
     }
 
-    fn map(fd: libc::c_int, len: usize, ring_bytes: usize) -> Option<Region> {
+    /// Whether a mapped region's header describes this region (a connector's fresh one).
+    fn valid_header(&self) -> bool {
+        let control = self.control();
+        control.magic == MAGIC
+            && control.version == VERSION
+            && control.local_bytes as usize == self.local_bytes
+            && self.local_bytes.is_power_of_two()
+            && control.token != 0
+            && control.state.load(Ordering::Acquire) == PENDING
+    }
+
+    fn map(fd: libc::c_int, len: usize, local_bytes: usize) -> Option<Region> {
         // SAFETY: mapping a file we hold open, shared.
         let base = unsafe {
             libc::mmap(
@@ -162,7 +286,7 @@ impl Region {
         Some(Region {
             base: base.cast(),
             len,
-            ring_bytes,
+            local_bytes,
         })
     }
 
@@ -171,14 +295,79 @@ impl Region {
         unsafe { &*self.base.cast::<Control>() }
     }
 
-    pub fn direction(&self, index: usize) -> Ring<'_> {
+    /// Liveness by pid can be judged: both sides are in this process's pid namespace.
+    pub fn same_pid_namespace(&self) -> bool {
+        let ours = process::pid_namespace();
+        self.control()
+            .pid_namespace
+            .iter()
+            .all(|ns| ns.load(Ordering::Relaxed) == ours)
+    }
+
+    pub fn direction(&self, index: usize) -> Pipe<'_> {
         let index = index & 1;
-        Ring {
-            control: &self.control().directions[index],
+        // SAFETY: record `index` starts at index * local_bytes and begins with a RecordHeader.
+        let header = unsafe {
+            &*self
+                .base
+                .add(index * self.local_bytes)
+                .cast::<RecordHeader>()
+        };
+        Pipe {
+            control: &header.direction,
             // SAFETY: inside the mapping.
-            data: unsafe { self.base.add(CONTROL_BYTES + index * self.ring_bytes) },
-            capacity: self.ring_bytes as u64,
+            data: unsafe { self.base.add(index * self.local_bytes + HEADER_BYTES) },
+            capacity: (self.local_bytes - HEADER_BYTES) as u64,
+            token: self.control().token,
+            robust: self.same_pid_namespace(),
         }
+    }
+
+    /// Registers this process as a holder of `side` (pid slot for crash detection).
+    pub fn add_pid(&self, side: usize) {
+        let me = process::pid();
+        let control = self.control();
+        let slots = &control.pids[side & 1];
+        if slots.iter().any(|s| s.load(Ordering::Relaxed) == me) {
+            return;
+        }
+        for slot in slots {
+            let pid = slot.load(Ordering::Relaxed);
+            if (pid == 0 || (self.same_pid_namespace() && !process::alive(pid)))
+                && slot
+                    .compare_exchange(pid, me, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+            {
+                return;
+            }
+        }
+        control.pids_overflow[side & 1].store(1, Ordering::Relaxed);
+    }
+
+    /// This process no longer holds `side`.
+    pub fn remove_pid(&self, side: usize) {
+        let me = process::pid();
+        for slot in &self.control().pids[side & 1] {
+            let _ = slot.compare_exchange(me, 0, Ordering::AcqRel, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether some process may still hold `side`. "No" only when every recorded holder is
+    /// known to be dead (same pid namespace, no slot overflow).
+    pub fn side_may_live(&self, side: usize) -> bool {
+        let control = self.control();
+        if !self.same_pid_namespace()
+            || control.pids_overflow[side & 1].load(Ordering::Relaxed) != 0
+        {
+            return true;
+        }
+        let pids: Vec<u32> = control.pids[side & 1]
+            .iter()
+            .map(|s| s.load(Ordering::Relaxed))
+            .filter(|&p| p != 0)
+            .collect();
+        pids.is_empty() && control.holders[side & 1].load(Ordering::Relaxed) > 0
+            || pids.iter().any(|&p| process::alive(p))
     }
 }
 
@@ -189,42 +378,130 @@ impl Drop for Region {
     }
 }
 
-/// One direction's ring: a single-producer single-consumer byte queue.
-pub struct Ring<'a> {
+/// One direction: the local record as a ring plus chained arena records.
+pub struct Pipe<'a> {
     pub control: &'a Direction,
     data: *mut u8,
     capacity: u64,
+    token: u64,
+    /// Lock holders' pids can be judged (take over a dead holder's lock).
+    robust: bool,
 }
 
-/// A spin lock word in shared memory, held only while copying bytes (never across a syscall).
-pub struct SpinGuard<'a>(&'a AtomicU32);
+/// Outgoing bytes as (pointer, length) pairs, consumed front to back.
+struct Source<'a> {
+    chunks: &'a [(*const u8, usize)],
+    index: usize,
+    offset: usize,
+}
 
-impl<'a> SpinGuard<'a> {
-    pub fn lock(word: &'a AtomicU32) -> Self {
-        while word
-            .compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            std::hint::spin_loop();
+impl Source<'_> {
+    fn remaining(&self) -> bool {
+        self.chunks[self.index..]
+            .iter()
+            .enumerate()
+            .any(|(i, c)| c.1 > if i == 0 { self.offset } else { 0 })
+    }
+
+    /// Copies up to `max` bytes into `copy(src, len)` calls; returns the count.
+    fn take(&mut self, mut max: usize, mut copy: impl FnMut(*const u8, usize)) -> usize {
+        let mut total = 0;
+        while max > 0 && self.index < self.chunks.len() {
+            let (pointer, len) = self.chunks[self.index];
+            let left = len - self.offset;
+            if left == 0 {
+                self.index += 1;
+                self.offset = 0;
+                continue;
+            }
+            let n = left.min(max);
+            copy(pointer.wrapping_add(self.offset), n);
+            self.offset += n;
+            total += n;
+            max -= n;
         }
-        SpinGuard(word)
+        total
     }
 }
 
-impl Drop for SpinGuard<'_> {
-    fn drop(&mut self) {
-        self.0.store(0, Ordering::Release);
+/// Incoming buffers as (pointer, length) pairs, filled front to back.
+struct Sink<'a> {
+    buffers: &'a [(*mut u8, usize)],
+    index: usize,
+    offset: usize,
+}
+
+impl Sink<'_> {
+    fn room(&self) -> bool {
+        self.buffers[self.index..]
+            .iter()
+            .enumerate()
+            .any(|(i, b)| b.1 > if i == 0 { self.offset } else { 0 })
+    }
+
+    fn put(&mut self, mut max: usize, mut copy: impl FnMut(*mut u8, usize)) -> usize {
+        let mut total = 0;
+        while max > 0 && self.index < self.buffers.len() {
+            let (pointer, len) = self.buffers[self.index];
+            let left = len - self.offset;
+            if left == 0 {
+                self.index += 1;
+                self.offset = 0;
+                continue;
+            }
+            let n = left.min(max);
+            copy(pointer.wrapping_add(self.offset), n);
+            self.offset += n;
+            total += n;
+            max -= n;
+        }
+        total
     }
 }
 
-impl Ring<'_> {
+/// A reader met a record that is not this connection's to read.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Corrupt;
+
+impl Pipe<'_> {
+    fn chain(&self) -> &ChainState {
+        &self.control.chain.0
+    }
+
+    /// Bytes waiting to be read.
     pub fn readable(&self) -> u64 {
         let written = self.control.written.0.load(Ordering::Acquire);
         written.wrapping_sub(self.control.consumed.0.load(Ordering::Acquire))
     }
 
+    /// Bytes a write could place right now without appending a new arena record (used for
+    /// POLLOUT; a write itself may also append records).
     pub fn writable(&self) -> u64 {
-        self.capacity - self.readable().min(self.capacity)
+        let chain = self.chain();
+        let written = self.control.written.0.load(Ordering::Acquire);
+        let consumed = self.control.consumed.0.load(Ordering::Acquire);
+        if chain.mode.load(Ordering::Acquire) == MODE_RING {
+            let ring_start = chain.ring_start.load(Ordering::Acquire);
+            let used = written.saturating_sub(consumed.max(ring_start));
+            return self.capacity.saturating_sub(used);
+        }
+        if consumed >= chain.ring_end.load(Ordering::Acquire) {
+            return self.capacity;
+        }
+        let tail = RecordRef(chain.tail.load(Ordering::Acquire));
+        arena::writer_view(tail, self.token).map_or(0, |record| {
+            record
+                .capacity
+                .saturating_sub(record.descriptor.filled.load(Ordering::Relaxed) as u64)
+        })
+    }
+
+    /// A writer that went to sleep on a full pipe is woken once no more than this is unread:
+    /// half of what the direction can hold (like TCP's send-buffer low-water mark), so that
+    /// each wake-up lets it move many messages instead of one.
+    pub fn wake_threshold(&self) -> u64 {
+        let arena = crate::settings::get().conn_records as u64 * arena::RECORD_BYTES as u64;
+        (self.capacity + arena) / 2
     }
 
     pub fn written(&self) -> u64 {
@@ -235,53 +512,17 @@ impl Ring<'_> {
         self.control.consumed.0.load(Ordering::Acquire)
     }
 
-    /// Appends as much of `chunks` as fits; returns the byte count.
-    pub fn write(&self, chunks: &[(*const u8, usize)]) -> usize {
-        let _guard = SpinGuard::lock(&self.control.control.0.write_lock);
-        let written = self.control.written.0.load(Ordering::Relaxed);
-        let consumed = self.control.consumed.0.load(Ordering::Acquire);
-        let mut free = self.capacity - written.wrapping_sub(consumed).min(self.capacity);
-        let mut position = written;
-        for &(ptr, len) in chunks {
-            if free == 0 {
-                break;
-            }
-            let take = (len as u64).min(free);
-            self.copy_in(position, ptr, take as usize);
-            position += take;
-            free -= take;
-        }
-        let total = position - written;
-        if total > 0 {
-            self.control.written.0.store(position, Ordering::Release);
-        }
-        total as usize
-    }
-
-    /// Copies up to the buffers' size out; consumes it unless `peek`. Returns the byte count.
-    pub fn read(&self, buffers: &[(*mut u8, usize)], peek: bool) -> usize {
-        let _guard = SpinGuard::lock(&self.control.control.0.read_lock);
-        let consumed = self.control.consumed.0.load(Ordering::Relaxed);
-        let written = self.control.written.0.load(Ordering::Acquire);
-        let mut available = written.wrapping_sub(consumed).min(self.capacity);
-        let mut position = consumed;
-        for &(ptr, len) in buffers {
-            if available == 0 {
-                break;
-            }
-            let take = (len as u64).min(available);
-            self.copy_out(position, ptr, take as usize);
-            position += take;
-            available -= take;
-        }
-        let total = position - consumed;
-        if total > 0 && !peek {
-            self.control.consumed.0.store(position, Ordering::Release);
-        }
-        total as usize
+    /// Arena records this direction holds now.
+    pub fn records_held(&self) -> u32 {
+        let chain = self.chain();
+        chain
+            .linked
+            .load(Ordering::Acquire)
+            .wrapping_sub(chain.released.load(Ordering::Acquire))
     }
 
     fn copy_in(&self, position: u64, src: *const u8, len: usize) {
+        debug_assert!(len as u64 <= self.capacity);
         let offset = (position % self.capacity) as usize;
         let first = len.min(self.capacity as usize - offset);
         // SAFETY: offset+first <= capacity and the rest wraps to the start; src has len bytes.
@@ -292,6 +533,7 @@ impl Ring<'_> {
     }
 
     fn copy_out(&self, position: u64, dst: *mut u8, len: usize) {
+        debug_assert!(len as u64 <= self.capacity);
         let offset = (position % self.capacity) as usize;
         let first = len.min(self.capacity as usize - offset);
         // SAFETY: as in copy_in.
@@ -300,6 +542,281 @@ impl Ring<'_> {
             std::ptr::copy_nonoverlapping(self.data, dst.add(first), len - first);
         }
     }
+
+    /// Writer, ring full: append an arena record whose first byte is `start`. False when the
+    /// direction, the process or the arena is at its limit, or the reader is gone.
+    fn extend(&self, start: u64) -> bool {
+        let chain = self.chain();
+        let limit = crate::settings::get().conn_records;
+        if self.records_held() >= limit || chain.reader_gone.load(Ordering::Acquire) != 0 {
+            return false;
+        }
+        let Ok(reference) = arena::allocate(self.token, start) else {
+            return false;
+        };
+        {
+            let _guard = SpinGuard::lock(&chain.lock, self.robust);
+            if chain.reader_gone.load(Ordering::Acquire) == 0 {
+                let tail = RecordRef(chain.tail.load(Ordering::Acquire));
+                match arena::writer_view(tail, self.token) {
+                    Some(previous) => {
+                        previous
+                            .descriptor
+                            .next
+                            .store(reference.0, Ordering::Release);
+                        previous.descriptor.sealed.store(1, Ordering::Release);
+                    }
+                    None => chain.head.store(reference.0, Ordering::Release),
+                }
+                chain.tail.store(reference.0, Ordering::Release);
+                chain.linked.fetch_add(1, Ordering::AcqRel);
+                if chain.mode.load(Ordering::Relaxed) == MODE_RING {
+                    chain.ring_end.store(start, Ordering::Release);
+                    chain.mode.store(MODE_CHAIN, Ordering::Release);
+                }
+                return true;
+            }
+        }
+        arena::release(reference, self.token);
+        false
+    }
+
+    /// Writer: the ring has drained, so seal the chain's tail and go back to the ring.
+    fn back_to_ring(&self, written: u64) {
+        let chain = self.chain();
+        {
+            let _guard = SpinGuard::lock(&chain.lock, self.robust);
+            let tail = RecordRef(chain.tail.load(Ordering::Acquire));
+            if let Some(record) = arena::writer_view(tail, self.token) {
+                record.descriptor.sealed.store(1, Ordering::Release);
+            }
+        }
+        chain.ring_start.store(written, Ordering::Release);
+        chain.mode.store(MODE_RING, Ordering::Release);
+    }
+
+    /// Appends as much of `chunks` as fits; returns the byte count. Never makes a system call
+    /// (except the one-time mapping or reservation of an arena record).
+    pub fn write(&self, chunks: &[(*const u8, usize)]) -> usize {
+        let _guard = SpinGuard::lock(&self.control.control.0.write_lock, self.robust);
+        let chain = self.chain();
+        let mut source = Source {
+            chunks,
+            index: 0,
+            offset: 0,
+        };
+        let start = self.control.written.0.load(Ordering::Relaxed);
+        let mut written = start;
+        while source.remaining() {
+            let consumed = self.control.consumed.0.load(Ordering::Acquire);
+            let mode = chain.mode.load(Ordering::Relaxed);
+            if mode == MODE_CHAIN && consumed >= chain.ring_end.load(Ordering::Relaxed) {
+                self.back_to_ring(written);
+                continue;
+            }
+            if mode == MODE_RING {
+                let ring_start = chain.ring_start.load(Ordering::Relaxed);
+                let used = written - consumed.max(ring_start).min(written);
+                let free = self.capacity.saturating_sub(used);
+                if free > 0 {
+                    let mut position = written;
+                    let n = source.take(free as usize, |pointer, len| {
+                        self.copy_in(position, pointer, len);
+                        position += len as u64;
+                    });
+                    written += n as u64;
+                    continue;
+                }
+                if !self.extend(written) {
+                    break;
+                }
+                continue;
+            }
+            let tail = RecordRef(chain.tail.load(Ordering::Acquire));
+            let Some(record) = arena::writer_view(tail, self.token) else {
+                // Our own tail is gone (the reader released everything at close).
+                break;
+            };
+            let filled = record.descriptor.filled.load(Ordering::Relaxed) as u64;
+            let room = record.capacity.saturating_sub(filled);
+            if room > 0 {
+                let mut at = filled;
+                let n = source.take(room as usize, |pointer, len| {
+                    // SAFETY: at + len <= capacity of the record we own.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(pointer, record.data.add(at as usize), len)
+                    };
+                    at += len as u64;
+                });
+                record
+                    .descriptor
+                    .filled
+                    .store((filled + n as u64) as u32, Ordering::Release);
+                written += n as u64;
+                continue;
+            }
+            if !self.extend(written) {
+                break;
+            }
+        }
+        if written != start {
+            self.control.written.0.store(written, Ordering::Release);
+        }
+        (written - start) as usize
+    }
+
+    /// Copies up to the buffers' size out; consumes it unless `peek`. Returns the byte count,
+    /// or `Corrupt` when the chain names a record this connection may not read.
+    pub fn read(&self, buffers: &[(*mut u8, usize)], peek: bool) -> Result<usize, Corrupt> {
+        let _guard = SpinGuard::lock(&self.control.control.0.read_lock, self.robust);
+        let chain = self.chain();
+        let start = self.control.consumed.0.load(Ordering::Relaxed);
+        let written = self.control.written.0.load(Ordering::Acquire);
+        let mut sink = Sink {
+            buffers,
+            index: 0,
+            offset: 0,
+        };
+        let mut position = start;
+        let mut current = RecordRef(chain.head.load(Ordering::Acquire));
+        let mut passed = 0usize;
+        while position < written && sink.room() {
+            let mut limit = written;
+            if !current.is_none() {
+                let record = arena::commit(current, self.token).ok_or(Corrupt)?;
+                let first = record.descriptor.start.load(Ordering::Acquire);
+                // Clamped: the peer could change it after `commit` looked.
+                let filled =
+                    (record.descriptor.filled.load(Ordering::Acquire) as u64).min(record.capacity);
+                let end = first.checked_add(filled).ok_or(Corrupt)?;
+                if position >= end {
+                    // The writer has moved on (bytes past `end` exist): the next record or
+                    // the ring holds them. A chain longer than any real one is a cycle.
+                    if record.descriptor.sealed.load(Ordering::Acquire) == 0 || passed >= MAX_CHAIN
+                    {
+                        return Err(Corrupt);
+                    }
+                    current = RecordRef(record.descriptor.next.load(Ordering::Acquire));
+                    passed += 1;
+                    continue;
+                }
+                if position >= first {
+                    let n = sink.put((end.min(written) - position) as usize, |pointer, len| {
+                        // SAFETY: position - first + len <= filled <= capacity.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                record.data.add((position - first) as usize),
+                                pointer,
+                                len,
+                            )
+                        };
+                        position += len as u64;
+                    });
+                    if n == 0 {
+                        break;
+                    }
+                    continue;
+                }
+                limit = limit.min(first);
+            }
+            // A ring run never holds more than the ring: a peer claiming so is corrupt (and
+            // copying that much would read past the ring).
+            if limit - position > self.capacity {
+                return Err(Corrupt);
+            }
+            let n = sink.put((limit - position) as usize, |pointer, len| {
+                self.copy_out(position, pointer, len);
+                position += len as u64;
+            });
+            if n == 0 {
+                break;
+            }
+        }
+        if !peek && position != start {
+            self.control.consumed.0.store(position, Ordering::Release);
+            if passed > 0 {
+                self.release_passed(passed);
+            }
+            if position == written && chain.mode.load(Ordering::Acquire) == MODE_CHAIN {
+                self.reclaim_idle_tail();
+            }
+        }
+        Ok((position - start) as usize)
+    }
+
+    /// Reader: give the first `count` records (fully consumed and sealed) back to their arena.
+    fn release_passed(&self, count: usize) {
+        let chain = self.chain();
+        let _guard = SpinGuard::lock(&chain.lock, self.robust);
+        for _ in 0..count {
+            let head = RecordRef(chain.head.load(Ordering::Acquire));
+            let Some(record) = arena::writer_view(head, self.token) else {
+                return;
+            };
+            let next = record.descriptor.next.load(Ordering::Acquire);
+            if chain.tail.load(Ordering::Acquire) == head.0 {
+                chain.tail.store(0, Ordering::Release);
+            }
+            chain.head.store(next, Ordering::Release);
+            if arena::release(head, self.token) {
+                chain.released.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Reader, everything consumed while the writer is still in chain mode: if the writer is not
+    /// inside write() now, end its chain run for it, so that an idle connection holds no arena
+    /// record.
+    fn reclaim_idle_tail(&self) {
+        let Some(_writer) = SpinGuard::try_lock(&self.control.control.0.write_lock) else {
+            return;
+        };
+        let chain = self.chain();
+        let written = self.control.written.0.load(Ordering::Acquire);
+        if chain.mode.load(Ordering::Acquire) != MODE_CHAIN
+            || self.control.consumed.0.load(Ordering::Acquire) != written
+        {
+            return;
+        }
+        self.back_to_ring(written);
+        self.release_all_locked(false);
+    }
+
+    /// Releases every record of the chain. `reader_gone`: also forbid appending more (the
+    /// reading side has closed). Takes the writer's lock so that no write is inside a record.
+    pub fn release_all(&self, reader_gone: bool) {
+        let _writer = SpinGuard::lock(&self.control.control.0.write_lock, self.robust);
+        let chain = self.chain();
+        if chain.mode.load(Ordering::Acquire) == MODE_CHAIN {
+            let written = self.control.written.0.load(Ordering::Acquire);
+            chain.ring_start.store(written, Ordering::Release);
+            chain.mode.store(MODE_RING, Ordering::Release);
+        }
+        self.release_all_locked(reader_gone);
+    }
+
+    fn release_all_locked(&self, reader_gone: bool) {
+        let chain = self.chain();
+        let _guard = SpinGuard::lock(&chain.lock, self.robust);
+        if reader_gone {
+            chain.reader_gone.store(1, Ordering::Release);
+        }
+        let mut current = RecordRef(chain.head.load(Ordering::Acquire));
+        // Bounded: a corrupt (cyclic) chain cannot hold us here.
+        for _ in 0..=arena::MAX_RECORDS {
+            if current.is_none() {
+                break;
+            }
+            let next = arena::writer_view(current, self.token)
+                .map_or(0, |r| r.descriptor.next.load(Ordering::Acquire));
+            if arena::release(current, self.token) {
+                chain.released.fetch_add(1, Ordering::AcqRel);
+            }
+            current = RecordRef(next);
+        }
+        chain.head.store(0, Ordering::Release);
+        chain.tail.store(0, Ordering::Release);
+    }
 }
 
 #[cfg(test)]
@@ -307,63 +824,295 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
-    fn temp_region(ring: usize) -> (Region, std::ffi::CString) {
+    fn temp_region(local: usize) -> Region {
         let path = std::ffi::CString::new(format!(
-            "/dev/shm/flatmesh-shm-unit-{}-{ring}",
-            std::process::id()
+            "/dev/shm/flatmesh-shm-unit-{}-{local}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
         ))
         .unwrap();
-        (Region::create(&path, ring).unwrap(), path)
+        let region = Region::create(&path, local).unwrap();
+        unsafe { libc::unlink(path.as_ptr()) };
+        region
+    }
+
+    fn write_all(pipe: &Pipe<'_>, data: &[u8]) -> usize {
+        pipe.write(&[(data.as_ptr(), data.len())])
+    }
+
+    fn read_some(pipe: &Pipe<'_>, max: usize) -> Vec<u8> {
+        let mut buf = vec![0u8; max];
+        let n = pipe.read(&[(buf.as_mut_ptr(), buf.len())], false).unwrap();
+        buf.truncate(n);
+        buf
     }
 
     #[test]
     fn ring_wraps_and_preserves_order() {
-        let (region, path) = temp_region(4096);
-        unsafe { libc::unlink(path.as_ptr()) };
-        let ring = region.direction(0);
+        let region = temp_region(8192);
+        let pipe = region.direction(0);
         let mut expected = Vec::new();
         let mut got = Vec::new();
         let mut next = 0u8;
-        for round in 0..200 {
-            let chunk: Vec<u8> = (0..(round * 37 % 3000 + 1))
+        for round in 0..300 {
+            let chunk: Vec<u8> = (0..(round * 37 % 5000 + 1))
                 .map(|_| {
                     next = next.wrapping_add(1);
                     next
                 })
                 .collect();
-            let n = ring.write(&[(chunk.as_ptr(), chunk.len())]);
+            let n = write_all(&pipe, &chunk);
             expected.extend_from_slice(&chunk[..n]);
-            let mut buf = vec![0u8; round * 53 % 4000 + 1];
-            let m = ring.read(&[(buf.as_mut_ptr(), buf.len())], false);
-            got.extend_from_slice(&buf[..m]);
+            got.extend(read_some(&pipe, round * 53 % 6000 + 1));
         }
-        let mut rest = vec![0u8; 8192];
-        let m = ring.read(&[(rest.as_mut_ptr(), rest.len())], false);
-        got.extend_from_slice(&rest[..m]);
+        got.extend(read_some(&pipe, 1 << 22));
         assert_eq!(got, expected);
-        assert_eq!(ring.readable(), 0);
-        assert_eq!(ring.writable(), 4096);
+        assert_eq!(pipe.readable(), 0);
     }
 
     #[test]
-    fn full_ring_refuses_and_peek_does_not_consume() {
-        let (region, path) = temp_region(4096);
-        unsafe { libc::unlink(path.as_ptr()) };
-        let ring = region.direction(1);
-        let data = vec![7u8; 5000];
-        assert_eq!(ring.write(&[(data.as_ptr(), data.len())]), 4096);
-        assert_eq!(ring.write(&[(data.as_ptr(), 1)]), 0);
-        let mut buf = [0u8; 10];
-        assert_eq!(ring.read(&[(buf.as_mut_ptr(), 10)], true), 10);
-        assert_eq!(ring.readable(), 4096);
+    fn header_fits_and_records_are_page_aligned() {
+        let region = temp_region(DEFAULT_LOCAL_BYTES);
+        assert_eq!(region.len, 2 * DEFAULT_LOCAL_BYTES);
+        assert_eq!(region.base as usize % 4096, 0);
+        let pipe = region.direction(1);
         assert_eq!(
-            ring.read(
-                &[(buf.as_mut_ptr(), 4), (buf.as_mut_ptr().wrapping_add(4), 6)],
-                false
-            ),
-            10
+            pipe.data as usize - region.base as usize,
+            DEFAULT_LOCAL_BYTES + HEADER_BYTES
         );
-        assert_eq!(ring.readable(), 4086);
+        assert_eq!(pipe.writable(), (DEFAULT_LOCAL_BYTES - HEADER_BYTES) as u64);
+    }
+
+    #[test]
+    fn peek_does_not_consume() {
+        let region = temp_region(8192);
+        let pipe = region.direction(1);
+        assert_eq!(write_all(&pipe, b"hello world"), 11);
+        let mut buf = [0u8; 5];
+        assert_eq!(pipe.read(&[(buf.as_mut_ptr(), 5)], true), Ok(5));
+        assert_eq!(&buf, b"hello");
+        assert_eq!(pipe.readable(), 11);
+        let mut a = [0u8; 4];
+        let mut b = [0u8; 20];
+        assert_eq!(
+            pipe.read(&[(a.as_mut_ptr(), 4), (b.as_mut_ptr(), 20)], false),
+            Ok(11)
+        );
+        assert_eq!(&a, b"hell");
+        assert_eq!(&b[..7], b"o world");
+    }
+
+    /// Overflow into arena records and back: order is kept, the ring is used again once
+    /// drained, and every record goes back to its arena.
+    #[test]
+    fn overflow_chains_arena_records_and_returns_them() {
+        let region = temp_region(DEFAULT_LOCAL_BYTES);
+        let pipe = region.direction(0);
+        let capacity = (DEFAULT_LOCAL_BYTES - HEADER_BYTES) as u64;
+        let mut expected = Vec::new();
+        let mut next = 0u32;
+        let mut chunk = |len: usize| -> Vec<u8> {
+            (0..len)
+                .map(|_| {
+                    next = next.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+                    (next >> 16) as u8
+                })
+                .collect()
+        };
+        // 600 KiB without reading: the ring takes 63 KiB, the arena the rest.
+        let burst = chunk(600 * 1024);
+        assert_eq!(write_all(&pipe, &burst), burst.len());
+        expected.extend_from_slice(&burst);
+        assert_eq!(pipe.readable(), burst.len() as u64);
+        assert!(pipe.records_held() >= 9, "held {}", pipe.records_held());
+        assert_eq!(pipe.chain().mode.load(Ordering::Relaxed), MODE_CHAIN);
+        // Read part of it in odd sizes, then write more: it goes back to the ring only after
+        // the ring run has drained.
+        let mut got = read_some(&pipe, 70_001);
+        assert!(pipe.consumed() >= capacity);
+        let more = chunk(1000);
+        assert_eq!(write_all(&pipe, &more), more.len());
+        assert_eq!(pipe.chain().mode.load(Ordering::Relaxed), MODE_RING);
+        expected.extend_from_slice(&more);
+        while got.len() < expected.len() {
+            let part = read_some(&pipe, 33_333);
+            assert!(!part.is_empty());
+            got.extend(part);
+        }
+        assert_eq!(got, expected, "bytes out of order or lost");
+        assert_eq!(pipe.records_held(), 0, "records not returned");
+    }
+
+    /// A writer that stops in chain mode must not keep an arena record once the reader has
+    /// drained everything (1,000 idle connections would otherwise pin 1,000 records).
+    #[test]
+    fn an_idle_connection_holds_no_arena_record() {
+        let region = temp_region(DEFAULT_LOCAL_BYTES);
+        let pipe = region.direction(1);
+        let data = vec![7u8; 100 * 1024];
+        assert_eq!(write_all(&pipe, &data), data.len());
+        assert!(pipe.records_held() > 0);
+        assert_eq!(read_some(&pipe, 200 * 1024).len(), data.len());
+        assert_eq!(pipe.records_held(), 0);
+        assert_eq!(pipe.chain().mode.load(Ordering::Relaxed), MODE_RING);
+        // And the pipe keeps working.
+        assert_eq!(write_all(&pipe, b"again"), 5);
+        assert_eq!(read_some(&pipe, 10), b"again");
+    }
+
+    #[test]
+    fn a_direction_holds_at_most_its_record_limit() {
+        let region = temp_region(DEFAULT_LOCAL_BYTES);
+        let pipe = region.direction(0);
+        let limit = crate::settings::get().conn_records;
+        let data = vec![1u8; (limit as usize + 8) * arena::RECORD_BYTES];
+        let n = write_all(&pipe, &data);
+        assert!(n < data.len(), "the writer must stop at the limit");
+        assert_eq!(pipe.records_held(), limit);
+        assert_eq!(pipe.writable(), 0);
+        assert_eq!(read_some(&pipe, data.len()).len(), n);
+        assert_eq!(pipe.records_held(), 0);
+    }
+
+    /// The commit step refuses a record that is not this connection's: another connection's
+    /// token, a free record, a reference outside any arena.
+    #[test]
+    fn commit_refuses_records_of_other_connections() {
+        let region = temp_region(DEFAULT_LOCAL_BYTES);
+        let pipe = region.direction(0);
+        let data = vec![3u8; 200 * 1024];
+        assert_eq!(write_all(&pipe, &data), data.len());
+        let head = RecordRef(pipe.chain().head.load(Ordering::Relaxed));
+        let record = arena::writer_view(head, pipe.token).unwrap();
+        // Drain the ring part so that the next read reaches the record.
+        let ring_part = DEFAULT_LOCAL_BYTES - HEADER_BYTES;
+        assert_eq!(read_some(&pipe, ring_part).len(), ring_part);
+
+        record
+            .descriptor
+            .owner
+            .store(pipe.token ^ 1, Ordering::Relaxed);
+        let mut buf = [0u8; 16];
+        assert_eq!(pipe.read(&[(buf.as_mut_ptr(), 16)], false), Err(Corrupt));
+        record.descriptor.owner.store(pipe.token, Ordering::Relaxed);
+
+        pipe.chain().head.store(u32::MAX, Ordering::Relaxed);
+        assert_eq!(pipe.read(&[(buf.as_mut_ptr(), 16)], false), Err(Corrupt));
+        pipe.chain().head.store(head.0, Ordering::Relaxed);
+
+        assert_eq!(pipe.read(&[(buf.as_mut_ptr(), 16)], false), Ok(16));
+        assert_eq!(
+            record.descriptor.state.load(Ordering::Relaxed),
+            arena::COMMITTED
+        );
+        // A record whose owner's token does not match cannot be released either.
+        assert!(!arena::release(head, pipe.token ^ 1));
+        pipe.release_all(true);
+        assert_eq!(pipe.records_held(), 0);
+        assert_eq!(record.descriptor.state.load(Ordering::Relaxed), arena::FREE);
+        // The reader is gone: nothing more is appended (the ring still takes bytes).
+        assert!(write_all(&pipe, &data) < data.len());
+        assert_eq!(pipe.records_held(), 0);
+    }
+
+    /// A writer thread and a reader thread race through ring and chain with random sizes:
+    /// every byte arrives once and in order.
+    #[test]
+    fn concurrent_writer_and_reader_keep_the_stream_intact() {
+        let region: &'static Region = Box::leak(Box::new(temp_region(16 * 1024)));
+        const TOTAL: usize = 24 << 20;
+        fn byte(i: usize) -> u8 {
+            (i.wrapping_mul(2_654_435_761) >> 13) as u8
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let writer = std::thread::spawn(move || {
+            let pipe = region.direction(0);
+            let mut sent = 0usize;
+            let mut size = 1usize;
+            while sent < TOTAL {
+                assert!(std::time::Instant::now() < deadline, "writer stuck");
+                size = (size * 7 + 13) % 200_000 + 1;
+                let chunk: Vec<u8> = (sent..(sent + size).min(TOTAL)).map(byte).collect();
+                let mut off = 0;
+                while off < chunk.len() {
+                    assert!(std::time::Instant::now() < deadline, "writer stuck");
+                    let n = pipe.write(&[(chunk[off..].as_ptr(), chunk.len() - off)]);
+                    if n == 0 {
+                        std::thread::yield_now();
+                    }
+                    off += n;
+                }
+                sent += chunk.len();
+            }
+        });
+        let pipe = region.direction(0);
+        let mut received = 0usize;
+        let mut size = 5usize;
+        let mut buf = vec![0u8; 300_000];
+        while received < TOTAL {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "reader stuck at {received}"
+            );
+            size = (size * 11 + 7) % 300_000 + 1;
+            let n = pipe.read(&[(buf.as_mut_ptr(), size)], false).unwrap();
+            if n == 0 {
+                std::thread::yield_now();
+            }
+            for (i, &b) in buf[..n].iter().enumerate() {
+                assert_eq!(b, byte(received + i), "mismatch at offset {}", received + i);
+            }
+            received += n;
+        }
+        writer.join().unwrap();
+        assert_eq!(pipe.readable(), 0);
+        assert_eq!(pipe.records_held(), 0);
+    }
+
+    /// A peer that links a record to itself must not hang the reader.
+    #[test]
+    fn a_cyclic_chain_is_refused_not_followed_forever() {
+        let region = temp_region(DEFAULT_LOCAL_BYTES);
+        let pipe = region.direction(0);
+        let data = vec![9u8; 100 * 1024];
+        assert_eq!(write_all(&pipe, &data), data.len());
+        let head = RecordRef(pipe.chain().head.load(Ordering::Relaxed));
+        let record = arena::writer_view(head, pipe.token).unwrap();
+        // An empty, sealed record that points at itself, while more bytes are announced.
+        record.descriptor.filled.store(0, Ordering::Relaxed);
+        record.descriptor.sealed.store(1, Ordering::Relaxed);
+        record.descriptor.next.store(head.0, Ordering::Relaxed);
+        let capacity = (DEFAULT_LOCAL_BYTES - HEADER_BYTES) as u64;
+        record.descriptor.start.store(0, Ordering::Relaxed);
+        pipe.control.consumed.0.store(capacity, Ordering::Relaxed);
+        let mut buf = [0u8; 16];
+        let started = std::time::Instant::now();
+        assert_eq!(pipe.read(&[(buf.as_mut_ptr(), 16)], false), Err(Corrupt));
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        record.descriptor.next.store(0, Ordering::Relaxed);
+        pipe.release_all(true);
+        assert_eq!(pipe.records_held(), 0);
+    }
+
+    /// Found by the fuzzer: a peer that claims to have written far more than the ring holds
+    /// must not make the reader copy past the ring (it used to); the read is refused.
+    #[test]
+    fn a_peer_claiming_more_than_the_ring_holds_is_refused() {
+        let region = temp_region(8192);
+        let pipe = region.direction(1);
+        let capacity = (8192 - HEADER_BYTES) as u64;
+        pipe.control.written.0.store(142_956, Ordering::Relaxed);
+        let mut buf = vec![0u8; 200_000];
+        assert_eq!(
+            pipe.read(&[(buf.as_mut_ptr(), buf.len())], true),
+            Err(Corrupt)
+        );
+        // Exactly a full ring is legitimate.
+        pipe.control.written.0.store(capacity, Ordering::Relaxed);
+        assert_eq!(
+            pipe.read(&[(buf.as_mut_ptr(), buf.len())], false),
+            Ok(capacity as usize)
+        );
     }
 
     #[test]
@@ -373,10 +1122,26 @@ mod tests {
             std::process::id()
         ))
         .unwrap();
-        std::fs::write(path.to_str().unwrap(), vec![0u8; CONTROL_BYTES + 2 * 4096]).unwrap();
+        std::fs::write(path.to_str().unwrap(), vec![0u8; 2 * MIN_LOCAL_BYTES]).unwrap();
         let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR) };
         assert!(Region::attach(fd).is_none());
         unsafe { libc::close(fd) };
         unsafe { libc::unlink(path.as_ptr()) };
+    }
+
+    #[test]
+    fn own_side_is_alive_and_a_dead_side_is_not() {
+        let region = temp_region(8192);
+        region.add_pid(0);
+        assert!(region.side_may_live(0));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        region.control().pid_namespace[1].store(process::pid_namespace(), Ordering::Relaxed);
+        region.control().holders[1].store(1, Ordering::Relaxed);
+        region.control().pids[1][0].store(dead, Ordering::Relaxed);
+        assert!(!region.side_may_live(1));
+        region.control().pids_overflow[1].store(1, Ordering::Relaxed);
+        assert!(region.side_may_live(1), "overflowed pid slots mean unknown");
     }
 }

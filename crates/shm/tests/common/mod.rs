@@ -16,17 +16,50 @@ fn profile_dir() -> PathBuf {
         .to_path_buf()
 }
 
-/// The preload library built from this crate. `cargo test` builds the copy in examples/
-/// (see Cargo.toml); a plain `cargo build` builds libflatmesh_shm.so.
+/// Newest modification time of the files an artifact of this crate is built from.
+fn newest_source() -> std::time::SystemTime {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let mut files = vec![root.join("Cargo.toml"), root.join("build.rs")];
+    for dir in ["src", "examples"] {
+        if let Ok(entries) = std::fs::read_dir(root.join(dir)) {
+            files.extend(entries.map_while(Result::ok).map(|e| e.path()));
+        }
+    }
+    files
+        .iter()
+        .filter_map(|f| std::fs::metadata(f).and_then(|m| m.modified()).ok())
+        .max()
+        .unwrap_or(std::time::UNIX_EPOCH)
+}
+
+/// Fails when `artifact` is older than the crate's sources: `cargo test --test NAME` rebuilds
+/// only the test, not the examples it runs, and a stale library or probe makes failures that
+/// have nothing to do with the code under test.
+fn require_fresh(artifact: &std::path::Path) {
+    let built = std::fs::metadata(artifact)
+        .and_then(|m| m.modified())
+        .unwrap();
+    assert!(
+        built >= newest_source(),
+        "{} is older than the sources of crates/shm: rebuild it with `cargo build --release -p flatmesh-shm --lib --examples` (or run `cargo test --release -p flatmesh-shm` without --test, which builds the examples too)",
+        artifact.display()
+    );
+}
+
+/// The preload library built from this crate, the newer of two copies: `cargo test` builds the
+/// one in examples/ (see Cargo.toml); a plain `cargo build` builds libflatmesh_shm.so.
 pub fn library() -> PathBuf {
     let dir = profile_dir();
-    for candidate in [
+    let newest = [
         dir.join("examples/libflatmesh_shm_preload.so"),
         dir.join("libflatmesh_shm.so"),
-    ] {
-        if candidate.exists() {
-            return candidate;
-        }
+    ]
+    .into_iter()
+    .filter_map(|c| Some((std::fs::metadata(&c).and_then(|m| m.modified()).ok()?, c)))
+    .max();
+    if let Some((_, candidate)) = newest {
+        require_fresh(&candidate);
+        return candidate;
     }
     panic!("libflatmesh_shm.so not found next to {}: build it with `cargo build --release -p flatmesh-shm --lib`", dir.display());
 }
@@ -39,6 +72,7 @@ pub fn probe() -> PathBuf {
         "{} not found: build it with `cargo build --release -p flatmesh-shm --examples`",
         path.display()
     );
+    require_fresh(&path);
     path
 }
 
@@ -133,7 +167,17 @@ impl Running {
 }
 
 impl Drop for Running {
+    /// SIGTERM first, so that a server with worker processes (nginx's master) stops them too;
+    /// SIGKILL if it has not exited within 2 s.
     fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            // SAFETY: signalling our own child, which has not been reaped yet.
+            unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -172,12 +216,13 @@ pub fn run(mut command: Command, within: Duration) -> (bool, String, String) {
     (status.success(), out.join().unwrap(), err.join().unwrap())
 }
 
-/// Shared-memory regions mapped by a process: >0 means the library moved a connection.
+/// Connection regions mapped by a process (arenas not counted): >0 means the library moved a
+/// connection.
 pub fn shm_mappings(pid: u32) -> usize {
     std::fs::read_to_string(format!("/proc/{pid}/maps"))
         .unwrap_or_default()
         .lines()
-        .filter(|l| l.contains("flatmesh-shm-"))
+        .filter(|l| l.contains("/dev/shm/flatmesh-shm-") && !l.contains("-arena-"))
         .count()
 }
 
@@ -214,4 +259,51 @@ pub fn wait_listening(port: u16, within: Duration) {
         std::thread::sleep(Duration::from_millis(50));
     }
     panic!("nothing listens on 127.0.0.1:{port} after {within:?}");
+}
+
+/// A fresh path for the library's exit reports (`FLATMESH_SHM_STATS=<path>`).
+pub fn stats_path(name: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!(
+        "flatmesh-shm-stats-{name}-{}.txt",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&path);
+    path
+}
+
+/// The counters of every process that wrote an exit report to `path`, keyed by name.
+pub fn read_stats(path: &std::path::Path) -> Vec<std::collections::BTreeMap<String, u64>> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("flatmesh-shm pid "))
+        .map(|line| {
+            let words: Vec<&str> = line.split_whitespace().skip(1).collect();
+            words
+                .chunks(2)
+                .filter_map(|pair| Some((pair[0].to_string(), pair.get(1)?.parse().ok()?)))
+                .collect()
+        })
+        .collect()
+}
+
+/// Sum of one counter over all reports.
+pub fn total(reports: &[std::collections::BTreeMap<String, u64>], key: &str) -> u64 {
+    reports
+        .iter()
+        .map(|r| r.get(key).copied().unwrap_or(0))
+        .sum()
+}
+
+/// CPU time (user + system, all threads) a process has used, in clock ticks.
+pub fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    // After "pid (comm)": state is field 3, utime 14, stime 15 (1-based).
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
 }

@@ -1,0 +1,935 @@
+//! Per-core shared arenas (HeteroNet §4.2.3): pools of page-aligned records that a sender
+//! appends to a connection when the connection's local record is full.
+//!
+//! One arena per (user, core): the file `/dev/shm/flatmesh-shm-arena-v1-<uid>-<core>` (mode
+//! 0600), created by the first process that needs it and shared by every preloaded process of
+//! that user. It holds a header (geometry, the free list, per-process usage slots), one
+//! descriptor per record (the record's metadata: state, owner, `next`, stream offset, fill)
+//! and the records themselves.
+//!
+//! The life of a record, as in the paper's Fig. 5:
+//! 1. **Speculative allocation** ([`allocate`]): a sender pops a free record from the arena of
+//!    the core it runs on (`sched_getcpu`, no system call) with one compare-and-swap, stamps it
+//!    with the connection's token and links it behind the connection's chain. No system call,
+//!    no helper, no peer involved.
+//! 2. **Commit** ([`commit`]): the receiver, the first time it reaches a record, validates it:
+//!    the reference is inside an arena it may map, the record is owned by *this* connection's
+//!    token, it is speculative (not free, not someone else's), its fill is in bounds, and the
+//!    allocating process is within its record limit. Only then does it flip the record to
+//!    committed and read it. In the paper the kernel commits (on a context switch or on the
+//!    receiver's page fault); here the receiving peer does, at the same moment the paper's
+//!    receiver would fault: its first access. Mapping an arena the process has not mapped yet
+//!    happens here too, like the paper's fault-time remap.
+//! 3. **Release** ([`release`]): the reader frees a record it has consumed (or the last closer
+//!    frees what is left), checking the owner token again; the record returns to its arena.
+//!
+//! Governance: every process has a usage slot in each arena (pid + records held). A sender
+//! stops appending records when its total reaches `FLATMESH_SHM_PROCESS_RECORDS` (it then waits
+//! for its reader, as with a full TCP buffer), and a receiver refuses to commit a record from a
+//! process whose usage exceeds the limit recorded in the arena header.
+
+use crate::lock::SpinGuard;
+use crate::process;
+use crate::real::{self, errno};
+use crate::region::CacheLine;
+use crate::settings;
+use crate::stats;
+use parking_lot::Mutex;
+use std::ffi::CString;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+
+const MAGIC: u64 = 0x316e_7261_7461_6c66; // "flatarn1"
+pub const VERSION: u32 = 1;
+/// Size of an arena record (page-aligned; its metadata lives in its descriptor).
+pub const RECORD_BYTES: usize = 64 * 1024;
+/// Arenas a process can address (one per core).
+pub const MAX_ARENAS: usize = 1024;
+const INDEX_BITS: u32 = 20;
+const INDEX_MASK: u32 = (1 << INDEX_BITS) - 1;
+/// Records per arena, exclusive bound (the index part of a [`RecordRef`]).
+pub const MAX_RECORDS: u32 = 1 << INDEX_BITS;
+/// Usage slots (processes) per arena.
+pub const SLOTS: usize = 256;
+const PAGE: usize = 4096;
+const DESCRIPTORS_OFFSET: usize = PAGE;
+
+/// Record states.
+pub const FREE: u32 = 0;
+pub const SPECULATIVE: u32 = 1;
+pub const COMMITTED: u32 = 2;
+
+/// A record's name in shared memory: arena id and index. 0 is "none".
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct RecordRef(pub u32);
+
+impl RecordRef {
+    pub fn new(arena: usize, index: u32) -> RecordRef {
+        debug_assert!(arena < MAX_ARENAS && index < MAX_RECORDS);
+        RecordRef(((arena as u32 + 1) << INDEX_BITS) | index)
+    }
+
+    pub fn is_none(self) -> bool {
+        self.0 == 0
+    }
+
+    /// The arena id, if the reference names one this process can address.
+    pub fn arena(self) -> Option<usize> {
+        let id = ((self.0 >> INDEX_BITS) as usize).checked_sub(1)?;
+        (id < MAX_ARENAS).then_some(id)
+    }
+
+    pub fn index(self) -> u32 {
+        self.0 & INDEX_MASK
+    }
+}
+
+#[repr(C)]
+pub struct Slot {
+    pub pid: AtomicU32,
+    pub records: AtomicU32,
+}
+
+#[repr(C)]
+struct Header {
+    magic: u64,
+    version: u32,
+    core: u32,
+    record_bytes: u32,
+    record_count: u32,
+    process_limit: u32,
+    _reserved: u32,
+    records_offset: u64,
+    total_bytes: u64,
+    /// Free list head: (ABA tag << 32) | (index + 1); index part 0 = empty.
+    free_head: CacheLine<AtomicU64>,
+    free_count: CacheLine<AtomicU32>,
+    /// Claiming a usage slot (rare) is serialised by this lock.
+    slot_lock: CacheLine<AtomicU32>,
+    slots: [Slot; SLOTS],
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() <= DESCRIPTORS_OFFSET);
+
+/// A record's metadata (the paper's `nextRecord` and friends), one cache line.
+#[repr(C, align(64))]
+pub struct Descriptor {
+    pub state: AtomicU32,
+    /// The allocating process's usage slot.
+    pub slot: AtomicU32,
+    pub next_free: AtomicU32,
+    /// The next record of the connection's chain ([`RecordRef`]).
+    pub next: AtomicU32,
+    /// The connection token of the owning connection.
+    pub owner: AtomicU64,
+    /// Stream offset of the record's first byte.
+    pub start: AtomicU64,
+    /// Bytes written into the record (only the writer stores).
+    pub filled: AtomicU32,
+    /// The writer has moved on: `filled` is final.
+    pub sealed: AtomicU32,
+    /// The record's pages were reserved (MADV_POPULATE_WRITE) once.
+    pub populated: AtomicU32,
+}
+
+const _: () = assert!(std::mem::size_of::<Descriptor>() == 64);
+
+/// Where the records start and how large the file is, for a geometry.
+pub fn geometry(record_bytes: usize, record_count: u32) -> (usize, usize) {
+    let descriptors = record_count as usize * std::mem::size_of::<Descriptor>();
+    let records_offset = (DESCRIPTORS_OFFSET + descriptors).div_ceil(PAGE) * PAGE;
+    (
+        records_offset,
+        records_offset + record_count as usize * record_bytes,
+    )
+}
+
+/// One mapped arena. Mapped once per process and kept for the process's lifetime.
+pub struct Arena {
+    base: *mut u8,
+    len: usize,
+    pub id: usize,
+    pub record_bytes: usize,
+    pub record_count: u32,
+    records_offset: usize,
+}
+
+// SAFETY: shared memory accessed through atomics; record bytes are handed out to one writer.
+unsafe impl Send for Arena {}
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    fn header(&self) -> &Header {
+        // SAFETY: validated mapping with a Header at offset 0.
+        unsafe { &*self.base.cast::<Header>() }
+    }
+
+    pub fn descriptor(&self, index: u32) -> Option<&Descriptor> {
+        if index >= self.record_count {
+            return None;
+        }
+        // SAFETY: index is in bounds of the validated descriptor table.
+        Some(unsafe {
+            &*self
+                .base
+                .add(DESCRIPTORS_OFFSET + index as usize * std::mem::size_of::<Descriptor>())
+                .cast::<Descriptor>()
+        })
+    }
+
+    /// The bytes of a record (`record_bytes` long).
+    pub fn record(&self, index: u32) -> *mut u8 {
+        debug_assert!(index < self.record_count);
+        // SAFETY: in bounds (checked by callers through `descriptor`).
+        unsafe {
+            self.base
+                .add(self.records_offset + index as usize * self.record_bytes)
+        }
+    }
+
+    pub fn free_records(&self) -> u32 {
+        self.header().free_count.0.load(Ordering::Relaxed)
+    }
+
+    pub fn process_limit(&self) -> u32 {
+        self.header().process_limit
+    }
+
+    fn pop(&self) -> Option<u32> {
+        let head = &self.header().free_head.0;
+        let mut current = head.load(Ordering::Acquire);
+        loop {
+            let index = (current as u32).checked_sub(1)?;
+            let next = self.descriptor(index)?.next_free.load(Ordering::Acquire);
+            if next > self.record_count {
+                return None; // corrupt free list: treat as exhausted
+            }
+            let tag = (current >> 32).wrapping_add(1);
+            match head.compare_exchange_weak(
+                current,
+                (tag << 32) | next as u64,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    self.header().free_count.0.fetch_sub(1, Ordering::Relaxed);
+                    return Some(index);
+                }
+                Err(seen) => current = seen,
+            }
+        }
+    }
+
+    fn push(&self, index: u32) {
+        let Some(descriptor) = self.descriptor(index) else {
+            return;
+        };
+        let head = &self.header().free_head.0;
+        let mut current = head.load(Ordering::Acquire);
+        loop {
+            descriptor
+                .next_free
+                .store(current as u32, Ordering::Release);
+            let tag = (current >> 32).wrapping_add(1);
+            match head.compare_exchange_weak(
+                current,
+                (tag << 32) | (index as u64 + 1),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    self.header().free_count.0.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                Err(seen) => current = seen,
+            }
+        }
+    }
+
+    /// This process's usage slot, claimed on first use. `None` when all slots are taken by
+    /// live processes.
+    fn my_slot(&self) -> Option<usize> {
+        let cached = MY_SLOT[self.id].load(Ordering::Relaxed);
+        if cached != 0 {
+            return Some(cached as usize - 1);
+        }
+        let me = process::pid();
+        let slots = &self.header().slots;
+        let _guard = SpinGuard::lock(&self.header().slot_lock.0, true);
+        let found = slots
+            .iter()
+            .position(|s| s.pid.load(Ordering::Relaxed) == me)
+            .or_else(|| {
+                slots.iter().position(|s| {
+                    let pid = s.pid.load(Ordering::Relaxed);
+                    pid == 0 || (s.records.load(Ordering::Relaxed) == 0 && !process::alive(pid))
+                })
+            })?;
+        slots[found].pid.store(me, Ordering::Relaxed);
+        MY_SLOT[self.id].store(found as u32 + 1, Ordering::Relaxed);
+        Some(found)
+    }
+
+    /// Records the slot's process holds in this arena.
+    fn slot_usage(&self, slot: usize) -> u32 {
+        self.header()
+            .slots
+            .get(slot)
+            .map_or(0, |s| s.records.load(Ordering::Relaxed))
+    }
+
+    fn valid(&self, core: usize, file_len: usize) -> bool {
+        let header = self.header();
+        let record_bytes = header.record_bytes as usize;
+        let count = header.record_count;
+        if header.magic != MAGIC
+            || header.version != VERSION
+            || header.core as usize != core
+            || record_bytes == 0
+            || !record_bytes.is_multiple_of(PAGE)
+            || record_bytes > 64 << 20
+            || count == 0
+            || count >= MAX_RECORDS
+        {
+            return false;
+        }
+        let (records_offset, total) = geometry(record_bytes, count);
+        records_offset as u64 == header.records_offset
+            && total as u64 == header.total_bytes
+            && total == file_len
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: our mapping (only unvalidated arenas are ever dropped).
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+static MAPPED: [AtomicPtr<Arena>; MAX_ARENAS] =
+    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_ARENAS];
+/// This process's usage slot in each arena, plus one (0: none claimed yet).
+static MY_SLOT: [AtomicU32; MAX_ARENAS] = [const { AtomicU32::new(0) }; MAX_ARENAS];
+/// Arenas this process could not create or map (not retried for allocation).
+static BROKEN: [AtomicBool; MAX_ARENAS] = [const { AtomicBool::new(false) }; MAX_ARENAS];
+static MAP_LOCK: Mutex<()> = Mutex::new(());
+
+/// Number of per-core arenas: the configured CPUs.
+pub fn arena_count() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
+    (cpus.max(1) as usize).min(MAX_ARENAS)
+}
+
+fn path(id: usize) -> Option<CString> {
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    CString::new(format!("/dev/shm/flatmesh-shm-arena-v{VERSION}-{uid}-{id}")).ok()
+}
+
+fn map_file(fd: libc::c_int, len: usize) -> Option<*mut u8> {
+    // SAFETY: mapping a file we hold open.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    (base != libc::MAP_FAILED).then_some(base.cast())
+}
+
+/// Reserves the pages of `[base, base+len)` now, so that a full /dev/shm shows up as an error
+/// here instead of a SIGBUS in the application later.
+pub fn populate(base: *mut u8, len: usize) -> bool {
+    // SAFETY: madvise on our own mapping.
+    unsafe { libc::madvise(base.cast(), len, libc::MADV_POPULATE_WRITE) == 0 }
+}
+
+/// Creates and initialises an arena file under a temporary name, then links it into place, so
+/// other processes only ever see a complete arena.
+fn create(id: usize, final_path: &CString) -> libc::c_int {
+    let config = settings::get();
+    let record_count = config.arena_records_per_core();
+    if record_count == 0 {
+        return -1;
+    }
+    let Ok(temp) = CString::new(format!(
+        "{}.tmp-{}",
+        final_path.to_string_lossy(),
+        process::pid()
+    )) else {
+        return -1;
+    };
+    let (records_offset, total) = geometry(RECORD_BYTES, record_count);
+    // SAFETY: plain file syscalls on NUL-terminated paths.
+    unsafe {
+        libc::unlink(temp.as_ptr());
+        let fd = libc::open(
+            temp.as_ptr(),
+            libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+            0o600,
+        );
+        if fd < 0 {
+            return -1;
+        }
+        let ready = libc::ftruncate(fd, total as libc::off_t) == 0;
+        let mapped = if ready { map_file(fd, total) } else { None };
+        let initialised = mapped.is_some_and(|base| {
+            if !populate(base, records_offset) {
+                return false;
+            }
+            let header = &mut *base.cast::<Header>();
+            header.version = VERSION;
+            header.core = id as u32;
+            header.record_bytes = RECORD_BYTES as u32;
+            header.record_count = record_count;
+            header.process_limit = config.process_records;
+            header.records_offset = records_offset as u64;
+            header.total_bytes = total as u64;
+            for index in 0..record_count {
+                let descriptor = &*base
+                    .add(DESCRIPTORS_OFFSET + index as usize * std::mem::size_of::<Descriptor>())
+                    .cast::<Descriptor>();
+                let next = if index + 1 < record_count {
+                    index + 2
+                } else {
+                    0
+                };
+                descriptor.next_free.store(next, Ordering::Relaxed);
+            }
+            header.free_head.0.store(1, Ordering::Relaxed);
+            header.free_count.0.store(record_count, Ordering::Relaxed);
+            std::sync::atomic::fence(Ordering::Release);
+            header.magic = MAGIC;
+            true
+        });
+        if let Some(base) = mapped {
+            libc::munmap(base.cast(), total);
+        }
+        let linked = initialised && libc::link(temp.as_ptr(), final_path.as_ptr()) == 0;
+        libc::unlink(temp.as_ptr());
+        if linked {
+            return fd;
+        }
+        real::close(fd);
+        // Lost the race to another creator (EEXIST): use theirs.
+        libc::open(
+            final_path.as_ptr(),
+            libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+        )
+    }
+}
+
+/// The arena with this id, mapped on first use. `create`: make the file if it does not exist
+/// (senders do; receivers only map what a sender made).
+pub fn open(id: usize, create_missing: bool) -> Option<&'static Arena> {
+    if id >= MAX_ARENAS {
+        return None;
+    }
+    let mapped = MAPPED[id].load(Ordering::Acquire);
+    if !mapped.is_null() {
+        // SAFETY: leaked, never freed.
+        return Some(unsafe { &*mapped });
+    }
+    if create_missing && BROKEN[id].load(Ordering::Relaxed) {
+        return None;
+    }
+    let _guard = MAP_LOCK.lock();
+    let mapped = MAPPED[id].load(Ordering::Acquire);
+    if !mapped.is_null() {
+        // SAFETY: as above.
+        return Some(unsafe { &*mapped });
+    }
+    if cfg!(fuzzing) {
+        // The fuzzer installs its own arenas and must not touch this user's real ones.
+        return None;
+    }
+    let path = path(id)?;
+    // SAFETY: open on a NUL-terminated path.
+    let mut fd = unsafe {
+        libc::open(
+            path.as_ptr(),
+            libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+        )
+    };
+    if fd < 0 && errno() == libc::ENOENT && create_missing {
+        fd = create(id, &path);
+    }
+    if fd < 0 {
+        if create_missing {
+            BROKEN[id].store(true, Ordering::Relaxed);
+        }
+        return None;
+    }
+    let arena = map_validated(fd, id);
+    // SAFETY: our fd.
+    unsafe { real::close(fd) };
+    match arena {
+        Some(arena) => {
+            let leaked: &'static Arena = Box::leak(Box::new(arena));
+            MAPPED[id].store((leaked as *const Arena).cast_mut(), Ordering::Release);
+            Some(leaked)
+        }
+        None => {
+            BROKEN[id].store(true, Ordering::Relaxed);
+            None
+        }
+    }
+}
+
+/// Maps an arena file and checks that it is one, of this user, with a consistent geometry.
+pub(crate) fn map_validated(fd: libc::c_int, id: usize) -> Option<Arena> {
+    // SAFETY: fstat into a zeroed struct.
+    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd, &mut stat) } != 0 || stat.st_uid != unsafe { libc::geteuid() } {
+        return None;
+    }
+    let len = usize::try_from(stat.st_size).ok()?;
+    if len < DESCRIPTORS_OFFSET {
+        return None;
+    }
+    let base = map_file(fd, len)?;
+    // SAFETY: the mapping is at least one page, large enough for the header fields we read.
+    let (record_bytes, record_count, records_offset) = unsafe {
+        let header = &*base.cast::<Header>();
+        (
+            header.record_bytes as usize,
+            header.record_count,
+            header.records_offset as usize,
+        )
+    };
+    let arena = Arena {
+        base,
+        len,
+        id,
+        record_bytes,
+        record_count,
+        records_offset,
+    };
+    arena.valid(id, len).then_some(arena)
+}
+
+/// A private arena in anonymous shared memory (not a file), initialised like a new one, for
+/// unit tests and the fuzzer.
+#[cfg(any(test, fuzzing))]
+pub(crate) fn anonymous(id: usize, count: u32) -> Arena {
+    let (records_offset, total) = geometry(RECORD_BYTES, count);
+    // SAFETY: a fresh anonymous mapping.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            total,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(base, libc::MAP_FAILED, "mmap of a private arena failed");
+    let arena = Arena {
+        base: base.cast(),
+        len: total,
+        id,
+        record_bytes: RECORD_BYTES,
+        record_count: count,
+        records_offset,
+    };
+    arena.reset();
+    arena
+}
+
+#[cfg(any(test, fuzzing))]
+impl Arena {
+    /// Back to a fresh arena: every record free, header valid.
+    pub(crate) fn reset(&self) {
+        // SAFETY: zeroing our own header and descriptor pages.
+        unsafe { std::ptr::write_bytes(self.base, 0, self.records_offset) };
+        // SAFETY: as above; the header is ours.
+        let header = unsafe { &mut *self.base.cast::<Header>() };
+        header.magic = MAGIC;
+        header.version = VERSION;
+        header.core = self.id as u32;
+        header.record_bytes = self.record_bytes as u32;
+        header.record_count = self.record_count;
+        header.process_limit = self.record_count;
+        header.records_offset = self.records_offset as u64;
+        header.total_bytes = self.len as u64;
+        for index in 0..self.record_count {
+            if let Some(descriptor) = self.descriptor(index) {
+                let next = if index + 1 < self.record_count {
+                    index + 2
+                } else {
+                    0
+                };
+                descriptor.next_free.store(next, Ordering::Relaxed);
+            }
+        }
+        header.free_head.0.store(1, Ordering::Relaxed);
+        header
+            .free_count
+            .0
+            .store(self.record_count, Ordering::Relaxed);
+    }
+
+    /// The header and descriptor bytes, as a peer could scribble on them.
+    pub(crate) fn metadata(&self) -> (*mut u8, usize) {
+        (self.base, self.records_offset)
+    }
+}
+
+/// Makes `arena` the one this process uses for its id (fuzzer only).
+#[cfg(fuzzing)]
+pub(crate) fn install(arena: &'static Arena) {
+    MAPPED[arena.id].store((arena as *const Arena).cast_mut(), Ordering::Release);
+}
+
+/// An arena already mapped by this process (no system call).
+pub fn mapped(id: usize) -> Option<&'static Arena> {
+    let pointer = MAPPED.get(id)?.load(Ordering::Acquire);
+    // SAFETY: leaked, never freed.
+    (!pointer.is_null()).then(|| unsafe { &*pointer })
+}
+
+/// Records this process holds across all arenas.
+pub fn process_usage() -> u32 {
+    (0..arena_count())
+        .filter_map(|id| {
+            let slot = MY_SLOT[id].load(Ordering::Relaxed);
+            let arena = mapped(id)?;
+            (slot != 0).then(|| arena.slot_usage(slot as usize - 1))
+        })
+        .sum()
+}
+
+/// In a forked child: usage slots belong to the parent's pid.
+pub fn after_fork_in_child() {
+    for slot in &MY_SLOT {
+        slot.store(0, Ordering::Relaxed);
+    }
+}
+
+fn current_core() -> usize {
+    // SAFETY: sched_getcpu reads the rseq/vDSO cpu id (no system call on this kernel).
+    let cpu = unsafe { libc::sched_getcpu() };
+    usize::try_from(cpu).unwrap_or(0) % arena_count()
+}
+
+/// Why a sender could not append a record.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refused {
+    Disabled,
+    ProcessLimit,
+    Exhausted,
+}
+
+/// Speculatively allocates a record for the connection `owner`, whose first byte will be stream
+/// offset `start`: from this core's arena, else from another core's existing arena.
+pub fn allocate(owner: u64, start: u64) -> Result<RecordRef, Refused> {
+    let config = settings::get();
+    if config.arena_bytes == 0 {
+        return Err(Refused::Disabled);
+    }
+    if process_usage() >= config.process_records {
+        stats::bump(&stats::get().refused_limit);
+        return Err(Refused::ProcessLimit);
+    }
+    let home = current_core();
+    let count = arena_count();
+    for step in 0..count {
+        let id = (home + step) % count;
+        let Some(arena) = (if step == 0 {
+            open(id, true)
+        } else {
+            mapped(id).or_else(|| open(id, false))
+        }) else {
+            continue;
+        };
+        if arena.free_records() == 0 {
+            continue;
+        }
+        let Some(slot) = arena.my_slot() else {
+            continue;
+        };
+        if arena.slot_usage(slot) >= arena.process_limit() {
+            // The limit the arena's receivers enforce at commit (see `commit`).
+            continue;
+        }
+        let Some(index) = arena.pop() else {
+            continue;
+        };
+        let Some(descriptor) = arena.descriptor(index) else {
+            continue;
+        };
+        if descriptor.populated.load(Ordering::Acquire) == 0 {
+            if !populate(arena.record(index), arena.record_bytes) {
+                arena.push(index);
+                stats::bump(&stats::get().refused_exhausted);
+                return Err(Refused::Exhausted);
+            }
+            descriptor.populated.store(1, Ordering::Release);
+        }
+        descriptor.owner.store(owner, Ordering::Relaxed);
+        descriptor.start.store(start, Ordering::Relaxed);
+        descriptor.filled.store(0, Ordering::Relaxed);
+        descriptor.sealed.store(0, Ordering::Relaxed);
+        descriptor.next.store(0, Ordering::Relaxed);
+        descriptor.slot.store(slot as u32, Ordering::Relaxed);
+        descriptor.state.store(SPECULATIVE, Ordering::Release);
+        arena.header().slots[slot]
+            .records
+            .fetch_add(1, Ordering::Relaxed);
+        stats::bump(&stats::get().records_allocated);
+        return Ok(RecordRef::new(id, index));
+    }
+    stats::bump(&stats::get().refused_exhausted);
+    Err(Refused::Exhausted)
+}
+
+/// A validated record: its metadata and its bytes.
+#[derive(Clone, Copy)]
+pub struct Record {
+    pub descriptor: &'static Descriptor,
+    pub data: *mut u8,
+    pub capacity: u64,
+}
+
+fn lookup(reference: RecordRef, owner: u64) -> Option<(&'static Arena, u32, Record)> {
+    let arena = open(reference.arena()?, false)?;
+    let index = reference.index();
+    let descriptor = arena.descriptor(index)?;
+    if descriptor.owner.load(Ordering::Acquire) != owner {
+        return None;
+    }
+    let filled = descriptor.filled.load(Ordering::Acquire) as usize;
+    if filled > arena.record_bytes {
+        return None;
+    }
+    Some((
+        arena,
+        index,
+        Record {
+            descriptor,
+            data: arena.record(index),
+            capacity: arena.record_bytes as u64,
+        },
+    ))
+}
+
+/// The sender's view of a record it allocated (ownership checked, no state change).
+pub fn writer_view(reference: RecordRef, owner: u64) -> Option<Record> {
+    let (_, _, record) = lookup(reference, owner)?;
+    (record.descriptor.state.load(Ordering::Acquire) != FREE).then_some(record)
+}
+
+/// The commit step, done by the receiver on its first access to a record: validate that it
+/// belongs to this connection and to a process within its limit, then mark it committed.
+/// `None`: the record is not this connection's to read (a broken or misbehaving peer).
+pub fn commit(reference: RecordRef, owner: u64) -> Option<Record> {
+    let (arena, _, record) = lookup(reference, owner)?;
+    let descriptor = record.descriptor;
+    match descriptor.state.load(Ordering::Acquire) {
+        COMMITTED => return Some(record),
+        SPECULATIVE => {}
+        _ => return None,
+    }
+    let slot = descriptor.slot.load(Ordering::Relaxed) as usize;
+    if slot >= SLOTS || arena.slot_usage(slot) > arena.process_limit() {
+        stats::bump(&stats::get().commits_rejected);
+        return None;
+    }
+    match descriptor.state.compare_exchange(
+        SPECULATIVE,
+        COMMITTED,
+        Ordering::AcqRel,
+        Ordering::Acquire,
+    ) {
+        Ok(_) => {
+            stats::bump(&stats::get().records_committed);
+            Some(record)
+        }
+        Err(COMMITTED) => Some(record),
+        Err(_) => None,
+    }
+}
+
+/// Returns a record of connection `owner` to its arena. False if it is not that connection's
+/// (already free, or someone else's): nothing is changed then.
+pub fn release(reference: RecordRef, owner: u64) -> bool {
+    let Some((arena, index, record)) = lookup(reference, owner) else {
+        return false;
+    };
+    let descriptor = record.descriptor;
+    let state = descriptor.state.load(Ordering::Acquire);
+    if state == FREE
+        || descriptor
+            .state
+            .compare_exchange(state, FREE, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+    {
+        return false;
+    }
+    descriptor.owner.store(0, Ordering::Release);
+    let slot = descriptor.slot.load(Ordering::Relaxed) as usize;
+    if let Some(slot) = arena.header().slots.get(slot) {
+        let _ = slot
+            .records
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+    arena.push(index);
+    stats::bump(&stats::get().records_freed);
+    true
+}
+
+/// One line per mapped arena, for the stats report.
+pub fn report() -> String {
+    let mut out = String::new();
+    for (id, my_slot) in MY_SLOT.iter().enumerate().take(arena_count()) {
+        let Some(arena) = mapped(id) else { continue };
+        let slot = my_slot.load(Ordering::Relaxed);
+        let mine = if slot == 0 {
+            0
+        } else {
+            arena.slot_usage(slot as usize - 1)
+        };
+        let processes = arena
+            .header()
+            .slots
+            .iter()
+            .filter(|s| s.records.load(Ordering::Relaxed) > 0)
+            .count();
+        out.push_str(&format!(
+            "arena {id} records {} free {} record_bytes {} process_limit {} held_here {mine} holding_processes {processes}\n",
+            arena.record_count,
+            arena.free_records(),
+            arena.record_bytes,
+            arena.process_limit()
+        ));
+    }
+    out
+}
+
+/// Every existing arena of this user, mapped if need be: geometry, free records and the
+/// processes holding records (pid, records, alive).
+pub fn status() -> String {
+    let mut out = String::new();
+    let mut found = 0;
+    for id in 0..arena_count() {
+        let Some(arena) = mapped(id).or_else(|| open(id, false)) else {
+            continue;
+        };
+        found += 1;
+        let header = arena.header();
+        out.push_str(&format!(
+            "arena {id} path {} records {} record_bytes {} free {} in_use {} process_limit {}\n",
+            path(id)
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            arena.record_count,
+            arena.record_bytes,
+            arena.free_records(),
+            arena.record_count.saturating_sub(arena.free_records()),
+            arena.process_limit()
+        ));
+        for slot in &header.slots {
+            let records = slot.records.load(Ordering::Relaxed);
+            let pid = slot.pid.load(Ordering::Relaxed);
+            if records > 0 {
+                out.push_str(&format!(
+                    "  process {pid} records {records} {}\n",
+                    if process::alive(pid) { "alive" } else { "dead" }
+                ));
+            }
+        }
+    }
+    if found == 0 {
+        out.push_str("no arena yet (one is created the first time a local record overflows)\n");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn references_round_trip_and_reject_garbage() {
+        let reference = RecordRef::new(3, 77);
+        assert_eq!(reference.arena(), Some(3));
+        assert_eq!(reference.index(), 77);
+        assert!(RecordRef(0).arena().is_none() && RecordRef(0).is_none());
+        assert!(
+            RecordRef(u32::MAX).arena().is_none(),
+            "arena id past MAX_ARENAS"
+        );
+    }
+
+    #[test]
+    fn geometry_is_page_aligned() {
+        for count in [1u32, 63, 64, 1000, 1024] {
+            let (offset, total) = geometry(RECORD_BYTES, count);
+            assert_eq!(offset % PAGE, 0);
+            assert!(offset >= DESCRIPTORS_OFFSET + count as usize * 64);
+            assert_eq!(total, offset + count as usize * RECORD_BYTES);
+        }
+    }
+
+    fn private_arena(count: u32) -> Arena {
+        anonymous(MAX_ARENAS - 1, count)
+    }
+
+    #[test]
+    fn free_list_hands_out_each_record_once() {
+        let arena = private_arena(8);
+        let mut taken: Vec<u32> = std::iter::from_fn(|| arena.pop()).collect();
+        taken.sort_unstable();
+        assert_eq!(taken, (0..8).collect::<Vec<_>>());
+        assert_eq!(arena.free_records(), 0);
+        for index in [5, 2, 7] {
+            arena.push(index);
+        }
+        assert_eq!(arena.free_records(), 3);
+        let again: Vec<u32> = std::iter::from_fn(|| arena.pop()).collect();
+        assert_eq!(again, vec![7, 2, 5]);
+    }
+
+    #[test]
+    fn corrupt_free_list_is_treated_as_exhausted() {
+        let arena = private_arena(4);
+        arena
+            .descriptor(0)
+            .unwrap()
+            .next_free
+            .store(1_000, Ordering::Relaxed);
+        assert_eq!(arena.pop(), None);
+        arena.header().free_head.0.store(99, Ordering::Relaxed);
+        assert_eq!(arena.pop(), None, "head past the table");
+    }
+
+    #[test]
+    fn concurrent_pop_and_push_lose_nothing() {
+        let arena = private_arena(64);
+        let arena_ref: &'static Arena = Box::leak(Box::new(arena));
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                std::thread::spawn(move || {
+                    for _ in 0..20_000 {
+                        if let Some(index) = arena_ref.pop() {
+                            arena_ref.push(index);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        let mut all: Vec<u32> = std::iter::from_fn(|| arena_ref.pop()).collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..64).collect::<Vec<_>>());
+    }
+}
