@@ -249,22 +249,29 @@ fn a_burst_beyond_the_local_record_goes_through_the_arena() {
 
 #[test]
 fn the_per_process_record_limit_holds() {
-    let outcome = echo_with(
-        "thread",
-        1,
-        "integrity",
-        true,
-        true,
-        &[("FLATMESH_SHM_PROCESS_RECORDS", "2")],
-    );
-    assert_eq!(outcome.attached, 1);
-    let client = outcome
-        .stats
-        .iter()
-        .find(|r| r["refused_limit"] > 0)
-        .unwrap_or_else(|| panic!("the client never hit its limit of 2: {:?}", outcome.stats));
-    assert!(client["records_allocated"] > 0);
-    assert_all_records_returned(&outcome);
+    // The client reaches its limit only when it writes ahead of the server by more than its local
+    // record plus two arena records, which depends on scheduling: on a loaded machine the server
+    // may drain every record as soon as it is appended. So up to five runs; in every run the
+    // records must come back, and in at least one the limit must have refused an append.
+    let mut runs = Vec::new();
+    for _ in 0..5 {
+        let outcome = echo_with(
+            "thread",
+            1,
+            "integrity",
+            true,
+            true,
+            &[("FLATMESH_SHM_PROCESS_RECORDS", "2")],
+        );
+        assert_eq!(outcome.attached, 1);
+        assert_all_records_returned(&outcome);
+        if let Some(client) = outcome.stats.iter().find(|r| r["refused_limit"] > 0) {
+            assert!(client["records_allocated"] > 0);
+            return;
+        }
+        runs.push(outcome.stats);
+    }
+    panic!("the client never hit its limit of 2 in 5 runs: {runs:?}");
 }
 
 #[test]
