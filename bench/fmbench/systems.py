@@ -126,6 +126,11 @@ def flatmesh_config(topo: Topology, extra: dict | None = None) -> dict:
         clusters.append(entry)
     cfg: dict = {"admin": f"{HOST}:{FLATMESH_ADMIN}", "workers": 1}
     cfg.update(extra or {})
+    kernel = cfg.get("kernel")
+    if kernel and kernel.get("l7_dispatch") and not any(lst.protocol == "http" for lst in topo.listeners):
+        # L7 dispatch needs an http listener (the node refuses the config otherwise); a tcp-only
+        # scenario measures the rest of tier K.
+        cfg["kernel"] = {k: v for k, v in kernel.items() if k != "l7_dispatch"}
     cfg["listeners"] = listeners
     cfg["clusters"] = clusters
     return cfg

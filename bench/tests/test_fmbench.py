@@ -290,6 +290,9 @@ class ReportTests(unittest.TestCase):
         k = systems.registry()["flatmesh+kernel"]
         cfg = systems.flatmesh_config(scenario("grpc_unary").topology, k.extra)
         self.assertEqual(cfg["kernel"], {"pin_dir": systems.KERNEL_PIN_DIR, "redirect": True, "l7_dispatch": True})
+        # A tcp-only scenario has no http listener to dispatch: the node would refuse l7_dispatch.
+        tcp = systems.flatmesh_config(scenario("tcp_pingpong").topology, k.extra)
+        self.assertEqual(tcp["kernel"], {"pin_dir": systems.KERNEL_PIN_DIR, "redirect": True})
         rows = report.summarize([dict(rec("flatmesh+kernel", "tcp_pingpong", 100, 5.0, 9.0), host_cpu_per_unit=0.5)])
         table = "\n".join(report.scenario_table(scenario("tcp_pingpong"), rows, ["flatmesh+kernel"]))
         self.assertIn("host CPU s / 10k round trips", table)
