@@ -236,7 +236,10 @@ def parse_fortio(text: str) -> LoadResult:
 
 def run_sockperf(port: int, load: Load, env: dict | None) -> LoadResult:
     argv = [
-        "sockperf", "ping-pong", "--tcp", "-i", HOST, "-p", str(port),
+        # An explicit --mps: with the default (max) sockperf sizes its reply table for 600k
+        # round trips per second and aborts ("_seqN > m_maxSequenceNo") when a faster path
+        # (tier K, shared memory) goes past it.
+        "sockperf", "ping-pong", "--tcp", "-i", HOST, "-p", str(port), "--mps", "10000000",
         "-m", str(load.params["msg_size"]), "-t", str(_secs(load.duration)),
     ]
     p = _run(argv, load.duration + 30, env, "sockperf")

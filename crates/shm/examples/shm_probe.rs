@@ -11,7 +11,7 @@
 //!                         accepts one, waits for BYTES to be buffered, forks, and the parent
 //!                         closes its copy before the child runs; prints "child ok|failed ..."
 //! shm_probe client <port> <integrity|small:N|burst:MIB|dup|fork|nonblocking|epollout-thread|
-//!                          half-close-full|
+//!                          half-close-full|pingpong:SECS|
 //!                          stale|crash|
 //!                          crash-burst:PID|many:N|fork-close-first:BYTES>
 //! ```
@@ -553,6 +553,9 @@ fn client(port: u16, test: &str) {
         "crash" => crash(port),
         "stale" => stale(port),
         small if small.starts_with("small:") => small_messages(port, small[6..].parse().unwrap()),
+        pingpong if pingpong.starts_with("pingpong:") => {
+            ping_pong(port, pingpong[9..].parse().unwrap())
+        }
         burst if burst.starts_with("burst:") => burst_test(port, burst[6..].parse().unwrap()),
         crash_burst if crash_burst.starts_with("crash-burst:") => {
             crash_burst_test(port, crash_burst[12..].parse().unwrap())
@@ -928,6 +931,71 @@ fn small_messages(port: u16, count: usize) {
     }
     assert_eq!(reader.read(&mut got).unwrap(), 0, "expected EOF");
     sender.join().unwrap();
+}
+
+/// sockperf-style ping-pong for `secs` seconds: one 16-byte message at a time (a sequence
+/// number and a checksum of it), sendto() then recvfrom() with an address buffer, the client
+/// pinned to the last CPU so that the echo server runs on another one (the fast cross-CPU
+/// hand-off). Every reply must be the message just sent, whole: a torn, stale, repeated or
+/// shifted read fails the run.
+fn ping_pong(port: u16, secs: u64) {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpus > 1 {
+        // SAFETY: a cpu_set_t on the stack for this thread.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpus - 1, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
+    }
+    let stream = connect(port);
+    stream.set_nodelay(true).unwrap();
+    let fd = stream.as_raw_fd();
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let mut sequence = 0u64;
+    while Instant::now() < deadline {
+        for _ in 0..1000 {
+            sequence += 1;
+            let mut message = [0u8; 16];
+            message[..8].copy_from_slice(&sequence.to_be_bytes());
+            message[8..]
+                .copy_from_slice(&(sequence.wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes());
+            // SAFETY: 16 bytes from the stack; a connected socket ignores the address.
+            let sent =
+                unsafe { libc::sendto(fd, message.as_ptr().cast(), 16, 0, std::ptr::null(), 0) };
+            assert_eq!(sent, 16, "sendto: {}", std::io::Error::last_os_error());
+            let mut reply = [0u8; 16];
+            let mut got = 0usize;
+            while got < 16 {
+                let mut address: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+                let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+                // SAFETY: the rest of the reply buffer and an address buffer on the stack.
+                let n = unsafe {
+                    libc::recvfrom(
+                        fd,
+                        reply[got..].as_mut_ptr().cast(),
+                        16 - got,
+                        0,
+                        (&mut address as *mut libc::sockaddr_storage).cast(),
+                        &mut len,
+                    )
+                };
+                assert!(
+                    n > 0,
+                    "recvfrom returned {n}: {}",
+                    std::io::Error::last_os_error()
+                );
+                got += n as usize;
+            }
+            assert_eq!(
+                reply,
+                message,
+                "reply to message {sequence} is not that message (sequence {} came back)",
+                u64::from_be_bytes(reply[..8].try_into().unwrap())
+            );
+        }
+    }
+    println!("pingpong round-trips {sequence}");
 }
 
 /// Writes `mib` MiB without reading anything back (far more than a local record: only the
