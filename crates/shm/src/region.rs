@@ -388,14 +388,47 @@ pub struct Pipe<'a> {
     robust: bool,
 }
 
-/// Outgoing bytes as (pointer, length) pairs, consumed front to back.
-struct Source<'a> {
-    chunks: &'a [(*const u8, usize)],
+/// A pointer into a caller's buffer that can be advanced (`*const u8` for outgoing bytes,
+/// `*mut u8` for incoming ones).
+trait BytePointer: Copy {
+    fn advanced(self, n: usize) -> Self;
+}
+
+impl BytePointer for *const u8 {
+    fn advanced(self, n: usize) -> Self {
+        self.wrapping_add(n)
+    }
+}
+
+impl BytePointer for *mut u8 {
+    fn advanced(self, n: usize) -> Self {
+        self.wrapping_add(n)
+    }
+}
+
+/// A scatter/gather list of (pointer, length) pairs, walked front to back: the bytes a
+/// writer sends ([`Source`]) or the buffers a reader fills ([`Sink`]).
+struct Chunks<'a, P> {
+    chunks: &'a [(P, usize)],
     index: usize,
     offset: usize,
 }
 
-impl Source<'_> {
+/// Outgoing bytes, consumed front to back.
+type Source<'a> = Chunks<'a, *const u8>;
+/// Incoming buffers, filled front to back.
+type Sink<'a> = Chunks<'a, *mut u8>;
+
+impl<'a, P: BytePointer> Chunks<'a, P> {
+    fn new(chunks: &'a [(P, usize)]) -> Self {
+        Chunks {
+            chunks,
+            index: 0,
+            offset: 0,
+        }
+    }
+
+    /// Some byte (or room for one) is left.
     fn remaining(&self) -> bool {
         self.chunks[self.index..]
             .iter()
@@ -403,8 +436,8 @@ impl Source<'_> {
             .any(|(i, c)| c.1 > if i == 0 { self.offset } else { 0 })
     }
 
-    /// Copies up to `max` bytes into `copy(src, len)` calls; returns the count.
-    fn take(&mut self, mut max: usize, mut copy: impl FnMut(*const u8, usize)) -> usize {
+    /// Hands up to `max` bytes to `copy(pointer, len)` calls; returns the count.
+    fn take(&mut self, mut max: usize, mut copy: impl FnMut(P, usize)) -> usize {
         let mut total = 0;
         while max > 0 && self.index < self.chunks.len() {
             let (pointer, len) = self.chunks[self.index];
@@ -415,42 +448,7 @@ impl Source<'_> {
                 continue;
             }
             let n = left.min(max);
-            copy(pointer.wrapping_add(self.offset), n);
-            self.offset += n;
-            total += n;
-            max -= n;
-        }
-        total
-    }
-}
-
-/// Incoming buffers as (pointer, length) pairs, filled front to back.
-struct Sink<'a> {
-    buffers: &'a [(*mut u8, usize)],
-    index: usize,
-    offset: usize,
-}
-
-impl Sink<'_> {
-    fn room(&self) -> bool {
-        self.buffers[self.index..]
-            .iter()
-            .enumerate()
-            .any(|(i, b)| b.1 > if i == 0 { self.offset } else { 0 })
-    }
-
-    fn put(&mut self, mut max: usize, mut copy: impl FnMut(*mut u8, usize)) -> usize {
-        let mut total = 0;
-        while max > 0 && self.index < self.buffers.len() {
-            let (pointer, len) = self.buffers[self.index];
-            let left = len - self.offset;
-            if left == 0 {
-                self.index += 1;
-                self.offset = 0;
-                continue;
-            }
-            let n = left.min(max);
-            copy(pointer.wrapping_add(self.offset), n);
+            copy(pointer.advanced(self.offset), n);
             self.offset += n;
             total += n;
             max -= n;
@@ -600,11 +598,7 @@ impl Pipe<'_> {
     pub fn write(&self, chunks: &[(*const u8, usize)]) -> usize {
         let _guard = SpinGuard::lock(&self.control.control.0.write_lock, self.robust);
         let chain = self.chain();
-        let mut source = Source {
-            chunks,
-            index: 0,
-            offset: 0,
-        };
+        let mut source = Source::new(chunks);
         let start = self.control.written.0.load(Ordering::Relaxed);
         let mut written = start;
         while source.remaining() {
@@ -672,15 +666,11 @@ impl Pipe<'_> {
         let chain = self.chain();
         let start = self.control.consumed.0.load(Ordering::Relaxed);
         let written = self.control.written.0.load(Ordering::Acquire);
-        let mut sink = Sink {
-            buffers,
-            index: 0,
-            offset: 0,
-        };
+        let mut sink = Sink::new(buffers);
         let mut position = start;
         let mut current = RecordRef(chain.head.load(Ordering::Acquire));
         let mut passed = 0usize;
-        while position < written && sink.room() {
+        while position < written && sink.remaining() {
             let mut limit = written;
             if !current.is_none() {
                 let record = arena::commit(current, self.token).ok_or(Corrupt)?;
@@ -701,7 +691,7 @@ impl Pipe<'_> {
                     continue;
                 }
                 if position >= first {
-                    let n = sink.put((end.min(written) - position) as usize, |pointer, len| {
+                    let n = sink.take((end.min(written) - position) as usize, |pointer, len| {
                         // SAFETY: position - first + len <= filled <= capacity.
                         unsafe {
                             std::ptr::copy_nonoverlapping(
@@ -724,7 +714,7 @@ impl Pipe<'_> {
             if limit - position > self.capacity {
                 return Err(Corrupt);
             }
-            let n = sink.put((limit - position) as usize, |pointer, len| {
+            let n = sink.take((limit - position) as usize, |pointer, len| {
                 self.copy_out(position, pointer, len);
                 position += len as u64;
             });

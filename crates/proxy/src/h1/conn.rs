@@ -127,24 +127,16 @@ where
                 return;
             }
             Action::Reply(route, resp) => {
-                let status = resp.status().as_u16();
                 // An unread body must go before the next request can be read.
                 let drained = drain(&mut client, &exchange, limits).await;
                 let close = !drained || !exchange.keep_alive;
-                let ok = respond(
-                    &mut client.io,
-                    resp,
-                    exchange.is_head,
-                    exchange.http10,
-                    close,
-                )
-                .await;
+                let (status, close) = answer(&mut client.io, &exchange, resp, close).await;
                 finish(&ctx, &exchange, route, status, None, None);
                 Done {
                     status,
                     cluster: None,
                     upstream: None,
-                    close: close || !ok,
+                    close,
                 }
             }
             Action::Forward {
@@ -506,6 +498,19 @@ async fn drain<S: AsyncRead + AsyncWrite + Unpin + Send>(
 
 /// Writes a response the proxy made (or hyper's client returned) to an HTTP/1 client, with
 /// `Connection: close` if `close`. False if the client is gone or the body broke off.
+/// Sends a whole response to this exchange's client. Returns its status and whether the
+/// connection must close afterwards: because `close` asked for it, or because the write failed.
+async fn answer<W: AsyncWrite + Unpin>(
+    io: &mut W,
+    exchange: &Exchange<'_>,
+    resp: Response<ResponseBody>,
+    close: bool,
+) -> (u16, bool) {
+    let status = resp.status().as_u16();
+    let ok = respond(io, resp, exchange.is_head, exchange.http10, close).await;
+    (status, close || !ok)
+}
+
 async fn respond<W: AsyncWrite + Unpin>(
     io: &mut W,
     resp: Response<ResponseBody>,
@@ -761,18 +766,10 @@ async fn forward<S: AsyncRead + AsyncWrite + Unpin + Send>(
         }
     }
     let resp = l7::failure_response(failure, &plan.name, &detail, timeout, false);
-    let status = resp.status().as_u16();
     // After a failure mid-body the client's framing is unknown: close.
     let close = !replayable || failure == Failure::Downstream;
-    let ok = respond(
-        &mut client.io,
-        resp,
-        exchange.is_head,
-        exchange.http10,
-        close,
-    )
-    .await;
-    done(status, picked, close || !ok)
+    let (status, close) = answer(&mut client.io, exchange, resp, close).await;
+    done(status, picked, close)
 }
 
 /// Sends the request on a pooled or new connection and reads until a complete final
@@ -1047,20 +1044,12 @@ async fn bridge<S: AsyncRead + AsyncWrite + Unpin + Send>(
         failed.clone(),
     );
     let ((resp, upstream), body_complete) = tokio::join!(forwarded, pumped);
-    let status = resp.status().as_u16();
     let close = !body_complete || !exchange.keep_alive;
-    let ok = respond(
-        &mut client.io,
-        resp,
-        exchange.is_head,
-        exchange.http10,
-        close,
-    )
-    .await;
+    let (status, close) = answer(&mut client.io, exchange, resp, close).await;
     Done {
         status,
         cluster: Some(cluster),
         upstream,
-        close: close || !ok,
+        close,
     }
 }
