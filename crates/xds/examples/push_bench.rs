@@ -15,45 +15,14 @@ use flatmesh_xds::apply::NodeApply;
 use flatmesh_xds::client::{Client, Options, Protocol};
 use flatmesh_xds::server::Store;
 
-const CLUSTERS: usize = 1_000;
-const PER_CLUSTER: usize = 10;
+#[path = "../tests/large_config/mod.rs"]
+mod large_config;
+use large_config::{large_config, unused_endpoints};
 
 fn config(port_base: u16, shift: u8) -> model::Config {
-    let mut c = flatmesh_xds::bootstrap::empty_config();
+    let mut c = large_config(port_base, |i| unused_endpoints(i, shift));
     c.admin = "127.0.0.1:0".parse().unwrap();
     c.workers = Some(1);
-    let mut routes = Vec::new();
-    for i in 0..CLUSTERS {
-        let name = format!("svc-{i}");
-        c.clusters.push(model::Cluster {
-            name: name.clone(),
-            lb: model::LbPolicy::RoundRobin,
-            endpoints: (0..PER_CLUSTER)
-                .map(|k| {
-                    std::net::SocketAddr::from((
-                        [127, shift, (i / 250) as u8, (i % 250) as u8 + 1],
-                        8000 + k as u16,
-                    ))
-                })
-                .collect(),
-            protocol: model::UpstreamProtocol::Http1,
-            hash_on: None,
-            connect_timeout: None,
-        });
-        let mut r: model::Route = serde_json::from_value(serde_json::json!({
-            "match": { "path": { "prefix": format!("/svc-{i}/") } }, "cluster": name
-        }))
-        .unwrap();
-        r.name = Some(format!("r{i}"));
-        routes.push(r);
-    }
-    c.listeners.push(model::Listener {
-        name: "web".into(),
-        address: ([127, 0, 0, 1], port_base).into(),
-        protocol: model::ListenerProtocol::Http,
-        routes,
-        cluster: None,
-    });
     c
 }
 

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+mod large_config;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -15,52 +16,19 @@ use flatmesh_config as model;
 use flatmesh_xds::apply::NodeApply;
 use flatmesh_xds::client::{Client, Options, Protocol};
 use flatmesh_xds::server::Store;
+use large_config::{large_config, unused_endpoints, CLUSTERS, PER_CLUSTER};
 
-const CLUSTERS: usize = 1_000;
-const PER_CLUSTER: usize = 10;
 /// Clusters whose endpoints are real backends (the others are loopback addresses nobody uses).
 const LIVE: [usize; 3] = [0, 500, 999];
 
 fn config(port: u16, live: &[SocketAddr]) -> model::Config {
-    let mut c = flatmesh_xds::bootstrap::empty_config();
-    let mut routes = Vec::new();
-    for i in 0..CLUSTERS {
-        let name = format!("svc-{i}");
-        let endpoints = if LIVE.contains(&i) {
+    large_config(port, |i| {
+        if LIVE.contains(&i) {
             live.to_vec()
         } else {
-            (0..PER_CLUSTER)
-                .map(|k| {
-                    SocketAddr::from((
-                        [127, 1, (i / 250) as u8, (i % 250) as u8 + 1],
-                        8000 + k as u16,
-                    ))
-                })
-                .collect()
-        };
-        c.clusters.push(model::Cluster {
-            name: name.clone(),
-            lb: model::LbPolicy::RoundRobin,
-            endpoints,
-            protocol: model::UpstreamProtocol::Http1,
-            hash_on: None,
-            connect_timeout: None,
-        });
-        let mut r: model::Route = serde_json::from_value(serde_json::json!({
-            "match": { "path": { "prefix": format!("/svc-{i}/") } }, "cluster": name
-        }))
-        .unwrap();
-        r.name = Some(format!("r{i}"));
-        routes.push(r);
-    }
-    c.listeners.push(model::Listener {
-        name: "web".into(),
-        address: ([127, 0, 0, 1], port).into(),
-        protocol: model::ListenerProtocol::Http,
-        routes,
-        cluster: None,
-    });
-    c
+            unused_endpoints(i, 1)
+        }
+    })
 }
 
 fn scenario(protocol: Protocol) {
