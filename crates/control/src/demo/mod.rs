@@ -151,6 +151,9 @@ pub struct Detection {
     pub node: String,
     pub signal: String,
     pub at_s: f64,
+    /// For an overload: the slot's execution time that tripped it. The per-second timeline
+    /// averages a heartbeat's slots, so a short peak may show only here.
+    pub exec_us: Option<u32>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -570,7 +573,11 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
                     match &entry {
                         LogEntry::Detected(s) => {
                             let (node, signal) = describe(&topo, s);
-                            detections.push(Detection { node, signal, at_s: at.as_secs_f64() });
+                            let exec_us = match s {
+                                Signal::Overload { exec_us, .. } => Some(u32::from(*exec_us)),
+                                _ => None,
+                            };
+                            detections.push(Detection { node, signal, at_s: at.as_secs_f64(), exec_us });
                         }
                         LogEntry::Migrated { instance, from, to, .. } => migrations.push(Migration {
                             instance: instance.clone(), from: from.clone(), to: to.clone(), at_s: at.as_secs_f64(),
