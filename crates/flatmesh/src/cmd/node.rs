@@ -60,6 +60,7 @@ fn run_xds(args: &Args, server: String) -> anyhow::Result<()> {
         (None, None) => flatmesh_xds::bootstrap::empty_config(),
     };
     let node_id = args.node_id.clone().context("--xds needs --node-id ID")?;
+    let stop = StopSignals::register()?;
     let (mut apply, node) = flatmesh_xds::apply::NodeApply::new();
     // Start at once with the static part, so the admin endpoint is up before the control plane answers.
     apply
@@ -85,14 +86,15 @@ fn run_xds(args: &Args, server: String) -> anyhow::Result<()> {
         },
     };
     let client = rt.block_on(async { Client::spawn(options, base, apply) });
-    let stopped = rt.block_on(signals());
+    // The client runs on `rt`'s own worker thread while this one waits for a signal.
+    stop.wait();
     rt.block_on(client.stop());
     let running = node.lock().take();
     if let Some(n) = running {
         tracing::info!("stopping: draining in-flight connections");
         n.shutdown();
     }
-    stopped.context("cannot wait for SIGINT/SIGTERM")
+    Ok(())
 }
 
 /// SIGTERM/SIGINT handlers registered before the node starts: a signal that arrives right
@@ -120,32 +122,26 @@ impl StopSignals {
         };
         Ok(StopSignals { rt, term, int })
     }
+
+    /// Blocks until SIGTERM or SIGINT.
+    fn wait(self) {
+        let StopSignals {
+            rt,
+            mut term,
+            mut int,
+        } = self;
+        rt.block_on(async {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        });
+    }
 }
 
 fn wait_and_stop(node: Node, stop: StopSignals) -> anyhow::Result<()> {
-    let StopSignals {
-        rt,
-        mut term,
-        mut int,
-    } = stop;
-    rt.block_on(async {
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-    });
+    stop.wait();
     tracing::info!("stopping: draining in-flight connections");
     node.shutdown();
-    Ok(())
-}
-
-async fn signals() -> std::io::Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
     Ok(())
 }
