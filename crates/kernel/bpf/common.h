@@ -25,7 +25,12 @@ enum fm_stat_id {
 	/* Not a program: the part of fm_sk_msg's work that went straight from one end of a
 	 * proxied connection to the other ("socket direct", see redirect.bpf.c). */
 	FM_ST_SK_MSG_DIRECT = 9,
-	FM_ST_MAX = 10,
+	/* Not programs either: one slot per reason the verdict left work to user space
+	 * (FM_ST_WHY + FM_WHY_* of dispatch.bpf.c), counted in `fallbacks`, so `flatmesh kernel
+	 * status` can say why connections were not decided in the kernel. */
+	FM_ST_WHY = 10,
+	FM_WHY_SLOTS = 16,
+	FM_ST_MAX = FM_ST_WHY + FM_WHY_SLOTS,
 };
 
 struct fm_stat {

@@ -17,6 +17,18 @@
 #define FM_MAX_FIELDS FM_SCAN
 /* Huffman-coded :path / :method values longer than this are left to user space. */
 #define FM_HUFF_IN_MAX 96
+/* Huffman-coded header names checked per block (grpc-go codes `grpc-timeout` that way);
+ * a block with more falls back. */
+#define FM_HNAMES 4
+/* Held bytes of a frame cut across chunks: a frame header and the scan window of payload.
+ * FM_HOLD is a power of two with room for a masked offset plus a masked length. */
+#define FM_HOLD_MAX (9 + FM_SCAN)
+#define FM_HOLD 1024
+/* How long the decision waits for the first HEADERS frame: the stream offset it must start
+ * at, and chunks. The proxy reads at most as much (FIRST_REQUEST_MAX in
+ * crates/proxy/src/kernel.rs). */
+#define FM_PENDING_MAX 16384
+#define FM_PENDING_CHUNKS 64
 #define FM_HUFF_EMIT 1
 #define FM_HUFF_FAIL 2
 #define FM_HUFF_ACCEPT 4
@@ -37,6 +49,14 @@ enum {
 	FM_WHY_TOO_LONG = 7,
 	FM_WHY_BUSY = 8,
 	FM_WHY_PROTOCOL = 9,
+	/* Not a connection's fallback but a chunk's (the connection was not the verdict's to
+	 * decide): counted in their own FM_ST_WHY slot only. */
+	FM_WHY_UNREGISTERED = 10, /* no state: the proxy gave the socket to the user tier */
+	FM_WHY_PEER_GONE = 11,    /* spliced, but the peer left the sockhash (closed) */
+	/* Not a fallback: bytes copied into fm_l7_hold (a frame cut across chunks). */
+	FM_WHY_HELD = 12,
+	/* The first HEADERS frame did not come within FM_PENDING_MAX bytes / FM_PENDING_CHUNKS. */
+	FM_WHY_PENDING_LIMIT = 13,
 };
 
 /* One tier-K route, in rule order; the first entry with kind END ends the table. */
@@ -62,8 +82,26 @@ struct fm_l7_conn {
 	__u32 backend;
 	__u32 route_id;
 	__u32 reason; /* FM_WHY_* when state is FALLBACK */
+	__u32 chunks; /* chunks the verdict has seen while the decision was pending */
+};
+
+/* Part of a frame cut across chunks while the decision is pending (a frame header, or the
+ * first HEADERS frame: header and up to FM_SCAN bytes of payload), from stream offset `at`.
+ * The chunks themselves go up to user space as usual; these are copies. */
+struct fm_l7_hold {
+	__u8 buf[FM_HOLD];
+	__u64 at;
+	__u32 len;
 	__u32 pad;
 };
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u64);
+	__type(value, struct fm_l7_hold);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} fm_l7_hold SEC(".maps");
 
 struct fm_scratch {
 	__u8 buf[FM_SCAN * 2];
@@ -80,6 +118,10 @@ struct fm_scratch {
 	__u32 hp_pos, hp_len, hp_huff, hm_pos, hm_len, hm_huff;
 	/* Huffman decode state: input at buf[hpos..hpos+hlen] into path or method. */
 	__u32 hpos, hlen, hfield, hstate, hout, hacc, hbad, hlong, hq;
+	/* Huffman-coded regular header names found by the field walk, checked after it. */
+	__u32 hn_n, hn_pos[FM_HNAMES], hn_len[FM_HNAMES];
+	/* A new fm_l7_hold entry is built here (too large for the stack). */
+	struct fm_l7_hold hold;
 };
 
 /* The HPACK Huffman code as a nibble automaton (src/huffman.rs builds it): entry
@@ -143,6 +185,7 @@ static __always_inline void fm_fallback(struct fm_l7_conn *c, __u32 why)
 	c->state = FM_L7_FALLBACK;
 	c->reason = why;
 	fm_count(FM_ST_VERDICT, 0, 0, 0, 1);
+	fm_count(FM_ST_WHY + (why & (FM_WHY_SLOTS - 1)), 0, 0, 0, 1);
 }
 
 static long fm_match_one(__u32 i, void *unused)
@@ -295,7 +338,21 @@ static __always_inline void fm_h1(struct fm_scratch *s, __u32 n, struct fm_l7_co
 	fm_route(s, c);
 }
 
-enum { FM_FIELD_OTHER = 0, FM_FIELD_METHOD = 1, FM_FIELD_PATH = 2 };
+enum { FM_FIELD_OTHER = 0, FM_FIELD_METHOD = 1, FM_FIELD_PATH = 2, FM_FIELD_NAME = 7 };
+
+/* A character of a header name as HTTP/2 allows it: a token character, not upper case
+ * (RFC 9110 5.6.2, RFC 9113 8.2.1). */
+static __always_inline int fm_name_char(__u8 ch)
+{
+	if ((ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9'))
+		return 1;
+	switch (ch) {
+	case '!': case '#': case '$': case '%': case '&': case '\'': case '*': case '+':
+	case '-': case '.': case '^': case '_': case '`': case '|': case '~':
+		return 1;
+	}
+	return 0;
+}
 
 /* One nibble of a Huffman-coded value per bpf_loop iteration (state in struct fm_scratch). */
 static long fm_huff_nibble(__u32 i, void *unused)
@@ -329,6 +386,12 @@ static long fm_huff_nibble(__u32 i, void *unused)
 			s->path[n & (FM_PATH_MAX - 1)] = ch;
 			if (ch == '?' && s->hq == FM_NO_QUERY)
 				s->hq = n;
+		} else if (s->hfield == FM_FIELD_NAME) {
+			/* A regular header name: checked, not kept. */
+			if (!fm_name_char(ch)) {
+				s->hbad = 1;
+				return 1;
+			}
 		} else {
 			if (ch < 'A' || ch > 'Z' || n >= FM_METHOD_MAX) {
 				s->hbad = 1;
@@ -512,13 +575,32 @@ static long fm_h2_field(__u32 unused, void *unused_ctx)
 		__u32 nlen = 0;
 		if (fm_hpack_int(s, &pos, end, 0x7f, &nlen) < 0)
 			return 1;
-		if (huff) {
-			/* Cannot tell whether this is :path without decoding it. */
-			w->why = FM_WHY_HUFFMAN;
-			return 1;
-		}
 		if (nlen > FM_SCAN || pos + nlen > end)
 			return 1;
+		if (huff) {
+			/* A Huffman-coded name (grpc-go codes `grpc-timeout` so). The walk only needs
+			 * to know whether it is a pseudo-header, and every pseudo-header name starts with
+			 * ':', whose code is the 7 bits 1011100 (RFC 7541 Appendix B): the code is
+			 * prefix-free, so the first 7 bits tell. A coded pseudo-header name (no encoder
+			 * sends one: they are all in the static table) is left to user space; a regular
+			 * name is decoded and checked after the walk. */
+			__u32 k = w->hn_n;
+			if (nlen == 0) {
+				w->why = FM_WHY_MALFORMED;
+				return 1;
+			}
+			if ((s->buf[pos & (FM_SCAN * 2 - 1)] & 0xfe) == 0xb8 || nlen > FM_HUFF_IN_MAX ||
+			    k >= FM_HNAMES) {
+				w->why = FM_WHY_HUFFMAN;
+				return 1;
+			}
+			w->hn_pos[k & (FM_HNAMES - 1)] = pos;
+			w->hn_len[k & (FM_HNAMES - 1)] = nlen;
+			w->hn_n = k + 1;
+			field = FM_NAME_REGULAR;
+			pos += nlen;
+			goto value;
+		}
 		__u8 c0 = s->buf[pos & (FM_SCAN * 2 - 1)];
 		__u8 c1 = s->buf[(pos + 1) & (FM_SCAN * 2 - 1)];
 		__u8 c2 = s->buf[(pos + 2) & (FM_SCAN * 2 - 1)];
@@ -546,6 +628,7 @@ static long fm_h2_field(__u32 unused, void *unused_ctx)
 	} else {
 		field = fm_static_name(idx);
 	}
+value:
 	if (fm_field_order(w, field))
 		return 1;
 	if (field != FM_FIELD_METHOD && field != FM_FIELD_PATH)
@@ -634,6 +717,7 @@ static __always_inline void fm_h2_block(__u32 pos, __u32 end, __u32 partial, str
 	s->pseudo = 0;
 	s->hp_huff = 0;
 	s->hm_huff = 0;
+	s->hn_n = 0;
 	bpf_loop(FM_MAX_FIELDS, fm_h2_field, NULL, 0);
 	if (s->why) {
 		fm_fallback(c, s->why);
@@ -657,6 +741,13 @@ static __always_inline void fm_h2_block(__u32 pos, __u32 end, __u32 partial, str
 			why = fm_huff_decode(s, s->hm_pos, s->hm_len, FM_FIELD_METHOD);
 		if (!why && s->hp_huff)
 			why = fm_huff_decode(s, s->hp_pos, s->hp_len, FM_FIELD_PATH);
+		for (int i = 0; i < FM_HNAMES && !why; i++) {
+			if (i >= s->hn_n)
+				break;
+			/* An invalid code or a character no header name has: the user tier's
+			 * HPACK decoder refuses the block. */
+			why = fm_huff_decode(s, s->hn_pos[i], s->hn_len[i], FM_FIELD_NAME);
+		}
 		if (why) {
 			fm_fallback(c, why);
 			return;
@@ -676,61 +767,16 @@ static __always_inline void fm_h2_block(__u32 pos, __u32 end, __u32 partial, str
 	fm_fallback(c, FM_WHY_MALFORMED);
 }
 
-/* HTTP/2: skip frames (SETTINGS, WINDOW_UPDATE, ...) up to the first HEADERS frame, which may
- * arrive in a later chunk than the preface. */
-static __always_inline void fm_h2(struct __sk_buff *skb, struct fm_scratch *s, struct fm_l7_conn *c)
+/* Parses the first HEADERS frame's payload, whose first `avail` bytes (of `flen`) are in
+ * s->buf: padding and priority fields, then the header block. `partial` is 0 when the
+ * payload is whole, else the FM_WHY_* reason it is not. */
+static __always_inline void fm_h2_headers(struct fm_scratch *s, struct fm_l7_conn *c, __u8 flags,
+					  __u32 avail, __u32 partial)
 {
-	__u32 len = skb->len;
-	__u32 off = 0, flen = 0;
-	__u8 flags = 0;
-	int found = 0;
-	for (int i = 0; i < FM_MAX_FRAMES; i++) {
-		if (c->next_frame < c->stream_pos) {
-			fm_fallback(c, FM_WHY_MALFORMED);
-			return;
-		}
-		__u64 off64 = c->next_frame - c->stream_pos;
-		if (off64 >= len)
-			return; /* the next frame starts in a later chunk */
-		off = off64;
-		__u8 hdr[9];
-		if (off + 9 > len || bpf_skb_load_bytes(skb, off, hdr, 9) < 0) {
-			fm_fallback(c, FM_WHY_TRUNCATED);
-			return;
-		}
-		flen = ((__u32)hdr[0] << 16) | ((__u32)hdr[1] << 8) | hdr[2];
-		flags = hdr[4];
-		if (hdr[3] == 1) {
-			found = 1;
-			break;
-		}
-		if (hdr[3] == 9) { /* CONTINUATION before any HEADERS: not a valid stream */
-			fm_fallback(c, FM_WHY_MALFORMED);
-			return;
-		}
-		c->next_frame += 9 + (__u64)flen;
-	}
-	if (!found) {
-		fm_fallback(c, FM_WHY_TOO_LONG);
-		return;
-	}
-	__u32 start = off + 9;
-	__u32 avail = len > start ? len - start : 0;
-	__u32 partial = flen > avail ? FM_WHY_TRUNCATED : 0;
-	if (avail > flen)
-		avail = flen;
-	if (avail > FM_SCAN) {
-		avail = FM_SCAN;
-		partial = FM_WHY_TOO_LONG;
-	}
 	if (!(flags & 0x4) && !partial)
 		partial = FM_WHY_TOO_LONG; /* the block goes on in CONTINUATION frames */
 	if (avail == 0) {
-		fm_fallback(c, FM_WHY_TRUNCATED);
-		return;
-	}
-	if (bpf_skb_load_bytes(skb, start, s->buf, ((avail - 1) & (FM_SCAN - 1)) + 1) < 0) {
-		fm_fallback(c, FM_WHY_TRUNCATED);
+		fm_fallback(c, FM_WHY_MALFORMED);
 		return;
 	}
 	/* Padding length and priority fields come before the header block. */
@@ -755,7 +801,160 @@ static __always_inline void fm_h2(struct __sk_buff *skb, struct fm_scratch *s, s
 	fm_h2_block(pos, end, partial, c);
 }
 
-static __always_inline void fm_decide(struct __sk_buff *skb, struct fm_l7_conn *c)
+/* Starts holding the frame at c->next_frame, of which this chunk has the bytes from `off` to
+ * its end (fewer than that frame needs: a header cut short, or a HEADERS payload that goes on).
+ * They stay in fm_l7_hold until the next chunks complete them; the chunk itself goes up to
+ * user space as usual. */
+static __always_inline void fm_hold_start(struct __sk_buff *skb, struct fm_scratch *s,
+					  struct fm_l7_conn *c, __u64 cookie, __u32 off)
+{
+	__u32 n = skb->len - off;
+	if (n == 0 || n > FM_HOLD_MAX) {
+		fm_fallback(c, FM_WHY_TRUNCATED);
+		return;
+	}
+	s->hold.at = c->next_frame;
+	s->hold.len = n;
+	if (bpf_skb_load_bytes(skb, off, s->hold.buf, ((n - 1) & (FM_HOLD / 2 - 1)) + 1) < 0 ||
+	    bpf_map_update_elem(&fm_l7_hold, &cookie, &s->hold, BPF_ANY)) {
+		/* No room to hold it (the map is LRU, so this is rare): user space decides. */
+		fm_fallback(c, FM_WHY_TRUNCATED);
+		return;
+	}
+	fm_count(FM_ST_WHY + FM_WHY_HELD, 1, n, 0, 0);
+}
+
+/* Bytes of the first HEADERS payload the kernel needs: the whole payload, or the scan window
+ * of a larger one (which then falls back as TooLong unless its first part is malformed). */
+static __always_inline __u32 fm_need(__u32 flen)
+{
+	return flen > FM_SCAN ? FM_SCAN : flen;
+}
+
+/* A frame begun in an earlier chunk is held: adds this chunk's bytes (up to what the frame
+ * can need) and finishes it if it is now complete. Returns how many bytes of this chunk it
+ * took (the frames after it are walked as usual), or -1 when the decision is made or must
+ * wait for a later chunk. */
+static __always_inline int fm_hold_continue(struct __sk_buff *skb, struct fm_scratch *s,
+					    struct fm_l7_conn *c, struct fm_l7_hold *h)
+{
+	__u32 len = skb->len;
+	__u32 have = h->len;
+	if (h->at != c->next_frame || have == 0 || have >= FM_HOLD_MAX) {
+		fm_fallback(c, FM_WHY_MALFORMED);
+		return -1;
+	}
+	__u32 take = FM_HOLD_MAX - have;
+	if (take > len)
+		take = len;
+	if (take == 0)
+		return -1;
+	if (bpf_skb_load_bytes(skb, 0, &h->buf[have & (FM_HOLD / 2 - 1)],
+			       ((take - 1) & (FM_HOLD / 2 - 1)) + 1) < 0) {
+		fm_fallback(c, FM_WHY_TRUNCATED);
+		return -1;
+	}
+	have += take;
+	h->len = have;
+	fm_count(FM_ST_WHY + FM_WHY_HELD, 0, take, 0, 0);
+	if (have < 9)
+		return -1; /* the frame header is still incomplete */
+	__u32 flen = ((__u32)h->buf[0] << 16) | ((__u32)h->buf[1] << 8) | h->buf[2];
+	__u8 type = h->buf[3], flags = h->buf[4];
+	if (type == 9) { /* CONTINUATION before any HEADERS: not a valid stream */
+		fm_fallback(c, FM_WHY_MALFORMED);
+		return -1;
+	}
+	if (type != 1) {
+		/* Another frame: only its header was needed. The frames after it start in this
+		 * chunk, at a known offset from c->next_frame; walk them as usual. */
+		__u32 used = 9 - (have - take);
+		c->next_frame += 9 + (__u64)flen;
+		return used;
+	}
+	__u32 need = fm_need(flen);
+	if (have < 9 + need)
+		return -1; /* more of the HEADERS payload to come */
+	/* The whole block (or the scan window) is held: parse it from there. */
+	__builtin_memcpy(s->buf, &h->buf[9], FM_SCAN);
+	fm_h2_headers(s, c, flags, need, flen > FM_SCAN ? FM_WHY_TOO_LONG : 0);
+	return -1;
+}
+
+/* HTTP/2: skip frames (SETTINGS, WINDOW_UPDATE, ...) up to the first HEADERS frame, which may
+ * arrive in a later chunk than the preface, and may itself be cut across chunks (a frame
+ * header or payload that goes on in the next chunk is held in fm_l7_hold until it is whole). */
+static __always_inline void fm_h2(struct __sk_buff *skb, struct fm_scratch *s, struct fm_l7_conn *c,
+				  __u64 cookie)
+{
+	__u32 len = skb->len;
+	__u64 base = c->stream_pos;
+	struct fm_l7_hold *h = bpf_map_lookup_elem(&fm_l7_hold, &cookie);
+	if (h) {
+		int used = fm_hold_continue(skb, s, c, h);
+		if (used < 0)
+			return;
+		/* The held frame was not HEADERS: drop it and go on from its end. */
+		bpf_map_delete_elem(&fm_l7_hold, &cookie);
+	}
+	__u32 off = 0, flen = 0;
+	__u8 flags = 0;
+	int found = 0;
+	for (int i = 0; i < FM_MAX_FRAMES; i++) {
+		if (c->next_frame < base) {
+			fm_fallback(c, FM_WHY_MALFORMED);
+			return;
+		}
+		/* The first HEADERS frame must start within FM_PENDING_MAX bytes of the stream. */
+		if (c->next_frame > FM_PENDING_MAX) {
+			fm_fallback(c, FM_WHY_PENDING_LIMIT);
+			return;
+		}
+		__u64 off64 = c->next_frame - base;
+		if (off64 >= len)
+			return; /* the next frame starts in a later chunk */
+		off = off64;
+		__u8 hdr[9];
+		if (off + 9 > len) {
+			fm_hold_start(skb, s, c, cookie, off);
+			return;
+		}
+		if (bpf_skb_load_bytes(skb, off, hdr, 9) < 0) {
+			fm_fallback(c, FM_WHY_TRUNCATED);
+			return;
+		}
+		flen = ((__u32)hdr[0] << 16) | ((__u32)hdr[1] << 8) | hdr[2];
+		flags = hdr[4];
+		if (hdr[3] == 1) {
+			found = 1;
+			break;
+		}
+		if (hdr[3] == 9) { /* CONTINUATION before any HEADERS: not a valid stream */
+			fm_fallback(c, FM_WHY_MALFORMED);
+			return;
+		}
+		c->next_frame += 9 + (__u64)flen;
+	}
+	if (!found) {
+		fm_fallback(c, FM_WHY_TOO_LONG);
+		return;
+	}
+	__u32 start = off + 9;
+	__u32 avail = len > start ? len - start : 0;
+	__u32 need = fm_need(flen);
+	if (avail < need) {
+		fm_hold_start(skb, s, c, cookie, off);
+		return;
+	}
+	if (need > 0 &&
+	    bpf_skb_load_bytes(skb, start, s->buf, ((need - 1) & (FM_SCAN - 1)) + 1) < 0) {
+		fm_fallback(c, FM_WHY_TRUNCATED);
+		return;
+	}
+	fm_h2_headers(s, c, flags, need, flen > FM_SCAN ? FM_WHY_TOO_LONG : 0);
+}
+
+static __always_inline void fm_decide(struct __sk_buff *skb, struct fm_l7_conn *c, __u64 cookie)
 {
 	__u32 zero = 0;
 	struct fm_scratch *s = bpf_map_lookup_elem(&fm_scratch, &zero);
@@ -771,6 +970,14 @@ static __always_inline void fm_decide(struct __sk_buff *skb, struct fm_l7_conn *
 	__builtin_memset(s->method, 0, sizeof(s->method));
 	s->path_len = 0;
 	__u32 len = skb->len;
+	/* Bounded wait for the first HEADERS frame (HTTP/1.1 is decided on the first chunk): a
+	 * client that sends that many chunks of other frames first is left to the user tier;
+	 * fm_h2 bounds the bytes. */
+	c->chunks++;
+	if (c->proto == FM_PROTO_H2 && c->chunks > FM_PENDING_CHUNKS) {
+		fm_fallback(c, FM_WHY_PENDING_LIMIT);
+		goto out;
+	}
 	if (c->proto == FM_PROTO_UNKNOWN) {
 		if (c->stream_pos != 0 || len == 0) {
 			fm_fallback(c, FM_WHY_MALFORMED);
@@ -794,10 +1001,13 @@ static __always_inline void fm_decide(struct __sk_buff *skb, struct fm_l7_conn *
 		c->next_frame = 24;
 	}
 	if (c->proto == FM_PROTO_H2)
-		fm_h2(skb, s, c);
+		fm_h2(skb, s, c, cookie);
 	else
 		fm_fallback(c, FM_WHY_MALFORMED);
 out:
+	/* Decided or left to user space: nothing more to hold. */
+	if (c->state != FM_L7_PENDING)
+		bpf_map_delete_elem(&fm_l7_hold, &cookie);
 	s->busy = 0;
 }
 
@@ -854,7 +1064,9 @@ int fm_verdict(struct __sk_buff *skb)
 		return FM_SK_DROP;
 	}
 	if (!c) {
-		fm_count(FM_ST_VERDICT, 1, 0, 0, 1);
+		/* Not a decision: the socket's bytes are the user tier's (or were never ours). */
+		fm_count(FM_ST_VERDICT, 1, 0, 0, 0);
+		fm_count(FM_ST_WHY + FM_WHY_UNREGISTERED, 0, len, 0, 1);
 		return FM_SK_PASS;
 	}
 	__u64 peer = c->peer;
@@ -866,12 +1078,13 @@ int fm_verdict(struct __sk_buff *skb)
 			return FM_SK_PASS;
 		}
 		/* The peer closed: hand the bytes to the proxy, which tears the pair down. */
-		fm_count(FM_ST_VERDICT, 1, 0, 0, 1);
+		fm_count(FM_ST_VERDICT, 1, 0, 0, 0);
+		fm_count(FM_ST_WHY + FM_WHY_PEER_GONE, 0, len, 0, 1);
 		return FM_SK_PASS;
 	}
 	fm_count(FM_ST_VERDICT, 1, 0, 0, 0);
 	if (c->state == FM_L7_PENDING)
-		fm_decide(skb, c);
+		fm_decide(skb, c, cookie);
 	c->stream_pos += len;
 	return FM_SK_PASS;
 }

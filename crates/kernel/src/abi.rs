@@ -25,6 +25,38 @@ pub(crate) const STAT_NAMES: [&str; 10] = [
 /// the work). `flatmesh kernel status` shows them under that program.
 pub(crate) const DERIVED_STATS: [(&str, &str); 1] = [("fm_sk_msg_direct", "fm_sk_msg")];
 
+/// First `fm_stats` slot of the verdict's per-reason counters (FM_ST_WHY in common.h): slot
+/// `WHY_BASE + reason` counts, in `fallbacks`, what the verdict left to user space for that
+/// reason (FM_WHY_* in dispatch.bpf.c).
+pub(crate) const WHY_BASE: u32 = STAT_NAMES.len() as u32;
+
+/// The FM_WHY_* reasons by number, as `flatmesh kernel status` names them. Up to
+/// `unregistered` they count connections whose first request the kernel left to the user
+/// tier (the sum is fm_verdict's `fallbacks`); `unregistered` and `peer_gone` count chunks
+/// (and their bytes) passed up for a socket that was no longer the verdict's to decide.
+pub(crate) const WHY_NAMES: [&str; 16] = [
+    "other",
+    "no_match",
+    "huffman",
+    "truncated",
+    "malformed",
+    "punt_rule",
+    "dynamic_table",
+    "too_long",
+    "busy",
+    "protocol",
+    "unregistered",
+    "peer_gone",
+    "held",
+    "pending_limit",
+    "",
+    "",
+];
+
+/// Slot of WHY_NAMES that is not a fallback: frames cut across chunks whose bytes the verdict
+/// held in `fm_l7_hold` (`runs` = frames held, `bytes` = bytes copied).
+pub(crate) const WHY_HELD: usize = 12;
+
 /// struct fm_addr: IPv4 in ip[0] (network order), ports in host order.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -219,11 +251,26 @@ pub(crate) struct FmL7Conn {
     pub backend: u32,
     pub route_id: u32,
     pub reason: u32,
+    pub chunks: u32,
+}
+
+// SAFETY: integers only, no padding (4 u64 then 6 u32).
+unsafe impl aya::Pod for FmL7Conn {}
+
+pub(crate) const HOLD: usize = 1024;
+
+/// struct fm_l7_hold (dispatch.bpf.c): part of a frame cut across chunks.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct FmL7Hold {
+    pub buf: [u8; HOLD],
+    pub at: u64,
+    pub len: u32,
     pub pad: u32,
 }
 
-// SAFETY: integers only, explicit trailing pad keeps the size a multiple of 8.
-unsafe impl aya::Pod for FmL7Conn {}
+// SAFETY: a byte array (a multiple of 8 long), a u64 and two u32: no padding.
+unsafe impl aya::Pod for FmL7Hold {}
 
 #[cfg(test)]
 mod tests {
@@ -235,6 +282,8 @@ mod tests {
         assert_eq!(std::mem::size_of::<FmStat>(), 32);
         assert_eq!(std::mem::size_of::<FmRoute>(), 8 + 64 + 6 * 4);
         assert_eq!(std::mem::size_of::<FmL7Conn>(), 4 * 8 + 6 * 4);
+        assert_eq!(std::mem::size_of::<FmL7Hold>(), HOLD + 16);
+        assert_eq!(WHY_NAMES[WHY_HELD], "held");
         assert_eq!(std::mem::size_of::<FmSockKey>(), 48);
         assert_eq!(std::mem::size_of::<FmShortcut>(), 56);
         assert_eq!(std::mem::size_of::<FmDirect>(), 16);

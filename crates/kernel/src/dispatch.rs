@@ -24,7 +24,8 @@ use crate::tier::KernelTier;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FallbackReason {
     NoMatch,
-    /// A Huffman-coded header *name* before :path (only values are decoded in the kernel).
+    /// A Huffman-coded pseudo-header *name*, or more Huffman-coded names than the kernel
+    /// checks per block (4); coded regular names are decoded and checked in the kernel.
     Huffman,
     Truncated,
     Malformed,
@@ -35,6 +36,8 @@ pub enum FallbackReason {
     /// The route's cluster speaks another protocol than the client (HTTP/1.1 vs HTTP/2):
     /// only the user tier can translate.
     Protocol,
+    /// No first HEADERS frame within the kernel's bound (16 KiB of stream, 64 chunks).
+    PendingLimit,
     Other(u32),
 }
 
@@ -50,6 +53,7 @@ impl FallbackReason {
             7 => FallbackReason::TooLong,
             8 => FallbackReason::Busy,
             9 => FallbackReason::Protocol,
+            13 => FallbackReason::PendingLimit,
             other => FallbackReason::Other(other),
         }
     }
@@ -305,9 +309,19 @@ impl KernelTier {
         })
     }
 
-    /// Drops a connection's dispatch state (its sockhash entry goes when the socket closes).
+    /// Drops a connection's dispatch state (its sockhash entry goes when the socket closes),
+    /// and any bytes the kernel held for a frame cut across chunks.
     pub fn l7_forget(&self, cookie: u64) -> Result<(), KernelError> {
         self.with(|l| {
+            if let Some(hold) = l.maps.l7_hold.as_mut() {
+                // Usually there is none: a missing key is ENOENT from the syscall.
+                match hold.remove(&cookie) {
+                    Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                    Err(aya::maps::MapError::SyscallError(e))
+                        if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+                    Err(e) => return Err(KernelError::map("fm_l7_hold", "remove", e)),
+                }
+            }
             let conns = l.maps.l7_conns.as_mut().ok_or(KernelError::MissingMap {
                 map: "fm_l7_conns (l7_dispatch is off in the config)",
             })?;

@@ -8,8 +8,8 @@ use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, SockHash};
 use aya::programs::ProgramInfo;
 
 use crate::abi::{
-    FmAddr, FmDirect, FmL7Conn, FmRoute, FmShortcut, FmSockKey, FmStat, DERIVED_STATS, MATCH_END,
-    STAT_NAMES,
+    FmAddr, FmDirect, FmL7Conn, FmL7Hold, FmRoute, FmShortcut, FmSockKey, FmStat, DERIVED_STATS,
+    MATCH_END, STAT_NAMES, WHY_BASE, WHY_HELD, WHY_NAMES,
 };
 use crate::error::KernelError;
 use crate::tier::{pinned_owner, KernelTier};
@@ -43,6 +43,10 @@ pub struct KernelStatus {
     pub owner: Option<u32>,
     pub programs: Vec<ProgramStatus>,
     pub maps: Vec<MapStatus>,
+    /// Why the verdict left work to user space: (reason, counters) for every reason it
+    /// counted at least once. The count is in `fallbacks`; `bytes` is set for the per-chunk
+    /// reasons (`unregistered`, `peer_gone`), the bytes so passed up.
+    pub fallback_reasons: Vec<(String, FmStat)>,
 }
 
 impl KernelStatus {
@@ -53,6 +57,16 @@ impl KernelStatus {
             .find(|p| p.name == program)
             .map(|p| p.stats)
             .unwrap_or_default()
+    }
+
+    /// How often the verdict left work to user space for `reason` (a name of
+    /// `fallback_reasons`: `truncated`, `huffman`, `no_match`, ...), zero if never.
+    pub fn fallbacks(&self, reason: &str) -> u64 {
+        self.fallback_reasons
+            .iter()
+            .find(|(r, _)| r == reason)
+            .map(|(_, s)| s.fallbacks)
+            .unwrap_or(0)
     }
 
     /// Entries of one map by name, zero if it is not pinned.
@@ -137,6 +151,7 @@ pub fn status(pin_dir: &Path) -> Result<KernelStatus, KernelError> {
             "fm_orig_by_tuple" => count::<[u8; 40], FmAddr>(data, true),
             "fm_redirect_ports" | "fm_l7_ports" => count::<u16, u8>(data, false),
             "fm_l7_conns" => count::<u64, FmL7Conn>(data, true),
+            "fm_l7_hold" => count::<u64, FmL7Hold>(data, true),
             "fm_redirect_socks" => count_sock::<[u8; 48]>(data),
             "fm_shortcuts" => count::<FmSockKey, FmShortcut>(data, false),
             "fm_direct_bytes" => count::<FmSockKey, FmDirect>(data, false),
@@ -175,16 +190,36 @@ pub fn status(pin_dir: &Path) -> Result<KernelStatus, KernelError> {
         };
         st.programs.insert(pos + 1, row);
     }
+    if st.programs.iter().any(|p| p.name == "fm_verdict") {
+        if let Some(m) = stats.as_ref() {
+            for (i, name) in WHY_NAMES.iter().enumerate() {
+                let s = slot_sum(m, WHY_BASE + i as u32);
+                if s != FmStat::default() {
+                    let name = if name.is_empty() {
+                        format!("reason_{i}")
+                    } else {
+                        name.to_string()
+                    };
+                    st.fallback_reasons.push((name, s));
+                }
+            }
+        }
+    }
     Ok(st)
 }
 
 /// One counter slot of `fm_stats`, summed over CPUs.
 fn stat_sum(stats: &PerCpuArray<MapData, FmStat>, name: &str) -> FmStat {
+    match STAT_NAMES.iter().position(|n| *n == name) {
+        Some(idx) => slot_sum(stats, idx as u32),
+        None => FmStat::default(),
+    }
+}
+
+/// One slot of `fm_stats` by index, summed over CPUs (zero if the map is older and shorter).
+fn slot_sum(stats: &PerCpuArray<MapData, FmStat>, idx: u32) -> FmStat {
     let mut sum = FmStat::default();
-    let Some(idx) = STAT_NAMES.iter().position(|n| *n == name) else {
-        return sum;
-    };
-    if let Ok(per_cpu) = stats.get(&(idx as u32), 0) {
+    if let Ok(per_cpu) = stats.get(&idx, 0) {
         for s in per_cpu.iter() {
             sum.runs += s.runs;
             sum.bytes += s.bytes;
@@ -218,6 +253,31 @@ impl fmt::Display for KernelStatus {
                 "{:<22} {:>6} {:>12} {:>14} {:>10} {:>10}",
                 name, p.id, p.stats.runs, p.stats.bytes, p.stats.hits, p.stats.fallbacks
             )?;
+            if p.name == "fm_verdict" {
+                // Why the verdict left work to user space: one row per reason seen (the
+                // fallbacks column), and the frames it held across chunks (runs, bytes).
+                for (why, s) in &self.fallback_reasons {
+                    let (name, runs, bytes) = if why == WHY_NAMES[WHY_HELD] {
+                        (
+                            "  held across chunks".to_string(),
+                            s.runs.to_string(),
+                            s.bytes,
+                        )
+                    } else {
+                        (format!("  why {why}"), String::new(), s.bytes)
+                    };
+                    let bytes = if bytes > 0 {
+                        bytes.to_string()
+                    } else {
+                        String::new()
+                    };
+                    writeln!(
+                        f,
+                        "{:<22} {:>6} {:>12} {:>14} {:>10} {:>10}",
+                        name, "", runs, bytes, "", s.fallbacks
+                    )?;
+                }
+            }
         }
         writeln!(f, "{:<22} {:>10} {:>10}", "map", "entries", "max")?;
         for m in &self.maps {

@@ -19,7 +19,9 @@ use aya::programs::{CgroupAttachMode, CgroupSockAddr, CgroupSockopt, SkMsg, SkSk
 use aya::{Ebpf, EbpfLoader};
 use parking_lot::Mutex;
 
-use crate::abi::{FmAddr, FmDirect, FmL7Conn, FmRoute, FmSettings, FmShortcut, FmSockKey};
+use crate::abi::{
+    FmAddr, FmDirect, FmL7Conn, FmL7Hold, FmRoute, FmSettings, FmShortcut, FmSockKey,
+};
 use crate::config::KernelConfig;
 use crate::error::KernelError;
 
@@ -55,6 +57,7 @@ pub(crate) struct Maps {
     pub direct_bytes: Option<HashMap<MapData, FmSockKey, FmDirect>>,
     pub l7_socks: Option<SockHash<MapData, u64>>,
     pub l7_conns: Option<HashMap<MapData, u64, FmL7Conn>>,
+    pub l7_hold: Option<HashMap<MapData, u64, FmL7Hold>>,
     pub routes: Option<Array<MapData, FmRoute>>,
     pub l7_ports: Option<HashMap<MapData, u16, u8>>,
 }
@@ -362,6 +365,7 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
     let mut direct_bytes = None;
     let mut l7_socks = None;
     let mut l7_conns = None;
+    let mut l7_hold = None;
     let mut routes = None;
     let mut l7_ports = None;
 
@@ -432,6 +436,7 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
         l7_ports = Some(typed(&mut obj, "fm_l7_ports")?);
         l7_socks = Some(socks);
         l7_conns = Some(typed(&mut obj, "fm_l7_conns")?);
+        l7_hold = Some(typed(&mut obj, "fm_l7_hold")?);
         routes = Some(typed(&mut obj, "fm_routes")?);
         let mut huffman: Array<MapData, [u32; crate::huffman::TABLE_LEN]> =
             typed(&mut obj, "fm_huffman")?;
@@ -481,6 +486,7 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
             direct_bytes,
             l7_socks,
             l7_conns,
+            l7_hold,
             routes,
             l7_ports,
         },

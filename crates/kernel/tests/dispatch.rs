@@ -713,3 +713,617 @@ fn kernel_answers_equal_the_user_tier_and_fallbacks_are_explicit() {
     );
     tier.detach().unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// A HEADERS frame shaped like grpc-go's first request: every value Huffman-coded, `:path`
+/// as a literal with incremental indexing of static name 5, and `grpc-timeout` as a literal
+/// with a Huffman-coded *name* (the field that made grpc-go connections fall back before).
+fn grpc_go_headers(path: &[u8], extra: &[(&[u8], bool)]) -> Vec<u8> {
+    let huff = |out: &mut Vec<u8>, s: &[u8]| {
+        let h = huffman::encode(s);
+        out.push(0x80 | h.len() as u8);
+        out.extend_from_slice(&h);
+    };
+    let mut block = vec![0x83, 0x86, 0x45];
+    huff(&mut block, path);
+    block.push(0x41);
+    huff(&mut block, b"127.0.0.1:29080");
+    block.push(0x5f);
+    huff(&mut block, b"application/grpc");
+    block.push(0x7a);
+    huff(&mut block, b"grpc-go/1.70.0");
+    block.extend_from_slice(&[0x40, 2, b't', b'e']);
+    huff(&mut block, b"trailers");
+    // (name, Huffman-code it?) with a fixed value; the first is grpc-go's grpc-timeout.
+    for (name, coded) in [(&b"grpc-timeout"[..], true)].iter().chain(extra) {
+        block.push(0x40);
+        if *coded {
+            huff(&mut block, name);
+        } else {
+            block.push(name.len() as u8);
+            block.extend_from_slice(name);
+        }
+        huff(&mut block, b"19999m");
+    }
+    let mut f = vec![0, 0, block.len() as u8, 1, 0x4, 0, 0, 0, 1];
+    f.extend_from_slice(&block);
+    f
+}
+
+/// grpc-go's first bytes: the preface with an empty SETTINGS in one segment, then (after the
+/// server's SETTINGS) its ACK, HEADERS and a DATA frame in the next.
+fn grpc_go_stream(path: &[u8]) -> (Vec<u8>, Vec<u8>) {
+    let mut first = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    first.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+    let mut second = vec![0, 0, 0, 4, 1, 0, 0, 0, 0];
+    second.extend(grpc_go_headers(path, &[]));
+    second.extend_from_slice(&[0, 0, 7, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 2, 8, 1]);
+    (first, second)
+}
+
+/// Reads from the proxy's side of a connection until `n` bytes are buffered in all (or
+/// two seconds pass): what user space got of the client's stream.
+fn read_up_to(hop: &mut Hop, n: usize) {
+    let _ = hop.client.set_read_timeout(Some(Duration::from_millis(20)));
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while hop.buffered.len() < n && Instant::now() < deadline {
+        let mut tmp = [0u8; 4096];
+        match hop.client.read(&mut tmp) {
+            Ok(0) => break,
+            Ok(k) => hop.buffered.extend_from_slice(&tmp[..k]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => panic!("proxy read: {e}"),
+        }
+    }
+}
+
+/// A gRPC client's first request in separate TCP segments (TCP_NODELAY, a pause between
+/// them), cut where grpc-go cuts it and also inside the HEADERS frame (its 9-byte header, its
+/// Huffman-coded :path) and inside a SETTINGS frame header: decided in the kernel every time
+/// (the verdict holds a cut frame's bytes until the rest arrives), the right backend answers,
+/// and it receives the client's exact byte stream, preface first.
+#[test]
+fn grpc_first_request_cut_across_segments_is_decided_in_the_kernel() {
+    grpc_cuts(tier("l7-h2-cuts"));
+}
+
+#[test]
+fn grpc_first_request_cut_across_segments_is_decided_in_stream_parser_mode_too() {
+    grpc_cuts(tier_mode("l7-h2-cuts-strp", true));
+}
+
+fn grpc_cuts(tier: KernelTier) {
+    let (done_tx, done_rx) = mpsc::channel();
+    let backends = [backend(0, done_tx.clone()), backend(1, done_tx)];
+    let (l, port) = listener();
+    let (first, second) = grpc_go_stream(b"/svc.Echo/Ping");
+    let stream: Vec<u8> = [first.clone(), second.clone()].concat();
+    let hdr_at = first.len() + 9; // the HEADERS frame in `stream`
+    let cuts: Vec<(&str, Vec<usize>)> = vec![
+        ("as grpc-go sends it", vec![first.len()]),
+        (
+            "inside the HEADERS frame header",
+            vec![first.len(), hdr_at + 4],
+        ),
+        ("inside the :path value", vec![first.len(), hdr_at + 9 + 6]),
+        (
+            "in three pieces of the HEADERS frame",
+            vec![hdr_at + 2, hdr_at + 9 + 4, hdr_at + 40],
+        ),
+        (
+            "inside a SETTINGS frame header",
+            vec![24 + 3, first.len() + 5],
+        ),
+        (
+            "one byte at a time through the frame header",
+            (hdr_at..hdr_at + 10).collect(),
+        ),
+    ];
+    for (what, cut) in &cuts {
+        let before = tier.status().unwrap_or_else(|e| panic!("{e}"));
+        let mut client = TcpStream::connect(("127.0.0.1", port)).unwrap_or_else(|e| panic!("{e}"));
+        let _ = client.set_nodelay(true);
+        let mut hop = accept(&tier, &l);
+        let mut at = 0;
+        for &c in cut {
+            write_all(&mut client, &stream[at..c]);
+            at = c;
+            // Separate segments: the verdict sees each as its own chunk.
+            std::thread::sleep(Duration::from_millis(25));
+            read_up_to(&mut hop, at);
+            assert_eq!(
+                tier.l7_decision(hop.cookie)
+                    .unwrap_or_else(|e| panic!("{e}")),
+                L7Decision::Pending,
+                "{what}: decided before the HEADERS frame was whole"
+            );
+        }
+        write_all(&mut client, &stream[at..]);
+        let d = drive(&tier, &mut hop, &backends, Duration::from_secs(2));
+        assert_eq!(
+            d,
+            L7Decision::Backend {
+                backend: 0,
+                route_id: 3
+            },
+            "{what}"
+        );
+        assert_eq!(
+            user_tier("POST", "/svc.Echo/Ping", false),
+            Some(0),
+            "{what}: the user tier agrees"
+        );
+        // The backend answers after each read; wait for the whole stream.
+        let want = format!("b0 {}", stream.len());
+        let mut last = String::new();
+        for _ in 0..64 {
+            last = line(&mut client);
+            if last == want {
+                break;
+            }
+        }
+        assert_eq!(last, want, "{what}");
+        // Everything the proxy read went upstream first; nothing reaches it now.
+        assert_eq!(
+            hop.buffered.len(),
+            stream.len(),
+            "{what}: the proxy read it all"
+        );
+        assert_nothing_in_user_space(&mut hop);
+        client
+            .shutdown(std::net::Shutdown::Write)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut b = [0u8; 16];
+        let _ = hop.client.set_nonblocking(false);
+        let _ = hop.client.set_read_timeout(Some(Duration::from_secs(5)));
+        assert!(matches!(hop.client.read(&mut b), Ok(0)), "{what}: EOF");
+        if let Some(up) = &hop.upstream {
+            up.shutdown(std::net::Shutdown::Write)
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        let (id, got) = done_rx
+            .recv_timeout(Duration::from_secs(5))
+            .unwrap_or_else(|e| panic!("{what}: backend: {e}"));
+        assert_eq!(id, 0, "{what}");
+        assert!(got == stream, "{what}: the backend got another byte stream");
+        let after = tier.status().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            after.stat("fm_verdict").hits,
+            before.stat("fm_verdict").hits + 1,
+            "{what}: {after}"
+        );
+        assert_eq!(
+            after.stat("fm_verdict").fallbacks,
+            before.stat("fm_verdict").fallbacks,
+            "{what}: {after}"
+        );
+        if cut.len() > 1 || cut[0] != first.len() {
+            assert!(
+                after.fallbacks("held") == 0
+                    && after.fallback_reasons.iter().any(|(r, s)| r == "held"
+                        && s.runs
+                            > before
+                                .fallback_reasons
+                                .iter()
+                                .find(|(r, _)| r == "held")
+                                .map_or(0, |(_, s)| s.runs)),
+                "{what}: a cut frame was held: {after}"
+            );
+        }
+        let _ = tier.l7_forget(hop.cookie);
+        drop(hop);
+        drop(client);
+        eventually("the held bytes to be dropped", || {
+            let st = tier.status().ok()?;
+            (st.entries("fm_l7_hold") == 0).then_some(())
+        });
+    }
+    tier.detach().unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Huffman-coded header names (grpc-go codes `grpc-timeout` so): a regular one is decoded and
+/// checked, and the request decided as the user tier decides it; a coded pseudo-header name,
+/// an invalid code or a name no HTTP/2 peer may send (upper case) is left to the user tier.
+#[test]
+fn huffman_coded_header_names_are_checked_in_the_kernel() {
+    let tier = tier("l7-h2-names");
+    let (l, port) = listener();
+    let (first, _) = grpc_go_stream(b"/");
+    let ok = grpc_go_headers(
+        b"/svc.Echo/Ping",
+        &[(b"x-trace", true), (b"x-plain", false)],
+    );
+    assert_eq!(
+        kernel_decision(&tier, &l, port, &[&first, &ok]),
+        L7Decision::Backend {
+            backend: 0,
+            route_id: 3
+        }
+    );
+    assert_eq!(user_tier("POST", "/svc.Echo/Ping", false), Some(0));
+    let no_match = grpc_go_headers(b"/other.Svc/X", &[]);
+    assert_eq!(
+        kernel_decision(&tier, &l, port, &[&first, &no_match]),
+        L7Decision::Fallback {
+            reason: FallbackReason::NoMatch,
+            route_id: None
+        }
+    );
+    assert_eq!(user_tier("POST", "/other.Svc/X", false), None);
+    let cases: [(&str, Vec<u8>, FallbackReason); 4] = [
+        (
+            "a coded pseudo-header name",
+            grpc_go_headers(b"/svc.Echo/Ping", &[(b":path", true)]),
+            FallbackReason::Huffman,
+        ),
+        (
+            "an upper-case coded name",
+            grpc_go_headers(b"/svc.Echo/Ping", &[(b"X-Trace", true)]),
+            FallbackReason::Malformed,
+        ),
+        (
+            "an invalid code (EOS inside)",
+            {
+                // A name whose code is all ones for more than 7 bits: EOS, which HPACK forbids.
+                let mut h = grpc_go_headers(b"/svc.Echo/Ping", &[]);
+                let n = h.len();
+                h.extend_from_slice(&[0x40, 0x84, 0xff, 0xff, 0xff, 0xff, 0x01, b'1']);
+                h[2] = (n - 9 + 8) as u8;
+                h
+            },
+            FallbackReason::Malformed,
+        ),
+        (
+            "more coded names than the kernel checks",
+            grpc_go_headers(
+                b"/svc.Echo/Ping",
+                &[
+                    (b"x-a", true),
+                    (b"x-b", true),
+                    (b"x-c", true),
+                    (b"x-d", true),
+                ],
+            ),
+            FallbackReason::Huffman,
+        ),
+    ];
+    for (what, h, want) in cases {
+        match kernel_decision(&tier, &l, port, &[&first, &h]) {
+            L7Decision::Fallback { reason, .. } if reason == want => {}
+            d => panic!("{what}: {d:?}, expected {want:?}"),
+        }
+    }
+    let st = tier.status().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(st.fallbacks("huffman"), 2, "{st}");
+    assert_eq!(st.fallbacks("malformed"), 2, "{st}");
+    assert_eq!(st.fallbacks("no_match"), 1, "{st}");
+    tier.detach().unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A client that stalls after its preface, or in the middle of its HEADERS frame, leaves the
+/// decision pending in the kernel and nothing else: the proxy's read deadline ends it (here
+/// after 300 ms), user space has every byte the client sent, and once the proxy forgets the
+/// connection and closes it no kernel state is left (no held bytes, no entries). A client that
+/// sends more than the kernel waits for (a first HEADERS frame past 16 KiB, or after 64
+/// chunks) is left to the user tier, again with every byte.
+#[test]
+fn a_stalled_or_endless_first_request_ends_cleanly() {
+    let tier = tier("l7-h2-stall");
+    let (l, port) = listener();
+    let (first, second) = grpc_go_stream(b"/svc.Echo/Ping");
+    let mut mid_headers = first.clone();
+    mid_headers.extend_from_slice(&second[..9 + 20]);
+    for (what, sent) in [
+        ("after the preface", &first),
+        ("inside HEADERS", &mid_headers),
+    ] {
+        let mut client = TcpStream::connect(("127.0.0.1", port)).unwrap_or_else(|e| panic!("{e}"));
+        let _ = client.set_nodelay(true);
+        let mut hop = accept(&tier, &l);
+        write_all(&mut client, &first);
+        std::thread::sleep(Duration::from_millis(20));
+        write_all(&mut client, &sent[first.len()..]);
+        let started = Instant::now();
+        let d = drive(&tier, &mut hop, &[], Duration::from_millis(300));
+        assert_eq!(d, L7Decision::Pending, "{what}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{what}: bounded"
+        );
+        read_up_to(&mut hop, sent.len());
+        assert!(hop.buffered == *sent, "{what}: user space has every byte");
+        let st = tier.status().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(st.entries("fm_l7_conns"), 1, "{what}: {st}");
+        // The proxy gives up: forget, close.
+        tier.l7_forget(hop.cookie).unwrap_or_else(|e| panic!("{e}"));
+        drop(hop);
+        drop(client);
+        eventually("no dispatch state left", || {
+            let st = tier.status().ok()?;
+            (st.entries("fm_l7_conns") == 0
+                && st.entries("fm_l7_hold") == 0
+                && st.entries("fm_l7_socks") == 0)
+                .then_some(())
+        });
+    }
+    // Endless: a 20 KiB frame of an unknown type before any HEADERS (bytes), or 100 PINGs in
+    // 100 segments (chunks).
+    let mut big = vec![0, 0x50, 0, 0xfa, 0, 0, 0, 0, 0];
+    big.resize(9 + 0x5000, 7);
+    let ping = [0u8, 0, 8, 6, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8];
+    let pings: Vec<Vec<u8>> = (0..100).map(|_| ping.to_vec()).collect();
+    for (what, pieces) in [("20 KiB", vec![big]), ("100 chunks", pings)] {
+        let mut client = TcpStream::connect(("127.0.0.1", port)).unwrap_or_else(|e| panic!("{e}"));
+        let _ = client.set_nodelay(true);
+        let mut hop = accept(&tier, &l);
+        write_all(&mut client, &first);
+        let mut total = first.len();
+        for p in &pieces {
+            std::thread::sleep(Duration::from_millis(2));
+            write_all(&mut client, p);
+            total += p.len();
+            read_up_to(&mut hop, total);
+        }
+        assert_eq!(
+            tier.l7_decision(hop.cookie)
+                .unwrap_or_else(|e| panic!("{e}")),
+            L7Decision::Fallback {
+                reason: FallbackReason::PendingLimit,
+                route_id: None
+            },
+            "{what}"
+        );
+        assert_eq!(
+            hop.buffered.len(),
+            total,
+            "{what}: user space has every byte"
+        );
+        let _ = tier.l7_forget(hop.cookie);
+    }
+    // The bound is on where the first HEADERS frame starts, not on the chunk: a large first
+    // chunk that has it is decided.
+    let mut with_data = first.clone();
+    with_data.extend_from_slice(&second);
+    let mut data = vec![0, 0x50, 0, 0, 0, 0, 0, 0, 1];
+    data.resize(9 + 0x5000, 0);
+    with_data.extend_from_slice(&data);
+    assert_eq!(
+        kernel_decision(&tier, &l, port, &[&with_data]),
+        L7Decision::Backend {
+            backend: 0,
+            route_id: 3
+        }
+    );
+    let st = tier.status().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(st.fallbacks("pending_limit"), 2, "{st}");
+    tier.detach().unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The bench's gRPC backend and load tools (bench/.bin, built by `bench/run --install-only`).
+fn bench_tool(name: &str) -> Option<std::path::PathBuf> {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../bench/.bin")
+        .join(name);
+    p.is_file().then_some(p)
+}
+
+/// A minimal proxy over the documented hand-off, for real gRPC clients: per connection, it
+/// answers the HTTP/2 preface with an empty SETTINGS frame (grpc-go sends its first HEADERS
+/// after the server's SETTINGS), reads until the kernel decides, connects the backend, sends
+/// what it read and pairs the sockets; bytes that still reach it are relayed by hand. The
+/// listener's port must be an L7 port (`add_l7_port`), so connections are registered. (The
+/// grpc-go server ignores the client's ACK of that SETTINGS, so this test proxy does not strip
+/// it as the node does.) Returns the decisions, one per connection.
+fn grpc_hop(
+    tier: KernelTier,
+    l: TcpListener,
+    backend: SocketAddr,
+    conns: usize,
+) -> std::thread::JoinHandle<Vec<L7Decision>> {
+    std::thread::spawn(move || {
+        let mut decisions = Vec::new();
+        let _ = l.set_nonblocking(true);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while decisions.len() < conns && Instant::now() < deadline {
+            let (client, _) = match l.accept() {
+                Ok(c) => c,
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                }
+            };
+            let _ = client.set_nonblocking(false);
+            let cookie = flatmesh_kernel::socket_cookie(&client).unwrap_or_else(|e| panic!("{e}"));
+            let mut hop = Hop {
+                client,
+                cookie,
+                buffered: Vec::new(),
+                upstream: None,
+            };
+            let _ = hop.client.set_read_timeout(Some(Duration::from_millis(20)));
+            let until = Instant::now() + Duration::from_secs(5);
+            let mut settings_sent = false;
+            let d = loop {
+                let d = tier.l7_decision(cookie).unwrap_or_else(|e| panic!("{e}"));
+                if d != L7Decision::Pending || Instant::now() > until {
+                    break d;
+                }
+                if !settings_sent
+                    && hop
+                        .buffered
+                        .starts_with(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                {
+                    write_all(&mut hop.client, &[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+                    settings_sent = true;
+                }
+                let mut tmp = [0u8; 4096];
+                match hop.client.read(&mut tmp) {
+                    Ok(0) => break L7Decision::Pending,
+                    Ok(n) => hop.buffered.extend_from_slice(&tmp[..n]),
+                    Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+                    Err(_) => break L7Decision::Pending,
+                }
+            };
+            decisions.push(d);
+            let L7Decision::Backend { .. } = d else {
+                continue; // the test fails on the decision; nothing to serve
+            };
+            let mut up = TcpStream::connect(backend).unwrap_or_else(|e| panic!("upstream: {e}"));
+            let up_cookie = tier
+                .l7_attach_upstream(cookie, &up)
+                .unwrap_or_else(|e| panic!("{e}"));
+            write_all(&mut up, &hop.buffered);
+            tier.l7_pair(cookie, up_cookie)
+                .unwrap_or_else(|e| panic!("{e}"));
+            // Whatever still reaches user space, each way, and the half-close. A blocking
+            // read on a spliced socket can return EAGAIN when the bytes that woke it were
+            // redirected away (tcp_bpf_recvmsg): keep reading, until a bounded deadline.
+            let relay = |mut from: TcpStream, mut to: TcpStream| {
+                std::thread::spawn(move || {
+                    let _ = from.set_read_timeout(Some(Duration::from_millis(100)));
+                    let end = Instant::now() + Duration::from_secs(60);
+                    let mut b = [0u8; 4096];
+                    while Instant::now() < end {
+                        match from.read(&mut b) {
+                            Ok(0) => break,
+                            Ok(n) => {
+                                if to.write_all(&b[..n]).is_err() {
+                                    break;
+                                }
+                            }
+                            Err(e)
+                                if matches!(
+                                    e.kind(),
+                                    ErrorKind::WouldBlock | ErrorKind::TimedOut
+                                ) => {}
+                            Err(_) => break,
+                        }
+                    }
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                })
+            };
+            let (c2, u2) = (
+                hop.client.try_clone().unwrap_or_else(|e| panic!("{e}")),
+                up.try_clone().unwrap_or_else(|e| panic!("{e}")),
+            );
+            relay(c2, up);
+            relay(u2, hop.client);
+        }
+        decisions
+    })
+}
+
+/// Real grpc-go clients (the bench's `grpc-backend -check`, unary and bidi, and ghz) through
+/// the kernel: every connection is decided in the kernel, none falls back, and every call
+/// succeeds. Before the kernel checked Huffman-coded header names, every grpc-go connection
+/// fell back (`why huffman`: grpc-go codes the `grpc-timeout` name).
+#[test]
+fn real_grpc_go_clients_are_decided_in_the_kernel() {
+    let (Some(server), Some(ghz)) = (bench_tool("grpc-backend"), bench_tool("ghz")) else {
+        eprintln!("skipped: bench/.bin/grpc-backend or ghz is missing (bench/run --install-only)");
+        return;
+    };
+    let tier = tier("l7-grpc-go");
+    tier.set_routes(&lower_routes(&[RouteSpec {
+        route_id: 0,
+        method: None,
+        path: PathMatch::Prefix("/".into()),
+        other_conditions: false,
+        backend: Some(0),
+        protocols: Protocols::HTTP2,
+    }]))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let (bl, bport) = listener();
+    drop(bl);
+    let backend_addr: SocketAddr = ([127, 0, 0, 1], bport).into();
+    let mut backend = std::process::Command::new(&server)
+        .args(["-addr", &backend_addr.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {}: {e}", server.display()));
+    eventually("the gRPC backend to listen", || {
+        TcpStream::connect(backend_addr).ok().map(|_| ())
+    });
+    let run = |cmd: &mut std::process::Command, what: &str| {
+        let mut child = cmd
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        child
+            .wait_with_output()
+            .unwrap_or_else(|e| panic!("{what}: {e}"))
+    };
+
+    // As in the node: sockops registers each connection the moment it is established, so
+    // even a preface sent with the handshake is seen by the verdict.
+    let (l, port) = listener();
+    tier.add_l7_port(port).unwrap_or_else(|e| panic!("{e}"));
+    let hop = grpc_hop(tier.clone(), l, backend_addr, 1);
+    let out = run(
+        std::process::Command::new(&server).args(["-check", &format!("127.0.0.1:{port}")]),
+        "grpc check",
+    );
+    let decisions = hop.join().unwrap_or_else(|_| panic!("hop thread"));
+    assert!(
+        out.status.success(),
+        "grpc check through the kernel failed ({decisions:?}): {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        matches!(decisions[..], [L7Decision::Backend { backend: 0, .. }]),
+        "{decisions:?}"
+    );
+
+    let (l, port) = listener();
+    tier.add_l7_port(port).unwrap_or_else(|e| panic!("{e}"));
+    let conns = 4;
+    let hop = grpc_hop(tier.clone(), l, backend_addr, conns);
+    let proto = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../bench/grpc-backend/echo.proto");
+    let out = run(
+        std::process::Command::new(&ghz).args([
+            "--insecure",
+            "--proto",
+            &proto.to_string_lossy(),
+            "--call",
+            "bench.Echo.Unary",
+            "-d",
+            r#"{"payload":"aGVsbG8="}"#,
+            "-c",
+            "4",
+            "--connections",
+            "4",
+            "-n",
+            "400",
+            &format!("127.0.0.1:{port}"),
+        ]),
+        "ghz",
+    );
+    let decisions = hop.join().unwrap_or_else(|_| panic!("hop thread"));
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && report.contains("[OK]   400 responses"),
+        "ghz through the kernel: {report}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(decisions.len(), conns, "{decisions:?}");
+    assert!(
+        decisions
+            .iter()
+            .all(|d| matches!(d, L7Decision::Backend { backend: 0, .. })),
+        "{decisions:?}"
+    );
+    let st = tier.status().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(st.stat("fm_verdict").hits, 1 + conns as u64, "{st}");
+    assert_eq!(st.stat("fm_verdict").fallbacks, 0, "{st}");
+    let _ = backend.kill();
+    let _ = backend.wait();
+    tier.detach().unwrap_or_else(|e| panic!("{e}"));
+}
