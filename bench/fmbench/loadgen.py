@@ -162,6 +162,8 @@ def run_ghz(target: str, load: Load, env: dict | None) -> LoadResult:
         "-c", str(load.params["concurrency"]), "--connections", str(load.params["connections"]),
         "-z", f"{_secs(load.duration)}s", "-O", "json", target,
     ]
+    if "rps" in load.params:
+        argv[-3:-3] = ["--rps", str(load.params["rps"])]
     p = _run(argv, load.duration + 60, env, "ghz")
     return parse_ghz(p.stdout, p.returncode, p.stderr)
 

@@ -223,13 +223,18 @@ def targets(rows: list[dict]) -> list[dict]:
         add(name, x >= 2, f"{kt['rate'] / 1e9:.2f} vs {et['rate'] / 1e9:.2f} Gbit/s = {x:.2f}×")
     else:
         add(name, None, "flatmesh+kernel or Envoy not measured")
-    kg, ng = get("grpc_unary", "flatmesh+kernel"), get("grpc_unary", "nginx")
-    name = "tier K: gRPC unary p50 ≥ 35% lower than nginx grpc_pass"
-    if kg and ng and kg["lat_us"]["p50"] and ng["lat_us"]["p50"]:
-        a, b = kg["lat_us"]["p50"], ng["lat_us"]["p50"]
-        add(name, a <= 0.65 * b, f"{f_lat(a)} vs {f_lat(b)} = {100 * (1 - a / b):.0f}% lower")
-    else:
-        add(name, None, "flatmesh+kernel or nginx not measured")
+    # The target is a per-request latency: judged on grpc_latency (light fixed rate) when it
+    # ran. grpc_unary saturates the client, so its p50 is mostly queueing; it is reported too.
+    for scenario in ("grpc_latency", "grpc_unary"):
+        kg, ng = get(scenario, "flatmesh+kernel"), get(scenario, "nginx")
+        name = f"tier K: gRPC unary p50 ≥ 35% lower than nginx grpc_pass ({scenario})"
+        if kg and ng and kg["lat_us"]["p50"] and ng["lat_us"]["p50"]:
+            a, b = kg["lat_us"]["p50"], ng["lat_us"]["p50"]
+            ok = a <= 0.65 * b if scenario == "grpc_latency" else None
+            note = "" if ok is not None else " (saturated: informational, the target is judged on grpc_latency)"
+            add(name, ok, f"{f_lat(a)} vs {f_lat(b)} = {100 * (1 - a / b):.0f}% lower{note}")
+        elif scenario == "grpc_latency":
+            add(name, None, "flatmesh+kernel or nginx not measured")
     return out
 
 
