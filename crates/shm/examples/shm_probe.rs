@@ -11,7 +11,7 @@
 //!                         accepts one, waits for BYTES to be buffered, forks, and the parent
 //!                         closes its copy before the child runs; prints "child ok|failed ..."
 //! shm_probe client <port> <integrity|small:N|burst:MIB|dup|fork|nonblocking|epollout-thread|
-//!                          half-close-full|pingpong:SECS|
+//!                          half-close-full[:BYTES]|wake-race:SECS|pingpong:SECS|
 //!                          stale|crash|
 //!                          crash-burst:PID|many:N|fork-close-first:BYTES>
 //! ```
@@ -549,7 +549,11 @@ fn client(port: u16, test: &str) {
         "fork" => fork_test(port),
         "nonblocking" => nonblocking(port),
         "epollout-thread" => epollout_thread(port),
-        "half-close-full" => half_close_full(port),
+        "half-close-full" => half_close_full(port, 6 << 20),
+        race if race.starts_with("wake-race:") => wake_race(port, race[10..].parse().unwrap()),
+        full if full.starts_with("half-close-full:") => {
+            half_close_full(port, full[16..].parse().unwrap())
+        }
         "crash" => crash(port),
         "stale" => stale(port),
         small if small.starts_with("small:") => small_messages(port, small[6..].parse().unwrap()),
@@ -733,11 +737,20 @@ fn nonblocking(port: u16) {
 /// blocks on EAGAIN and sleeps (epoll, poll) or blocks in send (threads). Then the client shuts
 /// down its sending side, which leaves its kernel socket unable to carry a wake-up byte, and
 /// only then reads. The server must still notice the room and send every byte.
-fn half_close_full(port: u16) {
+/// Writes `total` bytes to an echo server without reading, half-closes, then reads the echo.
+/// Beyond one direction's capacity both pipes fill: the server blocks writing the echo while
+/// the client still writes. That must not stall as long as the two pipes together hold
+/// `total` (as two TCP socket buffers would): the server, blocked on its own write, must let
+/// the client's writer use the room it has made. Both waits are bounded (10 s).
+fn half_close_full(port: u16, total: usize) {
     let mut stream = connect(port);
-    let total = 6 << 20;
     let message: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
-    stream.write_all(&message).unwrap();
+    stream
+        .set_write_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    if let Err(e) = stream.write_all(&message) {
+        panic!("writing {total} bytes without reading stalled: {e} (the writer was not woken)");
+    }
     stream.shutdown(Shutdown::Write).unwrap();
     // Let the server fill the pipe, fail with EAGAIN and go to sleep.
     std::thread::sleep(Duration::from_millis(300));
@@ -758,6 +771,101 @@ fn half_close_full(port: u16) {
     }
     assert_eq!(back.len(), total, "echo length");
     assert!(back == message, "echo differs");
+}
+
+/// Hammers the sleep/wake-up handshake in both directions for `secs` seconds: a writer thread
+/// sends messages of random sizes (a few bytes to 200 KB) with random pauses, the reader reads
+/// the echo with random buffer sizes and random pauses, so that readers find the pipe empty and
+/// writers find it full over and over, each time at a different moment. Run with
+/// `FLATMESH_SHM_SPIN_US=0` on both sides, every such wait is a sleep in the kernel. The client
+/// runs on the last CPU (the server elsewhere), so wake-ups cross CPUs. Every read and write
+/// has a 5 s timeout: a lost wake-up fails the run instead of hanging it.
+fn wake_race(port: u16, secs: u64) {
+    fn pin_last_cpu() {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if cpus > 1 {
+            // SAFETY: a cpu_set_t on the stack for this thread.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(cpus - 1, &mut set);
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+            }
+        }
+    }
+    /// A pause of 0 to ~200 µs: nothing, a spin, or a sleep (the peer then waits for us).
+    fn pause(random: &mut Stream) {
+        let mut pick = [0u8; 2];
+        random.fill(&mut pick);
+        match pick[0] % 4 {
+            0 => {}
+            1 => {
+                let until = Instant::now() + Duration::from_micros(pick[1] as u64 / 8);
+                while Instant::now() < until {
+                    std::hint::spin_loop();
+                }
+            }
+            2 => std::thread::yield_now(),
+            _ => std::thread::sleep(Duration::from_micros(pick[1] as u64 % 200)),
+        }
+    }
+    fn size(random: &mut Stream) -> usize {
+        let mut pick = [0u8; 4];
+        random.fill(&mut pick);
+        let value = u32::from_le_bytes(pick) as usize;
+        match value % 3 {
+            0 => value / 3 % 64 + 1,
+            1 => value / 3 % 8192 + 1,
+            _ => value / 3 % 200_000 + 1,
+        }
+    }
+    pin_last_cpu();
+    let stream = connect(port);
+    let timeout = Some(Duration::from_secs(5));
+    stream.set_write_timeout(timeout).unwrap();
+    stream.set_read_timeout(timeout).unwrap();
+    let mut writer = stream.try_clone().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let sender = std::thread::spawn(move || {
+        pin_last_cpu();
+        let mut data = Stream(0x5DEE_CE66_D1CE_4E5B);
+        let mut random = Stream(0x2545_F491_4F6C_DD1D);
+        let mut sent = 0usize;
+        let mut chunk = vec![0u8; 200_000];
+        while Instant::now() < deadline {
+            let n = size(&mut random);
+            data.fill(&mut chunk[..n]);
+            if let Err(e) = writer.write_all(&chunk[..n]) {
+                panic!("write stalled after {sent} bytes: {e} (a lost wake-up?)");
+            }
+            sent += n;
+            pause(&mut random);
+        }
+        writer.shutdown(Shutdown::Write).unwrap();
+        sent
+    });
+    let mut reader = stream;
+    let mut expected = Stream(0x5DEE_CE66_D1CE_4E5B);
+    let mut random = Stream(0x9E37_79B9_7F4A_7C15);
+    let mut buffer = vec![0u8; 200_000];
+    let mut want = vec![0u8; 200_000];
+    let mut received = 0usize;
+    let mut reads = 0u64;
+    loop {
+        let len = size(&mut random);
+        let n = match reader.read(&mut buffer[..len]) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) => panic!("read stalled after {received} bytes: {e} (a lost wake-up?)"),
+        };
+        expected.fill(&mut want[..n]);
+        assert!(buffer[..n] == want[..n], "echo differs at {received}");
+        received += n;
+        reads += 1;
+        pause(&mut random);
+    }
+    let sent = sender.join().unwrap();
+    assert_eq!(received, sent, "echo length");
+    println!("wake-race bytes {received} reads {reads}");
 }
 
 /// Edge-triggered EPOLLOUT across threads, as in a tokio runtime: a thread sleeps in

@@ -36,10 +36,11 @@ use crate::settings;
 use crate::stats;
 use parking_lot::Mutex;
 use std::ffi::CString;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 const MAGIC: u64 = 0x316e_7261_7461_6c66; // "flatarn1"
-pub const VERSION: u32 = 1;
+/// Bumped by hand when the arena's meaning changes; [`LAYOUT_HASH`] catches layout changes too.
+pub const VERSION: u32 = 2;
 /// Size of an arena record (page-aligned; its metadata lives in its descriptor).
 pub const RECORD_BYTES: usize = 64 * 1024;
 /// Arenas a process can address (one per core).
@@ -50,8 +51,25 @@ const INDEX_MASK: u32 = (1 << INDEX_BITS) - 1;
 pub const MAX_RECORDS: u32 = 1 << INDEX_BITS;
 /// Usage slots (processes) per arena.
 pub const SLOTS: usize = 256;
+/// Released records wait in a per-arena FIFO (up to this many) before they are handed out
+/// again, so that a writer does not rewrite memory the reader's CPU has just read.
+///
+/// Why: taking such cache lines back from the other CPU costs more than the copy itself. How
+/// far back a record must have been released depends on where the two CPUs sit, which a VM
+/// cannot see: measured on the 2-vCPU test VM with a pipe of 64 KiB slots, when the vCPUs
+/// share an L3, 1-4 slots in rotation move ~50 Gbit/s, 32-128 slots (2-8 MiB) ~280, 512 (32
+/// MiB, out of every cache) ~75; when the hypervisor puts them on different L3s, 32-128 slots
+/// fall to 30-50 and 512 give ~75. So a writer takes a record released [`SHALLOW`] releases
+/// ago (3 MiB) or one released [`COOLING`] ago (32 MiB), whichever its copies measure faster
+/// (see [`Tuner`]). The free list alone is a stack: the record released last would come back
+/// first.
+pub const COOLING: usize = 512;
+/// The shallow reuse distance, in records.
+pub const SHALLOW: usize = 48;
+/// Tries at the cooling FIFO's lock before a caller goes around it.
+const COOLING_LOCK_ATTEMPTS: u32 = 2000;
 const PAGE: usize = 4096;
-const DESCRIPTORS_OFFSET: usize = PAGE;
+const DESCRIPTORS_OFFSET: usize = 2 * PAGE;
 
 /// Record states.
 pub const FREE: u32 = 0;
@@ -106,9 +124,59 @@ struct Header {
     /// Claiming a usage slot (rare) is serialised by this lock.
     slot_lock: CacheLine<AtomicU32>,
     slots: [Slot; SLOTS],
+    /// Released records on their way back to the free list (see [`COOLING`]).
+    cooling: CacheLine<Cooling>,
+}
+
+/// A FIFO of released record indexes, under `lock` (one lock operation per 64 KiB record
+/// released, held for a few stores). Its records are free (state FREE, no owner) but not yet in
+/// the free list; an allocation takes from it only when the free list is empty. The FIFO is
+/// only an optimisation, so the lock is never waited for long: whoever cannot take it at once
+/// skips the FIFO (a released record goes straight to the free list), and a lock word left
+/// set by a crashed or misbehaving process costs speed, never a hang.
+#[repr(C)]
+struct Cooling {
+    lock: AtomicU32,
+    /// Index in `ring` of the oldest entry, and the number of entries.
+    first: AtomicU32,
+    len: AtomicU32,
+    ring: [AtomicU32; COOLING],
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() <= DESCRIPTORS_OFFSET);
+
+/// A hash of everything that fixes the arena file's layout, part of the file name: two builds
+/// whose layouts differ never map each other's arenas (arenas outlive processes and are shared
+/// by every preloaded program of a user, so an older build may still be running).
+pub const LAYOUT_HASH: u32 = {
+    let words: [u64; 12] = [
+        MAGIC,
+        VERSION as u64,
+        RECORD_BYTES as u64,
+        SLOTS as u64,
+        COOLING as u64,
+        INDEX_BITS as u64,
+        DESCRIPTORS_OFFSET as u64,
+        std::mem::size_of::<Header>() as u64,
+        std::mem::offset_of!(Header, free_head) as u64,
+        std::mem::offset_of!(Header, cooling) as u64,
+        std::mem::size_of::<Descriptor>() as u64,
+        std::mem::offset_of!(Descriptor, populated) as u64,
+    ];
+    // FNV-1a over the words' bytes.
+    let mut hash: u32 = 0x811c_9dc5;
+    let mut i = 0;
+    while i < words.len() {
+        let mut byte = 0;
+        while byte < 8 {
+            hash ^= ((words[i] >> (byte * 8)) & 0xff) as u32;
+            hash = hash.wrapping_mul(0x0100_0193);
+            byte += 1;
+        }
+        i += 1;
+    }
+    hash
+};
 
 /// A record's metadata (the paper's `nextRecord` and friends), one cache line.
 #[repr(C, align(64))]
@@ -245,6 +313,85 @@ impl Arena {
         }
     }
 
+    /// Puts a released record at the back of the cooling FIFO; the oldest one, if the FIFO is
+    /// full, goes to the free list.
+    fn retire(&self, index: u32) {
+        let cooling = &self.header().cooling.0;
+        let evicted = {
+            let Some(_guard) = SpinGuard::lock_briefly(&cooling.lock, COOLING_LOCK_ATTEMPTS) else {
+                self.push(index);
+                return;
+            };
+            // Clamped: a peer may have scribbled on the header.
+            let first = cooling.first.load(Ordering::Relaxed) as usize % COOLING;
+            let len = (cooling.len.load(Ordering::Relaxed) as usize).min(COOLING);
+            if len < COOLING {
+                cooling.ring[(first + len) % COOLING].store(index, Ordering::Relaxed);
+                cooling.len.store(len as u32 + 1, Ordering::Relaxed);
+                None
+            } else {
+                let oldest = cooling.ring[first].swap(index, Ordering::Relaxed);
+                cooling
+                    .first
+                    .store(((first + 1) % COOLING) as u32, Ordering::Relaxed);
+                Some(oldest)
+            }
+        };
+        if let Some(oldest) = evicted {
+            self.push(oldest);
+        }
+    }
+
+    /// A record from the cooling FIFO at the writer's reuse distance: with `deep`, the oldest
+    /// once the FIFO is full (until then `None`: the free list's records are colder still);
+    /// otherwise the one released `SHALLOW` releases ago (its slot takes the oldest, which
+    /// stays cooling). `None` when the FIFO is not that long yet.
+    fn take_cooled(&self, deep: bool) -> Option<u32> {
+        let cooling = &self.header().cooling.0;
+        let _guard = SpinGuard::lock_briefly(&cooling.lock, COOLING_LOCK_ATTEMPTS)?;
+        let first = cooling.first.load(Ordering::Relaxed) as usize % COOLING;
+        let len = (cooling.len.load(Ordering::Relaxed) as usize).min(COOLING);
+        let at = if deep {
+            if len < COOLING {
+                return None;
+            }
+            first
+        } else {
+            if len <= SHALLOW {
+                return None;
+            }
+            (first + len - SHALLOW) % COOLING
+        };
+        let oldest = cooling.ring[first].load(Ordering::Relaxed);
+        let taken = cooling.ring[at].swap(oldest, Ordering::Relaxed);
+        cooling
+            .first
+            .store(((first + 1) % COOLING) as u32, Ordering::Relaxed);
+        cooling.len.store(len as u32 - 1, Ordering::Relaxed);
+        Some(taken)
+    }
+
+    /// The oldest record of the cooling FIFO (when the free list is empty).
+    fn pop_cooling(&self) -> Option<u32> {
+        let cooling = &self.header().cooling.0;
+        let _guard = SpinGuard::lock_briefly(&cooling.lock, COOLING_LOCK_ATTEMPTS)?;
+        let first = cooling.first.load(Ordering::Relaxed) as usize % COOLING;
+        let len = (cooling.len.load(Ordering::Relaxed) as usize).min(COOLING);
+        if len == 0 {
+            return None;
+        }
+        cooling
+            .first
+            .store(((first + 1) % COOLING) as u32, Ordering::Relaxed);
+        cooling.len.store(len as u32 - 1, Ordering::Relaxed);
+        Some(cooling.ring[first].load(Ordering::Relaxed))
+    }
+
+    /// Records waiting in the cooling FIFO.
+    pub fn cooling_records(&self) -> u32 {
+        (self.header().cooling.0.len.load(Ordering::Relaxed) as usize).min(COOLING) as u32
+    }
+
     /// This process's usage slot, claimed on first use. `None` when all slots are taken by
     /// live processes.
     fn my_slot(&self) -> Option<usize> {
@@ -314,17 +461,31 @@ static MY_SLOT: [AtomicU32; MAX_ARENAS] = [const { AtomicU32::new(0) }; MAX_AREN
 static BROKEN: [AtomicBool; MAX_ARENAS] = [const { AtomicBool::new(false) }; MAX_ARENAS];
 static MAP_LOCK: Mutex<()> = Mutex::new(());
 
-/// Number of per-core arenas: the configured CPUs.
+/// `arena_count()`, computed once (0: not yet).
+static ARENA_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// Number of per-core arenas: the configured CPUs. Computed once: glibc's
+/// `sysconf(_SC_NPROCESSORS_CONF)` opens and reads sysfs, three system calls, and the data path
+/// (every record allocation) asks for it.
 pub fn arena_count() -> usize {
+    let known = ARENA_COUNT.load(Ordering::Relaxed);
+    if known != 0 {
+        return known;
+    }
     // SAFETY: sysconf has no preconditions.
     let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
-    (cpus.max(1) as usize).min(MAX_ARENAS)
+    let count = (cpus.max(1) as usize).min(MAX_ARENAS);
+    ARENA_COUNT.store(count, Ordering::Relaxed);
+    count
 }
 
 fn path(id: usize) -> Option<CString> {
     // SAFETY: geteuid has no preconditions.
     let uid = unsafe { libc::geteuid() };
-    CString::new(format!("/dev/shm/flatmesh-shm-arena-v{VERSION}-{uid}-{id}")).ok()
+    CString::new(format!(
+        "/dev/shm/flatmesh-shm-arena-v{VERSION}-{LAYOUT_HASH:08x}-{uid}-{id}"
+    ))
+    .ok()
 }
 
 fn map_file(fd: libc::c_int, len: usize) -> Option<*mut u8> {
@@ -618,6 +779,109 @@ fn current_core() -> usize {
     usize::try_from(cpu).unwrap_or(0) % arena_count()
 }
 
+/// Chooses, per writing thread, between the shallow and the deep reuse distance (see
+/// [`COOLING`]) by measuring how fast it goes through arena records, like a two-armed bandit:
+/// it runs on one choice for a while, tries the other for [`Tuner::PROBE`] records, and keeps
+/// whichever went faster (by a margin). Each probe that does not win doubles the run before
+/// the next one (from [`Tuner::FIRST_RUN`] up to [`Tuner::LONGEST_RUN`] records), so probing
+/// the slower choice costs little once the choice is settled, and a change of placement is
+/// still noticed. The measure is the time between two record allocations of the thread: it
+/// includes the reader's side (a writer ahead of its reader waits for room), which the writer's
+/// copy alone does not (with far-away records the writer's copy can be quick and the reader's
+/// slow). Gaps of [`Tuner::IDLE_NS`] or more (the program paused) are not samples. One clock
+/// read per 64 KiB record.
+#[derive(Clone, Copy)]
+pub struct Tuner {
+    deep: bool,
+    probing: bool,
+    count: u32,
+    /// Copies to run before the next probe.
+    run: u32,
+    /// Moving averages of nanoseconds per record, [shallow, deep]; 0 = no sample yet.
+    cost: [u64; 2],
+    /// When this thread last allocated a record.
+    last: Option<std::time::Instant>,
+}
+
+impl Tuner {
+    const FIRST_RUN: u32 = 1024;
+    const LONGEST_RUN: u32 = 65536;
+    const PROBE: u32 = 128;
+    const IDLE_NS: u64 = 1_000_000;
+
+    pub const fn new() -> Tuner {
+        Tuner {
+            deep: false,
+            probing: false,
+            count: 0,
+            run: Self::FIRST_RUN,
+            cost: [0, 0],
+            last: None,
+        }
+    }
+
+    pub fn deep(&self) -> bool {
+        self.deep
+    }
+
+    /// The thread allocated a record now.
+    fn tick(&mut self) {
+        let now = std::time::Instant::now();
+        if let Some(last) = self.last.replace(now) {
+            self.observe((now - last).as_nanos().min(u64::MAX as u128) as u64);
+        }
+    }
+
+    /// One record took `nanos`.
+    pub fn observe(&mut self, nanos: u64) {
+        if nanos >= Self::IDLE_NS {
+            return;
+        }
+        let slot = &mut self.cost[usize::from(self.deep)];
+        *slot = if *slot == 0 {
+            nanos.max(1)
+        } else {
+            (*slot * 15 + nanos) / 16
+        };
+        self.count += 1;
+        if !self.probing && self.count >= self.run {
+            self.probing = true;
+            self.count = 0;
+            self.deep = !self.deep;
+            self.cost[usize::from(self.deep)] = 0;
+        } else if self.probing && self.count >= Self::PROBE {
+            self.probing = false;
+            self.count = 0;
+            let tried = self.cost[usize::from(self.deep)];
+            let before = self.cost[usize::from(!self.deep)];
+            // Keep the new choice only if it is clearly faster.
+            if before != 0 && tried * 100 >= before * 85 {
+                self.deep = !self.deep;
+                self.run = (self.run * 2).min(Self::LONGEST_RUN);
+            } else {
+                self.run = Self::FIRST_RUN;
+            }
+        }
+    }
+}
+
+thread_local! {
+    static TUNER: std::cell::Cell<Tuner> = const { std::cell::Cell::new(Tuner::new()) };
+}
+
+fn tuner_deep() -> bool {
+    TUNER.try_with(|t| t.get().deep()).unwrap_or(false)
+}
+
+/// This thread allocated a record.
+fn tuner_tick() {
+    let _ = TUNER.try_with(|t| {
+        let mut tuner = t.get();
+        tuner.tick();
+        t.set(tuner);
+    });
+}
+
 /// Why a sender could not append a record.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Refused {
@@ -648,7 +912,7 @@ pub fn allocate(owner: u64, start: u64) -> Result<RecordRef, Refused> {
         }) else {
             continue;
         };
-        if arena.free_records() == 0 {
+        if arena.free_records() == 0 && arena.cooling_records() == 0 {
             continue;
         }
         let Some(slot) = arena.my_slot() else {
@@ -658,14 +922,29 @@ pub fn allocate(owner: u64, start: u64) -> Result<RecordRef, Refused> {
             // The limit the arena's receivers enforce at commit (see `commit`).
             continue;
         }
-        let Some(index) = arena.pop() else {
+        let deep = tuner_deep();
+        let Some(index) = arena
+            .take_cooled(deep)
+            .or_else(|| arena.pop())
+            .or_else(|| arena.pop_cooling())
+        else {
             continue;
         };
         let Some(descriptor) = arena.descriptor(index) else {
             continue;
         };
+        // Claim it: a free list a peer scribbled on could name a record that is in use (it is
+        // then left to its owner, who returns it).
+        if descriptor
+            .state
+            .compare_exchange(FREE, SPECULATIVE, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            continue;
+        }
         if descriptor.populated.load(Ordering::Acquire) == 0 {
             if !populate(arena.record(index), arena.record_bytes) {
+                descriptor.state.store(FREE, Ordering::Release);
                 arena.push(index);
                 stats::bump(&stats::get().refused_exhausted);
                 return Err(Refused::Exhausted);
@@ -683,6 +962,7 @@ pub fn allocate(owner: u64, start: u64) -> Result<RecordRef, Refused> {
             .records
             .fetch_add(1, Ordering::Relaxed);
         stats::bump(&stats::get().records_allocated);
+        tuner_tick();
         return Ok(RecordRef::new(id, index));
     }
     stats::bump(&stats::get().refused_exhausted);
@@ -779,14 +1059,26 @@ pub fn release(reference: RecordRef, owner: u64) -> bool {
             .records
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
     }
-    arena.push(index);
+    arena.retire(index);
     stats::bump(&stats::get().records_freed);
     true
 }
 
-/// One line per mapped arena, for the stats report.
+/// One line per mapped arena, for the stats report; first the exiting thread's reuse choice
+/// (see [`Tuner`]) if it ever allocated a record.
 pub fn report() -> String {
     let mut out = String::new();
+    if let Ok(tuner) = TUNER.try_with(|t| t.get()) {
+        if tuner.last.is_some() {
+            out.push_str(&format!(
+                "reuse {} ns_per_record shallow {} deep {} next_probe_after {}\n",
+                if tuner.deep { "deep" } else { "shallow" },
+                tuner.cost[0],
+                tuner.cost[1],
+                tuner.run
+            ));
+        }
+    }
     for (id, my_slot) in MY_SLOT.iter().enumerate().take(arena_count()) {
         let Some(arena) = mapped(id) else { continue };
         let slot = my_slot.load(Ordering::Relaxed);
@@ -804,7 +1096,7 @@ pub fn report() -> String {
         out.push_str(&format!(
             "arena {id} records {} free {} record_bytes {} process_limit {} held_here {mine} holding_processes {processes}\n",
             arena.record_count,
-            arena.free_records(),
+            arena.free_records() + arena.cooling_records(),
             arena.record_bytes,
             arena.process_limit()
         ));
@@ -830,8 +1122,10 @@ pub fn status() -> String {
                 .unwrap_or_default(),
             arena.record_count,
             arena.record_bytes,
-            arena.free_records(),
-            arena.record_count.saturating_sub(arena.free_records()),
+            arena.free_records() + arena.cooling_records(),
+            arena
+                .record_count
+                .saturating_sub(arena.free_records() + arena.cooling_records()),
             arena.process_limit()
         ));
         for slot in &header.slots {
@@ -895,6 +1189,102 @@ mod tests {
         assert_eq!(arena.free_records(), 3);
         let again: Vec<u32> = std::iter::from_fn(|| arena.pop()).collect();
         assert_eq!(again, vec![7, 2, 5]);
+    }
+
+    /// A released record is not handed out again at once: the shallow choice takes the one
+    /// released `SHALLOW` releases ago, the deep one the oldest of a full FIFO; the free list
+    /// (colder still) serves until the FIFO is that long.
+    #[test]
+    fn released_records_cool_before_they_come_back() {
+        let arena = private_arena(COOLING as u32 + 8);
+        let all: Vec<u32> = (0..COOLING + 8).filter_map(|_| arena.pop()).collect();
+        assert_eq!(all.len(), COOLING + 8);
+        for &index in &all[..SHALLOW] {
+            arena.retire(index);
+        }
+        assert_eq!(arena.take_cooled(false), None, "not SHALLOW + 1 long yet");
+        arena.retire(all[SHALLOW]);
+        assert_eq!(
+            arena.take_cooled(false),
+            Some(all[1]),
+            "released SHALLOW ago"
+        );
+        assert_eq!(arena.take_cooled(true), None, "the FIFO is not full");
+        // The FIFO is now all[0], all[2..=SHALLOW]: fill it, then one more.
+        for &index in &all[SHALLOW + 1..=COOLING] {
+            arena.retire(index);
+        }
+        assert_eq!(arena.cooling_records() as usize, COOLING);
+        assert_eq!(arena.pop(), None);
+        arena.retire(all[COOLING + 1]);
+        assert_eq!(arena.pop(), Some(all[0]), "the oldest left the full FIFO");
+        assert_eq!(arena.take_cooled(true), Some(all[2]), "the oldest");
+        assert_eq!(arena.cooling_records() as usize, COOLING - 1);
+        assert_eq!(arena.pop_cooling(), Some(all[3]));
+    }
+
+    /// The tuner keeps the faster reuse distance and goes back when a probe is not faster.
+    #[test]
+    fn tuner_keeps_the_faster_reuse_distance() {
+        let mut tuner = Tuner::new();
+        let copy = |tuner: &mut Tuner, shallow_ns: u64, deep_ns: u64| {
+            let ns = if tuner.deep() { deep_ns } else { shallow_ns };
+            tuner.observe(ns);
+        };
+        for _ in 0..(Tuner::FIRST_RUN + Tuner::PROBE) {
+            copy(&mut tuner, 20_000, 8_000);
+        }
+        assert!(tuner.deep(), "deep copies were faster: keep deep");
+        for _ in 0..(Tuner::FIRST_RUN + Tuner::PROBE) * 2 {
+            copy(&mut tuner, 3_000, 8_000);
+        }
+        assert!(
+            !tuner.deep(),
+            "shallow copies became faster: back to shallow"
+        );
+        for _ in 0..(Tuner::LONGEST_RUN + Tuner::PROBE) * 3 {
+            copy(&mut tuner, 3_000, 8_000);
+        }
+        assert!(!tuner.deep(), "probes of the slower choice do not stick");
+        assert_eq!(tuner.run, Tuner::LONGEST_RUN, "and come ever more rarely");
+        for _ in 0..(Tuner::LONGEST_RUN + Tuner::PROBE) * 2 {
+            tuner.observe(Tuner::IDLE_NS);
+        }
+        assert!(!tuner.deep(), "pauses are not samples");
+    }
+
+    /// A peer that scribbles on the cooling FIFO cannot make it index out of bounds, nor hang
+    /// a releaser with a lock word it left set (found by the fuzzer: our own pid in it).
+    #[test]
+    fn corrupt_cooling_fifo_stays_in_bounds_and_never_hangs() {
+        let arena = private_arena(8);
+        let cooling = &arena.header().cooling.0;
+        cooling.first.store(u32::MAX, Ordering::Relaxed);
+        cooling.len.store(u32::MAX, Ordering::Relaxed);
+        arena.retire(3);
+        let _ = arena.pop_cooling();
+        assert!(arena.cooling_records() as usize <= COOLING);
+        // (The scribbled FIFO may have put a record in the free list twice: take a bounded
+        // number; allocation's FREE -> SPECULATIVE claim keeps such a record from being used
+        // twice.)
+        let taken: Vec<u32> = (0..8).filter_map(|_| arena.pop()).collect();
+        cooling.lock.store(process::pid(), Ordering::Relaxed);
+        let started = std::time::Instant::now();
+        for index in taken {
+            arena.retire(index);
+        }
+        assert_eq!(arena.pop_cooling(), None);
+        assert!(arena.pop().is_some(), "retired straight to the free list");
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
+    }
+
+    #[test]
+    fn arena_names_carry_the_layout() {
+        let name = path(1).unwrap().into_string().unwrap();
+        assert!(
+            name.contains(&format!("-v{VERSION}-{LAYOUT_HASH:08x}-")),
+            "{name}"
+        );
     }
 
     #[test]

@@ -141,7 +141,10 @@ impl Conn {
         if control.switched.load(Ordering::Acquire) != 0 {
             return;
         }
-        let _guard = SpinGuard::lock(&control.write_lock, self.region.same_pid_namespace());
+        let _guard = SpinGuard::lock(
+            &self.region.direction(0).control.write_lock.0,
+            self.region.same_pid_namespace(),
+        );
         if control.switched.load(Ordering::Acquire) == 0 {
             control.kernel_prefix.store(
                 control.kernel_sent.load(Ordering::Acquire),

@@ -896,6 +896,59 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
     pid
 }
 
+/// The real vfork, looked up by `vfork_uses_fork` just before `vfork` jumps to it.
+static REAL_VFORK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Whether `vfork` must become `fork`: a vfork child runs in its parent's memory, so the
+/// library's bookkeeping for what the child does before exec (typically closing or dup2-ing
+/// its copy of each socket) would act on the parent's own tables: the parent's connection
+/// would look closed, its records given back, its fd numbers remapped. While this process has
+/// shared-memory connections vfork is therefore a fork, which POSIX allows (a vfork child may
+/// only exec or _exit; a program that relies on writing its parent's memory from the child
+/// sees the difference). Otherwise the real vfork runs.
+extern "C" fn vfork_uses_fork() -> c_int {
+    if conn::any_live() {
+        return 1;
+    }
+    if REAL_VFORK.load(Ordering::Relaxed) == 0 {
+        // SAFETY: a NUL-terminated literal.
+        let found = unsafe { libc::dlsym(libc::RTLD_NEXT, c"vfork".as_ptr()) } as usize;
+        if found == 0 {
+            return 1;
+        }
+        REAL_VFORK.store(found, Ordering::Relaxed);
+    }
+    0
+}
+
+/// `vfork` when it must be a fork (see `vfork_uses_fork`).
+extern "C" fn fork_for_vfork() -> libc::pid_t {
+    // SAFETY: fork has no preconditions; the interposed one keeps the library's counts right.
+    unsafe { fork() }
+}
+
+/// vfork(): a fork while shared-memory connections are live (see `vfork_uses_fork`),
+/// otherwise the real vfork. Written as a naked function that ends in a jump: a vfork child
+/// returns through its parent's stack, so no frame of ours may be live when the real vfork
+/// runs (glibc's own vfork is written the same way).
+#[cfg(target_arch = "x86_64")]
+#[unsafe(naked)]
+#[no_mangle]
+pub unsafe extern "C" fn vfork() -> libc::pid_t {
+    core::arch::naked_asm!(
+        // On entry rsp is 8 off a 16-byte boundary; one push aligns it for the call.
+        "push rax",
+        "call {decide}",
+        "pop rcx",
+        "test eax, eax",
+        "jnz {fork}",
+        "jmp qword ptr [rip + {real}]",
+        decide = sym vfork_uses_fork,
+        fork = sym fork_for_vfork,
+        real = sym REAL_VFORK,
+    );
+}
+
 /// Registers the fork hooks when the library loads.
 extern "C" fn on_load() {
     // SAFETY: registering plain functions.

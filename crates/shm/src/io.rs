@@ -488,7 +488,15 @@ pub fn recv(fd: c_int, conn: &Conn, buffers: Buffers<'_>, flags: c_int) -> isize
         match conn.inbound_source() {
             Inbound::Ring => {
                 let ring = conn.inbound();
-                let n = match ring.read(&skip_buffers(buffers, got), peek) {
+                // No copy of the buffer list on the first pass (the common, whole-message case).
+                let rest;
+                let unfilled = if got == 0 {
+                    buffers
+                } else {
+                    rest = skip_buffers(buffers, got);
+                    &rest
+                };
+                let n = match ring.read(unfilled, peek) {
                     Ok(n) => n,
                     Err(_) => {
                         // The peer linked a record this connection may not read: a broken or
@@ -599,7 +607,10 @@ pub fn recv(fd: c_int, conn: &Conn, buffers: Buffers<'_>, flags: c_int) -> isize
 
 fn wait_readable(fd: c_int, conn: &Conn, deadline: &mut Deadline) -> Result<(), c_int> {
     let on_ring = conn.inbound_source() == Inbound::Ring;
-    let ready = || conn.inbound().readable() > 0 || conn.peer_shut_wr();
+    let pipe = conn.inbound();
+    let control = &pipe.control.control.0;
+    // Polled in a tight loop: two loads of lines the writer stores only when something happens.
+    let ready = || pipe.readable() > 0 || control.shut_wr.load(Ordering::Acquire) != 0;
     if on_ring && spin_until(ready) {
         return Ok(());
     }
@@ -642,6 +653,10 @@ pub fn send(fd: c_int, conn: &Conn, chunks: Chunks<'_>, flags: c_int) -> isize {
     let mut sent = 0usize;
     let mut retried = 0u32;
     let mut deadline = Deadline::new(libc::SO_SNDTIMEO);
+    // The last wait said "retry" and the write still placed nothing (the arena or the process
+    // is out of records): the next wait must not trust `write_ready` (see `wait_writable`).
+    let mut waited = false;
+    let mut futile = false;
     loop {
         if conn.outbound_on_ring() {
             let ring = conn.outbound();
@@ -654,7 +669,15 @@ pub fn send(fd: c_int, conn: &Conn, chunks: Chunks<'_>, flags: c_int) -> isize {
                     kernel_send_error(fd, flags)
                 };
             }
-            let n = ring.write(&skip_chunks(chunks, sent));
+            let rest;
+            let unsent = if sent == 0 {
+                chunks
+            } else {
+                rest = skip_chunks(chunks, sent);
+                &rest
+            };
+            let n = ring.write(unsent);
+            futile = n == 0 && waited;
             if n > 0 {
                 sent += n;
                 wake_reader(fd, conn);
@@ -674,7 +697,7 @@ pub fn send(fd: c_int, conn: &Conn, chunks: Chunks<'_>, flags: c_int) -> isize {
                     .writer_wants_wake
                     .store(1, Ordering::SeqCst);
                 fence(Ordering::SeqCst);
-                if ring.writable() > 0 && retried < 4 {
+                if ring.write_ready() && retried < 4 {
                     retried += 1;
                     continue;
                 }
@@ -682,8 +705,9 @@ pub fn send(fd: c_int, conn: &Conn, chunks: Chunks<'_>, flags: c_int) -> isize {
         } else {
             // Connector before the acceptor attached: plain TCP, counted under the write lock so
             // that a concurrent switch records the exact prefix length.
-            let control = &conn.region.direction(0).control.control.0;
-            let guard = SpinGuard::lock(&control.write_lock, conn.region.same_pid_namespace());
+            let direction = conn.region.direction(0).control;
+            let control = &direction.control.0;
+            let guard = SpinGuard::lock(&direction.write_lock.0, conn.region.same_pid_namespace());
             if conn.attached() {
                 drop(guard);
                 continue;
@@ -712,7 +736,8 @@ pub fn send(fd: c_int, conn: &Conn, chunks: Chunks<'_>, flags: c_int) -> isize {
                 fail(libc::EAGAIN)
             };
         }
-        match wait_writable(fd, conn, &mut deadline) {
+        waited = true;
+        match wait_writable(fd, conn, &mut deadline, futile) {
             Ok(()) => {}
             Err(_) if sent > 0 => return sent as isize,
             Err(libc::EPIPE) => return kernel_send_error(fd, flags),
@@ -721,7 +746,16 @@ pub fn send(fd: c_int, conn: &Conn, chunks: Chunks<'_>, flags: c_int) -> isize {
     }
 }
 
-fn wait_writable(fd: c_int, conn: &Conn, deadline: &mut Deadline) -> Result<(), c_int> {
+/// `futile`: the last wait ended because the pipe looked ready, yet the write placed nothing
+/// (no arena record to be had). The reader's wake-up condition may then hold while no write
+/// can succeed, so this wait looks only at real room and sleeps in steps of at most 10 ms
+/// (nothing else announces records coming free in an arena): bounded, never a busy loop.
+fn wait_writable(
+    fd: c_int,
+    conn: &Conn,
+    deadline: &mut Deadline,
+    futile: bool,
+) -> Result<(), c_int> {
     if !conn.outbound_on_ring() {
         let Some(timeout) = deadline.poll_ms(fd, None) else {
             return Err(libc::EAGAIN);
@@ -732,8 +766,14 @@ fn wait_writable(fd: c_int, conn: &Conn, deadline: &mut Deadline) -> Result<(), 
         };
     }
     let ring = conn.outbound();
-    let ready = || ring.writable() > 0 || conn.kernel_error.load(Ordering::Acquire) != 0;
-    if spin_until(ready) {
+    let ready = || {
+        (if futile {
+            ring.writable() > 0
+        } else {
+            ring.write_ready()
+        }) || conn.kernel_error.load(Ordering::Acquire) != 0
+    };
+    if !futile && spin_until(ready) {
         return Ok(());
     }
     let prepare = || {
@@ -751,9 +791,10 @@ fn wait_writable(fd: c_int, conn: &Conn, deadline: &mut Deadline) -> Result<(), 
             return Err(libc::EPIPE);
         }
     }
-    if conn.kernel_eof.load(Ordering::Acquire) || !can_drain {
+    if conn.kernel_eof.load(Ordering::Acquire) || !can_drain || futile {
         // The peer sent FIN (it may still read: half-close) or unread prefix data sits in the
-        // kernel. Wake-ups cannot arrive over the kernel socket then, so sleep in short steps.
+        // kernel: wake-ups cannot arrive over the kernel socket then. Or no record is to be had
+        // (`futile`): nothing announces one coming free. Either way, sleep in short steps.
         if prepare() {
             return Ok(());
         }
@@ -845,7 +886,7 @@ pub fn readiness(fd: c_int, conn: &Conn, kernel_activity: bool) -> Readiness {
     ready.error = conn.kernel_error.load(Ordering::Acquire) != 0;
     if conn.outbound_on_ring() {
         let ring = conn.outbound();
-        ready.writable = ring.writable() > 0 || ready.error;
+        ready.writable = ring.write_ready() || ready.error;
         ready.out_sequence = ring.consumed();
     } else {
         // Still writing over the kernel socket (connector before the acceptor attached): its
@@ -868,7 +909,7 @@ pub fn arm(conn: &Conn, want_in: bool, want_out: bool) {
             .reader_wants_wake
             .store(1, Ordering::SeqCst);
     }
-    if want_out && conn.outbound_on_ring() && conn.outbound().writable() == 0 {
+    if want_out && conn.outbound_on_ring() && !conn.outbound().write_ready() {
         conn.outbound()
             .control
             .control
@@ -908,7 +949,7 @@ pub fn readiness_without_kernel(fd: c_int, conn: &Conn) -> Readiness {
     let error = conn.kernel_error.load(Ordering::Acquire) != 0;
     let on_ring = conn.outbound_on_ring();
     let writable = if on_ring {
-        conn.outbound().writable() > 0
+        conn.outbound().write_ready()
     } else {
         poll_one(fd, libc::POLLOUT, 0).is_ok_and(|revents| revents & libc::POLLOUT != 0)
     };

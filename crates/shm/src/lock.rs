@@ -43,6 +43,23 @@ impl<'a> SpinGuard<'a> {
         }
     }
 
+    /// Takes the lock if it comes free within `attempts` tries (a few microseconds); `None`
+    /// otherwise. For locks whose work may be skipped: a lock word that a misbehaving peer
+    /// left set (even to a live pid, or to our own) can then never hang the caller.
+    pub fn lock_briefly(word: &'a AtomicU32, attempts: u32) -> Option<Self> {
+        let me = process::pid();
+        for _ in 0..attempts {
+            if word
+                .compare_exchange_weak(0, me, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+            {
+                return Some(SpinGuard(word));
+            }
+            std::hint::spin_loop();
+        }
+        None
+    }
+
     /// Takes the lock only if it is free now.
     pub fn try_lock(word: &'a AtomicU32) -> Option<Self> {
         word.compare_exchange(0, process::pid(), Ordering::Acquire, Ordering::Relaxed)

@@ -71,11 +71,34 @@ impl Pacer {
     }
 }
 
+/// poll()/select() have no set to hang state on: one per thread, for the set it saw last.
+#[derive(Clone, Copy)]
+struct PollPacer {
+    pacer: Pacer,
+    /// The (fd, events) list of the last call (a hash).
+    set: u64,
+    /// The last kernel look at that set found none of its kernel fds ready.
+    kernel_quiet: bool,
+}
+
 thread_local! {
-    /// poll()/select() have no set to hang state on: one pacer per thread.
-    static POLL_PACER: std::cell::Cell<Pacer> = const {
-        std::cell::Cell::new(Pacer { skipped: 0, last: None })
+    static POLL_PACER: std::cell::Cell<PollPacer> = const {
+        std::cell::Cell::new(PollPacer {
+            pacer: Pacer { skipped: 0, last: None },
+            set: 0,
+            kernel_quiet: false,
+        })
     };
+}
+
+/// A hash of a poll set's fds and requested events.
+fn set_signature(entries: &[libc::pollfd]) -> u64 {
+    entries
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |hash, entry| {
+            (hash ^ ((entry.fd as u32 as u64) << 16 | entry.events as u16 as u64))
+                .wrapping_mul(0x0100_0000_01b3)
+        })
 }
 
 fn pacer_due(epfd: c_int) -> bool {
@@ -371,7 +394,7 @@ fn quick_ready(watch: &Watch) -> bool {
     }
     if watch.events & libc::EPOLLOUT as u32 != 0 && watch.conn.outbound_on_ring() {
         let outbound = watch.conn.outbound();
-        if outbound.writable() > 0 && (!edge || outbound.consumed() != watch.last_out) {
+        if outbound.write_ready() && (!edge || outbound.consumed() != watch.last_out) {
             return true;
         }
     }
@@ -605,10 +628,20 @@ pub unsafe fn poll(
     if shm.is_empty() {
         return real_poll(fds, timeout);
     }
-    // poll and select promise every ready fd of the set, so the kernel may be skipped only when
-    // the set holds nothing but shared-memory connections (the kernel look then only drains
-    // wake-ups and notices EOF or reset, which can wait a few calls).
-    if shm.len() == entries.len() && !POLL_PACER.with(|p| p.get()).due() {
+    // When the rings alone have something to report, skip the kernel (a system call) except
+    // every Pacer::EVERY-th call or once Pacer::INTERVAL has passed, as epoll_wait does: a busy
+    // loop over shared-memory connections then makes no system call per message (the kernel
+    // look also drains wake-ups and notices EOF or reset, which can wait a few calls). poll
+    // and select report every ready fd, so a set that also holds kernel fds is skipped only
+    // when it is the set of this thread's previous call and the last kernel look at it found
+    // none of those ready: a busy loop such as iperf3's select() over its listener and its
+    // connections (which paid one poll(2) per message), while a set with a pipe or listener
+    // that was ready is looked at every time. A kernel fd that becomes ready between two
+    // looks is reported at the next one, at most 16 calls or 200 µs later.
+    let signature = set_signature(entries);
+    let state = POLL_PACER.with(|p| p.get());
+    let may_skip = shm.len() == entries.len() || (state.set == signature && state.kernel_quiet);
+    if may_skip && !state.pacer.due() {
         // The rings alone, no system call.
         let mut ready = 0;
         for (index, entry) in entries.iter_mut().enumerate() {
@@ -620,18 +653,27 @@ pub unsafe fn poll(
         }
         if ready > 0 {
             POLL_PACER.with(|p| {
-                let mut pacer = p.get();
-                pacer.skipped += 1;
-                p.set(pacer);
+                let mut state = p.get();
+                state.pacer.skipped += 1;
+                p.set(state);
             });
             return ready;
         }
     }
-    POLL_PACER.with(|p| {
-        let mut pacer = p.get();
-        pacer.looked();
-        p.set(pacer);
-    });
+    // Records what a kernel look found in the set's kernel fds.
+    let looked = |copy: &[libc::pollfd]| {
+        let quiet = copy
+            .iter()
+            .enumerate()
+            .all(|(index, entry)| entry.revents == 0 || shm.iter().any(|(i, _)| *i == index));
+        POLL_PACER.with(|p| {
+            let mut state = p.get();
+            state.pacer.looked();
+            state.set = signature;
+            state.kernel_quiet = quiet;
+            p.set(state);
+        });
+    };
     let deadline = (timeout >= 0).then(|| Instant::now() + Duration::from_millis(timeout as u64));
     let mut copy: Vec<libc::pollfd> = entries.to_vec();
     let mut spun = false;
@@ -663,6 +705,7 @@ pub unsafe fn poll(
         if rc < 0 {
             return rc;
         }
+        looked(&copy);
         let ready = merge(entries, &copy);
         if ready > 0 || timeout == 0 {
             return ready;
@@ -676,7 +719,7 @@ pub unsafe fn poll(
                         && ((wanted & libc::POLLIN != 0 && conn.inbound().readable() > 0)
                             || (wanted & libc::POLLOUT != 0
                                 && conn.outbound_on_ring()
-                                && conn.outbound().writable() > 0))
+                                && conn.outbound().write_ready()))
                 })
             };
             if io::spin_until(ring_ready) {
@@ -716,6 +759,7 @@ pub unsafe fn poll(
         if rc < 0 {
             return rc;
         }
+        looked(&copy);
         let ready = merge(entries, &copy);
         if ready > 0 {
             return ready;

@@ -23,7 +23,7 @@ use std::ffi::CStr;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 pub const MAGIC: u64 = 0x3268_736d_7461_6c66; // "flatmsh2"
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// Metadata at the start of each local record.
 pub const HEADER_BYTES: usize = 1024;
 /// Default size of each local record (header included); `FLATMESH_SHM_LOCAL_KIB` overrides it.
@@ -46,17 +46,35 @@ const MAX_CHAIN: usize = 1 << 16;
 const MODE_RING: u32 = 0;
 const MODE_CHAIN: u32 = 1;
 
+/// A write at least this long goes to arena records, not through the local ring, when the ring
+/// is smaller than [`BULK_RING_LIMIT`]. A small ring is rewritten right after the reader's CPU
+/// read it, and taking those cache lines back costs more than the copy itself (see
+/// `arena::COOLING`); arena records come back only after 3 MiB of others. Small writes keep the
+/// ring (their few lines are the message; latency, not bandwidth, counts there).
+const BULK_BYTES: usize = 32 * 1024;
+/// Rings at least this large give the reuse distance by themselves.
+const BULK_RING_LIMIT: u64 = 1 << 20;
+
 #[repr(C, align(64))]
 pub struct CacheLine<T>(pub T);
 
-/// Control words of one direction.
+/// Control words of one direction, one cache line per writer: a waiting reader polls
+/// `written` (and glances at `control`), so nothing the writer stores on every message may
+/// share a line with what the reader stores on every message, and the locks (stored by their
+/// side on every call) sit on lines of their own. (With the locks in `control`, each 16-byte
+/// message moved that line between the CPUs four times.)
 #[repr(C)]
 pub struct Direction {
     /// Bytes ever written (only the writer stores).
     pub written: CacheLine<AtomicU64>,
     /// Bytes ever consumed (only the reader stores).
     pub consumed: CacheLine<AtomicU64>,
+    /// Read-mostly: wake-up flags, shutdown, the connector's switch.
     pub control: CacheLine<DirectionControl>,
+    /// Held (pid) by the writing side while it writes; serialises threads and forked processes.
+    pub write_lock: CacheLine<AtomicU32>,
+    /// Held (pid) by the reading side while it reads.
+    pub read_lock: CacheLine<AtomicU32>,
     pub chain: CacheLine<ChainState>,
 }
 
@@ -66,9 +84,6 @@ pub struct DirectionControl {
     pub reader_wants_wake: AtomicU32,
     /// Set by a writer before it sleeps on a full pipe; the reader that clears it wakes it.
     pub writer_wants_wake: AtomicU32,
-    /// Held (pid) by the writing side while it writes; serialises threads and forked processes.
-    pub write_lock: AtomicU32,
-    pub read_lock: AtomicU32,
     /// The writer called shutdown(SHUT_WR): after the pipe drains the reader sees EOF.
     pub shut_wr: AtomicU32,
     /// Direction 0 only: the connector moved from the kernel socket to the pipe.
@@ -494,6 +509,17 @@ impl Pipe<'_> {
         })
     }
 
+    /// Whether a writer waiting for room may retry now: there is room in the ring or the tail
+    /// record, or the reader has drained the pipe to [`Pipe::wake_threshold`]. The second half
+    /// is the reader's own wake-up condition (`io::wake_writer`): a writer that arms its wake-up
+    /// flag and then finds this false may sleep, because the reader, seeing the flag, will wake
+    /// it once the condition holds. (Looking at `writable()` alone lost wake-ups: with the tail
+    /// record full, a reader could drain the pipe below the threshold just before the writer
+    /// armed, and the writer then slept although it could append records.)
+    pub fn write_ready(&self) -> bool {
+        self.writable() > 0 || self.readable() <= self.wake_threshold()
+    }
+
     /// A writer that went to sleep on a full pipe is woken once no more than this is unread:
     /// half of what the direction can hold (like TCP's send-buffer low-water mark), so that
     /// each wake-up lets it move many messages instead of one.
@@ -596,19 +622,29 @@ impl Pipe<'_> {
     /// Appends as much of `chunks` as fits; returns the byte count. Never makes a system call
     /// (except the one-time mapping or reservation of an arena record).
     pub fn write(&self, chunks: &[(*const u8, usize)]) -> usize {
-        let _guard = SpinGuard::lock(&self.control.control.0.write_lock, self.robust);
+        let _guard = SpinGuard::lock(&self.control.write_lock.0, self.robust);
         let chain = self.chain();
         let mut source = Source::new(chunks);
         let start = self.control.written.0.load(Ordering::Relaxed);
         let mut written = start;
+        let total: usize = chunks.iter().map(|c| c.1).sum();
+        // Bulk: into arena records while they can be had (see BULK_BYTES).
+        let mut bulk = total >= BULK_BYTES && self.capacity < BULK_RING_LIMIT;
         while source.remaining() {
             let consumed = self.control.consumed.0.load(Ordering::Acquire);
             let mode = chain.mode.load(Ordering::Relaxed);
-            if mode == MODE_CHAIN && consumed >= chain.ring_end.load(Ordering::Relaxed) {
+            let ring_drained = consumed >= chain.ring_end.load(Ordering::Relaxed);
+            if mode == MODE_CHAIN && ring_drained && !bulk {
                 self.back_to_ring(written);
                 continue;
             }
             if mode == MODE_RING {
+                if bulk {
+                    if !self.extend(written) {
+                        bulk = false;
+                    }
+                    continue;
+                }
                 let ring_start = chain.ring_start.load(Ordering::Relaxed);
                 let used = written - consumed.max(ring_start).min(written);
                 let free = self.capacity.saturating_sub(used);
@@ -649,9 +685,16 @@ impl Pipe<'_> {
                 written += n as u64;
                 continue;
             }
-            if !self.extend(written) {
-                break;
+            if self.extend(written) {
+                continue;
             }
+            if bulk && ring_drained {
+                // No record to be had, but the ring is free: use it.
+                bulk = false;
+                self.back_to_ring(written);
+                continue;
+            }
+            break;
         }
         if written != start {
             self.control.written.0.store(written, Ordering::Release);
@@ -662,7 +705,7 @@ impl Pipe<'_> {
     /// Copies up to the buffers' size out; consumes it unless `peek`. Returns the byte count,
     /// or `Corrupt` when the chain names a record this connection may not read.
     pub fn read(&self, buffers: &[(*mut u8, usize)], peek: bool) -> Result<usize, Corrupt> {
-        let _guard = SpinGuard::lock(&self.control.control.0.read_lock, self.robust);
+        let _guard = SpinGuard::lock(&self.control.read_lock.0, self.robust);
         let chain = self.chain();
         let start = self.control.consumed.0.load(Ordering::Relaxed);
         let written = self.control.written.0.load(Ordering::Acquire);
@@ -758,7 +801,7 @@ impl Pipe<'_> {
     /// inside write() now, end its chain run for it, so that an idle connection holds no arena
     /// record.
     fn reclaim_idle_tail(&self) {
-        let Some(_writer) = SpinGuard::try_lock(&self.control.control.0.write_lock) else {
+        let Some(_writer) = SpinGuard::try_lock(&self.control.write_lock.0) else {
             return;
         };
         let chain = self.chain();
@@ -775,7 +818,7 @@ impl Pipe<'_> {
     /// Releases every record of the chain. `reader_gone`: also forbid appending more (the
     /// reading side has closed). Takes the writer's lock so that no write is inside a record.
     pub fn release_all(&self, reader_gone: bool) {
-        let _writer = SpinGuard::lock(&self.control.control.0.write_lock, self.robust);
+        let _writer = SpinGuard::lock(&self.control.write_lock.0, self.robust);
         let chain = self.chain();
         if chain.mode.load(Ordering::Acquire) == MODE_CHAIN {
             let written = self.control.written.0.load(Ordering::Acquire);
@@ -964,6 +1007,67 @@ mod tests {
         assert_eq!(pipe.records_held(), 0);
     }
 
+    /// The lost wake-up behind "a blocking writer sometimes fails or stalls after its reader
+    /// half-closed while the pipe was full": the writer found the pipe full, the reader then
+    /// drained it to the low-water mark (its condition for waking a writer) while the writer
+    /// had not yet armed its flag, so no wake-up was sent; the writer armed, looked at
+    /// `writable()`, which is 0 while the ring is full although records can be appended again,
+    /// and slept for good. The writer's last look must use the reader's condition.
+    #[test]
+    fn a_writer_arming_after_the_reader_drained_to_the_low_water_mark_does_not_sleep() {
+        let region = temp_region(DEFAULT_LOCAL_BYTES);
+        let pipe = region.direction(0);
+        let limit = crate::settings::get().conn_records as usize;
+        let data = vec![5u8; (limit + 8) * arena::RECORD_BYTES];
+        let n = write_all(&pipe, &data);
+        assert!(n < data.len(), "the pipe must fill up");
+        assert_eq!(write_all(&pipe, &data[..100]), 0);
+        assert!(!pipe.write_ready(), "a full pipe is not ready");
+        let mut got = 0;
+        while pipe.readable() > pipe.wake_threshold() {
+            got += read_some(&pipe, 16 * 1024).len();
+        }
+        assert_eq!(pipe.writable(), 0, "no room without appending a record");
+        assert!(
+            pipe.write_ready(),
+            "the reader's wake-up condition holds: the writer must not sleep"
+        );
+        assert!(
+            write_all(&pipe, &data[..1000]) > 0,
+            "a write does go through"
+        );
+        while pipe.readable() > 0 {
+            got += read_some(&pipe, 1 << 20).len();
+        }
+        assert!(got > n);
+        assert_eq!(pipe.records_held(), 0);
+    }
+
+    /// A write of 32 KiB or more goes to arena records, not through the 63 KiB ring (which the
+    /// reader's CPU has just read); small ones keep using the ring. Order is kept across both.
+    #[test]
+    fn bulk_writes_go_to_arena_records_and_small_ones_to_the_ring() {
+        let region = temp_region(DEFAULT_LOCAL_BYTES);
+        let pipe = region.direction(1);
+        let mut expected = Vec::new();
+        let small: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+        assert_eq!(write_all(&pipe, &small), small.len());
+        expected.extend_from_slice(&small);
+        assert_eq!(pipe.chain().mode.load(Ordering::Relaxed), MODE_RING);
+        let bulk: Vec<u8> = (0..64 * 1024u32).map(|i| (i * 7) as u8).collect();
+        assert_eq!(write_all(&pipe, &bulk), bulk.len());
+        expected.extend_from_slice(&bulk);
+        assert_eq!(pipe.chain().mode.load(Ordering::Relaxed), MODE_CHAIN);
+        assert_eq!(pipe.records_held(), 1, "64 KiB fill exactly one record");
+        let got = read_some(&pipe, 1 << 20);
+        assert_eq!(got, expected);
+        // Drained: the next small write goes back to the ring.
+        assert_eq!(write_all(&pipe, &small), small.len());
+        assert_eq!(pipe.chain().mode.load(Ordering::Relaxed), MODE_RING);
+        assert_eq!(read_some(&pipe, 1 << 20), small);
+        assert_eq!(pipe.records_held(), 0);
+    }
+
     /// The commit step refuses a record that is not this connection's: another connection's
     /// token, a free record, a reference outside any arena.
     #[test]
@@ -1064,8 +1168,11 @@ mod tests {
     fn a_cyclic_chain_is_refused_not_followed_forever() {
         let region = temp_region(DEFAULT_LOCAL_BYTES);
         let pipe = region.direction(0);
-        let data = vec![9u8; 100 * 1024];
-        assert_eq!(write_all(&pipe, &data), data.len());
+        // Small writes: the ring first, then one record.
+        for chunk in vec![9u8; 100 * 1024].chunks(16 * 1024) {
+            assert_eq!(write_all(&pipe, chunk), chunk.len());
+        }
+        assert_eq!(pipe.records_held(), 1);
         let head = RecordRef(pipe.chain().head.load(Ordering::Relaxed));
         let record = arena::writer_view(head, pipe.token).unwrap();
         // An empty, sealed record that points at itself, while more bytes are announced.

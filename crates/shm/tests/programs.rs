@@ -152,8 +152,17 @@ fn redis_server_with_redis_benchmark_and_cli() {
         "-q",
     ]);
     let mut bench_run = Running::spawn(bench);
-    std::thread::sleep(Duration::from_millis(500));
-    let mapped = shm_mappings(server.pid());
+    // The most connection regions the server held at once while the benchmark ran (one look at
+    // a fixed moment could fall between two of its tests, or after its end: over shared memory
+    // the whole run takes about a second).
+    let mut mapped = 0;
+    let started = std::time::Instant::now();
+    while bench_run.child.try_wait().ok().flatten().is_none()
+        && started.elapsed() < Duration::from_secs(90)
+    {
+        mapped = mapped.max(shm_mappings(server.pid()));
+        std::thread::sleep(Duration::from_millis(5));
+    }
     assert!(
         bench_run.wait(Duration::from_secs(90)).success(),
         "redis-benchmark failed"

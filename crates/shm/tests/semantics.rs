@@ -55,10 +55,21 @@ fn echo_with(
             .env("SHM_PROBE_TICK_MS", "0")
             .env("SHM_PROBE_WAIT_MS", "-1");
     }
+    if test.starts_with("wake-race:") {
+        // Never poll: every wait for data or room is a sleep that needs a wake-up.
+        server.env("FLATMESH_SHM_SPIN_US", "0");
+    }
     let mut server = Running::spawn(server);
     let port = server.expect_line("ready ", Duration::from_secs(10))[6..]
         .trim()
         .to_string();
+    if test.starts_with("wake-race:") {
+        // The server on CPU 0, the client pins itself to the last CPU: wake-ups cross CPUs.
+        let _ = std::process::Command::new("taskset")
+            .args(["-a", "-p", "-c", "0", &server.pid().to_string()])
+            .stdout(std::process::Stdio::null())
+            .status();
+    }
     let mut client = command(probe(), client_preload);
     client
         .args(["client", &port, test])
@@ -149,10 +160,53 @@ fn epollout_edge_reaches_a_thread_already_asleep_in_epoll_wait() {
 /// side (so its kernel socket can no longer carry a wake-up byte) reads.
 #[test]
 fn a_writer_on_a_full_pipe_wakes_after_the_reader_half_closed() {
-    // Not "thread" yet: a blocking send on a full pipe after the peer's half-close sometimes
-    // fails with EPIPE (io::wait_writable's half-close path, under investigation).
-    for mode in ["epoll", "poll"] {
+    for mode in ["thread", "epoll", "poll"] {
         assert_eq!(echo(mode, 1, "half-close-full", true, true).attached, 1);
+    }
+}
+
+/// Both pipes full at once: the client writes 7 MiB without reading (one direction holds
+/// about 4 MiB), the blocking echo server blocks on its own write while the client still
+/// writes. This used to stall now and then (and, with the client's 10 s read timeout, made the
+/// server's write fail with EPIPE once the client gave up): a writer that armed its wake-up
+/// flag just after the reader had drained the pipe to its low-water mark looked only at
+/// `writable()` and slept for good (`region::tests::a_writer_arming_after_...` has the exact
+/// interleaving). Repeated, because the window is narrow.
+#[test]
+fn a_blocking_writer_with_both_pipes_full_is_woken() {
+    for _ in 0..3 {
+        assert_eq!(
+            echo("thread", 1, "half-close-full:7340032", true, true).attached,
+            1
+        );
+    }
+}
+
+/// The sleep/wake-up handshake hammered across CPUs with no polling at all (every wait sleeps):
+/// random sizes and pauses on both sides, each read and write bounded by a 5 s timeout, so a
+/// lost wake-up fails the test. Blocking threads and an epoll server.
+#[test]
+fn sleep_and_wake_up_race_across_cpus_loses_nothing() {
+    for mode in ["thread", "epoll"] {
+        let outcome = echo_with(
+            mode,
+            1,
+            "wake-race:3",
+            true,
+            true,
+            &[("FLATMESH_SHM_SPIN_US", "0")],
+        );
+        assert_eq!(outcome.attached, 1);
+        assert!(
+            outcome.client_output.contains("wake-race bytes"),
+            "{}",
+            outcome.client_output
+        );
+        assert!(
+            total(&outcome.stats, "sleeps") + total(&outcome.stats, "wakeups_sent") > 100,
+            "the run did not make the sides sleep: {:?}",
+            outcome.stats
+        );
     }
 }
 

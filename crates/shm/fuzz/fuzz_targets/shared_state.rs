@@ -223,8 +223,10 @@ fn exercise(region: &region::Region, input: &mut Input<'_>) {
                 let _ = (
                     pipe.readable(),
                     pipe.writable(),
+                    pipe.write_ready(),
                     pipe.records_held(),
                     pipe.wake_threshold(),
+                    arena.cooling_records(),
                 );
             }
             _ => pipe.release_all(input.byte() % 2 == 0),

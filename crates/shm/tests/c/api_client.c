@@ -234,6 +234,20 @@ int main(int argc, char **argv) {
     CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0, "child");
     roundtrip(fd, "parent-after-fork", "parent after fork");
 
+    /* vfork: the child closes its copy of the socket and execs (a spawner's usual steps); the
+     * parent's connection must not notice (a vfork child runs in the parent's memory) */
+    struct timeval limit = {10, 0}; /* a lost connection fails in 10 s instead of hanging */
+    CHECK(setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit) == 0, "SO_RCVTIMEO");
+    pid_t spawned = vfork();
+    if (spawned == 0) {
+        close(fd);
+        execl("/bin/true", "true", (char *)NULL);
+        _exit(127);
+    }
+    CHECK(spawned > 0, "vfork");
+    CHECK(waitpid(spawned, &status, 0) == spawned && WIFEXITED(status) && WEXITSTATUS(status) == 0, "vfork child");
+    roundtrip(fd, "parent-after-vfork", "parent after vfork");
+
     int regions = mapped();
 
     /* half-close: the echo server sees EOF, echoes what is left and closes */
