@@ -773,6 +773,20 @@ fn half_close_full(port: u16, total: usize) {
     assert!(back == message, "echo differs");
 }
 
+/// Pins the calling thread to the last CPU (when there is more than one), so that its peer,
+/// left elsewhere, is woken across CPUs.
+fn pin_last_cpu() {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpus > 1 {
+        // SAFETY: a cpu_set_t on the stack for this thread.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpus - 1, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
+    }
+}
+
 /// Hammers the sleep/wake-up handshake in both directions for `secs` seconds: a writer thread
 /// sends messages of random sizes (a few bytes to 200 KB) with random pauses, the reader reads
 /// the echo with random buffer sizes and random pauses, so that readers find the pipe empty and
@@ -781,17 +795,6 @@ fn half_close_full(port: u16, total: usize) {
 /// runs on the last CPU (the server elsewhere), so wake-ups cross CPUs. Every read and write
 /// has a 5 s timeout: a lost wake-up fails the run instead of hanging it.
 fn wake_race(port: u16, secs: u64) {
-    fn pin_last_cpu() {
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if cpus > 1 {
-            // SAFETY: a cpu_set_t on the stack for this thread.
-            unsafe {
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                libc::CPU_SET(cpus - 1, &mut set);
-                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-            }
-        }
-    }
     /// A pause of 0 to ~200 µs: nothing, a spin, or a sleep (the peer then waits for us).
     fn pause(random: &mut Stream) {
         let mut pick = [0u8; 2];
@@ -1047,15 +1050,7 @@ fn small_messages(port: u16, count: usize) {
 /// hand-off). Every reply must be the message just sent, whole: a torn, stale, repeated or
 /// shifted read fails the run.
 fn ping_pong(port: u16, secs: u64) {
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if cpus > 1 {
-        // SAFETY: a cpu_set_t on the stack for this thread.
-        unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            libc::CPU_SET(cpus - 1, &mut set);
-            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-        }
-    }
+    pin_last_cpu();
     let stream = connect(port);
     stream.set_nodelay(true).unwrap();
     let fd = stream.as_raw_fd();
