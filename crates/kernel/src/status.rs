@@ -62,11 +62,17 @@ impl KernelStatus {
     /// How often the verdict left work to user space for `reason` (a name of
     /// `fallback_reasons`: `truncated`, `huffman`, `no_match`, ...), zero if never.
     pub fn fallbacks(&self, reason: &str) -> u64 {
+        self.reason(reason).fallbacks
+    }
+
+    /// The counters of one `fallback_reasons` row by name (zero if never counted); for `held`,
+    /// `runs` and `bytes` are the frames and bytes held across chunks.
+    pub fn reason(&self, reason: &str) -> FmStat {
         self.fallback_reasons
             .iter()
             .find(|(r, _)| r == reason)
-            .map(|(_, s)| s.fallbacks)
-            .unwrap_or(0)
+            .map(|(_, s)| *s)
+            .unwrap_or_default()
     }
 
     /// Entries of one map by name, zero if it is not pinned.

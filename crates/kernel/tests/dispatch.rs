@@ -899,13 +899,7 @@ fn grpc_cuts(tier: KernelTier) {
         if cut.len() > 1 || cut[0] != first.len() {
             assert!(
                 after.fallbacks("held") == 0
-                    && after.fallback_reasons.iter().any(|(r, s)| r == "held"
-                        && s.runs
-                            > before
-                                .fallback_reasons
-                                .iter()
-                                .find(|(r, _)| r == "held")
-                                .map_or(0, |(_, s)| s.runs)),
+                    && after.reason("held").runs > before.reason("held").runs,
                 "{what}: a cut frame was held: {after}"
             );
         }

@@ -91,10 +91,16 @@ fn set_nonblocking(fd: RawFd) {
 
 // ---- servers -----------------------------------------------------------------------------
 
-fn serve(mode: &str, connections: usize) {
+/// A listener on a free loopback port, announced to the test as `ready PORT` on stdout.
+fn announced_listener() -> TcpListener {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     println!("ready {}", listener.local_addr().unwrap().port());
     std::io::stdout().flush().unwrap();
+    listener
+}
+
+fn serve(mode: &str, connections: usize) {
+    let listener = announced_listener();
     let (attached, ticks) = match mode {
         "thread" => serve_threads(&listener, connections),
         "fork" => serve_fork(&listener, connections),
@@ -384,9 +390,7 @@ fn burst_byte(i: usize) -> u8 {
 /// blocks: it closes its copy of the connection before the child has run at all (not even its
 /// fork hooks). The child must still read every byte: it became a holder when fork() returned.
 fn fork_close_first(burst: usize) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    println!("ready {}", listener.local_addr().unwrap().port());
-    std::io::stdout().flush().unwrap();
+    let listener = announced_listener();
     let (mut stream, _) = listener.accept().unwrap();
     let attached = usize::from(on_shared_memory(stream.as_raw_fd()));
     let mut byte = [0u8; 1];
@@ -482,9 +486,7 @@ fn fork_close_first_client(port: u16, burst: usize) {
 /// Accepts one connection, reads one byte and acknowledges it, then stops reading (the client
 /// fills the arena) and dies by SIGKILL with those records still in the chain.
 fn crash_hold() {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    println!("ready {}", listener.local_addr().unwrap().port());
-    std::io::stdout().flush().unwrap();
+    let listener = announced_listener();
     let (mut stream, _) = listener.accept().unwrap();
     let mut byte = [0u8; 1];
     stream.read_exact(&mut byte).unwrap();
@@ -502,9 +504,7 @@ fn crash_hold() {
 }
 
 fn crash_serve() {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    println!("ready {}", listener.local_addr().unwrap().port());
-    std::io::stdout().flush().unwrap();
+    let listener = announced_listener();
     let (mut stream, _) = listener.accept().unwrap();
     let mut byte = [0u8; 1];
     stream.read_exact(&mut byte).unwrap();

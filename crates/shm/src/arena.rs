@@ -488,7 +488,8 @@ fn path(id: usize) -> Option<CString> {
     .ok()
 }
 
-fn map_file(fd: libc::c_int, len: usize) -> Option<*mut u8> {
+/// Maps `len` bytes of the file `fd` shared, read-write (arenas and connection regions alike).
+pub(crate) fn map_file(fd: libc::c_int, len: usize) -> Option<*mut u8> {
     // SAFETY: mapping a file we hold open.
     let base = unsafe {
         libc::mmap(

@@ -217,15 +217,7 @@ fn to_sockaddr(address: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t)
 
 fn netns_id() -> u64 {
     static CACHE: AtomicU64 = AtomicU64::new(0);
-    let cached = CACHE.load(Ordering::Relaxed);
-    if cached != 0 {
-        return cached;
-    }
-    let id = std::fs::metadata("/proc/self/ns/net")
-        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
-        .unwrap_or(1);
-    CACHE.store(id, Ordering::Relaxed);
-    id
+    crate::process::namespace_id("net", &CACHE)
 }
 
 /// IPv4-mapped IPv6 addresses name the same endpoint as the IPv4 address.

@@ -28,14 +28,20 @@ pub fn after_fork_in_child() {
 
 /// The inode of this process's pid namespace (1 if it cannot be read).
 pub fn pid_namespace() -> u64 {
-    let cached = PID_NAMESPACE.load(Ordering::Relaxed);
+    namespace_id("pid", &PID_NAMESPACE)
+}
+
+/// The inode of this process's namespace of `kind` (`/proc/self/ns/<kind>`), read once into
+/// `cache`; 1 if it cannot be read.
+pub fn namespace_id(kind: &str, cache: &AtomicU64) -> u64 {
+    let cached = cache.load(Ordering::Relaxed);
     if cached != 0 {
         return cached;
     }
-    let id = std::fs::metadata("/proc/self/ns/pid")
+    let id = std::fs::metadata(format!("/proc/self/ns/{kind}"))
         .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
         .unwrap_or(1);
-    PID_NAMESPACE.store(id, Ordering::Relaxed);
+    cache.store(id, Ordering::Relaxed);
     id
 }
 

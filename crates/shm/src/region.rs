@@ -284,22 +284,9 @@ impl Region {
     }
 
     fn map(fd: libc::c_int, len: usize, local_bytes: usize) -> Option<Region> {
-        // SAFETY: mapping a file we hold open, shared.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return None;
-        }
+        let base = crate::arena::map_file(fd, len)?;
         Some(Region {
-            base: base.cast(),
+            base,
             len,
             local_bytes,
         })
