@@ -143,6 +143,29 @@ async fn tcp_bytes_metric(proxy: &Proxy, listener: &str, direction: &str) -> f64
     .await
 }
 
+/// A closed connection's counters, (bytes in, bytes out, spliced connections), once they
+/// reach `expected` or after 4 s. The relay adds them only after both directions are done,
+/// which can be a moment after the client has its last byte.
+async fn connection_metrics(
+    proxy: &Proxy,
+    listener: &str,
+    expected: (f64, f64, f64),
+) -> (f64, f64, f64) {
+    let mut seen = (0.0, 0.0, 0.0);
+    for _ in 0..200 {
+        seen = (
+            tcp_bytes_metric(proxy, listener, "downstream_to_upstream").await,
+            tcp_bytes_metric(proxy, listener, "upstream_to_downstream").await,
+            spliced_metric(proxy, listener).await,
+        );
+        if seen == expected {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    seen
+}
+
 /// Polls `check` for up to 10 s.
 async fn until(what: &str, mut check: impl FnMut() -> bool) {
     for _ in 0..500 {
@@ -228,23 +251,12 @@ fn tcp_socket_direct_moves_large_transfers_outside_tcp_and_the_proxy() {
                 2 * LEN
             );
             // The proxy still accounts for every byte and the connection.
-            let mut counted = (0.0, 0.0);
-            for _ in 0..200 {
-                counted = (
-                    tcp_bytes_metric(&proxy, "db", "downstream_to_upstream").await,
-                    tcp_bytes_metric(&proxy, "db", "upstream_to_downstream").await,
-                );
-                if counted == (LEN as f64, LEN as f64) {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            let expected = (LEN as f64, LEN as f64, 1.0);
             assert_eq!(
-                counted,
-                (LEN as f64, LEN as f64),
-                "bytes in the node's metrics"
+                connection_metrics(&proxy, "db", expected).await,
+                expected,
+                "(bytes in, bytes out, spliced connections) in the node's metrics"
             );
-            assert_eq!(spliced_metric(&proxy, "db").await, 1.0);
             let st = pins.status();
             assert_eq!(
                 st.entries("fm_shortcuts"),
@@ -519,17 +531,13 @@ fn tcp_splice_moves_the_bytes_in_the_kernel_when_redirect_is_off() {
                 verdict.bytes,
                 2 * LEN
             );
-            assert_eq!(spliced_metric(&proxy, "db").await, 1.0);
-            // Relayed plus spliced: every byte is accounted for.
-            let mut counted = 0.0;
-            for _ in 0..200 {
-                counted = tcp_bytes_metric(&proxy, "db", "downstream_to_upstream").await;
-                if counted == LEN as f64 {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            assert_eq!(counted, LEN as f64);
+            // Relayed plus spliced: every byte and the connection are accounted for.
+            let expected = (LEN as f64, LEN as f64, 1.0);
+            assert_eq!(
+                connection_metrics(&proxy, "db", expected).await,
+                expected,
+                "(bytes in, bytes out, spliced connections) in the node's metrics"
+            );
         },
     );
 }
