@@ -393,7 +393,7 @@ impl Arena {
     }
 
     /// This process's usage slot, claimed on first use. `None` when all slots are taken by
-    /// live processes.
+    /// live processes, or the slot lock is stuck (`lock::PATIENCE`).
     fn my_slot(&self) -> Option<usize> {
         let cached = MY_SLOT[self.id].load(Ordering::Relaxed);
         if cached != 0 {
@@ -401,7 +401,8 @@ impl Arena {
         }
         let me = process::pid();
         let slots = &self.header().slots;
-        let _guard = SpinGuard::lock(&self.header().slot_lock.0, true);
+        // A stuck arena-wide lock: use no record of this arena (the caller tries the next).
+        let _guard = SpinGuard::lock(&self.header().slot_lock.0, true).ok()?;
         let found = slots
             .iter()
             .position(|s| s.pid.load(Ordering::Relaxed) == me)

@@ -141,10 +141,14 @@ impl Conn {
         if control.switched.load(Ordering::Acquire) != 0 {
             return;
         }
-        let _guard = SpinGuard::lock(
+        let Ok(_guard) = SpinGuard::lock(
             &self.region.direction(0).control.write_lock.0,
             self.region.same_pid_namespace(),
-        );
+        ) else {
+            // The peer keeps our lock: the connection is broken; reads and writes now fail.
+            self.kernel_error.store(libc::ECONNRESET, Ordering::Release);
+            return;
+        };
         if control.switched.load(Ordering::Acquire) == 0 {
             control.kernel_prefix.store(
                 control.kernel_sent.load(Ordering::Acquire),

@@ -7,6 +7,7 @@
 
 use crate::conn::{Conn, Inbound};
 use crate::lock::SpinGuard;
+use crate::region::Corrupt;
 use crate::real::{self, errno, set_errno};
 use crate::settings;
 use crate::stats;
@@ -431,6 +432,17 @@ fn kernel_recv(fd: c_int, buffers: &[(*mut u8, usize)], flags: c_int) -> isize {
     unsafe { real::recvmsg(fd, &mut msg, flags) }
 }
 
+/// The peer broke the connection's shared state (see `region::Corrupt`): reset, as TCP would
+/// on a protocol violation. Returns what the call moved before, or ECONNRESET.
+fn reset_broken(conn: &Conn, moved: usize) -> isize {
+    conn.kernel_error.store(libc::ECONNRESET, Ordering::Release);
+    if moved > 0 {
+        moved as isize
+    } else {
+        fail(libc::ECONNRESET)
+    }
+}
+
 fn kernel_send(fd: c_int, chunks: &[(*const u8, usize)], flags: c_int) -> isize {
     let mut iov: Vec<libc::iovec> = chunks
         .iter()
@@ -498,16 +510,7 @@ pub fn recv(fd: c_int, conn: &Conn, buffers: Buffers<'_>, flags: c_int) -> isize
                 };
                 let n = match ring.read(unfilled, peek) {
                     Ok(n) => n,
-                    Err(_) => {
-                        // The peer linked a record this connection may not read: a broken or
-                        // misbehaving peer. Reset, as TCP would on a protocol violation.
-                        conn.kernel_error.store(libc::ECONNRESET, Ordering::Release);
-                        return if got > 0 {
-                            got as isize
-                        } else {
-                            fail(libc::ECONNRESET)
-                        };
-                    }
+                    Err(Corrupt) => return reset_broken(conn, got),
                 };
                 if n > 0 {
                     if !peek {
@@ -676,7 +679,10 @@ pub fn send(fd: c_int, conn: &Conn, chunks: Chunks<'_>, flags: c_int) -> isize {
                 rest = skip_chunks(chunks, sent);
                 &rest
             };
-            let n = ring.write(unsent);
+            let n = match ring.write(unsent) {
+                Ok(n) => n,
+                Err(Corrupt) => return reset_broken(conn, sent),
+            };
             futile = n == 0 && waited;
             if n > 0 {
                 sent += n;
@@ -707,7 +713,11 @@ pub fn send(fd: c_int, conn: &Conn, chunks: Chunks<'_>, flags: c_int) -> isize {
             // that a concurrent switch records the exact prefix length.
             let direction = conn.region.direction(0).control;
             let control = &direction.control.0;
-            let guard = SpinGuard::lock(&direction.write_lock.0, conn.region.same_pid_namespace());
+            let Ok(guard) =
+                SpinGuard::lock(&direction.write_lock.0, conn.region.same_pid_namespace())
+            else {
+                return reset_broken(conn, sent);
+            };
             if conn.attached() {
                 drop(guard);
                 continue;

@@ -17,7 +17,7 @@
 //! ring positions never collide.
 
 use crate::arena::{self, RecordRef};
-use crate::lock::SpinGuard;
+use crate::lock::{SpinGuard, Stuck};
 use crate::process;
 use std::ffi::CStr;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
@@ -459,9 +459,16 @@ impl<'a, P: BytePointer> Chunks<'a, P> {
     }
 }
 
-/// A reader met a record that is not this connection's to read.
+/// The connection's shared state is broken: a record that is not this connection's to read,
+/// or a lock that a live peer never lets go of. The connection is then reset.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Corrupt;
+
+impl From<Stuck> for Corrupt {
+    fn from(_: Stuck) -> Self {
+        Corrupt
+    }
+}
 
 impl Pipe<'_> {
     fn chain(&self) -> &ChainState {
@@ -556,17 +563,20 @@ impl Pipe<'_> {
 
     /// Writer, ring full: append an arena record whose first byte is `start`. False when the
     /// direction, the process or the arena is at its limit, or the reader is gone.
-    fn extend(&self, start: u64) -> bool {
+    fn extend(&self, start: u64) -> Result<bool, Corrupt> {
         let chain = self.chain();
         let limit = crate::settings::get().conn_records;
         if self.records_held() >= limit || chain.reader_gone.load(Ordering::Acquire) != 0 {
-            return false;
+            return Ok(false);
         }
         let Ok(reference) = arena::allocate(self.token, start) else {
-            return false;
+            return Ok(false);
         };
         {
-            let _guard = SpinGuard::lock(&chain.lock, self.robust);
+            let Ok(_guard) = SpinGuard::lock(&chain.lock, self.robust) else {
+                arena::release(reference, self.token);
+                return Err(Corrupt);
+            };
             if chain.reader_gone.load(Ordering::Acquire) == 0 {
                 let tail = RecordRef(chain.tail.load(Ordering::Acquire));
                 match arena::writer_view(tail, self.token) {
@@ -585,18 +595,18 @@ impl Pipe<'_> {
                     chain.ring_end.store(start, Ordering::Release);
                     chain.mode.store(MODE_CHAIN, Ordering::Release);
                 }
-                return true;
+                return Ok(true);
             }
         }
         arena::release(reference, self.token);
-        false
+        Ok(false)
     }
 
     /// Writer: the ring has drained, so seal the chain's tail and go back to the ring.
-    fn back_to_ring(&self, written: u64) {
+    fn back_to_ring(&self, written: u64) -> Result<(), Stuck> {
         let chain = self.chain();
         {
-            let _guard = SpinGuard::lock(&chain.lock, self.robust);
+            let _guard = SpinGuard::lock(&chain.lock, self.robust)?;
             let tail = RecordRef(chain.tail.load(Ordering::Acquire));
             if let Some(record) = arena::writer_view(tail, self.token) {
                 record.descriptor.sealed.store(1, Ordering::Release);
@@ -604,17 +614,22 @@ impl Pipe<'_> {
         }
         chain.ring_start.store(written, Ordering::Release);
         chain.mode.store(MODE_RING, Ordering::Release);
+        Ok(())
     }
 
-    /// Appends as much of `chunks` as fits; returns the byte count. Never makes a system call
-    /// (except the one-time mapping or reservation of an arena record).
-    pub fn write(&self, chunks: &[(*const u8, usize)]) -> usize {
-        let _guard = SpinGuard::lock(&self.control.write_lock.0, self.robust);
+    /// Appends as much of `chunks` as fits; returns the byte count, or `Corrupt` when a lock
+    /// stays held by a peer (see `lock::PATIENCE`) or the byte counter is near its end (no real
+    /// stream reaches 2^64 bytes: a peer wrote it). Never makes a system call (except the
+    /// one-time mapping or reservation of an arena record).
+    pub fn write(&self, chunks: &[(*const u8, usize)]) -> Result<usize, Corrupt> {
+        let _guard = SpinGuard::lock(&self.control.write_lock.0, self.robust)?;
         let chain = self.chain();
         let mut source = Source::new(chunks);
         let start = self.control.written.0.load(Ordering::Relaxed);
         let mut written = start;
         let total: usize = chunks.iter().map(|c| c.1).sum();
+        // Every position below stays within start + total.
+        start.checked_add(total as u64).ok_or(Corrupt)?;
         // Bulk: into arena records while they can be had (see BULK_BYTES).
         let mut bulk = total >= BULK_BYTES && self.capacity < BULK_RING_LIMIT;
         while source.remaining() {
@@ -622,12 +637,12 @@ impl Pipe<'_> {
             let mode = chain.mode.load(Ordering::Relaxed);
             let ring_drained = consumed >= chain.ring_end.load(Ordering::Relaxed);
             if mode == MODE_CHAIN && ring_drained && !bulk {
-                self.back_to_ring(written);
+                self.back_to_ring(written)?;
                 continue;
             }
             if mode == MODE_RING {
                 if bulk {
-                    if !self.extend(written) {
+                    if !self.extend(written)? {
                         bulk = false;
                     }
                     continue;
@@ -644,7 +659,7 @@ impl Pipe<'_> {
                     written += n as u64;
                     continue;
                 }
-                if !self.extend(written) {
+                if !self.extend(written)? {
                     break;
                 }
                 continue;
@@ -672,13 +687,13 @@ impl Pipe<'_> {
                 written += n as u64;
                 continue;
             }
-            if self.extend(written) {
+            if self.extend(written)? {
                 continue;
             }
             if bulk && ring_drained {
                 // No record to be had, but the ring is free: use it.
                 bulk = false;
-                self.back_to_ring(written);
+                self.back_to_ring(written)?;
                 continue;
             }
             break;
@@ -686,13 +701,14 @@ impl Pipe<'_> {
         if written != start {
             self.control.written.0.store(written, Ordering::Release);
         }
-        (written - start) as usize
+        Ok((written - start) as usize)
     }
 
     /// Copies up to the buffers' size out; consumes it unless `peek`. Returns the byte count,
-    /// or `Corrupt` when the chain names a record this connection may not read.
+    /// or `Corrupt` when the chain names a record this connection may not read or a lock stays
+    /// held by a peer.
     pub fn read(&self, buffers: &[(*mut u8, usize)], peek: bool) -> Result<usize, Corrupt> {
-        let _guard = SpinGuard::lock(&self.control.read_lock.0, self.robust);
+        let _guard = SpinGuard::lock(&self.control.read_lock.0, self.robust)?;
         let chain = self.chain();
         let start = self.control.consumed.0.load(Ordering::Relaxed);
         let written = self.control.written.0.load(Ordering::Acquire);
@@ -755,7 +771,7 @@ impl Pipe<'_> {
         if !peek && position != start {
             self.control.consumed.0.store(position, Ordering::Release);
             if passed > 0 {
-                self.release_passed(passed);
+                self.release_passed(passed)?;
             }
             if position == written && chain.mode.load(Ordering::Acquire) == MODE_CHAIN {
                 self.reclaim_idle_tail();
@@ -765,13 +781,13 @@ impl Pipe<'_> {
     }
 
     /// Reader: give the first `count` records (fully consumed and sealed) back to their arena.
-    fn release_passed(&self, count: usize) {
+    fn release_passed(&self, count: usize) -> Result<(), Stuck> {
         let chain = self.chain();
-        let _guard = SpinGuard::lock(&chain.lock, self.robust);
+        let _guard = SpinGuard::lock(&chain.lock, self.robust)?;
         for _ in 0..count {
             let head = RecordRef(chain.head.load(Ordering::Acquire));
             let Some(record) = arena::writer_view(head, self.token) else {
-                return;
+                return Ok(());
             };
             let next = record.descriptor.next.load(Ordering::Acquire);
             if chain.tail.load(Ordering::Acquire) == head.0 {
@@ -782,6 +798,7 @@ impl Pipe<'_> {
                 chain.released.fetch_add(1, Ordering::AcqRel);
             }
         }
+        Ok(())
     }
 
     /// Reader, everything consumed while the writer is still in chain mode: if the writer is not
@@ -798,14 +815,20 @@ impl Pipe<'_> {
         {
             return;
         }
-        self.back_to_ring(written);
-        self.release_all_locked(false);
+        // A stuck lock here is left to the next read or write, which reports it.
+        if self.back_to_ring(written).is_ok() {
+            self.release_all_locked(false);
+        }
     }
 
     /// Releases every record of the chain. `reader_gone`: also forbid appending more (the
     /// reading side has closed). Takes the writer's lock so that no write is inside a record.
+    /// When a peer holds a lock past `lock::PATIENCE`, the records are left where they are:
+    /// the connection is closing, and a stuck lock must not hang the close.
     pub fn release_all(&self, reader_gone: bool) {
-        let _writer = SpinGuard::lock(&self.control.write_lock.0, self.robust);
+        let Ok(_writer) = SpinGuard::lock(&self.control.write_lock.0, self.robust) else {
+            return;
+        };
         let chain = self.chain();
         if chain.mode.load(Ordering::Acquire) == MODE_CHAIN {
             let written = self.control.written.0.load(Ordering::Acquire);
@@ -817,7 +840,9 @@ impl Pipe<'_> {
 
     fn release_all_locked(&self, reader_gone: bool) {
         let chain = self.chain();
-        let _guard = SpinGuard::lock(&chain.lock, self.robust);
+        let Ok(_guard) = SpinGuard::lock(&chain.lock, self.robust) else {
+            return;
+        };
         if reader_gone {
             chain.reader_gone.store(1, Ordering::Release);
         }
@@ -857,7 +882,7 @@ mod tests {
     }
 
     fn write_all(pipe: &Pipe<'_>, data: &[u8]) -> usize {
-        pipe.write(&[(data.as_ptr(), data.len())])
+        pipe.write(&[(data.as_ptr(), data.len())]).unwrap()
     }
 
     fn read_some(pipe: &Pipe<'_>, max: usize) -> Vec<u8> {
@@ -1055,6 +1080,31 @@ mod tests {
         assert_eq!(pipe.records_held(), 0);
     }
 
+    /// A peer that sets a lock word to a live pid and never clears it (ours, here: alive, and
+    /// not a holder to take over) makes reads and writes give up after `lock::PATIENCE` with
+    /// `Corrupt` (the connection is reset), and the close not hang.
+    #[test]
+    fn a_lock_a_live_peer_never_releases_ends_in_corrupt_not_a_hang() {
+        let region = temp_region(DEFAULT_LOCAL_BYTES);
+        let pipe = region.direction(0);
+        assert_eq!(write_all(&pipe, b"before"), 6);
+        let me = process::pid();
+        let mut buf = [0u8; 16];
+        pipe.control.read_lock.0.store(me, Ordering::Relaxed);
+        let started = std::time::Instant::now();
+        assert_eq!(pipe.read(&[(buf.as_mut_ptr(), 16)], false), Err(Corrupt));
+        pipe.control.write_lock.0.store(me, Ordering::Relaxed);
+        assert_eq!(pipe.write(&[(b"x".as_ptr(), 1)]), Err(Corrupt));
+        pipe.release_all(true);
+        let waited = started.elapsed();
+        assert!(waited >= crate::lock::PATIENCE * 2, "{waited:?}");
+        assert!(waited < crate::lock::PATIENCE * 3 + std::time::Duration::from_secs(5), "{waited:?}");
+        // Once the word is cleared, the connection works again: nothing was left half-done.
+        pipe.control.read_lock.0.store(0, Ordering::Relaxed);
+        pipe.control.write_lock.0.store(0, Ordering::Relaxed);
+        assert_eq!(read_some(&pipe, 16), b"before");
+    }
+
     /// The commit step refuses a record that is not this connection's: another connection's
     /// token, a free record, a reference outside any arena.
     #[test]
@@ -1117,7 +1167,9 @@ mod tests {
                 let mut off = 0;
                 while off < chunk.len() {
                     assert!(std::time::Instant::now() < deadline, "writer stuck");
-                    let n = pipe.write(&[(chunk[off..].as_ptr(), chunk.len() - off)]);
+                    let n = pipe
+                        .write(&[(chunk[off..].as_ptr(), chunk.len() - off)])
+                        .unwrap();
                     if n == 0 {
                         std::thread::yield_now();
                     }
