@@ -63,9 +63,29 @@ fn flatmesh(args: &[&str], log: &Path) -> Proc {
     )
 }
 
-/// An HTTP/1.1 backend on `addr` answering every request with `name`.
-fn backend(addr: SocketAddr, name: &'static str) {
-    let listener = TcpListener::bind(addr).unwrap();
+/// Listeners on one port at every node address. A port the kernel found free on the first
+/// address may be taken on another (an outgoing connection's local port, say), so a clash
+/// means trying another port.
+fn listeners_on_one_port() -> (u16, Vec<TcpListener>) {
+    for _ in 0..50 {
+        let first = TcpListener::bind(SocketAddr::from((NODES[0].1, 0))).unwrap();
+        let port = first.local_addr().unwrap().port();
+        let mut all = vec![first];
+        for (_, ip) in &NODES[1..] {
+            match TcpListener::bind(SocketAddr::from((*ip, port))) {
+                Ok(listener) => all.push(listener),
+                Err(_) => break,
+            }
+        }
+        if all.len() == NODES.len() {
+            return (port, all);
+        }
+    }
+    panic!("no port was free on every node address in 50 tries");
+}
+
+/// An HTTP/1.1 backend on `listener` answering every request with `name`.
+fn backend(listener: TcpListener, name: &'static str) {
     std::thread::spawn(move || {
         for conn in listener.incoming() {
             let Ok(mut conn) = conn else { continue };
@@ -160,9 +180,9 @@ fn workdir() -> PathBuf {
 #[test]
 fn control_serves_placed_endpoints_and_the_orchestrator_moves_them() {
     let dir = workdir();
-    let service_port = free_port();
-    for (node, ip) in NODES {
-        backend((ip, service_port).into(), node);
+    let (service_port, listeners) = listeners_on_one_port();
+    for ((node, _), listener) in NODES.iter().zip(listeners) {
+        backend(listener, node);
     }
     let web: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     let xds: SocketAddr = ([127, 0, 0, 1], free_port()).into();
