@@ -143,6 +143,28 @@ struct Cooling {
     ring: [AtomicU32; COOLING],
 }
 
+impl Cooling {
+    /// (index in `ring` of the oldest entry, number of entries), clamped: a peer may have
+    /// scribbled on the header. Under `lock`.
+    fn span(&self) -> (usize, usize) {
+        (
+            self.first.load(Ordering::Relaxed) as usize % COOLING,
+            (self.len.load(Ordering::Relaxed) as usize).min(COOLING),
+        )
+    }
+
+    /// Removes the entry `at` places after the oldest (`at < len`), from the FIFO `span()`
+    /// gave: the oldest takes its slot, and the FIFO starts one later. Under `lock`.
+    fn take(&self, first: usize, len: usize, at: usize) -> u32 {
+        let oldest = self.ring[first].load(Ordering::Relaxed);
+        let taken = self.ring[(first + at) % COOLING].swap(oldest, Ordering::Relaxed);
+        self.first
+            .store(((first + 1) % COOLING) as u32, Ordering::Relaxed);
+        self.len.store(len as u32 - 1, Ordering::Relaxed);
+        taken
+    }
+}
+
 const _: () = assert!(std::mem::size_of::<Header>() <= DESCRIPTORS_OFFSET);
 
 /// A hash of everything that fixes the arena file's layout, part of the file name: two builds
@@ -322,20 +344,12 @@ impl Arena {
                 self.push(index);
                 return;
             };
-            // Clamped: a peer may have scribbled on the header.
-            let first = cooling.first.load(Ordering::Relaxed) as usize % COOLING;
-            let len = (cooling.len.load(Ordering::Relaxed) as usize).min(COOLING);
-            if len < COOLING {
-                cooling.ring[(first + len) % COOLING].store(index, Ordering::Relaxed);
-                cooling.len.store(len as u32 + 1, Ordering::Relaxed);
-                None
-            } else {
-                let oldest = cooling.ring[first].swap(index, Ordering::Relaxed);
-                cooling
-                    .first
-                    .store(((first + 1) % COOLING) as u32, Ordering::Relaxed);
-                Some(oldest)
-            }
+            let (first, len) = cooling.span();
+            let evicted = (len == COOLING).then(|| cooling.take(first, len, 0));
+            let (first, len) = cooling.span();
+            cooling.ring[(first + len) % COOLING].store(index, Ordering::Relaxed);
+            cooling.len.store(len as u32 + 1, Ordering::Relaxed);
+            evicted
         };
         if let Some(oldest) = evicted {
             self.push(oldest);
@@ -349,42 +363,27 @@ impl Arena {
     fn take_cooled(&self, deep: bool) -> Option<u32> {
         let cooling = &self.header().cooling.0;
         let _guard = SpinGuard::lock_briefly(&cooling.lock, COOLING_LOCK_ATTEMPTS)?;
-        let first = cooling.first.load(Ordering::Relaxed) as usize % COOLING;
-        let len = (cooling.len.load(Ordering::Relaxed) as usize).min(COOLING);
-        let at = if deep {
-            if len < COOLING {
-                return None;
-            }
-            first
+        let (first, len) = cooling.span();
+        let back = if deep {
+            (len == COOLING).then_some(0)?
         } else {
-            if len <= SHALLOW {
-                return None;
-            }
-            (first + len - SHALLOW) % COOLING
+            (len > SHALLOW).then(|| len - SHALLOW)?
         };
-        let oldest = cooling.ring[first].load(Ordering::Relaxed);
-        let taken = cooling.ring[at].swap(oldest, Ordering::Relaxed);
-        cooling
-            .first
-            .store(((first + 1) % COOLING) as u32, Ordering::Relaxed);
-        cooling.len.store(len as u32 - 1, Ordering::Relaxed);
-        Some(taken)
+        Some(cooling.take(first, len, back))
     }
 
     /// The oldest record of the cooling FIFO (when the free list is empty).
     fn pop_cooling(&self) -> Option<u32> {
         let cooling = &self.header().cooling.0;
         let _guard = SpinGuard::lock_briefly(&cooling.lock, COOLING_LOCK_ATTEMPTS)?;
-        let first = cooling.first.load(Ordering::Relaxed) as usize % COOLING;
-        let len = (cooling.len.load(Ordering::Relaxed) as usize).min(COOLING);
-        if len == 0 {
-            return None;
-        }
-        cooling
-            .first
-            .store(((first + 1) % COOLING) as u32, Ordering::Relaxed);
-        cooling.len.store(len as u32 - 1, Ordering::Relaxed);
-        Some(cooling.ring[first].load(Ordering::Relaxed))
+        let (first, len) = cooling.span();
+        (len > 0).then(|| cooling.take(first, len, 0))
+    }
+
+    /// Records an allocation can have: the free list and the cooling FIFO (saturating: a peer
+    /// may have scribbled on the free count).
+    pub fn available_records(&self) -> u32 {
+        self.free_records().saturating_add(self.cooling_records())
     }
 
     /// Records waiting in the cooling FIFO.
@@ -914,7 +913,7 @@ pub fn allocate(owner: u64, start: u64) -> Result<RecordRef, Refused> {
         }) else {
             continue;
         };
-        if arena.free_records() == 0 && arena.cooling_records() == 0 {
+        if arena.available_records() == 0 {
             continue;
         }
         let Some(slot) = arena.my_slot() else {
@@ -1098,7 +1097,7 @@ pub fn report() -> String {
         out.push_str(&format!(
             "arena {id} records {} free {} record_bytes {} process_limit {} held_here {mine} holding_processes {processes}\n",
             arena.record_count,
-            arena.free_records() + arena.cooling_records(),
+            arena.available_records(),
             arena.record_bytes,
             arena.process_limit()
         ));
@@ -1124,10 +1123,8 @@ pub fn status() -> String {
                 .unwrap_or_default(),
             arena.record_count,
             arena.record_bytes,
-            arena.free_records() + arena.cooling_records(),
-            arena
-                .record_count
-                .saturating_sub(arena.free_records() + arena.cooling_records()),
+            arena.available_records(),
+            arena.record_count.saturating_sub(arena.available_records()),
             arena.process_limit()
         ));
         for slot in &header.slots {

@@ -7,11 +7,12 @@
 
 use crate::conn::{Conn, Inbound};
 use crate::lock::SpinGuard;
-use crate::region::Corrupt;
+use crate::region::{BytePointer, Corrupt};
 use crate::real::{self, errno, set_errno};
 use crate::settings;
 use crate::stats;
 use libc::c_int;
+use std::borrow::Cow;
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
@@ -25,26 +26,22 @@ fn fail(code: c_int) -> isize {
     -1
 }
 
-fn skip_chunks(chunks: Chunks<'_>, mut skip: usize) -> Vec<(*const u8, usize)> {
-    let mut rest = Vec::with_capacity(chunks.len());
-    for &(ptr, len) in chunks {
+/// `list` past its first `skip` bytes (outgoing chunks or incoming buffers alike). Borrowed,
+/// with no copy, when `skip` is 0: the common case, where a whole message moves in one pass.
+fn skip_bytes<P: BytePointer>(list: &[(P, usize)], mut skip: usize) -> Cow<'_, [(P, usize)]> {
+    if skip == 0 {
+        return Cow::Borrowed(list);
+    }
+    let mut rest = Vec::with_capacity(list.len());
+    for &(ptr, len) in list {
         if skip >= len {
             skip -= len;
             continue;
         }
-        rest.push((ptr.wrapping_add(skip), len - skip));
+        rest.push((ptr.advanced(skip), len - skip));
         skip = 0;
     }
-    rest
-}
-
-fn skip_buffers(buffers: Buffers<'_>, skip: usize) -> Vec<(*mut u8, usize)> {
-    let chunks: Vec<(*const u8, usize)> =
-        buffers.iter().map(|&(p, l)| (p.cast_const(), l)).collect();
-    skip_chunks(&chunks, skip)
-        .into_iter()
-        .map(|(p, l)| (p.cast_mut(), l))
-        .collect()
+    Cow::Owned(rest)
 }
 
 fn cap_buffers(buffers: &[(*mut u8, usize)], mut cap: usize) -> Vec<(*mut u8, usize)> {
@@ -500,15 +497,7 @@ pub fn recv(fd: c_int, conn: &Conn, buffers: Buffers<'_>, flags: c_int) -> isize
         match conn.inbound_source() {
             Inbound::Ring => {
                 let ring = conn.inbound();
-                // No copy of the buffer list on the first pass (the common, whole-message case).
-                let rest;
-                let unfilled = if got == 0 {
-                    buffers
-                } else {
-                    rest = skip_buffers(buffers, got);
-                    &rest
-                };
-                let n = match ring.read(unfilled, peek) {
+                let n = match ring.read(&skip_bytes(buffers, got), peek) {
                     Ok(n) => n,
                     Err(Corrupt) => return reset_broken(conn, got),
                 };
@@ -542,7 +531,7 @@ pub fn recv(fd: c_int, conn: &Conn, buffers: Buffers<'_>, flags: c_int) -> isize
                 }
             }
             Inbound::Kernel => {
-                let rc = kernel_recv(fd, &skip_buffers(buffers, got), flags);
+                let rc = kernel_recv(fd, &skip_bytes(buffers, got), flags);
                 if conn.attached() {
                     // The acceptor attached meanwhile: whatever came over the kernel were wake-ups.
                     continue;
@@ -565,7 +554,7 @@ pub fn recv(fd: c_int, conn: &Conn, buffers: Buffers<'_>, flags: c_int) -> isize
             Inbound::KernelPrefix(remaining) => {
                 let control = &conn.region.direction(0).control.control.0;
                 let want = (total - got).min(usize::try_from(remaining).unwrap_or(usize::MAX));
-                let rc = kernel_recv(fd, &cap_buffers(&skip_buffers(buffers, got), want), flags);
+                let rc = kernel_recv(fd, &cap_buffers(&skip_bytes(buffers, got), want), flags);
                 if rc > 0 {
                     let mut valid = rc as u64;
                     if remaining == u64::MAX && control.switched.load(Ordering::Acquire) != 0 {
@@ -672,14 +661,7 @@ pub fn send(fd: c_int, conn: &Conn, chunks: Chunks<'_>, flags: c_int) -> isize {
                     kernel_send_error(fd, flags)
                 };
             }
-            let rest;
-            let unsent = if sent == 0 {
-                chunks
-            } else {
-                rest = skip_chunks(chunks, sent);
-                &rest
-            };
-            let n = match ring.write(unsent) {
+            let n = match ring.write(&skip_bytes(chunks, sent)) {
                 Ok(n) => n,
                 Err(Corrupt) => return reset_broken(conn, sent),
             };
@@ -722,7 +704,7 @@ pub fn send(fd: c_int, conn: &Conn, chunks: Chunks<'_>, flags: c_int) -> isize {
                 drop(guard);
                 continue;
             }
-            let rc = kernel_send(fd, &skip_chunks(chunks, sent), flags);
+            let rc = kernel_send(fd, &skip_bytes(chunks, sent), flags);
             if rc > 0 {
                 control.kernel_sent.fetch_add(rc as u64, Ordering::AcqRel);
             }

@@ -392,7 +392,7 @@ pub struct Pipe<'a> {
 
 /// A pointer into a caller's buffer that can be advanced (`*const u8` for outgoing bytes,
 /// `*mut u8` for incoming ones).
-trait BytePointer: Copy {
+pub(crate) trait BytePointer: Copy {
     fn advanced(self, n: usize) -> Self;
 }
 
