@@ -13,13 +13,14 @@
 //! shm_probe client <port> <integrity|small:N|burst:MIB|dup|fork|nonblocking|epollout-thread|
 //!                          half-close-full[:BYTES]|wake-race:SECS|pingpong:SECS|
 //!                          stale|crash|
-//!                          crash-burst:PID|many:N|fork-close-first:BYTES>
+//!                          crash-burst:PID|many:N|fork-close-first:BYTES|from:SOURCE_PORT>
 //! ```
 //!
 //! Environment: `SHM_PROBE_TICK_MS` (epoll/poll/select servers: how often a thread writes to
 //! the pipe in the set; default 5, 0 = no pipe traffic), `SHM_PROBE_WAIT_MS` (epoll/poll
 //! servers: the timeout of one wait; default 1000, -1 = none) and `SHM_PROBE_HOLD_SECS` (`many:N`:
-//! how long the connections stay open and idle).
+//! how long the connections stay open and idle) and `SHM_PROBE_ACCEPT_WHEN_QUEUED` (`serve`: wait
+//! until that many connections are queued before the first accept, so a test fixes the order).
 #![allow(clippy::unwrap_used)]
 
 use std::io::{Read, Write};
@@ -101,6 +102,12 @@ fn announced_listener() -> TcpListener {
 
 fn serve(mode: &str, connections: usize) {
     let listener = announced_listener();
+    if let Some(queued) = std::env::var("SHM_PROBE_ACCEPT_WHEN_QUEUED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        wait_until_queued(&listener, queued);
+    }
     let (attached, ticks) = match mode {
         "thread" => serve_threads(&listener, connections),
         "fork" => serve_fork(&listener, connections),
@@ -108,6 +115,36 @@ fn serve(mode: &str, connections: usize) {
         _ => panic!("unknown mode {mode}"),
     };
     println!("served {connections} attached {attached} ticks {ticks}");
+}
+
+/// Waits (up to 20 s) until `count` connections wait in the listener's accept queue, so that a
+/// test decides the order in which they are accepted. A listening socket's TCP_INFO reports
+/// its accept queue length in `tcpi_unacked` (offset 24).
+fn wait_until_queued(listener: &TcpListener, count: u32) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut info = [0u8; 232];
+        let mut len = info.len() as libc::socklen_t;
+        let rc = unsafe {
+            libc::getsockopt(
+                listener.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                info.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        check(rc as isize, "getsockopt(TCP_INFO)");
+        let queued = u32::from_ne_bytes(info[24..28].try_into().unwrap());
+        if queued >= count {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {queued} of {count} connections queued after 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 fn echo_blocking(mut stream: TcpStream) {
@@ -565,12 +602,62 @@ fn client(port: u16, test: &str) {
             crash_burst_test(port, crash_burst[12..].parse().unwrap())
         }
         many if many.starts_with("many:") => many_connections(port, many[5..].parse().unwrap()),
+        from if from.starts_with("from:") => from_port(port, from[5..].parse().unwrap()),
         fork if fork.starts_with("fork-close-first:") => {
             fork_close_first_client(port, fork[17..].parse().unwrap())
         }
         _ => panic!("unknown test {test}"),
     }
     println!("ok {test} mapped {}", shm_mappings());
+}
+
+/// A connection from 127.0.0.1:`source` (a port the test chose): distinct messages echo back
+/// unchanged, and the connection is on shared memory.
+fn from_port(port: u16, source: u16) {
+    let socket = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    check(socket as isize, "socket");
+    let stream = unsafe { TcpStream::from_raw_fd(socket) };
+    let address = |port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // A closed connection of an earlier run may still hold the port in TIME_WAIT.
+    let one: libc::c_int = 1;
+    unsafe {
+        libc::setsockopt(
+            socket,
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    let local = address(source);
+    let rc = unsafe { libc::bind(socket, (&local as *const libc::sockaddr_in).cast(), len) };
+    check(rc as isize, "bind to the chosen source port");
+    let server = address(port);
+    let rc = unsafe { libc::connect(socket, (&server as *const libc::sockaddr_in).cast(), len) };
+    check(rc as isize, "connect");
+    let mut stream = stream;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    for i in 0..20 {
+        roundtrip(&mut stream, format!("victim message {i}").as_bytes());
+    }
+    assert!(
+        on_shared_memory(stream.as_raw_fd()),
+        "the connection from port {source} did not move to shared memory"
+    );
+    stream.shutdown(Shutdown::Write).unwrap();
+    let mut rest = Vec::new();
+    stream.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "unexpected bytes after the echo: {rest:?}");
 }
 
 /// Full duplex: a thread writes 8 MiB in odd-sized chunks, then half-closes; the main thread

@@ -10,6 +10,7 @@ mod lock;
 mod multiplex;
 mod negotiate;
 mod process;
+mod proof;
 mod real;
 mod region;
 mod settings;

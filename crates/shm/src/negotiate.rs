@@ -16,8 +16,9 @@
 //! ever attached and the connection simply stays TCP.
 
 use crate::conn::{self, Conn, Role};
+use crate::proof;
 use crate::real;
-use crate::region::{Region, ATTACHED};
+use crate::region::{Region, ATTACHED, ATTACHING, PENDING};
 use crate::settings;
 use libc::c_int;
 use parking_lot::Mutex;
@@ -220,23 +221,15 @@ fn netns_id() -> u64 {
     crate::process::namespace_id("net", &CACHE)
 }
 
-/// IPv4-mapped IPv6 addresses name the same endpoint as the IPv4 address.
-fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6
-            .to_ipv4_mapped()
-            .map(IpAddr::V4)
-            .unwrap_or(IpAddr::V6(v6)),
-        v4 => v4,
-    }
-}
-
-/// The rendezvous file for a connection, keyed by what both ends can see of its 4-tuple.
+/// The rendezvous file for a connection, keyed by what the connector knows of its 4-tuple
+/// before its SYN leaves: the server address and its own port (its source address is picked
+/// at connect time). The name is only a hint; `proof` decides whether an accepted connection
+/// is the one the file was made for.
 pub fn handoff_path(server: SocketAddr, client_port: u16) -> Option<CString> {
     let name = format!(
         "/dev/shm/flatmesh-shm-{}-{}-{}-{}",
         netns_id(),
-        canonical(server.ip()),
+        proof::canonical(server.ip()),
         server.port(),
         client_port
     );
@@ -317,7 +310,12 @@ pub unsafe fn connect(fd: c_int, address: *const libc::sockaddr, len: libc::sock
     let Some(path) = handoff_path(server, local.port()) else {
         return plain();
     };
-    let Some(region) = Region::create(&path, settings::get().local_bytes) else {
+    // The acceptor attaches only if the kernel says its connection ends in this very socket.
+    let cookie = proof::socket_cookie(fd);
+    if cookie == 0 {
+        return plain();
+    }
+    let Some(region) = Region::create(&path, settings::get().local_bytes, cookie) else {
         return plain();
     };
     let rc = plain();
@@ -335,7 +333,10 @@ pub unsafe fn connect(fd: c_int, address: *const libc::sockaddr, len: libc::sock
     rc
 }
 
-/// After accept(): take over the connector's region if there is one.
+/// After accept(): take over the connector's region if there is one and it was made for this
+/// very connection. A region whose connector socket is not this connection's peer (another
+/// client that shares the server address and the client port, from another address) is left
+/// alone, for the connection it belongs to, and this one stays TCP.
 pub fn accepted(fd: c_int, nonblocking: bool) {
     if !settings::get().enabled || fd as usize >= conn::MAX_FD {
         return;
@@ -346,7 +347,7 @@ pub fn accepted(fd: c_int, nonblocking: bool) {
     let Some(path) = handoff_path(local, peer.port()) else {
         return;
     };
-    // SAFETY: open/unlink on a NUL-terminated path.
+    // SAFETY: open on a NUL-terminated path.
     let file = unsafe {
         libc::open(
             path.as_ptr(),
@@ -356,12 +357,28 @@ pub fn accepted(fd: c_int, nonblocking: bool) {
     if file < 0 {
         return;
     }
-    unsafe { libc::unlink(path.as_ptr()) };
     let region = Region::attach(file);
+    // SAFETY: our own fd.
     unsafe { real::close(file) };
     let Some(region) = region else { return };
-    set_nodelay(fd);
     let control = region.control();
+    if !proof::proven(local, peer, control.connector_cookie) {
+        crate::stats::bump(&crate::stats::get().unproven);
+        return;
+    }
+    // SAFETY: unlink on a NUL-terminated path. Only the proven acceptor removes the name.
+    unsafe { libc::unlink(path.as_ptr()) };
+    // Only one acceptor may flip the region (two processes of one user could both have opened
+    // the file before either unlinked it; only one of them holds the proven connection, but a
+    // region is attached once, whatever happens).
+    if control
+        .state
+        .compare_exchange(PENDING, ATTACHING, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        return;
+    }
+    set_nodelay(fd);
     control.pid_namespace[1].store(crate::process::pid_namespace(), Ordering::Relaxed);
     control.holders[1].store(1, Ordering::Release);
     region.add_pid(1);

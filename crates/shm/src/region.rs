@@ -23,7 +23,7 @@ use std::ffi::CStr;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 pub const MAGIC: u64 = 0x3268_736d_7461_6c66; // "flatmsh2"
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 /// Metadata at the start of each local record.
 pub const HEADER_BYTES: usize = 1024;
 /// Default size of each local record (header included); `FLATMESH_SHM_LOCAL_KIB` overrides it.
@@ -38,6 +38,8 @@ pub const PIDS_PER_SIDE: usize = 4;
 /// The connection state word: the acceptor flips it once it has mapped the region.
 pub const PENDING: u32 = 0;
 pub const ATTACHED: u32 = 1;
+/// An acceptor has claimed the region and is filling in its side (one claim per region).
+pub const ATTACHING: u32 = 2;
 
 /// Longest chain a reader walks; anything longer is a corrupt (cyclic) chain.
 const MAX_CHAIN: usize = 1 << 16;
@@ -127,6 +129,9 @@ pub struct Control {
     pub _reserved: u32,
     /// A random number that names the connection; arena records carry it as their owner.
     pub token: u64,
+    /// The kernel's cookie of the connector's TCP socket: the acceptor attaches only if the
+    /// connection it accepted ends in that socket (`proof`).
+    pub connector_cookie: u64,
     /// Pid namespace of each side (liveness by pid is judged only when they match).
     pub pid_namespace: [AtomicU64; 2],
     /// Processes holding each side (0: connector, 1: acceptor); fork adds one.
@@ -173,8 +178,9 @@ fn random_token() -> u64 {
 
 impl Region {
     /// Creates the backing file at `path` (exclusively; a stale file is replaced), maps it and
-    /// initialises the header. Returns `None` on any failure: the caller then uses TCP.
-    pub fn create(path: &CStr, local_bytes: usize) -> Option<Region> {
+    /// initialises the header for the connector socket whose kernel cookie is
+    /// `connector_cookie`. Returns `None` on any failure: the caller then uses TCP.
+    pub fn create(path: &CStr, local_bytes: usize, connector_cookie: u64) -> Option<Region> {
         let len = 2 * local_bytes;
         let flags =
             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC | libc::O_NOFOLLOW;
@@ -207,6 +213,7 @@ impl Region {
             control.version = VERSION;
             control.local_bytes = local_bytes as u32;
             control.token = random_token();
+            control.connector_cookie = connector_cookie;
             control.pid_namespace[0].store(process::pid_namespace(), Ordering::Relaxed);
             control.holders[0].store(1, Ordering::Relaxed);
             control.pids[0][0].store(process::pid(), Ordering::Relaxed);
@@ -876,7 +883,7 @@ mod tests {
             std::thread::current().id()
         ))
         .unwrap();
-        let region = Region::create(&path, local).unwrap();
+        let region = Region::create(&path, local, 1).unwrap();
         unsafe { libc::unlink(path.as_ptr()) };
         region
     }

@@ -23,6 +23,9 @@ pub struct Counters {
     pub refused_limit: AtomicU64,
     pub refused_exhausted: AtomicU64,
     pub commits_rejected: AtomicU64,
+    /// Accepted connections that found a rendezvous region made for another connection (the
+    /// kernel named another connector socket): they stayed TCP.
+    pub unproven: AtomicU64,
 }
 
 static COUNTERS: Counters = Counters {
@@ -36,6 +39,7 @@ static COUNTERS: Counters = Counters {
     refused_limit: AtomicU64::new(0),
     refused_exhausted: AtomicU64::new(0),
     commits_rejected: AtomicU64::new(0),
+    unproven: AtomicU64::new(0),
 };
 
 pub fn get() -> &'static Counters {
@@ -51,7 +55,7 @@ pub fn report() -> String {
     let c = get();
     let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
     let mut out = format!(
-        "flatmesh-shm pid {} accelerated {} wakeups_sent {} sleeps {} kernel_checks {} records_allocated {} records_committed {} records_freed {} records_held {} refused_limit {} refused_exhausted {} commits_rejected {}\n",
+        "flatmesh-shm pid {} accelerated {} wakeups_sent {} sleeps {} kernel_checks {} records_allocated {} records_committed {} records_freed {} records_held {} refused_limit {} refused_exhausted {} commits_rejected {} unproven {}\n",
         crate::process::pid(),
         load(&c.accelerated),
         load(&c.wakeups_sent),
@@ -64,6 +68,7 @@ pub fn report() -> String {
         load(&c.refused_limit),
         load(&c.refused_exhausted),
         load(&c.commits_rejected),
+        load(&c.unproven),
     );
     out.push_str(&crate::arena::report());
     out

@@ -1,6 +1,6 @@
 //! Fuzzes what a peer can write into shared memory: the connection region (header, counters,
-//! chain state, ring bytes), region files offered at accept, arena files, and the descriptors
-//! of arena records. The library must never read or write outside a mapping, panic, or loop
+//! chain state, ring bytes), region files offered at accept, arena files, the descriptors
+//! of arena records, and the sock_diag answer that proves an accepted connection's peer. The library must never read or write outside a mapping, panic, or loop
 //! forever, whatever the peer wrote; at worst it refuses (TCP fallback) or resets the
 //! connection.
 //!
@@ -16,6 +16,8 @@ mod arena;
 mod lock;
 #[path = "../../src/process.rs"]
 mod process;
+#[path = "../../src/proof.rs"]
+mod proof;
 #[path = "../../src/real.rs"]
 mod real;
 #[path = "../../src/region.rs"]
@@ -95,7 +97,7 @@ fn memfd(bytes: &[u8], len: usize) -> libc::c_int {
 
 fn run(data: &[u8]) {
     let mut input = Input(data);
-    match input.byte() % 3 {
+    match input.byte() % 4 {
         // A region file offered at accept: header bytes from the input.
         0 => {
             let local = [8usize << 10, 16 << 10, 64 << 10][input.byte() as usize % 3];
@@ -125,6 +127,10 @@ fn run(data: &[u8]) {
                 drop(mapped);
             }
             unsafe { libc::close(fd) };
+        }
+        // The kernel's answer to the accept-time proof, as bytes of any shape.
+        3 => {
+            let _ = proof::parse_answer(input.take(1024));
         }
         // A live connection whose peer scribbles on the shared state between our calls.
         _ => {
