@@ -243,13 +243,18 @@ pub struct Arena {
     records_offset: usize,
 }
 
-// SAFETY: shared memory accessed through atomics; record bytes are handed out to one writer.
+// SAFETY: an Arena owns its mapping (base and length); nothing in it is tied to a thread.
 unsafe impl Send for Arena {}
+// SAFETY: through `&Arena` the mapping is reached through atomics (header words, descriptors,
+// usage slots, the cooling FIFO under its lock) and record bytes, which only the record's
+// writer fills and its reader reads below the published `filled`.
 unsafe impl Sync for Arena {}
 
 impl Arena {
     fn header(&self) -> &Header {
-        // SAFETY: validated mapping with a Header at offset 0.
+        // SAFETY: `base` is page-aligned (mmap) and the mapping holds a Header at offset 0:
+        // `map_validated` maps at least DESCRIPTORS_OFFSET >= size_of::<Header>() bytes
+        // (asserted), `anonymous` a whole geometry. It stays mapped while `self` lives.
         unsafe { &*self.base.cast::<Header>() }
     }
 
@@ -257,7 +262,9 @@ impl Arena {
         if index >= self.record_count {
             return None;
         }
-        // SAFETY: index is in bounds of the validated descriptor table.
+        // SAFETY: `index < record_count`, and the geometry (checked against the file's length
+        // by `valid`, or made by `anonymous`) puts `record_count` 64-byte descriptors from
+        // DESCRIPTORS_OFFSET (page-aligned) up to `records_offset <= len`: in bounds, aligned.
         Some(unsafe {
             &*self
                 .base
@@ -269,7 +276,10 @@ impl Arena {
     /// The bytes of a record (`record_bytes` long).
     pub fn record(&self, index: u32) -> *mut u8 {
         debug_assert!(index < self.record_count);
-        // SAFETY: in bounds (checked by callers through `descriptor`).
+        // SAFETY: callers pass `index < record_count` (`allocate` and `lookup` got
+        // `descriptor(index)` first, which checks it; debug-asserted), and `records_offset +
+        // record_count * record_bytes == len` (`valid`, or `anonymous`'s geometry): the
+        // record lies inside the mapping.
         unsafe {
             self.base
                 .add(self.records_offset + index as usize * self.record_bytes)
@@ -448,7 +458,9 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        // SAFETY: our mapping (only unvalidated arenas are ever dropped).
+        // SAFETY: `base` and `len` are the mapping this Arena made and owns. Arenas in use are
+        // leaked (`open`, the fuzzer's `install`) and never dropped, so what is unmapped here is
+        // one that failed validation or a test's private arena that nothing borrows any more.
         unsafe { libc::munmap(self.base.cast(), self.len) };
     }
 }
@@ -490,7 +502,8 @@ fn path(id: usize) -> Option<CString> {
 
 /// Maps `len` bytes of the file `fd` shared, read-write (arenas and connection regions alike).
 pub(crate) fn map_file(fd: libc::c_int, len: usize) -> Option<*mut u8> {
-    // SAFETY: mapping a file we hold open.
+    // SAFETY: a new mapping at an address the kernel picks (null hint, no MAP_FIXED), so no
+    // existing memory is touched; a bad fd or length only fails, and MAP_FAILED is checked.
     let base = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -507,7 +520,8 @@ pub(crate) fn map_file(fd: libc::c_int, len: usize) -> Option<*mut u8> {
 /// Reserves the pages of `[base, base+len)` now, so that a full /dev/shm shows up as an error
 /// here instead of a SIGBUS in the application later.
 pub fn populate(base: *mut u8, len: usize) -> bool {
-    // SAFETY: madvise on our own mapping.
+    // SAFETY: MADV_POPULATE_WRITE only prefaults pages and leaves their contents as they are;
+    // on a range that is not mapped writable it fails without touching anything.
     unsafe { libc::madvise(base.cast(), len, libc::MADV_POPULATE_WRITE) == 0 }
 }
 
@@ -527,7 +541,11 @@ fn create(id: usize, final_path: &CString) -> libc::c_int {
         return -1;
     };
     let (records_offset, total) = geometry(RECORD_BYTES, record_count);
-    // SAFETY: plain file syscalls on NUL-terminated paths.
+    // SAFETY: `temp` and `final_path` are CStrings (NUL-terminated). `fd` is the new file,
+    // ours, closed at most once. Its mapping is `total` bytes, page-aligned and zero-filled, so
+    // the Header at offset 0 and the `record_count` descriptors from DESCRIPTORS_OFFSET lie
+    // inside it (`geometry`); nobody else maps the file before it is linked into place, and
+    // the mapping is gone before that.
     unsafe {
         libc::unlink(temp.as_ptr());
         let fd = libc::open(
@@ -594,7 +612,8 @@ pub fn open(id: usize, create_missing: bool) -> Option<&'static Arena> {
     }
     let mapped = MAPPED[id].load(Ordering::Acquire);
     if !mapped.is_null() {
-        // SAFETY: leaked, never freed.
+        // SAFETY: a non-null entry of MAPPED is an Arena leaked below (or installed `'static`
+        // by the fuzzer), never freed nor unmapped: valid for `'static`.
         return Some(unsafe { &*mapped });
     }
     if create_missing && BROKEN[id].load(Ordering::Relaxed) {
@@ -603,7 +622,7 @@ pub fn open(id: usize, create_missing: bool) -> Option<&'static Arena> {
     let _guard = MAP_LOCK.lock();
     let mapped = MAPPED[id].load(Ordering::Acquire);
     if !mapped.is_null() {
-        // SAFETY: as above.
+        // SAFETY: as above: leaked, never freed.
         return Some(unsafe { &*mapped });
     }
     if cfg!(fuzzing) {
@@ -611,7 +630,7 @@ pub fn open(id: usize, create_missing: bool) -> Option<&'static Arena> {
         return None;
     }
     let path = path(id)?;
-    // SAFETY: open on a NUL-terminated path.
+    // SAFETY: `path` is a CString, so NUL-terminated.
     let mut fd = unsafe {
         libc::open(
             path.as_ptr(),
@@ -628,7 +647,7 @@ pub fn open(id: usize, create_missing: bool) -> Option<&'static Arena> {
         return None;
     }
     let arena = map_validated(fd, id);
-    // SAFETY: our fd.
+    // SAFETY: `fd` was opened above and is ours, closed once; the mapping outlives it.
     unsafe { real::close(fd) };
     match arena {
         Some(arena) => {
@@ -645,8 +664,10 @@ pub fn open(id: usize, create_missing: bool) -> Option<&'static Arena> {
 
 /// Maps an arena file and checks that it is one, of this user, with a consistent geometry.
 pub(crate) fn map_validated(fd: libc::c_int, id: usize) -> Option<Arena> {
-    // SAFETY: fstat into a zeroed struct.
+    // SAFETY: `struct stat` is plain integers, for which all-zero bytes are a valid value.
     let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes one `struct stat` into `stat`, a live local of that type (a bad fd
+    // only fails); geteuid has no preconditions.
     if unsafe { libc::fstat(fd, &mut stat) } != 0 || stat.st_uid != unsafe { libc::geteuid() } {
         return None;
     }
@@ -655,7 +676,8 @@ pub(crate) fn map_validated(fd: libc::c_int, id: usize) -> Option<Arena> {
         return None;
     }
     let base = map_file(fd, len)?;
-    // SAFETY: the mapping is at least one page, large enough for the header fields we read.
+    // SAFETY: `len >= DESCRIPTORS_OFFSET >= size_of::<Header>()` (checked above; asserted), so
+    // the page-aligned mapping holds the Header at offset 0; its plain fields are copied out.
     let (record_bytes, record_count, records_offset) = unsafe {
         let header = &*base.cast::<Header>();
         (
@@ -680,7 +702,8 @@ pub(crate) fn map_validated(fd: libc::c_int, id: usize) -> Option<Arena> {
 #[cfg(any(test, fuzzing))]
 pub(crate) fn anonymous(id: usize, count: u32) -> Arena {
     let (records_offset, total) = geometry(RECORD_BYTES, count);
-    // SAFETY: a fresh anonymous mapping.
+    // SAFETY: a new anonymous mapping at an address the kernel picks; MAP_FAILED is checked
+    // before the pointer is used.
     let base = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -708,9 +731,12 @@ pub(crate) fn anonymous(id: usize, count: u32) -> Arena {
 impl Arena {
     /// Back to a fresh arena: every record free, header valid.
     pub(crate) fn reset(&self) {
-        // SAFETY: zeroing our own header and descriptor pages.
+        // SAFETY: `records_offset <= len` (the geometry), so the header and descriptor pages
+        // are inside this private mapping (tests and the fuzzer only); no reference into them is
+        // live while `reset` runs (callers hold no descriptor across it).
         unsafe { std::ptr::write_bytes(self.base, 0, self.records_offset) };
-        // SAFETY: as above; the header is ours.
+        // SAFETY: as above: the Header at offset 0 is inside the mapping, page-aligned, and no
+        // other reference to it is live during `reset`.
         let header = unsafe { &mut *self.base.cast::<Header>() };
         header.magic = MAGIC;
         header.version = VERSION;
@@ -752,7 +778,7 @@ pub(crate) fn install(arena: &'static Arena) {
 /// An arena already mapped by this process (no system call).
 pub fn mapped(id: usize) -> Option<&'static Arena> {
     let pointer = MAPPED.get(id)?.load(Ordering::Acquire);
-    // SAFETY: leaked, never freed.
+    // SAFETY: as in `open`: a non-null entry is a leaked Arena, never freed.
     (!pointer.is_null()).then(|| unsafe { &*pointer })
 }
 
@@ -775,7 +801,8 @@ pub fn after_fork_in_child() {
 }
 
 fn current_core() -> usize {
-    // SAFETY: sched_getcpu reads the rseq/vDSO cpu id (no system call on this kernel).
+    // SAFETY: sched_getcpu takes no arguments and has no preconditions (glibc reads the cpu id
+    // from rseq: no system call on this kernel).
     let cpu = unsafe { libc::sched_getcpu() };
     usize::try_from(cpu).unwrap_or(0) % arena_count()
 }

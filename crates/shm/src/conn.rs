@@ -217,7 +217,7 @@ impl Drop for Conn {
     fn drop(&mut self) {
         if let Some(path) = &self.handoff_path {
             if !self.attached() {
-                // SAFETY: NUL-terminated path.
+                // SAFETY: `path` is a CString (NUL-terminated) that outlives the call.
                 unsafe { libc::unlink(path.as_ptr()) };
             }
         }
@@ -243,7 +243,12 @@ pub fn lookup(fd: libc::c_int) -> Option<Arc<Conn>> {
     if pointer.is_null() {
         return None;
     }
-    // SAFETY: the pointer came from Arc::into_raw and the table still holds its reference.
+    // SAFETY: a non-null slot holds a pointer from `Arc::into_raw` (`insert`) together with
+    // the strong reference it stands for, so the Conn is alive while the slot holds it; the
+    // count is raised first, then the new Arc takes that one reference. Known gap: another
+    // thread's `remove` of the same fd between the load and the increment (the application
+    // closing an fd another thread is using) could drop the last reference first; see
+    // docs/shm.md, "Limits".
     unsafe {
         Arc::increment_strong_count(pointer);
         Some(Arc::from_raw(pointer))
@@ -258,7 +263,8 @@ pub fn insert(fd: libc::c_int, conn: Arc<Conn>) {
     if previous.is_null() {
         LIVE.fetch_add(1, Ordering::Relaxed);
     } else {
-        // SAFETY: from Arc::into_raw.
+        // SAFETY: `previous` was stored by an earlier `insert` from `Arc::into_raw`, and the swap
+        // took it out of the table: the table's reference is ours now, turned back once.
         let previous = unsafe { Arc::from_raw(previous) };
         // The fd was closed behind the library's back (a path it does not intercept) and the
         // number reused: let go of the old connection.
@@ -276,7 +282,8 @@ pub fn remove(fd: libc::c_int) -> Option<(Arc<Conn>, bool)> {
         return None;
     }
     LIVE.fetch_sub(1, Ordering::Relaxed);
-    // SAFETY: from Arc::into_raw.
+    // SAFETY: as in `insert`: a pointer from `Arc::into_raw` that the swap took out of the
+    // table, so the table's reference is ours, turned back into an Arc once.
     let conn = unsafe { Arc::from_raw(pointer) };
     let last = conn.fds.fetch_sub(1, Ordering::AcqRel) == 1 && conn.release_process_hold();
     Some((conn, last))

@@ -16,9 +16,11 @@ use std::borrow::Cow;
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
-/// Outgoing data: (pointer, length) pairs.
+/// Outgoing data: (pointer, length) pairs, each valid for reads of its length during the call
+/// (the interposers pass their caller's buffers, which libc's contract makes so).
 pub type Chunks<'a> = &'a [(*const u8, usize)];
-/// Incoming buffers: (pointer, length) pairs.
+/// Incoming buffers: (pointer, length) pairs, each valid for writes of its length during the
+/// call, likewise.
 pub type Buffers<'a> = &'a [(*mut u8, usize)];
 
 fn fail(code: c_int) -> isize {
@@ -61,7 +63,7 @@ fn cap_buffers(buffers: &[(*mut u8, usize)], mut cap: usize) -> Vec<(*mut u8, us
 pub fn send_wake(fd: c_int) -> bool {
     let byte = 0u8;
     stats::bump(&stats::get().wakeups_sent);
-    // SAFETY: one byte from the stack.
+    // SAFETY: send reads 1 byte, from `byte`, a live local; a bad fd only fails.
     let sent = unsafe {
         real::send(
             fd,
@@ -149,7 +151,7 @@ fn drain(fd: c_int, conn: &Conn, flags: c_int) -> KernelState {
     stats::bump(&stats::get().kernel_checks);
     let mut scratch = [0u8; 256];
     for _ in 0..64 {
-        // SAFETY: receive into a stack buffer.
+        // SAFETY: recv writes at most `scratch.len()` bytes, into `scratch`, a live local array.
         let got = unsafe { real::recv(fd, scratch.as_mut_ptr().cast(), scratch.len(), flags) };
         if got > 0 {
             if flags & libc::MSG_PEEK != 0 {
@@ -176,7 +178,8 @@ fn drain(fd: c_int, conn: &Conn, flags: c_int) -> KernelState {
 fn release_local_sleepers(conn: &Conn) {
     conn.local_sequence.fetch_add(1, Ordering::SeqCst);
     if conn.local_sleepers.load(Ordering::SeqCst) > 0 {
-        // SAFETY: futex wake on a process-private word.
+        // SAFETY: FUTEX_WAKE uses the address of `local_sequence`, a live aligned AtomicU32 of
+        // `conn`, only as a key; it reads and writes no memory.
         unsafe {
             libc::syscall(
                 libc::SYS_futex,
@@ -226,7 +229,9 @@ fn sleep_on_kernel(
         tv_sec: (timeout_ms / 1000) as libc::time_t,
         tv_nsec: (timeout_ms % 1000) as libc::c_long * 1_000_000,
     });
-    // SAFETY: futex wait on a process-private word with an optional relative timeout.
+    // SAFETY: FUTEX_WAIT atomically reads `local_sequence`, a live aligned AtomicU32 of `conn`
+    // (borrowed across the call); the timeout is null or points to the local `timeout`, alive
+    // until the call returns.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_futex,
@@ -269,7 +274,7 @@ pub fn last_close(fd: c_int, conn: &Conn) {
         .store(0, Ordering::SeqCst);
     let mut scratch = [0u8; 256];
     for _ in 0..64 {
-        // SAFETY: receive into a stack buffer.
+        // SAFETY: recv writes at most `scratch.len()` bytes, into `scratch`, a live local array.
         let got = unsafe {
             real::recv(
                 fd,
@@ -330,7 +335,7 @@ pub fn spin_until(mut ready: impl FnMut() -> bool) -> bool {
         }
         if round.is_multiple_of(16) {
             // Let a peer on the same core run (2-core machines share cores).
-            // SAFETY: plain syscall.
+            // SAFETY: sched_yield takes no arguments and has no preconditions.
             unsafe { libc::sched_yield() };
         }
     };
@@ -349,7 +354,8 @@ fn socket_timeout(fd: c_int, option: c_int) -> Option<Duration> {
         tv_usec: 0,
     };
     let mut len = std::mem::size_of::<libc::timeval>() as libc::socklen_t;
-    // SAFETY: getsockopt into a timeval.
+    // SAFETY: getsockopt writes at most `len` (the size of a timeval) bytes into `value`, a
+    // live local timeval, and the actual length into `len`, a live local.
     let rc = unsafe {
         libc::getsockopt(
             fd,
@@ -405,7 +411,7 @@ fn poll_one(fd: c_int, events: i16, timeout_ms: c_int) -> Result<i16, c_int> {
         events,
         revents: 0,
     };
-    // SAFETY: one pollfd on the stack.
+    // SAFETY: poll reads and writes exactly one pollfd (n = 1): `entry`, a live local.
     let rc = unsafe { real::poll(&mut entry, 1, timeout_ms) };
     if rc < 0 {
         return Err(errno());
@@ -421,11 +427,13 @@ fn kernel_recv(fd: c_int, buffers: &[(*mut u8, usize)], flags: c_int) -> isize {
             iov_len: l,
         })
         .collect();
-    // SAFETY: msghdr over our iovec array.
+    // SAFETY: msghdr is integers and pointers, for which all-zero bytes (null, 0) are valid.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
     msg.msg_iovlen = iov.len();
     let flags = (flags & !libc::MSG_WAITALL) | libc::MSG_DONTWAIT;
+    // SAFETY: `msg` names `iov`, a live Vec of `iov.len()` iovecs over the caller's buffers,
+    // each valid for writes of its length (`Buffers`); no name or control buffer (null, 0).
     unsafe { real::recvmsg(fd, &mut msg, flags) }
 }
 
@@ -448,10 +456,12 @@ fn kernel_send(fd: c_int, chunks: &[(*const u8, usize)], flags: c_int) -> isize 
             iov_len: l,
         })
         .collect();
-    // SAFETY: msghdr over our iovec array.
+    // SAFETY: msghdr is integers and pointers, for which all-zero bytes (null, 0) are valid.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
     msg.msg_iovlen = iov.len();
+    // SAFETY: `msg` names `iov`, a live Vec of `iov.len()` iovecs over the caller's chunks,
+    // each valid for reads of its length (`Chunks`); sendmsg only reads them.
     unsafe { real::sendmsg(fd, &msg, flags | libc::MSG_DONTWAIT) }
 }
 
@@ -459,7 +469,7 @@ fn kernel_send(fd: c_int, chunks: &[(*const u8, usize)], flags: c_int) -> isize 
 /// connection whose peer is gone or whose sending side is shut.
 fn kernel_send_error(fd: c_int, flags: c_int) -> isize {
     let byte = 0u8;
-    // SAFETY: one byte from the stack.
+    // SAFETY: send reads 1 byte, from `byte`, a live local; a bad fd only fails.
     let rc = unsafe {
         real::send(
             fd,
@@ -853,7 +863,7 @@ pub fn readiness(fd: c_int, conn: &Conn, kernel_activity: bool) -> Readiness {
         ready.in_sequence = ring.written();
     } else {
         let mut byte = 0u8;
-        // SAFETY: peek one byte into the stack.
+        // SAFETY: recv writes at most 1 byte, into `byte`, a live local.
         let rc = unsafe {
             real::recv(
                 fd,

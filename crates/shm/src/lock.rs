@@ -46,7 +46,7 @@ impl<'a> SpinGuard<'a> {
                 Err(holder) => {
                     spins = spins.wrapping_add(1);
                     if spins.is_multiple_of(64) {
-                        // SAFETY: plain syscall.
+                        // SAFETY: sched_yield takes no arguments and has no preconditions.
                         unsafe { libc::sched_yield() };
                     }
                     if spins.is_multiple_of(SPINS_PER_CHECK) {

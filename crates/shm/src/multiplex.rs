@@ -221,11 +221,14 @@ pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut epoll_eve
         if WATCH_COUNT.load(Ordering::Relaxed) != 0 {
             remove_watch(&mut EPOLLS.lock(), epfd, fd);
         }
+        // SAFETY: the caller's arguments, passed on unchanged (this function's `# Safety`).
         return unsafe { real::epoll_ctl(epfd, op, fd, event) };
     };
     let app = if event.is_null() {
         None
     } else {
+        // SAFETY: non-null, so epoll_ctl(2)'s contract makes it a readable epoll_event;
+        // read_unaligned copies it whatever its alignment.
         Some(unsafe { std::ptr::read_unaligned(event) })
     };
     match op {
@@ -236,6 +239,7 @@ pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut epoll_eve
             };
             let kernel_out = app.events & libc::EPOLLOUT as u32 != 0 && !conn.outbound_on_ring();
             let mut kernel = kernel_registration(fd, kernel_out);
+            // SAFETY: epoll_ctl reads one epoll_event, `kernel`, a live local.
             let rc = unsafe { real::epoll_ctl(epfd, op, fd, &mut kernel) };
             if rc != 0 {
                 return rc;
@@ -261,6 +265,7 @@ pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut epoll_eve
             0
         }
         _ => {
+            // SAFETY: the caller's arguments, passed on unchanged (this function's `# Safety`).
             let rc = unsafe { real::epoll_ctl(epfd, op, fd, event) };
             if rc == 0 {
                 remove_watch(&mut EPOLLS.lock(), epfd, fd);
@@ -289,7 +294,8 @@ pub fn forget_fd(fd: c_int) {
         .collect();
     for id in ids {
         if let Some(epfd) = epolls.fd_of(id) {
-            // SAFETY: removing our own registration.
+            // SAFETY: EPOLL_CTL_DEL takes no event (null is allowed since Linux 2.6.9); it
+            // only removes the registration of `fd`, which the library made.
             unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
         }
         if let Some(set) = epolls.sets.get_mut(&id) {
@@ -316,7 +322,7 @@ fn evaluate(epfd: c_int, watch: &mut Watch, activity: bool) -> u32 {
     if watch.kernel_out && watch.conn.outbound_on_ring() {
         // Writes go to shared memory now: stop waking on the kernel send buffer.
         let mut kernel = kernel_registration(watch.fd, false);
-        // SAFETY: modifying our own registration.
+        // SAFETY: EPOLL_CTL_MOD reads one epoll_event, `kernel`, a live local.
         unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_MOD, watch.fd, &mut kernel) };
         watch.kernel_out = false;
     }
@@ -511,9 +517,12 @@ pub unsafe fn epoll_wait(
     mask: *const libc::sigset_t,
 ) -> c_int {
     if max <= 0 || events.is_null() || !has_watches(epfd) {
+        // SAFETY: the caller's arguments, passed on unchanged (this function's `# Safety`).
         return unsafe { real::epoll_pwait(epfd, events, max, timeout, mask) };
     }
-    // SAFETY: the caller gave `max` writable events.
+    // SAFETY: `events` is non-null and `max > 0` (checked above), and epoll_pwait(2)'s contract
+    // makes it valid for `max` writable events, which nothing else uses during this call (the
+    // kernel calls below write them through `out`).
     let out = unsafe { std::slice::from_raw_parts_mut(events, max as usize) };
     let deadline = (timeout >= 0).then(|| Instant::now() + Duration::from_millis(timeout as u64));
     let mut spun = false;
@@ -529,7 +538,8 @@ pub unsafe fn epoll_wait(
         }
         // Kernel events that are already there, then the rings.
         fired.clear();
-        let rc = unsafe { real::epoll_pwait(epfd, events, max, 0, std::ptr::null()) };
+        // SAFETY: `out` is `max` writable events (above); no signal mask (null).
+        let rc = unsafe { real::epoll_pwait(epfd, out.as_mut_ptr(), max, 0, std::ptr::null()) };
         if rc < 0 {
             return rc;
         }
@@ -554,7 +564,9 @@ pub unsafe fn epoll_wait(
             return 0;
         };
         let wait_ms = cap_for_unwakeable(epfd, wait_ms);
-        let rc = unsafe { real::epoll_pwait(epfd, events, max, wait_ms, mask) };
+        // SAFETY: `out` is `max` writable events (above); `mask` is the caller's (null or a
+        // sigset, this function's `# Safety`).
+        let rc = unsafe { real::epoll_pwait(epfd, out.as_mut_ptr(), max, wait_ms, mask) };
         if rc < 0 {
             return rc;
         }
@@ -597,6 +609,9 @@ pub unsafe fn poll(
     timeout: c_int,
     mask: Option<*const libc::sigset_t>,
 ) -> c_int {
+    // SAFETY: `fds` is the caller's array of `count` pollfds (this function's `# Safety`) or
+    // `copy`, a live Vec of exactly `count`; `mask` is the caller's; `spec` lives through the
+    // call.
     let real_poll = |fds: *mut libc::pollfd, timeout: c_int| unsafe {
         match mask {
             None => real::poll(fds, count, timeout),
@@ -618,7 +633,8 @@ pub unsafe fn poll(
     if !conn::any_live() || fds.is_null() || count == 0 {
         return real_poll(fds, timeout);
     }
-    // SAFETY: the caller gave `count` entries.
+    // SAFETY: `fds` is non-null and `count > 0` (checked above), and ppoll(2)'s contract makes
+    // it valid for `count` pollfds, read and written; only `entries` uses them from here on.
     let entries = unsafe { std::slice::from_raw_parts_mut(fds, count as usize) };
     let shm: Vec<(usize, Arc<Conn>)> = entries
         .iter()
@@ -701,6 +717,7 @@ pub unsafe fn poll(
         for (index, _) in &shm {
             copy[*index].events = libc::POLLIN;
         }
+        // SAFETY: `copy` is a live Vec of exactly `count` pollfds (a copy of `entries`).
         let rc = unsafe { real::poll(copy.as_mut_ptr(), count, 0) };
         if rc < 0 {
             return rc;
@@ -786,6 +803,8 @@ pub unsafe fn select(
         return None;
     }
     let nfds = nfds.min(libc::FD_SETSIZE as c_int);
+    // SAFETY: a non-null set is the caller's readable fd_set (select(2)'s contract), and
+    // `fd < nfds <= FD_SETSIZE` stays inside it.
     let is_set =
         |set: *mut libc::fd_set, fd: c_int| !set.is_null() && unsafe { libc::FD_ISSET(fd, set) };
     let mut entries = Vec::new();
@@ -813,6 +832,8 @@ pub unsafe fn select(
     if !any_shm {
         return None;
     }
+    // SAFETY: `entries` is a live Vec of `entries.len()` pollfds; `mask` is the caller's (this
+    // function's `# Safety`).
     let rc = unsafe {
         poll(
             entries.as_mut_ptr(),
@@ -826,6 +847,7 @@ pub unsafe fn select(
     }
     for set in [read, write, except] {
         if !set.is_null() {
+            // SAFETY: a non-null set is the caller's writable fd_set (select(2)'s contract).
             unsafe { libc::FD_ZERO(set) };
         }
     }
@@ -844,6 +866,8 @@ pub unsafe fn select(
             (libc::POLLPRI, except, exceptional),
         ] {
             if entry.events & wanted != 0 && hit {
+                // SAFETY: `wanted` is in `entry.events` only if `is_set(set, fd)` held, so `set`
+                // is the caller's non-null, writable fd_set; `entry.fd < nfds <= FD_SETSIZE`.
                 unsafe { libc::FD_SET(entry.fd, set) };
                 bits += 1;
             }

@@ -32,7 +32,7 @@ use std::sync::Arc;
 static ADVERTS: Mutex<BTreeMap<c_int, c_int>> = Mutex::new(BTreeMap::new());
 
 fn advert_address(port: u16) -> (libc::sockaddr_un, libc::socklen_t) {
-    // SAFETY: zeroed sockaddr_un is valid.
+    // SAFETY: sockaddr_un is integers and a byte array, for which all-zero bytes are valid.
     let mut address: libc::sockaddr_un = unsafe { std::mem::zeroed() };
     address.sun_family = libc::AF_UNIX as libc::sa_family_t;
     let name = format!("flatmesh-shm/l/{port}");
@@ -45,10 +45,12 @@ fn advert_address(port: u16) -> (libc::sockaddr_un, libc::socklen_t) {
 }
 
 fn socket_address(fd: c_int, peer: bool) -> Option<SocketAddr> {
-    // SAFETY: storage large enough for any address.
+    // SAFETY: sockaddr_storage is integers and bytes, for which all-zero bytes are valid.
     let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
     let pointer = (&mut storage as *mut libc::sockaddr_storage).cast();
+    // SAFETY: the call writes at most `len` (the storage's size) bytes into `storage`, a live
+    // local, and the address's length into `len`, a live local.
     let rc = unsafe {
         if peer {
             libc::getpeername(fd, pointer, &mut len)
@@ -59,28 +61,36 @@ fn socket_address(fd: c_int, peer: bool) -> Option<SocketAddr> {
     if rc != 0 {
         return None;
     }
-    // SAFETY: the kernel wrote `len` bytes of a sockaddr.
+    // SAFETY: `pointer` is `storage`, a live local, and `len` is the length of the address the
+    // kernel wrote there; every socket address fits a sockaddr_storage, so `len` bytes are
+    // readable.
     unsafe { parse_address(pointer, len) }
 }
 
 /// # Safety
-/// `address` must point to `len` readable bytes.
+/// `address` must point to `len` readable bytes (or be null). No alignment is assumed.
 pub unsafe fn parse_address(
     address: *const libc::sockaddr,
     len: libc::socklen_t,
 ) -> Option<SocketAddr> {
-    if address.is_null() {
+    let len = len as usize;
+    if address.is_null() || len < std::mem::size_of::<libc::sa_family_t>() {
         return None;
     }
-    let len = len as usize;
-    match unsafe { (*address).sa_family } as c_int {
+    // SAFETY: the family is the first field of every sockaddr, and `len` covers it (checked
+    // above; the contract makes `len` bytes readable); read_unaligned needs no alignment.
+    let family = unsafe { address.cast::<libc::sa_family_t>().read_unaligned() };
+    match family as c_int {
         libc::AF_INET if len >= std::mem::size_of::<libc::sockaddr_in>() => {
-            let v4 = unsafe { &*address.cast::<libc::sockaddr_in>() };
+            // SAFETY: `len` readable bytes (the contract) cover a whole sockaddr_in (checked
+            // by the guard); read_unaligned copies it out whatever the caller's alignment.
+            let v4 = unsafe { address.cast::<libc::sockaddr_in>().read_unaligned() };
             let ip = std::net::Ipv4Addr::from(u32::from_be(v4.sin_addr.s_addr));
             Some(SocketAddr::new(IpAddr::V4(ip), u16::from_be(v4.sin_port)))
         }
         libc::AF_INET6 if len >= std::mem::size_of::<libc::sockaddr_in6>() => {
-            let v6 = unsafe { &*address.cast::<libc::sockaddr_in6>() };
+            // SAFETY: as above, for a whole sockaddr_in6.
+            let v6 = unsafe { address.cast::<libc::sockaddr_in6>().read_unaligned() };
             let ip = std::net::Ipv6Addr::from(v6.sin6_addr.s6_addr);
             Some(SocketAddr::new(IpAddr::V6(ip), u16::from_be(v6.sin6_port)))
         }
@@ -92,7 +102,8 @@ fn is_tcp_stream(fd: c_int) -> bool {
     let option = |name: c_int| {
         let mut value: c_int = 0;
         let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
-        // SAFETY: getsockopt into an int.
+        // SAFETY: getsockopt writes at most `len` (the size of an int) bytes into `value`, a
+        // live local int, and the actual length into `len`, a live local.
         let rc = unsafe {
             libc::getsockopt(
                 fd,
@@ -120,15 +131,18 @@ pub fn advertise(listen_fd: c_int) {
     if adverts.contains_key(&listen_fd) {
         return;
     }
-    // SAFETY: plain socket calls.
+    // SAFETY: socket takes no pointer; the new fd is ours.
     let advert = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if advert < 0 {
         return;
     }
     let (address, len) = advert_address(local.port());
+    // SAFETY: bind reads `len` bytes of `address`, a live local sockaddr_un, and `len` (family,
+    // NUL and a name of at most 20 bytes) is within its size.
     let rc = unsafe { libc::bind(advert, (&address as *const libc::sockaddr_un).cast(), len) };
     if rc != 0 {
         // EADDRINUSE: another library process (or a sibling worker) already advertises the port.
+        // SAFETY: `advert` is ours, handed to nobody, and closed once.
         unsafe { real::close(advert) };
         return;
     }
@@ -144,20 +158,25 @@ pub fn forget_listener(fd: c_int) {
         return;
     }
     if let Some(advert) = adverts.remove(&fd) {
-        // SAFETY: our own fd.
+        // SAFETY: `advert` is the socket `advertise` opened. It was still in ADVERTS, so it is
+        // still ours (an application close of that fd number would have removed it: `retain`
+        // below), and removing it here makes this the one close.
         unsafe { real::close(advert) };
     }
     adverts.retain(|_, advert| *advert != fd);
 }
 
 fn port_advertised(port: u16) -> bool {
-    // SAFETY: plain socket calls on our own fd.
+    // SAFETY: socket takes no pointer; the new fd is ours.
     let probe = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if probe < 0 {
         return false;
     }
     let (address, len) = advert_address(port);
+    // SAFETY: connect reads `len` bytes of `address`, a live local sockaddr_un of at least
+    // that size (as in `advertise`).
     let rc = unsafe { real::connect(probe, (&address as *const libc::sockaddr_un).cast(), len) };
+    // SAFETY: `probe` is ours, handed to nobody, and closed once.
     unsafe { real::close(probe) };
     rc == 0
 }
@@ -174,7 +193,8 @@ fn is_local(ip: IpAddr) -> bool {
     } else {
         libc::AF_INET6
     };
-    // SAFETY: plain socket calls on our own fd.
+    // SAFETY: socket takes no pointer; bind reads `len` bytes of `storage`, a live local that
+    // `to_sockaddr` filled with a sockaddr of that length; `probe` is ours and closed once.
     unsafe {
         let probe = libc::socket(family, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
         if probe < 0 {
@@ -191,10 +211,12 @@ fn is_local(ip: IpAddr) -> bool {
 }
 
 fn to_sockaddr(address: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
-    // SAFETY: zeroed storage, then filled as the right family.
+    // SAFETY: sockaddr_storage is integers and bytes, for which all-zero bytes are valid.
     let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
     let len = match address {
         SocketAddr::V4(v4) => {
+            // SAFETY: sockaddr_storage is made to hold any address: larger than a sockaddr_in
+            // and at least as aligned; `storage` is a live local, borrowed only here.
             let sin = unsafe {
                 &mut *(&mut storage as *mut libc::sockaddr_storage).cast::<libc::sockaddr_in>()
             };
@@ -204,6 +226,7 @@ fn to_sockaddr(address: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t)
             std::mem::size_of::<libc::sockaddr_in>()
         }
         SocketAddr::V6(v6) => {
+            // SAFETY: as above, for a sockaddr_in6.
             let sin6 = unsafe {
                 &mut *(&mut storage as *mut libc::sockaddr_storage).cast::<libc::sockaddr_in6>()
             };
@@ -240,7 +263,7 @@ pub fn handoff_path(server: SocketAddr, client_port: u16) -> Option<CString> {
 /// peer's delayed ACK (40 ms). The only visible effect: getsockopt(TCP_NODELAY) reports 1.
 fn set_nodelay(fd: c_int) {
     let one: c_int = 1;
-    // SAFETY: setsockopt with an int.
+    // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from `one`, a live local int.
     unsafe {
         libc::setsockopt(
             fd,
@@ -253,7 +276,7 @@ fn set_nodelay(fd: c_int) {
 }
 
 fn fd_nonblocking(fd: c_int) -> bool {
-    // SAFETY: F_GETFL.
+    // SAFETY: F_GETFL takes no pointer (its argument is ignored).
     let flags = unsafe { real::fcntl(fd, libc::F_GETFL, 0) };
     flags >= 0 && flags & libc::O_NONBLOCK != 0
 }
@@ -264,10 +287,13 @@ fn fd_nonblocking(fd: c_int) -> bool {
 /// # Safety
 /// Arguments as for connect(2).
 pub unsafe fn connect(fd: c_int, address: *const libc::sockaddr, len: libc::socklen_t) -> c_int {
+    // SAFETY: the caller's arguments, passed on unchanged under connect(2)'s contract (this
+    // function's `# Safety`).
     let plain = || unsafe { real::connect(fd, address, len) };
     if !settings::get().enabled || conn::lookup(fd).is_some() || fd as usize >= conn::MAX_FD {
         return plain();
     }
+    // SAFETY: connect(2)'s contract: `address` points to `len` readable bytes.
     let Some(server) = (unsafe { parse_address(address, len) }) else {
         return plain();
     };
@@ -292,6 +318,8 @@ pub unsafe fn connect(fd: c_int, address: *const libc::sockaddr, len: libc::sock
             0,
         );
         let (storage, storage_len) = to_sockaddr(wildcard);
+        // SAFETY: bind reads `storage_len` bytes of `storage`, a live local that `to_sockaddr`
+        // filled with a sockaddr of that length.
         if unsafe {
             libc::bind(
                 fd,
@@ -325,7 +353,7 @@ pub unsafe fn connect(fd: c_int, address: *const libc::sockaddr, len: libc::sock
         let conn = Conn::new(region, Role::Connector, Some(path), fd_nonblocking(fd));
         conn::insert(fd, Arc::new(conn));
     } else {
-        // SAFETY: NUL-terminated path.
+        // SAFETY: `path` is a CString, so NUL-terminated.
         unsafe { libc::unlink(path.as_ptr()) };
         drop(region);
     }
@@ -347,7 +375,7 @@ pub fn accepted(fd: c_int, nonblocking: bool) {
     let Some(path) = handoff_path(local, peer.port()) else {
         return;
     };
-    // SAFETY: open on a NUL-terminated path.
+    // SAFETY: `path` is a CString, so NUL-terminated.
     let file = unsafe {
         libc::open(
             path.as_ptr(),
@@ -358,7 +386,7 @@ pub fn accepted(fd: c_int, nonblocking: bool) {
         return;
     }
     let region = Region::attach(file);
-    // SAFETY: our own fd.
+    // SAFETY: `file` was opened above and is ours, closed once; the mapping outlives it.
     unsafe { real::close(file) };
     let Some(region) = region else { return };
     let control = region.control();
@@ -366,7 +394,8 @@ pub fn accepted(fd: c_int, nonblocking: bool) {
         crate::stats::bump(&crate::stats::get().unproven);
         return;
     }
-    // SAFETY: unlink on a NUL-terminated path. Only the proven acceptor removes the name.
+    // SAFETY: `path` is a CString, so NUL-terminated. (Only the proven acceptor removes the
+    // name.)
     unsafe { libc::unlink(path.as_ptr()) };
     // Only one acceptor may flip the region (two processes of one user could both have opened
     // the file before either unlinked it; only one of them holds the proven connection, but a

@@ -52,7 +52,8 @@ pub fn alive(pid: u32) -> bool {
         return true;
     }
     let saved = crate::real::errno();
-    // SAFETY: signal 0 only checks for existence and permission.
+    // SAFETY: kill with signal 0 delivers nothing: it only checks existence and permission,
+    // and takes no pointer (pid is in 1..=i32::MAX, so never a group or "every process").
     let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
     let exists = rc == 0 || crate::real::errno() == libc::EPERM;
     crate::real::set_errno(saved);

@@ -81,7 +81,8 @@ struct Request {
 pub fn socket_cookie(fd: c_int) -> u64 {
     let mut cookie = 0u64;
     let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-    // SAFETY: getsockopt into a u64 with its length.
+    // SAFETY: getsockopt writes at most `len` (8) bytes into `cookie`, a live local u64, and the
+    // length into `len`, a live local.
     let rc = unsafe {
         libc::getsockopt(
             fd,
@@ -153,7 +154,7 @@ pub fn peer_cookie(local: SocketAddr, peer: SocketAddr) -> Option<u64> {
             },
         },
     };
-    // SAFETY: a netlink socket of our own, closed below on every path.
+    // SAFETY: socket takes no pointer; the new fd is ours, closed below on every path.
     let socket = unsafe {
         libc::socket(
             libc::AF_NETLINK,
@@ -165,7 +166,7 @@ pub fn peer_cookie(local: SocketAddr, peer: SocketAddr) -> Option<u64> {
         return None;
     }
     let answer = ask(socket, &request);
-    // SAFETY: our own fd.
+    // SAFETY: `socket` was opened above, is ours and is closed once, here.
     unsafe { real::close(socket) };
     answer
 }
@@ -174,10 +175,11 @@ pub fn peer_cookie(local: SocketAddr, peer: SocketAddr) -> Option<u64> {
 /// before `send` returns, so the read never waits (`MSG_DONTWAIT`: a missing answer is a
 /// failed proof, not a blocked accept).
 fn ask(socket: c_int, request: &Request) -> Option<u64> {
-    // SAFETY: zeroed sockaddr_nl addresses the kernel (pid 0).
+    // SAFETY: sockaddr_nl is integers, for which all-zero bytes are valid (pid 0: the kernel).
     let mut kernel: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
     kernel.nl_family = libc::AF_NETLINK as libc::sa_family_t;
-    // SAFETY: `request` is plain data of its full size; the address is a sockaddr_nl.
+    // SAFETY: sendto reads `size_of::<Request>()` bytes of `*request`, a live plain-data struct
+    // of exactly that size, and a sockaddr_nl of the size given from `kernel`, a live local.
     let sent = unsafe {
         real::sendto(
             socket,
@@ -193,7 +195,7 @@ fn ask(socket: c_int, request: &Request) -> Option<u64> {
     }
     // u64 alignment for the headers read in place below.
     let mut buffer = [0u64; 128];
-    // SAFETY: receive into our own buffer of its full size.
+    // SAFETY: recv writes at most `size_of_val(&buffer)` bytes into `buffer`, a live local.
     let received = unsafe {
         real::recv(
             socket,
@@ -203,7 +205,8 @@ fn ask(socket: c_int, request: &Request) -> Option<u64> {
         )
     };
     let received = usize::try_from(received).ok()?;
-    // SAFETY: the buffer is u64-aligned and `received` bytes of it were written.
+    // SAFETY: `buffer` is a live local of 1024 initialised bytes (128 zeroed u64s) and the
+    // slice takes at most 1024 of them; u8 needs no alignment.
     let bytes =
         unsafe { std::slice::from_raw_parts(buffer.as_ptr().cast::<u8>(), received.min(1024)) };
     parse_answer(bytes)
@@ -216,7 +219,8 @@ pub fn parse_answer(bytes: &[u8]) -> Option<u64> {
     if bytes.len() < header_len + std::mem::size_of::<DiagMessage>() {
         return None;
     }
-    // SAFETY: length checked above; read_unaligned copes with any alignment.
+    // SAFETY: `bytes` holds at least a nlmsghdr (checked above); read_unaligned copies it
+    // whatever its alignment, and any bytes are a valid nlmsghdr (plain integers).
     let header: libc::nlmsghdr = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
     let message_len = header.nlmsg_len as usize;
     if header.nlmsg_type != SOCK_DIAG_BY_FAMILY
@@ -225,7 +229,8 @@ pub fn parse_answer(bytes: &[u8]) -> Option<u64> {
     {
         return None;
     }
-    // SAFETY: length checked above.
+    // SAFETY: as above: `bytes[header_len..]` holds at least a DiagMessage (checked above),
+    // plain integers, copied with read_unaligned.
     let message: DiagMessage =
         unsafe { std::ptr::read_unaligned(bytes[header_len..].as_ptr().cast()) };
     Some(u64::from(message.id.cookie[0]) | (u64::from(message.id.cookie[1]) << 32))

@@ -16,11 +16,14 @@ fn resolve(cache: &AtomicUsize, name: &'static [u8]) -> usize {
     if cached != 0 {
         return cached;
     }
-    // SAFETY: `name` is a NUL-terminated literal.
+    // SAFETY: dlsym only reads `name`, a NUL-terminated literal (every caller passes
+    // `concat!(.., "\0")`); RTLD_NEXT is a valid pseudo-handle in a shared object.
     let found = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr().cast()) } as usize;
     if found == 0 {
         let msg = b"flatmesh-shm: libc symbol not found; unset LD_PRELOAD\n";
-        // SAFETY: raw write of a static buffer to stderr; then abort.
+        // SAFETY: SYS_write reads `msg.len()` bytes of a static buffer (the raw system call,
+        // since `write` is interposed; a closed fd 2 only makes it fail); abort has no
+        // preconditions.
         unsafe {
             libc::syscall(libc::SYS_write, 2, msg.as_ptr(), msg.len());
             libc::abort();
@@ -39,8 +42,11 @@ macro_rules! real {
         pub unsafe fn $name($($arg: $ty),*) -> $ret {
             static CACHE: AtomicUsize = AtomicUsize::new(0);
             let address = resolve(&CACHE, concat!(stringify!($name), "\0").as_bytes());
-            // SAFETY: the symbol has this C signature in glibc.
+            // SAFETY: `address` is the non-null address (`resolve` aborts otherwise) of the
+            // next definition of this very symbol, a libc function whose C prototype is the
+            // signature written in the list below; a code address fits a fn pointer on Linux.
             let function: unsafe extern "C" fn($($ty),*) -> $ret = unsafe { std::mem::transmute(address) };
+            // SAFETY: the caller upholds the libc function's contract (`# Safety` above).
             unsafe { function($($arg),*) }
         }
     )*};
@@ -91,12 +97,13 @@ real! {
 
 /// Reads `errno`.
 pub fn errno() -> c_int {
-    // SAFETY: errno location is always valid for the current thread.
+    // SAFETY: __errno_location returns this thread's errno slot: non-null, aligned and live
+    // for as long as the thread runs.
     unsafe { *libc::__errno_location() }
 }
 
 /// Sets `errno`.
 pub fn set_errno(value: c_int) {
-    // SAFETY: as above.
+    // SAFETY: as in `errno`; the slot is only ever accessed from its own thread.
     unsafe { *libc::__errno_location() = value }
 }

@@ -157,13 +157,17 @@ pub struct Region {
     local_bytes: usize,
 }
 
-// SAFETY: the region is shared memory accessed only through atomics and lock-protected copies.
+// SAFETY: a Region owns its mapping (base and length, unmapped once on drop); nothing in it is
+// tied to the thread that made it.
 unsafe impl Send for Region {}
+// SAFETY: through `&Region` the mapping is only reached through atomics, header fields that are
+// written before `magic` is published, and ring copies made under the direction's write or read
+// lock (`SpinGuard`), so threads of this process sharing it race no more than the peer does.
 unsafe impl Sync for Region {}
 
 fn random_token() -> u64 {
     let mut token = 0u64;
-    // SAFETY: getrandom into a local.
+    // SAFETY: getrandom writes at most 8 bytes, into `token`, a live local u64.
     let got = unsafe { libc::getrandom((&mut token as *mut u64).cast(), 8, libc::GRND_NONBLOCK) };
     if got != 8 || token == 0 {
         // Not secret, only unique: fall back to time and pid.
@@ -184,30 +188,36 @@ impl Region {
         let len = 2 * local_bytes;
         let flags =
             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC | libc::O_NOFOLLOW;
-        // SAFETY: plain syscalls on a NUL-terminated path.
+        // SAFETY: `path` is a CStr, so NUL-terminated; open reads nothing else.
         let mut fd = unsafe { libc::open(path.as_ptr(), flags, 0o600) };
         if fd < 0 && crate::real::errno() == libc::EEXIST {
             // A crashed connector left it behind; the name (4-tuple) is ours now.
+            // SAFETY: as above, a NUL-terminated path.
             unsafe { libc::unlink(path.as_ptr()) };
+            // SAFETY: as above, a NUL-terminated path.
             fd = unsafe { libc::open(path.as_ptr(), flags, 0o600) };
         }
         if fd < 0 {
             return None;
         }
-        // SAFETY: fd is ours.
+        // SAFETY: `fd` is the file opened above, owned here; ftruncate takes no pointer.
         let sized = unsafe { libc::ftruncate(fd, len as libc::off_t) } == 0;
         let region = if sized {
             Self::map(fd, len, local_bytes)
         } else {
             None
         };
+        // SAFETY: `fd` is ours and closed once, here; the mapping stays valid without it.
         unsafe { crate::real::close(fd) };
         let region = region.filter(|r| len > POPULATE_LIMIT || arena::populate(r.base, r.len));
         let Some(region) = region else {
+            // SAFETY: `path` is a CStr, so NUL-terminated.
             unsafe { libc::unlink(path.as_ptr()) };
             return None;
         };
-        // SAFETY: freshly mapped, zero-filled and large enough for the header.
+        // SAFETY: the mapping of the new file is page-aligned, zero-filled and `2 * local_bytes`
+        // (>= 2 * MIN_LOCAL_BYTES) long, so a Control (inside HEADER_BYTES, asserted) sits at
+        // offset 0; no attacher uses it before `magic` is published last (`valid_header`).
         unsafe {
             let control = &mut *region.base.cast::<Control>();
             control.version = VERSION;
@@ -228,7 +238,9 @@ impl Region {
     #[cfg(fuzzing)]
     pub fn anonymous(local_bytes: usize) -> Option<Region> {
         let len = 2 * local_bytes;
-        // SAFETY: a fresh anonymous mapping, then the same initialisation as `create`.
+        // SAFETY: a fresh anonymous mapping of `len` bytes, used only once it is known not to
+        // be MAP_FAILED: page-aligned and zero-filled, with room for the Control at offset 0 as
+        // in `create`. Only this process maps it.
         unsafe {
             let base = libc::mmap(
                 std::ptr::null_mut(),
@@ -265,8 +277,10 @@ impl Region {
 
     /// Maps the region a connector created and checks that it is one. `None`: use TCP.
     pub fn attach(fd: libc::c_int) -> Option<Region> {
-        // SAFETY: fstat into a zeroed struct.
+        // SAFETY: `struct stat` is plain integers, for which all-zero bytes are a valid value.
         let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat writes one `struct stat` into `stat`, a live local of that type (a bad
+        // fd only fails); geteuid has no preconditions.
         if unsafe { libc::fstat(fd, &mut stat) } != 0 || stat.st_uid != unsafe { libc::geteuid() } {
             return None;
         }
@@ -300,7 +314,9 @@ impl Region {
     }
 
     pub fn control(&self) -> &Control {
-        // SAFETY: the mapping holds a Control at offset 0 for its whole lifetime.
+        // SAFETY: `base` is page-aligned (mmap) and the mapping, at least 2 * MIN_LOCAL_BYTES
+        // long, holds a Control at offset 0 (within HEADER_BYTES, asserted) until `self` drops,
+        // which outlives the borrow. The fields a peer writes after set-up are atomics.
         unsafe { &*self.base.cast::<Control>() }
     }
 
@@ -315,7 +331,11 @@ impl Region {
 
     pub fn direction(&self, index: usize) -> Pipe<'_> {
         let index = index & 1;
-        // SAFETY: record `index` starts at index * local_bytes and begins with a RecordHeader.
+        // SAFETY: `index` is 0 or 1 and the mapping is `2 * local_bytes` long, so record `index`
+        // starts inside it at `index * local_bytes`, a multiple of 4096 (a power of two of at
+        // least MIN_LOCAL_BYTES: checked at attach, validated in settings), which suits the
+        // RecordHeader's 64-byte alignment; the header fits in HEADER_BYTES (asserted). It lives
+        // as long as `&self`, like the returned Pipe.
         let header = unsafe {
             &*self
                 .base
@@ -324,7 +344,8 @@ impl Region {
         };
         Pipe {
             control: &header.direction,
-            // SAFETY: inside the mapping.
+            // SAFETY: HEADER_BYTES < MIN_LOCAL_BYTES <= local_bytes, so the offset is inside
+            // record `index`; the ring is the `capacity` bytes from there to the record's end.
             data: unsafe { self.base.add(index * self.local_bytes + HEADER_BYTES) },
             capacity: (self.local_bytes - HEADER_BYTES) as u64,
             token: self.control().token,
@@ -382,7 +403,8 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        // SAFETY: we own the mapping.
+        // SAFETY: `base` and `len` are the mapping this Region made and owns; every borrow of
+        // it (Pipe, &Control) borrows `self`, so none outlives this single unmap.
         unsafe { libc::munmap(self.base.cast(), self.len) };
     }
 }
@@ -550,7 +572,10 @@ impl Pipe<'_> {
         debug_assert!(len as u64 <= self.capacity);
         let offset = (position % self.capacity) as usize;
         let first = len.min(self.capacity as usize - offset);
-        // SAFETY: offset+first <= capacity and the rest wraps to the start; src has len bytes.
+        // SAFETY: `offset < capacity` and `first <= capacity - offset`, so the first part stays
+        // in the ring; the rest, `len - first`, goes to its start, and `len <= capacity`
+        // (debug-asserted; `write` copies at most the free room). `src` is a caller chunk,
+        // valid for `len` bytes (see `write`), and never inside the ring.
         unsafe {
             std::ptr::copy_nonoverlapping(src, self.data.add(offset), first);
             std::ptr::copy_nonoverlapping(src.add(first), self.data, len - first);
@@ -561,7 +586,8 @@ impl Pipe<'_> {
         debug_assert!(len as u64 <= self.capacity);
         let offset = (position % self.capacity) as usize;
         let first = len.min(self.capacity as usize - offset);
-        // SAFETY: as in copy_in.
+        // SAFETY: as in `copy_in`, with `dst` a caller buffer valid for `len` writable bytes;
+        // `read` copies at most one ring run, and refuses a run longer than the ring.
         unsafe {
             std::ptr::copy_nonoverlapping(self.data.add(offset), dst, first);
             std::ptr::copy_nonoverlapping(self.data, dst.add(first), len - first);
@@ -627,7 +653,9 @@ impl Pipe<'_> {
     /// Appends as much of `chunks` as fits; returns the byte count, or `Corrupt` when a lock
     /// stays held by a peer (see `lock::PATIENCE`) or the byte counter is near its end (no real
     /// stream reaches 2^64 bytes: a peer wrote it). Never makes a system call (except the
-    /// one-time mapping or reservation of an arena record).
+    /// one-time mapping or reservation of an arena record). Each `(pointer, length)` chunk must
+    /// be valid for reads of `length` bytes (the interposers pass their caller's buffers, which
+    /// libc's contract makes so).
     pub fn write(&self, chunks: &[(*const u8, usize)]) -> Result<usize, Corrupt> {
         let _guard = SpinGuard::lock(&self.control.write_lock.0, self.robust)?;
         let chain = self.chain();
@@ -681,7 +709,10 @@ impl Pipe<'_> {
             if room > 0 {
                 let mut at = filled;
                 let n = source.take(room as usize, |pointer, len| {
-                    // SAFETY: at + len <= capacity of the record we own.
+                    // SAFETY: `take` hands out at most `room = capacity - filled` bytes in all,
+                    // and `at` starts at `filled`, so `at + len <= capacity`: inside the record
+                    // that `writer_view` validated as ours, which only this writer fills (under
+                    // write_lock). `pointer` is a caller chunk, valid for `len` bytes.
                     unsafe {
                         std::ptr::copy_nonoverlapping(pointer, record.data.add(at as usize), len)
                     };
@@ -713,7 +744,8 @@ impl Pipe<'_> {
 
     /// Copies up to the buffers' size out; consumes it unless `peek`. Returns the byte count,
     /// or `Corrupt` when the chain names a record this connection may not read or a lock stays
-    /// held by a peer.
+    /// held by a peer. Each `(pointer, length)` buffer must be valid for writes of `length`
+    /// bytes, as for [`Pipe::write`].
     pub fn read(&self, buffers: &[(*mut u8, usize)], peek: bool) -> Result<usize, Corrupt> {
         let _guard = SpinGuard::lock(&self.control.read_lock.0, self.robust)?;
         let chain = self.chain();
@@ -745,7 +777,10 @@ impl Pipe<'_> {
                 }
                 if position >= first {
                     let n = sink.take((end.min(written) - position) as usize, |pointer, len| {
-                        // SAFETY: position - first + len <= filled <= capacity.
+                        // SAFETY: `first <= position < end = first + filled` and `take`
+                        // hands out at most `end - position` bytes, so `position - first + len
+                        // <= filled`, clamped to `capacity`: inside the record `commit`
+                        // validated. `pointer` is a caller buffer, valid for `len` bytes.
                         unsafe {
                             std::ptr::copy_nonoverlapping(
                                 record.data.add((position - first) as usize),
@@ -884,6 +919,7 @@ mod tests {
         ))
         .unwrap();
         let region = Region::create(&path, local, 1).unwrap();
+        // SAFETY: `path` is a CString, so NUL-terminated.
         unsafe { libc::unlink(path.as_ptr()) };
         region
     }
@@ -1266,9 +1302,12 @@ mod tests {
         ))
         .unwrap();
         std::fs::write(path.to_str().unwrap(), vec![0u8; 2 * MIN_LOCAL_BYTES]).unwrap();
+        // SAFETY: `path` is a CString, so NUL-terminated.
         let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR) };
         assert!(Region::attach(fd).is_none());
+        // SAFETY: `fd` was opened above and is closed once; `path` is NUL-terminated.
         unsafe { libc::close(fd) };
+        // SAFETY: `path` is still a NUL-terminated CString.
         unsafe { libc::unlink(path.as_ptr()) };
     }
 

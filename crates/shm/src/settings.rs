@@ -52,7 +52,8 @@ fn warn(name: &str, value: &str, rule: &str) {
     let message = format!(
         "flatmesh-shm: {name}={value:?} ignored: {rule}; using the default (see docs/shm.md)\n"
     );
-    // SAFETY: raw write of a local buffer to stderr (no std locks inside a preload hook).
+    // SAFETY: SYS_write reads `message.len()` bytes of a live local String. The raw system
+    // call, not std's stderr: no std lock inside a preload hook, and `write` is interposed.
     unsafe { libc::syscall(libc::SYS_write, 2, message.as_ptr(), message.len()) };
 }
 

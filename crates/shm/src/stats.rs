@@ -82,13 +82,18 @@ pub fn report() -> String {
 #[cfg(not(test))]
 #[no_mangle]
 pub unsafe extern "C" fn flatmesh_shm_stats(buffer: *mut libc::c_char, len: usize) -> isize {
-    copy_out(&report(), buffer, len)
+    // SAFETY: this function's own contract, passed on.
+    unsafe { copy_out(&report(), buffer, len) }
 }
 
-fn copy_out(text: &str, buffer: *mut libc::c_char, len: usize) -> isize {
+/// # Safety
+/// As [`flatmesh_shm_stats`]: `buffer` is valid for writes of `len` bytes, or null.
+unsafe fn copy_out(text: &str, buffer: *mut libc::c_char, len: usize) -> isize {
     if !buffer.is_null() && len > 0 {
         let take = text.len().min(len - 1);
-        // SAFETY: the caller gave `len` bytes.
+        // SAFETY: `buffer` is valid for `len` bytes (the contract), and `take + 1 <= len`
+        // bytes are written: `take` of text, then the NUL at offset `take`. A String never
+        // overlaps the caller's buffer.
         unsafe {
             std::ptr::copy_nonoverlapping(text.as_ptr(), buffer.cast::<u8>(), take);
             *buffer.add(take) = 0;
@@ -105,7 +110,8 @@ fn copy_out(text: &str, buffer: *mut libc::c_char, len: usize) -> isize {
 #[cfg(not(test))]
 #[no_mangle]
 pub unsafe extern "C" fn flatmesh_shm_status(buffer: *mut libc::c_char, len: usize) -> isize {
-    copy_out(&status(), buffer, len)
+    // SAFETY: this function's own contract, passed on.
+    unsafe { copy_out(&status(), buffer, len) }
 }
 
 /// Arenas, then the connection region files still in /dev/shm. A connector's file lives only
@@ -144,7 +150,8 @@ pub unsafe extern "C" fn flatmesh_shm_check_env(buffer: *mut libc::c_char, len: 
     if !text.is_empty() {
         text.push('\n');
     }
-    copy_out(&text, buffer, len)
+    // SAFETY: this function's own contract, passed on.
+    unsafe { copy_out(&text, buffer, len) }
 }
 
 /// At exit with `FLATMESH_SHM_STATS=1`.
@@ -153,7 +160,9 @@ pub fn print_at_exit() {
         return;
     };
     let text = report();
-    // SAFETY: raw syscalls on a local buffer and a NUL-terminated path.
+    // SAFETY: SYS_write reads `text.len()` bytes of a live String (the raw system call, as
+    // `write` is interposed); `path` is a CString, so NUL-terminated; the fd `open` returns is
+    // ours and is closed here once.
     unsafe {
         match target {
             None => {
