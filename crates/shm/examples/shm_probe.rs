@@ -50,6 +50,7 @@ fn raise_fd_limit() {
         rlim_cur: 8192,
         rlim_max: 8192,
     };
+    // SAFETY: setrlimit reads one rlimit, `limit`, a live local.
     unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
 }
 
@@ -69,10 +70,17 @@ fn on_shared_memory(fd: RawFd) -> bool {
     type FdState = unsafe extern "C" fn(libc::c_int) -> libc::c_int;
     static STATE: std::sync::OnceLock<Option<FdState>> = std::sync::OnceLock::new();
     let state = STATE.get_or_init(|| {
+        // SAFETY: dlsym only reads the NUL-terminated literal; RTLD_DEFAULT is a valid
+        // pseudo-handle.
         let symbol = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"flatmesh_shm_fd_state".as_ptr()) };
         (!symbol.is_null())
+            // SAFETY: a non-null `flatmesh_shm_fd_state` is the library's
+            // `extern "C" fn(c_int) -> c_int` (src/interpose.rs): exactly FdState, and a code
+            // address fits a fn pointer.
             .then(|| unsafe { std::mem::transmute::<*mut libc::c_void, FdState>(symbol) })
     });
+    // SAFETY: FdState takes an fd number by value and has no preconditions: any number, open or
+    // not, gives an answer.
     state.is_some_and(|f| unsafe { f(fd) } == 2)
 }
 
@@ -84,6 +92,7 @@ fn check(rc: isize, what: &str) -> isize {
 }
 
 fn set_nonblocking(fd: RawFd) {
+    // SAFETY: F_GETFL and F_SETFL take integers only; a bad fd only fails.
     unsafe {
         let flags = libc::fcntl(fd, libc::F_GETFL);
         libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
@@ -125,6 +134,8 @@ fn wait_until_queued(listener: &TcpListener, count: u32) {
     loop {
         let mut info = [0u8; 232];
         let mut len = info.len() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` (the array's size) bytes into `info`, a live
+        // local array, and the length into `len`, a live local.
         let rc = unsafe {
             libc::getsockopt(
                 listener.as_raw_fd(),
@@ -180,9 +191,13 @@ fn serve_fork(listener: &TcpListener, connections: usize) -> (usize, usize) {
     for _ in 0..connections {
         let (stream, _) = listener.accept().unwrap();
         attached += usize::from(on_shared_memory(stream.as_raw_fd()));
+        // SAFETY: fork takes no arguments. This process is single-threaded here (the fork server
+        // starts no thread), so the child may go on running Rust code.
         let pid = unsafe { libc::fork() };
         if pid == 0 {
             echo_blocking(stream);
+            // SAFETY: _exit takes a status and ends the child at once (no destructor, no atexit
+            // hook of the parent's).
             unsafe { libc::_exit(0) };
         }
         drop(stream);
@@ -190,6 +205,7 @@ fn serve_fork(listener: &TcpListener, connections: usize) -> (usize, usize) {
     }
     for pid in children {
         let mut status = 0;
+        // SAFETY: waitpid writes one int, into `status`, a live local; `pid` is our child.
         unsafe { libc::waitpid(pid, &mut status, 0) };
         assert!(
             libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
@@ -212,6 +228,7 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
     listener.set_nonblocking(true).unwrap();
     let listen_fd = listener.as_raw_fd();
     let mut pipe = [0; 2];
+    // SAFETY: pipe2 writes two ints, into `pipe`, a live local array of two.
     unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_NONBLOCK) };
     let ticker_fd = pipe[1];
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -228,12 +245,14 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
     let ticker = std::thread::spawn(move || {
         while !stop_ticker.load(std::sync::atomic::Ordering::Relaxed) {
             if tick_ms > 0 {
+                // SAFETY: write reads 1 byte of a static literal; a bad fd only fails.
                 unsafe { libc::write(ticker_fd, b"t".as_ptr().cast(), 1) };
             }
             std::thread::sleep(Duration::from_millis(tick_ms.max(5)));
         }
     });
     let epfd = if mode.starts_with("epoll") {
+        // SAFETY: epoll_create1 takes no pointer.
         unsafe { libc::epoll_create1(0) }
     } else {
         -1
@@ -245,6 +264,7 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
                 u64: fd as u64,
             };
             check(
+                // SAFETY: epoll_ctl reads one epoll_event, `event`, a live local.
                 unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut event) } as isize,
                 "epoll_ctl",
             );
@@ -262,12 +282,15 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
             "epoll" | "epoll2" => {
                 let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
                 let n = if mode == "epoll" {
+                    // SAFETY: epoll_wait writes at most 64 events into `events`, a live Vec of 64.
                     unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), 64, wait_ms) }
                 } else {
                     let timeout = libc::timespec {
                         tv_sec: 1,
                         tv_nsec: 0,
                     };
+                    // SAFETY: epoll_pwait2 writes at most 64 events into `events`, a live Vec of
+                    // 64, and reads `timeout`, a live local timespec; no signal mask (null).
                     unsafe {
                         libc::epoll_pwait2(
                             epfd,
@@ -297,11 +320,16 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
                     })
                     .collect();
                 check(
+                    // SAFETY: poll reads and writes the `fds.len()` pollfds of `fds`, a live Vec.
                     unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as _, wait_ms) } as isize,
                     "poll",
                 );
                 ready.extend(fds.iter().filter(|p| p.revents != 0).map(|p| p.fd));
             }
+            // SAFETY: fd_set is an array of integers, for which all-zero bytes are valid (an empty
+            // set); every fd put in or looked up is below 1024 = FD_SETSIZE (asserted, and
+            // `0..=max`); select reads and writes the two live local sets and `timeout`, a live
+            // local; no exception set (null).
             _ => unsafe {
                 let mut read: libc::fd_set = std::mem::zeroed();
                 let mut write: libc::fd_set = std::mem::zeroed();
@@ -338,6 +366,8 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
         for fd in ready {
             if fd == listen_fd {
                 loop {
+                    // SAFETY: accept4 may be given null address and length pointers (no peer
+                    // address wanted); the new fd is owned by `peers` until it is closed below.
                     let peer = unsafe {
                         libc::accept4(
                             listen_fd,
@@ -368,6 +398,7 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
             }
             if fd == pipe[0] {
                 let mut sink = [0u8; 64];
+                // SAFETY: read writes at most 64 bytes into `sink`, a live local array of 64.
                 while unsafe { libc::read(pipe[0], sink.as_mut_ptr().cast(), 64) } > 0 {
                     ticks += 1;
                 }
@@ -378,6 +409,7 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
             };
             // Read until EAGAIN (edge-triggered), write what we can.
             while !peer.eof && peer.pending.len() < 4 << 20 {
+                // SAFETY: read writes at most `buffer.len()` bytes into `buffer`, a live Vec.
                 let n = unsafe { libc::read(peer.fd, buffer.as_mut_ptr().cast(), buffer.len()) };
                 if n > 0 {
                     peer.pending.extend_from_slice(&buffer[..n as usize]);
@@ -390,6 +422,7 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
                 }
             }
             while !peer.pending.is_empty() {
+                // SAFETY: write reads `peer.pending.len()` bytes of `peer.pending`, a live Vec.
                 let n = unsafe {
                     libc::write(peer.fd, peer.pending.as_ptr().cast(), peer.pending.len())
                 };
@@ -401,6 +434,8 @@ fn serve_events(listener: TcpListener, connections: usize, mode: &str) -> (usize
                 peer.pending.drain(..n as usize);
             }
             if peer.eof && peer.pending.is_empty() {
+                // SAFETY: `fd` is the accepted socket that `peers` owns: shut down and closed once
+                // here, then removed from `peers`.
                 unsafe {
                     libc::shutdown(fd, libc::SHUT_WR);
                     libc::close(fd);
@@ -437,6 +472,7 @@ fn fork_close_first(burst: usize) {
     loop {
         let mut buffered: libc::c_int = 0;
         check(
+            // SAFETY: FIONREAD writes one int, into `buffered`, a live local int.
             unsafe { libc::ioctl(stream.as_raw_fd(), libc::FIONREAD, &mut buffered) } as isize,
             "FIONREAD",
         );
@@ -449,6 +485,9 @@ fn fork_close_first(burst: usize) {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
+    // SAFETY: an all-zero cpu_set_t is a valid empty set (CPU_SET indexes it with a bounds check);
+    // sched_setaffinity reads `size_of::<cpu_set_t>()` bytes of `one` and sched_setscheduler one
+    // sched_param, `param`: live locals.
     unsafe {
         let mut one: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(libc::sched_getcpu().max(0) as usize, &mut one);
@@ -462,10 +501,14 @@ fn fork_close_first(burst: usize) {
             "sched_setscheduler(SCHED_FIFO) (needs root)",
         );
     }
+    // SAFETY: fork takes no arguments. This process is single-threaded (it started no thread), so
+    // the child may go on running Rust code.
     let pid = unsafe { libc::fork() };
     check(pid as isize, "fork");
     if pid == 0 {
         // Back to normal scheduling on every CPU, then read the whole burst.
+        // SAFETY: as above: `param` and `all` (all-zero, then filled through bounds-checked
+        // CPU_SET) are live locals that the calls read.
         unsafe {
             let param = libc::sched_param { sched_priority: 0 };
             libc::sched_setscheduler(0, libc::SCHED_OTHER, &param);
@@ -490,11 +533,14 @@ fn fork_close_first(burst: usize) {
             },
         };
         drop(stream);
+        // SAFETY: _exit takes a status and ends the child at once (no destructor, no atexit hook of
+        // the parent's).
         unsafe { libc::_exit(code) };
     }
     drop(stream);
     let mut status = 0;
     check(
+        // SAFETY: waitpid writes one int, into `status`, a live local; `pid` is our child.
         unsafe { libc::waitpid(pid, &mut status, 0) } as isize,
         "waitpid",
     );
@@ -537,6 +583,8 @@ fn crash_hold() {
     );
     std::io::stdout().flush().unwrap();
     std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: getpid has no preconditions; kill takes no pointer. Dying by SIGKILL here is the
+    // test.
     unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
 }
 
@@ -550,6 +598,8 @@ fn crash_serve() {
         usize::from(on_shared_memory(stream.as_raw_fd()))
     );
     std::io::stdout().flush().unwrap();
+    // SAFETY: getpid has no preconditions; kill takes no pointer. Dying by SIGKILL here is the
+    // test.
     unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
 }
 
@@ -614,8 +664,11 @@ fn client(port: u16, test: &str) {
 /// A connection from 127.0.0.1:`source` (a port the test chose): distinct messages echo back
 /// unchanged, and the connection is on shared memory.
 fn from_port(port: u16, source: u16) {
+    // SAFETY: socket takes no pointer; the new fd goes to `stream` right below, its one owner.
     let socket = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
     check(socket as isize, "socket");
+    // SAFETY: `socket` is a new, open fd (checked above) that nothing else owns: the TcpStream
+    // takes it over and closes it once.
     let stream = unsafe { TcpStream::from_raw_fd(socket) };
     let address = |port: u16| libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,
@@ -628,6 +681,7 @@ fn from_port(port: u16, source: u16) {
     let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
     // A closed connection of an earlier run may still hold the port in TIME_WAIT.
     let one: libc::c_int = 1;
+    // SAFETY: setsockopt reads `size_of::<c_int>()` bytes of `one`, a live local int.
     unsafe {
         libc::setsockopt(
             socket,
@@ -638,9 +692,11 @@ fn from_port(port: u16, source: u16) {
         )
     };
     let local = address(source);
+    // SAFETY: bind reads `len` bytes of `local`, a live local sockaddr_in of exactly that size.
     let rc = unsafe { libc::bind(socket, (&local as *const libc::sockaddr_in).cast(), len) };
     check(rc as isize, "bind to the chosen source port");
     let server = address(port);
+    // SAFETY: connect reads `len` bytes of `server`, a live local sockaddr_in of exactly that size.
     let rc = unsafe { libc::connect(socket, (&server as *const libc::sockaddr_in).cast(), len) };
     check(rc as isize, "connect");
     let mut stream = stream;
@@ -704,24 +760,32 @@ fn integrity(port: u16) {
 fn dup_test(port: u16) {
     let stream = connect(port);
     let fd = stream.into_raw_fd();
+    // SAFETY: dup takes no pointer; `fd` is ours (from `into_raw_fd`), and so is the copy.
     let copy = unsafe { libc::dup(fd) };
     check(
+        // SAFETY: write reads 7 bytes of a 7-byte static literal.
         unsafe { libc::write(copy, b"via-dup".as_ptr().cast(), 7) },
         "write on dup",
     );
+    // SAFETY: `fd` is ours (from `into_raw_fd`) and closed once; `copy` stays open.
     unsafe { libc::close(fd) };
     let mut back = [0u8; 7];
     let mut got = 0;
     while got < 7 {
         got += check(
+            // SAFETY: read writes at most `7 - got` bytes into `back[got..]`, which is that long.
             unsafe { libc::read(copy, back[got..].as_mut_ptr().cast(), 7 - got) },
             "read on dup",
         ) as usize;
     }
     assert_eq!(&back, b"via-dup");
+    // SAFETY: dup2 takes no pointer; `copy` is ours, and nothing else in this program uses fd 200.
     let high = check(unsafe { libc::dup2(copy, 200) } as isize, "dup2") as RawFd;
+    // SAFETY: `high` is the open fd dup2 made (checked), owned by nothing else: the TcpStream takes
+    // it over.
     let mut stream = unsafe { TcpStream::from_raw_fd(high) };
     roundtrip(&mut stream, b"via-dup2");
+    // SAFETY: `copy` is ours (dup above) and closed once; `stream` holds its own fd, 200.
     unsafe { libc::close(copy) };
     // Larger than one ring: the echo crosses both rings while this side still writes.
     roundtrip(&mut stream, &[5u8; 60_000]);
@@ -730,13 +794,18 @@ fn dup_test(port: u16) {
 fn fork_test(port: u16) {
     let mut stream = connect(port);
     roundtrip(&mut stream, b"parent-before");
+    // SAFETY: fork takes no arguments. This process is single-threaded (it started no thread), so
+    // the child may go on running Rust code.
     let pid = unsafe { libc::fork() };
     if pid == 0 {
         roundtrip(&mut stream, &[3u8; 60_000]);
         roundtrip(&mut stream, b"child");
+        // SAFETY: _exit takes a status and ends the child at once (no destructor, no atexit hook of
+        // the parent's).
         unsafe { libc::_exit(0) };
     }
     let mut status = 0;
+    // SAFETY: waitpid writes one int, into `status`, a live local; `pid` is our child.
     unsafe { libc::waitpid(pid, &mut status, 0) };
     assert!(
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
@@ -750,6 +819,7 @@ fn nonblocking(port: u16) {
     let fd = stream.as_raw_fd();
     set_nonblocking(fd);
     let mut byte = [0u8; 1];
+    // SAFETY: read writes at most 1 byte into `byte`, a live local array of 1.
     let rc = unsafe { libc::read(fd, byte.as_mut_ptr().cast(), 1) };
     assert!(
         rc < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EAGAIN),
@@ -761,6 +831,7 @@ fn nonblocking(port: u16) {
     let mut saw_eagain = false;
     let deadline = Instant::now() + Duration::from_secs(20);
     while !saw_eagain && Instant::now() < deadline {
+        // SAFETY: write reads `chunk.len()` bytes of `chunk`, a live Vec.
         let n = unsafe { libc::write(fd, chunk.as_ptr().cast(), chunk.len()) };
         if n < 0 {
             assert_eq!(
@@ -778,10 +849,12 @@ fn nonblocking(port: u16) {
         events: libc::POLLIN,
         revents: 0,
     };
+    // SAFETY: poll reads and writes one pollfd (n = 1): `entry`, a live local.
     check(unsafe { libc::poll(&mut entry, 1, 5000) } as isize, "poll");
     assert!(entry.revents & libc::POLLIN != 0, "no echo within 5 s");
     let mut available: libc::c_int = 0;
     check(
+        // SAFETY: FIONREAD writes one int, into `available`, a live local int.
         unsafe { libc::ioctl(fd, libc::FIONREAD, &mut available) } as isize,
         "FIONREAD",
     );
@@ -798,12 +871,14 @@ fn nonblocking(port: u16) {
             events: libc::POLLIN,
             revents: 0,
         };
+        // SAFETY: poll reads and writes one pollfd (n = 1): `entry`, a live local.
         check(unsafe { libc::poll(&mut entry, 1, 5000) } as isize, "poll");
         assert!(
             entry.revents & libc::POLLIN != 0,
             "poll timed out with {} bytes outstanding",
             sent - received
         );
+        // SAFETY: read writes at most `buffer.len()` bytes into `buffer`, a live Vec.
         let n = unsafe { libc::read(fd, buffer.as_mut_ptr().cast(), buffer.len()) };
         if n > 0 {
             assert!(buffer[..n as usize].iter().all(|&b| b == 9));
@@ -865,7 +940,8 @@ fn half_close_full(port: u16, total: usize) {
 fn pin_last_cpu() {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     if cpus > 1 {
-        // SAFETY: a cpu_set_t on the stack for this thread.
+        // SAFETY: an all-zero cpu_set_t is a valid empty set (CPU_SET indexes it with a bounds
+        // check); sched_setaffinity reads that live local, for this thread (pid 0).
         unsafe {
             let mut set: libc::cpu_set_t = std::mem::zeroed();
             libc::CPU_SET(cpus - 1, &mut set);
@@ -973,6 +1049,7 @@ fn epollout_thread(port: u16) {
     let fd = stream.as_raw_fd();
     set_nonblocking(fd);
     let epfd = check(
+        // SAFETY: epoll_create1 takes no pointer.
         unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) } as isize,
         "epoll",
     ) as i32;
@@ -981,10 +1058,12 @@ fn epollout_thread(port: u16) {
         u64: 7,
     };
     check(
+        // SAFETY: epoll_ctl reads one epoll_event, `event`, a live local.
         unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut event) } as isize,
         "epoll_ctl",
     );
     let mut events = [libc::epoll_event { events: 0, u64: 0 }; 4];
+    // SAFETY: epoll_wait writes at most 4 events into `events`, a live local array of 4.
     let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), 4, 5000) };
     assert!(
         n == 1 && events[0].events & libc::EPOLLOUT as u32 != 0,
@@ -998,6 +1077,7 @@ fn epollout_thread(port: u16) {
         std::thread::spawn(move || {
             let mut events = [libc::epoll_event { events: 0, u64: 0 }; 4];
             asleep.store(true, Ordering::SeqCst);
+            // SAFETY: epoll_wait writes at most 4 events into `events`, a live local array of 4.
             let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), 4, 10_000) };
             (n, events[0].events, start.elapsed())
         })
@@ -1012,6 +1092,7 @@ fn epollout_thread(port: u16) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         assert!(Instant::now() < deadline, "writes never blocked");
+        // SAFETY: write reads `chunk.len()` bytes of `chunk`, a live Vec.
         let n = unsafe { libc::write(fd, chunk.as_ptr().cast(), chunk.len()) };
         if n < 0 {
             assert_eq!(
@@ -1032,6 +1113,7 @@ fn epollout_thread(port: u16) {
             "echo stalled with {} bytes outstanding",
             sent - received
         );
+        // SAFETY: read writes at most `buffer.len()` bytes into `buffer`, a live Vec.
         let n = unsafe { libc::read(fd, buffer.as_mut_ptr().cast(), buffer.len()) };
         if n > 0 {
             assert!(buffer[..n as usize].iter().all(|&b| b == 5));
@@ -1059,6 +1141,8 @@ fn epollout_thread(port: u16) {
         woke >= eagain,
         "EPOLLOUT at {woke:?}, before the pipe was full at {eagain:?}"
     );
+    // SAFETY: `epfd` is the epoll fd made above, ours; the sleeper that used it has been joined,
+    // and it is closed once.
     unsafe { libc::close(epfd) };
     stream.shutdown(Shutdown::Write).unwrap();
     let _ = stream.set_nonblocking(false);
@@ -1084,6 +1168,7 @@ fn crash(port: u16) {
     }
     let chunk = vec![1u8; 65536];
     for _ in 0..10_000 {
+        // SAFETY: send reads `chunk.len()` bytes of `chunk`, a live Vec.
         let rc = unsafe {
             libc::send(
                 stream.as_raw_fd(),
@@ -1150,16 +1235,21 @@ fn ping_pong(port: u16, secs: u64) {
             message[..8].copy_from_slice(&sequence.to_be_bytes());
             message[8..]
                 .copy_from_slice(&(sequence.wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes());
-            // SAFETY: 16 bytes from the stack; a connected socket ignores the address.
+            // SAFETY: sendto reads 16 bytes of `message`, a live local of 16; a null address
+            // of length 0 is allowed on a connected socket.
             let sent =
                 unsafe { libc::sendto(fd, message.as_ptr().cast(), 16, 0, std::ptr::null(), 0) };
             assert_eq!(sent, 16, "sendto: {}", std::io::Error::last_os_error());
             let mut reply = [0u8; 16];
             let mut got = 0usize;
             while got < 16 {
+                // SAFETY: sockaddr_storage is integers and bytes, for which all-zero bytes are
+                // valid.
                 let mut address: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
                 let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-                // SAFETY: the rest of the reply buffer and an address buffer on the stack.
+                // SAFETY: recvfrom writes at most `16 - got` bytes into `reply[got..]`, which is
+                // that long, and at most `len` (its size) bytes into `address`, a live local,
+                // with the length into `len`.
                 let n = unsafe {
                     libc::recvfrom(
                         fd,
@@ -1256,29 +1346,37 @@ fn stale(port: u16) {
         match how {
             "close_range" => {
                 check(
+                    // SAFETY: `fd` is ours (from `into_raw_fd`) and closed once; no pointer.
                     unsafe { libc::close_range(fd as u32, fd as u32, 0) } as isize,
                     "close_range",
                 );
             }
             _ => {
+                // SAFETY: `fd` is ours (from `into_raw_fd`) and handed to the FILE, which `fclose`
+                // closes; the mode is a NUL-terminated literal.
                 let file = unsafe { libc::fdopen(fd, c"r+".as_ptr()) };
                 assert!(!file.is_null(), "fdopen");
+                // SAFETY: `file` is the open FILE* fdopen returned (non-null, asserted), closed
+                // once.
                 check(unsafe { libc::fclose(file) } as isize, "fclose");
             }
         }
         // pipe() is not intercepted and takes the lowest free numbers: the old socket's.
         let mut pipe = [0; 2];
+        // SAFETY: pipe writes two ints, into `pipe`, a live local array of two.
         check(unsafe { libc::pipe(pipe.as_mut_ptr()) } as isize, "pipe");
         assert!(
             pipe.contains(&fd),
             "pipe did not reuse fd {fd}: {pipe:?}; the test cannot check {how}"
         );
         check(
+            // SAFETY: write reads 9 bytes of a 9-byte static literal.
             unsafe { libc::write(pipe[1], b"pipe-data".as_ptr().cast(), 9) },
             "write to pipe",
         );
         let mut back = [0u8; 9];
         let n = check(
+            // SAFETY: read writes at most 9 bytes into `back`, a live local array of 9.
             unsafe { libc::read(pipe[0], back.as_mut_ptr().cast(), 9) },
             "read from pipe",
         );
@@ -1287,6 +1385,7 @@ fn stale(port: u16) {
             b"pipe-data",
             "{how}: the pipe read went elsewhere"
         );
+        // SAFETY: the pipe's two fds are ours, each closed once.
         unsafe {
             libc::close(pipe[0]);
             libc::close(pipe[1]);

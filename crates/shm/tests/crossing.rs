@@ -26,12 +26,14 @@ fn bind(fd: i32, ip: std::net::Ipv4Addr, port: u16) -> bool {
         sin_zero: [0; 8],
     };
     let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: bind our own fd to a sockaddr_in of its size.
+    // SAFETY: bind reads `len` bytes of `address`, a live local sockaddr_in of exactly that
+    // size; a bad fd only fails.
     unsafe { libc::bind(fd, (&address as *const libc::sockaddr_in).cast(), len) == 0 }
 }
 
 fn local_port(fd: i32) -> u16 {
-    // SAFETY: getsockname into a sockaddr_in of its size.
+    // SAFETY: sockaddr_in is integers, for which all-zero bytes are valid; getsockname writes at
+    // most `len` (its size) bytes into `address`, a live local, and the length into `len`.
     unsafe {
         let mut address: libc::sockaddr_in = std::mem::zeroed();
         let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
@@ -45,7 +47,7 @@ fn local_port(fd: i32) -> u16 {
 }
 
 fn tcp_socket() -> i32 {
-    // SAFETY: a socket of our own.
+    // SAFETY: socket takes no pointer; the new fd is handed to the caller, its one owner.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
     assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
     fd
@@ -64,11 +66,13 @@ fn socket_on_second_loopback_address() -> (i32, u16) {
         let port = local_port(fd);
         let check = tcp_socket();
         let free_on_first = bind(check, std::net::Ipv4Addr::LOCALHOST, port);
-        // SAFETY: our own fds.
+        // SAFETY: `check` is a socket this function opened and closes once; close takes no
+        // pointer.
         unsafe { libc::close(check) };
         if free_on_first {
             return (fd, port);
         }
+        // SAFETY: `fd` is likewise ours, closed once, and not returned.
         unsafe { libc::close(fd) };
     }
     panic!("no port free on both 127.0.0.1 and 127.0.0.2 in 100 tries");
@@ -83,7 +87,9 @@ fn connect_fd(fd: i32, port: u16) -> TcpStream {
         },
         sin_zero: [0; 8],
     };
-    // SAFETY: connect our own fd; the stream then owns it.
+    // SAFETY: connect reads a live local sockaddr_in of the size given. `fd` comes from
+    // `socket_on_second_loopback_address`, which hands it over to this function alone, so the
+    // TcpStream may own (and close) it.
     unsafe {
         let rc = libc::connect(
             fd,

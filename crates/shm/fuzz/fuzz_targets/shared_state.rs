@@ -84,6 +84,8 @@ impl Input<'_> {
 
 /// Bytes as a memfd, for the `attach` and arena-file parsers.
 fn memfd(bytes: &[u8], len: usize) -> libc::c_int {
+    // SAFETY: memfd_create reads a NUL-terminated literal and makes an fd the caller owns (and
+    // closes); ftruncate takes no pointer; pwrite reads at most `bytes.len()` bytes of `bytes`.
     unsafe {
         let fd = libc::memfd_create(c"fuzz".as_ptr(), libc::MFD_CLOEXEC);
         assert!(fd >= 0);
@@ -111,6 +113,8 @@ fn run(data: &[u8]) {
             if let Some(region) = region::Region::attach(fd) {
                 exercise(&region, &mut input);
             }
+            // SAFETY: the memfd made above, ours and closed once; the region mapped from it
+            // (if any) is gone already, and a mapping would outlive the fd anyway.
             unsafe { libc::close(fd) };
         }
         // An arena file as another process left it.
@@ -126,6 +130,7 @@ fn run(data: &[u8]) {
                 let _ = mapped.descriptor(input.u32());
                 drop(mapped);
             }
+            // SAFETY: the memfd made above, ours and closed once; nothing uses it any more.
             unsafe { libc::close(fd) };
         }
         // The kernel's answer to the accept-time proof, as bytes of any shape.
@@ -212,6 +217,10 @@ fn exercise(region: &region::Region, input: &mut Input<'_>) {
                 let at = input.u32() as usize % len;
                 let bytes = input.take(64).to_vec();
                 let n = bytes.len().min(len - at);
+                // SAFETY: `at < len` and `n <= len - at`, so the copy stays in the first `len`
+                // bytes of the arena's mapping (its header and descriptors, `metadata`); `bytes`
+                // is a separate Vec of at least `n` bytes. No reference into that memory is
+                // held across the copy (the peer's scribble that the fuzzer plays).
                 unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(at), n) };
             }
             3 | 4 => {

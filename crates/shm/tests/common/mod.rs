@@ -85,10 +85,11 @@ pub fn require(program: &str, package: &str) {
 }
 
 pub fn require_root() {
-    // SAFETY: geteuid has no preconditions.
+    // SAFETY: geteuid takes no arguments and cannot fail; the declaration below matches its C
+    // prototype (`uid_t geteuid(void)`, uid_t being u32 on Linux).
+    let euid = unsafe { libc_geteuid() };
     assert_eq!(
-        unsafe { libc_geteuid() },
-        0,
+        euid, 0,
         "this test needs root (it writes /dev/shm and may raise fd limits); CI runs as root"
     );
 }
