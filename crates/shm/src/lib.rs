@@ -19,6 +19,11 @@
 //!   liveness; [`stats`]: counters of the slow events (system calls, records).
 //!
 //! Errors surface as errno values, exactly as libc's would, so the crate has no error enum.
+//!
+//! Unsafe code: every `unsafe` block says in a `// SAFETY:` comment why it is sound (enforced
+//! by `clippy::undocumented_unsafe_blocks`, see Cargo.toml). The interposers' arguments carry
+//! the contract of the libc function they replace (`interpose`); caller buffers travel on as
+//! `(pointer, length)` pairs valid for their length (`io::Chunks`, `io::Buffers`).
 #![cfg_attr(test, allow(dead_code))]
 
 // The module list lives in modules.rs so that examples/flatmesh_shm_preload.rs can build the
