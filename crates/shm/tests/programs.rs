@@ -81,7 +81,7 @@ fn nginx_serves_wrk_and_curl() {
         wrk_run.wait(Duration::from_secs(30)).success(),
         "wrk failed"
     );
-    let output: Vec<String> = wrk_run.lines.try_iter().collect();
+    let output: Vec<String> = wrk_run.remaining_lines(Duration::from_secs(10));
     let output = output.join("\n");
     assert!(
         mapped >= 16,
@@ -167,7 +167,9 @@ fn redis_server_with_redis_benchmark_and_cli() {
         bench_run.wait(Duration::from_secs(90)).success(),
         "redis-benchmark failed"
     );
-    let output: String = bench_run.lines.try_iter().collect::<Vec<_>>().join("\n");
+    let output: String = bench_run
+        .remaining_lines(Duration::from_secs(10))
+        .join("\n");
     for test in ["SET", "GET", "LPUSH", "LPOP"] {
         assert!(
             output.contains(&format!("{test}: ")) && output.contains("requests per second"),
@@ -215,7 +217,9 @@ fn sockperf_ping_pong() {
         client_run.wait(Duration::from_secs(30)).success(),
         "sockperf client failed"
     );
-    let output: String = client_run.lines.try_iter().collect::<Vec<_>>().join("\n");
+    let output: String = client_run
+        .remaining_lines(Duration::from_secs(10))
+        .join("\n");
     assert!(output.contains("Summary: Latency is"), "{output}");
     assert!(!output.contains("ERROR"), "{output}");
     assert!(mapped >= 1, "sockperf server did not map a region");
@@ -239,7 +243,9 @@ fn iperf3_throughput() {
         client_run.wait(Duration::from_secs(30)).success(),
         "iperf3 client failed"
     );
-    let output: String = client_run.lines.try_iter().collect::<Vec<_>>().join("\n");
+    let output: String = client_run
+        .remaining_lines(Duration::from_secs(10))
+        .join("\n");
     let received = output.split("\"sum_received\"").nth(1).unwrap_or("");
     let bytes: u64 = received
         .split("\"bytes\":")

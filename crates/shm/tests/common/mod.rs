@@ -162,6 +162,23 @@ impl Running {
         }
     }
 
+    /// Every line still to come, up to the end of the output (call after the process exited:
+    /// the reader thread may not have passed on its last lines yet; `try_iter` would miss them).
+    pub fn remaining_lines(&self, within: Duration) -> Vec<String> {
+        let deadline = Instant::now() + within;
+        let mut lines = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => lines.push(line),
+                Err(mpsc::RecvTimeoutError::Disconnected) => return lines,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    panic!("the output did not end within {within:?} (a hang?)")
+                }
+            }
+        }
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
