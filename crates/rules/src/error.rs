@@ -71,4 +71,11 @@ pub enum RulesError {
         count: usize,
         max: usize,
     },
+
+    /// Skip-and-check rules that do not fit the Matcher's tables (the text says by how much).
+    #[error("{0}")]
+    TableFull(String),
+
+    #[error("bad table image: {0}; write it again (`flatmesh check --nic-image` or `flatmesh qnp rules compile`)")]
+    BadImage(String),
 }
