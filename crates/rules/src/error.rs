@@ -76,6 +76,6 @@ pub enum RulesError {
     #[error("{0}")]
     TableFull(String),
 
-    #[error("bad table image: {0}; write it again (`flatmesh check --nic-image` or `flatmesh qnp rules compile`)")]
+    #[error("bad table image: {0}; recompile it with `flatmesh qnp rules compile` (an http listeners' image: `flatmesh check --nic-image`)")]
     BadImage(String),
 }

@@ -423,6 +423,18 @@ impl Image {
         req_type: u8,
         field: impl Fn(u8) -> Option<&'a [u8]>,
     ) -> (Decision, usize) {
+        self.run_traced(app_id, req_type, field, |_| {})
+    }
+
+    /// As [`run`](Self::run), calling `hit` with the index of every entry the Matcher hits,
+    /// in order (`flatmesh qnp rules eval --explain`).
+    pub fn run_traced<'a>(
+        &self,
+        app_id: u8,
+        req_type: u8,
+        field: impl Fn(u8) -> Option<&'a [u8]>,
+        mut hit: impl FnMut(usize),
+    ) -> (Decision, usize) {
         let mut key = CamEntry {
             app_id,
             req_type,
@@ -442,6 +454,7 @@ impl Image {
                 }
                 return (Decision::Drop, lookups);
             };
+            hit(i);
             let ram = self.ram[i];
             if ram.is_exit() {
                 return (Decision::Queue(ram.state), lookups);
@@ -468,6 +481,23 @@ impl Image {
             }
         }
         (Decision::Drop, 2 * self.cam.len() + 2)
+    }
+
+    /// Every `(app_id, req_type)` in the image with how many entries it has and the first and
+    /// last of them, in table order.
+    pub fn apps(&self) -> Vec<((u8, u8), usize, usize, usize)> {
+        let mut out: Vec<((u8, u8), usize, usize, usize)> = Vec::new();
+        for (i, c) in self.cam.iter().enumerate() {
+            let key = (c.app_id, c.req_type);
+            match out.iter_mut().find(|(k, ..)| *k == key) {
+                Some((_, n, _, last)) => {
+                    *n += 1;
+                    *last = i;
+                }
+                None => out.push((key, 1, i, i)),
+            }
+        }
+        out
     }
 
     /// The image file: `QNPIMG01`, entry count (u16 BE), RAM words (4 bytes BE each), then CAM
