@@ -405,6 +405,33 @@ fn nic_supersets_keep_first_match_order() {
     );
     // The route that never matches costs no rule.
     assert!(p.nic().listeners[0].routes[2].rules.is_empty());
+
+    // A route whose every rule an earlier rule covers is never reached: no rules, and its
+    // verdict says which route takes its requests. A route without a method keeps the rules
+    // of the methods no earlier route covers.
+    let p = web(
+        json!([
+            { "match": { "path": { "prefix": "/api" }, "headers": [{ "name": "x", "exact": "1" }] }, "cluster": "a" },
+            { "match": { "method": "GET", "path": { "prefix": "/api/" } }, "cluster": "a" },
+            { "match": { "method": "POST", "path": { "prefix": "/b" } }, "cluster": "a" },
+            { "match": { "path": { "prefix": "/b/c" } }, "cluster": "b" },
+        ]),
+        Value::Null,
+    );
+    let n = &p.nic().listeners[0];
+    assert_eq!(
+        n.routes[1].verdict,
+        Verdict::Host(Reason::Shadowed { by: 0 })
+    );
+    assert!(n.routes[1].rules.is_empty());
+    assert_eq!(n.routes[3].verdict, Verdict::Decides);
+    assert_eq!(
+        n.routes[3].rules.len(),
+        6,
+        "7 common methods, POST covered by route 2"
+    );
+    assert_eq!(nic(&p, &Req::new("POST", "/b/c")), Some(2));
+    assert_eq!(nic(&p, &Req::new("PUT", "/b/c")), Some(3));
 }
 
 #[test]

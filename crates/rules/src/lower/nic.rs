@@ -206,6 +206,17 @@ fn route_rules(app_id: u8, route: &CompiledRoute, methods: &[String], queue: u8)
     rules
 }
 
+/// Whether every request line `new` matches, `old` matches too (so `new`, coming later, is
+/// never reached).
+fn covers(old: &Rule, new: &Rule) -> bool {
+    old.pattern.len() <= new.pattern.len()
+        && old
+            .pattern
+            .iter()
+            .zip(&new.pattern)
+            .all(|(o, n)| *o == PatByte::Skip || o == n)
+}
+
 /// The rules in the order the image holds them: grouped by method, in route order within a
 /// method. Rules of different methods never match the same request line (a method has no
 /// space, and every rule has one right after its method), so only the order within a method
@@ -248,15 +259,30 @@ fn lower_listener(app_id: u8, routes: &[CompiledRoute], budget: usize) -> (NicLi
                 HOST_QUEUE
             };
             let start = out.rules.len();
-            out.rules.extend(route_rules(app_id, r, &methods, queue));
+            let mut own = route_rules(app_id, r, &methods, queue);
+            let had_rules = !own.is_empty();
+            // A rule an earlier rule covers is never reached: leave it out.
+            let mut shadowed_by = None;
+            own.retain(|new| match out.rules.iter().find(|old| covers(old, new)) {
+                Some(old) => {
+                    shadowed_by.get_or_insert(old.line);
+                    false
+                }
+                None => true,
+            });
+            out.rules.extend(own);
             match compile_app(app_id, REQ_TYPE, &by_method(&out.rules), Some(HOST_QUEUE)) {
                 Ok(e) if e.len() <= budget => {
                     entries = e;
+                    let verdict = match (checked, shadowed_by) {
+                        (Err(why), _) => Verdict::Host(why),
+                        (Ok(()), Some(by)) if had_rules && out.rules.len() == start => {
+                            Verdict::Host(Reason::Shadowed { by })
+                        }
+                        (Ok(()), _) => Verdict::Decides,
+                    };
                     out.routes.push(NicRoute {
-                        verdict: match checked {
-                            Ok(()) => Verdict::Decides,
-                            Err(why) => Verdict::Host(why),
-                        },
+                        verdict,
                         rules: start..out.rules.len(),
                     });
                     None
