@@ -21,7 +21,8 @@ struct Cli {
 enum Command {
     /// Run the node proxy.
     Node(cmd::node::Args),
-    /// Validate a config; --explain prints the compiled rule program.
+    /// Validate a config; --explain prints the rule program and where each rule runs,
+    /// --nic-image writes tier N's image, --admin asks a running node.
     Check(cmd::check::Args),
     /// Start built-in services and a node proxy, drive load, print a report.
     Demo(cmd::demo::Args),

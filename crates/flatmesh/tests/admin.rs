@@ -84,6 +84,41 @@ async fn ready_config_and_rules() {
         text.contains("/healthz"),
         "/rules lacks the /healthz rule: {text}"
     );
+    // Runtime truth: this node has no tier K, and says why; every rule runs in a user tier.
+    assert_eq!(rules["node"]["kernel"]["state"], "off", "{text}");
+    assert_eq!(
+        rules["node"]["kernel"]["why"], "the config has no `kernel:` section",
+        "{text}"
+    );
+    assert_eq!(rules["listeners"][0]["routes"][0]["tier"], "U7");
+    assert_eq!(rules["listeners"][1]["rule"]["tier"], "U4");
+    // `flatmesh check --explain --admin` prints the program as this node runs it.
+    let admin = s.proxy.admin.to_string();
+    let out = run_flatmesh(
+        &["check", "--explain", "--admin", &admin],
+        std::time::Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(out.code, Some(0), "{}", out.all_output());
+    assert!(
+        out.stdout
+            .contains("this node: tier K not attached: the config has no `kernel:` section"),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("api-route"), "{}", out.stdout);
+    let nobody = free_addr().to_string();
+    let out = run_flatmesh(
+        &["check", "--admin", &nobody],
+        std::time::Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(out.code, Some(1), "{}", out.all_output());
+    assert!(
+        out.stderr.contains("is it running with `admin:"),
+        "{}",
+        out.stderr
+    );
 
     let (status, _) = s.proxy.admin_get("/no-such-admin-page").await;
     assert_eq!(status, StatusCode::NOT_FOUND);

@@ -719,6 +719,35 @@ async fn l7_equivalence(test: &str, redirect: bool) {
     )
     .await;
 
+    // Runtime truth: /rules says where each route runs on this node; the same config without
+    // tier K runs everything in the user tier.
+    let tiers = |rules: &str| -> (serde_json::Value, Vec<String>) {
+        let v: serde_json::Value = serde_json::from_str(rules).unwrap();
+        let t = v["listeners"][0]["routes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["tier"].as_str().unwrap().to_owned())
+            .collect();
+        (v["node"].clone(), t)
+    };
+    let (node, t) = tiers(&with_kernel.admin_get("/rules").await.1);
+    assert_eq!(node["kernel"]["state"], "attached", "{node}");
+    assert_eq!(t, ["U7", "K", "U7", "K", "K", "K", "U7"]);
+    let (node, t) = tiers(&user_only.admin_get("/rules").await.1);
+    assert_eq!(node["kernel"]["state"], "off", "{node}");
+    assert!(t.iter().all(|t| t == "U7"), "{t:?}");
+    let out = run_flatmesh(
+        &["check", "--explain", "--admin", &admin_k.to_string()],
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(
+        out.stdout.contains("this node: tier K attached\n"),
+        "{}",
+        out.all_output()
+    );
+
     // (method, path, extra headers, decided by the kernel?). The header route cannot be
     // decided in the kernel, so its punt entry sends every /api/v2 request to the user tier.
     let cases = [
@@ -1131,6 +1160,17 @@ fn without_kernel_support_the_node_logs_one_line_and_runs_on_the_user_tiers() {
             let proxy = Proxy::start(admin, &tcp_node(admin, listen, echo.addr, &kernel)).await;
             let (back, _) = echo_through(connect(listen).await, b"ping".to_vec()).await;
             assert_eq!(back, b"ping");
+            // /rules: the tcp rule the config puts in the kernel runs in the user L4 relay,
+            // and says why.
+            let rules: serde_json::Value =
+                serde_json::from_str(&proxy.admin_get("/rules").await.1).unwrap();
+            let rule = &rules["listeners"][0]["rule"];
+            assert_eq!(rule["tier"], "U4", "{rules}");
+            let reason = rule["reason"].as_str().unwrap();
+            assert!(
+                reason.contains("tier K is not attached on this node") && reason.contains("bpffs"),
+                "{reason}"
+            );
             let out = proxy.output();
             let lines: Vec<&str> = out
                 .lines()
@@ -1173,6 +1213,11 @@ fn without_kernel_support_the_node_logs_one_line_and_runs_on_the_user_tiers() {
                 .expect("setpriv (util-linux) runs the node unprivileged");
             wait_ready(admin).await;
             let (back, _) = echo_through(connect(listen).await, b"pong".to_vec()).await;
+            let explain = run_flatmesh(
+                &["check", "--explain", "--admin", &admin.to_string()],
+                Duration::from_secs(30),
+            )
+            .await;
             let _ = node.kill();
             let _ = node.wait();
             assert_eq!(back, b"pong");
@@ -1186,6 +1231,13 @@ fn without_kernel_support_the_node_logs_one_line_and_runs_on_the_user_tiers() {
                 lines[0].contains("root"),
                 "it says root is missing: {}",
                 lines[0]
+            );
+            assert!(
+                explain
+                    .stdout
+                    .contains("this node: tier K not attached: missing root privileges"),
+                "{}",
+                explain.all_output()
             );
         },
     );

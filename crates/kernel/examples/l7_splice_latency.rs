@@ -9,7 +9,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
 use flatmesh_kernel::{
-    lower_routes, KernelConfig, KernelTier, L7Decision, PathMatch, Protocols, RouteSpec,
+    KernelAction, KernelConfig, KernelEntry, KernelTier, L7Decision, PathKey, Protocols,
 };
 
 mod common;
@@ -126,14 +126,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..KernelConfig::default()
     };
     let tier = KernelTier::attach(&cfg)?;
-    tier.set_routes(&lower_routes(&[RouteSpec {
-        route_id: 0,
+    tier.set_routes(&[KernelEntry {
+        route: 0,
         method: Some("GET".into()),
-        path: PathMatch::Prefix("/echo".into()),
-        other_conditions: false,
-        backend: Some(0),
-        protocols: Protocols::HTTP1,
-    }]))?;
+        path: PathKey::Prefix("/echo".into()),
+        action: KernelAction::Forward {
+            cluster: 0,
+            protocols: Protocols::HTTP1,
+        },
+    }])?;
     let backend = echo_backend()?;
     let direct = backend;
     let relay = user_relay(backend)?;

@@ -191,9 +191,11 @@ pub struct FmStat {
 // SAFETY: four u64, no padding.
 unsafe impl aya::Pod for FmStat {}
 
-pub(crate) const PATH_MAX: usize = 64;
-pub(crate) const METHOD_MAX: usize = 8;
-pub(crate) const ROUTES_MAX: usize = 64;
+/// Sizes of `struct fm_route` and `fm_routes`: the tier-K lowering in flatmesh-rules makes
+/// entries that fit them (the layout test below pins them to the C side).
+pub(crate) const PATH_MAX: usize = flatmesh_rules::lower::kernel::PATH_MAX;
+pub(crate) const METHOD_MAX: usize = flatmesh_rules::lower::kernel::METHOD_MAX;
+pub(crate) const ROUTES_MAX: usize = flatmesh_rules::lower::kernel::ENTRIES_MAX;
 
 pub(crate) const MATCH_END: u32 = 0;
 pub(crate) const MATCH_EXACT: u32 = 1;

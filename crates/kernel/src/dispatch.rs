@@ -16,9 +16,9 @@ use std::os::fd::AsFd;
 
 use crate::abi::{FmL7Conn, L7_DECIDED, L7_FALLBACK, L7_PENDING, ROUTES_MAX};
 use crate::error::KernelError;
-use crate::routes::KernelRoute;
 use crate::sockopt::socket_cookie;
 use crate::tier::KernelTier;
+use flatmesh_rules::lower::kernel::KernelEntry;
 
 /// Why the kernel left a connection to the user tier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,10 +74,11 @@ pub enum L7Decision {
 }
 
 impl KernelTier {
-    /// Replaces the tier-K route table. Entries past the new table are cleared first from
-    /// the end, so a concurrent first request sees either the old or the new prefix of rules
-    /// followed by an end marker, never a table without an end.
-    pub fn set_routes(&self, table: &[KernelRoute]) -> Result<(), KernelError> {
+    /// Replaces the tier-K route table with the lowering's entries
+    /// (`flatmesh_rules::RuleProgram::kernel`). Entries past the new table are cleared first
+    /// from the end, so a concurrent first request sees either the old or the new prefix of
+    /// rules followed by an end marker, never a table without an end.
+    pub fn set_routes(&self, table: &[KernelEntry]) -> Result<(), KernelError> {
         if table.len() > ROUTES_MAX {
             return Err(KernelError::TooManyRoutes {
                 given: table.len(),
@@ -94,7 +95,7 @@ impl KernelTier {
                     .map_err(|e| KernelError::map("fm_routes", "update", e))?;
             }
             for (i, r) in table.iter().enumerate().rev() {
-                m.set(i as u32, r.to_abi(), 0)
+                m.set(i as u32, crate::routes::to_abi(r), 0)
                     .map_err(|e| KernelError::map("fm_routes", "update", e))?;
             }
             Ok(())

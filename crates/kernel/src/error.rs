@@ -64,7 +64,7 @@ pub enum KernelError {
         service: std::net::SocketAddr,
         proxy: std::net::SocketAddr,
     },
-    #[error("the tier-K route table holds {max} entries but {given} were given; lower the routes with `lower_routes`, which ends an overlong table with a catch-all punt")]
+    #[error("the tier-K route table holds {max} entries but {given} were given; install what the tier-K lowering gives (`RuleProgram::kernel().entries`), which ends an overlong table with a catch-all punt")]
     TooManyRoutes { given: usize, max: usize },
     #[error("the kernel config enables nothing (capture, redirect and l7_dispatch are all off); leave `kernel:` out of the config instead")]
     NothingEnabled,

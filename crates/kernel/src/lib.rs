@@ -6,7 +6,8 @@
 //! - **redirect** (`bpf/redirect.bpf.c`): sockops + sk_msg move bytes between the two ends of
 //!   a local hop without the TCP/IP stack (FlatProxy §IV-E "socket direct", on Linux).
 //! - **dispatch** (`bpf/dispatch.bpf.c`): the sk_skb verdict decides a connection's first
-//!   HTTP/1.1 or gRPC request from the tier-K route table and splice it in the kernel.
+//!   HTTP/1.1 or gRPC request from the tier-K route table and splice it in the kernel. The
+//!   table's entries come from the tier-K lowering in flatmesh-rules; this crate encodes them.
 //!
 //! [`KernelTier::attach`] loads and pins everything under [`KernelConfig::pin_dir`];
 //! [`KernelTier::detach`] removes it; [`cleanup_stale`] clears a crashed node's pins.
@@ -27,15 +28,16 @@ pub use abi::FmStat;
 pub use config::{default_cgroup_root, CaptureConfig, KernelConfig, DEFAULT_PIN_DIR};
 pub use dispatch::{FallbackReason, L7Decision};
 pub use error::KernelError;
+/// The route table's entries, as the tier-K lowering in flatmesh-rules makes them.
+pub use flatmesh_rules::lower::kernel::{KernelAction, KernelEntry, PathKey, Protocols};
 pub use redirect::{DirectBytes, HopPort, SockKey};
-pub use routes::{decide, lower_routes, KernelRoute, PathMatch, Protocols, RouteSpec};
 pub use sockopt::{original_dst_sockopt, socket_cookie, tcp_counters, TcpCounters};
 pub use status::{status, KernelStatus, MapStatus, ProgramStatus};
 pub use tier::{cleanup_stale, CleanupReport, KernelTier};
 
-/// What this host lacks for tier K, as one line for the node's log, or `None` if it has
-/// everything. The node logs it and runs on the user tiers.
-pub fn probe() -> Option<String> {
+/// What this host lacks for tier K, each with where to get it (root privileges, kernel BTF,
+/// a cgroup v2 mount); empty when it has everything.
+pub fn missing_requirements() -> Vec<&'static str> {
     let mut missing = Vec::new();
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -47,6 +49,13 @@ pub fn probe() -> Option<String> {
     if !default_cgroup_root().join("cgroup.procs").exists() {
         missing.push("a cgroup v2 mount (/sys/fs/cgroup or /sys/fs/cgroup/unified)");
     }
+    missing
+}
+
+/// What this host lacks for tier K, as one line for the node's log, or `None` if it has
+/// everything. The node logs it and runs on the user tiers.
+pub fn probe() -> Option<String> {
+    let missing = missing_requirements();
     if missing.is_empty() {
         None
     } else {

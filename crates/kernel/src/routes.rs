@@ -1,139 +1,28 @@
-//! Lowering routes to the tier-K route table (`fm_routes`).
+//! Encoding the tier-K route table (`fm_routes`) into its map ABI.
 //!
-//! The kernel runs the table in order and the first match wins, as the user tier does. A
-//! route the kernel cannot evaluate exactly becomes a *punt* entry whose match is a superset
-//! of the route's: a request that might match it is left to user space, so the kernel never
-//! answers differently from the user tier. A request that matches no entry also falls back.
+//! What the table holds is decided by the tier-K lowering in `flatmesh-rules`
+//! (`flatmesh_rules::lower::kernel`): routes become [`KernelEntry`]s there, with the reference
+//! executor the tests compare the verdict program against. This module only lays each entry out
+//! as the C side's `struct fm_route`.
 
-use crate::abi::{
-    FmRoute, ACT_BACKEND, ACT_PUNT, MATCH_EXACT, MATCH_PREFIX, METHOD_MAX, PATH_MAX, ROUTES_MAX,
-};
+use flatmesh_rules::lower::kernel::{KernelAction, KernelEntry, PathKey, Protocols};
 
-/// How a route matches the request path (path only: the kernel strips the query).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PathMatch {
-    /// The path equals this string.
-    Exact(String),
-    /// The path starts with this string.
-    Prefix(String),
-    /// Anything else (regex, case-insensitive, templates): the kernel cannot evaluate it.
-    Other,
-}
+use crate::abi::{FmRoute, ACT_BACKEND, ACT_PUNT, MATCH_EXACT, MATCH_PREFIX, METHOD_MAX, PATH_MAX};
 
-/// Connection protocols a route's backend can be spliced for: the backend gets the client's
-/// bytes as they are, so it must speak the protocol the client speaks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub struct Protocols(u32);
+/// FM_PROTO_H1 and FM_PROTO_H2 (bpf/dispatch.bpf.c): `fm_route.protos` holds `1 << proto`.
+const FM_PROTO_H1: u32 = 1;
+const FM_PROTO_H2: u32 = 2;
 
-impl Protocols {
-    pub const NONE: Protocols = Protocols(0);
-    /// HTTP/1.0 and HTTP/1.1 (the verdict's FM_PROTO_H1 = 1).
-    pub const HTTP1: Protocols = Protocols(1 << 1);
-    /// HTTP/2 with prior knowledge, gRPC (FM_PROTO_H2 = 2).
-    pub const HTTP2: Protocols = Protocols(1 << 2);
-
-    pub fn contains(self, p: Protocols) -> bool {
-        self.0 & p.0 == p.0 && p.0 != 0
+/// `fm_route.protos` for a set of connection protocols.
+fn proto_bits(p: Protocols) -> u32 {
+    let mut bits = 0;
+    if p.contains(Protocols::HTTP1) {
+        bits |= 1 << FM_PROTO_H1;
     }
-
-    pub(crate) fn bits(self) -> u32 {
-        self.0
+    if p.contains(Protocols::HTTP2) {
+        bits |= 1 << FM_PROTO_H2;
     }
-}
-
-impl std::ops::BitOr for Protocols {
-    type Output = Protocols;
-
-    fn bitor(self, other: Protocols) -> Protocols {
-        Protocols(self.0 | other.0)
-    }
-}
-
-/// One route as the rule program has it, reduced to what tier K can look at.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RouteSpec {
-    /// Rule id, reported back with the decision.
-    pub route_id: u32,
-    /// Required method (`GET`, `POST`, ...); `None` for any.
-    pub method: Option<String>,
-    pub path: PathMatch,
-    /// The route also matches on headers, query or anything else beyond method and path.
-    pub other_conditions: bool,
-    /// Backend (cluster) the route forwards to, or `None` when its action needs the user
-    /// tier (weighted split, rewrites, direct responses, ...).
-    pub backend: Option<u32>,
-    /// Which client protocols the backend can be handed: its own protocol.
-    pub protocols: Protocols,
-}
-
-/// One entry of the kernel route table, as lowered.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KernelRoute {
-    pub route_id: u32,
-    /// `None`: any method.
-    pub method: Option<String>,
-    pub path: PathMatch,
-    /// `Some(backend)`: the kernel decides; `None`: punt to user space.
-    pub backend: Option<u32>,
-    /// Connection protocols the backend is decided for; others punt.
-    pub protocols: Protocols,
-}
-
-impl KernelRoute {
-    /// The backend the kernel decides for a connection speaking `protocol` (one of
-    /// [`Protocols::HTTP1`], [`Protocols::HTTP2`]) when this route is the first match.
-    pub fn backend_for(&self, protocol: Protocols) -> Option<u32> {
-        self.backend.filter(|_| self.protocols.contains(protocol))
-    }
-}
-
-/// Lowers routes (in rule order) to kernel table entries. Always succeeds: whatever does not
-/// fit becomes a punt, and past the table size a final catch-all punt ends the table.
-pub fn lower_routes(routes: &[RouteSpec]) -> Vec<KernelRoute> {
-    let mut out = Vec::new();
-    for r in routes {
-        if out.len() == ROUTES_MAX - 1 {
-            out.push(KernelRoute {
-                route_id: r.route_id,
-                method: None,
-                path: PathMatch::Prefix(String::new()),
-                backend: None,
-                protocols: Protocols::NONE,
-            });
-            return out;
-        }
-        let method = match &r.method {
-            Some(m) if m.len() > METHOD_MAX || m.is_empty() => None,
-            other => other.clone(),
-        };
-        let mut exact_enough = method == r.method && !r.other_conditions;
-        let path = match &r.path {
-            PathMatch::Exact(p) if p.len() <= PATH_MAX => PathMatch::Exact(p.clone()),
-            PathMatch::Prefix(p) if p.len() <= PATH_MAX => PathMatch::Prefix(p.clone()),
-            PathMatch::Exact(p) | PathMatch::Prefix(p) => {
-                exact_enough = false;
-                PathMatch::Prefix(truncate(p, PATH_MAX).to_string())
-            }
-            PathMatch::Other => {
-                exact_enough = false;
-                PathMatch::Prefix(String::new())
-            }
-        };
-        let backend = if exact_enough { r.backend } else { None };
-        let catch_all = method.is_none() && path == PathMatch::Prefix(String::new());
-        out.push(KernelRoute {
-            route_id: r.route_id,
-            method,
-            path,
-            backend,
-            protocols: r.protocols,
-        });
-        if catch_all {
-            // Nothing after a catch-all can match.
-            break;
-        }
-    }
-    out
+    bits
 }
 
 /// Longest prefix of `s` of at most `max` bytes that ends on a char boundary.
@@ -145,139 +34,102 @@ fn truncate(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
-impl KernelRoute {
-    pub(crate) fn to_abi(&self) -> FmRoute {
-        let mut r = FmRoute::default();
-        if let Some(m) = &self.method {
-            let b = m.as_bytes();
-            let n = b.len().min(METHOD_MAX);
-            r.method[..n].copy_from_slice(&b[..n]);
-        }
-        let (kind, p) = match &self.path {
-            PathMatch::Exact(p) => (MATCH_EXACT, p.as_str()),
-            PathMatch::Prefix(p) => (MATCH_PREFIX, p.as_str()),
-            // lower_routes never emits Other; treat it as a catch-all punt to stay safe.
-            PathMatch::Other => (MATCH_PREFIX, ""),
-        };
-        let p = truncate(p, PATH_MAX).as_bytes();
-        r.path[..p.len()].copy_from_slice(p);
-        r.path_len = p.len() as u32;
-        r.kind = kind;
-        match (self.backend, &self.path) {
-            (Some(b), PathMatch::Exact(_) | PathMatch::Prefix(_)) => {
-                r.action = ACT_BACKEND;
-                r.backend = b;
-            }
-            _ => r.action = ACT_PUNT,
-        }
-        r.route_id = self.route_id;
-        r.protos = self.protocols.bits();
-        r
+/// One entry as `struct fm_route`. The lowering keeps methods and paths within the ABI's
+/// sizes; an entry built by hand that does not is made a punt that matches more (any method,
+/// its path cut short), never one that decides what the user tier would not.
+pub(crate) fn to_abi(e: &KernelEntry) -> FmRoute {
+    let mut r = FmRoute::default();
+    let method_fits = e.method.as_ref().is_none_or(|m| m.len() <= METHOD_MAX);
+    if let Some(m) = e.method.as_ref().filter(|_| method_fits) {
+        r.method[..m.len()].copy_from_slice(m.as_bytes());
     }
-}
-
-/// The user-space reference of the kernel table: what the verdict program decides for
-/// `method` and `path` (path without query). Used by tests and by the fallback check.
-pub fn decide<'t>(table: &'t [KernelRoute], method: &str, path: &str) -> Option<&'t KernelRoute> {
-    table.iter().find(|r| {
-        let method_ok = r.method.as_deref().is_none_or(|m| m == method);
-        let path_ok = match &r.path {
-            PathMatch::Exact(p) => p == path,
-            PathMatch::Prefix(p) => path.as_bytes().starts_with(p.as_bytes()),
-            PathMatch::Other => true,
-        };
-        method_ok && path_ok
-    })
+    let path = e.path.as_str();
+    let path_fits = path.len() <= PATH_MAX;
+    let p = truncate(path, PATH_MAX).as_bytes();
+    r.path[..p.len()].copy_from_slice(p);
+    r.path_len = p.len() as u32;
+    r.kind = match &e.path {
+        PathKey::Exact(_) if path_fits => MATCH_EXACT,
+        PathKey::Exact(_) | PathKey::Prefix(_) => MATCH_PREFIX,
+    };
+    match &e.action {
+        KernelAction::Forward { cluster, protocols } if method_fits && path_fits => {
+            match u32::try_from(*cluster) {
+                Ok(backend) => {
+                    r.action = ACT_BACKEND;
+                    r.backend = backend;
+                    r.protos = proto_bits(*protocols);
+                }
+                Err(_) => r.action = ACT_PUNT,
+            }
+        }
+        _ => r.action = ACT_PUNT,
+    }
+    // Route ids are u32 in the ABI; compile() refuses more routes than that.
+    r.route_id = u32::try_from(e.route).unwrap_or(u32::MAX);
+    r
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn spec(id: u32, method: Option<&str>, path: PathMatch, backend: Option<u32>) -> RouteSpec {
-        RouteSpec {
-            route_id: id,
-            method: method.map(str::to_string),
+    fn entry(method: Option<&str>, path: PathKey, action: KernelAction) -> KernelEntry {
+        KernelEntry {
+            route: 7,
+            method: method.map(str::to_owned),
             path,
-            other_conditions: false,
-            backend,
-            protocols: Protocols::HTTP1,
+            action,
         }
     }
 
     #[test]
-    fn simple_routes_lower_to_backend_entries_in_order() {
-        let t = lower_routes(&[
-            spec(0, Some("GET"), PathMatch::Exact("/a".into()), Some(1)),
-            spec(1, None, PathMatch::Prefix("/api/".into()), Some(2)),
-        ]);
-        assert_eq!(t.len(), 2);
-        assert_eq!(decide(&t, "GET", "/a").and_then(|r| r.backend), Some(1));
-        assert_eq!(decide(&t, "POST", "/a"), None);
+    fn entries_encode_field_by_field() {
+        let fwd = KernelAction::Forward {
+            cluster: 3,
+            protocols: Protocols::HTTP1 | Protocols::HTTP2,
+        };
+        let r = to_abi(&entry(Some("GET"), PathKey::Exact("/a".into()), fwd));
+        assert_eq!(&r.method[..4], b"GET\0");
         assert_eq!(
-            decide(&t, "POST", "/api/x").and_then(|r| r.backend),
-            Some(2)
+            (&r.path[..2], r.path_len, r.kind),
+            (&b"/a"[..], 2, MATCH_EXACT)
+        );
+        assert_eq!((r.action, r.backend, r.route_id), (ACT_BACKEND, 3, 7));
+        assert_eq!(r.protos, 0b110);
+        let r = to_abi(&entry(
+            None,
+            PathKey::Prefix("/api/".into()),
+            KernelAction::Punt(flatmesh_rules::Reason::HeaderMatch),
+        ));
+        assert_eq!((r.kind, r.action, r.protos), (MATCH_PREFIX, ACT_PUNT, 0));
+        assert_eq!(r.method, [0; METHOD_MAX]);
+        let h2 = KernelAction::Forward {
+            cluster: 0,
+            protocols: Protocols::HTTP2,
+        };
+        assert_eq!(
+            to_abi(&entry(None, PathKey::Prefix(String::new()), h2)).protos,
+            0b100
         );
     }
 
     #[test]
-    fn undecidable_routes_become_punts_that_shadow_later_rules() {
-        let mut header_rule = spec(0, None, PathMatch::Prefix("/api/".into()), Some(1));
-        header_rule.other_conditions = true;
-        let t = lower_routes(&[
-            header_rule,
-            spec(1, None, PathMatch::Prefix("/".into()), Some(2)),
-        ]);
-        // /api/x might match the header rule: the kernel must not decide it.
-        assert_eq!(decide(&t, "GET", "/api/x").map(|r| r.backend), Some(None));
-        assert_eq!(decide(&t, "GET", "/b").and_then(|r| r.backend), Some(2));
-    }
-
-    #[test]
-    fn regex_route_punts_everything_after_it() {
-        let t = lower_routes(&[
-            spec(0, None, PathMatch::Other, Some(1)),
-            spec(1, None, PathMatch::Prefix("/".into()), Some(2)),
-        ]);
-        assert_eq!(t.len(), 1, "nothing after a catch-all punt");
-        assert_eq!(decide(&t, "GET", "/x").map(|r| r.backend), Some(None));
-    }
-
-    #[test]
-    fn long_paths_and_methods_are_punted_conservatively() {
-        let long = format!("/{}", "x".repeat(100));
-        let t = lower_routes(&[
-            spec(0, None, PathMatch::Exact(long.clone()), Some(1)),
-            spec(
-                1,
-                Some("VERYLONGMETHOD"),
-                PathMatch::Prefix("/m".into()),
-                Some(2),
-            ),
-        ]);
-        assert_eq!(decide(&t, "GET", &long).map(|r| r.backend), Some(None));
-        // The long method is widened to any method and punted.
-        assert_eq!(decide(&t, "GET", "/m").map(|r| r.backend), Some(None));
-        let abi = t[0].to_abi();
-        assert_eq!(abi.path_len as usize, PATH_MAX);
-        assert_eq!(abi.action, ACT_PUNT);
-    }
-
-    #[test]
-    fn table_overflow_ends_with_a_catch_all_punt() {
-        let many: Vec<_> = (0..100)
-            .map(|i| spec(i, None, PathMatch::Exact(format!("/{i}")), Some(i)))
-            .collect();
-        let t = lower_routes(&many);
-        assert_eq!(t.len(), ROUTES_MAX);
-        assert_eq!(decide(&t, "GET", "/5").and_then(|r| r.backend), Some(5));
-        assert_eq!(decide(&t, "GET", "/99").map(|r| r.backend), Some(None));
-    }
-
-    #[test]
-    fn truncation_respects_char_boundaries() {
-        let s = format!("/{}", "é".repeat(40));
-        assert!(truncate(&s, PATH_MAX).len() <= PATH_MAX);
-        assert!(s.starts_with(truncate(&s, PATH_MAX)));
+    fn an_oversized_hand_made_entry_becomes_a_wider_punt() {
+        let long = format!("/{}", "é".repeat(40));
+        let fwd = KernelAction::Forward {
+            cluster: 1,
+            protocols: Protocols::HTTP1,
+        };
+        let r = to_abi(&entry(None, PathKey::Exact(long.clone()), fwd.clone()));
+        assert_eq!((r.kind, r.action), (MATCH_PREFIX, ACT_PUNT));
+        assert!(r.path_len as usize <= PATH_MAX);
+        assert!(long.as_bytes().starts_with(&r.path[..r.path_len as usize]));
+        let r = to_abi(&entry(
+            Some("VERYLONGMETHOD"),
+            PathKey::Exact("/m".into()),
+            fwd,
+        ));
+        assert_eq!((r.method, r.action), ([0; METHOD_MAX], ACT_PUNT));
     }
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use flatmesh_kernel::{
-    huffman, lower_routes, FallbackReason, KernelTier, L7Decision, PathMatch, Protocols, RouteSpec,
+    huffman, FallbackReason, KernelAction, KernelEntry, KernelTier, L7Decision, PathKey, Protocols,
 };
 
 /// Backend `id`: after each chunk it reads, answers "b<id> <total bytes so far>\n"; at EOF it
@@ -134,59 +134,63 @@ fn line(s: &mut TcpStream) -> String {
     String::from_utf8_lossy(&out).trim_end().to_string()
 }
 
-fn specs() -> Vec<RouteSpec> {
-    let r = |id, method: Option<&str>, path, other, backend| RouteSpec {
-        route_id: id,
-        method: method.map(str::to_string),
-        path,
-        other_conditions: other,
-        backend,
-        protocols: Protocols::HTTP1 | Protocols::HTTP2,
-    };
+/// The test's routes: (method, path, needs header `x-canary: 1`, backend, protocols).
+type TestRoute = (Option<&'static str>, PathKey, bool, u32, Protocols);
+
+fn routes() -> Vec<TestRoute> {
+    let both = Protocols::HTTP1 | Protocols::HTTP2;
     vec![
-        r(
-            0,
-            Some("GET"),
-            PathMatch::Exact("/a".into()),
-            false,
-            Some(0),
-        ),
-        r(1, None, PathMatch::Prefix("/canary/".into()), true, Some(0)), // + a header match
-        r(2, None, PathMatch::Prefix("/api/".into()), false, Some(1)),
-        r(
-            3,
+        (Some("GET"), PathKey::Exact("/a".into()), false, 0, both),
+        (None, PathKey::Prefix("/canary/".into()), true, 0, both),
+        (None, PathKey::Prefix("/api/".into()), false, 1, both),
+        (
             Some("POST"),
-            PathMatch::Prefix("/svc.Echo/".into()),
+            PathKey::Prefix("/svc.Echo/".into()),
             false,
-            Some(0),
+            0,
+            both,
         ),
         // A cluster that speaks HTTP/1.1 only: an HTTP/2 client must not be spliced to it.
-        RouteSpec {
-            protocols: Protocols::HTTP1,
-            ..r(
-                4,
-                None,
-                PathMatch::Prefix("/h1only/".into()),
-                false,
-                Some(1),
-            )
-        },
+        (
+            None,
+            PathKey::Prefix("/h1only/".into()),
+            false,
+            1,
+            Protocols::HTTP1,
+        ),
     ]
 }
 
-/// The user tier's answer, straight from the specs: first match, with the canary rule
+/// The table the tier-K lowering (flatmesh-rules) makes of [`routes`]: the route with a
+/// header condition becomes a punt entry for its method and path.
+fn table() -> Vec<KernelEntry> {
+    routes()
+        .into_iter()
+        .enumerate()
+        .map(
+            |(route, (method, path, canary, backend, protocols))| KernelEntry {
+                route,
+                method: method.map(str::to_owned),
+                path,
+                action: if canary {
+                    KernelAction::Punt(flatmesh_rules::Reason::HeaderMatch)
+                } else {
+                    KernelAction::Forward {
+                        cluster: backend as usize,
+                        protocols,
+                    }
+                },
+            },
+        )
+        .collect()
+}
+
+/// The user tier's answer, straight from the routes: first match, with the canary rule
 /// needing header `x-canary: 1`.
 fn user_tier(method: &str, path: &str, canary_header: bool) -> Option<u32> {
-    specs().into_iter().find_map(|s| {
-        let m = s.method.as_deref().is_none_or(|x| x == method);
-        let p = match &s.path {
-            PathMatch::Exact(x) => x == path,
-            PathMatch::Prefix(x) => path.starts_with(x.as_str()),
-            PathMatch::Other => false,
-        };
-        (m && p && (!s.other_conditions || canary_header))
-            .then_some(s.backend)
-            .flatten()
+    routes().into_iter().find_map(|(m, p, canary, backend, _)| {
+        let m = m.is_none_or(|x| x == method);
+        (m && p.matches(path) && (!canary || canary_header)).then_some(backend)
     })
 }
 
@@ -201,8 +205,7 @@ fn tier_mode(test: &str, stream_parser: bool) -> KernelTier {
     cfg.l7_dispatch = true;
     cfg.l7_stream_parser = stream_parser;
     let t = KernelTier::attach(&cfg).unwrap_or_else(|e| panic!("{e}"));
-    t.set_routes(&lower_routes(&specs()))
-        .unwrap_or_else(|e| panic!("{e}"));
+    t.set_routes(&table()).unwrap_or_else(|e| panic!("{e}"));
     t
 }
 
@@ -1217,14 +1220,15 @@ fn real_grpc_go_clients_are_decided_in_the_kernel() {
         return;
     };
     let tier = tier("l7-grpc-go");
-    tier.set_routes(&lower_routes(&[RouteSpec {
-        route_id: 0,
+    tier.set_routes(&[KernelEntry {
+        route: 0,
         method: None,
-        path: PathMatch::Prefix("/".into()),
-        other_conditions: false,
-        backend: Some(0),
-        protocols: Protocols::HTTP2,
-    }]))
+        path: PathKey::Prefix("/".into()),
+        action: KernelAction::Forward {
+            cluster: 0,
+            protocols: Protocols::HTTP2,
+        },
+    }])
     .unwrap_or_else(|e| panic!("{e}"));
     let (bl, bport) = listener();
     drop(bl);

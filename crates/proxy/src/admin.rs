@@ -124,7 +124,18 @@ fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
                 "config": &*snapshot.config,
             }))
         }
-        "/rules" => json(&shared.snapshot().program.to_json()),
+        // Where each rule runs on this node; `?format=text` is `flatmesh check --explain`'s view.
+        "/rules" => {
+            let (program, tiers) = (&shared.snapshot().program, shared.tiers());
+            match req.uri().query() {
+                Some("format=text") => respond(
+                    StatusCode::OK,
+                    "text/plain; charset=utf-8",
+                    program.explain_on(&tiers),
+                ),
+                _ => json(&program.to_json_on(&tiers)),
+            }
+        }
         "/listeners" => {
             let map: serde_json::Map<String, serde_json::Value> = shared
                 .listener_addresses()

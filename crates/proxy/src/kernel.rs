@@ -18,13 +18,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
-use flatmesh_config::{Config, UpstreamProtocol};
+use flatmesh_config::Config;
 use flatmesh_kernel::{
-    lower_routes, CaptureConfig, DirectBytes, HopPort, KernelConfig, KernelTier, L7Decision,
-    PathMatch, RouteSpec, SockKey,
+    CaptureConfig, DirectBytes, HopPort, KernelConfig, KernelEntry, KernelTier, L7Decision, SockKey,
 };
-use flatmesh_rules::matcher::PathCond;
-use flatmesh_rules::{RouteAction, TableKind};
+use flatmesh_rules::{KernelRuntime, TableKind};
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
 
@@ -48,6 +46,8 @@ struct Installed {
     services: BTreeSet<(SocketAddr, SocketAddr)>,
     redirect_ports: BTreeMap<u16, HopPort>,
     l7_ports: BTreeSet<u16>,
+    /// Why the last route table could not be installed, if it could not.
+    table_error: Option<String>,
 }
 
 /// What a snapshot asks of the kernel, worked out without touching it.
@@ -59,8 +59,8 @@ pub struct KernelPlan {
     pub redirect_ports: BTreeMap<u16, HopPort>,
     /// Http listener ports whose connections the verdict decides.
     pub l7_ports: BTreeSet<u16>,
-    /// The L7 listener's routes in rule order, for `lower_routes`.
-    pub routes: Vec<RouteSpec>,
+    /// The L7 listener's route table, as the tier-K lowering made it.
+    pub routes: Vec<KernelEntry>,
 }
 
 /// The outcome of waiting for the kernel's decision on a connection's first request.
@@ -112,13 +112,16 @@ fn settings_ack_at(stream: &[u8]) -> Result<usize, bool> {
 }
 
 /// Attaches tier K if the config has a `kernel:` section and the host can run it. Without
-/// privileges or kernel support it logs one line saying what is missing and returns `None`:
-/// the node then runs on the user tiers.
-pub fn attach(config: &Config) -> Option<KernelBinding> {
-    let k = config.kernel.as_ref()?;
-    if let Some(missing) = flatmesh_kernel::probe() {
-        tracing::warn!("{missing}");
-        return None;
+/// privileges or kernel support it logs one line saying what is missing and returns why
+/// tier K is off (for `/rules`): the node then runs on the user tiers.
+pub fn attach(config: &Config) -> Result<KernelBinding, String> {
+    let Some(k) = config.kernel.as_ref() else {
+        return Err("the config has no `kernel:` section".into());
+    };
+    if let Some(line) = flatmesh_kernel::probe() {
+        tracing::warn!("{line}");
+        let missing = flatmesh_kernel::missing_requirements().join(", ");
+        return Err(format!("missing {missing}"));
     }
     let cfg = KernelConfig {
         pin_dir: k
@@ -140,13 +143,13 @@ pub fn attach(config: &Config) -> Option<KernelBinding> {
     };
     if cfg.capture.is_none() && !cfg.redirect && !cfg.l7_dispatch {
         tracing::info!("the kernel section enables nothing; tier K stays off");
-        return None;
+        return Err("the kernel section enables nothing".into());
     }
     let tier = match KernelTier::attach(&cfg) {
         Ok(tier) => tier,
         Err(err) => {
             tracing::warn!("tier K (eBPF) could not attach: {err}; running on the user tiers");
-            return None;
+            return Err(format!("it could not attach: {err}"));
         }
     };
     if cfg.capture.is_some() {
@@ -154,7 +157,7 @@ pub fn attach(config: &Config) -> Option<KernelBinding> {
         if let Err(err) = tier.bypass_pid(std::process::id()) {
             tracing::warn!("tier K: cannot exempt the node from capture ({err}); capture is off");
             let _ = tier.detach();
-            return None;
+            return Err(format!("cannot exempt the node from capture: {err}"));
         }
     }
     tracing::info!(
@@ -165,7 +168,7 @@ pub fn attach(config: &Config) -> Option<KernelBinding> {
         tcp_splice = k.tcp_splice,
         "tier K (eBPF) attached"
     );
-    Some(KernelBinding {
+    Ok(KernelBinding {
         tier,
         installed: Mutex::new(Installed::default()),
     })
@@ -192,11 +195,9 @@ pub fn plan(snapshot: &Snapshot, bound: &dyn Fn(&str) -> Option<SocketAddr>) -> 
         let table = &snapshot.program.listeners()[lid];
         let port = bound(&l.name).map(|a| a.port());
         match (&table.kind, port) {
-            (TableKind::Http(t), Some(port)) if Some(l.name.as_str()) == l7_listener => {
+            (TableKind::Http(_), Some(port)) if Some(l.name.as_str()) == l7_listener => {
                 plan.l7_ports.insert(port);
-                for r in &t.routes {
-                    plan.routes.push(route_spec(r, snapshot));
-                }
+                plan.routes = snapshot.program.kernel().entries.clone();
                 // The accepted end belongs to the sk_skb dispatcher, which must see the
                 // client's bytes come in through TCP; the client end joins the sockhash so a
                 // decided connection can go socket direct.
@@ -233,46 +234,6 @@ fn reachable(addr: SocketAddr, for_ipv4: bool) -> SocketAddr {
         }
         IpAddr::V6(ip) if ip.is_unspecified() => (Ipv6Addr::LOCALHOST, addr.port()).into(),
         _ => addr,
-    }
-}
-
-/// One compiled route, reduced to what the kernel's table can look at.
-fn route_spec(r: &flatmesh_rules::CompiledRoute, snapshot: &Snapshot) -> RouteSpec {
-    let m = &r.matches;
-    RouteSpec {
-        route_id: r.id as u32,
-        method: m.method.as_ref().map(|m| m.as_str().to_owned()),
-        path: match &m.path {
-            None => PathMatch::Prefix(String::new()),
-            Some(PathCond::Exact(p)) => PathMatch::Exact(p.clone()),
-            Some(PathCond::Prefix(p)) => PathMatch::Prefix(p.clone()),
-            Some(PathCond::Regex(_)) => PathMatch::Other,
-        },
-        other_conditions: m.host.is_some() || !m.headers.is_empty() || !m.query.is_empty(),
-        // Only a plain forward whose every other effect the kernel keeps (no rewrite, retry
-        // or per-request timeout: the classifier's K eligibility), to a cluster that picks its
-        // endpoint without reading the request (no header hash), is decided there.
-        backend: match r.action {
-            RouteAction::Forward(c)
-                if r.placement.eligible.contains(flatmesh_rules::Tier::Kernel)
-                    && snapshot
-                        .clusters
-                        .get(c)
-                        .is_some_and(|c| c.hash_header.is_none()) =>
-            {
-                Some(c as u32)
-            }
-            _ => None,
-        },
-        // A spliced connection reaches the backend as the client spoke it: only a cluster
-        // that speaks the same protocol can take it.
-        protocols: match r.action {
-            RouteAction::Forward(c) => match snapshot.clusters.get(c).map(|c| c.protocol) {
-                Some(UpstreamProtocol::Http2) => flatmesh_kernel::Protocols::HTTP2,
-                _ => flatmesh_kernel::Protocols::HTTP1,
-            },
-            _ => flatmesh_kernel::Protocols::NONE,
-        },
     }
 }
 
@@ -610,7 +571,9 @@ impl KernelBinding {
         }
         if !plan.l7_ports.is_empty() {
             // Table before port: a connection registered on the port must find the new routes.
-            if let Err(e) = self.tier.set_routes(&lower_routes(&plan.routes)) {
+            let result = self.tier.set_routes(&plan.routes);
+            installed.table_error = result.as_ref().err().map(|e| e.to_string());
+            if let Err(e) = result {
                 log("install the L7 route table", e);
             }
         }
@@ -622,6 +585,14 @@ impl KernelBinding {
         installed.services = plan.services.clone();
         installed.redirect_ports = plan.redirect_ports.clone();
         installed.l7_ports = plan.l7_ports.clone();
+    }
+
+    /// What this node has of tier K, for `/rules`.
+    pub fn runtime(&self) -> KernelRuntime {
+        KernelRuntime::Attached {
+            verdict: self.tier.config().l7_dispatch,
+            table_error: self.installed.lock().table_error.clone(),
+        }
     }
 
     /// Whether sk_msg local-hop redirect (and so socket direct) is attached.

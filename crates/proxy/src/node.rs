@@ -57,11 +57,22 @@ pub(crate) struct Shared {
     state: Mutex<State>,
     /// Tier K, attached at start when the config asks for it and the host can run it.
     kernel: Option<Arc<KernelBinding>>,
+    /// Why tier K is not attached, when it is not.
+    kernel_off: Option<String>,
 }
 
 impl Shared {
     pub fn snapshot(&self) -> Arc<Snapshot> {
         self.state.lock().snapshot.clone()
+    }
+
+    /// The tiers this node runs, for `/rules`.
+    pub fn tiers(&self) -> flatmesh_rules::NodeTiers {
+        let kernel = match (&self.kernel, &self.kernel_off) {
+            (Some(k), _) => k.runtime(),
+            (None, why) => flatmesh_rules::KernelRuntime::Off(why.clone().unwrap_or_default()),
+        };
+        flatmesh_rules::NodeTiers { kernel }
     }
 
     pub fn status(&self) -> ReloadStatus {
@@ -243,7 +254,10 @@ impl Node {
             );
             sockets.push(((l.address, l.protocol), group));
         }
-        let kernel = crate::kernel::attach(&snapshot.config).map(Arc::new);
+        let (kernel, kernel_off) = match crate::kernel::attach(&snapshot.config) {
+            Ok(k) => (Some(Arc::new(k)), None),
+            Err(why) => (None, Some(why)),
+        };
         let mut handles = Vec::with_capacity(workers);
         for id in 0..workers {
             let view = WorkerView {
@@ -273,6 +287,7 @@ impl Node {
             workers: handles,
             state: Mutex::new(state),
             kernel,
+            kernel_off,
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
         let control_shared = shared.clone();

@@ -6,7 +6,8 @@
 //! - [`header`]: the QNP packet header, exactly Fig. 11.
 //! - [`transport`]: reliable request delivery over UDP (segmentation, per-request ACKs, retransmit).
 //! - [`rules`]: skip-and-check dispatch rules: file parser, plain semantics, fast matcher.
-//! - [`image`]: the Matcher's RAM/CAM tables (§4.2.2), compiler and bit-exact reference executor.
+//! - [`image`]: the Matcher's RAM/CAM tables (§4.2.2), compiler and bit-exact reference executor
+//!   (shared with tier N of the rule program: `flatmesh_rules::image`), and `rules eval` inputs.
 //! - [`kernel_rsd`]: the sk_reuseport eBPF dispatcher and the lowering of rules into its maps.
 //! - [`dispatch`]: receive-side dispatch across per-core shared-nothing workers.
 //! - [`cpu`]: pinning threads for benchmarks.

@@ -14,74 +14,14 @@
 //! dropped.
 //!
 //! [`RuleSet::eval`] is the plain semantics; [`FastMatcher`] is the software dispatcher's matcher.
+//! The rule types ([`Rule`], [`PatByte`], [`Decision`]) are shared with tier N of the rule
+//! program (`flatmesh_rules::skipcheck`), which lowers http routes to the same Matcher image.
 
 use crate::QnpError;
+use flatmesh_rules::skipcheck::RuleTable;
 use std::collections::BTreeMap;
 
-/// One pattern position.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PatByte {
-    /// `.`: any byte.
-    Skip,
-    /// This exact byte.
-    Byte(u8),
-}
-
-/// One `rule` line.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Rule {
-    pub app_id: u8,
-    pub req_type: u8,
-    pub field: u8,
-    pub pattern: Vec<PatByte>,
-    pub queue: u8,
-    /// The line in the rule file (1-based).
-    pub line: usize,
-}
-
-impl Rule {
-    /// The plain semantics of one rule.
-    pub fn matches(&self, value: &[u8]) -> bool {
-        value.len() >= self.pattern.len()
-            && self.pattern.iter().zip(value).all(|(p, v)| match p {
-                PatByte::Skip => true,
-                PatByte::Byte(b) => b == v,
-            })
-    }
-
-    /// The pattern written back in rule file syntax.
-    pub fn pattern_text(&self) -> String {
-        let mut s = String::new();
-        for p in &self.pattern {
-            match p {
-                PatByte::Skip => s.push('.'),
-                PatByte::Byte(b'.') => s.push_str("\\."),
-                PatByte::Byte(b'\\') => s.push_str("\\\\"),
-                PatByte::Byte(b) if b.is_ascii_graphic() && *b != b'"' || *b == b' ' => {
-                    s.push(char::from(*b))
-                }
-                PatByte::Byte(b) => s.push_str(&format!("\\x{b:02x}")),
-            }
-        }
-        s
-    }
-}
-
-/// Where a request goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Decision {
-    Queue(u8),
-    Drop,
-}
-
-impl std::fmt::Display for Decision {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Decision::Queue(q) => write!(f, "{q}"),
-            Decision::Drop => f.write_str("drop"),
-        }
-    }
-}
+pub use flatmesh_rules::skipcheck::{Decision, PatByte, Rule};
 
 /// A parsed rule file.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -216,6 +156,21 @@ impl RuleSet {
                 .map(|(k, v)| (*k, *v))
                 .collect(),
         }
+    }
+}
+
+/// What the image compiler reads ([`crate::image::Image::compile`]).
+impl RuleTable for RuleSet {
+    fn rules(&self) -> &[Rule] {
+        &self.rules
+    }
+
+    fn default_queue(&self, app_id: u8, req_type: u8) -> Option<u8> {
+        self.defaults.get(&(app_id, req_type)).map(|(q, _)| *q)
+    }
+
+    fn defaults(&self) -> Vec<(u8, u8)> {
+        self.defaults.keys().copied().collect()
     }
 }
 

@@ -71,4 +71,11 @@ pub enum RulesError {
         count: usize,
         max: usize,
     },
+
+    /// Skip-and-check rules that do not fit the Matcher's tables (the text says by how much).
+    #[error("{0}")]
+    TableFull(String),
+
+    #[error("bad table image: {0}; recompile it with `flatmesh qnp rules compile` (an http listeners' image: `flatmesh check --nic-image`)")]
+    BadImage(String),
 }

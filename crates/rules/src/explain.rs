@@ -5,37 +5,64 @@ use std::fmt::Write as _;
 use flatmesh_config::duration;
 use serde_json::{json, Value};
 
+use crate::image;
+use crate::lower::kernel::{self, KernelAction};
+use crate::lower::{nic, Lowering};
 use crate::matcher::{HeaderCond, HostMatch, PathCond, QueryCond, RuleMatch, ValueMatch};
 use crate::program::{CompiledRoute, RouteAction, RuleProgram, TableKind};
-use crate::tier::Placement;
+use crate::runtime::NodeTiers;
+use crate::tier::Tier;
+use crate::{ListenerId, RouteId};
 
 const LEGEND: &str = "tiers: N = NIC table image, K = kernel eBPF, U4 = user L4 relay, U7 = user L7 executor
-eligible = every tier that could decide the rule, cheapest first; tier = where it runs in this build";
+eligible = every tier whose lowering can decide the rule when its table has room, cheapest first
+K = the kernel's route table: h1/h2 = entry e decides it for HTTP/1.x / HTTP/2 connections, punt = entry e hands it to the user tier, - = no entry
+N = the NIC image: qN = decided, queue N; host = handed to the host (queue 0); - = not in the image
+tier = where the rule runs (N is an emitted image: no NIC runs it here); why = why it runs there";
 
 impl RuleProgram {
-    /// Every table, every rule, its match, action, eligible tiers and the tier it runs in.
+    /// Every table, every rule, its match, action, what each lowering does with it and the
+    /// tier it runs in, as the config asks.
     pub fn explain(&self) -> String {
+        self.explain_on(&NodeTiers::default())
+    }
+
+    /// As [`explain`](Self::explain), with the tiers `node` actually runs.
+    pub fn explain_on(&self, node: &NodeTiers) -> String {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "RuleProgram: {} listeners, {} clusters",
+            "RuleProgram: {} listeners, {} clusters; {}",
             self.listeners.len(),
-            self.clusters.len()
+            self.clusters.len(),
+            node.describe()
         );
         let _ = writeln!(out, "{LEGEND}");
         for (lid, l) in self.listeners.iter().enumerate() {
             out.push('\n');
-            let header = ["#", "name", "match", "action", "eligible", "tier", "why"];
+            let header = [
+                "#", "name", "match", "action", "eligible", "K", "N", "tier", "why",
+            ];
             match &l.kind {
                 TableKind::Tcp(rule) => {
                     let _ = writeln!(out, "listener {lid} `{}` tcp {}: 1 rule", l.name, l.address);
-                    let row = placement_row(
+                    let (tier, why) = node.place(&rule.placement, Tier::UserL4);
+                    let k = if rule.placement.tier == Tier::Kernel {
+                        "splice"
+                    } else {
+                        "-"
+                    };
+                    let row = vec![
                         "0".into(),
                         l.name.clone(),
                         "* (every connection)".into(),
                         format!("forward {}", self.cluster_name(rule.cluster)),
-                        &rule.placement,
-                    );
+                        rule.placement.eligible.label(),
+                        k.into(),
+                        "-".into(),
+                        tier.to_string(),
+                        why.into_owned(),
+                    ];
                     table(&mut out, &header, &[row]);
                 }
                 TableKind::Http(t) => {
@@ -55,27 +82,24 @@ impl RuleProgram {
                         .routes
                         .iter()
                         .map(|r| {
-                            placement_row(
+                            let (tier, why) = node.place(&r.placement, Tier::UserL7);
+                            vec![
                                 r.id.to_string(),
                                 r.name.clone(),
                                 r.matches.describe(),
                                 self.describe_action(r),
-                                &r.placement,
-                            )
+                                r.placement.eligible.label(),
+                                self.kernel_cell(lid, r.id),
+                                self.nic_cell(lid, r.id),
+                                tier.to_string(),
+                                why.into_owned(),
+                            ]
                         })
                         .collect();
                     table(&mut out, &header, &rows);
-                    // Only a run of eligible routes from the top can leave U7 (first match wins).
-                    let prefix = |tier| match self.decidable_prefix(lid, tier) {
-                        Some(crate::Decidable::Http(r)) => r.len(),
-                        _ => 0,
-                    };
-                    let _ = writeln!(
-                        out,
-                        "  (no match: 404)  first-match-safe prefix: K could decide routes 0..{}, N routes 0..{}",
-                        prefix(crate::Tier::Kernel),
-                        prefix(crate::Tier::Nic)
-                    );
+                    let _ = writeln!(out, "  (no match: 404)");
+                    self.explain_kernel_table(&mut out, lid);
+                    self.explain_image(&mut out, lid);
                 }
             }
         }
@@ -102,6 +126,98 @@ impl RuleProgram {
             &rows,
         );
         out
+    }
+
+    /// `h1 e3`, `punt e0` or `-`: the kernel table's entry for a route.
+    fn kernel_cell(&self, listener: ListenerId, route: RouteId) -> String {
+        let k = self.kernel();
+        if k.listener != Some(listener) {
+            return "-".into();
+        }
+        match k.entry_of(route).map(|e| (e, &k.entries[e].action)) {
+            Some((e, KernelAction::Forward { protocols, .. })) => {
+                format!("{} e{e}", protocols.label())
+            }
+            Some((e, KernelAction::Punt(_))) => format!("punt e{e}"),
+            None => "-".into(),
+        }
+    }
+
+    /// `q3`, `host` or `-`: what the image does with a route.
+    fn nic_cell(&self, listener: ListenerId, route: RouteId) -> String {
+        let Some(l) = self.nic().listeners.get(listener) else {
+            return "-".into();
+        };
+        match l.routes.get(route) {
+            Some(r) if r.verdict.decides() => r
+                .queue(route)
+                .map_or_else(|| "-".into(), |q| format!("q{q}")),
+            Some(r) if l.app_id.is_some() && !r.rules.is_empty() => "host".into(),
+            _ => "-".into(),
+        }
+    }
+
+    /// One line about the kernel's table, for the listener it holds.
+    fn explain_kernel_table(&self, out: &mut String, listener: ListenerId) {
+        let k = self.kernel();
+        if k.listener != Some(listener) {
+            return;
+        }
+        let decided = k
+            .entries
+            .iter()
+            .filter(|e| matches!(e.action, KernelAction::Forward { .. }))
+            .count();
+        let _ = writeln!(
+            out,
+            "  tier K: {} of {} route table entries, {decided} decide, {} punt; a request no entry matches goes to the user tier",
+            k.entries.len(),
+            kernel::ENTRIES_MAX,
+            k.entries.len() - decided
+        );
+    }
+
+    /// The listener's part of the NIC image: its entries, and why any route stays on the host.
+    fn explain_image(&self, out: &mut String, listener: ListenerId) {
+        let Some(l) = self.nic().listeners.get(listener) else {
+            return;
+        };
+        let Some(app) = l.app_id else {
+            let why = l
+                .routes
+                .first()
+                .and_then(|r| r.verdict.reason())
+                .map_or_else(String::new, |r| format!(": {r}"));
+            let _ = writeln!(out, "  tier N: not in the image{why}");
+            return;
+        };
+        let decided: Vec<String> = l
+            .routes
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.verdict.decides())
+            .map(|(id, _)| id.to_string())
+            .collect();
+        let _ = writeln!(
+            out,
+            "  tier N: app {app} type {}, image entries {}..{} ({} of {}), {} rules; routes decided: {}; no match: queue 0 (host)",
+            nic::REQ_TYPE,
+            l.entries.start,
+            l.entries.end,
+            l.entries.len(),
+            image::TABLE_ENTRIES,
+            l.rules.len(),
+            if decided.is_empty() {
+                "none".to_string()
+            } else {
+                decided.join(", ")
+            }
+        );
+        for (id, r) in l.routes.iter().enumerate() {
+            if let Some(why) = r.verdict.reason() {
+                let _ = writeln!(out, "    route {id} stays on the host: {why}");
+            }
+        }
     }
 
     /// `forward api`, `split api:90 canary:10`, `respond 200 (2 bytes)`, then modifiers.
@@ -138,33 +254,52 @@ impl RuleProgram {
         text
     }
 
-    /// The program as JSON for the admin `/rules` endpoint.
+    /// The program as JSON, tiers as the config asks.
     pub fn to_json(&self) -> Value {
+        self.to_json_on(&NodeTiers::default())
+    }
+
+    /// The program as JSON for the admin `/rules` endpoint: `tier` and `reason` are where each
+    /// rule runs on `node`; `kernel` and `nic` are what each lowering does with it.
+    pub fn to_json_on(&self, node: &NodeTiers) -> Value {
         let listeners: Vec<Value> = self
             .listeners
             .iter()
             .enumerate()
             .map(|(id, l)| match &l.kind {
-                TableKind::Tcp(rule) => json!({
-                    "id": id,
-                    "name": l.name,
-                    "address": l.address.to_string(),
-                    "protocol": "tcp",
-                    "rule": {
-                        "action": { "forward": self.cluster_name(rule.cluster) },
-                        "eligible": rule.placement.eligible,
-                        "tier": rule.placement.tier,
-                        "reason": rule.placement.reason,
-                    },
-                }),
-                TableKind::Http(t) => json!({
-                    "id": id,
-                    "name": l.name,
-                    "address": l.address.to_string(),
-                    "protocol": "http",
-                    "index": t.index_stats(),
-                    "routes": t.routes.iter().map(|r| self.route_json(r)).collect::<Vec<_>>(),
-                }),
+                TableKind::Tcp(rule) => {
+                    let (tier, reason) = node.place(&rule.placement, Tier::UserL4);
+                    json!({
+                        "id": id,
+                        "name": l.name,
+                        "address": l.address.to_string(),
+                        "protocol": "tcp",
+                        "rule": {
+                            "action": { "forward": self.cluster_name(rule.cluster) },
+                            "eligible": rule.placement.eligible,
+                            "tier": tier,
+                            "reason": reason,
+                            "kernel": self.kernel().tcp_verdict(id),
+                        },
+                    })
+                }
+                TableKind::Http(t) => {
+                    let nic = &self.nic().listeners[id];
+                    json!({
+                        "id": id,
+                        "name": l.name,
+                        "address": l.address.to_string(),
+                        "protocol": "http",
+                        "index": t.index_stats(),
+                        "kernel_entries": (self.kernel().listener == Some(id)).then(|| self.kernel().entries.len()),
+                        "nic": {
+                            "app_id": nic.app_id,
+                            "entries": [nic.entries.start, nic.entries.end],
+                            "rules": nic.rules.len(),
+                        },
+                        "routes": t.routes.iter().map(|r| self.route_json(id, r, node)).collect::<Vec<_>>(),
+                    })
+                }
             })
             .collect();
         let clusters: Vec<Value> = self
@@ -181,10 +316,10 @@ impl RuleProgram {
                 })
             })
             .collect();
-        json!({ "listeners": listeners, "clusters": clusters })
+        json!({ "node": node.to_json(), "listeners": listeners, "clusters": clusters })
     }
 
-    fn route_json(&self, r: &CompiledRoute) -> Value {
+    fn route_json(&self, listener: ListenerId, r: &CompiledRoute, node: &NodeTiers) -> Value {
         let action = match &r.action {
             RouteAction::Forward(c) => json!({ "forward": self.cluster_name(*c) }),
             RouteAction::Split(s) => json!({
@@ -207,6 +342,7 @@ impl RuleProgram {
                 .collect::<serde_json::Map<_, _>>()
                 .into()
         };
+        let (tier, reason) = node.place(&r.placement, Tier::UserL7);
         json!({
             "id": r.id,
             "name": r.name,
@@ -219,8 +355,43 @@ impl RuleProgram {
             "response_headers_to_add": pairs(&r.response_headers_to_add),
             "retries": r.retries,
             "eligible": r.placement.eligible,
-            "tier": r.tier,
-            "reason": r.placement.reason,
+            "tier": tier,
+            "reason": reason,
+            "kernel": self.kernel_json(listener, r.id),
+            "nic": self.nic_json(listener, r.id),
+        })
+    }
+
+    /// What the kernel's table does with a route: its verdict, entry and protocols.
+    fn kernel_json(&self, listener: ListenerId, route: RouteId) -> Value {
+        let k = self.kernel();
+        let entry = (k.listener == Some(listener))
+            .then(|| k.entry_of(route))
+            .flatten();
+        let protocols = entry.and_then(|e| match &k.entries[e].action {
+            KernelAction::Forward { protocols, .. } => Some(protocols.label()),
+            KernelAction::Punt(_) => None,
+        });
+        let verdict = k.verdict(listener, route);
+        json!({
+            "decides": verdict.is_some_and(|v| v.decides()),
+            "why": verdict.and_then(|v| v.reason()),
+            "entry": entry,
+            "protocols": protocols,
+        })
+    }
+
+    /// What the NIC image does with a route: its verdict and queue.
+    fn nic_json(&self, listener: ListenerId, route: RouteId) -> Value {
+        let r = self
+            .nic()
+            .listeners
+            .get(listener)
+            .and_then(|l| l.routes.get(route));
+        json!({
+            "decides": r.is_some_and(|r| r.verdict.decides()),
+            "why": r.and_then(|r| r.verdict.reason()),
+            "queue": r.and_then(|r| r.queue(route)),
         })
     }
 }
@@ -254,24 +425,6 @@ fn match_json(m: &RuleMatch) -> Value {
         "headers": m.headers.iter().map(|h: &HeaderCond| named(h.name.as_str(), &h.value)).collect::<Vec<_>>(),
         "query": m.query.iter().map(|q: &QueryCond| named(&q.name, &q.value)).collect::<Vec<_>>(),
     })
-}
-
-fn placement_row(
-    id: String,
-    name: String,
-    matches: String,
-    action: String,
-    p: &Placement,
-) -> Vec<String> {
-    vec![
-        id,
-        name,
-        matches,
-        action,
-        p.eligible.label(),
-        p.tier.as_str().to_string(),
-        p.reason.to_string(),
-    ]
 }
 
 /// A serde enum's wire name (`round_robin`), so explain and the YAML use the same words.

@@ -38,7 +38,7 @@ pub(crate) const FEW_REGEXES: usize = 8;
 
 /// The literal prefix every match of `hir` starts with; empty if there is none
 /// (e.g. `.*x`, or alternatives that share nothing).
-fn literal_guard(hir: &Hir) -> Vec<u8> {
+pub(crate) fn literal_guard(hir: &Hir) -> Vec<u8> {
     let mut extractor = Extractor::new();
     extractor.kind(ExtractKind::Prefix);
     extractor

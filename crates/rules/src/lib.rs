@@ -2,32 +2,41 @@
 //!
 //! - [`compile`] turns a [`flatmesh_config::Config`] into a [`RuleProgram`]: one table per
 //!   listener, each rule a match ([`RuleMatch`]) and an action ([`RouteAction`]);
-//! - the [tier classifier](tier) tags every rule with the tiers that could run it and the one it runs in;
+//! - [`lower`] lowers the program to every cheaper tier, as plain data: the kernel's route
+//!   table ([`lower::kernel`]) and the NIC image ([`lower::nic`], laid out by [`image`]), each
+//!   with what it decides, what it hands on and why; `compile` runs them, and each rule's
+//!   [`Placement`] (its [tier]) is read from their output;
 //! - [`RuleProgram::route`] is the user-tier (U7) executor the proxy calls on every request;
-//! - [`RuleProgram::explain`] / [`RuleProgram::to_json`] show the program (`check --explain`, `/rules`);
-//! - [`lower`] is the seam for the kernel (K) and NIC (N) backends.
+//! - [`RuleProgram::explain`] / [`RuleProgram::to_json`] show the program (`check --explain`,
+//!   `/rules`), with the tiers a running node actually has ([`NodeTiers`]).
 //!
 //! See docs/rules.md for the semantics and how to read `--explain`.
 
 mod error;
 mod explain;
+pub mod image;
 mod index;
 pub mod lower;
 pub mod matcher;
 mod program;
+mod reason;
 mod request;
+mod runtime;
+pub mod skipcheck;
 mod split;
 pub mod tier;
 
 pub use error::RulesError;
 pub use index::IndexStats;
-pub use lower::{Decidable, Lowering};
+pub use lower::{Lowering, Verdict};
 pub use matcher::RuleMatch;
 pub use program::{
     compile, ClusterInfo, CompiledRoute, HttpTable, ListenerTable, RouteAction, RuleProgram,
     TableKind, TcpRule,
 };
+pub use reason::Reason;
 pub use request::{strip_port, Headers, Request, Values};
+pub use runtime::{KernelRuntime, NodeTiers};
 pub use split::WeightedSplit;
 pub use tier::{Placement, Tier, TierSet};
 

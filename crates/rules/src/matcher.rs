@@ -58,6 +58,16 @@ impl Pattern {
     pub fn full_match(&self, value: &[u8]) -> bool {
         self.regex.is_match(value)
     }
+
+    /// The literal prefix every match starts with (`/api/v[0-9]+` → `/api/v`); empty if there
+    /// is none. The executor's index and the lowerings' supersets both rely on it.
+    pub fn guard(&self) -> Vec<u8> {
+        // The source parsed when the pattern was built, so this cannot fail; an empty guard
+        // is always safe (every value starts with it).
+        anchored_hir(&self.source)
+            .map(|hir| crate::index::literal_guard(&hir))
+            .unwrap_or_default()
+    }
 }
 
 /// Host condition. Patterns are stored lower-case, without a port.

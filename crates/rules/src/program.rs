@@ -12,9 +12,13 @@ use flatmesh_config::{
 use http::{HeaderName, HeaderValue, Method, StatusCode};
 
 use crate::index::{IndexStats, PathIndex};
+use crate::lower::kernel::{KernelLowering, KernelTarget};
+use crate::lower::nic::NicLowering;
+use crate::lower::Lowering;
 use crate::matcher::{HeaderCond, HostMatch, PathCond, Pattern, QueryCond, RuleMatch, ValueMatch};
+use crate::reason::Reason;
 use crate::split::WeightedSplit;
-use crate::tier::{classify_http, classify_tcp, Placement, Tier};
+use crate::tier::{Placement, Tier, TierSet};
 use crate::{ClusterId, ListenerId, Request, RouteId, RulesError};
 
 /// The compiled program. Immutable: a reload compiles a new one and swaps it in whole.
@@ -24,6 +28,10 @@ pub struct RuleProgram {
     pub(crate) clusters: Vec<ClusterInfo>,
     listener_ids: HashMap<String, ListenerId>,
     cluster_ids: HashMap<String, ClusterId>,
+    /// Tier K's lowering: the kernel's route table and tcp splice.
+    kernel: KernelLowering,
+    /// Tier N's lowering: the NIC image of every http listener.
+    nic: NicLowering,
 }
 
 /// What the program keeps about a cluster (endpoints and LB live in the proxy).
@@ -33,6 +41,8 @@ pub struct ClusterInfo {
     pub lb: LbPolicy,
     pub protocol: UpstreamProtocol,
     pub endpoints: Vec<SocketAddr>,
+    /// The request header a hashing policy hashes on (`hash_on.header`).
+    pub hash_on: Option<String>,
 }
 
 /// One listener's table.
@@ -82,11 +92,11 @@ pub struct CompiledRoute {
     pub request_headers_to_remove: Vec<HeaderName>,
     pub response_headers_to_add: Vec<(HeaderName, HeaderValue)>,
     pub retries: Option<RetryPolicy>,
-    /// Where the rule runs today (same as `placement.tier`).
+    /// Where the rule runs as the config asks (same as `placement.tier`).
     pub tier: Tier,
     /// The match half of the rule, for lowerings, explain and the reference executor.
     pub matches: RuleMatch,
-    /// Eligible tiers and why not cheaper.
+    /// Eligible tiers, where it runs and why, read from the lowerings.
     pub placement: Placement,
 }
 
@@ -96,6 +106,13 @@ pub enum RouteAction {
     Split(WeightedSplit),
     DirectResponse { status: StatusCode, body: Bytes },
 }
+
+/// A rule's placement until `compile` reads it from the lowerings (never seen outside compile).
+const UNPLACED: Placement = Placement {
+    eligible: TierSet::EMPTY,
+    tier: Tier::UserL7,
+    reason: Reason::NoKernelSection,
+};
 
 /// Routes per listener are indexed with `u32` ids.
 const MAX_ROUTES: usize = u32::MAX as usize - 1;
@@ -120,6 +137,22 @@ impl RuleProgram {
 
     pub fn listeners(&self) -> &[ListenerTable] {
         &self.listeners
+    }
+
+    /// Tier K's lowering: what the kernel loader installs, and what it means for each rule.
+    pub fn kernel(&self) -> &KernelLowering {
+        &self.kernel
+    }
+
+    /// Tier N's lowering: the NIC image (`flatmesh check --nic-image`), and what it means for
+    /// each route.
+    pub fn nic(&self) -> &NicLowering {
+        &self.nic
+    }
+
+    /// Every lowering, cheapest tier first.
+    pub fn lowerings(&self) -> [&dyn Lowering; 2] {
+        [&self.nic, &self.kernel]
     }
 
     /// User-tier (U7) executor: the first route of an http listener whose match holds.
@@ -169,6 +202,7 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
             lb: c.lb,
             protocol: c.protocol,
             endpoints: c.endpoints.clone(),
+            hash_on: c.hash_on.as_ref().map(|h| h.header.clone()),
         });
     }
     let mut listener_ids = HashMap::new();
@@ -190,12 +224,17 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
             kind,
         });
     }
-    crate::tier::place_in_kernel(cfg, &mut listeners);
+    // Every lowering runs on the compiled tables; each rule's placement is read from them.
+    let kernel = KernelLowering::lower(&listeners, &clusters, KernelTarget::of(cfg, &listener_ids));
+    let nic = NicLowering::lower(&listeners);
+    crate::tier::place(&mut listeners, &clusters, &kernel);
     Ok(RuleProgram {
         listeners,
         clusters,
         listener_ids,
         cluster_ids,
+        kernel,
+        nic,
     })
 }
 
@@ -214,7 +253,7 @@ fn compile_tcp(l: &Listener, clusters: &HashMap<String, ClusterId>) -> Result<Tc
         })?;
     Ok(TcpRule {
         cluster,
-        placement: classify_tcp(),
+        placement: UNPLACED,
     })
 }
 
@@ -273,7 +312,6 @@ fn compile_route(
             })
             .collect::<Result<Vec<_>, RulesError>>()
     };
-    let placement = classify_http(r);
     Ok(CompiledRoute {
         id,
         action,
@@ -286,9 +324,9 @@ fn compile_route(
             .collect::<Result<_, _>>()?,
         response_headers_to_add: header_pairs(&r.response_headers_to_add)?,
         retries: r.retries.clone(),
-        tier: placement.tier,
+        tier: UNPLACED.tier,
         matches,
-        placement,
+        placement: UNPLACED,
         name,
     })
 }

@@ -5,7 +5,9 @@
 #![allow(clippy::unwrap_used)]
 
 use flatmesh_config::Config;
-use flatmesh_rules::{compile, Decidable, Request, RouteAction, RulesError, Tier};
+use flatmesh_rules::lower::kernel::Protocols;
+use flatmesh_rules::lower::Lowering;
+use flatmesh_rules::{compile, Reason, Request, RouteAction, RulesError, Tier, Verdict};
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 
 const EXAMPLE: &str = r#"
@@ -366,44 +368,120 @@ fn compile_errors_say_what_to_fix() {
 }
 
 #[test]
-fn tiers_are_recorded_and_decidable_prefix_respects_order() {
-    let p = compile(&routes(
-        "      - match: { path: { prefix: /a }, method: GET }\n        cluster: a\n\
+fn tiers_are_read_from_the_lowerings_in_route_order() {
+    let list = "      - match: { path: { prefix: /a }, method: GET }\n        cluster: a\n\
          \x20     - match: { path: { exact: /b } }\n        cluster: a\n\
          \x20     - match: { path: { exact: /c }, headers: [ { name: x, present: true } ] }\n        cluster: a\n\
-         \x20     - match: { path: { exact: /d } }\n        cluster: a\n",
-    ))
-    .unwrap();
-    let tiers: Vec<_> = match p.decidable_prefix(0, Tier::Kernel) {
-        Some(Decidable::Http(routes)) => routes.iter().map(|r| r.id).collect(),
+         \x20     - match: { path: { exact: /d } }\n        cluster: a\n";
+    // Without a kernel section nothing runs in the kernel, whatever a route is eligible for.
+    let p = compile(&routes(list)).unwrap();
+    let r = p.route(0, &Req::get("/d").view()).unwrap();
+    assert_eq!(r.tier, Tier::UserL7);
+    assert_eq!(r.placement.reason, Reason::NoKernelSection);
+    assert_eq!(r.placement.eligible.label(), "N|K|U7");
+    assert!(p.kernel().entries.is_empty());
+
+    // With kernel.l7_dispatch the kernel's table holds every route in order: route 2 becomes
+    // a punt entry for its own method and path only, so route 3 after it is still decided in
+    // the kernel (the table's first match for /d is route 3's entry).
+    let mut with_kernel = routes(list);
+    with_kernel.kernel = Some(serde_norway::from_str("{ l7_dispatch: true }").unwrap());
+    let p = compile(&with_kernel).unwrap();
+    let tiers: Vec<_> = match &p.listeners()[0].kind {
+        flatmesh_rules::TableKind::Http(t) => t.routes.iter().map(|r| r.tier).collect(),
         other => panic!("unexpected {other:?}"),
     };
     assert_eq!(
         tiers,
-        [0, 1],
-        "route 3 is K-eligible but sits after the U7-only route 2"
+        [Tier::Kernel, Tier::Kernel, Tier::UserL7, Tier::Kernel],
+        "route 3 sits after the U7-only route 2 and is still decided in the kernel"
     );
-    match p.decidable_prefix(0, Tier::Nic) {
-        Some(Decidable::Http(routes)) => assert_eq!(routes.len(), 1),
-        other => panic!("unexpected {other:?}"),
-    }
-    assert!(
-        matches!(&p.listeners()[0].kind, flatmesh_rules::TableKind::Http(t) if t.routes.len() == 4)
+    let k = p.kernel();
+    assert_eq!(k.entries.len(), 4);
+    assert_eq!(
+        k.first_match("GET", "/d")
+            .map(|e| (e.route, e.cluster_for(Protocols::HTTP1))),
+        Some((3, Some(0)))
     );
-    let r = p.route(0, &Req::get("/d").view()).unwrap();
-    assert_eq!(r.tier, Tier::UserL7);
-    assert_eq!(r.placement.eligible.label(), "K|U7");
+    assert_eq!(
+        k.first_match("GET", "/c")
+            .map(|e| (e.route, e.cluster_for(Protocols::HTTP1))),
+        Some((2, None)),
+        "the header route's entry punts"
+    );
+    let r2 = p.route(0, &Req::get("/c").header("x", "").view()).unwrap();
+    assert_eq!(r2.placement.reason, Reason::HeaderMatch);
+    assert_eq!(r2.placement.eligible.label(), "U7");
+    let r0 = p.route(0, &Req::get("/a").view()).unwrap();
+    assert_eq!(r0.placement.eligible.label(), "N|K|U7");
+    assert_eq!(r0.placement.reason, Reason::KernelDecides);
 
     let ex = compile(&cfg(EXAMPLE)).unwrap();
-    match ex.decidable_prefix(1, Tier::Kernel) {
-        Some(Decidable::Tcp(Some(rule))) => assert_eq!(rule.placement.tier, Tier::UserL4),
+    match &ex.listeners()[1].kind {
+        flatmesh_rules::TableKind::Tcp(rule) => {
+            assert_eq!(rule.placement.tier, Tier::UserL4);
+            assert_eq!(
+                rule.placement.eligible.label(),
+                "K|U4",
+                "no NIC image for tcp"
+            );
+        }
         other => panic!("unexpected {other:?}"),
     }
-    assert!(matches!(
-        ex.decidable_prefix(1, Tier::Nic),
-        Some(Decidable::Tcp(None))
+    assert_eq!(
+        ex.kernel().tcp_verdict(1),
+        Some(Verdict::Host(Reason::NoKernelSection))
+    );
+    assert_eq!(ex.kernel().tcp_verdict(0), None, "listener 0 is http");
+    assert_eq!(ex.kernel().verdict(9, 0), None);
+}
+
+#[test]
+fn hash_on_clusters_and_long_paths_are_punted_not_shown_as_kernel() {
+    let long = format!("/{}", "x".repeat(70));
+    let mut config = cfg(&format!(
+        "listeners:\n  - name: web\n    address: 127.0.0.1:1\n    protocol: http\n    routes:\n\
+         \x20     - match: {{ path: {{ prefix: /h }} }}\n        cluster: hashed\n\
+         \x20     - match: {{ path: {{ exact: \"{long}\" }} }}\n        cluster: a\n\
+         \x20     - match: {{ path: {{ prefix: /ok }} }}\n        cluster: a\n\
+         clusters:\n  - {{ name: a, endpoints: [127.0.0.1:2] }}\n\
+         \x20 - {{ name: hashed, lb: ring_hash, hash_on: {{ header: x-user }}, endpoints: [127.0.0.1:3] }}\n\
+         kernel: {{ l7_dispatch: true }}\n"
     ));
-    assert!(ex.decidable_prefix(9, Tier::Kernel).is_none());
+    let p = compile(&config).unwrap();
+    let placed: Vec<_> = match &p.listeners()[0].kind {
+        flatmesh_rules::TableKind::Http(t) => t
+            .routes
+            .iter()
+            .map(|r| (r.tier, r.placement.reason))
+            .collect(),
+        other => panic!("unexpected {other:?}"),
+    };
+    assert_eq!(
+        placed,
+        [
+            (Tier::UserL7, Reason::HashOn),
+            (Tier::UserL7, Reason::PathTooLong { max: 64 }),
+            (Tier::Kernel, Reason::KernelDecides),
+        ]
+    );
+    // The kernel's own answer agrees: both punt.
+    let k = p.kernel();
+    assert_eq!(
+        k.first_match("GET", "/h/1")
+            .map(|e| e.cluster_for(Protocols::HTTP1)),
+        Some(None)
+    );
+    assert_eq!(
+        k.first_match("GET", &long)
+            .map(|e| e.cluster_for(Protocols::HTTP1)),
+        Some(None)
+    );
+    assert_eq!(k.first_match("GET", "/ok").map(|e| e.route), Some(2));
+    // A long path's entry is its first 64 bytes, a superset: still a punt for a longer path.
+    assert_eq!(k.entries[1].path.as_str().len(), 64);
+    config.kernel = None;
+    assert!(compile(&config).unwrap().kernel().entries.is_empty());
 }
 
 #[test]
@@ -417,11 +495,13 @@ fn explain_shows_every_table_rule_and_tier() {
             .find(|l| l.contains(needle))
             .unwrap_or_else(|| panic!("no line with {needle:?} in\n{text}"))
     };
-    assert!(text.starts_with("RuleProgram: 2 listeners, 3 clusters\n"));
+    assert!(text.starts_with(
+        "RuleProgram: 2 listeners, 3 clusters; tiers as the config asks (no running node consulted)\n"
+    ));
     assert!(find("listener 0 `web` http 127.0.0.1:8080").contains("4 routes"));
     assert!(find("listener 0 `web`").contains("1 exact, 2 prefix, 1 regex, 0 any path"));
     let header = find("#  name");
-    for col in ["match", "action", "eligible", "tier", "why"] {
+    for col in ["match", "action", "eligible", "K", "N", "tier", "why"] {
         assert!(header.contains(col), "{header}");
     }
     // Columns are aligned: every row of the web table starts its action at the same offset.
@@ -444,9 +524,16 @@ fn explain_shows_every_table_rule_and_tier() {
         canary.contains("api-canary") && canary.contains("http2"),
         "{canary}"
     );
-    assert!(text.contains(
-        "(no match: 404)  first-match-safe prefix: K could decide routes 0..0, N routes 0..0"
-    ));
+    // No kernel section: no kernel table. The NIC image decides the direct response (the host
+    // then answers it) and says why the other routes stay on the host.
+    assert!(!text.contains("tier K:"), "{text}");
+    let n = find("tier N: app 1 type 0");
+    assert!(n.contains("routes decided: 2;"), "{n}");
+    assert!(find("respond 200 (2 bytes)").contains(" q3 "));
+    assert!(find("route 0 stays on the host").contains("header match needs the full request head"));
+    assert!(find("route 1 stays on the host").contains("regex runs only in the user tier"));
+    assert!(find("route 3 stays on the host").contains("host match needs the full request head"));
+    assert!(text.contains("  (no match: 404)\n"));
 }
 
 #[test]
@@ -474,6 +561,15 @@ fn json_for_the_admin_endpoint() {
         web["routes"][3]["request_headers_to_add"]["x-via"],
         "flatmesh"
     );
+    assert_eq!(r1["kernel"]["decides"], false);
+    assert_eq!(r1["kernel"]["why"], "regex runs only in the user tier");
+    assert_eq!(
+        r1["nic"],
+        serde_json::json!({ "decides": false, "why": "regex runs only in the user tier", "queue": null })
+    );
+    assert_eq!(web["routes"][2]["nic"]["queue"], 3);
+    assert_eq!(web["nic"]["app_id"], 1);
+    assert_eq!(v["node"]["kernel"]["state"], "as configured");
     let db = &v["listeners"][1];
     assert_eq!(db["rule"]["action"]["forward"], "db");
     assert_eq!(db["rule"]["eligible"], serde_json::json!(["K", "U4"]));
@@ -483,23 +579,31 @@ fn json_for_the_admin_endpoint() {
 }
 
 #[test]
-fn explain_counts_the_offloadable_prefix_and_handles_an_empty_program() {
-    let p = compile(&routes(
+fn explain_counts_what_each_tier_decides_and_handles_an_empty_program() {
+    let mut with_kernel = routes(
         "      - match: { path: { prefix: /a }, method: GET }\n        cluster: a\n\
          \x20     - match: { path: { exact: /b } }\n        cluster: b\n\
          \x20     - match: { path: { regex: /c } }\n        cluster: b\n",
-    ))
-    .unwrap();
+    );
+    with_kernel.kernel = Some(serde_norway::from_str("{ l7_dispatch: true }").unwrap());
+    let p = compile(&with_kernel).unwrap();
     let text = p.explain();
     assert!(
-        text.contains("K could decide routes 0..2, N routes 0..1"),
+        text.contains("  tier K: 3 of 64 route table entries, 2 decide, 1 punt;"),
         "{text}"
     );
+    assert!(text.contains("routes decided: 0, 1;"), "{text}");
     let row = text.lines().find(|l| l.contains("web/0")).unwrap();
     assert!(
-        row.contains("N|K|U7") && row.contains("first message, method + path"),
+        row.contains("N|K|U7")
+            && row.contains(" h1 e0 ")
+            && row.contains(" q1 ")
+            && row.contains(" K ")
+            && row.contains("first request decided in the kernel"),
         "{row}"
     );
+    let row = text.lines().find(|l| l.contains("web/2")).unwrap();
+    assert!(row.contains(" punt e2 ") && row.contains(" host "), "{row}");
 
     let empty = compile(&cfg("{}")).unwrap();
     assert_eq!(empty.listener_id("web"), None);
@@ -508,7 +612,11 @@ fn explain_counts_the_offloadable_prefix_and_handles_an_empty_program() {
         .starts_with("RuleProgram: 0 listeners, 0 clusters"));
     assert_eq!(
         empty.to_json(),
-        serde_json::json!({ "listeners": [], "clusters": [] })
+        serde_json::json!({
+            "node": { "kernel": { "state": "as configured" } },
+            "listeners": [],
+            "clusters": []
+        })
     );
 }
 

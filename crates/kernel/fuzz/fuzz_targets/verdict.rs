@@ -11,14 +11,13 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use flatmesh_kernel::{
-    decide, lower_routes, KernelConfig, KernelRoute, KernelTier, L7Decision, PathMatch, Protocols,
-    RouteSpec,
+    KernelAction, KernelConfig, KernelEntry, KernelTier, L7Decision, PathKey, Protocols,
 };
 use libfuzzer_sys::fuzz_target;
 
 struct Rig {
     tier: KernelTier,
-    table: Vec<KernelRoute>,
+    table: Vec<KernelEntry>,
     listener: TcpListener,
 }
 
@@ -43,20 +42,21 @@ fn rig() -> &'static Rig {
         };
         let tier = KernelTier::attach(&cfg)
             .unwrap_or_else(|e| panic!("fuzzing needs tier K (run as root): {e}"));
-        let r = |id, m: Option<&str>, path, backend| RouteSpec {
-            route_id: id,
+        let r = |route, m: Option<&str>, path, cluster| KernelEntry {
+            route,
             method: m.map(str::to_string),
             path,
-            other_conditions: false,
-            backend: Some(backend),
-            protocols: Protocols::HTTP1 | Protocols::HTTP2,
+            action: KernelAction::Forward {
+                cluster,
+                protocols: Protocols::HTTP1 | Protocols::HTTP2,
+            },
         };
-        let table = lower_routes(&[
-            r(0, Some("GET"), PathMatch::Exact("/a".into()), 0),
-            r(1, None, PathMatch::Prefix("/api/".into()), 1),
-            r(2, Some("POST"), PathMatch::Prefix("/svc.".into()), 2),
-            r(3, None, PathMatch::Exact("/".into()), 3),
-        ]);
+        let table = vec![
+            r(0, Some("GET"), PathKey::Exact("/a".into()), 0),
+            r(1, None, PathKey::Prefix("/api/".into()), 1),
+            r(2, Some("POST"), PathKey::Prefix("/svc.".into()), 2),
+            r(3, None, PathKey::Exact("/".into()), 3),
+        ];
         tier.set_routes(&table).unwrap_or_else(|e| panic!("{e}"));
         let listener = TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("{e}"));
         Rig {
@@ -65,6 +65,13 @@ fn rig() -> &'static Rig {
             listener,
         }
     })
+}
+
+/// The table's reference executor: the first entry matching decides (the tier-K lowering's
+/// `KernelLowering::decide` runs the same `KernelEntry::matches`).
+fn reference(table: &[KernelEntry], method: &str, path: &str, protocol: Protocols) -> Option<u32> {
+    let e = table.iter().find(|e| e.matches(method, path))?;
+    e.cluster_for(protocol).and_then(|c| u32::try_from(c).ok())
 }
 
 /// HTTP/1.1 reference, as strict as the user tier: "METHOD SP target SP HTTP/1.x" with an
@@ -311,7 +318,7 @@ fuzz_target!(|data: &[u8]| {
         let (method, path) = h2_reference(stream).unwrap_or_else(|| {
             panic!("kernel decided {decision:?} for a first HEADERS block the user tier refuses")
         });
-        let want = decide(&rig.table, &method, &path).and_then(|r| r.backend);
+        let want = reference(&rig.table, &method, &path, Protocols::HTTP2);
         assert_eq!(
             Some(backend),
             want,
@@ -321,7 +328,7 @@ fuzz_target!(|data: &[u8]| {
     }
     let (method, path) = h1_reference(a)
         .unwrap_or_else(|| panic!("kernel decided {decision:?} for an unparseable request line"));
-    let want = decide(&rig.table, &method, &path).and_then(|r| r.backend);
+    let want = reference(&rig.table, &method, &path, Protocols::HTTP1);
     assert_eq!(
         Some(backend),
         want,

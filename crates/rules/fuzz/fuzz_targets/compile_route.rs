@@ -1,5 +1,6 @@
-//! Compile arbitrary routes, then route arbitrary requests: never panic, and the indexed
-//! executor must give the same answer as the linear one.
+//! Compile arbitrary routes, then route arbitrary requests: never panic, the indexed
+//! executor must give the same answer as the linear one, and wherever a lower tier's lowering
+//! (the kernel's table, the NIC image) decides a request, its answer is the user tier's.
 #![no_main]
 
 use flatmesh_config::{
@@ -52,7 +53,8 @@ struct Case {
 static BASE: LazyLock<Option<(Config, Route)>> = LazyLock::new(|| {
     let cfg = serde_norway::from_str(
         "listeners: [ { name: web, address: 127.0.0.1:1, protocol: http } ]\n\
-         clusters: [ { name: a, endpoints: [] }, { name: b, endpoints: [] } ]",
+         clusters: [ { name: a, endpoints: [] }, { name: b, endpoints: [] } ]\n\
+         kernel: { l7_dispatch: true }",
     );
     Some((cfg.ok()?, serde_norway::from_str("{}").ok()?))
 });
@@ -150,6 +152,19 @@ fuzz_target!(|case: Case| {
         let fast = program.route(0, &req).map(|c| c.id);
         let linear = program.route_linear(0, &req).map(|c| c.id);
         assert_eq!(fast, linear, "indexed and linear executors disagree");
+        // Only a path a request can have: `/...` without `?`, space, CR or LF.
+        if r.path.starts_with('/') && !r.path.contains(['?', ' ', '\r', '\n']) {
+            for lowering in program.lowerings() {
+                if let Some(got) = lowering.decide(0, &req) {
+                    assert_eq!(
+                        Some(got),
+                        fast,
+                        "tier {} decides another route than the user tier",
+                        lowering.tier()
+                    );
+                }
+            }
+        }
         if let Some(c) = program.route(0, &req) {
             if let RouteAction::Split(s) = &c.action {
                 let picked = s.pick(r.random);

@@ -149,14 +149,21 @@ enum RulesCommand {
         #[arg(long)]
         explain: bool,
     },
-    /// Run the reference Matcher over an image; prints one queue number or `drop` per input line.
+    /// Run the bit-exact Matcher model over an image; prints one queue number or `drop` per
+    /// input line.
     Eval {
-        /// The image from `rules compile`.
+        /// The image from `rules compile`, or from `flatmesh check --nic-image` (http
+        /// listener i is app i+1, type 0; queue = route + 1, 0 = the host).
         #[arg(long)]
         image: PathBuf,
-        /// Lines of `app_id req_type hex-of-field-value`.
+        /// Lines of `app_id req_type value`, the value in hex (`757365723a`) or in double
+        /// quotes (`1 0 "GET /api/x?y=1 HTTP/1.1"`).
         #[arg(long)]
         inputs: PathBuf,
+        /// Also show the image's entries per app, and after each decision the lookups it took
+        /// and the entries it hit.
+        #[arg(long)]
+        explain: bool,
     },
 }
 
@@ -366,16 +373,45 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             );
         }
         Command::Rules {
-            command: RulesCommand::Eval { image, inputs },
+            command:
+                RulesCommand::Eval {
+                    image,
+                    inputs,
+                    explain,
+                },
         } => {
             let bytes = std::fs::read(&image)
                 .with_context(|| format!("reading {}; check the path", image.display()))?;
             let img = Image::from_bytes(&bytes)?;
             let inputs = parse_eval_inputs(&inputs.display().to_string(), &read(&inputs)?)?;
             let mut out = String::new();
+            if explain {
+                for ((app, ty), n, first, last) in img.apps() {
+                    out.push_str(&format!(
+                        "# app {app} type {ty}: {n} entries ({first}..={last}) of {}\n",
+                        flatmesh_qnp::image::TABLE_ENTRIES
+                    ));
+                }
+            }
             for i in inputs {
-                let (d, _) = img.run(i.app_id, i.req_type, |_| Some(&i.value[..]));
+                let mut hits = Vec::new();
+                let (d, lookups) = img.run_traced(
+                    i.app_id,
+                    i.req_type,
+                    |_| Some(&i.value[..]),
+                    |e| hits.push(e.to_string()),
+                );
                 out.push_str(&d.to_string());
+                if explain {
+                    out.push_str(&format!(
+                        "  # {lookups} lookups, entries hit: {}",
+                        if hits.is_empty() {
+                            "none".to_string()
+                        } else {
+                            hits.join(" ")
+                        }
+                    ));
+                }
                 out.push('\n');
             }
             print!("{out}");

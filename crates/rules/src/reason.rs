@@ -1,0 +1,166 @@
+//! Why a rule runs where it runs: the one vocabulary every lowering, `--explain` and `/rules` use.
+
+use serde::Serialize;
+
+use crate::RouteId;
+
+/// Why a tier decides a rule, or why it hands the rule to a more capable tier. Route-level
+/// reasons (what the rule needs) come before table-level ones (what the table has room for).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    // What the tier does.
+    /// Tier K decides the route on a connection's first request.
+    KernelDecides,
+    /// Tier K splices a tcp listener's connections.
+    KernelSplices,
+    /// The NIC image decides the route.
+    ImageDecides,
+
+    // What the route needs that only the user tier has.
+    HostMatch,
+    HeaderMatch,
+    QueryMatch,
+    RegexPath,
+    /// A path longer than the tier compares.
+    PathTooLong {
+        max: usize,
+    },
+    /// A method longer than the kernel compares.
+    MethodTooLong {
+        max: usize,
+    },
+    /// The path holds `?`, a space, CR or LF, which no request path does.
+    PathNeverMatches,
+    /// A non-empty path that does not start with `/`: only `OPTIONS *` could match it.
+    PathNotOrigin,
+    Split,
+    DirectResponse,
+    HeaderRewrite,
+    Retries,
+    Timeout,
+    /// The route's cluster hashes on a request header.
+    HashOn,
+
+    // What the config asks for.
+    NoKernelSection,
+    NoL7Dispatch,
+    /// The kernel decides the routes of another http listener (`kernel.l7_listener`).
+    OtherL7Listener,
+    TcpSpliceOff,
+
+    // What the tables hold.
+    /// An earlier route's entry takes every request this route could match.
+    Shadowed {
+        by: RouteId,
+    },
+    /// The kernel's route table is full.
+    KernelTableFull {
+        entries: usize,
+    },
+    /// The NIC image is full.
+    ImageFull {
+        entries: usize,
+    },
+    /// The listener's app has used every check state of the image.
+    ImageStates {
+        max: usize,
+    },
+    /// Image queues are 8 bits: routes from this index on get none.
+    QueueRange {
+        max_route: usize,
+    },
+    /// Image app ids are 8 bits: listeners from this index on get none.
+    AppIdRange {
+        max_listener: usize,
+    },
+}
+
+impl Reason {
+    /// Whether the reason is about the route itself rather than the table or the config:
+    /// a route-level reason is the one worth showing when both apply.
+    pub fn is_route_level(self) -> bool {
+        !matches!(
+            self,
+            Reason::NoKernelSection
+                | Reason::NoL7Dispatch
+                | Reason::OtherL7Listener
+                | Reason::TcpSpliceOff
+                | Reason::Shadowed { .. }
+                | Reason::KernelTableFull { .. }
+                | Reason::ImageFull { .. }
+                | Reason::ImageStates { .. }
+                | Reason::QueueRange { .. }
+                | Reason::AppIdRange { .. }
+        )
+    }
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Reason::KernelDecides => f.write_str(
+                "first request decided in the kernel (sk_skb), the connection spliced to the cluster",
+            ),
+            Reason::KernelSplices => {
+                f.write_str("L4 only: spliced in the kernel (sk_skb), kernel.tcp_splice")
+            }
+            Reason::ImageDecides => f.write_str("decided by the NIC image"),
+            Reason::HostMatch => f.write_str("host match needs the full request head"),
+            Reason::HeaderMatch => f.write_str("header match needs the full request head"),
+            Reason::QueryMatch => f.write_str("query match needs URL decoding"),
+            Reason::RegexPath => f.write_str("regex runs only in the user tier"),
+            Reason::PathTooLong { max } => write!(f, "path longer than the {max} bytes compared"),
+            Reason::MethodTooLong { max } => {
+                write!(f, "method longer than the {max} bytes the kernel compares")
+            }
+            Reason::PathNeverMatches => f.write_str(
+                "its path holds `?`, a space, CR or LF, which no request path does: it never matches",
+            ),
+            Reason::PathNotOrigin => {
+                f.write_str("path does not start with `/`: only `OPTIONS *` could match it")
+            }
+            Reason::Split => f.write_str("weighted split is picked per request by the user tier"),
+            Reason::DirectResponse => f.write_str("direct response is answered by the user tier"),
+            Reason::HeaderRewrite => f.write_str("header rewrite needs the user tier"),
+            Reason::Retries => f.write_str("retries need the user tier"),
+            Reason::Timeout => f.write_str("per-request timeout needs the user tier"),
+            Reason::HashOn => f.write_str(
+                "its cluster hashes on a request header, which the kernel does not read",
+            ),
+            Reason::NoKernelSection => f.write_str("the config has no `kernel:` section"),
+            Reason::NoL7Dispatch => f.write_str("kernel.l7_dispatch is off"),
+            Reason::OtherL7Listener => {
+                f.write_str("the kernel decides the routes of kernel.l7_listener only")
+            }
+            Reason::TcpSpliceOff => f.write_str("L4 only: the user L4 relay (kernel.tcp_splice is off)"),
+            Reason::Shadowed { by } => write!(
+                f,
+                "route {by}'s entry comes first and takes every request this route could match"
+            ),
+            Reason::KernelTableFull { entries } => {
+                write!(f, "the kernel's route table ({entries} entries) is full")
+            }
+            Reason::ImageFull { entries } => {
+                write!(f, "the NIC image ({entries} entries) is full")
+            }
+            Reason::ImageStates { max } => write!(
+                f,
+                "the listener's app used the image's {max} check states"
+            ),
+            Reason::QueueRange { max_route } => write!(
+                f,
+                "image queues are 8 bits: only routes 0..={max_route} get one"
+            ),
+            Reason::AppIdRange { max_listener } => write!(
+                f,
+                "image app ids are 8 bits: only listeners 0..={max_listener} get one"
+            ),
+        }
+    }
+}
+
+impl Serialize for Reason {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
