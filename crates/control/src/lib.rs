@@ -3,7 +3,6 @@
 //! cost model; the data-plane orchestrator and failover; and the simulator behind `flatmesh simulate`.
 
 pub mod agent;
-pub mod demo;
 pub mod endpoints;
 pub mod energy;
 pub mod error;
@@ -12,9 +11,7 @@ pub mod heartbeat;
 pub mod model;
 pub mod orchestrator;
 pub mod placement;
-pub mod services;
 pub mod simulate;
-pub mod svg;
 pub mod topology;
 pub mod workload;
 
