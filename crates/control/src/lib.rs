@@ -1,6 +1,7 @@
 //! flatmesh control center (E3, papers/001): models of clusters, microservices and application
 //! DAGs; placement on heterogeneous compute nodes (HCM, simulated annealing, ILP); the energy and
-//! cost model; the data-plane orchestrator and failover; and the simulator behind `flatmesh simulate`.
+//! cost model; the data-plane orchestrator and failover; the simulator behind `flatmesh simulate`;
+//! and [`serve`], the control center serving all of it over xDS (`flatmesh control`).
 
 pub mod agent;
 pub mod endpoints;
@@ -11,6 +12,7 @@ pub mod heartbeat;
 pub mod model;
 pub mod orchestrator;
 pub mod placement;
+pub mod serve;
 pub mod simulate;
 pub mod topology;
 pub mod workload;
