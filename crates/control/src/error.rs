@@ -40,6 +40,18 @@ pub enum ControlError {
     },
     #[error("{what}: {message}")]
     Service { what: String, message: String },
+    /// The addresses file of `flatmesh control --addresses` is wrong or incomplete.
+    #[error("{origin}: {why}")]
+    Addresses { origin: String, why: String },
+    /// The xDS side of `flatmesh control` (its state file, its server); the message says what to do.
+    #[error(transparent)]
+    Xds(#[from] flatmesh_xds::XdsError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("migration of {instance} failed at step {step}: {message}; the instance keeps running on its old node")]
     Migration {
         instance: String,

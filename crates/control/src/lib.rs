@@ -1,9 +1,9 @@
 //! flatmesh control center (E3, papers/001): models of clusters, microservices and application
 //! DAGs; placement on heterogeneous compute nodes (HCM, simulated annealing, ILP); the energy and
-//! cost model; the data-plane orchestrator and failover; and the simulator behind `flatmesh simulate`.
+//! cost model; the data-plane orchestrator and failover; the simulator behind `flatmesh simulate`;
+//! and [`serve`], the control center serving all of it over xDS (`flatmesh control`).
 
 pub mod agent;
-pub mod demo;
 pub mod endpoints;
 pub mod energy;
 pub mod error;
@@ -12,9 +12,8 @@ pub mod heartbeat;
 pub mod model;
 pub mod orchestrator;
 pub mod placement;
-pub mod services;
+pub mod serve;
 pub mod simulate;
-pub mod svg;
 pub mod topology;
 pub mod workload;
 

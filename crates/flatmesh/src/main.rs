@@ -26,7 +26,7 @@ enum Command {
     Check(cmd::check::Args),
     /// Start built-in services and a node proxy, drive load, print a report.
     Demo(cmd::demo::Args),
-    /// QingNiao: IDL compiler, skip-and-check rules and their RAM/CAM image (runs `flatmesh-qnp`).
+    /// QingNiao: IDL compiler, skip-and-check rules and their RAM/CAM image, dispatch demo and benchmark.
     Qnp(cmd::qnp::Args),
     /// Place microservice DAGs on hosts and SmartNICs (E3: hcm, anneal, ilp).
     Place(cmd::place::Args),
@@ -45,7 +45,9 @@ enum Command {
 /// Commands that print a report and exit end quietly, like other Unix tools, when their output
 /// goes to a pipe that closes early (`flatmesh place ... | head`), instead of panicking on the
 /// failed print. Long-running commands keep Rust's default (SIGPIPE ignored): a peer closing a
-/// socket must never kill the node.
+/// socket must never kill the node. (`flatmesh qnp` is among the quiet ones: QingNiao only uses
+/// datagram sockets, UDP and Unix datagrams, which never raise SIGPIPE, so this cannot end its
+/// demo or benchmark early.)
 fn end_quietly_on_closed_stdout() {
     // SAFETY: plain signal disposition change at start-up, before any thread exists.
     unsafe {
@@ -57,7 +59,11 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     if matches!(
         cli.command,
-        Command::Check(_) | Command::Place(_) | Command::Simulate(_) | Command::Kernel(_)
+        Command::Check(_)
+            | Command::Place(_)
+            | Command::Simulate(_)
+            | Command::Kernel(_)
+            | Command::Qnp(_)
     ) {
         end_quietly_on_closed_stdout();
     }

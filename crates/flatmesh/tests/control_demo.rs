@@ -29,7 +29,7 @@ fn flatmesh() -> Command {
 }
 
 fn assert_clean(pid: u32) {
-    let left = flatmesh_control::demo::leftovers(pid);
+    let left = flatmesh_lab::control::leftovers(pid);
     assert!(
         left.is_empty(),
         "the demo (pid {pid}) left behind: {left:?}"
@@ -223,7 +223,7 @@ fn demo_migrates_the_overloaded_smartnic_without_failed_requests_and_cleans_up()
     }
     // Let the load and the heartbeats run for a moment, then interrupt.
     std::thread::sleep(Duration::from_secs(2));
-    assert!(flatmesh_control::demo::leftovers(pid)
+    assert!(flatmesh_lab::control::leftovers(pid)
         .iter()
         .any(|l| l.starts_with("namespace")));
     // `kill -INT` is what a terminal's Ctrl-C does to the process.

@@ -78,7 +78,7 @@ fn run_to_end(namespace: &str, limit: Duration) -> (bool, String) {
 }
 
 fn leftovers(namespace: &str) -> Vec<String> {
-    flatmesh_pu::demo::leftovers(namespace, &Path::new(STATE_DIR).join(namespace))
+    flatmesh_pu::cleanup::leftovers(namespace, &Path::new(STATE_DIR).join(namespace))
 }
 
 /// Processes still running the demo's node proxy of `namespace`.

@@ -90,3 +90,26 @@ pub fn host_tables() -> Result<Vec<String>> {
         .map(str::to_string)
         .collect())
 }
+
+/// What of split namespace `namespace` still exists: network namespaces (their veths and rules
+/// live in them), cpuset cgroups, the state directory, a host-namespace table.
+pub fn leftovers(namespace: &str, table_dir: &std::path::Path) -> Vec<String> {
+    let mut left = netns::list(&format!("{NETNS_PREFIX}{namespace}-"));
+    left.extend(
+        cpuset::list(&format!("{RESOURCE_PREFIX}{namespace}-"))
+            .into_iter()
+            .map(|p| p.display().to_string()),
+    );
+    if table_dir.exists() {
+        left.push(table_dir.display().to_string());
+    }
+    let table = format!("{RESOURCE_PREFIX}{namespace}");
+    left.extend(
+        host_tables()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|t| *t == table)
+            .map(|t| format!("host nft table {t}")),
+    );
+    left
+}

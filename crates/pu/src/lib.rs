@@ -14,16 +14,15 @@
 //! - [`agent`]: the per-PU daemon that ties them together.
 //! - [`relay`]: a small original-destination TCP relay (what a sidecar proxy does with
 //!   SO_ORIGINAL_DST), used by the demo and tests.
-//! - [`cleanup`], [`demo`], [`bench`].
+//! - [`cleanup`]: finding and removing what a crashed split namespace left behind.
+//!
+//! The demo, the benchmark and their echo server are lab code: `flatmesh_lab::pu`.
 
 pub mod agent;
 pub mod backend;
-pub mod bench;
 pub mod cleanup;
 pub mod config;
 pub mod cpuset;
-pub mod demo;
-pub mod echo;
 mod error;
 pub mod exec;
 pub mod netns;

@@ -13,7 +13,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::*;
-use flatmesh_pu::echo::{ask, EchoServer, Mode};
+use flatmesh_lab::pu::echo::{ask, EchoServer, Mode};
 use flatmesh_pu::relay::Relay;
 
 #[test]
@@ -417,7 +417,7 @@ fn the_next_start_cleans_up_after_a_crashed_run() {
         agent.kill().unwrap();
         agent.wait().unwrap();
     }
-    assert!(!flatmesh_pu::demo::leftovers(&config.namespace, &table_dir).is_empty());
+    assert!(!flatmesh_pu::cleanup::leftovers(&config.namespace, &table_dir).is_empty());
 
     // The next start of the same namespace removes all of it first: the app left in the PU is
     // stopped, the namespaces (with their veths and rules) and the table are new.
@@ -443,7 +443,7 @@ fn the_next_start_cleans_up_after_a_crashed_run() {
     assert_eq!(rules_text(&pod, "a"), "", "old rules survived");
     pod.down().unwrap();
     assert_eq!(
-        flatmesh_pu::demo::leftovers(&config.namespace, &table_dir),
+        flatmesh_pu::cleanup::leftovers(&config.namespace, &table_dir),
         Vec::<String>::new()
     );
 
@@ -456,7 +456,7 @@ fn the_next_start_cleans_up_after_a_crashed_run() {
     assert_eq!(report.netns.len(), 2, "{report:?}");
     assert_eq!(report.state_dirs, vec![table_dir.clone()]);
     assert_eq!(
-        flatmesh_pu::demo::leftovers(&config.namespace, &table_dir),
+        flatmesh_pu::cleanup::leftovers(&config.namespace, &table_dir),
         Vec::<String>::new()
     );
     host_has_no_tables();

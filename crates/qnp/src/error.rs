@@ -1,7 +1,5 @@
 //! The crate's one error type. Every message says what is wrong and what to do about it.
 
-use std::path::PathBuf;
-
 /// Everything that can go wrong in QNP: bad IDL or rule files, malformed wire data, transport failures.
 #[derive(Debug, thiserror::Error)]
 pub enum QnpError {
@@ -43,9 +41,6 @@ pub enum QnpError {
     /// A table image file is malformed.
     #[error("bad table image: {0}; recompile it with `flatmesh qnp rules compile`")]
     Image(String),
-    /// The key-value store failed.
-    #[error("RocksDB at {}: {msg}; check that the directory is writable and not opened by another process", path.display())]
-    Store { path: PathBuf, msg: String },
     /// The peer did not acknowledge a request.
     #[error("request {req_id} to {peer} was not acknowledged after {attempts} attempts; check that a QNP receiver listens there and that nothing drops UDP between the hosts")]
     Timeout {
@@ -63,13 +58,6 @@ pub enum QnpError {
     #[error("{what}: {source}")]
     Io {
         what: String,
-        #[source]
-        source: std::io::Error,
-    },
-    /// A file could not be read or written.
-    #[error("{}: {source}; check the path and its permissions", path.display())]
-    File {
-        path: PathBuf,
         #[source]
         source: std::io::Error,
     },

@@ -10,16 +10,13 @@
 //!   (shared with tier N of the rule program: `flatmesh_rules::image`), and `rules eval` inputs.
 //! - [`kernel_rsd`]: the sk_reuseport eBPF dispatcher and the lowering of rules into its maps.
 //! - [`dispatch`]: receive-side dispatch across per-core shared-nothing workers.
-//! - [`cpu`]: pinning threads for benchmarks.
-//! - [`bench`]: the dispatch benchmark: modes side by side, sweeps of skip-and-checks and rules, tables and SVG plots.
-//! - [`svg`]: the benchmark's line charts.
-//! - [`load`]: closed-loop load generators (PingPong, Zipf key-value GETs, the benchmark workload;
-//!   `load::pipelined` batches system calls so one core can load a server core).
-//! - [`apps`]: generated messages of the example applications and their services.
-//! - [`kv_store`]: the RocksDB store behind the key-value GET service.
+//! - [`cpu`]: pinning threads to CPUs.
+//! - [`apps`]: generated messages of the example applications.
+//!
+//! The demo, the dispatch benchmark, the load generators and the example applications' services
+//! (the RocksDB key-value store among them) are lab code: `flatmesh_lab::qnp`.
 
 pub mod apps;
-pub mod bench;
 pub mod cpu;
 pub mod dispatch;
 pub mod error;
@@ -27,10 +24,7 @@ pub mod header;
 pub mod idl;
 pub mod image;
 pub mod kernel_rsd;
-pub mod kv_store;
-pub mod load;
 pub mod rules;
-pub mod svg;
 pub mod tlv;
 pub mod transport;
 

@@ -11,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use flatmesh_config as model;
-use flatmesh_xds::apply::NodeApply;
+use flatmesh_xds::apply::StartThenReload;
 use flatmesh_xds::client::{Client, Options, Protocol};
 use flatmesh_xds::server::Store;
 
@@ -86,7 +86,15 @@ fn main() {
         let mut eds_times = Vec::new();
         for round in 0..rounds {
             store.publish(Default::default());
-            let (apply, node) = NodeApply::new();
+            let (apply, node) = StartThenReload::new(
+                |config| {
+                    flatmesh_proxy::Node::start(config, flatmesh_proxy::ConfigSource::Inline)
+                        .map_err(|e| e.to_string())
+                },
+                |node: &flatmesh_proxy::Node, config| {
+                    node.reload(config).map_err(|e| e.to_string())
+                },
+            );
             let options = Options {
                 server: xds.to_string(),
                 node_id: "bench".into(),

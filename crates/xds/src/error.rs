@@ -35,10 +35,6 @@ pub enum XdsError {
     #[error("the xDS stream to {address} failed: {why}")]
     Stream { address: String, why: String },
 
-    /// The addresses file of `flatmesh control --addresses` is wrong or incomplete.
-    #[error("{origin}: {why}")]
-    Addresses { origin: String, why: String },
-
     #[error("cannot serve xDS on {address}: {why}; pick a free port with --listen")]
     Serve { address: String, why: String },
 }

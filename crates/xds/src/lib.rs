@@ -6,8 +6,10 @@
 //! - [`bootstrap`]: an Envoy v3 bootstrap file (`static_resources`) -> the config model.
 //! - [`client`]: the ADS client of `flatmesh node --xds`, state-of-the-world and delta.
 //! - [`server`]: the ADS server of `flatmesh control`.
-//! - [`feed`]: what `flatmesh control` serves: its state file plus the endpoints the control
-//!   center's placement and orchestrator publish (the control crate's `EndpointSink`).
+//! - [`feed`]: what `flatmesh control` serves: its state file plus the endpoints of placed
+//!   services (the control crate places them and moves them).
+//! - [`apply`]: the client's [`client::Apply`] for a node proxy (start, then reload); the
+//!   caller supplies the proxy.
 
 // Envoy configs in the wild still use deprecated fields (header `exact_match`, cluster
 // `http2_protocol_options`, ...); accepting them is part of the job.

@@ -17,7 +17,6 @@ use envoy_types::pb::envoy::config::cluster::v3::{cluster, OutlierDetection};
 use envoy_types::pb::envoy::config::listener::v3::FilterChain;
 use envoy_types::pb::envoy::config::route::v3::{header_matcher, route_match, HeaderMatcher};
 use flatmesh_config as model;
-use flatmesh_xds::apply::NodeApply;
 use flatmesh_xds::client::{Client, Options, Protocol};
 use flatmesh_xds::resources::Resources;
 use flatmesh_xds::server::Store;
@@ -82,7 +81,7 @@ fn scenario(protocol: Protocol) {
     let mut base = flatmesh_xds::bootstrap::empty_config();
     base.admin = "127.0.0.1:0".parse().unwrap();
     base.workers = Some(1);
-    let (apply, node) = NodeApply::new();
+    let (apply, node) = common::node_apply();
     let options = Options {
         server: server.addr.to_string(),
         node_id: node_id.clone(),
@@ -265,7 +264,7 @@ fn unreachable_control_plane_is_retried_with_backoff() {
         .build()
         .unwrap();
     let port = free_port(); // nothing listens there
-    let (apply, _node) = NodeApply::new();
+    let (apply, _node) = common::node_apply();
     let options = Options {
         server: format!("127.0.0.1:{port}"),
         node_id: "lonely".into(),

@@ -13,7 +13,6 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
 
 use common::{free_port, get, go_test_server, wait_for, Backend};
-use flatmesh_xds::apply::NodeApply;
 use flatmesh_xds::client::{Client, Options, Protocol};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
@@ -119,7 +118,7 @@ fn scenario(protocol: Protocol) {
     let mut base = flatmesh_xds::bootstrap::empty_config();
     base.admin = "127.0.0.1:0".parse().unwrap();
     base.workers = Some(1);
-    let (apply, node) = NodeApply::new();
+    let (apply, node) = common::node_apply();
     let options = Options {
         server: server.addr.clone(),
         node_id: node_id.clone(),

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 
 use common::{free_port, get, wait_for, Backend, XdsServer};
 use flatmesh_config as model;
-use flatmesh_xds::apply::NodeApply;
 use flatmesh_xds::client::{Client, Options, Protocol};
 use flatmesh_xds::server::Store;
 use large_config::{large_config, unused_endpoints, CLUSTERS, PER_CLUSTER};
@@ -46,7 +45,7 @@ fn scenario(protocol: Protocol) {
     let mut base = flatmesh_xds::bootstrap::empty_config();
     base.admin = "127.0.0.1:0".parse().unwrap();
     base.workers = Some(1);
-    let (apply, node) = NodeApply::new();
+    let (apply, node) = common::node_apply();
     let options = Options {
         server: server.addr.to_string(),
         node_id: "scale".into(),

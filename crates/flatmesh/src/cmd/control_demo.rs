@@ -1,5 +1,5 @@
 //! `flatmesh control demo`: E3's orchestrator on a small cluster of network namespaces (see
-//! `flatmesh_control::demo`). This file is the command line and the terminal view; the hidden
+//! `flatmesh_lab::control`). This file is the command line and the terminal view; the hidden
 //! `service` and `agent` subcommands are the demo's own processes (the binary re-executes itself).
 
 use std::net::SocketAddr;
@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use comfy_table::{Cell, Table};
-use flatmesh_control::demo::{self, DemoConfig, DemoEvent, Summary};
 use flatmesh_control::orchestrator::LogEntry;
-use flatmesh_control::services::{self, ServiceConfig};
+use flatmesh_lab::control::services::{self, ServiceConfig};
+use flatmesh_lab::control::{self as demo, DemoConfig, DemoEvent, Summary};
 
 #[derive(clap::Args)]
 #[command(args_conflicts_with_subcommands = true)]

@@ -1,5 +1,5 @@
 //! `flatmesh demo`: built-in services, an in-process node proxy with the built-in config,
-//! load with a progress bar, and a report. The work is in the `flatmesh-demo` crate.
+//! load with a progress bar, and a report. The work is in the lab (`flatmesh_lab::demo`).
 
 use std::time::Duration;
 
@@ -25,12 +25,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
-    let options = flatmesh_demo::Options {
+    let options = flatmesh_lab::demo::Options {
         duration: Duration::from_secs(args.duration),
         connections: args.connections,
         progress: !args.no_progress,
     };
-    let report = flatmesh_demo::run(&options)?;
+    let report = flatmesh_lab::demo::run(&options)?;
     println!("{report}");
     let problems = report.problems();
     if problems.is_empty() {

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use flatmesh_proxy::{ConfigSource, Node};
+use flatmesh_xds::apply::StartThenReload;
 use flatmesh_xds::client::{Apply as _, Client, Options, Protocol};
 
 #[derive(clap::Args)]
@@ -61,7 +62,10 @@ fn run_xds(args: &Args, server: String) -> anyhow::Result<()> {
     };
     let node_id = args.node_id.clone().context("--xds needs --node-id ID")?;
     let stop = StopSignals::register()?;
-    let (mut apply, node) = flatmesh_xds::apply::NodeApply::new();
+    let (mut apply, node) = StartThenReload::new(
+        |config| Node::start(config, ConfigSource::Inline).map_err(|e| e.to_string()),
+        |node: &Node, config| node.reload(config).map_err(|e| e.to_string()),
+    );
     // Start at once with the static part, so the admin endpoint is up before the control plane answers.
     apply
         .apply(base.clone())

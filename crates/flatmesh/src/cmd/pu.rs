@@ -4,8 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use comfy_table::Table;
+use flatmesh_lab::pu::demo;
 use flatmesh_pu::backend::{for_config, run_on};
-use flatmesh_pu::{cleanup, demo, SplitConfig};
+use flatmesh_pu::{cleanup, SplitConfig};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -259,7 +260,7 @@ fn status(config: &SplitConfig) -> anyhow::Result<()> {
 }
 
 fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    use flatmesh_pu::bench;
+    use flatmesh_lab::pu::bench;
     bench::check_args(args.iterations, &args.ports)?;
     println!("## Mapping cost: cross-PU connection set-up and 64-byte round trip (client PU a on CPU 0, server PU b on CPU 1)\n");
     println!(

@@ -4,8 +4,8 @@
 use anyhow::Context;
 use flatmesh_control::model::{load_app, TABLE5_CLUSTERS};
 use flatmesh_control::placement::Algorithm;
-use flatmesh_control::simulate::{self, PAPER_TABLE5, PAPER_TABLE6, TABLE6_SERVERS, YEARS};
-use flatmesh_control::svg;
+use flatmesh_control::simulate::{self, PAPER_TABLE5, PAPER_TABLE6, TABLE6_SERVERS};
+use flatmesh_lab::svg::{self, Scale, Series};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -153,9 +153,8 @@ fn scale(
         "Per-microservice deployment time (Table 6)",
         "servers",
         "ms (log)",
-        &xs,
-        &series,
-        true,
+        &along(&xs, series),
+        Scale::Log,
     );
     std::fs::write(svg_path, chart).with_context(|| format!("writing {svg_path}"))?;
     eprintln!("wrote {svg_path}");
@@ -233,15 +232,10 @@ fn energy(svg_dir: &str, json: bool) -> anyhow::Result<()> {
     )
     .with_context(|| format!("writing {}", path.display()))?;
     for app in &apps {
-        let series: Vec<(String, Vec<Option<f64>>)> = TABLE5_CLUSTERS
+        let series: Vec<Series> = TABLE5_CLUSTERS
             .iter()
             .filter_map(|c| rows.iter().find(|r| &r.app == app && r.cluster == *c))
-            .map(|r| {
-                (
-                    r.cluster.clone(),
-                    r.cost_efficiency.iter().map(|c| Some(c.1)).collect(),
-                )
-            })
+            .map(|r| Series::full(r.cluster.clone(), r.cost_efficiency.iter().copied()))
             .collect();
         let path = dir.join(format!("fig10-{app}.svg"));
         std::fs::write(
@@ -250,13 +244,23 @@ fn energy(svg_dir: &str, json: bool) -> anyhow::Result<()> {
                 &format!("Cost efficiency, {app} (Fig. 10)"),
                 "years of ownership",
                 "requests per $",
-                YEARS,
                 &series,
-                false,
+                Scale::Linear,
             ),
         )
         .with_context(|| format!("writing {}", path.display()))?;
     }
     eprintln!("wrote table5.svg, table5-paper.svg and fig10-*.svg to {svg_dir}");
     Ok(())
+}
+
+/// Named values, one per x of `xs` (`None`: no value there), as chart series.
+fn along(xs: &[f64], series: Vec<(String, Vec<Option<f64>>)>) -> Vec<Series> {
+    series
+        .into_iter()
+        .map(|(name, values)| Series {
+            name,
+            points: xs.iter().copied().zip(values).collect(),
+        })
+        .collect()
 }

@@ -1,11 +1,27 @@
-//! Shared pieces of the xDS integration tests: tiny HTTP backends that answer with their own
-//! name, a raw HTTP/1.1 client, free ports, and a bounded wait.
+//! Shared pieces of the xDS integration tests: the real node proxy behind the client, tiny HTTP
+//! backends that answer with their own name, a raw HTTP/1.1 client, free ports, and a bounded
+//! wait.
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+
+/// The client's [`flatmesh_xds::client::Apply`] for a real node proxy, as `flatmesh node --xds`
+/// wires it: the first config starts the node, every later one reloads it.
+pub fn node_apply() -> (
+    flatmesh_xds::apply::StartThenReload<flatmesh_proxy::Node>,
+    flatmesh_xds::apply::SharedNode<flatmesh_proxy::Node>,
+) {
+    flatmesh_xds::apply::StartThenReload::new(
+        |config| {
+            flatmesh_proxy::Node::start(config, flatmesh_proxy::ConfigSource::Inline)
+                .map_err(|e| e.to_string())
+        },
+        |node, config| node.reload(config).map_err(|e| e.to_string()),
+    )
+}
 
 /// An HTTP/1.1 backend on a loopback port that answers every request with `name` (keep-alive).
 pub struct Backend {

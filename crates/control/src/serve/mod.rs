@@ -1,0 +1,315 @@
+//! `flatmesh control`: the control center serving xDS (docs/xds.md, docs/control.md).
+//!
+//! It serves a [`Feed`]: a state file in flatmesh's config model (listeners, routes, clusters;
+//! watched, reloaded on change) and, with [`PlacementOptions`], the endpoints of the placed
+//! instances ([`sink::XdsSink`], resolved through an [`addresses::Addresses`] file). With
+//! [`OrchestratorOptions`] the E3 orchestrator runs too: overloaded SmartNICs shed their
+//! hottest instance to a host and dead nodes fail over, and every move is an EDS push to the
+//! nodes and Envoy.
+//!
+//! [`ControlCenter::new`] reads and checks every input and binds the heartbeat socket, so a bad
+//! input fails before anything serves; [`ControlCenter::run`] serves until its shutdown future
+//! resolves. The binary only parses arguments and waits for SIGINT/SIGTERM.
+
+pub mod addresses;
+pub mod sink;
+pub mod step_command;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use flatmesh_xds::feed::Feed;
+use flatmesh_xds::server::Store;
+
+use crate::endpoints::{snapshot, EndpointSink as _};
+use crate::error::{ControlError, Result};
+use crate::model::{load_app, load_cluster};
+use crate::orchestrator::{Controller, DetectorConfig, LogEntry};
+use crate::placement::{place, Algorithm, State};
+use crate::topology::Topology;
+use crate::workload::Workload;
+use addresses::Addresses;
+use sink::XdsSink;
+use step_command::StepCommand;
+
+/// How often the state file is checked for changes.
+const STATE_POLL: Duration = Duration::from_secs(1);
+
+/// What to serve and where.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Where to serve xDS (ADS over plaintext gRPC).
+    pub listen: SocketAddr,
+    /// The state file (a flatmesh config whose clusters may list no endpoints); without one the
+    /// placement's clusters alone are served.
+    pub state: Option<PathBuf>,
+    pub placement: Option<PlacementOptions>,
+}
+
+/// Place applications on a cluster and serve each placed service `APP/STAGE` as the EDS
+/// cluster of that name.
+#[derive(Debug, Clone)]
+pub struct PlacementOptions {
+    /// The cluster: a YAML file or `preset:NAME`, as in `flatmesh place`.
+    pub cluster: String,
+    /// The applications, each a YAML file or `preset:NAME`.
+    pub apps: Vec<String>,
+    pub algorithm: Algorithm,
+    /// Seed for annealing.
+    pub seed: u64,
+    /// Where placed instances serve (see [`Addresses`]).
+    pub addresses: PathBuf,
+    pub orchestrator: Option<OrchestratorOptions>,
+}
+
+/// Run the orchestrator on node heartbeats.
+#[derive(Debug, Clone)]
+pub struct OrchestratorOptions {
+    /// The UDP address the 16-byte node heartbeats arrive on.
+    pub heartbeats: SocketAddr,
+    /// The program run for each migration step ([`StepCommand`]); `None` only logs the steps.
+    pub step_command: Option<PathBuf>,
+}
+
+/// A control center ready to serve.
+pub struct ControlCenter {
+    listen: SocketAddr,
+    feed: Feed,
+    state: Option<StateFile>,
+    placed: Option<Placed>,
+}
+
+/// The state file and when it was last read.
+struct StateFile {
+    path: PathBuf,
+    loaded: Option<SystemTime>,
+}
+
+impl ControlCenter {
+    /// Reads and validates the state file, places the applications, checks the addresses file
+    /// against them and binds the heartbeat socket.
+    pub fn new(options: &Options) -> Result<ControlCenter> {
+        let (config, state) = match &options.state {
+            Some(path) => {
+                let loaded = modified(path);
+                (
+                    load_state(path)?,
+                    Some(StateFile {
+                        path: path.clone(),
+                        loaded,
+                    }),
+                )
+            }
+            None => (flatmesh_xds::bootstrap::empty_config(), None),
+        };
+        let placed = options.placement.as_ref().map(Placed::new).transpose()?;
+        Ok(ControlCenter {
+            listen: options.listen,
+            feed: Feed::new(Store::new(), config),
+            state,
+            placed,
+        })
+    }
+
+    /// What is served. A clone follows every later change (state file, placement, moves).
+    pub fn feed(&self) -> &Feed {
+        &self.feed
+    }
+
+    /// Where the orchestrator receives heartbeats, if it runs.
+    pub fn heartbeats_addr(&self) -> Option<SocketAddr> {
+        let socket = self.placed.as_ref()?.heartbeats.as_ref()?;
+        socket.local_addr().ok()
+    }
+
+    /// Serves xDS (and runs the orchestrator) until `shutdown` resolves or either fails. `bound`
+    /// receives the xDS address once the server listens.
+    pub async fn run(
+        self,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+        bound: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
+    ) -> Result<()> {
+        let watcher = self
+            .state
+            .map(|state| tokio::spawn(watch(state, self.feed.clone())));
+        let server =
+            flatmesh_xds::server::serve(self.listen, self.feed.store().clone(), bound, shutdown);
+        let result = match self.placed {
+            Some(placed) => placed.run(self.feed.clone(), server).await,
+            None => server.await.map_err(ControlError::from),
+        };
+        if let Some(w) = watcher {
+            w.abort();
+        }
+        result
+    }
+}
+
+/// Serves every change of the state file (checked each [`STATE_POLL`]); a file that does not
+/// validate is logged and the previous state stays.
+async fn watch(mut state: StateFile, feed: Feed) {
+    let mut tick = tokio::time::interval(STATE_POLL);
+    loop {
+        tick.tick().await;
+        let now = modified(&state.path);
+        if now == state.loaded {
+            continue;
+        }
+        state.loaded = now;
+        match load_state(&state.path) {
+            Ok(config) => feed.set_config(config),
+            Err(e) => {
+                tracing::error!(error = %e, "state file refused; still serving the previous state")
+            }
+        }
+    }
+}
+
+fn modified(path: &Path) -> Option<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+/// Reads and validates the state file.
+fn load_state(path: &Path) -> Result<flatmesh_config::Config> {
+    let config = flatmesh_xds::load_base(path)?;
+    tracing::info!(
+        state = %path.display(),
+        listeners = config.listeners.len(),
+        clusters = config.clusters.len(),
+        "serving state"
+    );
+    Ok(config)
+}
+
+/// The placed applications: the cluster and workload models, where the algorithm put every
+/// instance, where each instance serves, and the orchestrator's inputs if it runs.
+struct Placed {
+    topo: Topology,
+    wl: Workload,
+    assign: Vec<usize>,
+    addresses: Addresses,
+    heartbeats: Option<std::net::UdpSocket>,
+    step_command: Option<PathBuf>,
+}
+
+impl Placed {
+    fn new(options: &PlacementOptions) -> Result<Placed> {
+        let topo = Topology::build(&load_cluster(&options.cluster)?)?;
+        let apps = options
+            .apps
+            .iter()
+            .map(|a| load_app(a))
+            .collect::<Result<Vec<_>>>()?;
+        let wl = Workload::from_apps(&apps)?;
+        let addresses = Addresses::load(&options.addresses)?;
+        addresses.check(&topo, &wl, &options.addresses.display().to_string())?;
+        let p = place(&topo, &wl, options.algorithm, options.seed)?;
+        tracing::info!(
+            cluster = %topo.name,
+            instances = wl.instances.len(),
+            algorithm = options.algorithm.name(),
+            "placed"
+        );
+        let heartbeats = options
+            .orchestrator
+            .as_ref()
+            .map(|o| {
+                let at = o.heartbeats;
+                let io = |source| ControlError::Io {
+                    what: format!(
+                        "cannot receive heartbeats on {at}; pick a free address with --heartbeats"
+                    ),
+                    source,
+                };
+                let socket = std::net::UdpSocket::bind(at).map_err(io)?;
+                socket.set_nonblocking(true).map_err(io)?;
+                Ok::<_, ControlError>(socket)
+            })
+            .transpose()?;
+        Ok(Placed {
+            topo,
+            wl,
+            assign: p.assign,
+            addresses,
+            heartbeats,
+            step_command: options
+                .orchestrator
+                .as_ref()
+                .and_then(|o| o.step_command.clone()),
+        })
+    }
+
+    /// Publishes the placement's endpoints and serves; with heartbeats, runs the orchestrator
+    /// alongside the server until either stops.
+    async fn run(
+        self,
+        feed: Feed,
+        server: impl std::future::Future<Output = flatmesh_xds::Result<()>>,
+    ) -> Result<()> {
+        let mut state = State::new(&self.topo, &self.wl);
+        for (i, &n) in self.assign.iter().enumerate() {
+            state.place(i, n);
+        }
+        for (i, inst) in self.wl.instances.iter().enumerate() {
+            if let Some(n) = state.assign[i] {
+                tracing::info!(instance = %inst.id, node = %self.topo.nodes[n].id, "placement");
+            }
+        }
+        let mut sink = XdsSink {
+            feed,
+            addresses: self.addresses.clone(),
+        };
+        let Some(socket) = self.heartbeats else {
+            sink.publish(&snapshot(&state, 1))?;
+            return server.await.map_err(ControlError::from);
+        };
+        let socket =
+            tokio::net::UdpSocket::from_std(socket).map_err(|source| ControlError::Io {
+                what: "cannot use the heartbeat socket".into(),
+                source,
+            })?;
+        tracing::info!(address = ?socket.local_addr().ok(), nodes = self.topo.nodes.len(), "orchestrator: receiving heartbeats (node index = position in `flatmesh place --json` nodes)");
+        let runtime = StepCommand {
+            program: self.step_command.clone(),
+        };
+        let mut controller = Controller::new(state, DetectorConfig::default(), runtime, sink)?;
+        let (log_tx, mut log_rx) = tokio::sync::mpsc::unbounded_channel();
+        controller.observer = Some(log_tx);
+        tokio::spawn(async move {
+            while let Some(entry) = log_rx.recv().await {
+                log_entry(&entry);
+            }
+        });
+        let (beats_tx, beats_rx) = tokio::sync::mpsc::channel(1024);
+        let receiver = tokio::spawn(async move {
+            if let Err(e) = crate::agent::receive(&socket, beats_tx).await {
+                tracing::error!(error = %e, "heartbeat socket failed; the orchestrator stops");
+            }
+        });
+        let result = tokio::select! {
+            result = server => result.map_err(ControlError::from),
+            result = controller.run(beats_rx) => result,
+        };
+        receiver.abort();
+        result
+    }
+}
+
+fn log_entry(entry: &LogEntry) {
+    match entry {
+        LogEntry::Detected(signal) => tracing::warn!(?signal, "orchestrator: detected"),
+        LogEntry::Migrated {
+            instance, from, to, ..
+        } => {
+            tracing::info!(%instance, %from, %to, "orchestrator: migrated; endpoints pushed over EDS")
+        }
+        LogEntry::NotMigrated { node, reason } => {
+            tracing::warn!(%node, %reason, "orchestrator: not migrated")
+        }
+        LogEntry::FailedOver { node, moved, .. } => {
+            tracing::warn!(%node, moved = moved.len(), "orchestrator: failed over; endpoints pushed over EDS")
+        }
+        LogEntry::Error(e) => tracing::error!(error = %e, "orchestrator"),
+    }
+}

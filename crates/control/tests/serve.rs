@@ -1,0 +1,273 @@
+//! The control center of `flatmesh control`, in-process: HCM places an app on hosts and
+//! SmartNICs, the xDS server serves the placed endpoints, a real xDS client (the one
+//! `flatmesh node --xds` runs) receives them, heartbeats that show the SmartNIC overloaded make
+//! the orchestrator migrate the instance (the step program sees the five cold-migration steps)
+//! and the client receives the new endpoint; edits of the state file are served, a broken edit
+//! is refused; shutdown ends the server. (The command line itself is tested in
+//! crates/flatmesh/tests/xds_control.rs, with a real node and traffic.)
+#![allow(clippy::unwrap_used)]
+
+use std::net::{SocketAddr, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flatmesh_config::Config;
+use flatmesh_control::heartbeat::{Heartbeat, NO_SAMPLE};
+use flatmesh_control::placement::Algorithm;
+use flatmesh_control::serve::{ControlCenter, Options, OrchestratorOptions, PlacementOptions};
+use flatmesh_xds::client::{Apply, Client, Protocol};
+use parking_lot::Mutex;
+
+const CLUSTER: &str = r#"
+name: lab
+server_types:
+  Small:
+    host:     {core: beefy, cores: 2, memory_mb: 4096, idle_watts: 83, peak_watts: 201, cost_usd: 4500, bandwidth_gbps: 0}
+    smartnic: {core: wimpy, cores: 1, memory_mb: 1024, idle_watts: 15, peak_watts: 21, cost_usd: 150, bandwidth_gbps: 10}
+    smartnic_count: 1
+racks:
+  - name: r0
+    servers: [{type: Small, count: 2}]
+"#;
+
+const APP: &str = r#"
+name: shop
+rps: 1000
+replicas: 0
+stages: [{name: kvs, microservice: KVS, shards: 1}]
+"#;
+
+/// Topology order: per server its host, then its SmartNIC; the index is the heartbeat's node.
+const ADDRESSES: &str = "nodes: { r0-s0/host: 127.0.0.1, r0-s0/nic0: 127.0.0.2, r0-s1/host: 127.0.0.3, r0-s1/nic0: 127.0.0.4 }\nservices: { shop/kvs: 9100 }\n";
+
+fn state(listener: &str) -> String {
+    format!("listeners:\n  - name: {listener}\n    address: 127.0.0.1:8080\n    protocol: http\n    routes: [ {{ match: {{ path: {{ prefix: /kvs/ }} }}, cluster: shop/kvs }} ]\nclusters:\n  - {{ name: shop/kvs, lb: least_request, endpoints: [] }}\n")
+}
+
+/// A scratch directory of this test's own, removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(test: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("fm-control-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+    fn write(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.0.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn options(dir: &Scratch, addresses: &str, step_command: Option<PathBuf>) -> Options {
+    Options {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        state: Some(dir.write("state.yaml", &state("web"))),
+        placement: Some(PlacementOptions {
+            cluster: dir.write("cluster.yaml", CLUSTER).display().to_string(),
+            apps: vec![dir.write("app.yaml", APP).display().to_string()],
+            algorithm: Algorithm::Hcm,
+            seed: 1,
+            addresses: dir.write("addresses.yaml", addresses),
+            orchestrator: Some(OrchestratorOptions {
+                heartbeats: "127.0.0.1:0".parse().unwrap(),
+                step_command,
+            }),
+        }),
+    }
+}
+
+/// The client's node: records every config it is given.
+#[derive(Clone, Default)]
+struct Recorder(Arc<Mutex<Vec<Config>>>);
+
+impl Apply for Recorder {
+    fn apply(&mut self, config: Config) -> Result<(), String> {
+        self.0.lock().push(config);
+        Ok(())
+    }
+}
+
+impl Recorder {
+    fn last(&self) -> Option<Config> {
+        self.0.lock().last().cloned()
+    }
+}
+
+fn endpoints(config: &Config) -> Vec<SocketAddr> {
+    config
+        .cluster("shop/kvs")
+        .map(|c| c.endpoints.clone())
+        .unwrap_or_default()
+}
+
+fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(20) {
+        if check() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("timed out after 20 s waiting for: {what}");
+}
+
+fn beat(socket: &UdpSocket, to: SocketAddr, node: u32, exec_us: u16) {
+    let hb = Heartbeat {
+        node,
+        queue_len: 0,
+        bw_util_pct: 10,
+        slot_base: 0,
+        exec_us: [exec_us, NO_SAMPLE, NO_SAMPLE, NO_SAMPLE],
+    };
+    socket.send_to(&hb.encode(), to).unwrap();
+}
+
+#[test]
+fn control_center_serves_the_placement_and_the_orchestrator_moves_it() {
+    let dir = Scratch::new("serve");
+    let steps = dir.0.join("steps.log");
+    let step_command = dir.write(
+        "step.sh",
+        &format!("#!/bin/sh\necho \"$@\" >> {}\n", steps.display()),
+    );
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&step_command, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let options = options(&dir, ADDRESSES, Some(step_command));
+
+    let center = ControlCenter::new(&options).unwrap();
+    let feed = center.feed().clone();
+    let heartbeats = center.heartbeats_addr().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+    let served = rt.spawn(center.run(
+        async {
+            let _ = stop_rx.await;
+        },
+        Some(bound_tx),
+    ));
+    let xds = rt.block_on(bound_rx).unwrap();
+
+    // A node's xDS client receives HCM's placement: the KVS on the first SmartNIC.
+    let node = Recorder::default();
+    let client = rt.block_on(async {
+        Client::spawn(
+            flatmesh_xds::client::Options {
+                server: xds.to_string(),
+                node_id: "node-1".into(),
+                node_cluster: "node-1".into(),
+                protocol: Protocol::Sotw,
+            },
+            flatmesh_xds::bootstrap::empty_config(),
+            node.clone(),
+        )
+    });
+    let nic0: SocketAddr = "127.0.0.2:9100".parse().unwrap();
+    wait_for("the client has the placed endpoint on r0-s0/nic0", || {
+        node.last().is_some_and(|c| endpoints(&c) == [nic0])
+    });
+    assert_eq!(endpoints(&feed.served()), [nic0]);
+    let lb = node.last().unwrap().cluster("shop/kvs").unwrap().lb;
+    assert_eq!(
+        lb,
+        flatmesh_config::LbPolicy::LeastRequest,
+        "the state file's cluster settings stay"
+    );
+
+    // The SmartNIC reports a slot 2x slower than its average: overload. The orchestrator runs
+    // the five cold-migration steps and the endpoint moves to the server's host.
+    let udp = UdpSocket::bind("127.0.0.1:0").unwrap();
+    for _ in 0..6 {
+        beat(&udp, heartbeats, 1, 100);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    beat(&udp, heartbeats, 1, 200);
+    let host: SocketAddr = "127.0.0.1:9100".parse().unwrap();
+    wait_for("the client has the migrated endpoint on r0-s0/host", || {
+        node.last().is_some_and(|c| endpoints(&c) == [host])
+    });
+    let log = std::fs::read_to_string(&steps).unwrap();
+    let expected: Vec<String> = [
+        "push-binary",
+        "remove",
+        "cleanup",
+        "migrate-state",
+        "restart",
+    ]
+    .iter()
+    .map(|s| format!("{s} shop/kvs-0 r0-s0/nic0 r0-s0/host"))
+    .collect();
+    assert_eq!(
+        log.lines().collect::<Vec<_>>(),
+        expected,
+        "the steps, in order"
+    );
+
+    // A new state file is served with the placement kept; a broken one is refused.
+    std::thread::sleep(Duration::from_millis(20)); // a new modification time
+    dir.write("state.yaml", &state("web2"));
+    wait_for("the client has the edited state file", || {
+        node.last().is_some_and(|c| {
+            c.listeners.iter().any(|l| l.name == "web2") && endpoints(&c) == [host]
+        })
+    });
+    let configs = node.0.lock().len();
+    dir.write("state.yaml", "listeners: [ {");
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(node.0.lock().len(), configs, "nothing new was pushed");
+    assert!(feed.served().listeners.iter().any(|l| l.name == "web2"));
+
+    drop(client);
+    stop_tx.send(()).unwrap();
+    let result = rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), served).await });
+    result.unwrap().unwrap().unwrap();
+}
+
+#[test]
+fn bad_inputs_fail_before_anything_serves_and_say_what_is_wrong() {
+    let dir = Scratch::new("bad");
+    let incomplete = ADDRESSES.replace(", r0-s1/nic0: 127.0.0.4", "");
+    let e = ControlCenter::new(&options(&dir, &incomplete, None))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("addresses.yaml: node `r0-s1/nic0` has no address"),
+        "{e}"
+    );
+
+    // The heartbeat address is taken.
+    let taken = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let mut opts = options(&dir, ADDRESSES, None);
+    if let Some(p) = opts.placement.as_mut() {
+        p.orchestrator = Some(OrchestratorOptions {
+            heartbeats: taken.local_addr().unwrap(),
+            step_command: None,
+        });
+    }
+    let e = ControlCenter::new(&opts).err().unwrap().to_string();
+    assert!(e.contains("pick a free address with --heartbeats"), "{e}");
+
+    // A state file that is no config, and one that is missing.
+    let mut opts = options(&dir, ADDRESSES, None);
+    opts.state = Some(dir.write("broken.yaml", "listeners: [ {"));
+    let e = ControlCenter::new(&opts).err().unwrap().to_string();
+    assert!(e.contains("broken.yaml"), "{e}");
+    opts.state = Some(Path::new("/nonexistent/state.yaml").to_path_buf());
+    let e = ControlCenter::new(&opts).err().unwrap().to_string();
+    assert!(e.contains("/nonexistent/state.yaml"), "{e}");
+}
