@@ -6,11 +6,14 @@ use std::path::PathBuf;
 use flatmesh_control::ControlError;
 use flatmesh_pu::PuError;
 use flatmesh_qnp::QnpError;
+use flatmesh_rules::RulesError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LabError {
     #[error(transparent)]
     Qnp(#[from] QnpError),
+    #[error(transparent)]
+    Rules(#[from] RulesError),
     #[error(transparent)]
     Control(#[from] ControlError),
     #[error(transparent)]
