@@ -21,6 +21,8 @@ struct Cli {
 enum Command {
     /// Run the node proxy.
     Node(cmd::node::Args),
+    /// The mesh CA: `ca init`, `ca issue` (X.509 SVIDs), `ca rotate`, `ca retire`.
+    Ca(cmd::ca::Args),
     /// Validate a config; --explain prints the compiled rule program.
     Check(cmd::check::Args),
     /// Start built-in services and a node proxy, drive load, print a report.
@@ -56,12 +58,17 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     if matches!(
         cli.command,
-        Command::Check(_) | Command::Place(_) | Command::Simulate(_) | Command::Kernel(_)
+        Command::Check(_)
+            | Command::Ca(_)
+            | Command::Place(_)
+            | Command::Simulate(_)
+            | Command::Kernel(_)
     ) {
         end_quietly_on_closed_stdout();
     }
     let result = match cli.command {
         Command::Node(args) => cmd::node::run(args),
+        Command::Ca(args) => cmd::ca::run(args),
         Command::Check(args) => cmd::check::run(args),
         Command::Demo(args) => cmd::demo::run(args),
         Command::Qnp(args) => cmd::qnp::run(args),
