@@ -21,6 +21,8 @@ struct Cli {
 enum Command {
     /// Run the node proxy.
     Node(cmd::node::Args),
+    /// The mesh CA: `ca init`, `ca issue` (X.509 SVIDs), `ca rotate`, `ca retire`.
+    Ca(cmd::ca::Args),
     /// Validate a config; --explain prints the rule program and where each rule runs,
     /// --nic-image writes tier N's image, --admin asks a running node.
     Check(cmd::check::Args),
@@ -60,6 +62,7 @@ fn main() -> std::process::ExitCode {
     if matches!(
         cli.command,
         Command::Check(_)
+            | Command::Ca(_)
             | Command::Place(_)
             | Command::Simulate(_)
             | Command::Kernel(_)
@@ -69,6 +72,7 @@ fn main() -> std::process::ExitCode {
     }
     let result = match cli.command {
         Command::Node(args) => cmd::node::run(args),
+        Command::Ca(args) => cmd::ca::run(args),
         Command::Check(args) => cmd::check::run(args),
         Command::Demo(args) => cmd::demo::run(args),
         Command::Qnp(args) => cmd::qnp::run(args),

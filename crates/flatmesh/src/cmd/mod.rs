@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod ca;
 pub mod check;
 pub mod control;
 pub mod control_demo;

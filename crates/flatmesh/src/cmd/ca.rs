@@ -1,0 +1,103 @@
+//! `flatmesh ca`: the mesh's certificate authority on disk (crates/identity).
+
+use anyhow::{Context, Result};
+use clap::{Args as ClapArgs, Subcommand};
+use flatmesh_identity::{ca, Authority, SpiffeId};
+use std::path::PathBuf;
+
+#[derive(ClapArgs)]
+pub struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create a root for a trust domain: DIR/ca.pem (trust bundle) and DIR/ca.key (mode 0600).
+    Init {
+        /// The trust domain, e.g. `cluster.local` (lower-case letters, digits, `.`, `-`, `_`).
+        #[arg(long)]
+        trust_domain: String,
+        /// Where to write the CA (created if missing; an existing CA is never overwritten).
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    /// Issue an X.509 SVID: PREFIX.pem (leaf then chain) and PREFIX.key (mode 0600).
+    Issue {
+        /// The CA directory written by `ca init`.
+        #[arg(long)]
+        dir: PathBuf,
+        /// The SPIFFE ID, e.g. spiffe://cluster.local/ns/shop/sa/cart.
+        #[arg(long)]
+        id: String,
+        /// Output prefix: writes PREFIX.pem and PREFIX.key.
+        #[arg(long)]
+        out: PathBuf,
+        /// Lifetime, like `24h`, `90m` (1 minute to 1 year).
+        #[arg(long, default_value = "24h")]
+        ttl: String,
+    },
+    /// Make a new root the signer and keep the old one trusted (overlap); run `retire` once
+    /// every certificate of the old root has been reissued.
+    Rotate {
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    /// Drop the roots kept from before a rotation.
+    Retire {
+        #[arg(long)]
+        dir: PathBuf,
+    },
+}
+
+pub fn run(args: Args) -> Result<()> {
+    match args.command {
+        Command::Init { trust_domain, dir } => {
+            let authority = Authority::init(&trust_domain, &dir)?;
+            println!(
+                "created the root of trust domain `{}`: {} (trust bundle), {} (private key, 0600)",
+                authority.trust_domain(),
+                dir.join(ca::CERT_FILE).display(),
+                dir.join(ca::KEY_FILE).display()
+            );
+        }
+        Command::Issue { dir, id, out, ttl } => {
+            let ttl = flatmesh_config::duration::parse(&ttl)
+                .map_err(anyhow::Error::msg)
+                .context("--ttl")?;
+            let id = SpiffeId::parse(&id)?;
+            let authority = Authority::load(&dir)?;
+            let issued = authority.issue(&id, ttl)?;
+            issued.write(&out)?;
+            let hours = issued
+                .not_after
+                .duration_since(std::time::SystemTime::now())
+                .unwrap_or_default()
+                .as_secs_f64()
+                / 3600.0;
+            println!(
+                "issued {id}: {0}.pem (leaf then chain), {0}.key (0600), valid for {hours:.1} h",
+                out.display()
+            );
+        }
+        Command::Rotate { dir } => {
+            let mut authority = Authority::load(&dir)?;
+            authority.rotate(Some(&dir))?;
+            println!(
+                "new signing root for `{}`; {} now holds {} roots (the old ones stay trusted until `flatmesh ca retire`)",
+                authority.trust_domain(),
+                dir.join(ca::CERT_FILE).display(),
+                authority.bundle().len()
+            );
+        }
+        Command::Retire { dir } => {
+            let mut authority = Authority::load(&dir)?;
+            authority.retire_old_roots(Some(&dir))?;
+            println!(
+                "{} now holds only the signing root",
+                dir.join(ca::CERT_FILE).display()
+            );
+        }
+    }
+    Ok(())
+}

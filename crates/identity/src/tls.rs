@@ -1,0 +1,329 @@
+//! rustls configurations that authenticate peers by SPIFFE ID.
+//!
+//! A peer is accepted when its chain leads to a root of the trust bundle (standard X.509 path
+//! validation by webpki: signatures, validity times, CA constraints, extended key usage) and its
+//! leaf names exactly one SPIFFE ID that an allow-list pattern admits. DNS names play no part,
+//! as in every SPIFFE mesh: the server's identity is checked against `server_ids`, not against
+//! the SNI.
+//!
+//! Crypto runs in rustls with the `ring` provider, which uses the CPU's AES and carry-less
+//! multiply instructions. TLS 1.3 and 1.2 (Envoy's client default is 1.2), AEAD suites only.
+
+use crate::error::IdentityError;
+use crate::spiffe::{IdPattern, SpiffeId};
+use crate::svid::{spiffe_id_of, Svid};
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::server::{ParsedCertificate, WebPkiClientVerifier};
+use rustls::{
+    CertificateError, ClientConfig, DigitallySignedStruct, DistinguishedName, Error, RootCertStore,
+    ServerConfig, SignatureScheme,
+};
+use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+use std::sync::Arc;
+
+/// ALPN of the codecs the node speaks over TLS.
+pub const ALPN_H2: &[u8] = b"h2";
+pub const ALPN_HTTP11: &[u8] = b"http/1.1";
+
+/// The crypto the node uses: ring, AEAD suites only.
+pub fn provider() -> Arc<CryptoProvider> {
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider.cipher_suites.retain(|suite| {
+        matches!(
+            suite.suite(),
+            rustls::CipherSuite::TLS13_AES_128_GCM_SHA256
+                | rustls::CipherSuite::TLS13_AES_256_GCM_SHA384
+                | rustls::CipherSuite::TLS13_CHACHA20_POLY1305_SHA256
+                | rustls::CipherSuite::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256
+                | rustls::CipherSuite::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384
+                | rustls::CipherSuite::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256
+                | rustls::CipherSuite::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384
+        )
+    });
+    Arc::new(provider)
+}
+
+/// The roots a node trusts, one or more per trust domain (more during a root rotation).
+#[derive(Clone, Debug)]
+pub struct TrustBundle {
+    roots: Arc<RootCertStore>,
+}
+
+impl TrustBundle {
+    pub fn new(certificates: &[CertificateDer<'static>]) -> Result<TrustBundle, IdentityError> {
+        let mut roots = RootCertStore::empty();
+        for certificate in certificates {
+            roots
+                .add(certificate.clone())
+                .map_err(|e| IdentityError::Bundle(format!("a root does not parse: {e}")))?;
+        }
+        if roots.is_empty() {
+            return Err(IdentityError::Bundle(
+                "it holds no certificate; give the ca.pem of `flatmesh ca init`".into(),
+            ));
+        }
+        Ok(TrustBundle {
+            roots: Arc::new(roots),
+        })
+    }
+
+    pub fn load(path: &std::path::Path) -> Result<TrustBundle, IdentityError> {
+        TrustBundle::new(&crate::ca::load_certificates(path)?)
+    }
+}
+
+/// Why a peer's certificate was refused after its chain verified.
+#[derive(Debug)]
+pub struct IdentityRefused {
+    pub id: Option<SpiffeId>,
+    pub reason: &'static str,
+    pub detail: String,
+}
+
+impl std::fmt::Display for IdentityRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.detail)
+    }
+}
+
+impl std::error::Error for IdentityRefused {}
+
+fn refused(id: Option<SpiffeId>, reason: &'static str, detail: String) -> Error {
+    Error::InvalidCertificate(CertificateError::Other(rustls::OtherError(Arc::new(
+        IdentityRefused { id, reason, detail },
+    ))))
+}
+
+/// Checks a verified leaf's SPIFFE ID against the allow-list.
+fn check_identity(end_entity: &CertificateDer<'_>, allow: &[IdPattern]) -> Result<(), Error> {
+    let id = spiffe_id_of(end_entity).map_err(|detail| refused(None, "no_spiffe_id", detail))?;
+    if crate::spiffe::allowed(allow, &id) {
+        return Ok(());
+    }
+    let known_domain = allow.iter().any(|p| p.trust_domain() == id.trust_domain());
+    let (reason, detail) = if known_domain {
+        (
+            "not_allowed",
+            format!("`{id}` is not in the allow-list ({})", list(allow)),
+        )
+    } else {
+        (
+            "wrong_trust_domain",
+            format!(
+                "`{id}` is in trust domain `{}`, which no allow-list entry names ({})",
+                id.trust_domain(),
+                list(allow)
+            ),
+        )
+    };
+    Err(refused(Some(id), reason, detail))
+}
+
+fn list(allow: &[IdPattern]) -> String {
+    if allow.is_empty() {
+        return "empty".into();
+    }
+    allow
+        .iter()
+        .map(|p| p.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A short, bounded label for a failed handshake, for logs and the `reason` label of metrics.
+pub fn failure_reason(error: &Error) -> &'static str {
+    match error {
+        Error::InvalidCertificate(certificate) => match certificate {
+            CertificateError::Expired | CertificateError::ExpiredContext { .. } => "expired",
+            CertificateError::NotValidYet | CertificateError::NotValidYetContext { .. } => {
+                "not_yet_valid"
+            }
+            CertificateError::UnknownIssuer => "unknown_ca",
+            CertificateError::BadSignature => "bad_signature",
+            CertificateError::InvalidPurpose | CertificateError::InvalidPurposeContext { .. } => {
+                "wrong_usage"
+            }
+            CertificateError::Other(other) => other
+                .0
+                .downcast_ref::<IdentityRefused>()
+                .map(|r| r.reason)
+                .unwrap_or("bad_certificate"),
+            _ => "bad_certificate",
+        },
+        Error::NoCertificatesPresented => "no_client_certificate",
+        Error::InvalidMessage(_) => "malformed",
+        Error::AlertReceived(_) => "peer_alert",
+        Error::PeerIncompatible(_) => "incompatible",
+        Error::NoApplicationProtocol => "alpn",
+        _ => "handshake",
+    }
+}
+
+/// Verifies client certificates: the chain (webpki), then the SPIFFE ID.
+#[derive(Debug)]
+struct SpiffeClientVerifier {
+    chain: Arc<dyn ClientCertVerifier>,
+    allow: Vec<IdPattern>,
+}
+
+impl ClientCertVerifier for SpiffeClientVerifier {
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.chain.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, Error> {
+        self.chain
+            .verify_client_cert(end_entity, intermediates, now)?;
+        check_identity(end_entity, &self.allow)?;
+        Ok(ClientCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        self.chain.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        self.chain.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.chain.supported_verify_schemes()
+    }
+}
+
+/// Verifies server certificates: the chain without a DNS name check, then the SPIFFE ID.
+#[derive(Debug)]
+struct SpiffeServerVerifier {
+    roots: Arc<RootCertStore>,
+    allow: Vec<IdPattern>,
+    algorithms: WebPkiSupportedAlgorithms,
+}
+
+impl ServerCertVerifier for SpiffeServerVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, Error> {
+        let parsed = ParsedCertificate::try_from(end_entity)?;
+        rustls::client::verify_server_cert_signed_by_trust_anchor(
+            &parsed,
+            &self.roots,
+            intermediates,
+            now,
+            self.algorithms.all,
+        )?;
+        check_identity(end_entity, &self.allow)?;
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algorithms.supported_schemes()
+    }
+}
+
+/// Who may connect to a TLS listener.
+#[derive(Clone, Debug)]
+pub struct ClientAuth {
+    pub bundle: TrustBundle,
+    /// SPIFFE IDs (or `/*` patterns) that may connect; a verified client outside it is refused.
+    pub allow: Vec<IdPattern>,
+}
+
+/// A server configuration presenting `svid`. With `client_auth`, a client certificate is
+/// required, verified and matched against the allow-list.
+pub fn server_config(
+    svid: &Svid,
+    client_auth: Option<ClientAuth>,
+    alpn: &[&[u8]],
+) -> Result<Arc<ServerConfig>, IdentityError> {
+    let provider = provider();
+    let builder = ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()?;
+    let builder = match client_auth {
+        Some(auth) => {
+            let chain = WebPkiClientVerifier::builder_with_provider(auth.bundle.roots, provider)
+                .build()
+                .map_err(|e| IdentityError::Bundle(e.to_string()))?;
+            builder.with_client_cert_verifier(Arc::new(SpiffeClientVerifier {
+                chain,
+                allow: auth.allow,
+            }))
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_single_cert(svid.chain.clone(), svid.key.clone_key())?;
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
+}
+
+/// A client configuration that accepts servers whose SPIFFE ID `server_ids` admits, presenting
+/// `svid` when the server asks for a client certificate.
+pub fn client_config(
+    svid: Option<&Svid>,
+    bundle: &TrustBundle,
+    server_ids: Vec<IdPattern>,
+    alpn: &[&[u8]],
+) -> Result<Arc<ClientConfig>, IdentityError> {
+    let provider = provider();
+    let verifier = Arc::new(SpiffeServerVerifier {
+        roots: bundle.roots.clone(),
+        allow: server_ids,
+        algorithms: provider.signature_verification_algorithms,
+    });
+    let builder = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier);
+    let mut config = match svid {
+        Some(svid) => builder.with_client_auth_cert(svid.chain.clone(), svid.key.clone_key())?,
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
+}
+
+/// The SPIFFE ID of the peer of a finished handshake (already verified by the config's
+/// verifier), if it presented a certificate.
+pub fn peer_identity(connection: &rustls::CommonState) -> Option<SpiffeId> {
+    let leaf = connection.peer_certificates()?.first()?;
+    spiffe_id_of(leaf).ok()
+}

@@ -1,0 +1,243 @@
+//! Real TLS handshakes over loopback TCP between configurations built by this crate: who is
+//! accepted, who is refused, and the reason a refusal is counted under.
+#![allow(clippy::unwrap_used)]
+
+use flatmesh_identity::tls::{self, failure_reason};
+use flatmesh_identity::{Authority, ClientAuth, IdPattern, SpiffeId, Svid, TrustBundle};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+fn svid(ca: &Authority, id: &str) -> Svid {
+    let issued = ca
+        .issue(&SpiffeId::parse(id).unwrap(), Duration::from_secs(3600))
+        .unwrap();
+    Svid::from_pem(&issued.chain_pem, issued.key_pem.as_deref().unwrap()).unwrap()
+}
+
+fn patterns(list: &[&str]) -> Vec<IdPattern> {
+    list.iter().map(|p| IdPattern::parse(p).unwrap()).collect()
+}
+
+struct Outcome {
+    /// The server's view: the client's identity, or the reason it refused.
+    server: Result<Option<SpiffeId>, &'static str>,
+    /// The client's view: the server's identity, or the reason it refused.
+    client: Result<Option<SpiffeId>, &'static str>,
+}
+
+/// One handshake and one echoed message over loopback.
+async fn handshake(
+    server: Arc<rustls::ServerConfig>,
+    client: Arc<rustls::ClientConfig>,
+) -> Outcome {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let serving = tokio::spawn(async move {
+        let (socket, _) = listener.accept().await.unwrap();
+        match TlsAcceptor::from(server).accept(socket).await {
+            Ok(mut stream) => {
+                let peer = tls::peer_identity(stream.get_ref().1);
+                let mut buffer = [0u8; 5];
+                if stream.read_exact(&mut buffer).await.is_ok() {
+                    let _ = stream.write_all(&buffer).await;
+                    let _ = stream.flush().await;
+                }
+                Ok(peer)
+            }
+            Err(e) => Err(e
+                .get_ref()
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+                .map(failure_reason)
+                .unwrap_or("io")),
+        }
+    });
+    let socket = TcpStream::connect(address).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("mesh.invalid").unwrap();
+    let client = match TlsConnector::from(client).connect(name, socket).await {
+        Ok(mut stream) => {
+            let peer = tls::peer_identity(stream.get_ref().1);
+            // TLS 1.3 reports a refused client certificate only on the first read.
+            stream.write_all(b"hello").await.unwrap();
+            let mut buffer = [0u8; 5];
+            match stream.read_exact(&mut buffer).await {
+                Ok(_) => Ok(peer),
+                Err(e) => Err(e
+                    .get_ref()
+                    .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+                    .map(failure_reason)
+                    .unwrap_or("closed")),
+            }
+        }
+        Err(e) => Err(e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+            .map(failure_reason)
+            .unwrap_or("io")),
+    };
+    let server = tokio::time::timeout(Duration::from_secs(10), serving)
+        .await
+        .expect("the server hung")
+        .unwrap();
+    Outcome { server, client }
+}
+
+fn mtls_server(ca: &Authority, id: &str, allow: &[&str]) -> Arc<rustls::ServerConfig> {
+    tls::server_config(
+        &svid(ca, id),
+        Some(ClientAuth {
+            bundle: TrustBundle::new(ca.bundle()).unwrap(),
+            allow: patterns(allow),
+        }),
+        &[tls::ALPN_HTTP11],
+    )
+    .unwrap()
+}
+
+fn client(ca: &Authority, me: Option<&Svid>, server_ids: &[&str]) -> Arc<rustls::ClientConfig> {
+    tls::client_config(
+        me,
+        &TrustBundle::new(ca.bundle()).unwrap(),
+        patterns(server_ids),
+        &[tls::ALPN_HTTP11],
+    )
+    .unwrap()
+}
+
+const SERVER: &str = "spiffe://td/ns/shop/sa/cart";
+const CLIENT: &str = "spiffe://td/ns/shop/sa/web";
+
+#[tokio::test]
+async fn both_sides_learn_the_others_spiffe_id() {
+    let ca = Authority::generate("td").unwrap();
+    let me = svid(&ca, CLIENT);
+    let outcome = handshake(
+        mtls_server(&ca, SERVER, &["spiffe://td/ns/shop/*"]),
+        client(&ca, Some(&me), &[SERVER]),
+    )
+    .await;
+    assert_eq!(outcome.server, Ok(Some(SpiffeId::parse(CLIENT).unwrap())));
+    assert_eq!(outcome.client, Ok(Some(SpiffeId::parse(SERVER).unwrap())));
+}
+
+#[tokio::test]
+async fn a_client_outside_the_allow_list_is_refused() {
+    let ca = Authority::generate("td").unwrap();
+    let me = svid(&ca, "spiffe://td/ns/other/sa/web");
+    let outcome = handshake(
+        mtls_server(&ca, SERVER, &["spiffe://td/ns/shop/*"]),
+        client(&ca, Some(&me), &[SERVER]),
+    )
+    .await;
+    assert_eq!(outcome.server, Err("not_allowed"));
+    assert!(outcome.client.is_err());
+}
+
+#[tokio::test]
+async fn a_client_without_a_certificate_is_refused() {
+    let ca = Authority::generate("td").unwrap();
+    let outcome = handshake(
+        mtls_server(&ca, SERVER, &["spiffe://td/*"]),
+        client(&ca, None, &[SERVER]),
+    )
+    .await;
+    assert_eq!(outcome.server, Err("no_client_certificate"));
+}
+
+#[tokio::test]
+async fn a_client_of_an_unknown_ca_is_refused() {
+    let ca = Authority::generate("td").unwrap();
+    let stranger = Authority::generate("td").unwrap();
+    let me = svid(&stranger, CLIENT);
+    let outcome = handshake(
+        mtls_server(&ca, SERVER, &["spiffe://td/*"]),
+        client(&ca, Some(&me), &[SERVER]),
+    )
+    .await;
+    assert_eq!(outcome.server, Err("unknown_ca"));
+}
+
+#[tokio::test]
+async fn a_client_of_another_trust_domain_is_refused_even_when_its_root_is_trusted() {
+    let ca = Authority::generate("td").unwrap();
+    let other = Authority::generate("evil.org").unwrap();
+    let mut roots = ca.bundle().to_vec();
+    roots.extend(other.bundle().iter().cloned());
+    let server = tls::server_config(
+        &svid(&ca, SERVER),
+        Some(ClientAuth {
+            bundle: TrustBundle::new(&roots).unwrap(),
+            allow: patterns(&["spiffe://td/*"]),
+        }),
+        &[],
+    )
+    .unwrap();
+    let me = svid(&other, "spiffe://evil.org/ns/shop/sa/web");
+    let outcome = handshake(server, client(&ca, Some(&me), &[SERVER])).await;
+    assert_eq!(outcome.server, Err("wrong_trust_domain"));
+}
+
+#[tokio::test]
+async fn expired_and_not_yet_valid_certificates_are_refused() {
+    let ca = Authority::generate("td").unwrap();
+    let id = SpiffeId::parse(CLIENT).unwrap();
+    let now = SystemTime::now();
+    for (from, to, reason) in [
+        (
+            now - Duration::from_secs(7200),
+            now - Duration::from_secs(3600),
+            "expired",
+        ),
+        (
+            now + Duration::from_secs(3600),
+            now + Duration::from_secs(7200),
+            "not_yet_valid",
+        ),
+    ] {
+        let issued = ca.issue_valid_between(&id, from, to).unwrap();
+        let me = Svid::from_pem(&issued.chain_pem, issued.key_pem.as_deref().unwrap()).unwrap();
+        let outcome = handshake(
+            mtls_server(&ca, SERVER, &["spiffe://td/*"]),
+            client(&ca, Some(&me), &[SERVER]),
+        )
+        .await;
+        assert_eq!(outcome.server, Err(reason));
+    }
+}
+
+#[tokio::test]
+async fn a_server_with_the_wrong_identity_is_refused_by_the_client() {
+    let ca = Authority::generate("td").unwrap();
+    let me = svid(&ca, CLIENT);
+    let outcome = handshake(
+        mtls_server(&ca, "spiffe://td/ns/shop/sa/impostor", &["spiffe://td/*"]),
+        client(&ca, Some(&me), &[SERVER]),
+    )
+    .await;
+    assert_eq!(outcome.client, Err("not_allowed"));
+}
+
+#[tokio::test]
+async fn during_a_root_rotation_leaves_of_both_roots_are_accepted() {
+    let mut ca = Authority::generate("td").unwrap();
+    let old_leaf = svid(&ca, CLIENT);
+    ca.rotate(None).unwrap();
+    let new_leaf = svid(&ca, CLIENT);
+    for me in [&old_leaf, &new_leaf] {
+        let outcome = handshake(
+            mtls_server(&ca, SERVER, &["spiffe://td/*"]),
+            client(&ca, Some(me), &[SERVER]),
+        )
+        .await;
+        assert_eq!(outcome.server, Ok(Some(SpiffeId::parse(CLIENT).unwrap())));
+    }
+    ca.retire_old_roots(None).unwrap();
+    let outcome = handshake(
+        mtls_server(&ca, SERVER, &["spiffe://td/*"]),
+        client(&ca, Some(&old_leaf), &[SERVER]),
+    )
+    .await;
+    assert_eq!(outcome.server, Err("unknown_ca"));
+}
