@@ -18,6 +18,7 @@ pub mod listener;
 pub mod metrics;
 pub mod node;
 pub mod snapshot;
+mod sniff;
 pub mod tap;
 pub mod tcp;
 pub mod upstream;

@@ -19,6 +19,7 @@ use crate::downstream::{ActivityTap, ConnSignals};
 use crate::error::ProxyError;
 use crate::kernel::{FirstRequest, KernelBinding};
 use crate::snapshot::Snapshot;
+use crate::sniff::{sniff, Protocol};
 use crate::tap::{Rewind, Tapped};
 use crate::upstream::Upstreams;
 
@@ -307,9 +308,6 @@ async fn serve_http_with_kernel(
     serve_http(ctx, Rewind::new(buffered, stream), snapshot).await
 }
 
-/// The HTTP/2 connection preface a client with prior knowledge of h2c opens with.
-const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
 /// An http listener's connection: the first bytes tell the protocol. The HTTP/2 preface goes
 /// to hyper's HTTP/2 server, anything else to flatmesh's own HTTP/1 path.
 async fn serve_http<S>(ctx: Arc<ConnContext>, mut stream: S, snapshot: &Snapshot)
@@ -319,7 +317,10 @@ where
     let limits = &snapshot.config.limits;
     let mut first = bytes::BytesMut::with_capacity(16 * 1024);
     let mut deadline = tokio::time::Instant::now() + limits.idle_timeout;
-    while first.len() < H2_PREFACE.len() && H2_PREFACE.starts_with(&first) {
+    let protocol = loop {
+        if let Some(protocol) = sniff(&first) {
+            break protocol;
+        }
         let read = tokio::io::AsyncReadExt::read_buf(&mut stream, &mut first);
         match tokio::time::timeout_at(deadline, read).await {
             Ok(Ok(n)) if n > 0 => {}
@@ -327,11 +328,10 @@ where
             _ => return,
         }
         deadline = deadline.min(tokio::time::Instant::now() + limits.header_read_timeout);
-    }
-    if first.starts_with(H2_PREFACE) {
-        serve_h2(ctx, Rewind::new(first.to_vec(), stream), snapshot).await
-    } else {
-        crate::h1::serve(ctx, stream, first).await
+    };
+    match protocol {
+        Protocol::Http2 => serve_h2(ctx, Rewind::new(first.to_vec(), stream), snapshot).await,
+        Protocol::Http1 => crate::h1::serve(ctx, stream, first).await,
     }
 }
 
