@@ -8,11 +8,15 @@
 
 pub mod access_log;
 mod admin;
-pub mod downstream;
+mod body;
+mod context;
+mod control;
+mod dispatch;
 pub mod error;
 pub mod h1;
-pub mod http;
+mod h2;
 pub mod kernel;
+mod l7;
 pub mod lb;
 pub mod listener;
 pub mod metrics;
@@ -21,6 +25,8 @@ pub mod snapshot;
 mod sniff;
 pub mod tap;
 pub mod tcp;
+#[cfg(test)]
+mod testing;
 pub mod upstream;
 pub mod worker;
 

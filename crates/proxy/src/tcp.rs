@@ -8,10 +8,10 @@ use std::sync::Arc;
 
 use tokio::net::TcpStream;
 
+use crate::context::{ConnContext, WorkerView};
 use crate::kernel::{DirectConn, DirectDir, KernelBinding, KernelPath};
 use crate::lb::{hash_client, InFlight};
 use crate::tap::{Tap, Tapped};
-use crate::worker::{ConnContext, WorkerView};
 use flatmesh_rules::ClusterId;
 
 /// Counts the bytes read through a socket, so totals are known even when the relay ends in error.

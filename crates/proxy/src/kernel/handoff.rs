@@ -9,14 +9,8 @@ use tokio::net::TcpStream;
 
 use super::path::{peer_is_local, KernelPath};
 use super::settings_ack::{settings_ack_at, H2_EMPTY_SETTINGS};
-use super::KernelBinding;
+use super::{KernelBinding, FIRST_REQUEST_MAX};
 use crate::sniff::{sniff, Protocol};
-
-/// How much of a connection the node reads while the kernel has not decided its first
-/// request. The kernel only looks at the first 256 bytes of an HTTP/1.1 request and at the
-/// first HEADERS frame of HTTP/2, so a connection past this is the user tier's. The verdict
-/// gives up at the same bound (FM_PENDING_MAX in bpf/dispatch.bpf.c: `PendingLimit`).
-pub(super) const FIRST_REQUEST_MAX: usize = 16 * 1024;
 
 /// The outcome of waiting for the kernel's decision on a connection's first request.
 pub enum FirstRequest {

@@ -36,6 +36,12 @@ pub use handoff::FirstRequest;
 pub use path::KernelPath;
 pub use settings_ack::StripSettingsAck;
 
+/// How much of a connection the node reads while the kernel has not decided its first
+/// request. The kernel only looks at the first 256 bytes of an HTTP/1.1 request and at the
+/// first HEADERS frame of HTTP/2, so a connection past this is the user tier's. The verdict
+/// gives up at the same bound (FM_PENDING_MAX in bpf/dispatch.bpf.c: `PendingLimit`).
+const FIRST_REQUEST_MAX: usize = 16 * 1024;
+
 /// The node's handle on tier K.
 pub struct KernelBinding {
     tier: KernelTier,

@@ -3,7 +3,7 @@
 //! frame of its own; the client's ACK of it must then be taken out of the stream, for the
 //! backend never sent those settings and neither did the user tier's HTTP/2 server.
 
-use super::handoff::FIRST_REQUEST_MAX;
+use super::FIRST_REQUEST_MAX;
 use crate::sniff::{sniff, Protocol, H2_PREFACE};
 
 /// An empty SETTINGS frame: the server connection preface with every setting at its default.
