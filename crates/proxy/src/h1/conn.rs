@@ -962,3 +962,296 @@ async fn bridge<S: AsyncRead + AsyncWrite + Unpin + Send>(
         close,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The HTTP/1 adapter end to end on the test's runtime: a client connection over an
+    //! in-memory pipe, endpoints on loopback, and tokio's paused clock for every timeout.
+    #![allow(clippy::unwrap_used)]
+    use std::net::SocketAddr;
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::time::Instant;
+
+    use crate::testing::{self, dead_endpoint, ok, read_reply, Endpoint, Reply, Script};
+
+    fn config(endpoints: &[SocketAddr], retries: &str) -> String {
+        let endpoints: Vec<String> = endpoints.iter().map(|e| e.to_string()).collect();
+        format!(
+            r#"
+limits:
+  header_read_timeout: 2s
+  idle_timeout: 5s
+listeners:
+  - name: web
+    address: 127.0.0.1:1
+    protocol: http
+    routes:
+      - match: {{ path: {{ prefix: /slow }} }}
+        cluster: app
+        timeout: 1s
+      - match: {{ path: {{ exact: /direct }} }}
+        direct_response: {{ status: 200, body: "direct" }}
+      - match: {{ path: {{ prefix: /app }} }}
+        cluster: app
+{retries}
+clusters:
+  - name: app
+    endpoints: [ {} ]
+"#,
+            endpoints.join(", ")
+        )
+    }
+
+    /// A client connection to a node running `yaml`, and the view it reads (for the stats).
+    fn connect(
+        yaml: &str,
+    ) -> (
+        tokio::io::DuplexStream,
+        std::sync::Arc<arc_swap::ArcSwap<crate::context::WorkerView>>,
+    ) {
+        let view = testing::view(yaml);
+        let client = testing::h1_client(testing::context(&view));
+        (client, view)
+    }
+
+    async fn exchange(client: &mut tokio::io::DuplexStream, request: &str) -> Option<Reply> {
+        client.write_all(request.as_bytes()).await.unwrap();
+        read_reply(client, &mut Vec::new()).await
+    }
+
+    fn retries(view: &arc_swap::ArcSwap<crate::context::WorkerView>) -> u64 {
+        view.load().snapshot.clusters[0].stats.retries.sum()
+    }
+
+    /// Reads until the proxy closes the connection; true if it did (rather than erroring).
+    async fn closed(client: &mut tokio::io::DuplexStream) -> bool {
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.is_ok()
+    }
+
+    const GET: &str = "GET /app/x HTTP/1.1\r\nhost: t\r\n\r\n";
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_are_forwarded_and_the_upstream_connection_is_reused() {
+        let app = Endpoint::start(|_, n, head| {
+            assert!(head.contains("x-forwarded-for: 127.0.0.1"), "{head}");
+            Script::Answer(Duration::ZERO, ok(&format!("answer {n}")))
+        })
+        .await;
+        let (mut client, _view) = connect(&config(&[app.addr], ""));
+        for n in 0..3 {
+            let reply = exchange(&mut client, GET).await.unwrap();
+            assert_eq!(
+                (reply.status, reply.body.as_str()),
+                (200, format!("answer {n}").as_str())
+            );
+        }
+        assert_eq!(app.connections(), 1, "one keep-alive connection upstream");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_endpoint_slower_than_the_route_timeout_gets_504_at_the_timeout() {
+        let app =
+            Endpoint::start(|_, _, _| Script::Answer(Duration::from_secs(10), ok("late"))).await;
+        let (mut client, _view) = connect(&config(&[app.addr], ""));
+        let started = Instant::now();
+        let reply = exchange(&mut client, "GET /slow HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(reply.status, 504, "{reply:?}");
+        assert!(reply.body.contains("did not answer within 1s"), "{reply:?}");
+        assert_eq!(started.elapsed(), Duration::from_secs(1));
+        // The connection carries on.
+        let reply = exchange(&mut client, "GET /direct HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(reply.body, "direct");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dead_endpoint_is_retried_on_the_live_one() {
+        let app = Endpoint::start(|_, _, _| Script::Answer(Duration::ZERO, ok("live"))).await;
+        let yaml = config(
+            &[dead_endpoint(), app.addr],
+            "        retries: { attempts: 1, on: [ connect-failure ] }",
+        );
+        let (mut client, view) = connect(&yaml);
+        let reply = exchange(&mut client, GET).await.unwrap();
+        assert_eq!((reply.status, reply.body.as_str()), (200, "live"));
+        assert_eq!(retries(&view), 1);
+        // Without a retry policy the dead endpoint's turn is a 503 that names the cluster.
+        let (mut client, _view) = connect(&config(&[dead_endpoint()], ""));
+        let reply = exchange(&mut client, GET).await.unwrap();
+        assert_eq!(reply.status, 503);
+        assert!(
+            reply.body.contains("upstream connect error: cluster `app`"),
+            "{reply:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_5xx_answer_is_tried_again_when_the_policy_names_it() {
+        // The first connection answers 503; the retry's own connection answers 200.
+        let app = Endpoint::start(|c, _, _| match c {
+            0 => Script::Answer(
+                Duration::ZERO,
+                b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 4\r\n\r\nbusy".to_vec(),
+            ),
+            _ => Script::Answer(Duration::ZERO, ok("fine")),
+        })
+        .await;
+        let yaml = config(&[app.addr], "        retries: { attempts: 2, on: [ 5xx ] }");
+        let (mut client, view) = connect(&yaml);
+        let reply = exchange(&mut client, GET).await.unwrap();
+        assert_eq!((reply.status, reply.body.as_str()), (200, "fine"));
+        assert_eq!(retries(&view), 1);
+        assert_eq!(
+            app.connections(),
+            2,
+            "a retried answer's connection is not reused"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pooled_connection_the_endpoint_closed_is_replaced_without_a_retry() {
+        // Each connection answers its first request, then closes on the second unanswered.
+        let app = Endpoint::start(|_, n, _| match n {
+            0 => Script::Answer(Duration::ZERO, ok("first")),
+            _ => Script::Close,
+        })
+        .await;
+        let (mut client, view) = connect(&config(&[app.addr], ""));
+        for _ in 0..3 {
+            let reply = exchange(&mut client, GET).await.unwrap();
+            assert_eq!((reply.status, reply.body.as_str()), (200, "first"));
+        }
+        assert_eq!(app.connections(), 3);
+        assert_eq!(retries(&view), 0, "not a retry by policy");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_with_a_body_is_sent_once_and_its_failure_closes_the_connection() {
+        let app = Endpoint::start(|_, _, _| Script::Answer(Duration::ZERO, ok("live"))).await;
+        let yaml = config(
+            &[dead_endpoint(), app.addr],
+            "        retries: { attempts: 1, on: [ connect-failure ] }",
+        );
+        let (mut client, view) = connect(&yaml);
+        let reply = exchange(
+            &mut client,
+            "POST /app HTTP/1.1\r\nhost: t\r\ncontent-length: 5\r\n\r\nhello",
+        )
+        .await
+        .unwrap();
+        assert_eq!(reply.status, 503, "{reply:?}");
+        assert_eq!(reply.header("connection"), Some("close"));
+        assert!(closed(&mut client).await);
+        assert_eq!(retries(&view), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_invalid_answer_is_502_and_an_answerless_close_is_502() {
+        let app = Endpoint::start(|c, _, _| match c {
+            0 => Script::Answer(Duration::ZERO, b"NONSENSE\r\n\r\n".to_vec()),
+            _ => Script::Close,
+        })
+        .await;
+        let (mut client, _view) = connect(&config(&[app.addr], ""));
+        let reply = exchange(&mut client, GET).await.unwrap();
+        assert_eq!(reply.status, 502);
+        assert!(
+            reply.body.contains("upstream sent an invalid response"),
+            "{reply:?}"
+        );
+        let reply = exchange(&mut client, GET).await.unwrap();
+        assert_eq!(reply.status, 502);
+        assert!(
+            reply.body.contains("upstream reset: cluster `app`"),
+            "{reply:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_malformed_chunked_body_is_400_and_closes() {
+        let app = Endpoint::start(|_, _, _| Script::Answer(Duration::ZERO, ok("never"))).await;
+        let (mut client, _view) = connect(&config(&[app.addr], ""));
+        let reply = exchange(
+            &mut client,
+            "POST /app HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+        )
+        .await
+        .unwrap();
+        assert_eq!(reply.status, 400, "{reply:?}");
+        assert!(reply.body.contains("malformed"), "{reply:?}");
+        assert!(closed(&mut client).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_head_that_does_not_arrive_in_time_gets_408() {
+        let (mut client, _view) = connect(&config(&[dead_endpoint()], ""));
+        let started = Instant::now();
+        client
+            .write_all(b"GET /direct HTTP/1.1\r\nhost:")
+            .await
+            .unwrap();
+        let reply = read_reply(&mut client, &mut Vec::new()).await.unwrap();
+        assert_eq!(reply.status, 408);
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_secs(2),
+            "header_read_timeout"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_keep_alive_connection_is_closed_after_the_idle_timeout() {
+        let (mut client, _view) = connect(&config(&[dead_endpoint()], ""));
+        let reply = exchange(&mut client, "GET /direct HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(reply.body, "direct");
+        let started = Instant::now();
+        assert!(closed(&mut client).await);
+        assert_eq!(started.elapsed(), Duration::from_secs(5), "idle_timeout");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pipelined_requests_are_answered_in_order() {
+        let app = Endpoint::start(|_, n, head| {
+            let path = head.split(' ').nth(1).unwrap_or("").to_owned();
+            // The first waits longest: order must still hold.
+            Script::Answer(Duration::from_millis(300 - 100 * n as u64), ok(&path))
+        })
+        .await;
+        let (mut client, _view) = connect(&config(&[app.addr], ""));
+        client
+            .write_all(b"GET /app/1 HTTP/1.1\r\nhost: t\r\n\r\nGET /direct HTTP/1.1\r\nhost: t\r\n\r\nGET /app/3 HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = Vec::new();
+        let mut bodies = Vec::new();
+        for _ in 0..3 {
+            bodies.push(read_reply(&mut client, &mut buf).await.unwrap().body);
+        }
+        assert_eq!(bodies, ["/app/1", "direct", "/app/3"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_route_is_404_and_the_connection_stays_open() {
+        let (mut client, _view) = connect(&config(&[dead_endpoint()], ""));
+        let reply = exchange(&mut client, "GET /nowhere HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(reply.status, 404);
+        assert!(
+            reply.body.contains("no route matched: listener `web`"),
+            "{reply:?}"
+        );
+        let reply = exchange(&mut client, "GET /direct HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(reply.status, 200);
+    }
+}
