@@ -117,7 +117,7 @@ async fn serve_http_with_kernel(
 
 /// An http listener's connection: the first bytes tell the protocol. The HTTP/2 preface goes
 /// to hyper's HTTP/2 server, anything else to flatmesh's own HTTP/1 path.
-async fn serve_http<S>(ctx: Arc<ConnContext>, mut stream: S, snapshot: &Snapshot)
+pub(crate) async fn serve_http<S>(ctx: Arc<ConnContext>, mut stream: S, snapshot: &Snapshot)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -139,5 +139,91 @@ where
     match protocol {
         Protocol::Http2 => crate::h2::serve(ctx, Rewind::new(first.to_vec(), stream), limits).await,
         Protocol::Http1 => crate::h1::serve(ctx, stream, first).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The protocol sniff and the waits before a request is known, on the paused clock.
+    #![allow(clippy::unwrap_used)]
+    use std::time::Duration;
+
+    use http_body_util::BodyExt as _;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::time::Instant;
+
+    use crate::testing::{self, read_reply};
+
+    const CONFIG: &str = r#"
+limits:
+  header_read_timeout: 2s
+  idle_timeout: 5s
+listeners:
+  - name: web
+    address: 127.0.0.1:1
+    protocol: http
+    routes:
+      - match: { path: { prefix: / } }
+        direct_response: { status: 200, body: "direct" }
+"#;
+
+    fn client() -> tokio::io::DuplexStream {
+        testing::http_client(testing::context(&testing::view(CONFIG)))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_that_sends_nothing_is_closed_at_the_idle_timeout() {
+        let mut c = client();
+        let started = Instant::now();
+        assert_eq!(c.read(&mut [0u8; 16]).await.unwrap(), 0);
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_head_stalled_half_way_gets_408_at_the_header_read_timeout() {
+        let mut c = client();
+        let started = Instant::now();
+        c.write_all(b"GET /x HTTP/1.1\r\nHost: t.local\r\nX-Slow: ")
+            .await
+            .unwrap();
+        let reply = read_reply(&mut c, &mut Vec::new()).await.unwrap();
+        assert_eq!(reply.status, 408);
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+        // The first byte of a preface that then stalls is cut off at the same bound.
+        let mut c = client();
+        let started = Instant::now();
+        c.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+        assert_eq!(c.read(&mut [0u8; 16]).await.unwrap(), 0);
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_http2_preface_goes_to_the_http2_server_however_it_is_split() {
+        // Whole, through hyper's client.
+        let mut h2 = testing::h2_client(testing::context(&testing::view(CONFIG))).await;
+        let req = http::Request::get("http://t.local/a")
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        let resp = h2.send_request(req).await.unwrap();
+        assert_eq!(resp.version(), http::Version::HTTP_2);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"direct");
+        // A byte at a time, with pauses (within the header read timeout, 2s, in all): the
+        // server's SETTINGS frame answers.
+        let mut c = client();
+        for b in crate::sniff::H2_PREFACE {
+            c.write_all(&[*b]).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let mut frame = [0u8; 9];
+        c.read_exact(&mut frame).await.unwrap();
+        assert_eq!(frame[3], 4, "a SETTINGS frame");
+        // HTTP/1 that begins like the preface is HTTP/1.
+        let mut c = client();
+        c.write_all(b"PUT / HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n")
+            .await
+            .unwrap();
+        let reply = read_reply(&mut c, &mut Vec::new()).await.unwrap();
+        assert_eq!((reply.status, reply.body.as_str()), (200, "direct"));
     }
 }

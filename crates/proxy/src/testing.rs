@@ -50,6 +50,29 @@ pub(crate) fn h1_client(ctx: Arc<ConnContext>) -> DuplexStream {
     client
 }
 
+/// Serves an `http` listener's connection with `ctx` on this runtime, from the protocol
+/// sniff on (`crate::dispatch`); returns the client's end.
+pub(crate) fn http_client(ctx: Arc<ConnContext>) -> DuplexStream {
+    let (client, server) = tokio::io::duplex(256 * 1024);
+    let view = ctx.view.load_full();
+    tokio::spawn(async move { crate::dispatch::serve_http(ctx, server, &view.snapshot).await });
+    client
+}
+
+/// An HTTP/2 client (h2c, prior knowledge) on a connection served with `ctx` on this
+/// runtime.
+pub(crate) async fn h2_client(
+    ctx: Arc<ConnContext>,
+) -> hyper::client::conn::http2::SendRequest<http_body_util::Full<bytes::Bytes>> {
+    let io = hyper_util::rt::TokioIo::new(http_client(ctx));
+    let (sender, connection) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    sender
+}
+
 /// A response as a test reads it off the wire.
 #[derive(Debug)]
 pub(crate) struct Reply {

@@ -156,3 +156,110 @@ async fn handle(
     finish(&ctx, snap, lid, started, &outcome, logged);
     Ok(resp)
 }
+
+#[cfg(test)]
+mod tests {
+    //! The HTTP/2 adapter end to end on the test's runtime, on the paused clock: an HTTP/2
+    //! client over an in-memory pipe, HTTP/1.1 endpoints on loopback.
+    #![allow(clippy::unwrap_used)]
+    use std::net::SocketAddr;
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use http_body_util::{BodyExt as _, Full};
+    use tokio::time::Instant;
+
+    use crate::testing::{self, dead_endpoint, ok, Endpoint, Script};
+
+    fn config(endpoints: &[SocketAddr], retries: &str) -> String {
+        let endpoints: Vec<String> = endpoints.iter().map(|e| e.to_string()).collect();
+        format!(
+            r#"
+listeners:
+  - name: web
+    address: 127.0.0.1:1
+    protocol: http
+    routes:
+      - match: {{ path: {{ prefix: / }} }}
+        cluster: app
+        timeout: 1s
+{retries}
+clusters:
+  - name: app
+    endpoints: [ {} ]
+"#,
+            endpoints.join(", ")
+        )
+    }
+
+    async fn get(
+        yaml: &str,
+        grpc: bool,
+    ) -> (
+        http::Response<Bytes>,
+        std::sync::Arc<arc_swap::ArcSwap<crate::context::WorkerView>>,
+    ) {
+        let view = testing::view(yaml);
+        let mut h2 = testing::h2_client(testing::context(&view)).await;
+        let mut req = http::Request::post("http://t.local/svc/Method");
+        if grpc {
+            req = req.header("content-type", "application/grpc");
+        }
+        let resp = h2
+            .send_request(req.body(Full::new(Bytes::new())).unwrap())
+            .await
+            .unwrap();
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        (http::Response::from_parts(parts, body), view)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_http1_cluster_gets_504_at_the_route_timeout() {
+        let app =
+            Endpoint::start(|_, _, _| Script::Answer(Duration::from_secs(30), ok("late"))).await;
+        let started = Instant::now();
+        let (resp, _) = get(&config(&[app.addr], ""), false).await;
+        assert_eq!(resp.status(), 504);
+        assert_eq!(started.elapsed(), Duration::from_secs(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dead_endpoint_is_retried_and_the_answer_comes_from_the_live_one() {
+        let app = Endpoint::start(|_, _, head| {
+            assert!(head.starts_with("POST /svc/Method HTTP/1.1"), "{head}");
+            assert!(
+                head.contains("host: t.local"),
+                "the authority becomes Host: {head}"
+            );
+            Script::Answer(Duration::ZERO, ok("live"))
+        })
+        .await;
+        let yaml = config(
+            &[dead_endpoint(), app.addr],
+            "        retries: { attempts: 1, on: [ connect-failure ] }",
+        );
+        let (resp, view) = get(&yaml, false).await;
+        assert_eq!(
+            (resp.status(), &resp.body()[..]),
+            (http::StatusCode::OK, &b"live"[..])
+        );
+        assert_eq!(view.load().snapshot.clusters[0].stats.retries.sum(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_grpc_client_gets_a_grpc_status_when_the_cluster_is_unreachable() {
+        let (resp, _) = get(&config(&[dead_endpoint()], ""), true).await;
+        assert_eq!(
+            resp.status(),
+            200,
+            "gRPC errors travel as trailers-only answers"
+        );
+        assert_eq!(resp.headers()["grpc-status"], "14");
+        let message = resp.headers()["grpc-message"].to_str().unwrap();
+        assert!(
+            message.starts_with("upstream connect error: cluster `app`"),
+            "{message}"
+        );
+    }
+}

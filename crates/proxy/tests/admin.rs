@@ -10,7 +10,7 @@ use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 struct Setup {
-    proxy: Proxy,
+    proxy: TestNode,
     web: SocketAddr,
     tcp: SocketAddr,
     _app: HttpBackend,
@@ -49,7 +49,7 @@ clusters:
         a = app.addr,
         e = echo.addr
     );
-    let proxy = Proxy::start(admin, &yaml).await;
+    let proxy = TestNode::start(&yaml);
     Setup {
         proxy,
         web,
@@ -237,7 +237,7 @@ async fn reload_outcomes_are_counted() {
     let good = std::fs::read_to_string(&s.proxy.config_path).expect("read config");
     s.proxy
         .write_config(&good.replace("body: \"ok\"", "body: \"ok2\""));
-    s.proxy.sighup();
+    s.proxy.reload().await;
     let web = s.web;
     let applied = eventually(std::time::Duration::from_secs(5), || async move {
         send(&h1_client(), get_req(&format!("http://{web}/healthz")))
@@ -284,7 +284,7 @@ clusters:
         log = log_path.display(),
         a = app.addr
     );
-    let _proxy = Proxy::start(admin, &yaml).await;
+    let _proxy = TestNode::start(&yaml);
     let client = h1_client();
     for i in 0..5 {
         let resp = get(&client, &format!("http://{web}/api/logged-{i}"), &[]).await;
@@ -360,7 +360,7 @@ clusters:
 "#,
         a = app.addr
     );
-    let proxy = Proxy::start(admin, &yaml).await;
+    let proxy = TestNode::start(&yaml);
     let client = h1_client();
     for i in 0..5 {
         assert_eq!(
@@ -403,7 +403,7 @@ async fn failed_reloads_are_counted() {
     };
     let before = failed_of(&s.proxy.metrics().await);
     s.proxy.write_config("listeners: [ this is not a config");
-    s.proxy.sighup();
+    s.proxy.reload().await;
     let admin = s.proxy.admin;
     let counted = eventually(std::time::Duration::from_secs(5), || async move {
         let Ok(resp) = send(&h1_client(), get_req(&format!("http://{admin}/metrics"))).await else {
