@@ -93,7 +93,8 @@ impl H1Pool {
         stack.push(conn);
     }
 
-    /// Idle connections right now (for tests).
+    /// Idle connections right now.
+    #[cfg(test)]
     pub fn idle_count(&self) -> usize {
         self.idle.lock().values().map(Vec::len).sum()
     }
