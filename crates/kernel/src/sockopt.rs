@@ -79,13 +79,14 @@ pub fn original_dst_sockopt(sock: &impl AsFd, ipv6: bool) -> io::Result<SocketAd
 }
 
 /// What crossed a TCP socket's stack, from TCP_INFO: payload bytes sent, acknowledged by
-/// the peer and received. Bytes the sockmap moved in the kernel are in none of them (the SYN
-/// and FIN count one byte each in `acked`/`received`).
+/// the peer and received, and bytes queued but not sent yet. Bytes the sockmap moved in the
+/// kernel are in none of them (the SYN and FIN count one byte each in `acked`/`received`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TcpCounters {
     pub sent: u64,
     pub acked: u64,
     pub received: u64,
+    pub unsent: u64,
 }
 
 /// Reads [`TcpCounters`] of a TCP socket.
@@ -110,5 +111,6 @@ pub fn tcp_counters(sock: &impl AsFd) -> io::Result<TcpCounters> {
         sent: info.tcpi_bytes_sent,
         acked: info.tcpi_bytes_acked,
         received: info.tcpi_bytes_received,
+        unsent: u64::from(info.tcpi_notsent_bytes),
     })
 }

@@ -12,7 +12,7 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 
-use crate::node::{ConfigSource, Shared};
+use crate::control::{ConfigSource, Shared};
 
 pub(crate) fn run(
     shared: Arc<Shared>,

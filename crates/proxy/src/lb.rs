@@ -179,10 +179,6 @@ impl Balancer {
         }
     }
 
-    pub fn endpoints(&self) -> &[SocketAddr] {
-        &self.endpoints
-    }
-
     /// Pick an endpoint. `hash` is the request's hash key (ring_hash / maglev);
     /// `attempt` > 0 on retries, which move to a different endpoint where there is one.
     /// Returns the endpoint's index in the cluster's endpoint list.

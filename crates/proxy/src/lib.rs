@@ -1,27 +1,52 @@
 //! flatmesh node data plane: listeners, shared-nothing workers, the L4 relay, the L7 HTTP
-//! path, upstream pools and load balancing, telemetry and the admin endpoint.
+//! path, upstream pools and load balancing, tier K's hand-offs, telemetry and the admin
+//! endpoint. Callers start a [`Node`]; the rest is the node's inside.
 //!
-//! Follow one request: [`worker`] accepts it on a SO_REUSEPORT socket → [`http::serve`]
-//! parses it and asks the rule program (crate `flatmesh-rules`) for a route → the route's
-//! action picks a cluster, [`lb`] an endpoint, [`upstream`] a pooled connection → the
-//! response streams back. [`node`] swaps config snapshots ([`snapshot`]) under all of it.
+//! Follow one request (the README's "Architecture" walks it with file names):
+//! `node.rs` binds and swaps config snapshots (`control.rs`, `snapshot.rs`) → `worker.rs`
+//! accepts on a SO_REUSEPORT socket → `dispatch.rs` picks the path: the L4 relay (`tcp.rs`),
+//! tier K's first-request hand-off (`kernel/`), or the protocol sniff (`sniff.rs`) → the
+//! HTTP/1 codec (`h1/`) or the HTTP/2 codec (`h2/`, on hyper), thin adapters over the
+//! codec-neutral L7 layer (`l7/`: decide, retry driver, error type, replies) → `lb.rs` picks
+//! an endpoint and `upstream.rs` a pooled connection → the response streams back.
+//!
+//! Files depend on each other in one direction only: base pieces (`snapshot`, `metrics`,
+//! `lb`, `tap`, `sniff`, `body`, the HTTP/1 framing in `h1/head`, `h1/chunked`, `h1/body`)
+//! → upstream pools and clients (`h1/pool`, `h1/client`, `h2/client`, `upstream`) and tier K
+//! (`kernel/`) → `context` → the L7 layer (`l7/`) and the L4 relay (`tcp`) → the codecs'
+//! server sides (`h1/conn`, `h2`) → `dispatch` → `worker` → `control` → `admin`, `node`.
+#![forbid(unsafe_code)]
 
-pub mod access_log;
+mod access_log;
 mod admin;
-pub mod downstream;
-pub mod error;
-pub mod h1;
-pub mod http;
-pub mod kernel;
-pub mod lb;
-pub mod listener;
-pub mod metrics;
-pub mod node;
-pub mod snapshot;
-pub mod tap;
-pub mod tcp;
-pub mod upstream;
-pub mod worker;
+mod body;
+mod context;
+mod control;
+mod dispatch;
+mod error;
+mod h1;
+mod h2;
+mod kernel;
+mod l7;
+mod lb;
+mod listener;
+mod metrics;
+mod node;
+mod snapshot;
+mod sniff;
+mod tap;
+mod tcp;
+#[cfg(test)]
+mod testing;
+mod upstream;
+mod worker;
 
 pub use error::ProxyError;
 pub use node::{ConfigSource, Node};
+
+/// What the fuzz targets in `crates/proxy/fuzz` exercise: the HTTP/1 head analysis and
+/// upstream head writer, and the chunked-body parser. Not an API for anything else.
+pub mod fuzz {
+    pub use crate::h1::chunked::ChunkedParser;
+    pub use crate::h1::head::{analyze_request, write_request_head, MAX_HEADERS};
+}

@@ -1,17 +1,17 @@
 //! The L4 relay for `tcp` listeners: no parsing, bytes spliced between two sockets.
 //! Half-close is carried through (a FIN on one side becomes a shutdown(WR) on the other)
 //! and a reset on one side becomes a reset on the other. When tier K carries the bytes
-//! (socket direct or splice, see `kernel.rs`), the relay only carries what reaches user space
+//! (socket direct or splice, see `kernel/`), the relay only carries what reaches user space
 //! anyway: the bytes sent before the kernel took over, the FIN and the reset.
 
 use std::sync::Arc;
 
 use tokio::net::TcpStream;
 
+use crate::context::{ConnContext, WorkerView};
 use crate::kernel::{DirectConn, DirectDir, KernelBinding, KernelPath};
 use crate::lb::{hash_client, InFlight};
 use crate::tap::{Tap, Tapped};
-use crate::worker::{ConnContext, WorkerView};
 use flatmesh_rules::ClusterId;
 
 /// Counts the bytes read through a socket, so totals are known even when the relay ends in error.
@@ -52,7 +52,7 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
     // Tier K: from here on the kernel moves the bytes; the relay below only carries what
     // was already queued, the half-close and the reset.
     let path = match &ctx.kernel {
-        Some(k) => kernel_path(k, listener.kernel_splice, &downstream, &up),
+        Some(k) => k.choose_path(listener.kernel_splice, &downstream, &up),
         None => KernelPath::User,
     };
     let (bytes_in, bytes_out, in_kernel) =
@@ -62,36 +62,6 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
     if in_kernel {
         listener.stats.kernel_spliced.add_shared(ctx.worker, 1);
     }
-}
-
-/// Which tier-K path a connection takes once its upstream is connected (docs/kernel.md,
-/// "Which path a connection takes"):
-/// - both ends on this host and sk_msg redirect on: socket direct;
-/// - splice allowed and neither end in the redirect sockhash: the sk_skb splice (a socket
-///   that sk_msg may also feed must not be spliced: its bytes could arrive out of order);
-/// - otherwise the user relay, with its local hops shortened by sk_msg.
-pub fn kernel_path(
-    k: &KernelBinding,
-    splice: bool,
-    client: &TcpStream,
-    upstream: &TcpStream,
-) -> KernelPath {
-    let redirect = k.redirect_on();
-    let (client_local, upstream_local) = (
-        crate::kernel::peer_is_local(client),
-        crate::kernel::peer_is_local(upstream),
-    );
-    if redirect && client_local && upstream_local {
-        if let Some(d) = k.direct(client, upstream) {
-            return KernelPath::Direct(Box::new(d));
-        }
-    }
-    if splice && !(redirect && (client_local || upstream_local)) {
-        if let Some((a, b)) = k.splice(client, upstream) {
-            return KernelPath::Spliced(a, b);
-        }
-    }
-    KernelPath::User
 }
 
 /// Relays a connection on `path` until both sides are done. Returns the bytes from the
@@ -186,16 +156,6 @@ async fn direct_one_way(
         dir.forwarded(n, to.as_ref());
     }
     to.shutdown().await.map_err(|e| tag("shutdown", e))
-}
-
-/// Whether `sock` has handed any payload to TCP (sent, or queued to send) rather than to the
-/// kernel's sockmap redirect.
-pub fn sent_through_tcp(sock: &TcpStream) -> bool {
-    match tcp_info(sock) {
-        Some(i) => i.tcpi_bytes_sent > 0 || i.tcpi_notsent_bytes > 0,
-        // Cannot tell: assume the worst, which only keeps the proxy on the path.
-        None => true,
-    }
 }
 
 /// Connects to an endpoint of cluster `cid`, picked by the worker's balancer for the client's
@@ -333,14 +293,15 @@ async fn wait_delivered(from: &TcpStream, to: &TcpStream, to_opened: Opened) {
     };
     let deadline = tokio::time::Instant::now() + DRAIN_LIMIT;
     while tokio::time::Instant::now() < deadline {
-        match (tcp_info(from), tcp_info(to)) {
-            (Some(f), Some(t))
-                if t.tcpi_bytes_acked.saturating_sub(syn)
-                    < f.tcpi_bytes_received.saturating_sub(1) => {}
+        match (
+            flatmesh_kernel::tcp_counters(from),
+            flatmesh_kernel::tcp_counters(to),
+        ) {
+            (Ok(f), Ok(t)) if t.acked.saturating_sub(syn) < f.received.saturating_sub(1) => {}
             (f, t) => {
                 tracing::debug!(
-                    from_received = f.map(|f| f.tcpi_bytes_received),
-                    to_acked = t.map(|t| t.tcpi_bytes_acked),
+                    from_received = f.ok().map(|f| f.received),
+                    to_acked = t.ok().map(|t| t.acked),
                     syn,
                     "spliced bytes delivered"
                 );
@@ -350,21 +311,4 @@ async fn wait_delivered(from: &TcpStream, to: &TcpStream, to_opened: Opened) {
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
     tracing::debug!("spliced bytes not acknowledged in time; closing anyway");
-}
-
-fn tcp_info(sock: &TcpStream) -> Option<libc::tcp_info> {
-    use std::os::fd::AsRawFd as _;
-    // SAFETY: tcp_info is plain data; getsockopt writes at most `len` bytes into it.
-    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    let rc = unsafe {
-        libc::getsockopt(
-            sock.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            (&mut info as *mut libc::tcp_info).cast(),
-            &mut len,
-        )
-    };
-    (rc == 0).then_some(info)
 }

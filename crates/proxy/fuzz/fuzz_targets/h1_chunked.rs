@@ -3,7 +3,7 @@
 //! what data it carries, or whether it is refused.
 #![no_main]
 
-use flatmesh_proxy::h1::chunked::ChunkedParser;
+use flatmesh_proxy::fuzz::ChunkedParser;
 use libfuzzer_sys::fuzz_target;
 
 /// (data, end offset), or None if refused or incomplete.

@@ -5,7 +5,7 @@
 
 use std::sync::OnceLock;
 
-use flatmesh_proxy::h1::head::{analyze_request, write_request_head, MAX_HEADERS};
+use flatmesh_proxy::fuzz::{analyze_request, write_request_head, MAX_HEADERS};
 use flatmesh_rules::{CompiledRoute, RuleProgram, TableKind};
 use libfuzzer_sys::fuzz_target;
 

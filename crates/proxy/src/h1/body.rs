@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 
 use super::chunked::{self, ChunkError, ChunkedParser};
 use super::head::Framing;
-use crate::upstream::BoxError;
+use crate::body::BoxError;
 
 /// Bytes read per system call while relaying a body.
 const READ_CHUNK: usize = 64 * 1024;

@@ -21,26 +21,12 @@ use tokio::time::{Instant, Sleep};
 use super::chunked::{self, ChunkedParser};
 use super::head::{self, Framing, MAX_HEADERS};
 use super::pool::{self, H1Pool, HeadState, UpstreamConn};
+use crate::body::{BoxError, UpstreamBody};
+use crate::l7::error::UpstreamError;
 use crate::snapshot::ClusterPlan;
-use crate::upstream::{BoxError, UpstreamBody};
 
-/// Why a request to an HTTP/1.1 endpoint failed, as the retry policy needs to know it.
-#[derive(Debug)]
-pub enum SendError {
-    Connect(io::Error),
-    /// The endpoint failed or closed before a complete answer. `stale`: on a pooled
-    /// connection, before any byte of it (worth one more try on a new connection).
-    Upstream {
-        error: io::Error,
-        stale: bool,
-    },
-    /// The answer is not valid HTTP/1.
-    Invalid(String),
-    /// The client's body failed.
-    Downstream(BoxError),
-}
-
-/// Sends `parts` + `body` to `endpoint` and reads the head of the answer.
+/// One try of a request at `endpoint`: sends `parts` + `body` and reads the head of the
+/// answer.
 #[allow(clippy::too_many_arguments)]
 pub async fn send(
     pool: &Arc<H1Pool>,
@@ -51,20 +37,16 @@ pub async fn send(
     mut body: UpstreamBody,
     max_head: usize,
     idle: Duration,
-) -> Result<Response<H1Body>, SendError> {
+) -> Result<Response<H1Body>, UpstreamError> {
     let mut conn = pool::acquire(pool, endpoint, plan, worker)
         .await
-        .map_err(SendError::Connect)?;
-    let upstream = |error, conn: &UpstreamConn| SendError::Upstream {
-        error,
-        stale: conn.failed_stale(),
-    };
+        .map_err(UpstreamError::connect)?;
     let length = body.size_hint().exact();
     let chunked = length.is_none();
     let mut out = request_head(parts, length);
     // The body, framed: small bodies go out with the head in one write.
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(SendError::Downstream)?;
+        let frame = frame.map_err(UpstreamError::request_body)?;
         match frame.into_data() {
             Ok(data) if data.is_empty() => {}
             Ok(data) => {
@@ -77,7 +59,7 @@ pub async fn send(
                 }
                 if out.len() >= 16 * 1024 {
                     let written = conn.stream.write_all(&out).await;
-                    written.map_err(|e| upstream(e, &conn))?;
+                    written.map_err(|e| conn.failed(e))?;
                     out.clear();
                 }
             }
@@ -88,7 +70,7 @@ pub async fn send(
                     write_fields(&mut out, &trailers);
                     out.extend_from_slice(b"\r\n");
                     let written = conn.stream.write_all(&out).await;
-                    written.map_err(|e| upstream(e, &conn))?;
+                    written.map_err(|e| conn.failed(e))?;
                     out.clear();
                     return read_answer(pool, endpoint, conn, parts, max_head, idle).await;
                 }
@@ -99,7 +81,7 @@ pub async fn send(
         out.extend_from_slice(chunked::LAST_CHUNK);
     }
     let written = conn.stream.write_all(&out).await;
-    written.map_err(|e| upstream(e, &conn))?;
+    written.map_err(|e| conn.failed(e))?;
     read_answer(pool, endpoint, conn, parts, max_head, idle).await
 }
 
@@ -110,19 +92,14 @@ async fn read_answer(
     parts: &http::request::Parts,
     max_head: usize,
     idle: Duration,
-) -> Result<Response<H1Body>, SendError> {
+) -> Result<Response<H1Body>, UpstreamError> {
     loop {
         match conn.response_head(max_head, false) {
             HeadState::Final => break,
-            HeadState::Invalid(why) => return Err(SendError::Invalid(why)),
+            HeadState::Invalid(why) => return Err(UpstreamError::invalid(why)),
             // hyper's server sends no informational answers of its own: skip them.
             HeadState::Informational { len, .. } => conn.buf.advance(len),
-            HeadState::Incomplete => {
-                let stale = conn.failed_stale();
-                if let Err(error) = conn.read_more().await {
-                    return Err(SendError::Upstream { error, stale });
-                }
-            }
+            HeadState::Incomplete => conn.read_more().await?,
         }
     }
     // The response head, copied into hyper's types; its borrow of the buffer ends here.
@@ -130,10 +107,10 @@ async fn read_answer(
         let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut resp = httparse::Response::new(&mut lines);
         let Ok(httparse::Status::Complete(len)) = resp.parse(&conn.buf) else {
-            return Err(SendError::Invalid("malformed response head".into()));
+            return Err(UpstreamError::invalid("malformed response head"));
         };
         let info = head::analyze_response(&resp, parts.method == Method::HEAD)
-            .map_err(|why| SendError::Invalid(why.into()))?;
+            .map_err(UpstreamError::invalid)?;
         let mut builder = Response::builder().status(info.status);
         if let Some(headers) = builder.headers_mut() {
             for h in resp.headers.iter() {
@@ -144,7 +121,10 @@ async fn read_answer(
                     HeaderName::from_bytes(h.name.as_bytes()),
                     HeaderValue::from_bytes(h.value),
                 ) else {
-                    return Err(SendError::Invalid(format!("bad header line `{}`", h.name)));
+                    return Err(UpstreamError::invalid(format!(
+                        "bad header line `{}`",
+                        h.name
+                    )));
                 };
                 headers.append(name, value);
             }
@@ -164,7 +144,7 @@ async fn read_answer(
     };
     builder
         .body(body)
-        .map_err(|e| SendError::Invalid(e.to_string()))
+        .map_err(|e| UpstreamError::invalid(e.to_string()))
 }
 
 /// `METHOD /target HTTP/1.1`, the (already rewritten) header fields, and the framing.

@@ -5,16 +5,16 @@
 //! over the connection's read buffer; the match is the rule program run on borrowed header
 //! lines (no header map is built); the deparser writes the upstream head straight from the
 //! parsed lines with the route's edits. Bodies are streamed in their own framing. Requests
-//! for an HTTP/2 cluster cross over to hyper's client (`http::forward`).
+//! for an HTTP/2 cluster cross over to hyper's client (`crate::l7::forward`). Tries, retries
+//! and failure replies are the L7 layer's (`crate::l7`); this file is the HTTP/1 adapter.
 
-use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
-use flatmesh_config::{Limits, RetryOn};
+use flatmesh_config::Limits;
 use flatmesh_rules::{ClusterId, CompiledRoute, ListenerId};
 use http::{HeaderName, HeaderValue, Method, Response, StatusCode};
 use http_body::Body as _;
@@ -25,10 +25,16 @@ use tokio::sync::mpsc;
 use super::body::{self, ChannelSink, DiscardSink, Encode, RelayError, WriteSink};
 use super::head::{self, Framing, Refusal, MAX_HEADERS};
 use super::pool::{self, H1Pool, HeadState, UpstreamConn};
-use crate::access_log::AccessRecord;
-use crate::http::{self as l7, Decision, Failure, ResponseBody};
-use crate::upstream::{BoxError, Pool, UpstreamBody};
-use crate::worker::{ConnContext, WorkerView};
+use crate::body::{empty, BoxError, UpstreamBody};
+use crate::context::{ConnContext, WorkerView};
+use crate::l7::body::ResponseBody;
+use crate::l7::decide::{decide, hash_key, Decision};
+use crate::l7::error::{Kind, Source, UpstreamError};
+use crate::l7::log::Outcome;
+use crate::l7::reply::{listener_removed, text_response, upstream_failure, CLIENT_CLOSED_REQUEST};
+use crate::l7::retry::{Answer, Answered, Attempt, Retry, Try};
+use crate::snapshot::ClusterPlan;
+use crate::upstream::Pool;
 
 /// Read buffer of a client connection; grows up to `limits.max_header_bytes` for a head.
 const READ_BUFFER: usize = 16 * 1024;
@@ -116,7 +122,7 @@ where
         };
         let done = match action {
             Action::Refuse(refusal) => {
-                let resp = l7::text_response(
+                let resp = text_response(
                     StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::BAD_REQUEST),
                     format!("bad request: {}\n", refusal.reason),
                     true,
@@ -216,36 +222,20 @@ fn finish(
     cluster: Option<ClusterId>,
     upstream: Option<SocketAddr>,
 ) {
-    let snap = &exchange.view.snapshot;
-    let elapsed = exchange.started.elapsed();
-    l7::record(
-        ctx,
-        snap,
-        exchange.listener,
+    let outcome = Outcome {
         route,
         cluster,
+        upstream,
         status,
-        elapsed,
+    };
+    crate::l7::log::finish(
+        ctx,
+        &exchange.view.snapshot,
+        exchange.listener,
+        exchange.started,
+        &outcome,
+        || exchange.logged.clone(),
     );
-    if let Some((method, path)) = &exchange.logged {
-        ctx.access_log.write(|| AccessRecord {
-            listener: snap
-                .listeners
-                .get(exchange.listener)
-                .map(|l| l.name.clone())
-                .unwrap_or_default(),
-            route: route.map(|r| r.name.clone()).unwrap_or_default(),
-            cluster: cluster
-                .map(|c| snap.clusters[c].name.clone())
-                .unwrap_or_default(),
-            method: method.clone(),
-            path: path.clone(),
-            status,
-            duration: elapsed,
-            upstream,
-            peer: ctx.peer,
-        });
-    }
 }
 
 /// Reads the rest of the request head that has begun to arrive and decides what to do with
@@ -273,7 +263,7 @@ where
                 }
                 Ok(None) if client.buf.len() < limits.max_header_bytes => {}
                 Ok(None) | Err(httparse::Error::TooManyHeaders) => {
-                    let resp = l7::text_response(
+                    let resp = text_response(
                         StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
                         format!(
                             "request header fields too large: the head must fit in {} bytes and {MAX_HEADERS} lines\n",
@@ -286,7 +276,7 @@ where
                     return None;
                 }
                 Err(err) => {
-                    let resp = l7::text_response(
+                    let resp = text_response(
                         StatusCode::BAD_REQUEST,
                         format!("bad request: malformed request head ({err})\n"),
                         true,
@@ -317,7 +307,7 @@ where
             Ok(Ok(0)) | Ok(Err(_)) => return None,
             Ok(Ok(_)) => {}
             Err(_) => {
-                let resp = l7::text_response(
+                let resp = text_response(
                     StatusCode::REQUEST_TIMEOUT,
                     format!(
                         "request timeout: the request head did not arrive within {}\n",
@@ -378,7 +368,7 @@ fn prepare<'v>(
         return Ok(Some((
             head_len,
             exchange,
-            Action::Reply(None, l7::listener_removed()),
+            Action::Reply(None, listener_removed()),
         )));
     };
     let Ok(method) = Method::from_bytes(method_text.as_bytes()) else {
@@ -396,7 +386,7 @@ fn prepare<'v>(
         query: info.query,
         headers,
     };
-    let action = match l7::decide(snap, lid, &meta, false, || info.target()) {
+    let action = match decide(snap, lid, &meta, false, || info.target()) {
         Decision::Reply(route, resp) => Action::Reply(route, resp),
         Decision::Forward(route, cluster) => {
             let plan = &snap.clusters[cluster];
@@ -417,7 +407,7 @@ fn prepare<'v>(
                         cluster,
                         pool,
                         head: out,
-                        key: l7::hash_key(headers, plan.hash_header.as_ref(), ctx.peer),
+                        key: hash_key(headers, plan.hash_header.as_ref(), ctx.peer),
                     }
                 }
                 Pool::Http2(_) => match bridge_parts(&req, &info) {
@@ -603,24 +593,11 @@ async fn respond<W: AsyncWrite + Unpin>(
 async fn go_ahead<S: AsyncRead + AsyncWrite + Unpin + Send>(
     client: &mut Client<S>,
     exchange: &Exchange<'_>,
-) -> io::Result<()> {
+) -> std::io::Result<()> {
     if exchange.expect_continue && client.buf.is_empty() && !exchange.http10 {
         client.io.write_all(CONTINUE).await?;
     }
     Ok(())
-}
-
-/// Where an attempt at an upstream exchange failed.
-enum AttemptError {
-    Connect(io::Error),
-    /// The upstream failed or closed before a complete response head.
-    Upstream(io::Error),
-    /// The upstream's answer is not valid HTTP/1.
-    Invalid(String),
-    /// The client's body was malformed: 400, close.
-    ClientFraming(&'static str),
-    /// The client vanished mid-body: nobody to answer.
-    ClientGone,
 }
 
 /// Where a request goes: its route, the cluster the route picked, and that cluster's pool.
@@ -630,7 +607,31 @@ struct Target<'v> {
     pool: &'v H1Pool,
 }
 
-/// Forwards a request to an HTTP/1.1 cluster over the worker's keep-alive pool.
+/// An HTTP/1.1 endpoint's answer to one try: the connection with the final response head at
+/// the front of its buffer, and what the client gets of that head.
+struct H1Answer {
+    conn: UpstreamConn,
+    status: u16,
+    head_len: usize,
+    /// The body's framing as the endpoint sends it, and how it leaves for the client.
+    framing: Framing,
+    encode: Encode,
+    /// The endpoint's connection can carry another request after this answer.
+    reusable: bool,
+    /// The client's connection closes after this answer.
+    close: bool,
+    /// The response head for the client, rewritten.
+    out: Vec<u8>,
+}
+
+impl Answer for H1Answer {
+    fn status(&self) -> u16 {
+        self.status
+    }
+}
+
+/// Forwards a request to an HTTP/1.1 cluster over the worker's keep-alive pool, through the
+/// retry driver.
 #[allow(clippy::too_many_arguments)]
 async fn forward<S: AsyncRead + AsyncWrite + Unpin + Send>(
     ctx: &ConnContext,
@@ -649,234 +650,144 @@ async fn forward<S: AsyncRead + AsyncWrite + Unpin + Send>(
     let view = exchange.view;
     let plan = &view.snapshot.clusters[cluster];
     let upstream = &view.upstreams.by_cluster[cluster];
-    let timeout = route.timeout.unwrap_or(limits.request_timeout);
-    let deadline = tokio::time::Instant::now() + timeout;
     // A body can be sent only once; requests without one may be sent again.
     let replayable = exchange.framing == Framing::Empty;
-    let attempts = if replayable {
-        1 + route.retries.as_ref().map_or(0, |r| r.attempts as usize)
-    } else {
-        1
+    let retry = Retry::new(
+        route,
+        plan,
+        upstream,
+        ctx.worker,
+        key,
+        replayable,
+        limits.request_timeout,
+    );
+    let mut codec = H1Try {
+        ctx,
+        client: &mut *client,
+        exchange,
+        route,
+        pool,
+        plan,
+        head: &head,
+        limits,
     };
-    let retry_on: &[RetryOn] = route.retries.as_ref().map_or(&[], |r| &r.on);
-    let mut stale_retried = false;
-    let mut attempt = 0;
-    let mut picked;
-    let mut failure;
-    let mut detail = String::new();
+    let sent = retry.drive(&mut codec).await;
     let done = |status: u16, upstream, close| Done {
         status,
         cluster: Some(cluster),
         upstream,
         close,
     };
-    loop {
-        let Some((index, _in_flight)) = upstream.balancer.pick(key, attempt) else {
-            let resp = l7::no_endpoints(&plan.name, false);
-            let close = !respond(
-                &mut client.io,
-                resp,
-                exchange.is_head,
-                exchange.http10,
-                false,
-            )
-            .await;
-            return done(503, None, close || !replayable);
-        };
-        let endpoint = plan.endpoints[index];
-        picked = Some(endpoint);
-        let attempted = tokio::time::timeout_at(
-            deadline,
-            attempt_exchange(ctx, client, exchange, pool, plan, endpoint, &head, limits),
-        )
-        .await;
-        let mut conn = match attempted {
-            Ok(Ok(conn)) => conn,
-            Ok(Err((err, reused))) => {
-                match err {
-                    AttemptError::Upstream(e) if reused && replayable && !stale_retried => {
-                        // The endpoint closed an idle keep-alive connection as we used it:
-                        // not a failure of the endpoint, so try again on a fresh one.
-                        tracing::debug!(%endpoint, error = %e, "pooled connection was closed; retrying on a new one");
-                        stale_retried = true;
-                        continue;
-                    }
-                    AttemptError::Connect(e) => {
-                        failure = Failure::Connect;
-                        detail = format!("endpoint {endpoint}: {e}");
-                    }
-                    AttemptError::Upstream(e) => {
-                        failure = Failure::Reset;
-                        detail = format!("endpoint {endpoint}: {e}");
-                    }
-                    AttemptError::Invalid(why) => {
-                        failure = Failure::Invalid;
-                        detail = format!("endpoint {endpoint}: {why}");
-                    }
-                    AttemptError::ClientFraming(why) => {
-                        failure = Failure::Downstream;
-                        detail = why.to_owned();
-                    }
-                    AttemptError::ClientGone => return done(499, picked, true),
-                }
-                if l7::should_retry(failure, retry_on) && attempt + 1 < attempts {
-                    attempt += 1;
-                    plan.stats.retries.add(ctx.worker, 1);
-                    continue;
-                }
-                break;
+    match sent {
+        Ok(Answered {
+            mut answer,
+            endpoint,
+            in_flight: _in_flight,
+        }) => {
+            let (reusable, client_ok) = relay_response(client, &mut answer, limits).await;
+            if reusable {
+                pool.checkin(endpoint, answer.conn);
             }
-            Err(_) => {
-                failure = Failure::Timeout;
-                break;
-            }
-        };
-        // A complete response head sits at the front of conn.buf.
-        match relay_response(
-            client,
-            exchange,
-            route,
-            &mut conn,
-            attempt + 1 < attempts,
-            retry_on,
-            limits,
-        )
-        .await
-        {
-            Relayed::Retry(status) => {
-                detail = format!("endpoint {endpoint} answered {status}");
-                attempt += 1;
-                plan.stats.retries.add(ctx.worker, 1);
-            }
-            Relayed::Done {
-                status,
-                reusable,
-                client_ok,
-            } => {
-                if reusable {
-                    pool.checkin(endpoint, conn);
-                }
-                return done(status, picked, !client_ok);
-            }
-            Relayed::Invalid(why) => {
-                failure = Failure::Invalid;
-                detail = format!("endpoint {endpoint}: {why}");
-                break;
-            }
+            done(answer.status, Some(endpoint), !client_ok)
+        }
+        Err(err) if err.kind == Kind::ClientGone => done(CLIENT_CLOSED_REQUEST, err.endpoint, true),
+        Err(err) => {
+            let resp = upstream_failure(&err, &plan.name, retry.timeout, false);
+            // After a failure mid-body the client's framing is unknown: close.
+            let close = !replayable || err.source == Source::Downstream;
+            let (status, close) = answer(&mut client.io, exchange, resp, close).await;
+            done(status, err.endpoint, close)
         }
     }
-    let resp = l7::failure_response(failure, &plan.name, &detail, timeout, false);
-    // After a failure mid-body the client's framing is unknown: close.
-    let close = !replayable || failure == Failure::Downstream;
-    let (status, close) = answer(&mut client.io, exchange, resp, close).await;
-    done(status, picked, close)
 }
 
-/// Sends the request on a pooled or new connection and reads until a complete final
-/// response head is buffered. Informational (1xx) answers are passed to the client on the
-/// way. On error, also says whether the connection came from the pool.
-#[allow(clippy::too_many_arguments)]
-async fn attempt_exchange<S: AsyncRead + AsyncWrite + Unpin + Send>(
-    ctx: &ConnContext,
-    client: &mut Client<S>,
-    exchange: &Exchange<'_>,
-    pool: &pool::H1Pool,
-    plan: &crate::snapshot::ClusterPlan,
-    endpoint: SocketAddr,
-    head: &[u8],
-    limits: &Limits,
-) -> Result<UpstreamConn, (AttemptError, bool)> {
-    let mut conn = pool::acquire(pool, endpoint, plan, ctx.worker)
+/// One request from an HTTP/1 client, tried on an HTTP/1.1 cluster's pool.
+struct H1Try<'a, 'v, S> {
+    ctx: &'a ConnContext,
+    client: &'a mut Client<S>,
+    exchange: &'a Exchange<'v>,
+    route: &'v CompiledRoute,
+    pool: &'v H1Pool,
+    plan: &'v ClusterPlan,
+    /// The upstream request head, written once for every try.
+    head: &'a [u8],
+    limits: &'a Limits,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin + Send> Attempt for H1Try<'_, '_, S> {
+    type Answer = H1Answer;
+
+    async fn attempt(&mut self, to: Try) -> Result<H1Answer, UpstreamError> {
+        let conn = self.exchange_with(to.endpoint).await?;
+        read_answer(conn, self.exchange, self.route)
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin + Send> H1Try<'_, '_, S> {
+    /// Sends the request to `endpoint` on a pooled or new connection and reads until a
+    /// complete final response head is buffered. Informational (1xx) answers are passed to
+    /// the client on the way.
+    async fn exchange_with(&mut self, endpoint: SocketAddr) -> Result<UpstreamConn, UpstreamError> {
+        let (client, exchange, limits) = (&mut *self.client, self.exchange, self.limits);
+        let mut conn = pool::acquire(self.pool, endpoint, self.plan, self.ctx.worker)
+            .await
+            .map_err(UpstreamError::connect)?;
+        go_ahead(client, exchange)
+            .await
+            .map_err(UpstreamError::client_gone)?;
+        body::relay(
+            &mut client.io,
+            &mut client.buf,
+            &mut WriteSink(&mut conn.stream),
+            self.head.to_vec(),
+            exchange.framing,
+            Encode::AsIs,
+            limits.idle_timeout,
+        )
         .await
-        .map_err(|e| (AttemptError::Connect(e), false))?;
-    let reused = conn.reused;
-    let fail = |e| (e, reused);
-    go_ahead(client, exchange)
-        .await
-        .map_err(|_| fail(AttemptError::ClientGone))?;
-    body::relay(
-        &mut client.io,
-        &mut client.buf,
-        &mut WriteSink(&mut conn.stream),
-        head.to_vec(),
-        exchange.framing,
-        Encode::AsIs,
-        limits.idle_timeout,
-    )
-    .await
-    .map_err(|e| {
-        fail(match e {
-            RelayError::Sink(e) => AttemptError::Upstream(e),
-            RelayError::Framing(e) => AttemptError::ClientFraming(e.describe()),
-            RelayError::Source(_) => AttemptError::ClientGone,
-        })
-    })?;
-    loop {
-        match conn.response_head(limits.max_header_bytes, exchange.upgrade) {
-            HeadState::Final => return Ok(conn),
-            HeadState::Invalid(why) => return Err(fail(AttemptError::Invalid(why))),
-            // Pass an informational answer on (HTTP/1.1 clients only); the final one follows.
-            HeadState::Informational { len, head } => {
-                conn.buf.advance(len);
-                if !exchange.http10 {
-                    client
-                        .io
-                        .write_all(&head)
-                        .await
-                        .map_err(|_| fail(AttemptError::ClientGone))?;
+        .map_err(|e| match e {
+            RelayError::Sink(e) => conn.failed(e),
+            RelayError::Framing(e) => UpstreamError::request_body(e.describe()),
+            RelayError::Source(e) => UpstreamError::client_gone(e),
+        })?;
+        loop {
+            match conn.response_head(limits.max_header_bytes, exchange.upgrade) {
+                HeadState::Final => return Ok(conn),
+                HeadState::Invalid(why) => return Err(UpstreamError::invalid(why)),
+                // Pass an informational answer on (HTTP/1.1 clients only); the final one
+                // follows.
+                HeadState::Informational { len, head } => {
+                    conn.buf.advance(len);
+                    if !exchange.http10 {
+                        client
+                            .io
+                            .write_all(&head)
+                            .await
+                            .map_err(UpstreamError::client_gone)?;
+                    }
                 }
-            }
-            HeadState::Incomplete => {
-                let stale = conn.failed_stale();
-                if let Err(e) = conn.read_more().await {
-                    return Err((AttemptError::Upstream(e), stale));
-                }
+                HeadState::Incomplete => conn.read_more().await?,
             }
         }
     }
 }
 
-enum Relayed {
-    /// The response is retryable by policy and nothing was sent to the client.
-    Retry(u16),
-    Done {
-        status: u16,
-        /// The upstream connection can go back to the pool.
-        reusable: bool,
-        /// The client connection is still good for another request.
-        client_ok: bool,
-    },
-    Invalid(&'static str),
-}
-
-/// Sends the buffered final response head (rewritten) and streams its body to the client.
-async fn relay_response<S: AsyncRead + AsyncWrite + Unpin + Send>(
-    client: &mut Client<S>,
+/// Reads the final response head buffered in `conn` and writes, for the client, the head it
+/// gets: hop-by-hop fields out, the route's response headers in, the body framed for it.
+fn read_answer(
+    conn: UpstreamConn,
     exchange: &Exchange<'_>,
     route: &CompiledRoute,
-    conn: &mut UpstreamConn,
-    may_retry: bool,
-    retry_on: &[RetryOn],
-    limits: &Limits,
-) -> Relayed {
-    let (status, head_len, framing, reusable, encode, close, out) = {
+) -> Result<H1Answer, UpstreamError> {
+    // The head borrows the connection's buffer until the answer takes the connection.
+    let (status, head_len, framing, encode, reusable, close, out) = {
         let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut resp = httparse::Response::new(&mut lines);
         let Ok(httparse::Status::Complete(head_len)) = resp.parse(&conn.buf) else {
-            return Relayed::Invalid("malformed response head");
+            return Err(UpstreamError::invalid("malformed response head"));
         };
-        let info = match head::analyze_response(&resp, exchange.is_head) {
-            Ok(info) => info,
-            Err(why) => return Relayed::Invalid(why),
-        };
-        let status = info.status;
-        if may_retry {
-            if let Ok(code) = StatusCode::from_u16(status) {
-                if l7::should_retry_status(code, retry_on) {
-                    return Relayed::Retry(status);
-                }
-            }
-        }
+        let info =
+            head::analyze_response(&resp, exchange.is_head).map_err(UpstreamError::invalid)?;
         let (out_framing, encode, until_close) = match (info.framing, exchange.http10) {
             (Framing::Chunked, true) => (Framing::UntilClose, Encode::Dechunk, true),
             (Framing::UntilClose, true) => (Framing::UntilClose, Encode::AsIs, true),
@@ -894,43 +805,59 @@ async fn relay_response<S: AsyncRead + AsyncWrite + Unpin + Send>(
             close,
             exchange.http10 && !close,
         );
+        let status = info.status;
         (
             status,
             head_len,
             info.framing,
-            info.reusable,
             encode,
+            info.reusable,
             close,
             out,
         )
     };
-    conn.buf.advance(head_len);
-    if status == 101 {
-        return tunnel(client, conn, out).await;
+    Ok(H1Answer {
+        conn,
+        status,
+        head_len,
+        framing,
+        encode,
+        reusable,
+        close,
+        out,
+    })
+}
+
+/// Sends the answer's rewritten head and streams its body to the client. Returns whether the
+/// upstream connection can go back to the pool and whether the client's connection is
+/// still good for another request.
+async fn relay_response<S: AsyncRead + AsyncWrite + Unpin + Send>(
+    client: &mut Client<S>,
+    answer: &mut H1Answer,
+    limits: &Limits,
+) -> (bool, bool) {
+    let conn = &mut answer.conn;
+    conn.buf.advance(answer.head_len);
+    let out = std::mem::take(&mut answer.out);
+    if answer.status == 101 {
+        tunnel(client, conn, out).await;
+        return (false, false);
     }
     let relayed = body::relay(
         &mut conn.stream,
         &mut conn.buf,
         &mut WriteSink(&mut client.io),
         out,
-        framing,
-        encode,
+        answer.framing,
+        answer.encode,
         limits.idle_timeout,
     )
     .await;
     match relayed {
-        Ok(()) => Relayed::Done {
-            status,
-            reusable: reusable && conn.buf.is_empty(),
-            client_ok: !close,
-        },
+        Ok(()) => (answer.reusable && conn.buf.is_empty(), !answer.close),
         Err(err) => {
             tracing::debug!(?err, "response body cut short");
-            Relayed::Done {
-                status,
-                reusable: false,
-                client_ok: false,
-            }
+            (false, false)
         }
     }
 }
@@ -941,7 +868,7 @@ async fn tunnel<S: AsyncRead + AsyncWrite + Unpin + Send>(
     client: &mut Client<S>,
     conn: &mut UpstreamConn,
     mut head: Vec<u8>,
-) -> Relayed {
+) {
     head.extend_from_slice(&conn.buf);
     conn.buf.clear();
     let early = std::mem::take(&mut client.buf);
@@ -951,11 +878,6 @@ async fn tunnel<S: AsyncRead + AsyncWrite + Unpin + Send>(
         if let Err(err) = tokio::io::copy_bidirectional(&mut client.io, &mut conn.stream).await {
             tracing::debug!(error = %err, "upgraded connection ended with an error");
         }
-    }
-    Relayed::Done {
-        status: 101,
-        reusable: false,
-        client_ok: false,
     }
 }
 
@@ -987,15 +909,10 @@ async fn bridge<S: AsyncRead + AsyncWrite + Unpin + Send>(
     parts: http::request::Parts,
     limits: &Limits,
 ) -> Done {
-    let failed = Arc::new(AtomicBool::new(false));
+    let failed = AtomicBool::new(false);
     let replayable = exchange.framing == Framing::Empty;
     let (body, pump) = if replayable {
-        (
-            http_body_util::Empty::<Bytes>::new()
-                .map_err(|never| match never {})
-                .boxed_unsync(),
-            None,
-        )
+        (empty(), None)
     } else {
         let (tx, rx) = mpsc::channel(4);
         (ChannelBody(rx).boxed_unsync() as UpstreamBody, Some(tx))
@@ -1033,16 +950,8 @@ async fn bridge<S: AsyncRead + AsyncWrite + Unpin + Send>(
         }
     };
     let view = exchange.view;
-    let forwarded = l7::forward(
-        ctx,
-        view,
-        route,
-        cluster,
-        parts,
-        body,
-        replayable,
-        failed.clone(),
-    );
+    let forwarded =
+        crate::l7::forward::forward(ctx, view, route, cluster, parts, body, replayable, &failed);
     let ((resp, upstream), body_complete) = tokio::join!(forwarded, pumped);
     let close = !body_complete || !exchange.keep_alive;
     let (status, close) = answer(&mut client.io, exchange, resp, close).await;
@@ -1051,5 +960,298 @@ async fn bridge<S: AsyncRead + AsyncWrite + Unpin + Send>(
         cluster: Some(cluster),
         upstream,
         close,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The HTTP/1 adapter end to end on the test's runtime: a client connection over an
+    //! in-memory pipe, endpoints on loopback, and tokio's paused clock for every timeout.
+    #![allow(clippy::unwrap_used)]
+    use std::net::SocketAddr;
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::time::Instant;
+
+    use crate::testing::{self, dead_endpoint, ok, read_reply, Endpoint, Reply, Script};
+
+    fn config(endpoints: &[SocketAddr], retries: &str) -> String {
+        let endpoints: Vec<String> = endpoints.iter().map(|e| e.to_string()).collect();
+        format!(
+            r#"
+limits:
+  header_read_timeout: 2s
+  idle_timeout: 5s
+listeners:
+  - name: web
+    address: 127.0.0.1:1
+    protocol: http
+    routes:
+      - match: {{ path: {{ prefix: /slow }} }}
+        cluster: app
+        timeout: 1s
+      - match: {{ path: {{ exact: /direct }} }}
+        direct_response: {{ status: 200, body: "direct" }}
+      - match: {{ path: {{ prefix: /app }} }}
+        cluster: app
+{retries}
+clusters:
+  - name: app
+    endpoints: [ {} ]
+"#,
+            endpoints.join(", ")
+        )
+    }
+
+    /// A client connection to a node running `yaml`, and the view it reads (for the stats).
+    fn connect(
+        yaml: &str,
+    ) -> (
+        tokio::io::DuplexStream,
+        std::sync::Arc<arc_swap::ArcSwap<crate::context::WorkerView>>,
+    ) {
+        let view = testing::view(yaml);
+        let client = testing::h1_client(testing::context(&view));
+        (client, view)
+    }
+
+    async fn exchange(client: &mut tokio::io::DuplexStream, request: &str) -> Option<Reply> {
+        client.write_all(request.as_bytes()).await.unwrap();
+        read_reply(client, &mut Vec::new()).await
+    }
+
+    fn retries(view: &arc_swap::ArcSwap<crate::context::WorkerView>) -> u64 {
+        view.load().snapshot.clusters[0].stats.retries.sum()
+    }
+
+    /// Reads until the proxy closes the connection; true if it did (rather than erroring).
+    async fn closed(client: &mut tokio::io::DuplexStream) -> bool {
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.is_ok()
+    }
+
+    const GET: &str = "GET /app/x HTTP/1.1\r\nhost: t\r\n\r\n";
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_are_forwarded_and_the_upstream_connection_is_reused() {
+        let app = Endpoint::start(|_, n, head| {
+            assert!(head.contains("x-forwarded-for: 127.0.0.1"), "{head}");
+            Script::Answer(Duration::ZERO, ok(&format!("answer {n}")))
+        })
+        .await;
+        let (mut client, _view) = connect(&config(&[app.addr], ""));
+        for n in 0..3 {
+            let reply = exchange(&mut client, GET).await.unwrap();
+            assert_eq!(
+                (reply.status, reply.body.as_str()),
+                (200, format!("answer {n}").as_str())
+            );
+        }
+        assert_eq!(app.connections(), 1, "one keep-alive connection upstream");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_endpoint_slower_than_the_route_timeout_gets_504_at_the_timeout() {
+        let app =
+            Endpoint::start(|_, _, _| Script::Answer(Duration::from_secs(10), ok("late"))).await;
+        let (mut client, _view) = connect(&config(&[app.addr], ""));
+        let started = Instant::now();
+        let reply = exchange(&mut client, "GET /slow HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(reply.status, 504, "{reply:?}");
+        assert!(reply.body.contains("did not answer within 1s"), "{reply:?}");
+        assert_eq!(started.elapsed(), Duration::from_secs(1));
+        // The connection carries on.
+        let reply = exchange(&mut client, "GET /direct HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(reply.body, "direct");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dead_endpoint_is_retried_on_the_live_one() {
+        let app = Endpoint::start(|_, _, _| Script::Answer(Duration::ZERO, ok("live"))).await;
+        let yaml = config(
+            &[dead_endpoint(), app.addr],
+            "        retries: { attempts: 1, on: [ connect-failure ] }",
+        );
+        let (mut client, view) = connect(&yaml);
+        let reply = exchange(&mut client, GET).await.unwrap();
+        assert_eq!((reply.status, reply.body.as_str()), (200, "live"));
+        assert_eq!(retries(&view), 1);
+        // Without a retry policy the dead endpoint's turn is a 503 that names the cluster.
+        let (mut client, _view) = connect(&config(&[dead_endpoint()], ""));
+        let reply = exchange(&mut client, GET).await.unwrap();
+        assert_eq!(reply.status, 503);
+        assert!(
+            reply.body.contains("upstream connect error: cluster `app`"),
+            "{reply:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_5xx_answer_is_tried_again_when_the_policy_names_it() {
+        // The first connection answers 503; the retry's own connection answers 200.
+        let app = Endpoint::start(|c, _, _| match c {
+            0 => Script::Answer(
+                Duration::ZERO,
+                b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 4\r\n\r\nbusy".to_vec(),
+            ),
+            _ => Script::Answer(Duration::ZERO, ok("fine")),
+        })
+        .await;
+        let yaml = config(&[app.addr], "        retries: { attempts: 2, on: [ 5xx ] }");
+        let (mut client, view) = connect(&yaml);
+        let reply = exchange(&mut client, GET).await.unwrap();
+        assert_eq!((reply.status, reply.body.as_str()), (200, "fine"));
+        assert_eq!(retries(&view), 1);
+        assert_eq!(
+            app.connections(),
+            2,
+            "a retried answer's connection is not reused"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pooled_connection_the_endpoint_closed_is_replaced_without_a_retry() {
+        // Each connection answers its first request, then closes on the second unanswered.
+        let app = Endpoint::start(|_, n, _| match n {
+            0 => Script::Answer(Duration::ZERO, ok("first")),
+            _ => Script::Close,
+        })
+        .await;
+        let (mut client, view) = connect(&config(&[app.addr], ""));
+        for _ in 0..3 {
+            let reply = exchange(&mut client, GET).await.unwrap();
+            assert_eq!((reply.status, reply.body.as_str()), (200, "first"));
+        }
+        assert_eq!(app.connections(), 3);
+        assert_eq!(retries(&view), 0, "not a retry by policy");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_with_a_body_is_sent_once_and_its_failure_closes_the_connection() {
+        let app = Endpoint::start(|_, _, _| Script::Answer(Duration::ZERO, ok("live"))).await;
+        let yaml = config(
+            &[dead_endpoint(), app.addr],
+            "        retries: { attempts: 1, on: [ connect-failure ] }",
+        );
+        let (mut client, view) = connect(&yaml);
+        let reply = exchange(
+            &mut client,
+            "POST /app HTTP/1.1\r\nhost: t\r\ncontent-length: 5\r\n\r\nhello",
+        )
+        .await
+        .unwrap();
+        assert_eq!(reply.status, 503, "{reply:?}");
+        assert_eq!(reply.header("connection"), Some("close"));
+        assert!(closed(&mut client).await);
+        assert_eq!(retries(&view), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_invalid_answer_is_502_and_an_answerless_close_is_502() {
+        let app = Endpoint::start(|c, _, _| match c {
+            0 => Script::Answer(Duration::ZERO, b"NONSENSE\r\n\r\n".to_vec()),
+            _ => Script::Close,
+        })
+        .await;
+        let (mut client, _view) = connect(&config(&[app.addr], ""));
+        let reply = exchange(&mut client, GET).await.unwrap();
+        assert_eq!(reply.status, 502);
+        assert!(
+            reply.body.contains("upstream sent an invalid response"),
+            "{reply:?}"
+        );
+        let reply = exchange(&mut client, GET).await.unwrap();
+        assert_eq!(reply.status, 502);
+        assert!(
+            reply.body.contains("upstream reset: cluster `app`"),
+            "{reply:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_malformed_chunked_body_is_400_and_closes() {
+        let app = Endpoint::start(|_, _, _| Script::Answer(Duration::ZERO, ok("never"))).await;
+        let (mut client, _view) = connect(&config(&[app.addr], ""));
+        let reply = exchange(
+            &mut client,
+            "POST /app HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+        )
+        .await
+        .unwrap();
+        assert_eq!(reply.status, 400, "{reply:?}");
+        assert!(reply.body.contains("malformed"), "{reply:?}");
+        assert!(closed(&mut client).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_head_that_does_not_arrive_in_time_gets_408() {
+        let (mut client, _view) = connect(&config(&[dead_endpoint()], ""));
+        let started = Instant::now();
+        client
+            .write_all(b"GET /direct HTTP/1.1\r\nhost:")
+            .await
+            .unwrap();
+        let reply = read_reply(&mut client, &mut Vec::new()).await.unwrap();
+        assert_eq!(reply.status, 408);
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_secs(2),
+            "header_read_timeout"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_keep_alive_connection_is_closed_after_the_idle_timeout() {
+        let (mut client, _view) = connect(&config(&[dead_endpoint()], ""));
+        let reply = exchange(&mut client, "GET /direct HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(reply.body, "direct");
+        let started = Instant::now();
+        assert!(closed(&mut client).await);
+        assert_eq!(started.elapsed(), Duration::from_secs(5), "idle_timeout");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pipelined_requests_are_answered_in_order() {
+        let app = Endpoint::start(|_, n, head| {
+            let path = head.split(' ').nth(1).unwrap_or("").to_owned();
+            // The first waits longest: order must still hold.
+            Script::Answer(Duration::from_millis(300 - 100 * n as u64), ok(&path))
+        })
+        .await;
+        let (mut client, _view) = connect(&config(&[app.addr], ""));
+        client
+            .write_all(b"GET /app/1 HTTP/1.1\r\nhost: t\r\n\r\nGET /direct HTTP/1.1\r\nhost: t\r\n\r\nGET /app/3 HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = Vec::new();
+        let mut bodies = Vec::new();
+        for _ in 0..3 {
+            bodies.push(read_reply(&mut client, &mut buf).await.unwrap().body);
+        }
+        assert_eq!(bodies, ["/app/1", "direct", "/app/3"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_route_is_404_and_the_connection_stays_open() {
+        let (mut client, _view) = connect(&config(&[dead_endpoint()], ""));
+        let reply = exchange(&mut client, "GET /nowhere HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(reply.status, 404);
+        assert!(
+            reply.body.contains("no route matched: listener `web`"),
+            "{reply:?}"
+        );
+        let reply = exchange(&mut client, "GET /direct HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(reply.status, 200);
     }
 }

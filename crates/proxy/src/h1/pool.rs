@@ -18,6 +18,7 @@ use parking_lot::Mutex;
 use tokio::net::TcpStream;
 
 use super::head::{self, Framing, MAX_HEADERS};
+use crate::l7::error::UpstreamError;
 use crate::metrics::ClusterStats;
 use crate::snapshot::ClusterPlan;
 
@@ -92,7 +93,8 @@ impl H1Pool {
         stack.push(conn);
     }
 
-    /// Idle connections right now (for tests).
+    /// Idle connections right now.
+    #[cfg(test)]
     pub fn idle_count(&self) -> usize {
         self.idle.lock().values().map(Vec::len).sum()
     }
@@ -153,21 +155,23 @@ impl UpstreamConn {
 
     /// Reads more of the answer. The end of the connection is an error here: the caller
     /// still expects bytes.
-    pub async fn read_more(&mut self) -> io::Result<()> {
+    pub async fn read_more(&mut self) -> Result<(), UpstreamError> {
         self.buf.reserve(4096);
-        match tokio::io::AsyncReadExt::read_buf(&mut self.stream, &mut self.buf).await? {
-            0 => Err(io::Error::new(
+        match tokio::io::AsyncReadExt::read_buf(&mut self.stream, &mut self.buf).await {
+            Ok(1..) => Ok(()),
+            Ok(0) => Err(self.failed(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 "connection closed before a complete response",
-            )),
-            _ => Ok(()),
+            ))),
+            Err(err) => Err(self.failed(err)),
         }
     }
 
-    /// A pooled connection that failed before any byte of an answer was probably closed by
-    /// the endpoint while idle: a request without a body may go again on a fresh one.
-    pub fn failed_stale(&self) -> bool {
-        self.reused && self.buf.is_empty()
+    /// The error for `err` on this connection before a complete answer. A pooled connection
+    /// that failed before any byte of an answer was probably closed by the endpoint while
+    /// idle: the error says so, and a request without a body may go again on a fresh one.
+    pub fn failed(&self, err: io::Error) -> UpstreamError {
+        UpstreamError::closed(err, self.reused, !self.buf.is_empty())
     }
 }
 

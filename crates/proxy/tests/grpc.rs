@@ -12,7 +12,7 @@ use tokio_stream::StreamExt;
 
 const STEP: Duration = Duration::from_secs(10);
 
-async fn setup() -> (GrpcBackend, Proxy, SocketAddr) {
+async fn setup() -> (GrpcBackend, TestNode, SocketAddr) {
     let backend = GrpcBackend::start("g1").await;
     let (admin, web) = (free_addr(), free_addr());
     let yaml = format!(
@@ -33,7 +33,7 @@ clusters:
 "#,
         b = backend.addr
     );
-    let proxy = Proxy::start(admin, &yaml).await;
+    let proxy = TestNode::start(&yaml);
     (backend, proxy, web)
 }
 
@@ -281,7 +281,7 @@ async fn a_long_stream_survives_a_reload() {
     );
     assert_ne!(changed, yaml, "test bug: route table not changed");
     proxy.write_config(&changed);
-    proxy.sighup();
+    proxy.reload().await;
     let applied = eventually(Duration::from_secs(5), || async move {
         send(&h1_client(), get_req(&format!("http://{web}/new")))
             .await

@@ -105,7 +105,7 @@ async fn round_robin_spreads_evenly() {
     let bs = backends(3).await;
     let (admin, web) = (free_addr(), free_addr());
     let refs: Vec<&HttpBackend> = bs.iter().collect();
-    let _proxy = Proxy::start(admin, &lb_config(admin, web, "round_robin", &refs, "")).await;
+    let _proxy = TestNode::start(&lb_config(admin, web, "round_robin", &refs, ""));
     // One keep-alive connection: round robin must rotate per request, not per connection.
     let counts = spread(web, 300, 1, vec![]).await;
     assert_each_within(
@@ -131,7 +131,7 @@ async fn random_spreads_within_tolerance() {
     let bs = backends(3).await;
     let (admin, web) = (free_addr(), free_addr());
     let refs: Vec<&HttpBackend> = bs.iter().collect();
-    let _proxy = Proxy::start(admin, &lb_config(admin, web, "random", &refs, "")).await;
+    let _proxy = TestNode::start(&lb_config(admin, web, "random", &refs, ""));
     // Expected 200 each of 600; binomial sd ~11.5, so 150..=250 is over 4 sd.
     let counts = spread(web, 600, 4, vec![]).await;
     assert_each_within(&counts, &["b0", "b1", "b2"], 150, 250, "random");
@@ -143,11 +143,13 @@ async fn least_request_avoids_the_slow_endpoint() {
     let fast0 = HttpBackend::start("fast0", Proto::H1).await;
     let fast1 = HttpBackend::start("fast1", Proto::H1).await;
     let (admin, web) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(
+    let _proxy = TestNode::start(&lb_config(
         admin,
-        &lb_config(admin, web, "least_request", &[&slow, &fast0, &fast1], ""),
-    )
-    .await;
+        web,
+        "least_request",
+        &[&slow, &fast0, &fast1],
+        "",
+    ));
 
     // Sequential requests: nothing is outstanding, so ties must still be spread (not always
     // the first endpoint). Every endpoint gets a fair share.
@@ -182,7 +184,7 @@ async fn check_consistent_hashing(lb: &str) {
     let (admin, web) = (free_addr(), free_addr());
     let refs: Vec<&HttpBackend> = bs.iter().collect();
     let extra = "    hash_on: { header: x-user }";
-    let _proxy = Proxy::start(admin, &lb_config(admin, web, lb, &refs, extra)).await;
+    let _proxy = TestNode::start(&lb_config(admin, web, lb, &refs, extra));
 
     let mut owner: BTreeMap<String, String> = BTreeMap::new();
     for round in 0..3 {
@@ -271,7 +273,7 @@ clusters:
         m = main.addr,
         c = canary.addr
     );
-    let _proxy = Proxy::start(admin, &yaml).await;
+    let _proxy = TestNode::start(&yaml);
     let counts = spread(web, 1000, 4, vec![]).await;
     let canary_n = counts.get("canary").copied().unwrap_or(0);
     let main_n = counts.get("main").copied().unwrap_or(0);
@@ -309,7 +311,7 @@ clusters:
 "#,
         l = live.addr
     );
-    let _proxy = Proxy::start(admin, &yaml).await;
+    let _proxy = TestNode::start(&yaml);
     let client = h1_client();
     // With retries every request lands on the live endpoint.
     for i in 0..20 {

@@ -144,7 +144,7 @@ fn contains(hay: &[u8], needle: &str) -> bool {
     hay.windows(needle.len()).any(|w| w == needle.as_bytes())
 }
 
-async fn proxy_to(upstream: SocketAddr, protocol: &str) -> (Proxy, SocketAddr) {
+async fn proxy_to(upstream: SocketAddr, protocol: &str) -> (TestNode, SocketAddr) {
     let (admin, web) = (free_addr(), free_addr());
     let yaml = format!(
         r#"
@@ -164,7 +164,7 @@ clusters:
     endpoints: [ {upstream} ]
 "#
     );
-    (Proxy::start(admin, &yaml).await, web)
+    (TestNode::start(&yaml), web)
 }
 
 async fn connect(addr: SocketAddr) -> TcpStream {

@@ -309,7 +309,7 @@ fn judge(expected: &Option<&str>, resp: &Resp) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_match_kind_and_first_match_wins_http1() {
     let (admin, web) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &matching_config(admin, web)).await;
+    let _proxy = TestNode::start(&matching_config(admin, web));
     check_cases_h1(&h1_client(), web).await;
 }
 
@@ -317,7 +317,7 @@ async fn every_match_kind_and_first_match_wins_http1() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_match_kind_and_first_match_wins_h2c() {
     let (admin, web) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &matching_config(admin, web)).await;
+    let _proxy = TestNode::start(&matching_config(admin, web));
     let mut failures = Vec::new();
     for (method, path, headers, host, expected) in CASES {
         let resp = match h2c_request(web, method.clone(), host, path, headers).await {
@@ -388,7 +388,7 @@ async fn h2c_request(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn direct_response_status_and_body() {
     let (admin, web) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &matching_config(admin, web)).await;
+    let _proxy = TestNode::start(&matching_config(admin, web));
     let resp = get(&h1_client(), &format!("http://{web}/teapot"), &[]).await;
     assert_eq!(resp.status, StatusCode::IM_A_TEAPOT, "{resp:?}");
     assert_eq!(resp.body, "short and stout");
@@ -435,7 +435,7 @@ async fn forwards_with_request_and_response_headers_added() {
     let h1 = HttpBackend::start("b-h1", Proto::H1).await;
     let h2 = HttpBackend::start("b-h2", Proto::H2c).await;
     let (admin, web) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &forwarding_config(admin, web, &h1, &h2)).await;
+    let _proxy = TestNode::start(&forwarding_config(admin, web, &h1, &h2));
 
     let body = "x".repeat(100_000);
     let req = request(
@@ -490,7 +490,7 @@ async fn http1_and_h2c_downstream_on_the_same_port() {
     let h1 = HttpBackend::start("b-h1", Proto::H1).await;
     let h2 = HttpBackend::start("b-h2", Proto::H2c).await;
     let (admin, web) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &forwarding_config(admin, web, &h1, &h2)).await;
+    let _proxy = TestNode::start(&forwarding_config(admin, web, &h1, &h2));
 
     let url = format!("http://{web}/same-port");
     let one = get(&h1_client(), &url, &[]).await;
@@ -532,7 +532,7 @@ async fn http2_upstream_cluster_speaks_h2c_to_the_backend() {
     let h1 = HttpBackend::start("b-h1", Proto::H1).await;
     let h2 = HttpBackend::start("b-h2", Proto::H2c).await;
     let (admin, web) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &forwarding_config(admin, web, &h1, &h2)).await;
+    let _proxy = TestNode::start(&forwarding_config(admin, web, &h1, &h2));
 
     for client in [h1_client(), h2c_client()] {
         let req = request(
@@ -577,7 +577,7 @@ async fn h2c_downstream_to_http1_upstream_carries_the_authority_as_host() {
     let h1 = HttpBackend::start("b-h1", Proto::H1).await;
     let h2 = HttpBackend::start("b-h2", Proto::H2c).await;
     let (admin, web) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &forwarding_config(admin, web, &h1, &h2)).await;
+    let _proxy = TestNode::start(&forwarding_config(admin, web, &h1, &h2));
     let resp = h2c_request(
         web,
         Method::GET,
@@ -600,7 +600,7 @@ async fn upstream_connections_are_reused() {
     let h1 = HttpBackend::start("b-h1", Proto::H1).await;
     let h2 = HttpBackend::start("b-h2", Proto::H2c).await;
     let (admin, web) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &forwarding_config(admin, web, &h1, &h2)).await;
+    let _proxy = TestNode::start(&forwarding_config(admin, web, &h1, &h2));
 
     // HTTP/1.1 keep-alive upstream: sequential requests share a pooled connection.
     let client = h1_client();
@@ -647,7 +647,7 @@ async fn large_bodies_both_directions_over_h1_and_h2() {
     let h1 = HttpBackend::start("b-h1", Proto::H1).await;
     let h2 = HttpBackend::start("b-h2", Proto::H2c).await;
     let (admin, web) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &forwarding_config(admin, web, &h1, &h2)).await;
+    let _proxy = TestNode::start(&forwarding_config(admin, web, &h1, &h2));
 
     const LEN: usize = 8 * 1024 * 1024;
     let upload = common::backends::pattern(LEN, 99);
@@ -712,7 +712,7 @@ async fn many_concurrent_downstream_connections() {
     let h1 = HttpBackend::start("b-h1", Proto::H1).await;
     let h2 = HttpBackend::start("b-h2", Proto::H2c).await;
     let (admin, web) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &forwarding_config(admin, web, &h1, &h2)).await;
+    let _proxy = TestNode::start(&forwarding_config(admin, web, &h1, &h2));
     // 200 clients, each on its own keep-alive connection, 5 requests each, all at once.
     let mut tasks = tokio::task::JoinSet::new();
     for c in 0..200 {

@@ -38,7 +38,7 @@ async fn connect(addr: SocketAddr) -> TcpStream {
 async fn large_transfer_both_directions_is_byte_exact() {
     let echo = TcpBackend::start(TcpMode::Echo).await;
     let (admin, listen) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &tcp_config(admin, listen, echo.addr)).await;
+    let _proxy = TestNode::start(&tcp_config(admin, listen, echo.addr));
 
     const LEN: usize = 64 * 1024 * 1024;
     let data = pattern(LEN, 0x5eed);
@@ -92,7 +92,7 @@ async fn large_transfer_both_directions_is_byte_exact() {
 async fn half_close_client_shuts_write_and_still_reads_the_reply() {
     let counter = TcpBackend::start(TcpMode::Count).await;
     let (admin, listen) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &tcp_config(admin, listen, counter.addr)).await;
+    let _proxy = TestNode::start(&tcp_config(admin, listen, counter.addr));
 
     let data = pattern(1024 * 1024 + 17, 7);
     let mut stream = connect(listen).await;
@@ -115,7 +115,7 @@ async fn half_close_client_shuts_write_and_still_reads_the_reply() {
 async fn upstream_reset_reaches_the_client() {
     let resetter = TcpBackend::start(TcpMode::Reset).await;
     let (admin, listen) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &tcp_config(admin, listen, resetter.addr)).await;
+    let _proxy = TestNode::start(&tcp_config(admin, listen, resetter.addr));
 
     let mut stream = connect(listen).await;
     stream
@@ -150,7 +150,7 @@ async fn upstream_reset_reaches_the_client() {
 async fn client_reset_reaches_the_upstream() {
     let mut hold = TcpBackend::start(TcpMode::Hold).await;
     let (admin, listen) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &tcp_config(admin, listen, hold.addr)).await;
+    let _proxy = TestNode::start(&tcp_config(admin, listen, hold.addr));
 
     let mut stream = connect(listen).await;
     stream.write_all(b"some bytes").await.expect("write");
@@ -190,13 +190,15 @@ async fn client_reset_reaches_the_upstream() {
 async fn unreachable_upstream_closes_the_client_promptly() {
     let dead = free_addr(); // nothing listens there
     let (admin, listen) = (free_addr(), free_addr());
-    let mut proxy = Proxy::start(admin, &tcp_config(admin, listen, dead)).await;
+    let proxy = TestNode::start(&tcp_config(admin, listen, dead));
     // The proxy may reset the client as soon as the upstream refuses, which can land before
     // our connect() has finished: that counts as closed promptly too.
     let mut stream = match TcpStream::connect(listen).await {
         Ok(s) => s,
         Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
-            proxy.assert_alive("after an unreachable TCP upstream");
+            proxy
+                .assert_alive("after an unreachable TCP upstream")
+                .await;
             return;
         }
         Err(e) => panic!("connect to {listen}: {e}"),
@@ -210,14 +212,16 @@ async fn unreachable_upstream_closes_the_client_promptly() {
         Ok(0) | Err(_) => {}
         Ok(n) => panic!("unexpected {n} bytes from an unreachable upstream"),
     }
-    proxy.assert_alive("after an unreachable TCP upstream");
+    proxy
+        .assert_alive("after an unreachable TCP upstream")
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_concurrent_connections() {
     let echo = TcpBackend::start(TcpMode::Echo).await;
     let (admin, listen) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &tcp_config(admin, listen, echo.addr)).await;
+    let _proxy = TestNode::start(&tcp_config(admin, listen, echo.addr));
     let mut tasks = Vec::new();
     for i in 0..64u64 {
         tasks.push(tokio::spawn(async move {
@@ -247,7 +251,7 @@ async fn many_concurrent_connections() {
 async fn half_close_from_the_upstream_keeps_the_other_direction_open() {
     let mut greeter = TcpBackend::start(TcpMode::GreetThenHold).await;
     let (admin, listen) = (free_addr(), free_addr());
-    let _proxy = Proxy::start(admin, &tcp_config(admin, listen, greeter.addr)).await;
+    let _proxy = TestNode::start(&tcp_config(admin, listen, greeter.addr));
 
     let mut stream = connect(listen).await;
     // The upstream writes `hello` and shuts its write side: we see the bytes, then EOF...

@@ -10,7 +10,7 @@ use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 struct Setup {
-    proxy: Proxy,
+    proxy: TestNode,
     web: SocketAddr,
     tcp: SocketAddr,
     _app: HttpBackend,
@@ -49,7 +49,7 @@ clusters:
         a = app.addr,
         e = echo.addr
     );
-    let proxy = Proxy::start(admin, &yaml).await;
+    let proxy = TestNode::start(&yaml);
     Setup {
         proxy,
         web,
@@ -92,33 +92,6 @@ async fn ready_config_and_rules() {
     );
     assert_eq!(rules["listeners"][0]["routes"][0]["tier"], "U7");
     assert_eq!(rules["listeners"][1]["rule"]["tier"], "U4");
-    // `flatmesh check --explain --admin` prints the program as this node runs it.
-    let admin = s.proxy.admin.to_string();
-    let out = run_flatmesh(
-        &["check", "--explain", "--admin", &admin],
-        std::time::Duration::from_secs(30),
-    )
-    .await;
-    assert_eq!(out.code, Some(0), "{}", out.all_output());
-    assert!(
-        out.stdout
-            .contains("this node: tier K not attached: the config has no `kernel:` section"),
-        "{}",
-        out.stdout
-    );
-    assert!(out.stdout.contains("api-route"), "{}", out.stdout);
-    let nobody = free_addr().to_string();
-    let out = run_flatmesh(
-        &["check", "--admin", &nobody],
-        std::time::Duration::from_secs(30),
-    )
-    .await;
-    assert_eq!(out.code, Some(1), "{}", out.all_output());
-    assert!(
-        out.stderr.contains("is it running with `admin:"),
-        "{}",
-        out.stderr
-    );
 
     let (status, _) = s.proxy.admin_get("/no-such-admin-page").await;
     assert_eq!(status, StatusCode::NOT_FOUND);
@@ -272,7 +245,7 @@ async fn reload_outcomes_are_counted() {
     let good = std::fs::read_to_string(&s.proxy.config_path).expect("read config");
     s.proxy
         .write_config(&good.replace("body: \"ok\"", "body: \"ok2\""));
-    s.proxy.sighup();
+    s.proxy.reload().await;
     let web = s.web;
     let applied = eventually(std::time::Duration::from_secs(5), || async move {
         send(&h1_client(), get_req(&format!("http://{web}/healthz")))
@@ -319,7 +292,7 @@ clusters:
         log = log_path.display(),
         a = app.addr
     );
-    let _proxy = Proxy::start(admin, &yaml).await;
+    let _proxy = TestNode::start(&yaml);
     let client = h1_client();
     for i in 0..5 {
         let resp = get(&client, &format!("http://{web}/api/logged-{i}"), &[]).await;
@@ -395,7 +368,7 @@ clusters:
 "#,
         a = app.addr
     );
-    let proxy = Proxy::start(admin, &yaml).await;
+    let proxy = TestNode::start(&yaml);
     let client = h1_client();
     for i in 0..5 {
         assert_eq!(
@@ -438,7 +411,7 @@ async fn failed_reloads_are_counted() {
     };
     let before = failed_of(&s.proxy.metrics().await);
     s.proxy.write_config("listeners: [ this is not a config");
-    s.proxy.sighup();
+    s.proxy.reload().await;
     let admin = s.proxy.admin;
     let counted = eventually(std::time::Duration::from_secs(5), || async move {
         let Ok(resp) = send(&h1_client(), get_req(&format!("http://{admin}/metrics"))).await else {

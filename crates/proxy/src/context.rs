@@ -1,0 +1,34 @@
+//! What a connection's handlers read: the worker's view of the config (snapshot and upstream
+//! state) and the connection's own facts.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use flatmesh_config::ListenerProtocol;
+
+use crate::access_log::AccessLog;
+use crate::kernel::KernelBinding;
+use crate::snapshot::Snapshot;
+use crate::upstream::Upstreams;
+
+/// What one worker reads per request: the snapshot and its own upstream state for it.
+pub struct WorkerView {
+    pub snapshot: Arc<Snapshot>,
+    pub upstreams: Upstreams,
+}
+
+/// Per-connection context handed to the L4 / L7 handlers.
+pub struct ConnContext {
+    pub worker: usize,
+    /// The listener's address as written in the config (its identity across reloads).
+    pub listener_address: SocketAddr,
+    pub protocol: ListenerProtocol,
+    pub peer: SocketAddr,
+    /// The client's IP as a header value, for x-forwarded-for.
+    pub peer_ip: http::HeaderValue,
+    pub view: Arc<ArcSwap<WorkerView>>,
+    pub access_log: AccessLog,
+    /// Tier K, when the node attached it.
+    pub kernel: Option<Arc<KernelBinding>>,
+}

@@ -1,0 +1,209 @@
+//! The node's control-plane state (FlatProxy §IV-B): the snapshot in force, the bound
+//! listeners, the workers, the outcome of the latest reload, and how a new config replaces
+//! the running one (validate, compile, bind, swap) with nothing dropped. The node
+//! (`crate::node`) owns it; the admin endpoint and the reload triggers (`crate::admin`) read
+//! and drive it.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use flatmesh_config::Config;
+use parking_lot::Mutex;
+
+use crate::context::WorkerView;
+use crate::error::ProxyError;
+use crate::kernel::KernelBinding;
+use crate::listener::bind_group;
+use crate::metrics::Metrics;
+use crate::snapshot::Snapshot;
+use crate::upstream::Upstreams;
+use crate::worker::{Command, ListenerKey, WorkerHandle};
+
+/// Where the node's config comes from; a file enables SIGHUP and file-change reloads.
+#[derive(Debug, Clone)]
+pub enum ConfigSource {
+    File(PathBuf),
+    Inline,
+}
+
+/// A listener as bound: its name and its actual address (the configured port may be 0).
+pub(crate) struct Bound {
+    pub name: String,
+    pub actual: SocketAddr,
+}
+
+/// The outcome of the latest reload, shown at /config.
+#[derive(Default, Clone, serde::Serialize)]
+pub struct ReloadStatus {
+    pub last_reload_error: Option<String>,
+    pub last_reload_ok_unix: Option<u64>,
+}
+
+pub(crate) struct State {
+    pub snapshot: Arc<Snapshot>,
+    pub bound: HashMap<ListenerKey, Bound>,
+    pub status: ReloadStatus,
+}
+
+pub(crate) struct Shared {
+    pub metrics: Arc<Metrics>,
+    pub source: ConfigSource,
+    pub ready: AtomicBool,
+    pub workers: Vec<WorkerHandle>,
+    pub state: Mutex<State>,
+    /// Tier K, attached at start when the config asks for it and the host can run it.
+    pub kernel: Option<Arc<KernelBinding>>,
+    /// Why tier K is not attached, when it is not.
+    pub kernel_off: Option<String>,
+}
+
+impl Shared {
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.state.lock().snapshot.clone()
+    }
+
+    /// The tiers this node runs, for `/rules`.
+    pub fn tiers(&self) -> flatmesh_rules::NodeTiers {
+        let kernel = match (&self.kernel, &self.kernel_off) {
+            (Some(k), _) => k.runtime(),
+            (None, why) => flatmesh_rules::KernelRuntime::Off(why.clone().unwrap_or_default()),
+        };
+        flatmesh_rules::NodeTiers { kernel }
+    }
+
+    pub fn status(&self) -> ReloadStatus {
+        self.state.lock().status.clone()
+    }
+
+    pub fn listener_addresses(&self) -> Vec<(String, SocketAddr)> {
+        let mut out: Vec<_> = self
+            .state
+            .lock()
+            .bound
+            .values()
+            .map(|b| (b.name.clone(), b.actual))
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Re-read the config file and apply it. Errors are recorded for /config and metrics.
+    pub fn reload_from_source(&self) -> Result<(), String> {
+        let ConfigSource::File(path) = &self.source else {
+            return Err(ProxyError::NoConfigFile.to_string());
+        };
+        let result = flatmesh_config::load(path)
+            .map_err(|e| e.to_string())
+            .and_then(|config| self.apply(config).map_err(|e| e.to_string()));
+        self.record(&result);
+        result
+    }
+
+    pub fn record(&self, result: &Result<(), String>) {
+        let mut state = self.state.lock();
+        match result {
+            Ok(()) => {
+                self.metrics.reloads_ok.add_shared(0, 1);
+                state.status.last_reload_error = None;
+                state.status.last_reload_ok_unix = SystemTime::now()
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .ok()
+                    .map(|d| d.as_secs());
+                tracing::info!(generation = state.snapshot.generation, "config reloaded");
+            }
+            Err(err) => {
+                self.metrics.reloads_failed.add_shared(0, 1);
+                state.status.last_reload_error = Some(err.clone());
+                tracing::error!(error = %err, "config reload refused; the previous config stays in force");
+            }
+        }
+    }
+
+    /// Validate, compile and swap in `config`. Nothing changes unless all of it succeeds.
+    pub fn apply(&self, config: Config) -> Result<(), ProxyError> {
+        let mut state = self.state.lock();
+        if config.worker_count() != self.workers.len() {
+            tracing::warn!(
+                running = self.workers.len(),
+                configured = config.worker_count(),
+                "`workers` changed; the new count takes effect at the next restart"
+            );
+        }
+        let snapshot = Arc::new(Snapshot::build(
+            config,
+            state.snapshot.generation + 1,
+            &self.metrics,
+        )?);
+        let wanted: HashMap<ListenerKey, &str> = snapshot
+            .listeners
+            .iter()
+            .map(|l| ((l.address, l.protocol), l.name.as_str()))
+            .collect();
+
+        // Bind new listeners first: if one fails, nothing has changed yet.
+        let mut new_sockets = Vec::new();
+        for (key, name) in &wanted {
+            if !state.bound.contains_key(key) {
+                let (actual, sockets) =
+                    bind_group(&format!("listener `{name}`"), key.0, self.workers.len())?;
+                new_sockets.push((*key, name.to_string(), actual, sockets));
+            }
+        }
+        // Swap every worker's view; in-flight requests keep the view they loaded.
+        for w in &self.workers {
+            let previous = w.view.load_full();
+            let upstreams = Upstreams::build(&snapshot, w.id, Some(&previous.upstreams));
+            w.view.store(Arc::new(WorkerView {
+                snapshot: snapshot.clone(),
+                upstreams,
+            }));
+        }
+        for (key, name, actual, sockets) in new_sockets {
+            for (w, socket) in self.workers.iter().zip(sockets) {
+                w.send(Command::Listen { key, socket });
+            }
+            state.bound.insert(key, Bound { name, actual });
+        }
+        let removed: Vec<ListenerKey> = state
+            .bound
+            .keys()
+            .filter(|k| !wanted.contains_key(k))
+            .copied()
+            .collect();
+        for key in removed {
+            for w in &self.workers {
+                w.send(Command::Unlisten { key });
+            }
+            state.bound.remove(&key);
+        }
+        for (key, name) in &wanted {
+            if let Some(b) = state.bound.get_mut(key) {
+                b.name = name.to_string();
+            }
+        }
+        if state.snapshot.config.kernel != snapshot.config.kernel {
+            tracing::warn!("the `kernel:` section changed; which programs are attached changes at the next restart, the maps follow now");
+        }
+        state.snapshot = snapshot;
+        if let Some(k) = &self.kernel {
+            k.install(&kernel_plan(&state));
+        }
+        Ok(())
+    }
+}
+
+/// What the current snapshot asks of tier K, with listeners at their bound addresses.
+pub(crate) fn kernel_plan(state: &State) -> crate::kernel::KernelPlan {
+    let actual = |name: &str| {
+        state
+            .bound
+            .values()
+            .find(|b| b.name == name)
+            .map(|b| b.actual)
+    };
+    crate::kernel::plan(&state.snapshot, &actual)
+}

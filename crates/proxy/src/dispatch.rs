@@ -1,0 +1,229 @@
+//! What an accepted connection becomes: a `tcp` listener's goes to the L4 relay; an `http`
+//! listener's is offered to tier K first when it decides this listener's first requests,
+//! then its first bytes tell HTTP/2 (hyper's server, `crate::h2`) from HTTP/1 (flatmesh's
+//! own, `crate::h1`).
+
+use std::sync::Arc;
+
+use flatmesh_config::ListenerProtocol;
+use tokio::net::TcpStream;
+
+use crate::context::{ConnContext, WorkerView};
+use crate::kernel::{FirstRequest, KernelBinding, StripSettingsAck};
+use crate::snapshot::Snapshot;
+use crate::sniff::{sniff, Protocol};
+use crate::tap::Rewind;
+
+/// Serves one accepted connection to its end, counting it for its listener.
+pub(crate) async fn serve(ctx: Arc<ConnContext>, stream: TcpStream) {
+    let current = ctx.view.load_full();
+    let plan = current
+        .snapshot
+        .listener_at(ctx.listener_address, ctx.protocol)
+        .map(|l| &current.snapshot.listeners[l]);
+    let stats = plan.map(|l| l.stats.clone());
+    let worker = ctx.worker;
+    if let Some(s) = &stats {
+        s.connections_opened.add_shared(worker, 1);
+    }
+    match ctx.protocol {
+        ListenerProtocol::Tcp => crate::tcp::relay(ctx, stream).await,
+        ListenerProtocol::Http => match &ctx.kernel {
+            Some(k) if plan.is_some_and(|l| l.kernel_l7) => {
+                let k = k.clone();
+                serve_http_with_kernel(ctx, &k, stream, &current).await
+            }
+            _ => {
+                let _ = stream.set_nodelay(true);
+                serve_http(ctx, stream, &current.snapshot).await
+            }
+        },
+    }
+    if let Some(s) = &stats {
+        s.connections_closed.add_shared(worker, 1);
+    }
+}
+
+/// The L7 listener with tier K: the kernel decides the first request; a decided connection is
+/// spliced to an endpoint of its cluster, anything else runs the user L7 path over the bytes
+/// read so far.
+async fn serve_http_with_kernel(
+    ctx: Arc<ConnContext>,
+    kernel: &KernelBinding,
+    stream: TcpStream,
+    view: &WorkerView,
+) {
+    let snapshot = &view.snapshot;
+    let _ = stream.set_nodelay(true);
+    let buffered = match kernel
+        .first_request(&stream, snapshot.config.limits.header_read_timeout)
+        .await
+    {
+        FirstRequest::Closed => return,
+        FirstRequest::UserTier {
+            buffered,
+            strip_settings_ack: true,
+        } => {
+            // The proxy sent the client an HTTP/2 SETTINGS frame while the kernel decided;
+            // the user tier must not see the client's ACK of it.
+            let stream = StripSettingsAck::new(Rewind::new(buffered, stream));
+            return serve_http(ctx, stream, snapshot).await;
+        }
+        FirstRequest::UserTier { buffered, .. } => buffered,
+        FirstRequest::Decided {
+            cluster,
+            cookie,
+            buffered,
+            consumed,
+        } => {
+            let listener = snapshot
+                .listener_at(ctx.listener_address, ctx.protocol)
+                .map(|l| &snapshot.listeners[l]);
+            let name = listener.map(|l| l.name.as_str()).unwrap_or("");
+            let connected = match snapshot.clusters.get(cluster) {
+                Some(_) => crate::tcp::connect_upstream(&ctx, view, name, cluster).await,
+                None => None,
+            };
+            match connected {
+                Some((mut up, _in_flight)) => {
+                    match kernel
+                        .take_decided(cookie, &stream, &mut up, &buffered, consumed)
+                        .await
+                    {
+                        Ok(path) => {
+                            let (_, _, in_kernel) =
+                                crate::tcp::pump_path(Some(kernel), stream, up, path).await;
+                            if let (Some(l), true) = (listener, in_kernel) {
+                                l.stats.kernel_spliced.add_shared(ctx.worker, 1);
+                            }
+                        }
+                        Err(err) => {
+                            tracing::debug!(error = %err, "upstream closed before the first request was written");
+                        }
+                    }
+                    kernel.forget(&[cookie]);
+                    return;
+                }
+                // No endpoint answered: the user tier gives the client its 503.
+                None => {
+                    kernel.forget(&[cookie]);
+                    buffered
+                }
+            }
+        }
+    };
+    serve_http(ctx, Rewind::new(buffered, stream), snapshot).await
+}
+
+/// An http listener's connection: the first bytes tell the protocol. The HTTP/2 preface goes
+/// to hyper's HTTP/2 server, anything else to flatmesh's own HTTP/1 path.
+pub(crate) async fn serve_http<S>(ctx: Arc<ConnContext>, mut stream: S, snapshot: &Snapshot)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let limits = &snapshot.config.limits;
+    let mut first = bytes::BytesMut::with_capacity(16 * 1024);
+    let mut deadline = tokio::time::Instant::now() + limits.idle_timeout;
+    let protocol = loop {
+        if let Some(protocol) = sniff(&first) {
+            break protocol;
+        }
+        let read = tokio::io::AsyncReadExt::read_buf(&mut stream, &mut first);
+        match tokio::time::timeout_at(deadline, read).await {
+            Ok(Ok(n)) if n > 0 => {}
+            // Closed, failed, or silent: nothing to answer.
+            _ => return,
+        }
+        deadline = deadline.min(tokio::time::Instant::now() + limits.header_read_timeout);
+    };
+    match protocol {
+        Protocol::Http2 => crate::h2::serve(ctx, Rewind::new(first.to_vec(), stream), limits).await,
+        Protocol::Http1 => crate::h1::serve(ctx, stream, first).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The protocol sniff and the waits before a request is known, on the paused clock.
+    #![allow(clippy::unwrap_used)]
+    use std::time::Duration;
+
+    use http_body_util::BodyExt as _;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::time::Instant;
+
+    use crate::testing::{self, read_reply};
+
+    const CONFIG: &str = r#"
+limits:
+  header_read_timeout: 2s
+  idle_timeout: 5s
+listeners:
+  - name: web
+    address: 127.0.0.1:1
+    protocol: http
+    routes:
+      - match: { path: { prefix: / } }
+        direct_response: { status: 200, body: "direct" }
+"#;
+
+    fn client() -> tokio::io::DuplexStream {
+        testing::http_client(testing::context(&testing::view(CONFIG)))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_that_sends_nothing_is_closed_at_the_idle_timeout() {
+        let mut c = client();
+        let started = Instant::now();
+        assert_eq!(c.read(&mut [0u8; 16]).await.unwrap(), 0);
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_head_stalled_half_way_gets_408_at_the_header_read_timeout() {
+        let mut c = client();
+        let started = Instant::now();
+        c.write_all(b"GET /x HTTP/1.1\r\nHost: t.local\r\nX-Slow: ")
+            .await
+            .unwrap();
+        let reply = read_reply(&mut c, &mut Vec::new()).await.unwrap();
+        assert_eq!(reply.status, 408);
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+        // The first byte of a preface that then stalls is cut off at the same bound.
+        let mut c = client();
+        let started = Instant::now();
+        c.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+        assert_eq!(c.read(&mut [0u8; 16]).await.unwrap(), 0);
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_http2_preface_goes_to_the_http2_server_however_it_is_split() {
+        // Whole, through hyper's client.
+        let mut h2 = testing::h2_client(testing::context(&testing::view(CONFIG))).await;
+        let req = http::Request::get("http://t.local/a")
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        let resp = h2.send_request(req).await.unwrap();
+        assert_eq!(resp.version(), http::Version::HTTP_2);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"direct");
+        // A byte at a time, with pauses (within the header read timeout, 2s, in all): the
+        // server's SETTINGS frame answers.
+        let mut c = client();
+        for b in crate::sniff::H2_PREFACE {
+            c.write_all(&[*b]).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let mut frame = [0u8; 9];
+        c.read_exact(&mut frame).await.unwrap();
+        assert_eq!(frame[3], 4, "a SETTINGS frame");
+        // HTTP/1 that begins like the preface is HTTP/1.
+        let mut c = client();
+        c.write_all(b"PUT / HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n")
+            .await
+            .unwrap();
+        let reply = read_reply(&mut c, &mut Vec::new()).await.unwrap();
+        assert_eq!((reply.status, reply.body.as_str()), (200, "direct"));
+    }
+}

@@ -1,0 +1,394 @@
+//! The one retry loop of the proxy, for every codec (Pingora's single loop in
+//! `pingora-proxy` is the model). It picks an endpoint, has the codec make one try at it
+//! (the codec's part, an [`Attempt`]), and judges the outcome with the route's policy:
+//! - a pooled connection that the endpoint had closed while it sat idle gets one more try on
+//!   a fresh connection, for free (not a retry by policy, not counted);
+//! - a failure is tried again while attempts are left and the route's `retry_on` names it
+//!   (`connect-failure`, `reset`, `gateway-error`);
+//! - an answer is thrown away and tried again while attempts are left and `retry_on` names
+//!   its status (`5xx`, `gateway-error`);
+//! - the route's timeout bounds all tries together.
+//!
+//! Only a request without a body is ever sent twice: a body can be read only once.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use flatmesh_config::RetryOn;
+use flatmesh_rules::CompiledRoute;
+use tokio::time::Instant;
+
+use super::error::{Kind, UpstreamError};
+use crate::lb::InFlight;
+use crate::snapshot::ClusterPlan;
+use crate::upstream::Upstream;
+
+/// One try, as the driver hands it to the codec.
+pub(crate) struct Try {
+    /// The endpoint's index in the cluster.
+    pub index: usize,
+    pub endpoint: SocketAddr,
+    /// No other try follows this one, whatever it gets: the codec may hand over what it
+    /// would otherwise keep for the next (the request's headers).
+    pub last: bool,
+}
+
+/// What a successful try gives back: an answer whose status the policy may look at.
+pub(crate) trait Answer {
+    fn status(&self) -> u16;
+}
+
+/// A codec's way of making one try at an endpoint.
+pub(crate) trait Attempt {
+    type Answer: Answer;
+
+    fn attempt(
+        &mut self,
+        to: Try,
+    ) -> impl Future<Output = Result<Self::Answer, UpstreamError>> + Send;
+}
+
+/// The answer a try got, the endpoint that gave it, and that endpoint's in-flight count
+/// (held for as long as the codec relays the answer).
+pub(crate) struct Answered<A> {
+    pub answer: A,
+    pub endpoint: SocketAddr,
+    pub in_flight: InFlight,
+}
+
+/// One request's retry plan: where it goes and what the route's policy allows.
+pub(crate) struct Retry<'a> {
+    plan: &'a ClusterPlan,
+    upstream: &'a Upstream,
+    worker: usize,
+    /// The request's hash key, for ring hash and Maglev.
+    key: u64,
+    /// The route's timeout, over all tries.
+    pub timeout: Duration,
+    attempts: usize,
+    on: &'a [RetryOn],
+    replayable: bool,
+}
+
+impl<'a> Retry<'a> {
+    /// `replayable`: the request has no body, so it may be sent again. `default_timeout`
+    /// applies when the route sets none.
+    pub fn new(
+        route: &'a CompiledRoute,
+        plan: &'a ClusterPlan,
+        upstream: &'a Upstream,
+        worker: usize,
+        key: u64,
+        replayable: bool,
+        default_timeout: Duration,
+    ) -> Self {
+        Retry {
+            plan,
+            upstream,
+            worker,
+            key,
+            timeout: route.timeout.unwrap_or(default_timeout),
+            attempts: match (&route.retries, replayable) {
+                (Some(r), true) => 1 + r.attempts as usize,
+                _ => 1,
+            },
+            on: route.retries.as_ref().map_or(&[], |r| &r.on),
+            replayable,
+        }
+    }
+
+    /// Runs tries until one gets an answer the policy keeps, or the policy gives up; the
+    /// error is then the last try's, with the endpoint it came from.
+    pub async fn drive<A: Attempt>(
+        &self,
+        codec: &mut A,
+    ) -> Result<Answered<A::Answer>, UpstreamError> {
+        let deadline = Instant::now() + self.timeout;
+        let mut tries = 0;
+        let mut stale_retried = false;
+        loop {
+            let Some((index, in_flight)) = self.upstream.balancer.pick(self.key, tries) else {
+                return Err(UpstreamError::no_endpoint());
+            };
+            let endpoint = self.plan.endpoints[index];
+            let last = tries + 1 >= self.attempts;
+            let tried = tokio::time::timeout_at(
+                deadline,
+                codec.attempt(Try {
+                    index,
+                    endpoint,
+                    last,
+                }),
+            )
+            .await
+            .unwrap_or_else(|_| Err(UpstreamError::timeout()));
+            match tried {
+                Ok(answer) if !last && self.retries_status(answer.status()) => {}
+                Ok(answer) => {
+                    return Ok(Answered {
+                        answer,
+                        endpoint,
+                        in_flight,
+                    })
+                }
+                Err(err) if err.is_stale_connection() && self.replayable && !stale_retried => {
+                    tracing::debug!(%endpoint, error = %err.detail, "pooled connection was closed; retrying on a new one");
+                    stale_retried = true;
+                    continue;
+                }
+                Err(mut err) => {
+                    if last || !self.retries_failure(err.kind) {
+                        err.endpoint = Some(endpoint);
+                        return Err(err);
+                    }
+                }
+            }
+            tries += 1;
+            self.plan.stats.retries.add(self.worker, 1);
+        }
+    }
+
+    fn retries_failure(&self, kind: Kind) -> bool {
+        self.on.iter().any(|r| {
+            matches!(
+                (r, kind),
+                (RetryOn::ConnectFailure, Kind::ConnectFailed)
+                    | (RetryOn::Reset, Kind::Closed)
+                    | (RetryOn::GatewayError, Kind::ConnectFailed | Kind::Closed)
+            )
+        })
+    }
+
+    fn retries_status(&self, status: u16) -> bool {
+        self.on.iter().any(|r| match r {
+            RetryOn::Status5xx => (500..600).contains(&status),
+            RetryOn::GatewayError => matches!(status, 502..=504),
+            _ => false,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::collections::VecDeque;
+
+    use super::*;
+    use crate::testing;
+
+    /// What a scripted try does.
+    enum Step {
+        Answer(u16),
+        Fail(UpstreamError),
+        /// Never answers: only the route's timeout ends it.
+        Hang,
+    }
+
+    /// A codec whose tries follow a script, recording the endpoints they went to.
+    struct Scripted {
+        steps: VecDeque<Step>,
+        tried: Vec<(SocketAddr, bool)>,
+    }
+
+    struct Status(u16);
+    impl Answer for Status {
+        fn status(&self) -> u16 {
+            self.0
+        }
+    }
+
+    impl Attempt for Scripted {
+        type Answer = Status;
+        async fn attempt(&mut self, to: Try) -> Result<Status, UpstreamError> {
+            self.tried.push((to.endpoint, to.last));
+            match self.steps.pop_front().expect("a step for every try") {
+                Step::Answer(status) => Ok(Status(status)),
+                Step::Fail(err) => Err(err),
+                Step::Hang => std::future::pending().await,
+            }
+        }
+    }
+
+    fn config(retries: &str) -> String {
+        format!(
+            r#"
+listeners:
+  - name: web
+    address: 127.0.0.1:1
+    protocol: http
+    routes:
+      - match: {{ path: {{ prefix: / }} }}
+        cluster: c
+        timeout: 3s
+{retries}
+clusters:
+  - name: c
+    endpoints: [ 127.0.0.1:10, 127.0.0.1:11, 127.0.0.1:12 ]
+"#
+        )
+    }
+
+    /// Drives `steps` for a request (`replayable`: without a body) under `retries`, and
+    /// returns the outcome, the endpoints tried and the retries counted.
+    async fn run(
+        retries: &str,
+        replayable: bool,
+        steps: Vec<Step>,
+    ) -> (Result<u16, UpstreamError>, Vec<(SocketAddr, bool)>, u64) {
+        let view = testing::view(&config(retries));
+        let view = view.load();
+        let snap = &view.snapshot;
+        let flatmesh_rules::TableKind::Http(table) = &snap.program.listeners()[0].kind else {
+            panic!("an http listener");
+        };
+        let route = &table.routes[0];
+        let plan = &snap.clusters[0];
+        let retry = Retry::new(
+            route,
+            plan,
+            &view.upstreams.by_cluster[0],
+            0,
+            0,
+            replayable,
+            Duration::from_secs(15),
+        );
+        let mut codec = Scripted {
+            steps: steps.into(),
+            tried: Vec::new(),
+        };
+        let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
+        (outcome, codec.tried, plan.stats.retries.sum())
+    }
+
+    const RETRY_ALL: &str = "        retries: { attempts: 2, on: [ connect-failure, reset, 5xx ] }";
+
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_is_kept_without_retries() {
+        let (outcome, tried, retries) = run("", true, vec![Step::Answer(503)]).await;
+        assert_eq!(outcome.unwrap(), 503);
+        assert_eq!(tried.len(), 1);
+        assert!(tried[0].1, "the only try is the last");
+        assert_eq!(retries, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failures_and_statuses_the_policy_names_are_retried_on_other_endpoints() {
+        let steps = vec![
+            Step::Fail(UpstreamError::connect("refused")),
+            Step::Answer(500),
+            Step::Answer(200),
+        ];
+        let (outcome, tried, retries) = run(RETRY_ALL, true, steps).await;
+        assert_eq!(outcome.unwrap(), 200);
+        let endpoints: Vec<u16> = tried.iter().map(|(e, _)| e.port()).collect();
+        assert_eq!(endpoints, [10, 11, 12], "round robin moves on at each try");
+        assert_eq!(
+            tried.iter().map(|(_, last)| *last).collect::<Vec<_>>(),
+            [false, false, true]
+        );
+        assert_eq!(retries, 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_last_try_answers_whatever_its_status() {
+        let steps = vec![Step::Answer(502), Step::Answer(502), Step::Answer(502)];
+        let (outcome, tried, retries) = run(RETRY_ALL, true, steps).await;
+        assert_eq!(outcome.unwrap(), 502);
+        assert_eq!((tried.len(), retries), (3, 2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn what_the_policy_does_not_name_is_not_retried() {
+        // The default policy retries connect failures only.
+        let steps = vec![Step::Fail(UpstreamError::closed("reset", false, true))];
+        let (outcome, tried, retries) = run("        retries: { attempts: 2 }", true, steps).await;
+        let err = outcome.unwrap_err();
+        assert_eq!(err.kind, Kind::Closed);
+        assert_eq!(err.endpoint.map(|e| e.port()), Some(10));
+        assert_eq!((tried.len(), retries), (1, 0));
+        let steps = vec![Step::Answer(503)];
+        let (outcome, ..) = run("        retries: { attempts: 2 }", true, steps).await;
+        assert_eq!(outcome.unwrap(), 503, "5xx is not in the default policy");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_with_a_body_is_sent_once() {
+        let steps = vec![Step::Fail(UpstreamError::connect("refused"))];
+        let (outcome, tried, retries) = run(RETRY_ALL, false, steps).await;
+        assert_eq!(outcome.unwrap_err().kind, Kind::ConnectFailed);
+        assert_eq!((tried.len(), retries), (1, 0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stale_pooled_connection_gets_one_free_try() {
+        let stale = || UpstreamError::closed("closed while idle", true, false);
+        // No retry policy at all: the stale connection is not the endpoint's failure.
+        let (outcome, tried, retries) =
+            run("", true, vec![Step::Fail(stale()), Step::Answer(200)]).await;
+        assert_eq!(outcome.unwrap(), 200);
+        assert_eq!((tried.len(), retries), (2, 0));
+        // Only once per request.
+        let (outcome, tried, _) =
+            run("", true, vec![Step::Fail(stale()), Step::Fail(stale())]).await;
+        assert_eq!(outcome.unwrap_err().kind, Kind::Closed);
+        assert_eq!(tried.len(), 2);
+        // Not for a request with a body, nor after bytes of an answer arrived.
+        let (outcome, ..) = run("", false, vec![Step::Fail(stale())]).await;
+        assert_eq!(outcome.unwrap_err().kind, Kind::Closed);
+        let answered = UpstreamError::closed("cut off", true, true);
+        let (outcome, tried, _) = run("", true, vec![Step::Fail(answered)]).await;
+        assert_eq!((outcome.unwrap_err().kind, tried.len()), (Kind::Closed, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_route_timeout_bounds_every_try_together() {
+        let started = Instant::now();
+        let steps = vec![Step::Fail(UpstreamError::connect("refused")), Step::Hang];
+        let (outcome, tried, retries) = run(RETRY_ALL, true, steps).await;
+        let err = outcome.unwrap_err();
+        assert_eq!(err.kind, Kind::Timeout);
+        assert_eq!(err.endpoint.map(|e| e.port()), Some(11));
+        assert_eq!((tried.len(), retries), (2, 1));
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_secs(3),
+            "the route's timeout: 3s"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cluster_without_endpoints_is_an_internal_failure() {
+        // A config cannot say it (validation refuses), but a cluster fed by xDS can be empty.
+        let view = testing::view(&config(""));
+        let view = view.load();
+        let snap = &view.snapshot;
+        let flatmesh_rules::TableKind::Http(table) = &snap.program.listeners()[0].kind else {
+            panic!("an http listener");
+        };
+        let plan = &snap.clusters[0];
+        let empty = Upstream {
+            balancer: crate::lb::Balancer::new(plan.policy, Vec::new().into(), &plan.table, 0),
+            pool: view.upstreams.by_cluster[0].pool.clone(),
+        };
+        let retry = Retry::new(
+            &table.routes[0],
+            plan,
+            &empty,
+            0,
+            0,
+            true,
+            Duration::from_secs(15),
+        );
+        let mut codec = Scripted {
+            steps: VecDeque::new(),
+            tried: Vec::new(),
+        };
+        let err = retry.drive(&mut codec).await.err().unwrap();
+        assert_eq!(
+            (err.kind, err.source),
+            (Kind::NoEndpoint, super::super::error::Source::Internal)
+        );
+        assert!(codec.tried.is_empty() && err.endpoint.is_none());
+    }
+}
