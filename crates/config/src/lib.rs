@@ -4,6 +4,7 @@
 //! the model. Every problem becomes a [`Diagnostic`] with `file:line:column`, what
 //! is wrong and what to do. Positions for validation problems come from a
 //! [`locate::LocationIndex`] built over the same text.
+#![forbid(unsafe_code)]
 
 mod decode;
 pub mod duration;

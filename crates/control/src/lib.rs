@@ -2,6 +2,7 @@
 //! DAGs; placement on heterogeneous compute nodes (HCM, simulated annealing, ILP); the energy and
 //! cost model; the data-plane orchestrator and failover; the simulator behind `flatmesh simulate`;
 //! and [`serve`], the control center serving all of it over xDS (`flatmesh control`).
+#![forbid(unsafe_code)]
 
 pub mod agent;
 pub mod endpoints;

@@ -11,6 +11,7 @@
 //!   `/rules`), with the tiers a running node actually has ([`NodeTiers`]).
 //!
 //! See docs/rules.md for the semantics and how to read `--explain`.
+#![forbid(unsafe_code)]
 
 mod error;
 mod explain;
