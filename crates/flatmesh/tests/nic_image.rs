@@ -209,10 +209,12 @@ async fn check_explain_says_which_routes_the_image_decides_and_why_the_others_st
             .find(|l| l.contains(needle))
             .unwrap_or_else(|| panic!("no line with {needle:?}:\n{text}"))
     };
-    assert!(line("tier N: app 1 type 0, image entries 0..").contains("routes decided: 1, 2, 4;"));
+    assert!(
+        line("tier N: app 1 type 0, image entries 0..").contains("routes it decides: #1, #2, #4;")
+    );
     assert!(line("route 0 stays on the host").contains("header match needs the full request head"));
     assert!(line("route 3 stays on the host").contains("regex runs only in the user tier"));
-    assert!(line("tier N: app 3 type 0").contains("routes decided: 0;"));
+    assert!(line("tier N: app 3 type 0").contains("routes it decides: #0;"));
     assert!(line("respond 200 (2 bytes)").contains(" q2 "));
 }
 

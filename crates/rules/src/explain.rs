@@ -196,11 +196,11 @@ impl RuleProgram {
             .iter()
             .enumerate()
             .filter(|(_, r)| r.verdict.decides())
-            .map(|(id, _)| id.to_string())
+            .map(|(id, _)| format!("#{id}"))
             .collect();
         let _ = writeln!(
             out,
-            "  tier N: app {app} type {}, image entries {}..{} ({} of {}), {} rules; routes decided: {}; no match: queue 0 (host)",
+            "  tier N: app {app} type {}, image entries {}..{} ({} of {}), {} rules; routes it decides: {}; no match: queue 0 (host)",
             nic::REQ_TYPE,
             l.entries.start,
             l.entries.end,

@@ -528,7 +528,7 @@ fn explain_shows_every_table_rule_and_tier() {
     // then answers it) and says why the other routes stay on the host.
     assert!(!text.contains("tier K:"), "{text}");
     let n = find("tier N: app 1 type 0");
-    assert!(n.contains("routes decided: 2;"), "{n}");
+    assert!(n.contains("routes it decides: #2;"), "{n}");
     assert!(find("respond 200 (2 bytes)").contains(" q3 "));
     assert!(find("route 0 stays on the host").contains("header match needs the full request head"));
     assert!(find("route 1 stays on the host").contains("regex runs only in the user tier"));
@@ -592,7 +592,7 @@ fn explain_counts_what_each_tier_decides_and_handles_an_empty_program() {
         text.contains("  tier K: 3 of 64 route table entries, 2 decide, 1 punt;"),
         "{text}"
     );
-    assert!(text.contains("routes decided: 0, 1;"), "{text}");
+    assert!(text.contains("routes it decides: #0, #1;"), "{text}");
     let row = text.lines().find(|l| l.contains("web/0")).unwrap();
     assert!(
         row.contains("N|K|U7")

@@ -11,7 +11,6 @@
 //! - [`apply`]: the client's [`client::Apply`] for a node proxy (start, then reload); the
 //!   caller supplies the proxy.
 #![forbid(unsafe_code)]
-
 // Envoy configs in the wild still use deprecated fields (header `exact_match`, cluster
 // `http2_protocol_options`, ...); accepting them is part of the job.
 #![allow(deprecated)]
