@@ -447,6 +447,7 @@ fn listener(
             protocol: model::ListenerProtocol::Http,
             routes,
             cluster: None,
+            max_connections: None,
         }))
     } else if any.type_url == TcpProxy::type_url() {
         let mut tcp: TcpProxy = unpack(any, &at_filter)?;
@@ -473,6 +474,7 @@ fn listener(
             protocol: model::ListenerProtocol::Tcp,
             routes: Vec::new(),
             cluster: Some(cluster),
+            max_connections: None,
         }))
     } else {
         Err(XdsError::resource(
