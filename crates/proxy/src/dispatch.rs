@@ -91,8 +91,9 @@ async fn serve_http_with_kernel(
                         .await
                     {
                         Ok(path) => {
+                            let relay = crate::tcp::Relay::of(&snapshot.config.limits);
                             let (_, _, in_kernel) =
-                                crate::tcp::pump_path(Some(kernel), stream, up, path).await;
+                                crate::tcp::pump_path(Some(kernel), stream, up, path, relay).await;
                             if let (Some(l), true) = (listener, in_kernel) {
                                 l.stats.kernel_spliced.add_shared(ctx.worker, 1);
                             }
