@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use flatmesh_config::{Limits, Listener};
 use parking_lot::Mutex;
@@ -157,21 +158,31 @@ pub fn open_sockets() -> usize {
 #[derive(Debug, Default)]
 pub struct ByteBudget {
     used: AtomicUsize,
+    /// The most bytes taken at once since [`ByteBudget::take_peak`] last looked.
+    peak: AtomicUsize,
     returned: tokio::sync::Notify,
 }
 
 impl ByteBudget {
     /// Takes `n` bytes if that keeps the budget within `limit`.
     pub fn try_take(self: &Arc<Self>, n: usize, limit: usize) -> Option<Reservation> {
-        self.used
+        let before = self
+            .used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
                 used.checked_add(n).filter(|after| *after <= limit)
             })
-            .ok()
-            .map(|_| Reservation {
-                budget: self.clone(),
-                bytes: n,
-            })
+            .ok()?;
+        self.peak.fetch_max(before + n, Ordering::Relaxed);
+        Some(Reservation {
+            budget: self.clone(),
+            bytes: n,
+        })
+    }
+
+    /// The peak since the last call, and the bytes taken now; the peak starts over from now.
+    fn take_peak(&self) -> (usize, usize) {
+        let now = self.used();
+        (self.peak.swap(now, Ordering::Relaxed).max(now), now)
     }
 
     /// Waits until `n` bytes fit within `limit`, then takes them.
@@ -208,6 +219,51 @@ impl Drop for Reservation {
         }
     }
 }
+
+/// How often the node looks whether a burst has ended, and how much of its memory budget
+/// must have come back since the peak for the freed heap to be handed back to the kernel.
+const TRIM_CHECK: Duration = Duration::from_secs(2);
+const TRIM_AFTER_FREED: usize = 1 << 20;
+
+/// Hands the heap that a burst of connections left free back to the kernel, for as long as
+/// the node runs. glibc's malloc keeps freed memory in its arenas (a burst of a few thousand
+/// hostile streams left the node twice its resident size after they closed, measured by
+/// `tests/h2_memory.rs`); `malloc_trim` returns it. It runs only when the memory budget's use
+/// fell by [`TRIM_AFTER_FREED`] since its peak, so a steady node never pays for it.
+pub async fn trim_after_bursts(budget: Arc<NodeBudget>) {
+    let mut tick = tokio::time::interval(TRIM_CHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let (peak, now) = budget.memory.take_peak();
+        if peak - now >= TRIM_AFTER_FREED {
+            release_free_heap();
+            tracing::debug!(
+                peak,
+                now,
+                "burst over; freed heap handed back to the kernel"
+            );
+        }
+    }
+}
+
+/// `malloc_trim(0)`: glibc returns every whole free page of its heaps to the kernel.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+fn release_free_heap() {
+    extern "C" {
+        fn malloc_trim(pad: usize) -> std::os::raw::c_int;
+    }
+    // SAFETY: malloc_trim takes no pointer and has no precondition; it only gives free
+    // pages of the allocator's own heaps back to the kernel, under the allocator's locks.
+    unsafe {
+        malloc_trim(0);
+    }
+}
+
+/// Other allocators (musl's) give freed memory back by themselves.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn release_free_heap() {}
 
 /// The node's budgets, shared by its workers: open client connections (node-wide and per
 /// listener), the memory budget, and the refusals counted by listener and reason.

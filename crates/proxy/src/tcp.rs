@@ -420,3 +420,107 @@ async fn wait_delivered(from: &TcpStream, to: &TcpStream, to_opened: Opened) {
     }
     tracing::debug!("spliced bytes not acknowledged in time; closing anyway");
 }
+
+#[cfg(test)]
+mod tests {
+    //! The relay's idle timeout, on the paused clock, over loopback sockets (the TCP relay)
+    //! and in-memory pipes (the two-way copy that upgraded HTTP connections run on).
+    #![allow(clippy::unwrap_used)]
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::net::{TcpListener, TcpStream};
+    use tokio::time::Instant;
+
+    use super::*;
+    use crate::testing;
+
+    /// A client connection relayed to a backend that takes bytes and never answers, with
+    /// `limits.tcp_idle_timeout: 60s`; returns the client's end and the backend's.
+    async fn relayed() -> (TcpStream, TcpStream) {
+        let backend = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let view = testing::view(&format!(
+            "limits: {{ tcp_idle_timeout: 60s }}\nlisteners:\n  - {{ name: db, address: 127.0.0.1:1, protocol: tcp, cluster: db }}\nclusters:\n  - {{ name: db, endpoints: [ {} ] }}\n",
+            backend.local_addr().unwrap()
+        ));
+        let front = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(front.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (accepted, _) = front.accept().await.unwrap();
+        tokio::spawn(relay(testing::context(&view), accepted));
+        let (upstream, _) = backend.accept().await.unwrap();
+        (client, upstream)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_relay_that_moves_no_byte_is_closed_at_the_idle_timeout() {
+        let (mut client, mut upstream) = relayed().await;
+        client.write_all(b"hello").await.unwrap();
+        let mut got = [0u8; 5];
+        upstream.read_exact(&mut got).await.unwrap();
+        let quiet_since = Instant::now();
+        // Nothing moves: both sides see the close, a quarter of the timeout late at most
+        // (the watchdog looks every 15 s).
+        let mut rest = [0u8; 8];
+        let closed = tokio::time::timeout(Duration::from_secs(600), client.read(&mut rest));
+        assert_eq!(closed.await.expect("closed in time").unwrap(), 0);
+        assert_eq!(upstream.read(&mut [0u8; 8]).await.unwrap(), 0);
+        let waited = quiet_since.elapsed();
+        assert!(
+            (Duration::from_secs(60)..=Duration::from_secs(75)).contains(&waited),
+            "closed after {waited:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_relay_that_moves_bytes_either_way_stays_open() {
+        let (mut client, mut upstream) = relayed().await;
+        let started = Instant::now();
+        // A byte every 40 s, one way then the other: never 60 s of quiet.
+        for round in 0..4 {
+            tokio::time::sleep(Duration::from_secs(40)).await;
+            let mut got = [0u8; 1];
+            if round % 2 == 0 {
+                client.write_all(b"c").await.unwrap();
+                upstream.read_exact(&mut got).await.unwrap();
+            } else {
+                upstream.write_all(b"u").await.unwrap();
+                client.read_exact(&mut got).await.unwrap();
+            }
+        }
+        assert!(started.elapsed() >= Duration::from_secs(160));
+        // Then quiet: closed.
+        let mut rest = [0u8; 8];
+        let closed = tokio::time::timeout(Duration::from_secs(600), client.read(&mut rest));
+        assert_eq!(closed.await.expect("closed in time").unwrap(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_two_way_copy_of_an_upgraded_connection_ends_when_idle() {
+        let (mut client, mut client_side) = tokio::io::duplex(1024);
+        let (mut upstream_side, mut upstream) = tokio::io::duplex(1024);
+        let relay = Relay {
+            buffer: 1024,
+            idle: Duration::from_secs(3600),
+        };
+        let copy = tokio::spawn(async move {
+            let started = Instant::now();
+            let end = copy_until_idle(&mut client_side, &mut upstream_side, relay).await;
+            (end, started.elapsed())
+        });
+        client.write_all(b"ping").await.unwrap();
+        let mut got = [0u8; 4];
+        upstream.read_exact(&mut got).await.unwrap();
+        upstream.write_all(b"pong").await.unwrap();
+        client.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"pong");
+        let ended = tokio::time::timeout(Duration::from_secs(3 * 3600), copy);
+        let (end, elapsed) = ended.await.expect("ended in time").unwrap();
+        assert!(matches!(end, RelayEnd::Idle), "{end:?}");
+        assert!(
+            (Duration::from_secs(3600)..=Duration::from_secs(4500)).contains(&elapsed),
+            "{elapsed:?}"
+        );
+    }
+}

@@ -116,6 +116,10 @@ fn run(
             budget,
             active: active.clone(),
         });
+        // One worker hands the heap a burst of connections freed back to the kernel.
+        let trimming = (id == 0).then(|| {
+            tokio::spawn(crate::limits::trim_after_bursts(shared.budget.clone()))
+        });
         let mut accepting: HashMap<ListenerKey, tokio::task::JoinHandle<()>> = HashMap::new();
         let mut drain = Duration::ZERO;
         while let Some(command) = rx.recv().await {
@@ -140,7 +144,7 @@ fn run(
                 }
             }
         }
-        for (_, task) in accepting.drain() {
+        for task in accepting.into_values().chain(trimming) {
             task.abort();
         }
         // Let in-flight connections finish, up to the drain time.
