@@ -4,6 +4,7 @@
 //! with a large body and counts its open connections, and the process's resident memory.
 #![allow(dead_code, clippy::unwrap_used)]
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,6 +27,7 @@ pub struct BigBackend {
     pub addr: SocketAddr,
     open: Arc<AtomicUsize>,
     peak: Arc<AtomicUsize>,
+    answering: Arc<AtomicUsize>,
     task: JoinHandle<()>,
 }
 
@@ -34,11 +36,19 @@ impl BigBackend {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (open, peak) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-        let task = tokio::spawn(serve_big(listener, body_len, open.clone(), peak.clone()));
+        let answering = Arc::new(AtomicUsize::new(0));
+        let task = tokio::spawn(serve_big(
+            listener,
+            body_len,
+            open.clone(),
+            peak.clone(),
+            answering.clone(),
+        ));
         BigBackend {
             addr,
             open,
             peak,
+            answering,
             task,
         }
     }
@@ -52,6 +62,12 @@ impl BigBackend {
     pub fn peak(&self) -> usize {
         self.peak.load(Ordering::Relaxed)
     }
+
+    /// Connections in the middle of an answer (a request head read, its body not all
+    /// written): held by a request. The others wait for a request (idle in the node's pool).
+    pub fn answering(&self) -> usize {
+        self.answering.load(Ordering::Relaxed)
+    }
 }
 
 impl Drop for BigBackend {
@@ -60,56 +76,76 @@ impl Drop for BigBackend {
     }
 }
 
-struct Open(Arc<AtomicUsize>);
-
-impl Drop for Open {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
+/// Serves every connection on one task, and looks at its connections before it accepts the
+/// next one: a connection the node closed before opening another is counted as closed
+/// before the new one is counted (with a task per connection, the scheduler may run the
+/// accept first and count both).
 async fn serve_big(
     listener: TcpListener,
     body_len: usize,
     open: Arc<AtomicUsize>,
     peak: Arc<AtomicUsize>,
+    answering: Arc<AtomicUsize>,
 ) {
-    let mut conns = JoinSet::new();
+    let mut conns: Vec<Pin<Box<dyn Future<Output = ()> + Send>>> = Vec::new();
     loop {
-        let Ok((mut stream, _)) = listener.accept().await else {
+        let accepted = std::future::poll_fn(|cx| {
+            conns.retain_mut(|conn| conn.as_mut().poll(cx).is_pending());
+            open.store(conns.len(), Ordering::Relaxed);
+            listener.poll_accept(cx)
+        })
+        .await;
+        let Ok((stream, _)) = accepted else {
             continue;
         };
-        let now = open.fetch_add(1, Ordering::Relaxed) + 1;
-        peak.fetch_max(now, Ordering::Relaxed);
-        let guard = Open(open.clone());
-        conns.spawn(async move {
-            let _guard = guard;
-            let mut head = Vec::with_capacity(1024);
-            let mut buf = [0u8; 1024];
-            loop {
-                // One request head (the proxy sends no request bodies here), then the answer.
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match stream.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
-                }
-                head.clear();
-                let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {body_len}\r\n\r\n");
-                if stream.write_all(answer.as_bytes()).await.is_err() {
-                    return;
-                }
-                let mut left = body_len;
-                while left > 0 {
-                    let n = left.min(PIECE.len());
-                    if stream.write_all(&PIECE[..n]).await.is_err() {
-                        return;
-                    }
-                    left -= n;
-                }
+        conns.push(Box::pin(answer_big(stream, body_len, answering.clone())));
+        open.store(conns.len(), Ordering::Relaxed);
+        peak.fetch_max(conns.len(), Ordering::Relaxed);
+    }
+}
+
+/// Counts an answer in progress until dropped.
+struct Answering(Arc<AtomicUsize>);
+
+impl Answering {
+    fn start(count: &Arc<AtomicUsize>) -> Answering {
+        count.fetch_add(1, Ordering::Relaxed);
+        Answering(count.clone())
+    }
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One connection of a [`BigBackend`]: each request head gets `body_len` bytes.
+async fn answer_big(mut stream: TcpStream, body_len: usize, answering: Arc<AtomicUsize>) {
+    let mut head = Vec::with_capacity(1024);
+    let mut buf = [0u8; 1024];
+    loop {
+        // One request head (the node sends no request bodies here), then the answer.
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
             }
-        });
-        while conns.try_join_next().is_some() {}
+        }
+        head.clear();
+        let _answering = Answering::start(&answering);
+        let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {body_len}\r\n\r\n");
+        if stream.write_all(answer.as_bytes()).await.is_err() {
+            return;
+        }
+        let mut left = body_len;
+        while left > 0 {
+            let n = left.min(PIECE.len());
+            if stream.write_all(&PIECE[..n]).await.is_err() {
+                return;
+            }
+            left -= n;
+        }
     }
 }
 
@@ -176,7 +212,26 @@ impl H2Attacker {
         window: u32,
         reads: Option<usize>,
     ) -> H2Attacker {
-        let tcp = TcpStream::connect(addr).await.unwrap();
+        H2Attacker::open_pinging(addr, url_path, streams, window, reads, None).await
+    }
+
+    /// Like [`H2Attacker::open`], and sends a PING every `ping` while it lasts (a client that
+    /// keeps its connection from looking idle).
+    pub async fn open_pinging(
+        addr: SocketAddr,
+        url_path: &str,
+        streams: usize,
+        window: u32,
+        reads: Option<usize>,
+        ping: Option<Duration>,
+    ) -> H2Attacker {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        if reads.is_some() {
+            // A client that stops reading with a small receive queue: the node's answers
+            // pile up in the node, not in this process's socket buffers.
+            socket.set_recv_buffer_size(4096).unwrap();
+        }
+        let tcp = socket.connect(addr).await.unwrap();
         let io = StopsReading {
             inner: tcp,
             budget: reads.unwrap_or(usize::MAX),
@@ -188,7 +243,18 @@ impl H2Attacker {
             .handshake::<_, Bytes>(io)
             .await
             .unwrap();
+        let mut conn = conn;
         let mut tasks = JoinSet::new();
+        if let (Some(every), Some(mut pings)) = (ping, conn.ping_pong()) {
+            tasks.spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    if pings.ping(h2::Ping::opaque()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
         tasks.spawn(async move {
             let _ = conn.await;
         });
