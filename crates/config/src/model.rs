@@ -122,7 +122,7 @@ pub struct Limits {
     pub request_timeout: Duration,
     /// Downstream connections open at once on the whole node, every listener together
     /// (Envoy's overload manager `global_downstream_max_connections`). A listener can cap
-    /// its own share lower with `listeners[].max_connections`.
+    /// its own share lower with `listeners[].limits.max_connections`.
     pub max_connections: usize,
     /// Upstream connections one client connection may hold at once (an HTTP/2 client's
     /// streams to HTTP/1.1 clusters); further streams wait for one to end.
@@ -187,10 +187,68 @@ pub struct Listener {
     /// TCP listeners: the cluster every connection goes to.
     #[serde(default)]
     pub cluster: Option<String>,
-    /// Downstream connections this listener may have open at once; at most, and by default,
-    /// `limits.max_connections`.
+    /// This listener's own limits, over the node's `limits` (the ones Envoy sets per
+    /// listener, and a connection cap of its own).
+    #[serde(default, skip_serializing_if = "ListenerLimits::is_empty")]
+    pub limits: ListenerLimits,
+}
+
+/// A listener's `limits:`: each key set here replaces the node's for this listener's
+/// connections (docs/config.md, "Listeners").
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerLimits {
+    /// Client connections this listener may have open at once; at most, and by default,
+    /// `limits.max_connections` (the node's cap applies first).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_connections: Option<usize>,
+    /// Envoy's listener `per_connection_buffer_limit_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_connection_buffer_bytes: Option<usize>,
+    /// Envoy's `http2_protocol_options.max_concurrent_streams`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http2_max_concurrent_streams: Option<u32>,
+    /// Envoy's `http2_protocol_options.initial_stream_window_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http2_stream_window: Option<u32>,
+    /// Envoy's `http2_protocol_options.initial_connection_window_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http2_connection_window: Option<u32>,
+    /// Envoy's tcp_proxy `idle_timeout`.
+    #[serde(
+        default,
+        with = "crate::duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tcp_idle_timeout: Option<Duration>,
+}
+
+impl ListenerLimits {
+    pub fn is_empty(&self) -> bool {
+        *self == ListenerLimits::default()
+    }
+}
+
+impl Limits {
+    /// The limits of `listener`'s connections: the node's, with the listener's own over them.
+    /// (`max_connections` stays the node's: the listener's cap is counted apart.)
+    pub fn for_listener(&self, listener: &Listener) -> Limits {
+        let own = &listener.limits;
+        Limits {
+            per_connection_buffer_bytes: own
+                .per_connection_buffer_bytes
+                .unwrap_or(self.per_connection_buffer_bytes),
+            http2_max_concurrent_streams: own
+                .http2_max_concurrent_streams
+                .unwrap_or(self.http2_max_concurrent_streams),
+            http2_stream_window: own.http2_stream_window.unwrap_or(self.http2_stream_window),
+            http2_connection_window: own
+                .http2_connection_window
+                .unwrap_or(self.http2_connection_window),
+            tcp_idle_timeout: own.tcp_idle_timeout.unwrap_or(self.tcp_idle_timeout),
+            ..self.clone()
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -745,19 +745,39 @@ fn connection_and_memory_budgets_sane() {
         "max_conections",
     );
     assert!(d.hint.contains("max_connections"), "{}", d.hint);
-    // A listener's own cap: positive and within the node's.
-    let capped = |n: usize| {
-        format!("limits: {{ max_connections: 100 }}\nlisteners:\n  - name: a\n    address: 127.0.0.1:8080\n    protocol: tcp\n    cluster: db\n    max_connections: {n}\n{CLUSTERS}")
+    // A listener's own limits: a cap positive and within the node's, the same ranges.
+    let own = |limits: &str| {
+        format!("limits: {{ max_connections: 100 }}\nlisteners:\n  - name: a\n    address: 127.0.0.1:8080\n    protocol: tcp\n    cluster: db\n    limits: {{ {limits} }}\n{CLUSTERS}")
     };
-    only(&capped(0), 7, 22, "max_connections is 0");
+    only(&own("max_connections: 0"), 7, 32, "max_connections is 0");
     only(
-        &capped(101),
+        &own("max_connections: 101"),
         7,
-        22,
+        32,
         "above the node's limits.max_connections (100)",
     );
-    let config = parse(&capped(100), "t").unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(config.listeners[0].max_connections, Some(100));
+    only(
+        &own("http2_stream_window: 10"),
+        7,
+        36,
+        "listeners[0].limits.http2_stream_window is 10",
+    );
+    only(
+        &own("tcp_idle_timeout: 0s"),
+        7,
+        33,
+        "listeners[0].limits.tcp_idle_timeout is zero",
+    );
+    only(&own("max_conn: 1"), 7, 15, "max_conn");
+    let config = parse(&own("max_connections: 100, tcp_idle_timeout: 5m"), "t")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let listener = &config.listeners[0];
+    assert_eq!(listener.limits.max_connections, Some(100));
+    let effective = config.limits.for_listener(listener);
+    assert_eq!(
+        (effective.tcp_idle_timeout, effective.http2_stream_window),
+        (std::time::Duration::from_secs(300), 65536)
+    );
     let config = parse(
         &format!("limits: {{ max_connections: 5, http2_max_concurrent_streams: 10, tcp_idle_timeout: 10m }}\n{base}"),
         "t",

@@ -158,8 +158,14 @@ impl Checker<'_> {
         for (name, value) in timeouts {
             self.positive_duration(&format!("limits.{name}"), value);
         }
+        self.budgets("limits", limits, &|_| true);
+    }
+
+    /// Range checks of the budgets and windows in `limits`, each reported at `at.KEY`, for
+    /// the keys that `written` says were written there.
+    fn budgets(&mut self, at: &str, limits: &Limits, written: &dyn Fn(&str) -> bool) {
         let defaults = Limits::default();
-        // (key, value, least, most, the default): budgets and windows with a sane range.
+        // (key, value, least, most, the default)
         let sizes = [
             (
                 "max_connections",
@@ -219,16 +225,16 @@ impl Checker<'_> {
             ),
         ];
         for (name, value, least, most, default) in sizes {
-            if !(least..=most).contains(&value) {
+            if written(name) && !(least..=most).contains(&value) {
                 let allowed = if most == usize::MAX {
                     format!("at least {least}")
                 } else {
                     format!("between {least} and {most}")
                 };
                 self.report(
-                    format!("limits.{name}"),
+                    format!("{at}.{name}"),
                     Target::Value,
-                    format!("limits.{name} is {value}: it must be {allowed}"),
+                    format!("{at}.{name} is {value}: it must be {allowed}"),
                     format!("the default, {default}, suits most nodes; remove the key to use it (docs/config.md explains each limit)"),
                 );
             }
@@ -272,7 +278,7 @@ impl Checker<'_> {
             }
 
             self.listener_address(i, listener.address);
-            self.listener_connections(i, listener.max_connections);
+            self.listener_limits(i, listener);
 
             match listener.protocol {
                 ListenerProtocol::Http => self.http_listener(i, listener),
@@ -281,21 +287,56 @@ impl Checker<'_> {
         }
     }
 
-    fn listener_connections(&mut self, i: usize, max: Option<usize>) {
-        let node = self.config.limits.max_connections;
-        match max {
+    /// A listener's own `limits:`: the same ranges as the node's, a connection cap within
+    /// the node's, and an answer buffer within the node's memory budget.
+    fn listener_limits(&mut self, i: usize, listener: &Listener) {
+        let node = &self.config.limits;
+        let own = &listener.limits;
+        let at = format!("listeners[{i}].limits");
+        let effective = node.for_listener(listener);
+        self.budgets(&at, &effective, &|key| match key {
+            "per_connection_buffer_bytes" => own.per_connection_buffer_bytes.is_some(),
+            "http2_max_concurrent_streams" => own.http2_max_concurrent_streams.is_some(),
+            "http2_stream_window" => own.http2_stream_window.is_some(),
+            "http2_connection_window" => own.http2_connection_window.is_some(),
+            _ => false,
+        });
+        if let Some(timeout) = own.tcp_idle_timeout {
+            self.positive_duration(&format!("{at}.tcp_idle_timeout"), timeout);
+        }
+        if own
+            .per_connection_buffer_bytes
+            .is_some_and(|n| n > node.memory_budget_bytes)
+        {
+            self.report(
+                format!("{at}.per_connection_buffer_bytes"),
+                Target::Value,
+                format!(
+                    "per_connection_buffer_bytes is {}, above the node's limits.memory_budget_bytes ({})",
+                    effective.per_connection_buffer_bytes, node.memory_budget_bytes
+                ),
+                "lower it, or raise `limits.memory_budget_bytes`".into(),
+            );
+        }
+        match own.max_connections {
             Some(0) => self.report(
-                format!("listeners[{i}].max_connections"),
+                format!("{at}.max_connections"),
                 Target::Value,
                 "max_connections is 0: the listener could accept no connection".into(),
                 "write a positive number, or remove the key to share `limits.max_connections`"
                     .into(),
             ),
-            Some(n) if n > node => self.report(
-                format!("listeners[{i}].max_connections"),
+            Some(n) if n > node.max_connections => self.report(
+                format!("{at}.max_connections"),
                 Target::Value,
-                format!("max_connections is {n}, above the node's limits.max_connections ({node}), which applies first"),
-                format!("lower it to at most {node}, or raise `limits.max_connections`"),
+                format!(
+                    "max_connections is {n}, above the node's limits.max_connections ({}), which applies first",
+                    node.max_connections
+                ),
+                format!(
+                    "lower it to at most {}, or raise `limits.max_connections`",
+                    node.max_connections
+                ),
             ),
             _ => {}
         }
@@ -936,7 +977,7 @@ mod tests {
                 protocol: ListenerProtocol::Tcp,
                 routes: vec![],
                 cluster: Some("nope".into()),
-                max_connections: None,
+                limits: ListenerLimits::default(),
             }],
             clusters: vec![],
             kernel: None,

@@ -3,8 +3,8 @@
 //! - file descriptors: the soft `RLIMIT_NOFILE` is raised to the hard limit at start, every
 //!   data-plane socket is counted, and new client connections are refused while fewer than
 //!   `limits.reserved_fds` descriptors would stay free for the admin port and the process;
-//! - connections: `limits.max_connections` for the whole node and `listeners[].max_connections`
-//!   for one listener, checked at accept;
+//! - connections: `limits.max_connections` for the whole node and
+//!   `listeners[].limits.max_connections` for one listener, checked at accept;
 //! - memory: bytes held in connection buffers for clients are reserved from a per-connection
 //!   budget (`limits.per_connection_buffer_bytes`) and the node's (`limits.memory_budget_bytes`),
 //!   and released when the bytes leave; over the node's budget, new connections are refused.
@@ -42,7 +42,7 @@ pub enum Refusal {
     Fds,
     /// `limits.max_connections` connections are open on the node.
     NodeConnections,
-    /// `listeners[].max_connections` connections are open on this listener.
+    /// `listeners[].limits.max_connections` connections are open on this listener.
     ListenerConnections,
     /// The node's `limits.memory_budget_bytes` is spent.
     Memory,
@@ -346,7 +346,10 @@ impl NodeBudget {
             self.connections.fetch_sub(1, Ordering::Relaxed);
             return Err(Refusal::NodeConnections);
         }
-        let cap = listener.max_connections.unwrap_or(limits.max_connections);
+        let cap = listener
+            .limits
+            .max_connections
+            .unwrap_or(limits.max_connections);
         if open_on_listener.fetch_add(1, Ordering::Relaxed) >= cap {
             open_on_listener.fetch_sub(1, Ordering::Relaxed);
             self.connections.fetch_sub(1, Ordering::Relaxed);
@@ -468,7 +471,10 @@ mod tests {
             protocol: flatmesh_config::ListenerProtocol::Tcp,
             routes: vec![],
             cluster: Some("c".into()),
-            max_connections: max,
+            limits: flatmesh_config::ListenerLimits {
+                max_connections: max,
+                ..Default::default()
+            },
         }
     }
 

@@ -52,7 +52,7 @@ pub struct Relay {
 }
 
 impl Relay {
-    /// The relay of an `http` connection handed to tier K, under `limits`.
+    /// A relay under `limits` (a listener's: `Limits::for_listener`).
     pub fn of(limits: &flatmesh_config::Limits) -> Relay {
         Relay {
             buffer: relay_buffer(limits),
@@ -121,20 +121,15 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
         None => KernelPath::User,
     };
     // The relay's two buffers come out of the node's memory budget.
-    let limits = &snap.config.limits;
-    let buffer = relay_buffer(limits);
+    let relay = Relay::of(&snap.config.limits.for_listener(&snap.config.listeners[lid]));
     let Some(_buffers) = ctx
         .budget
         .memory
-        .try_take(2 * buffer, limits.memory_budget_bytes)
+        .try_take(2 * relay.buffer, snap.config.limits.memory_budget_bytes)
     else {
         tracing::debug!(listener = %listener.name, "memory budget spent; closing the relay");
         reset_on_close(&downstream);
         return;
-    };
-    let relay = Relay {
-        buffer,
-        idle: limits.tcp_idle_timeout,
     };
     let (bytes_in, bytes_out, in_kernel) =
         pump_path(ctx.kernel.as_deref(), downstream, up, path, relay).await;

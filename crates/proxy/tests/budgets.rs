@@ -47,7 +47,7 @@ listeners:
   - name: web
     address: {web}
     protocol: http
-    max_connections: 4
+    limits: {{ max_connections: 4 }}
     routes:
       - direct_response: {{ status: 200, body: "web" }}
   - name: api

@@ -36,7 +36,7 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
         protocol: model::ListenerProtocol::Http,
         routes,
         cluster: None,
-        max_connections: None,
+        limits: Default::default(),
     });
     c
 }
