@@ -101,7 +101,7 @@ pub struct AccessLog {
     pub path: String,
 }
 
-/// Protection limits. Every field has a safe default.
+/// Protection limits. Every field has a safe default (docs/config.md, "limits").
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
@@ -120,6 +120,37 @@ pub struct Limits {
     /// Default per-request timeout for routes that set none.
     #[serde(with = "crate::duration")]
     pub request_timeout: Duration,
+    /// Downstream connections open at once on the whole node, every listener together
+    /// (Envoy's overload manager `global_downstream_max_connections`). A listener can cap
+    /// its own share lower with `listeners[].limits.max_connections`.
+    pub max_connections: usize,
+    /// Upstream connections one client connection may hold at once (an HTTP/2 client's
+    /// streams to HTTP/1.1 clusters); further streams wait for one to end.
+    pub max_upstream_per_downstream: usize,
+    /// File descriptors the data plane leaves free: the admin port, listening sockets, log
+    /// files. Connections past `RLIMIT_NOFILE - reserved_fds` sockets are refused.
+    pub reserved_fds: usize,
+    /// Streams an HTTP/2 client may have open at once on one connection.
+    pub http2_max_concurrent_streams: u32,
+    /// HTTP/2 flow-control window the node grants each client stream (what a client may
+    /// send ahead), and the most response bytes the node queues for one stream.
+    pub http2_stream_window: u32,
+    /// HTTP/2 flow-control window the node grants each client connection.
+    pub http2_connection_window: u32,
+    /// Response bytes the node may hold queued for one client connection, all its streams
+    /// together (Envoy's `per_connection_buffer_limit_bytes`).
+    pub per_connection_buffer_bytes: usize,
+    /// Bytes the node may hold in connection buffers for all clients together (Envoy's
+    /// overload manager). Over it, new connections and new HTTP/2 streams are refused.
+    pub memory_budget_bytes: usize,
+    /// An HTTP/2 stream whose client takes none of the response data the node holds for it
+    /// for this long is reset, which frees its buffers and its upstream connection.
+    #[serde(with = "crate::duration")]
+    pub stream_stall_timeout: Duration,
+    /// A TCP relay (`tcp` listener) or an upgraded HTTP connection (WebSocket tunnel) that
+    /// moves no byte either way for this long is closed (Envoy's tcp_proxy `idle_timeout`).
+    #[serde(with = "crate::duration")]
+    pub tcp_idle_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -130,6 +161,16 @@ impl Default for Limits {
             idle_timeout: Duration::from_secs(300),
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(15),
+            max_connections: 10_000,
+            max_upstream_per_downstream: 100,
+            reserved_fds: 128,
+            http2_max_concurrent_streams: 100,
+            http2_stream_window: 64 * 1024,
+            http2_connection_window: 1024 * 1024,
+            per_connection_buffer_bytes: 1024 * 1024,
+            memory_budget_bytes: 1024 * 1024 * 1024,
+            stream_stall_timeout: Duration::from_secs(60),
+            tcp_idle_timeout: Duration::from_secs(3600),
         }
     }
 }
@@ -146,6 +187,68 @@ pub struct Listener {
     /// TCP listeners: the cluster every connection goes to.
     #[serde(default)]
     pub cluster: Option<String>,
+    /// This listener's own limits, over the node's `limits` (the ones Envoy sets per
+    /// listener, and a connection cap of its own).
+    #[serde(default, skip_serializing_if = "ListenerLimits::is_empty")]
+    pub limits: ListenerLimits,
+}
+
+/// A listener's `limits:`: each key set here replaces the node's for this listener's
+/// connections (docs/config.md, "Listeners").
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerLimits {
+    /// Client connections this listener may have open at once; at most, and by default,
+    /// `limits.max_connections` (the node's cap applies first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<usize>,
+    /// Envoy's listener `per_connection_buffer_limit_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_connection_buffer_bytes: Option<usize>,
+    /// Envoy's `http2_protocol_options.max_concurrent_streams`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http2_max_concurrent_streams: Option<u32>,
+    /// Envoy's `http2_protocol_options.initial_stream_window_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http2_stream_window: Option<u32>,
+    /// Envoy's `http2_protocol_options.initial_connection_window_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http2_connection_window: Option<u32>,
+    /// Envoy's tcp_proxy `idle_timeout`.
+    #[serde(
+        default,
+        with = "crate::duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tcp_idle_timeout: Option<Duration>,
+}
+
+impl ListenerLimits {
+    pub fn is_empty(&self) -> bool {
+        *self == ListenerLimits::default()
+    }
+}
+
+impl Limits {
+    /// The limits of `listener`'s connections: the node's, with the listener's own over them.
+    /// (`max_connections` stays the node's: the listener's cap is counted apart.)
+    pub fn for_listener(&self, listener: &Listener) -> Limits {
+        let own = &listener.limits;
+        Limits {
+            per_connection_buffer_bytes: own
+                .per_connection_buffer_bytes
+                .unwrap_or(self.per_connection_buffer_bytes),
+            http2_max_concurrent_streams: own
+                .http2_max_concurrent_streams
+                .unwrap_or(self.http2_max_concurrent_streams),
+            http2_stream_window: own.http2_stream_window.unwrap_or(self.http2_stream_window),
+            http2_connection_window: own
+                .http2_connection_window
+                .unwrap_or(self.http2_connection_window),
+            tcp_idle_timeout: own.tcp_idle_timeout.unwrap_or(self.tcp_idle_timeout),
+            ..self.clone()
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

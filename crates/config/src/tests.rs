@@ -693,6 +693,107 @@ fn every_problem_reported_in_file_order() {
 }
 
 #[test]
+fn connection_and_memory_budgets_sane() {
+    let base = two_tcp("a", "b");
+    only(
+        &format!("limits:\n  max_connections: 0\n{base}"),
+        2,
+        20,
+        "limits.max_connections is 0: it must be between 1 and",
+    );
+    only(
+        &format!("limits:\n  reserved_fds: 2\n{base}"),
+        2,
+        17,
+        "limits.reserved_fds is 2",
+    );
+    only(
+        &format!("limits:\n  http2_stream_window: 100\n{base}"),
+        2,
+        24,
+        "limits.http2_stream_window is 100",
+    );
+    only(
+        &format!("limits:\n  http2_connection_window: 2147483648\n{base}"),
+        2,
+        28,
+        "limits.http2_connection_window is 2147483648",
+    );
+    only(
+        &format!("limits:\n  per_connection_buffer_bytes: 4194304\n  memory_budget_bytes: 1048576\n{base}"),
+        3,
+        24,
+        "limits.memory_budget_bytes is 1048576: it must be at least 4194304",
+    );
+    only(
+        &format!("limits:\n  tcp_idle_timeout: 0s\n{base}"),
+        2,
+        21,
+        "limits.tcp_idle_timeout is zero",
+    );
+    only(
+        &format!("limits:\n  stream_stall_timeout: 0s\n{base}"),
+        2,
+        25,
+        "limits.stream_stall_timeout is zero",
+    );
+    // A misspelt key gets a suggestion.
+    let d = only(
+        &format!("limits:\n  max_conections: 5\n{base}"),
+        2,
+        3,
+        "max_conections",
+    );
+    assert!(d.hint.contains("max_connections"), "{}", d.hint);
+    // A listener's own limits: a cap positive and within the node's, the same ranges.
+    let own = |limits: &str| {
+        format!("limits: {{ max_connections: 100 }}\nlisteners:\n  - name: a\n    address: 127.0.0.1:8080\n    protocol: tcp\n    cluster: db\n    limits: {{ {limits} }}\n{CLUSTERS}")
+    };
+    only(&own("max_connections: 0"), 7, 32, "max_connections is 0");
+    only(
+        &own("max_connections: 101"),
+        7,
+        32,
+        "above the node's limits.max_connections (100)",
+    );
+    only(
+        &own("http2_stream_window: 10"),
+        7,
+        36,
+        "listeners[0].limits.http2_stream_window is 10",
+    );
+    only(
+        &own("tcp_idle_timeout: 0s"),
+        7,
+        33,
+        "listeners[0].limits.tcp_idle_timeout is zero",
+    );
+    only(&own("max_conn: 1"), 7, 15, "max_conn");
+    let config = parse(&own("max_connections: 100, tcp_idle_timeout: 5m"), "t")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let listener = &config.listeners[0];
+    assert_eq!(listener.limits.max_connections, Some(100));
+    let effective = config.limits.for_listener(listener);
+    assert_eq!(
+        (effective.tcp_idle_timeout, effective.http2_stream_window),
+        (std::time::Duration::from_secs(300), 65536)
+    );
+    let config = parse(
+        &format!("limits: {{ max_connections: 5, http2_max_concurrent_streams: 10, tcp_idle_timeout: 10m }}\n{base}"),
+        "t",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        (
+            config.limits.max_connections,
+            config.limits.http2_max_concurrent_streams,
+            config.limits.tcp_idle_timeout
+        ),
+        (5, 10, std::time::Duration::from_secs(600))
+    );
+}
+
+#[test]
 fn full_example_from_docs_parses_and_round_trips() {
     // The same text as the example in docs/config.md; keep the two in sync.
     let text = include_str!("../tests/data/full.yaml");

@@ -14,6 +14,17 @@ pub const MIN_HEADER_BYTES: usize = 1024;
 pub const MAX_HEADER_BYTES: usize = 1024 * 1024;
 pub const MAX_TOTAL_WEIGHT: u64 = 1_000_000;
 pub const MAX_RETRY_ATTEMPTS: u32 = 10;
+/// Upper bound of connection counts (`limits.max_connections` and the like).
+pub const MAX_CONNECTIONS: usize = 10_000_000;
+/// The fewest file descriptors the data plane must leave to the admin port and the process.
+pub const MIN_RESERVED_FDS: usize = 16;
+pub const MAX_CONCURRENT_STREAMS: usize = 1 << 20;
+/// One HTTP/2 frame of the default size: the smallest buffer or window worth having.
+pub const MIN_BUFFER_BYTES: usize = 16 * 1024;
+/// HTTP/2's initial connection window, which a connection window can only grow from.
+pub const H2_DEFAULT_WINDOW: usize = 65_535;
+/// HTTP/2's largest flow-control window (RFC 9113 §6.9.1).
+pub const MAX_WINDOW: usize = (1 << 31) - 1;
 
 /// Headers that frame the message or belong to one hop. Letting a route add or
 /// remove them would let config break framing (request smuggling) or hop semantics.
@@ -141,9 +152,92 @@ impl Checker<'_> {
             ("idle_timeout", limits.idle_timeout),
             ("connect_timeout", limits.connect_timeout),
             ("request_timeout", limits.request_timeout),
+            ("stream_stall_timeout", limits.stream_stall_timeout),
+            ("tcp_idle_timeout", limits.tcp_idle_timeout),
         ];
         for (name, value) in timeouts {
             self.positive_duration(&format!("limits.{name}"), value);
+        }
+        self.budgets("limits", limits, &|_| true);
+    }
+
+    /// Range checks of the budgets and windows in `limits`, each reported at `at.KEY`, for
+    /// the keys that `written` says were written there.
+    fn budgets(&mut self, at: &str, limits: &Limits, written: &dyn Fn(&str) -> bool) {
+        let defaults = Limits::default();
+        // (key, value, least, most, the default)
+        let sizes = [
+            (
+                "max_connections",
+                limits.max_connections,
+                1,
+                MAX_CONNECTIONS,
+                defaults.max_connections,
+            ),
+            (
+                "max_upstream_per_downstream",
+                limits.max_upstream_per_downstream,
+                1,
+                MAX_CONNECTIONS,
+                defaults.max_upstream_per_downstream,
+            ),
+            (
+                "reserved_fds",
+                limits.reserved_fds,
+                MIN_RESERVED_FDS,
+                MAX_CONNECTIONS,
+                defaults.reserved_fds,
+            ),
+            (
+                "http2_max_concurrent_streams",
+                limits.http2_max_concurrent_streams as usize,
+                1,
+                MAX_CONCURRENT_STREAMS,
+                defaults.http2_max_concurrent_streams as usize,
+            ),
+            (
+                "http2_stream_window",
+                limits.http2_stream_window as usize,
+                MIN_BUFFER_BYTES,
+                MAX_WINDOW,
+                defaults.http2_stream_window as usize,
+            ),
+            (
+                "http2_connection_window",
+                limits.http2_connection_window as usize,
+                H2_DEFAULT_WINDOW,
+                MAX_WINDOW,
+                defaults.http2_connection_window as usize,
+            ),
+            (
+                "per_connection_buffer_bytes",
+                limits.per_connection_buffer_bytes,
+                MIN_BUFFER_BYTES,
+                usize::MAX,
+                defaults.per_connection_buffer_bytes,
+            ),
+            (
+                "memory_budget_bytes",
+                limits.memory_budget_bytes,
+                limits.per_connection_buffer_bytes.max(MIN_BUFFER_BYTES),
+                usize::MAX,
+                defaults.memory_budget_bytes,
+            ),
+        ];
+        for (name, value, least, most, default) in sizes {
+            if written(name) && !(least..=most).contains(&value) {
+                let allowed = if most == usize::MAX {
+                    format!("at least {least}")
+                } else {
+                    format!("between {least} and {most}")
+                };
+                self.report(
+                    format!("{at}.{name}"),
+                    Target::Value,
+                    format!("{at}.{name} is {value}: it must be {allowed}"),
+                    format!("the default, {default}, suits most nodes; remove the key to use it (docs/config.md explains each limit)"),
+                );
+            }
         }
     }
 
@@ -184,11 +278,67 @@ impl Checker<'_> {
             }
 
             self.listener_address(i, listener.address);
+            self.listener_limits(i, listener);
 
             match listener.protocol {
                 ListenerProtocol::Http => self.http_listener(i, listener),
                 ListenerProtocol::Tcp => self.tcp_listener(i, listener),
             }
+        }
+    }
+
+    /// A listener's own `limits:`: the same ranges as the node's, a connection cap within
+    /// the node's, and an answer buffer within the node's memory budget.
+    fn listener_limits(&mut self, i: usize, listener: &Listener) {
+        let node = &self.config.limits;
+        let own = &listener.limits;
+        let at = format!("listeners[{i}].limits");
+        let effective = node.for_listener(listener);
+        self.budgets(&at, &effective, &|key| match key {
+            "per_connection_buffer_bytes" => own.per_connection_buffer_bytes.is_some(),
+            "http2_max_concurrent_streams" => own.http2_max_concurrent_streams.is_some(),
+            "http2_stream_window" => own.http2_stream_window.is_some(),
+            "http2_connection_window" => own.http2_connection_window.is_some(),
+            _ => false,
+        });
+        if let Some(timeout) = own.tcp_idle_timeout {
+            self.positive_duration(&format!("{at}.tcp_idle_timeout"), timeout);
+        }
+        if own
+            .per_connection_buffer_bytes
+            .is_some_and(|n| n > node.memory_budget_bytes)
+        {
+            self.report(
+                format!("{at}.per_connection_buffer_bytes"),
+                Target::Value,
+                format!(
+                    "per_connection_buffer_bytes is {}, above the node's limits.memory_budget_bytes ({})",
+                    effective.per_connection_buffer_bytes, node.memory_budget_bytes
+                ),
+                "lower it, or raise `limits.memory_budget_bytes`".into(),
+            );
+        }
+        match own.max_connections {
+            Some(0) => self.report(
+                format!("{at}.max_connections"),
+                Target::Value,
+                "max_connections is 0: the listener could accept no connection".into(),
+                "write a positive number, or remove the key to share `limits.max_connections`"
+                    .into(),
+            ),
+            Some(n) if n > node.max_connections => self.report(
+                format!("{at}.max_connections"),
+                Target::Value,
+                format!(
+                    "max_connections is {n}, above the node's limits.max_connections ({}), which applies first",
+                    node.max_connections
+                ),
+                format!(
+                    "lower it to at most {}, or raise `limits.max_connections`",
+                    node.max_connections
+                ),
+            ),
+            _ => {}
         }
     }
 
@@ -827,6 +977,7 @@ mod tests {
                 protocol: ListenerProtocol::Tcp,
                 routes: vec![],
                 cluster: Some("nope".into()),
+                limits: ListenerLimits::default(),
             }],
             clusters: vec![],
             kernel: None,

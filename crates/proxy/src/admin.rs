@@ -104,7 +104,12 @@ fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
         ),
         "/ready" => {
             if shared.ready.load(Ordering::Acquire) {
-                respond(StatusCode::OK, "text/plain", "ready\n")
+                // The detail lines: the fd limit and the budgets in use (`crate::limits`).
+                let detail = shared
+                    .metrics
+                    .budget
+                    .report(&shared.snapshot().config.limits);
+                respond(StatusCode::OK, "text/plain", format!("ready\n{detail}"))
             } else {
                 respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "not ready\n")
             }

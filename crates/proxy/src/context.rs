@@ -9,6 +9,7 @@ use flatmesh_config::ListenerProtocol;
 
 use crate::access_log::AccessLog;
 use crate::kernel::KernelBinding;
+use crate::limits::NodeBudget;
 use crate::snapshot::Snapshot;
 use crate::upstream::Upstreams;
 
@@ -31,4 +32,6 @@ pub struct ConnContext {
     pub access_log: AccessLog,
     /// Tier K, when the node attached it.
     pub kernel: Option<Arc<KernelBinding>>,
+    /// The node's budgets: the connection's buffers are reserved from its memory budget.
+    pub budget: Arc<NodeBudget>,
 }

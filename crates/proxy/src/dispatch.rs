@@ -91,8 +91,9 @@ async fn serve_http_with_kernel(
                         .await
                     {
                         Ok(path) => {
+                            let relay = crate::tcp::Relay::of(&listener_limits(&ctx, snapshot));
                             let (_, _, in_kernel) =
-                                crate::tcp::pump_path(Some(kernel), stream, up, path).await;
+                                crate::tcp::pump_path(Some(kernel), stream, up, path, relay).await;
                             if let (Some(l), true) = (listener, in_kernel) {
                                 l.stats.kernel_spliced.add_shared(ctx.worker, 1);
                             }
@@ -121,7 +122,7 @@ pub(crate) async fn serve_http<S>(ctx: Arc<ConnContext>, mut stream: S, snapshot
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let limits = &snapshot.config.limits;
+    let limits = &listener_limits(&ctx, snapshot);
     let mut first = bytes::BytesMut::with_capacity(16 * 1024);
     let mut deadline = tokio::time::Instant::now() + limits.idle_timeout;
     let protocol = loop {
@@ -139,6 +140,15 @@ where
     match protocol {
         Protocol::Http2 => crate::h2::serve(ctx, Rewind::new(first.to_vec(), stream), limits).await,
         Protocol::Http1 => crate::h1::serve(ctx, stream, first).await,
+    }
+}
+
+/// The limits of the connection's listener: the node's, with the listener's own over them.
+fn listener_limits(ctx: &ConnContext, snapshot: &Snapshot) -> flatmesh_config::Limits {
+    let config = &snapshot.config;
+    match snapshot.listener_at(ctx.listener_address, ctx.protocol) {
+        Some(lid) => config.limits.for_listener(&config.listeners[lid]),
+        None => config.limits.clone(),
     }
 }
 

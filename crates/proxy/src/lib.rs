@@ -15,7 +15,8 @@
 //! → upstream pools and clients (`h1/pool`, `h1/client`, `h2/client`, `upstream`) and tier K
 //! (`kernel/`) → `context` → the L7 layer (`l7/`) and the L4 relay (`tcp`) → the codecs'
 //! server sides (`h1/conn`, `h2`) → `dispatch` → `worker` → `control` → `admin`, `node`.
-#![forbid(unsafe_code)]
+// One exception, with its SAFETY note: `limits::release_free_heap` (glibc's malloc_trim).
+#![deny(unsafe_code)]
 
 mod access_log;
 mod admin;
@@ -26,9 +27,11 @@ mod dispatch;
 mod error;
 mod h1;
 mod h2;
+mod idle;
 mod kernel;
 mod l7;
 mod lb;
+mod limits;
 mod listener;
 mod metrics;
 mod node;

@@ -166,6 +166,8 @@ pub struct Metrics {
     clusters: Mutex<HashMap<String, Arc<ClusterStats>>>,
     pub reloads_ok: WorkerCounter,
     pub reloads_failed: WorkerCounter,
+    /// Connection, fd and memory budgets, and their refusals (`crate::limits`).
+    pub budget: Arc<crate::limits::NodeBudget>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -185,6 +187,7 @@ impl Metrics {
             clusters: Mutex::default(),
             reloads_ok: WorkerCounter::new(1),
             reloads_failed: WorkerCounter::new(1),
+            budget: crate::limits::NodeBudget::new(),
         })
     }
 
@@ -248,7 +251,7 @@ const CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 #[derive(Debug)]
 struct Scrape(Arc<Metrics>);
 
-fn counter<L: prometheus_client::encoding::EncodeLabelSet>(
+pub(crate) fn counter<L: prometheus_client::encoding::EncodeLabelSet>(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
@@ -261,7 +264,7 @@ fn counter<L: prometheus_client::encoding::EncodeLabelSet>(
     Ok(())
 }
 
-fn gauge<L: prometheus_client::encoding::EncodeLabelSet>(
+pub(crate) fn gauge<L: prometheus_client::encoding::EncodeLabelSet>(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
@@ -453,6 +456,7 @@ impl Collector for Scrape {
             "Config reloads by result",
             &reloads,
         )?;
+        m.budget.encode(&mut enc)?;
         Ok(())
     }
 }

@@ -38,6 +38,13 @@ impl Node {
     /// them accept connections.
     pub fn start(config: Config, source: ConfigSource) -> Result<Node, ProxyError> {
         let workers = config.worker_count();
+        let fds = crate::limits::raise_fd_limit();
+        tracing::info!(
+            soft = fds.soft,
+            started = fds.started,
+            hard = fds.hard,
+            "file descriptor limit"
+        );
         let metrics = Metrics::new(workers);
         let snapshot = Arc::new(Snapshot::build(config, 1, &metrics)?);
         let access_log = match &snapshot.config.access_log {
@@ -81,7 +88,13 @@ impl Node {
                 snapshot: snapshot.clone(),
                 upstreams: Upstreams::build(&snapshot, id, None),
             };
-            handles.push(worker::spawn(id, view, access_log.clone(), kernel.clone())?);
+            handles.push(worker::spawn(
+                id,
+                view,
+                access_log.clone(),
+                kernel.clone(),
+                metrics.budget.clone(),
+            )?);
         }
         let state = State {
             snapshot,

@@ -5,12 +5,16 @@
 //! anyway: the bytes sent before the kernel took over, the FIN and the reset.
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use crate::context::{ConnContext, WorkerView};
+use crate::idle::{idle, Activity, ActivityTap};
 use crate::kernel::{DirectConn, DirectDir, KernelBinding, KernelPath};
 use crate::lb::{hash_client, InFlight};
+use crate::limits::{upstream_socket, SocketSlot};
 use crate::tap::{Tap, Tapped};
 use flatmesh_rules::ClusterId;
 
@@ -29,7 +33,68 @@ fn reset_on_close(stream: &TcpStream) {
     let _ = socket2::SockRef::from(stream).set_linger(Some(std::time::Duration::ZERO));
 }
 
+/// Each direction's buffer of a relay in user space, unless the per-connection buffer
+/// limit asks for less.
 const RELAY_BUFFER: usize = 64 * 1024;
+
+/// Each direction's buffer for a relay under `limits`.
+fn relay_buffer(limits: &flatmesh_config::Limits) -> usize {
+    RELAY_BUFFER.min(limits.per_connection_buffer_bytes / 2)
+}
+
+/// How a relay in user space runs: its buffers and its idle timeout.
+#[derive(Clone, Copy)]
+pub struct Relay {
+    /// Each direction's buffer.
+    pub buffer: usize,
+    /// Nothing moved either way for this long: the relay ends (`limits.tcp_idle_timeout`).
+    pub idle: Duration,
+}
+
+impl Relay {
+    /// A relay under `limits` (a listener's: `Limits::for_listener`).
+    pub fn of(limits: &flatmesh_config::Limits) -> Relay {
+        Relay {
+            buffer: relay_buffer(limits),
+            idle: limits.tcp_idle_timeout,
+        }
+    }
+}
+
+/// How a two-way copy ended.
+#[derive(Debug)]
+pub enum RelayEnd {
+    /// Both sides closed (each FIN was passed on).
+    Closed,
+    /// Nothing moved either way for the idle timeout.
+    Idle,
+    /// One side reset or failed.
+    Failed(std::io::Error),
+}
+
+/// Copies bytes both ways between `a` and `b` until both sides are done, or until no byte
+/// has moved for `relay.idle`. A FIN on one side becomes a shutdown(WR) on the other. The
+/// TCP relay and upgraded HTTP connections (`crate::h1`) both run on it.
+pub async fn copy_until_idle<A, B>(a: &mut A, b: &mut B, relay: Relay) -> RelayEnd
+where
+    A: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    B: AsyncRead + AsyncWrite + Unpin + ?Sized,
+{
+    // Both directions pass through `a` (read from it one way, written to it the other), so
+    // its tap sees every byte moved.
+    let activity = Arc::new(Activity::default());
+    let mut a = Tapped {
+        inner: a,
+        tap: ActivityTap(activity.clone()),
+    };
+    tokio::select! {
+        copied = tokio::io::copy_bidirectional_with_sizes(&mut a, b, relay.buffer, relay.buffer) => match copied {
+            Ok(_) => RelayEnd::Closed,
+            Err(err) => RelayEnd::Failed(err),
+        },
+        _ = idle(&activity, relay.idle) => RelayEnd::Idle,
+    }
+}
 
 pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
     let view = ctx.view.load_full();
@@ -55,8 +120,19 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
         Some(k) => k.choose_path(listener.kernel_splice, &downstream, &up),
         None => KernelPath::User,
     };
+    // The relay's two buffers come out of the node's memory budget.
+    let relay = Relay::of(&snap.config.limits.for_listener(&snap.config.listeners[lid]));
+    let Some(_buffers) = ctx
+        .budget
+        .memory
+        .try_take(2 * relay.buffer, snap.config.limits.memory_budget_bytes)
+    else {
+        tracing::debug!(listener = %listener.name, "memory budget spent; closing the relay");
+        reset_on_close(&downstream);
+        return;
+    };
     let (bytes_in, bytes_out, in_kernel) =
-        pump_path(ctx.kernel.as_deref(), downstream, up, path).await;
+        pump_path(ctx.kernel.as_deref(), downstream, up, path, relay).await;
     listener.stats.bytes_in.add_shared(ctx.worker, bytes_in);
     listener.stats.bytes_out.add_shared(ctx.worker, bytes_out);
     if in_kernel {
@@ -72,14 +148,15 @@ pub async fn pump_path(
     client: TcpStream,
     upstream: TcpStream,
     path: KernelPath,
+    relay: Relay,
 ) -> (u64, u64, bool) {
     match path {
         KernelPath::User => {
-            let (i, o) = pump(client, upstream, false).await;
+            let (i, o) = pump(client, upstream, Some(relay)).await;
             (i, o, false)
         }
         KernelPath::Spliced(a, b) => {
-            let (i, o) = pump(client, upstream, true).await;
+            let (i, o) = pump(client, upstream, None).await;
             // What the relay read plus what the kernel moved without it.
             let (ki, ko) = kernel.and_then(|k| k.splice_end(a, b)).unwrap_or_default();
             (i + ki, o + ko, true)
@@ -158,6 +235,13 @@ async fn direct_one_way(
     to.shutdown().await.map_err(|e| tag("shutdown", e))
 }
 
+/// What an upstream connection holds while it is open: its endpoint's in-flight count (for
+/// least_request, which counts connections here) and its place in the fd budget.
+pub struct Held {
+    _in_flight: InFlight,
+    _slot: SocketSlot,
+}
+
 /// Connects to an endpoint of cluster `cid`, picked by the worker's balancer for the client's
 /// address. Tries each endpoint at most once (up to 3), so one dead endpoint does not fail the client.
 pub async fn connect_upstream(
@@ -165,7 +249,7 @@ pub async fn connect_upstream(
     view: &WorkerView,
     listener: &str,
     cid: ClusterId,
-) -> Option<(TcpStream, InFlight)> {
+) -> Option<(TcpStream, Held)> {
     let plan = &view.snapshot.clusters[cid];
     let upstream = &view.upstreams.by_cluster[cid];
     let key = hash_client(ctx.peer.ip());
@@ -173,11 +257,25 @@ pub async fn connect_upstream(
     for attempt in 0..tries {
         let (index, in_flight) = upstream.balancer.pick(key, attempt)?;
         let endpoint = plan.endpoints[index];
+        let slot = match upstream_socket() {
+            Ok(slot) => slot,
+            Err(err) => {
+                plan.stats.connect_failures.add_shared(ctx.worker, 1);
+                tracing::warn!(%listener, cluster = %plan.name, error = %err, "tcp upstream connect refused");
+                return None;
+            }
+        };
         match tokio::time::timeout(plan.connect_timeout, TcpStream::connect(endpoint)).await {
             Ok(Ok(stream)) => {
                 plan.stats.connections.add_shared(ctx.worker, 1);
                 let _ = stream.set_nodelay(true);
-                return Some((stream, in_flight));
+                return Some((
+                    stream,
+                    Held {
+                        _in_flight: in_flight,
+                        _slot: slot,
+                    },
+                ));
             }
             Ok(Err(err)) => {
                 plan.stats.connect_failures.add_shared(ctx.worker, 1);
@@ -195,9 +293,12 @@ pub async fn connect_upstream(
 }
 
 /// Moves bytes both ways until both sides are done. A FIN becomes a shutdown(WR) on the other
-/// side; a reset (or error) on either side resets both. Returns the bytes read from the client
+/// side; a reset (or error) on either side resets both. `relay`: copied in user space, with
+/// its buffers and idle timeout; `None`: spliced by the kernel, whose bytes the proxy does
+/// not see, so only the FIN and the reset are carried (and no idle timeout applies: the
+/// endpoints' own keep-alives end such connections). Returns the bytes read from the client
 /// and from the upstream (by user space: a spliced pair's kernel-moved bytes are not in them).
-pub async fn pump(client: TcpStream, upstream: TcpStream, spliced: bool) -> (u64, u64) {
+pub async fn pump(client: TcpStream, upstream: TcpStream, relay: Option<Relay>) -> (u64, u64) {
     let mut client = Tapped {
         inner: client,
         tap: ByteCount::default(),
@@ -206,20 +307,22 @@ pub async fn pump(client: TcpStream, upstream: TcpStream, spliced: bool) -> (u64
         inner: upstream,
         tap: ByteCount::default(),
     };
-    let result = if spliced {
-        spliced_pump(&mut client.inner, &mut server.inner).await
-    } else {
-        tokio::io::copy_bidirectional_with_sizes(
-            &mut client,
-            &mut server,
-            RELAY_BUFFER,
-            RELAY_BUFFER,
-        )
-        .await
-        .map(|_| ())
+    let result = match relay {
+        None => spliced_pump(&mut client.inner, &mut server.inner).await,
+        Some(relay) => match copy_until_idle(&mut client, &mut server, relay).await {
+            RelayEnd::Closed => Ok(()),
+            RelayEnd::Idle => {
+                tracing::debug!(
+                    idle = %flatmesh_config::duration::format(&relay.idle),
+                    "tcp relay idle; closing both sides"
+                );
+                Ok(())
+            }
+            RelayEnd::Failed(err) => Err(err),
+        },
     };
     if let Err(err) = result {
-        tracing::debug!(error = %err, spliced, "relay ended with an error; resetting both sides");
+        tracing::debug!(error = %err, spliced = relay.is_none(), "relay ended with an error; resetting both sides");
         // One side reset (or failed): pass the reset on rather than a clean FIN.
         reset_on_close(&client.inner);
         reset_on_close(&server.inner);
@@ -311,4 +414,108 @@ async fn wait_delivered(from: &TcpStream, to: &TcpStream, to_opened: Opened) {
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
     tracing::debug!("spliced bytes not acknowledged in time; closing anyway");
+}
+
+#[cfg(test)]
+mod tests {
+    //! The relay's idle timeout, on the paused clock, over loopback sockets (the TCP relay)
+    //! and in-memory pipes (the two-way copy that upgraded HTTP connections run on).
+    #![allow(clippy::unwrap_used)]
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::net::{TcpListener, TcpStream};
+    use tokio::time::Instant;
+
+    use super::*;
+    use crate::testing;
+
+    /// A client connection relayed to a backend that takes bytes and never answers, with
+    /// `limits.tcp_idle_timeout: 60s`; returns the client's end and the backend's.
+    async fn relayed() -> (TcpStream, TcpStream) {
+        let backend = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let view = testing::view(&format!(
+            "limits: {{ tcp_idle_timeout: 60s }}\nlisteners:\n  - {{ name: db, address: 127.0.0.1:1, protocol: tcp, cluster: db }}\nclusters:\n  - {{ name: db, endpoints: [ {} ] }}\n",
+            backend.local_addr().unwrap()
+        ));
+        let front = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(front.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (accepted, _) = front.accept().await.unwrap();
+        tokio::spawn(relay(testing::context(&view), accepted));
+        let (upstream, _) = backend.accept().await.unwrap();
+        (client, upstream)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_relay_that_moves_no_byte_is_closed_at_the_idle_timeout() {
+        let (mut client, mut upstream) = relayed().await;
+        client.write_all(b"hello").await.unwrap();
+        let mut got = [0u8; 5];
+        upstream.read_exact(&mut got).await.unwrap();
+        let quiet_since = Instant::now();
+        // Nothing moves: both sides see the close, a quarter of the timeout late at most
+        // (the watchdog looks every 15 s).
+        let mut rest = [0u8; 8];
+        let closed = tokio::time::timeout(Duration::from_secs(600), client.read(&mut rest));
+        assert_eq!(closed.await.expect("closed in time").unwrap(), 0);
+        assert_eq!(upstream.read(&mut [0u8; 8]).await.unwrap(), 0);
+        let waited = quiet_since.elapsed();
+        assert!(
+            (Duration::from_secs(60)..=Duration::from_secs(75)).contains(&waited),
+            "closed after {waited:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_relay_that_moves_bytes_either_way_stays_open() {
+        let (mut client, mut upstream) = relayed().await;
+        let started = Instant::now();
+        // A byte every 40 s, one way then the other: never 60 s of quiet.
+        for round in 0..4 {
+            tokio::time::sleep(Duration::from_secs(40)).await;
+            let mut got = [0u8; 1];
+            if round % 2 == 0 {
+                client.write_all(b"c").await.unwrap();
+                upstream.read_exact(&mut got).await.unwrap();
+            } else {
+                upstream.write_all(b"u").await.unwrap();
+                client.read_exact(&mut got).await.unwrap();
+            }
+        }
+        assert!(started.elapsed() >= Duration::from_secs(160));
+        // Then quiet: closed.
+        let mut rest = [0u8; 8];
+        let closed = tokio::time::timeout(Duration::from_secs(600), client.read(&mut rest));
+        assert_eq!(closed.await.expect("closed in time").unwrap(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_two_way_copy_of_an_upgraded_connection_ends_when_idle() {
+        let (mut client, mut client_side) = tokio::io::duplex(1024);
+        let (mut upstream_side, mut upstream) = tokio::io::duplex(1024);
+        let relay = Relay {
+            buffer: 1024,
+            idle: Duration::from_secs(3600),
+        };
+        let copy = tokio::spawn(async move {
+            let started = Instant::now();
+            let end = copy_until_idle(&mut client_side, &mut upstream_side, relay).await;
+            (end, started.elapsed())
+        });
+        client.write_all(b"ping").await.unwrap();
+        let mut got = [0u8; 4];
+        upstream.read_exact(&mut got).await.unwrap();
+        upstream.write_all(b"pong").await.unwrap();
+        client.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"pong");
+        let ended = tokio::time::timeout(Duration::from_secs(3 * 3600), copy);
+        let (end, elapsed) = ended.await.expect("ended in time").unwrap();
+        assert!(matches!(end, RelayEnd::Idle), "{end:?}");
+        assert!(
+            (Duration::from_secs(3600)..=Duration::from_secs(4500)).contains(&elapsed),
+            "{elapsed:?}"
+        );
+    }
 }

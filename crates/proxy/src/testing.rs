@@ -40,6 +40,7 @@ pub(crate) fn context(view: &Arc<ArcSwap<WorkerView>>) -> Arc<ConnContext> {
         view: view.clone(),
         access_log: AccessLog::disabled(),
         kernel: None,
+        budget: crate::limits::NodeBudget::new(),
     })
 }
 

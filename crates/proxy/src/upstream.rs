@@ -21,6 +21,8 @@ pub struct PoolKey {
     cluster: String,
     protocol: UpstreamProtocol,
     connect_timeout: Duration,
+    /// HTTP/2 clusters: the client's per-stream send buffer.
+    send_buffer: u32,
 }
 
 /// One cluster as seen by one worker.
@@ -57,13 +59,14 @@ impl Upstreams {
                     cluster: plan.name.clone(),
                     protocol: plan.protocol,
                     connect_timeout: plan.connect_timeout,
+                    send_buffer: snapshot.config.limits.http2_stream_window,
                 };
                 let pool = previous
                     .and_then(|p| p.pools.get(&key).cloned())
                     .unwrap_or_else(|| match plan.protocol {
                         UpstreamProtocol::Http1 => Pool::Http1(H1Pool::new()),
                         UpstreamProtocol::Http2 => {
-                            Pool::Http2(Box::new(build_client(plan, worker)))
+                            Pool::Http2(Box::new(build_client(plan, worker, key.send_buffer)))
                         }
                     });
                 pools.insert(key, pool.clone());

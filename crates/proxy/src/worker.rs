@@ -16,6 +16,7 @@ use crate::access_log::AccessLog;
 use crate::context::{ConnContext, WorkerView};
 use crate::error::ProxyError;
 use crate::kernel::KernelBinding;
+use crate::limits::NodeBudget;
 
 /// The identity of a listener across reloads.
 pub type ListenerKey = (SocketAddr, ListenerProtocol);
@@ -59,13 +60,14 @@ pub fn spawn(
     view: WorkerView,
     access_log: AccessLog,
     kernel: Option<Arc<KernelBinding>>,
+    budget: Arc<NodeBudget>,
 ) -> Result<WorkerHandle, ProxyError> {
     let view = Arc::new(ArcSwap::from_pointee(view));
     let (tx, rx) = mpsc::unbounded_channel();
     let worker_view = view.clone();
     let thread = std::thread::Builder::new()
         .name(format!("flatmesh-worker-{id}"))
-        .spawn(move || run(id, worker_view, access_log, kernel, rx))
+        .spawn(move || run(id, worker_view, access_log, kernel, budget, rx))
         .map_err(|source| ProxyError::Thread { worker: id, source })?;
     Ok(WorkerHandle {
         id,
@@ -75,11 +77,23 @@ pub fn spawn(
     })
 }
 
+/// What every accept loop of a worker shares: the worker's view and services, the node's
+/// budgets, and the count of the worker's open connections (for the drain at shutdown).
+struct Accepting {
+    worker: usize,
+    view: Arc<ArcSwap<WorkerView>>,
+    access_log: AccessLog,
+    kernel: Option<Arc<KernelBinding>>,
+    budget: Arc<NodeBudget>,
+    active: Arc<AtomicUsize>,
+}
+
 fn run(
     id: usize,
     view: Arc<ArcSwap<WorkerView>>,
     access_log: AccessLog,
     kernel: Option<Arc<KernelBinding>>,
+    budget: Arc<NodeBudget>,
     mut rx: mpsc::UnboundedReceiver<Command>,
 ) {
     let rt = match tokio::runtime::Builder::new_current_thread()
@@ -94,21 +108,25 @@ fn run(
     };
     rt.block_on(async move {
         let active = Arc::new(AtomicUsize::new(0));
+        let shared = Arc::new(Accepting {
+            worker: id,
+            view,
+            access_log,
+            kernel,
+            budget,
+            active: active.clone(),
+        });
+        // One worker hands the heap a burst of connections freed back to the kernel.
+        let trimming = (id == 0).then(|| {
+            tokio::spawn(crate::limits::trim_after_bursts(shared.budget.clone()))
+        });
         let mut accepting: HashMap<ListenerKey, tokio::task::JoinHandle<()>> = HashMap::new();
         let mut drain = Duration::ZERO;
         while let Some(command) = rx.recv().await {
             match command {
                 Command::Listen { key, socket } => match tokio::net::TcpListener::from_std(socket) {
                     Ok(listener) => {
-                        let task = tokio::spawn(accept_loop(
-                            id,
-                            key,
-                            listener,
-                            view.clone(),
-                            access_log.clone(),
-                            kernel.clone(),
-                            active.clone(),
-                        ));
+                        let task = tokio::spawn(accept_loop(key, listener, shared.clone()));
                         if let Some(old) = accepting.insert(key, task) {
                             old.abort();
                         }
@@ -126,7 +144,7 @@ fn run(
                 }
             }
         }
-        for (_, task) in accepting.drain() {
+        for task in accepting.into_values().chain(trimming) {
             task.abort();
         }
         // Let in-flight connections finish, up to the drain time.
@@ -145,27 +163,41 @@ impl Drop for ActiveGuard {
     }
 }
 
-async fn accept_loop(
-    worker: usize,
-    key: ListenerKey,
-    listener: tokio::net::TcpListener,
-    view: Arc<ArcSwap<WorkerView>>,
-    access_log: AccessLog,
-    kernel: Option<Arc<KernelBinding>>,
-    active: Arc<AtomicUsize>,
-) {
+async fn accept_loop(key: ListenerKey, listener: tokio::net::TcpListener, shared: Arc<Accepting>) {
+    let worker = shared.worker;
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(err) => {
                 // EMFILE / ENFILE / ECONNABORTED: back off briefly instead of spinning.
-                tracing::warn!(worker, address = %key.0, error = %err, "accept failed; if this is 'too many open files', raise `ulimit -n`");
+                tracing::warn!(worker, address = %key.0, error = %err, "accept failed; if this is 'too many open files', raise `ulimit -n` or lower limits.max_connections");
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             }
         };
-        active.fetch_add(1, Ordering::Relaxed);
-        let guard = ActiveGuard(active.clone());
+        // Budgets are checked before anything is spent on the connection; over one, it is
+        // closed at once (and counted), and the loop goes on accepting.
+        let admitted = {
+            let current = shared.view.load();
+            let snapshot = &current.snapshot;
+            match snapshot.listener_at(key.0, key.1) {
+                Some(lid) => {
+                    let config = &snapshot.config.listeners[lid];
+                    let open = shared.budget.listener(&config.name);
+                    match shared.budget.admit(config, &open, &snapshot.config.limits) {
+                        Ok(admitted) => Some(admitted),
+                        Err(reason) => {
+                            tracing::debug!(worker, listener = %config.name, ?reason, %peer, "connection refused at accept");
+                            continue;
+                        }
+                    }
+                }
+                // Removed by a reload: dispatch closes it.
+                None => None,
+            }
+        };
+        shared.active.fetch_add(1, Ordering::Relaxed);
+        let guard = ActiveGuard(shared.active.clone());
         let ctx = Arc::new(ConnContext {
             worker,
             listener_address: key.0,
@@ -173,12 +205,14 @@ async fn accept_loop(
             peer,
             peer_ip: http::HeaderValue::from_str(&peer.ip().to_string())
                 .unwrap_or(http::HeaderValue::from_static("unknown")),
-            view: view.clone(),
-            access_log: access_log.clone(),
-            kernel: kernel.clone(),
+            view: shared.view.clone(),
+            access_log: shared.access_log.clone(),
+            kernel: shared.kernel.clone(),
+            budget: shared.budget.clone(),
         });
         tokio::spawn(async move {
             let _guard = guard;
+            let _admitted = admitted;
             crate::dispatch::serve(ctx, stream).await;
         });
     }

@@ -56,7 +56,7 @@ pub fn parse(text: &str, origin: &str) -> Result<Config> {
         origin: origin.to_string(),
         why: e.to_string(),
     })?;
-    let (resources, admin) = bootstrap(value).map_err(|e| match e {
+    let (resources, node) = bootstrap(value).map_err(|e| match e {
         XdsError::Resource { at, why } => XdsError::Resource {
             at: format!("{origin}: {at}"),
             why,
@@ -64,8 +64,11 @@ pub fn parse(text: &str, origin: &str) -> Result<Config> {
         other => other,
     })?;
     let mut base = empty_config();
-    if let Some(admin) = admin {
+    if let Some(admin) = node.admin {
         base.admin = admin;
+    }
+    if let Some(max) = node.max_connections {
+        base.limits.max_connections = max;
     }
     crate::to_model::translate(&resources, &base).map_err(|e| match e {
         XdsError::Resource { at, why } => XdsError::Resource {
@@ -83,11 +86,68 @@ pub fn empty_config() -> Config {
         .unwrap_or_else(|e| unreachable!("every config field has a default: {e}"))
 }
 
-/// The static resources and the admin address of a bootstrap.
-pub fn bootstrap(value: Value) -> Result<(Resources, Option<std::net::SocketAddr>)> {
+/// What a bootstrap says about the node itself, beside its resources.
+#[derive(Debug, Default)]
+pub struct NodeSettings {
+    pub admin: Option<std::net::SocketAddr>,
+    /// The overload manager's `global_downstream_max_connections`: `limits.max_connections`.
+    pub max_connections: Option<usize>,
+}
+
+/// The overload manager's resource monitor that caps the node's client connections.
+const DOWNSTREAM_CONNECTIONS: &str = "envoy.resource_monitors.global_downstream_max_connections";
+const DOWNSTREAM_CONNECTIONS_TYPE: &str = "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig";
+
+/// The overload manager: only its cap on client connections, which is flatmesh's
+/// `limits.max_connections` (the memory budget and the rest are flatmesh's own `limits`).
+fn overload_manager(v: Value) -> Result<Option<usize>> {
+    let mut o = Obj::new(v, "overload_manager")?;
+    let mut max = None;
+    for (i, m) in o.list("resource_monitors")?.into_iter().enumerate() {
+        let mut m = Obj::named(m, &o.at(&format!("resource_monitors[{i}]")))?;
+        let name = m.string("name")?.unwrap_or_default();
+        if name != DOWNSTREAM_CONNECTIONS {
+            return Err(XdsError::resource(
+                m.at("name"),
+                format!("`{name}` is not supported; flatmesh takes `{DOWNSTREAM_CONNECTIONS}` (its memory budget is limits.memory_budget_bytes in the node config)"),
+            ));
+        }
+        let mut tc = m
+            .obj("typed_config")?
+            .ok_or_else(|| XdsError::resource(m.at("typed_config"), "is missing"))?;
+        match tc.string("@type")? {
+            Some(t) if t == DOWNSTREAM_CONNECTIONS_TYPE => {}
+            other => {
+                return Err(XdsError::resource(
+                    tc.at("@type"),
+                    format!("is {other:?}; write {DOWNSTREAM_CONNECTIONS_TYPE}"),
+                ))
+            }
+        }
+        let at = tc.at("max_active_downstream_connections");
+        let n = tc
+            .take("max_active_downstream_connections")
+            .as_ref()
+            .and_then(number)
+            .filter(|n| *n > 0)
+            .ok_or_else(|| XdsError::resource(at, "must be a positive whole number"))?;
+        max = Some(usize::try_from(n).unwrap_or(usize::MAX));
+        tc.finish()?;
+        m.finish()?;
+    }
+    o.finish()?;
+    Ok(max)
+}
+
+/// The static resources of a bootstrap and what it says about the node.
+pub fn bootstrap(value: Value) -> Result<(Resources, NodeSettings)> {
     let mut root = Obj::new(value, "")?;
     let mut resources = Resources::default();
     let mut admin = None;
+    let max_connections = match root.take("overload_manager") {
+        Some(v) => overload_manager(v)?,
+        None => None,
+    };
     if let Some(v) = root.take("admin") {
         let mut a = Obj::new(v, "admin")?;
         // Envoy's admin access log is about Envoy's admin page; flatmesh's admin logs nothing.
@@ -113,7 +173,13 @@ pub fn bootstrap(value: Value) -> Result<(Resources, Option<std::net::SocketAddr
         s.finish()?;
     }
     root.finish()?;
-    Ok((resources, admin))
+    Ok((
+        resources,
+        NodeSettings {
+            admin,
+            max_connections,
+        },
+    ))
 }
 
 /// A JSON object being taken apart; whatever is left at [`Obj::finish`] is unsupported.
@@ -326,6 +392,7 @@ fn typed_config(v: Value, path: &str) -> Result<Any> {
         if let Some(c) = o.string("cluster")? {
             t.cluster_specifier = Some(tcp_proxy::ClusterSpecifier::Cluster(c));
         }
+        t.idle_timeout = o.duration("idle_timeout")?;
         pack(&t)
     } else if type_name == Router::type_url() {
         pack(&Router::default())
@@ -357,6 +424,9 @@ fn listener(v: Value, path: &str) -> Result<Listener> {
     if let Some(a) = o.take("address") {
         l.address = Some(address(a, &o.at("address"))?);
     }
+    l.per_connection_buffer_limit_bytes = o
+        .u32("per_connection_buffer_limit_bytes")?
+        .map(|value| UInt32Value { value });
     for (i, v) in o.list("filter_chains")?.into_iter().enumerate() {
         let mut c = Obj::new(v, &o.at(&format!("filter_chains[{i}]")))?;
         let mut chain = FilterChain {
@@ -405,6 +475,16 @@ fn http_connection_manager(o: &mut Obj) -> Result<HttpConnectionManager> {
         ));
     }
     h.strip_matching_host_port = o.bool("strip_matching_host_port")?.unwrap_or(false);
+    if let Some(mut h2) = o.obj("http2_protocol_options")? {
+        let value = |v: Option<u32>| v.map(|value| UInt32Value { value });
+        h.http2_protocol_options = Some(Http2ProtocolOptions {
+            max_concurrent_streams: value(h2.u32("max_concurrent_streams")?),
+            initial_stream_window_size: value(h2.u32("initial_stream_window_size")?),
+            initial_connection_window_size: value(h2.u32("initial_connection_window_size")?),
+            ..Default::default()
+        });
+        h2.finish()?;
+    }
     if let Some(rc) = o.take("route_config") {
         h.route_specifier = Some(http_connection_manager::RouteSpecifier::RouteConfig(
             route_configuration(rc, &o.at("route_config"))?,

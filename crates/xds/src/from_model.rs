@@ -177,6 +177,7 @@ fn listener(l: &model::Listener) -> Listener {
                         ))),
                         ..Default::default()
                     }],
+                    http2_protocol_options: http2_options(&l.limits),
                     ..Default::default()
                 },
             ))),
@@ -186,10 +187,12 @@ fn listener(l: &model::Listener) -> Listener {
             config_type: Some(filter::ConfigType::TypedConfig(pack(&TcpProxy {
                 stat_prefix: l.name.clone(),
                 cluster_specifier: l.cluster.clone().map(tcp_proxy::ClusterSpecifier::Cluster),
+                idle_timeout: l.limits.tcp_idle_timeout.map(duration),
                 ..Default::default()
             }))),
         },
     };
+    // A listener's own connection cap has no field in Envoy's listener: it is not carried.
     Listener {
         name: l.name.clone(),
         address: Some(socket_address(l.address)),
@@ -197,8 +200,25 @@ fn listener(l: &model::Listener) -> Listener {
             filters: vec![filter],
             ..Default::default()
         }],
+        per_connection_buffer_limit_bytes: l.limits.per_connection_buffer_bytes.map(|n| {
+            UInt32Value {
+                value: u32::try_from(n).unwrap_or(u32::MAX),
+            }
+        }),
         ..Default::default()
     }
+}
+
+/// A listener's HTTP/2 limits as the HTTP connection manager's `http2_protocol_options`.
+fn http2_options(limits: &model::ListenerLimits) -> Option<Http2ProtocolOptions> {
+    let value = |v: Option<u32>| v.map(|value| UInt32Value { value });
+    let options = Http2ProtocolOptions {
+        max_concurrent_streams: value(limits.http2_max_concurrent_streams),
+        initial_stream_window_size: value(limits.http2_stream_window),
+        initial_connection_window_size: value(limits.http2_connection_window),
+        ..Default::default()
+    };
+    (options != Http2ProtocolOptions::default()).then_some(options)
 }
 
 fn route_configuration(l: &model::Listener, config: &model::Config) -> RouteConfiguration {

@@ -82,6 +82,61 @@ fn example_bootstrap_imports() {
 }
 
 #[test]
+fn envoy_connection_limits_become_flatmesh_limits() {
+    let text = example()
+        .replace(
+            "    address: { socket_address: { address: 127.0.0.1, port_value: 8080 } }\n",
+            "    address: { socket_address: { address: 127.0.0.1, port_value: 8080 } }\n    per_connection_buffer_limit_bytes: 32768\n",
+        )
+        .replace(
+            "          codec_type: AUTO\n",
+            "          codec_type: AUTO\n          http2_protocol_options: { max_concurrent_streams: 50, initial_stream_window_size: 131072, initial_connection_window_size: 2097152 }\n",
+        )
+        .replace(
+            "          cluster: echo\n",
+            "          cluster: echo\n          idle_timeout: 600s\n",
+        )
+        + "overload_manager:\n  resource_monitors:\n  - name: envoy.resource_monitors.global_downstream_max_connections\n    typed_config:\n      \"@type\": type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig\n      max_active_downstream_connections: 5000\n";
+    let config = bootstrap::parse(&text, "envoy.yaml").unwrap();
+    assert_eq!(config.limits.max_connections, 5000);
+    let web = config.listeners.iter().find(|l| l.name == "web").unwrap();
+    assert_eq!(
+        web.limits,
+        model::ListenerLimits {
+            per_connection_buffer_bytes: Some(32768),
+            http2_max_concurrent_streams: Some(50),
+            http2_stream_window: Some(131072),
+            http2_connection_window: Some(2097152),
+            ..Default::default()
+        }
+    );
+    let echo = config.listeners.iter().find(|l| l.name == "echo").unwrap();
+    assert_eq!(
+        echo.limits.tcp_idle_timeout,
+        Some(std::time::Duration::from_secs(600))
+    );
+    // What flatmesh cannot do is named, not dropped.
+    let e = import_error(&text.replace("idle_timeout: 600s", "idle_timeout: 0s"));
+    assert!(
+        e.contains("idle_timeout") && e.contains("turns the idle timeout off"),
+        "{e}"
+    );
+    let e = import_error(&text.replace(
+        "max_concurrent_streams: 50,",
+        "max_concurrent_streams: 50, hpack_table_size: 0,",
+    ));
+    assert!(e.contains("http2_protocol_options.hpack_table_size"), "{e}");
+    let e = import_error(&text.replace("global_downstream_max_connections", "fixed_heap"));
+    assert!(e.contains("overload_manager.resource_monitors[0]"), "{e}");
+    // Out of flatmesh's ranges: refused by the config's own validation.
+    let e = import_error(&text.replace(
+        "initial_stream_window_size: 131072",
+        "initial_stream_window_size: 100",
+    ));
+    assert!(e.contains("http2_stream_window is 100"), "{e}");
+}
+
+#[test]
 fn unknown_bootstrap_fields_are_named() {
     let text = example().replace(
         "    lb_policy: MAGLEV\n",
@@ -223,10 +278,12 @@ listeners:
       - match: { path: { regex: "^/r/[0-9]+$" } }
         split: [ { cluster: one, weight: 3 }, { cluster: two, weight: 1 } ]
       - direct_response: { status: 404, body: nope }
+    limits: { per_connection_buffer_bytes: 65536, http2_max_concurrent_streams: 10, http2_stream_window: 32768, http2_connection_window: 131072 }
   - name: tcp
     address: 127.0.0.1:9000
     protocol: tcp
     cluster: two
+    limits: { tcp_idle_timeout: 10m }
 clusters:
   - { name: one, lb: ring_hash, hash_on: { header: x-user }, endpoints: [ 127.0.0.1:1, 127.0.0.1:2 ], protocol: http2, connect_timeout: 1s }
   - { name: two, lb: random, endpoints: [ "[::1]:3" ] }

@@ -16,6 +16,7 @@ use std::time::Duration;
 use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
 use envoy_types::pb::envoy::config::core::v3::{
     address, data_source, socket_address, Address, DataSource, HeaderValueOption,
+    Http2ProtocolOptions,
 };
 use envoy_types::pb::envoy::config::endpoint::v3::{lb_endpoint, ClusterLoadAssignment};
 use envoy_types::pb::envoy::config::listener::v3::{filter, Filter, Listener};
@@ -403,6 +404,13 @@ fn listener(
     let address = socket_addr(rest.address.take().as_ref(), &format!("{at}: address"))?;
     rest.stat_prefix.clear(); // statistics are named after the listener
     rest.traffic_direction = 0; // informational only
+    let mut limits = model::ListenerLimits {
+        per_connection_buffer_bytes: rest
+            .per_connection_buffer_limit_bytes
+            .take()
+            .map(|v| v.value as usize),
+        ..Default::default()
+    };
     let mut chains = take(&mut rest.filter_chains);
     reject_rest(&rest, &at)?;
     if chains.len() != 1 {
@@ -436,7 +444,14 @@ fn listener(
         ));
     };
     if any.type_url == HttpConnectionManager::type_url() {
-        let hcm: HttpConnectionManager = unpack(any, &at_filter)?;
+        let mut hcm: HttpConnectionManager = unpack(any, &at_filter)?;
+        if let Some(h2) = hcm.http2_protocol_options.take() {
+            http2_limits(
+                h2,
+                &mut limits,
+                &format!("{at_filter}.http2_protocol_options"),
+            )?;
+        }
         let Some(config) = http_routes(hcm, routes, &at_filter)? else {
             return Ok(None);
         };
@@ -447,6 +462,7 @@ fn listener(
             protocol: model::ListenerProtocol::Http,
             routes,
             cluster: None,
+            limits,
         }))
     } else if any.type_url == TcpProxy::type_url() {
         let mut tcp: TcpProxy = unpack(any, &at_filter)?;
@@ -466,6 +482,17 @@ fn listener(
                 ))
             }
         };
+        if let Some(idle) = tcp.idle_timeout.take() {
+            let at = format!("{at_filter}.idle_timeout");
+            let idle = duration(&idle, &at)?;
+            if idle.is_zero() {
+                return Err(XdsError::resource(
+                    at,
+                    "is 0s, which turns the idle timeout off; flatmesh always has one: write a long one, such as 24h",
+                ));
+            }
+            limits.tcp_idle_timeout = Some(idle);
+        }
         reject_rest(&tcp, &at_filter)?;
         Ok(Some(model::Listener {
             name,
@@ -473,6 +500,7 @@ fn listener(
             protocol: model::ListenerProtocol::Tcp,
             routes: Vec::new(),
             cluster: Some(cluster),
+            limits,
         }))
     } else {
         Err(XdsError::resource(
@@ -483,6 +511,19 @@ fn listener(
             ),
         ))
     }
+}
+
+/// An HTTP connection manager's `http2_protocol_options`: the stream cap and the windows it
+/// grants clients become the listener's limits; anything else is unsupported.
+fn http2_limits(
+    mut h2: Http2ProtocolOptions,
+    limits: &mut model::ListenerLimits,
+    at: &str,
+) -> Result<()> {
+    limits.http2_max_concurrent_streams = h2.max_concurrent_streams.take().map(|v| v.value);
+    limits.http2_stream_window = h2.initial_stream_window_size.take().map(|v| v.value);
+    limits.http2_connection_window = h2.initial_connection_window_size.take().map(|v| v.value);
+    reject_rest(&h2, at)
 }
 
 /// The HTTP connection manager's route configuration (inline, or by RDS name).

@@ -840,7 +840,7 @@ async fn relay_response<S: AsyncRead + AsyncWrite + Unpin + Send>(
     conn.buf.advance(answer.head_len);
     let out = std::mem::take(&mut answer.out);
     if answer.status == 101 {
-        tunnel(client, conn, out).await;
+        tunnel(client, conn, out, crate::tcp::Relay::of(limits)).await;
         return (false, false);
     }
     let relayed = body::relay(
@@ -868,6 +868,7 @@ async fn tunnel<S: AsyncRead + AsyncWrite + Unpin + Send>(
     client: &mut Client<S>,
     conn: &mut UpstreamConn,
     mut head: Vec<u8>,
+    relay: crate::tcp::Relay,
 ) {
     head.extend_from_slice(&conn.buf);
     conn.buf.clear();
@@ -875,9 +876,8 @@ async fn tunnel<S: AsyncRead + AsyncWrite + Unpin + Send>(
     let ready =
         client.io.write_all(&head).await.is_ok() && conn.stream.write_all(&early).await.is_ok();
     if ready {
-        if let Err(err) = tokio::io::copy_bidirectional(&mut client.io, &mut conn.stream).await {
-            tracing::debug!(error = %err, "upgraded connection ended with an error");
-        }
+        let ended = crate::tcp::copy_until_idle(&mut client.io, &mut conn.stream, relay).await;
+        tracing::debug!(?ended, "upgraded connection ended");
     }
 }
 

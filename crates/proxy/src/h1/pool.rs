@@ -19,6 +19,7 @@ use tokio::net::TcpStream;
 
 use super::head::{self, Framing, MAX_HEADERS};
 use crate::l7::error::UpstreamError;
+use crate::limits::{upstream_socket, SocketSlot};
 use crate::metrics::ClusterStats;
 use crate::snapshot::ClusterPlan;
 
@@ -37,6 +38,8 @@ pub struct UpstreamConn {
     /// while it was idle, so a request that fails on it before any answer is retried.
     pub reused: bool,
     idle_since: Instant,
+    /// Counts the socket against the node's fd budget while it is open.
+    _slot: SocketSlot,
 }
 
 impl UpstreamConn {
@@ -196,6 +199,13 @@ pub async fn connect(
     stats: &ClusterStats,
     worker: usize,
 ) -> io::Result<UpstreamConn> {
+    let slot = match upstream_socket() {
+        Ok(slot) => slot,
+        Err(err) => {
+            stats.connect_failures.add_shared(worker, 1);
+            return Err(err);
+        }
+    };
     let connected = match tokio::time::timeout(timeout, TcpStream::connect(endpoint)).await {
         Ok(result) => result,
         Err(_) => Err(io::Error::new(
@@ -216,6 +226,7 @@ pub async fn connect(
                 buf: BytesMut::with_capacity(READ_BUFFER),
                 reused: false,
                 idle_since: Instant::now(),
+                _slot: slot,
             })
         }
         Err(err) => {

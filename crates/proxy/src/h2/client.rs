@@ -11,19 +11,22 @@ use std::time::Duration;
 
 use http::{HeaderMap, Request, Response, Uri, Version};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
-use crate::body::UpstreamBody;
+use crate::body::{BoxError, UpstreamBody};
 use crate::l7::error::UpstreamError;
+use crate::limits::{upstream_socket, SocketSlot};
 use crate::metrics::ClusterStats;
 use crate::snapshot::ClusterPlan;
 
 pub type HttpClient = Client<CountingConnector, UpstreamBody>;
 
-/// An HttpConnector that counts upstream connections and connect failures per cluster.
+/// An HttpConnector that counts upstream connections and connect failures per cluster, and
+/// holds each connection's place in the node's fd budget.
 #[derive(Clone)]
 pub struct CountingConnector {
     inner: HttpConnector,
@@ -31,33 +34,95 @@ pub struct CountingConnector {
     worker: usize,
 }
 
+/// An upstream connection of hyper's client, counted against the fd budget while it is open.
+pub struct CountedStream {
+    inner: TcpStream,
+    _slot: SocketSlot,
+}
+
 impl tower_service::Service<Uri> for CountingConnector {
-    type Response = TokioIo<TcpStream>;
-    type Error = <HttpConnector as tower_service::Service<Uri>>::Error;
+    type Response = TokioIo<CountedStream>;
+    type Error = BoxError;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+        self.inner.poll_ready(cx).map_err(BoxError::from)
     }
 
     fn call(&mut self, dst: Uri) -> Self::Future {
-        let connecting = self.inner.call(dst);
         let (stats, worker) = (self.stats.clone(), self.worker);
+        let slot = upstream_socket();
+        let connecting = self.inner.call(dst);
         Box::pin(async move {
-            let result = connecting.await;
-            match &result {
-                // Connect outcomes are rare next to requests and can come from any task of
-                // the worker; the shared add keeps them exact.
-                Ok(_) => stats.connections.add_shared(worker, 1),
-                Err(_) => stats.connect_failures.add_shared(worker, 1),
+            // Connect outcomes are rare next to requests and can come from any task of
+            // the worker; the shared add keeps them exact.
+            let slot = slot.inspect_err(|_| stats.connect_failures.add_shared(worker, 1))?;
+            match connecting.await {
+                Ok(io) => {
+                    stats.connections.add_shared(worker, 1);
+                    Ok(TokioIo::new(CountedStream {
+                        inner: io.into_inner(),
+                        _slot: slot,
+                    }))
+                }
+                Err(err) => {
+                    stats.connect_failures.add_shared(worker, 1);
+                    Err(err.into())
+                }
             }
-            result
         })
     }
 }
 
-/// hyper's client for an HTTP/2 cluster.
-pub fn build_client(plan: &ClusterPlan, worker: usize) -> HttpClient {
+impl Connection for CountedStream {
+    fn connected(&self) -> Connected {
+        self.inner.connected()
+    }
+}
+
+impl AsyncRead for CountedStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for CountedStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// hyper's client for an HTTP/2 cluster. `send_buffer`: the most request bytes it queues per
+/// stream (`limits.http2_stream_window`), so a slow endpoint holds little of the node's memory.
+pub fn build_client(plan: &ClusterPlan, worker: usize, send_buffer: u32) -> HttpClient {
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
     http.set_connect_timeout(Some(plan.connect_timeout));
@@ -79,7 +144,8 @@ pub fn build_client(plan: &ClusterPlan, worker: usize) -> HttpClient {
         .pool_idle_timeout(Duration::from_secs(90))
         .http2_only(true)
         .http2_initial_connection_window_size(8 << 20)
-        .http2_initial_stream_window_size(1 << 20);
+        .http2_initial_stream_window_size(1 << 20)
+        .http2_max_send_buf_size(send_buffer as usize);
     builder.build(connector)
 }
 

@@ -1,160 +1,95 @@
-//! The HTTP/2 codec, on hyper: its server for HTTP/2 clients (h2c with prior knowledge,
-//! gRPC) and, in [`client`], its client for `protocol: http2` clusters. Both are thin
+//! The HTTP/2 codec: its server for HTTP/2 clients (h2c with prior knowledge, gRPC), on the
+//! `h2` crate, and in [`client`], hyper's client for `protocol: http2` clusters. Both are thin
 //! adapters over the L7 layer (`crate::l7`): a request is decided there, forwarded through
 //! its retry driver, and answered with its replies.
+//!
+//! The server runs on `h2` itself rather than on hyper's server because what bounds a
+//! client's hold on the node is per stream: hyper hides each stream's send handle, so a
+//! stream whose client never opens its window (and never reads) could not be reset, and
+//! it kept its buffers and its upstream connection for as long as the client sent PINGs.
+//! Here every connection is bounded by configuration (docs/config.md, "limits"):
+//! - `http2_max_concurrent_streams` streams, each granted `http2_stream_window` bytes of
+//!   upload and the connection `http2_connection_window`;
+//! - response data queued in the node: at most `http2_stream_window` per stream (h2's send
+//!   buffer) and `per_connection_buffer_bytes` for all streams together, taken from the
+//!   node's `memory_budget_bytes` ([`stream::Metered`] gives it back once h2 has written
+//!   it); over the node's budget, new streams are refused (REFUSED_STREAM);
+//! - a stream that can send nothing for `stream_stall_timeout` (the client does not open
+//!   its window, or does not read) is reset, which frees its buffers and its upstream;
+//! - at most `max_upstream_per_downstream` upstream connections held by one connection's
+//!   streams at once;
+//! - a connection that moves no byte for `idle_timeout` is closed.
 
 pub(crate) mod client;
-mod idle;
+mod stream;
 
-use std::convert::Infallible;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::Instant;
 
-use bytes::Bytes;
 use flatmesh_config::Limits;
-use http::{Request, Response};
-use http_body::{Body as _, Frame, SizeHint};
-use http_body_util::BodyExt as _;
-use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::task::JoinSet;
 
-use crate::body::BoxError;
 use crate::context::ConnContext;
-use crate::l7::body::ResponseBody;
-use crate::l7::decide::{authority, decide, Decision};
-use crate::l7::forward::forward;
-use crate::l7::log::{finish, Outcome};
-use crate::l7::reply::{is_grpc, listener_removed};
+use crate::idle::{idle, Activity, ActivityTap};
 use crate::tap::Tapped;
-use idle::{ActivityTap, ConnSignals};
+use stream::{ConnBudget, Metered};
 
 /// Serves an HTTP/2 client connection until it ends or stays idle for `idle_timeout`.
 pub(crate) async fn serve<S>(ctx: Arc<ConnContext>, stream: S, limits: &Limits)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-    builder
-        .timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
-        .max_concurrent_streams(1024);
-    let signals = Arc::new(ConnSignals::default());
-    let io = TokioIo::new(Tapped {
+    let activity = Arc::new(Activity::default());
+    let io = Tapped {
         inner: stream,
-        tap: ActivityTap(signals.clone()),
-    });
-    let service = service_fn(move |req| handle(ctx.clone(), req));
-    let connection = builder.serve_connection(io, service);
+        tap: ActivityTap(activity.clone()),
+    };
+    let budget = Arc::new(ConnBudget::new(&ctx, limits));
     tokio::select! {
-        result = connection => {
-            if let Err(err) = result {
-                tracing::debug!(error = %err, "downstream connection ended with an error");
-            }
-        }
-        // Dropping the connection future closes the socket.
-        _ = idle::idle(&signals, limits.idle_timeout) => {
+        _ = run(ctx, io, limits, budget) => {}
+        // Dropping the connection (and its streams' tasks) closes the socket.
+        _ = idle(&activity, limits.idle_timeout) => {
             tracing::debug!("closing idle downstream connection");
         }
     }
 }
 
-/// Wraps the client's body so that a framing error inside it (a bad chunk size, say) is
-/// recognised as the client's fault, not the upstream's.
-struct DownstreamBody {
-    inner: Incoming,
-    failed: Arc<AtomicBool>,
-}
-
-impl http_body::Body for DownstreamBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(Some(Err(_))) = &polled {
-            self.failed.store(true, Ordering::Relaxed);
-        }
-        polled.map_err(BoxError::from)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-/// Serves one request of an HTTP/2 connection.
-async fn handle(
-    ctx: Arc<ConnContext>,
-    req: Request<Incoming>,
-) -> Result<Response<ResponseBody>, Infallible> {
-    let started = Instant::now();
-    let view = ctx.view.load_full();
-    let snap = &view.snapshot;
-    let Some(lid) = snap.listener_at(ctx.listener_address, ctx.protocol) else {
-        return Ok(listener_removed());
-    };
-    let method = req.method().clone();
-    // Cheap (shared bytes); kept for the 404 text and the access log after `req` moves on.
-    let uri = req.uri().clone();
-    let path_and_query = || uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
-    let logged = || Some((method.to_string(), path_and_query()));
-
-    let grpc = is_grpc(req.headers());
-    let decision = {
-        let meta = flatmesh_rules::Request {
-            method: &method,
-            host: authority(req.uri(), req.headers()),
-            path: req.uri().path(),
-            query: req.uri().query(),
-            headers: req.headers().into(),
-        };
-        decide(snap, lid, &meta, grpc, path_and_query)
-    };
-    let (resp, outcome) = match decision {
-        Decision::Reply(route, resp) => {
-            let outcome = Outcome {
-                route,
-                cluster: None,
-                upstream: None,
-                status: resp.status().as_u16(),
-            };
-            (resp, outcome)
-        }
-        Decision::Forward(route, cluster) => {
-            let (parts, body) = req.into_parts();
-            let failed = Arc::new(AtomicBool::new(false));
-            let replayable = body.is_end_stream();
-            let body = DownstreamBody {
-                inner: body,
-                failed: failed.clone(),
-            }
-            .boxed_unsync();
-            let (resp, upstream) = forward(
-                &ctx, &view, route, cluster, parts, body, replayable, &failed,
-            )
-            .await;
-            let outcome = Outcome {
-                route: Some(route),
-                cluster: Some(cluster),
-                upstream,
-                status: resp.status().as_u16(),
-            };
-            (resp, outcome)
+/// The connection's handshake and its streams, each on a task of its own.
+async fn run<S>(ctx: Arc<ConnContext>, io: S, limits: &Limits, budget: Arc<ConnBudget>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let mut builder = h2::server::Builder::new();
+    builder
+        .max_concurrent_streams(limits.http2_max_concurrent_streams)
+        .initial_window_size(limits.http2_stream_window)
+        .initial_connection_window_size(limits.http2_connection_window)
+        .max_send_buffer_size(limits.http2_stream_window as usize)
+        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
+    let mut conn = match builder.handshake::<_, Metered>(io).await {
+        Ok(conn) => conn,
+        Err(err) => {
+            tracing::debug!(error = %err, "HTTP/2 handshake failed");
+            return;
         }
     };
-    finish(&ctx, snap, lid, started, &outcome, logged);
-    Ok(resp)
+    // Dropped with the connection: a stream's task never outlives it.
+    let mut streams = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = conn.accept() => match accepted {
+                Some(Ok((req, respond))) => {
+                    streams.spawn(stream::serve(ctx.clone(), req, respond, budget.clone()));
+                }
+                Some(Err(err)) => {
+                    tracing::debug!(error = %err, "downstream connection ended with an error");
+                    break;
+                }
+                // The client went away, or said GOAWAY and its last stream is done.
+                None => break,
+            },
+            Some(_) = streams.join_next(), if !streams.is_empty() => {}
+        }
+    }
 }
 
 #[cfg(test)]

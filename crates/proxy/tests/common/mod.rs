@@ -9,6 +9,7 @@
 pub mod backends;
 mod client;
 pub mod grpc;
+pub mod hostile;
 
 pub use client::*;
 

@@ -36,6 +36,7 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
         protocol: model::ListenerProtocol::Http,
         routes,
         cluster: None,
+        limits: Default::default(),
     });
     c
 }

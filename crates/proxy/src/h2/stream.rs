@@ -1,0 +1,473 @@
+//! One stream of an HTTP/2 client connection: the request decided and forwarded by the L7
+//! layer, then the answer sent within the connection's budgets (`super` says which).
+
+use std::future::poll_fn;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes};
+use flatmesh_config::Limits;
+use h2::server::SendResponse;
+use h2::{Reason, RecvStream, SendStream};
+use http::header::{self, HeaderMap, HeaderName};
+use http::{Request, Response, StatusCode};
+use http_body::{Body as _, Frame, SizeHint};
+use http_body_util::BodyExt as _;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::body::BoxError;
+use crate::context::ConnContext;
+use crate::l7::body::ResponseBody;
+use crate::l7::decide::{authority, decide, Decision};
+use crate::l7::forward::forward;
+use crate::l7::log::{finish, Outcome};
+use crate::l7::reply::{is_grpc, listener_removed, local_reply};
+use crate::limits::{ByteBudget, NodeBudget, Reservation};
+use crate::upstream::Pool;
+
+/// What one client connection may hold, shared by its streams.
+pub(super) struct ConnBudget {
+    node: Arc<NodeBudget>,
+    /// Response bytes queued in h2 for this connection's streams.
+    queued: Arc<ByteBudget>,
+    per_connection: usize,
+    memory_budget: usize,
+    stall: Duration,
+    /// Upstream connections this connection's streams may hold at once.
+    upstreams: Arc<Semaphore>,
+    max_upstreams: usize,
+}
+
+impl ConnBudget {
+    pub fn new(ctx: &ConnContext, limits: &Limits) -> ConnBudget {
+        ConnBudget {
+            node: ctx.budget.clone(),
+            queued: Arc::new(ByteBudget::default()),
+            per_connection: limits.per_connection_buffer_bytes,
+            memory_budget: limits.memory_budget_bytes,
+            stall: limits.stream_stall_timeout,
+            upstreams: Arc::new(Semaphore::new(limits.max_upstream_per_downstream)),
+            max_upstreams: limits.max_upstream_per_downstream,
+        }
+    }
+
+    /// `n` bytes of the connection's budget and of the node's, waiting for both.
+    async fn reserve(&self, n: usize) -> Queued {
+        let own = self.queued.take(n, self.per_connection).await;
+        let node = self.node.memory.take(n, self.memory_budget).await;
+        Queued {
+            _own: own,
+            _node: node,
+        }
+    }
+}
+
+/// Bytes of both budgets, held while h2 holds the data they were taken for.
+struct Queued {
+    _own: Reservation,
+    _node: Reservation,
+}
+
+/// Response data handed to h2, with the budget it holds. h2 drops it once the bytes are
+/// written to the socket, or when the stream is reset: the budget comes back exactly then.
+pub(super) struct Metered {
+    data: Bytes,
+    _queued: Option<Queued>,
+}
+
+impl Metered {
+    fn unmetered(data: Bytes) -> Metered {
+        Metered {
+            data,
+            _queued: None,
+        }
+    }
+}
+
+impl Buf for Metered {
+    fn remaining(&self) -> usize {
+        self.data.remaining()
+    }
+
+    fn chunk(&self) -> &[u8] {
+        self.data.chunk()
+    }
+
+    fn advance(&mut self, cnt: usize) {
+        self.data.advance(cnt)
+    }
+
+    fn copy_to_bytes(&mut self, len: usize) -> Bytes {
+        self.data.copy_to_bytes(len)
+    }
+}
+
+/// Serves one stream: refused at once when the node's memory budget is spent; otherwise
+/// decided, forwarded and answered, unless the client resets it first.
+pub(super) async fn serve(
+    ctx: Arc<ConnContext>,
+    req: Request<RecvStream>,
+    mut respond: SendResponse<Metered>,
+    budget: Arc<ConnBudget>,
+) {
+    if budget.node.memory.used() >= budget.memory_budget {
+        budget.node.count_stream_reset("memory_budget");
+        respond.send_reset(Reason::REFUSED_STREAM);
+        return;
+    }
+    let (resp, _upstream) = tokio::select! {
+        answered = handle(&ctx, req, &budget) => answered,
+        reset = poll_fn(|cx| respond.poll_reset(cx)) => {
+            tracing::debug!(reason = ?reset, "client reset the stream before its answer");
+            return;
+        }
+    };
+    // `_upstream` (the stream's place among the connection's upstream connections) is
+    // held until the answer's body is sent or given up.
+    if let Err(why) = respond_with(resp, &mut respond, &budget).await {
+        tracing::debug!(%why, "response not sent in full");
+    }
+}
+
+/// Why an answer was not sent in full.
+#[derive(Debug, thiserror::Error)]
+enum Cut {
+    #[error("the client took no data for {0:?}: stream reset")]
+    Stalled(Duration),
+    #[error("the upstream body failed: {0}")]
+    Upstream(BoxError),
+    #[error("{0}")]
+    H2(#[from] h2::Error),
+    #[error("the stream ended before its answer did")]
+    Gone,
+}
+
+/// Sends `resp` on the stream: its head, then its body within the budgets.
+async fn respond_with(
+    resp: Response<ResponseBody>,
+    respond: &mut SendResponse<Metered>,
+    budget: &ConnBudget,
+) -> Result<(), Cut> {
+    let (mut parts, mut body) = resp.into_parts();
+    strip_connection_headers(&mut parts.headers);
+    let end = body.is_end_stream();
+    if !end {
+        if let Some(len) = body.size_hint().exact() {
+            parts
+                .headers
+                .entry(header::CONTENT_LENGTH)
+                .or_insert_with(|| len.into());
+        }
+    }
+    let mut tx = respond.send_response(Response::from_parts(parts, ()), end)?;
+    if end {
+        return Ok(());
+    }
+    let sent = send_body(&mut body, &mut tx, budget).await;
+    match &sent {
+        Err(Cut::Stalled(_)) => {
+            budget.node.count_stream_reset("stalled");
+            tx.send_reset(Reason::CANCEL);
+        }
+        Err(Cut::Upstream(_)) => tx.send_reset(Reason::INTERNAL_ERROR),
+        _ => {}
+    }
+    sent
+}
+
+/// Streams the body: each piece waits for the stream's flow-control capacity and for room
+/// in both budgets, at most `stream_stall_timeout`; pieces never exceed what h2 may buffer.
+async fn send_body(
+    body: &mut ResponseBody,
+    tx: &mut SendStream<Metered>,
+    budget: &ConnBudget,
+) -> Result<(), Cut> {
+    loop {
+        // The next piece of the body first, then capacity for it: capacity reserved ahead
+        // of data would sit on the connection's window (hyper#4003).
+        let frame = tokio::select! {
+            frame = body.frame() => frame,
+            reset = poll_fn(|cx| tx.poll_reset(cx)) => {
+                tracing::debug!(reason = ?reset, "client reset the stream mid-answer");
+                return Err(Cut::Gone);
+            }
+        };
+        let frame = match frame {
+            None => {
+                tx.send_data(Metered::unmetered(Bytes::new()), true)?;
+                return Ok(());
+            }
+            Some(Err(err)) => return Err(Cut::Upstream(err)),
+            Some(Ok(frame)) => frame,
+        };
+        match frame.into_data() {
+            Ok(mut data) => {
+                let end = body.is_end_stream();
+                if data.is_empty() && !end {
+                    continue;
+                }
+                loop {
+                    let n = room(tx, data.len(), budget).await?;
+                    let piece = data.split_to(n.min(data.len()));
+                    let queued = match piece.len() {
+                        0 => None,
+                        len => Some(budget.reserve(len)),
+                    };
+                    let queued = match queued {
+                        Some(q) => Some(stalled_after(budget.stall, q).await?),
+                        None => None,
+                    };
+                    tx.send_data(
+                        Metered {
+                            data: piece,
+                            _queued: queued,
+                        },
+                        end && data.is_empty(),
+                    )?;
+                    if data.is_empty() {
+                        break;
+                    }
+                }
+                if end {
+                    return Ok(());
+                }
+            }
+            Err(frame) => {
+                if let Ok(trailers) = frame.into_trailers() {
+                    tx.send_trailers(trailers)?;
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
+/// Waits for `what`, at most the stall timeout.
+async fn stalled_after<T>(
+    stall: Duration,
+    what: impl std::future::Future<Output = T>,
+) -> Result<T, Cut> {
+    tokio::time::timeout(stall, what)
+        .await
+        .map_err(|_| Cut::Stalled(stall))
+}
+
+/// Waits until the stream may send some of `want` bytes; returns how many (at most `want`,
+/// at most the connection's budget). An empty piece (the end of the stream) needs none.
+async fn room(
+    tx: &mut SendStream<Metered>,
+    want: usize,
+    budget: &ConnBudget,
+) -> Result<usize, Cut> {
+    if want == 0 {
+        return Ok(0);
+    }
+    let want = want.min(budget.per_connection);
+    tx.reserve_capacity(want);
+    let capacity = stalled_after(budget.stall, async {
+        loop {
+            let now = tx.capacity();
+            if now > 0 {
+                return Ok(now);
+            }
+            match poll_fn(|cx| tx.poll_capacity(cx)).await {
+                Some(Ok(_)) => {}
+                Some(Err(err)) => return Err(Cut::H2(err)),
+                None => return Err(Cut::Gone),
+            }
+        }
+    })
+    .await??;
+    Ok(capacity.min(want))
+}
+
+/// Headers that have no place in HTTP/2 (RFC 9113 §8.2.2); h2 refuses a response with them.
+fn strip_connection_headers(headers: &mut HeaderMap) {
+    if let Some(connection) = headers.remove(header::CONNECTION) {
+        // The headers it names are this hop's too.
+        if let Ok(names) = connection.to_str() {
+            for name in names.split(',') {
+                if let Ok(name) = HeaderName::from_bytes(name.trim().as_bytes()) {
+                    headers.remove(name);
+                }
+            }
+        }
+    }
+    for name in [
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::TE,
+        HeaderName::from_static("keep-alive"),
+        HeaderName::from_static("proxy-connection"),
+    ] {
+        headers.remove(name);
+    }
+}
+
+/// The client's request body: h2's stream, whose window is opened as the upstream takes
+/// its bytes, so a client can be ahead by one window and no more.
+struct RequestBody {
+    recv: RecvStream,
+    /// Raised when the client's side of the body breaks (a reset, a length that does not
+    /// add up): the failure is then the client's, not the upstream's.
+    failed: Arc<AtomicBool>,
+    /// What `content-length` says is left, when it says.
+    left: Option<u64>,
+    data_done: bool,
+}
+
+impl http_body::Body for RequestBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if !this.data_done {
+            match ready!(this.recv.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    // The upstream has the bytes: the client may send as many more.
+                    let _ = this.recv.flow_control().release_capacity(data.len());
+                    if let Some(left) = &mut this.left {
+                        *left = left.saturating_sub(data.len() as u64);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Some(Err(err)) => {
+                    this.failed.store(true, Ordering::Relaxed);
+                    return Poll::Ready(Some(Err(err.into())));
+                }
+                None => this.data_done = true,
+            }
+        }
+        match ready!(this.recv.poll_trailers(cx)) {
+            Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
+            Ok(None) => Poll::Ready(None),
+            Err(err) => {
+                this.failed.store(true, Ordering::Relaxed);
+                Poll::Ready(Some(Err(err.into())))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.recv.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.left {
+            Some(left) => SizeHint::with_exact(left),
+            None => SizeHint::default(),
+        }
+    }
+}
+
+/// Decides and forwards one request. Returns the answer and, for a request sent to an
+/// HTTP/1.1 cluster, its place among the connection's upstream connections.
+async fn handle(
+    ctx: &Arc<ConnContext>,
+    req: Request<RecvStream>,
+    budget: &ConnBudget,
+) -> (Response<ResponseBody>, Option<OwnedSemaphorePermit>) {
+    let started = Instant::now();
+    let view = ctx.view.load_full();
+    let snap = &view.snapshot;
+    let Some(lid) = snap.listener_at(ctx.listener_address, ctx.protocol) else {
+        return (listener_removed(), None);
+    };
+    let method = req.method().clone();
+    // Cheap (shared bytes); kept for the 404 text and the access log after `req` moves on.
+    let uri = req.uri().clone();
+    let path_and_query = || uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
+    let logged = || Some((method.to_string(), path_and_query()));
+
+    let grpc = is_grpc(req.headers());
+    let decision = {
+        let meta = flatmesh_rules::Request {
+            method: &method,
+            host: authority(req.uri(), req.headers()),
+            path: req.uri().path(),
+            query: req.uri().query(),
+            headers: req.headers().into(),
+        };
+        decide(snap, lid, &meta, grpc, path_and_query)
+    };
+    let (resp, outcome, held) = match decision {
+        Decision::Reply(route, resp) => {
+            let outcome = Outcome {
+                route,
+                cluster: None,
+                upstream: None,
+                status: resp.status().as_u16(),
+            };
+            (resp, outcome, None)
+        }
+        Decision::Forward(route, cluster) => {
+            let limits = &snap.config.limits;
+            let timeout = route.timeout.unwrap_or(limits.request_timeout);
+            // An HTTP/1.1 cluster gives each stream a connection of its own; an HTTP/2
+            // cluster carries them all on one.
+            let held = match &view.upstreams.by_cluster[cluster].pool {
+                Pool::Http1(_) => {
+                    let waited =
+                        tokio::time::timeout(timeout, budget.upstreams.clone().acquire_owned())
+                            .await;
+                    match waited {
+                        Ok(Ok(permit)) => Some(permit),
+                        _ => {
+                            let resp = local_reply(
+                                StatusCode::SERVICE_UNAVAILABLE,
+                                format!(
+                                    "this client connection already holds {} upstream connections (limits.max_upstream_per_downstream), none freed within {}; spread the requests over more connections\n",
+                                    budget.max_upstreams,
+                                    flatmesh_config::duration::format(&timeout)
+                                ),
+                                false,
+                                grpc,
+                            );
+                            let outcome = Outcome {
+                                route: Some(route),
+                                cluster: Some(cluster),
+                                upstream: None,
+                                status: resp.status().as_u16(),
+                            };
+                            finish(ctx, snap, lid, started, &outcome, logged);
+                            return (resp, None);
+                        }
+                    }
+                }
+                Pool::Http2(_) => None,
+            };
+            let (parts, body) = req.into_parts();
+            let failed = Arc::new(AtomicBool::new(false));
+            let replayable = body.is_end_stream();
+            let left = parts
+                .headers
+                .get(header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok()?.parse().ok());
+            let body = RequestBody {
+                recv: body,
+                failed: failed.clone(),
+                left,
+                data_done: false,
+            }
+            .boxed_unsync();
+            let (resp, upstream) =
+                forward(ctx, &view, route, cluster, parts, body, replayable, &failed).await;
+            let outcome = Outcome {
+                route: Some(route),
+                cluster: Some(cluster),
+                upstream,
+                status: resp.status().as_u16(),
+            };
+            (resp, outcome, held)
+        }
+    };
+    finish(ctx, snap, lid, started, &outcome, logged);
+    (resp, held)
+}
