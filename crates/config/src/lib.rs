@@ -5,6 +5,7 @@
 //! is wrong and what to do. Positions for validation problems come from a
 //! [`locate::LocationIndex`] built over the same text.
 
+pub mod admin;
 mod decode;
 pub mod duration;
 pub mod error;
