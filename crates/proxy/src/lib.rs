@@ -30,6 +30,7 @@ mod kernel;
 mod l7;
 mod lb;
 mod listener;
+pub mod logging;
 mod metrics;
 mod node;
 mod snapshot;
