@@ -453,7 +453,13 @@ async fn a_config_file_written_in_two_steps_is_applied_only_whole() {
     // validates, without the /version route), a pause longer than the old watcher's poll,
     // then the rest, written in place rather than renamed.
     let whole = version_last(admin, web, app.addr, "v1");
-    let cut = whole[..whole.len() / 2].rfind('\n').map_or(0, |i| i + 1);
+    let cut = whole
+        .find("      - name: filler-10\n")
+        .expect("the config has a tenth filler route");
+    assert!(
+        flatmesh_config::parse(&whole[..cut], "half").is_ok(),
+        "the first half must be a valid config for this test to mean anything"
+    );
     std::fs::write(&proxy.config_path, &whole[..cut]).expect("write the first half");
     tokio::time::sleep(Duration::from_millis(700)).await;
     {
