@@ -468,7 +468,7 @@ async fn a_config_file_written_in_two_steps_is_applied_only_whole() {
             .append(true)
             .open(&proxy.config_path)
             .expect("open for the second half");
-        file.write_all(whole[cut..].as_bytes())
+        file.write_all(&whole.as_bytes()[cut..])
             .expect("write the second half");
     }
     assert!(
