@@ -6,6 +6,7 @@
 //! [`locate::LocationIndex`] built over the same text.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 mod decode;
 pub mod duration;
 pub mod error;

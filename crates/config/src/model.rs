@@ -10,13 +10,16 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::admin::{Admin, AdminAddress};
+
 /// A whole node configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
-    /// Admin listener: /metrics, /ready, /config, /rules.
-    #[serde(default = "default_admin")]
-    pub admin: SocketAddr,
+    /// Admin endpoint: /metrics, /ready, /config, /rules, /listeners, POST /reload. Written as
+    /// an address or as a mapping with its access settings (`crate::admin`).
+    #[serde(default, deserialize_with = "crate::admin::deserialize")]
+    pub admin: Admin,
     /// Worker threads, one per core. `None` means "number of cores".
     #[serde(default)]
     pub workers: Option<usize>,
@@ -90,8 +93,9 @@ pub struct CapturedService {
     pub listener: String,
 }
 
-pub fn default_admin() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 15000))
+/// The default admin settings: `127.0.0.1:15000`, no token.
+pub fn default_admin() -> Admin {
+    Admin::default()
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -99,6 +103,23 @@ pub fn default_admin() -> SocketAddr {
 pub struct AccessLog {
     /// `stdout`, `stderr`, or a file path (appended).
     pub path: String,
+    /// Lines waiting for the writer take at most this many bytes; when the sink is slower
+    /// than the traffic, further lines are dropped (and counted), never waited for.
+    #[serde(default = "default_access_log_queue_bytes")]
+    pub queue_bytes: usize,
+    /// Longer request fields (path, method, ...) are cut to this many bytes, marked `...`.
+    #[serde(default = "default_access_log_max_field_bytes")]
+    pub max_field_bytes: usize,
+}
+
+pub const DEFAULT_ACCESS_LOG_QUEUE_BYTES: usize = 8 * 1024 * 1024;
+pub const DEFAULT_ACCESS_LOG_MAX_FIELD_BYTES: usize = 2048;
+
+fn default_access_log_queue_bytes() -> usize {
+    DEFAULT_ACCESS_LOG_QUEUE_BYTES
+}
+fn default_access_log_max_field_bytes() -> usize {
+    DEFAULT_ACCESS_LOG_MAX_FIELD_BYTES
 }
 
 /// Protection limits. Every field has a safe default (docs/config.md, "limits").

@@ -932,3 +932,161 @@ fn kernel_l7_dispatch_needs_one_http_listener() {
     );
     assert!(!d.hint.is_empty());
 }
+
+/// `admin:` (from line 1) above two tcp listeners.
+fn with_admin(admin: &str) -> String {
+    format!("{admin}{}", two_tcp("a", "b"))
+}
+
+#[test]
+fn admin_is_an_address_or_a_mapping() {
+    let short =
+        parse(&with_admin("admin: 127.0.0.1:9901\n"), "t").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(short.admin.address.to_string(), "127.0.0.1:9901");
+    assert_eq!(short.admin.max_connections, 16);
+    let unix = parse(&with_admin("admin: unix:/run/fm/admin.sock\n"), "t")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        unix.admin.address,
+        AdminAddress::Unix("/run/fm/admin.sock".into())
+    );
+    assert_eq!(unix.admin.unix_mode(), 0o600);
+    let full = parse(
+        &with_admin(
+            "admin:\n  address: unix:/run/fm/admin.sock\n  mode: 0o660\n  token: 0123456789abcdef0123\n  open_paths: [/metrics]\n  hosts: [node-1.mesh.internal]\n  max_connections: 4\n  header_read_timeout: 2s\n  request_timeout: 10s\n",
+        ),
+        "t",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(full.admin.unix_mode(), 0o660);
+    assert_eq!(full.admin.token.as_deref(), Some("0123456789abcdef0123"));
+    assert_eq!(full.admin.max_connections, 4);
+    assert_eq!(
+        full.admin.request_timeout,
+        std::time::Duration::from_secs(10)
+    );
+    // A bare 0600 is text in YAML; it means the same octal bits.
+    let text_mode = parse(
+        &with_admin("admin: { address: /tmp/a.sock, mode: 0600 }\n"),
+        "t",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(text_mode.admin.mode, Some(0o600));
+    // Both forms write back as the mapping and read back equal.
+    let back: Config = serde_json::from_str(&full.to_json()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(back, full);
+    let back: Config = serde_json::from_str(&short.to_json()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(back, short);
+}
+
+#[test]
+fn admin_reachable_from_other_hosts_is_refused_unless_allowed() {
+    let d = only(
+        &with_admin("admin: 0.0.0.0:15000\n"),
+        1,
+        8,
+        "admin address 0.0.0.0:15000 can be reached from other hosts",
+    );
+    assert!(d.hint.contains("allow_remote: true"), "{}", d.hint);
+    only(
+        &with_admin("admin: { address: \"[::]:15000\" }\n"),
+        1,
+        19,
+        "can be reached from other hosts",
+    );
+    let allowed = with_admin("admin: { address: 0.0.0.0:15000, allow_remote: true }\n");
+    assert!(parse(&allowed, "t").is_ok());
+}
+
+#[test]
+fn admin_settings_are_checked() {
+    let d = only(
+        &with_admin("admin: { adress: 127.0.0.1:1 }\n"),
+        1,
+        10,
+        "unknown key `adress`",
+    );
+    assert!(d.hint.contains("did you mean `address`"), "{}", d.hint);
+    only(
+        &with_admin("admin: { token: short }\n"),
+        1,
+        17,
+        "it needs at least 16",
+    );
+    only(
+        &with_admin("admin: { token: 0123456789abcdef0123, token_file: /t }\n"),
+        1,
+        51,
+        "both `token` and `token_file`",
+    );
+    only(
+        &with_admin("admin: { open_paths: [/reload] }\n"),
+        1,
+        23,
+        "`/reload` changes the node",
+    );
+    let d = only(
+        &with_admin("admin: { open_paths: [/metric] }\n"),
+        1,
+        23,
+        "unknown admin endpoint `/metric`",
+    );
+    assert!(d.hint.contains("did you mean `/metrics`"), "{}", d.hint);
+    only(
+        &with_admin("admin: { address: unix:/a.sock, mode: 0o666 }\n"),
+        1,
+        39,
+        "lets every local user",
+    );
+    only(
+        &with_admin("admin: { mode: 0o600 }\n"),
+        1,
+        16,
+        "the admin endpoint listens on TCP",
+    );
+    only(
+        &with_admin("admin: { address: unix:run/a.sock }\n"),
+        1,
+        19,
+        "is not absolute",
+    );
+    only(
+        &with_admin("admin: { max_connections: 0 }\n"),
+        1,
+        27,
+        "admin.max_connections is 0",
+    );
+    only(
+        &with_admin("admin: { hosts: [\"a:1\"] }\n"),
+        1,
+        18,
+        "is not a host name",
+    );
+    only(
+        &with_admin("admin: localhost:15000\n"),
+        1,
+        8,
+        "invalid admin address `localhost:15000`",
+    );
+}
+
+#[test]
+fn access_log_queue_and_field_sizes_are_bounded() {
+    let ok =
+        parse(&with_admin("access_log: { path: stderr }\n"), "t").unwrap_or_else(|e| panic!("{e}"));
+    let log = ok.access_log.unwrap_or_else(|| panic!("access_log"));
+    assert_eq!(log.queue_bytes, DEFAULT_ACCESS_LOG_QUEUE_BYTES);
+    assert_eq!(log.max_field_bytes, DEFAULT_ACCESS_LOG_MAX_FIELD_BYTES);
+    only(
+        &with_admin("access_log: { path: stderr, queue_bytes: 10 }\n"),
+        1,
+        42,
+        "access_log.queue_bytes is 10",
+    );
+    only(
+        &with_admin("access_log: { path: stderr, max_field_bytes: 1000000 }\n"),
+        1,
+        46,
+        "access_log.max_field_bytes is 1000000",
+    );
+}

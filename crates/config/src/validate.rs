@@ -25,6 +25,8 @@ pub const MIN_BUFFER_BYTES: usize = 16 * 1024;
 pub const H2_DEFAULT_WINDOW: usize = 65_535;
 /// HTTP/2's largest flow-control window (RFC 9113 §6.9.1).
 pub const MAX_WINDOW: usize = (1 << 31) - 1;
+pub const ACCESS_LOG_QUEUE_BYTES: std::ops::RangeInclusive<usize> = 64 * 1024..=1024 * 1024 * 1024;
+pub const ACCESS_LOG_FIELD_BYTES: std::ops::RangeInclusive<usize> = 64..=64 * 1024;
 
 /// Headers that frame the message or belong to one hop. Letting a route add or
 /// remove them would let config break framing (request smuggling) or hop semantics.
@@ -131,7 +133,37 @@ impl Checker<'_> {
                     "write `stdout`, `stderr` or a file path, or remove `access_log` to log nothing".into(),
                 );
             }
+            for (key, value, range, default) in [
+                (
+                    "access_log.queue_bytes",
+                    log.queue_bytes,
+                    ACCESS_LOG_QUEUE_BYTES,
+                    DEFAULT_ACCESS_LOG_QUEUE_BYTES,
+                ),
+                (
+                    "access_log.max_field_bytes",
+                    log.max_field_bytes,
+                    ACCESS_LOG_FIELD_BYTES,
+                    DEFAULT_ACCESS_LOG_MAX_FIELD_BYTES,
+                ),
+            ] {
+                if !range.contains(&value) {
+                    self.report(
+                        key,
+                        Target::Value,
+                        format!(
+                            "{key} is {value}: it must be between {} and {}",
+                            range.start(),
+                            range.end()
+                        ),
+                        format!("remove the key to use the default, {default}"),
+                    );
+                }
+            }
         }
+        crate::admin::check(&config.admin, &mut |path, message, hint| {
+            self.report(path, Target::Value, message, hint)
+        });
     }
 
     fn limits(&mut self) {
@@ -358,11 +390,16 @@ impl Checker<'_> {
                 ),
                 "give each listener its own port".into(),
             );
-        } else if addresses_clash(config.admin, address) {
+        } else if config
+            .admin
+            .address
+            .tcp()
+            .is_some_and(|admin| addresses_clash(admin, address))
+        {
             self.report(
                 path,
                 Target::Value,
-                format!("listener address {address} clashes with the admin address {}", config.admin),
+                format!("listener address {address} clashes with the admin address {}", config.admin.address),
                 "move the listener to another port, or set `admin:` to another address (default 127.0.0.1:15000)".into(),
             );
         }

@@ -83,6 +83,7 @@ fn main() -> std::process::ExitCode {
         Command::Shm(args) => cmd::shm::run(args),
         Command::Pu(args) => cmd::pu::run(args),
     };
+    cmd::flush_logs();
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {

@@ -139,3 +139,189 @@ async fn check_admin_shows_where_a_running_node_runs_each_rule() {
         out.stderr
     );
 }
+
+/// A reader of the node's stderr that stalls (a pipe nobody reads) while a flood of
+/// warnings comes in (one per failed upstream connect, to 200 different dead endpoints):
+/// the worker that logs them is the one that serves HTTP, and it must keep serving. Logs go
+/// through a bounded queue drained by a writer thread, so the stall costs log lines, never
+/// the worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_stderr_never_stalls_the_worker() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let (admin, web, relay) = (free_addr(), free_addr(), free_addr());
+    let dead: Vec<String> = (0..200).map(|_| free_addr().to_string()).collect();
+    let yaml = format!(
+        "{}  - name: relay\n    address: {relay}\n    protocol: tcp\n    cluster: dead\nclusters:\n  - name: dead\n    endpoints: [ {} ]\n",
+        config(admin, web, "alive"),
+        dead.join(", ")
+    );
+    let dir = TempDir::new();
+    let path = dir.write("node.yaml", &yaml);
+    let mut child = tokio::process::Command::new(flatmesh_bin())
+        .arg("node")
+        .arg("--config")
+        .arg(&path)
+        .env("RUST_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn flatmesh node");
+    // Held open and not read: once 64 KiB are in it, every write to it blocks.
+    let mut stderr = child.stderr.take().expect("stderr pipe");
+    let ready = eventually(READY_TIMEOUT, || async {
+        send(&h1_client(), get_req(&format!("http://{admin}/ready")))
+            .await
+            .is_ok_and(|r| r.status == http::StatusCode::OK)
+    })
+    .await;
+    assert!(ready, "the node did not become ready");
+
+    // The flood: each connection to `relay` makes the worker try three dead endpoints and
+    // warn about each.
+    let flood = tokio::spawn(async move {
+        for _ in 0..30 {
+            let batch: Vec<_> = (0..50)
+                .map(|_| {
+                    tokio::spawn(async move {
+                        if let Ok(mut c) = tokio::net::TcpStream::connect(relay).await {
+                            let _ = c.write_all(b"x").await;
+                            let mut sink = Vec::new();
+                            let _ = tokio::time::timeout(
+                                Duration::from_secs(5),
+                                c.read_to_end(&mut sink),
+                            )
+                            .await;
+                        }
+                    })
+                })
+                .collect();
+            for t in batch {
+                let _ = t.await;
+            }
+        }
+    });
+    // Meanwhile and after, the same (only) worker answers HTTP at once.
+    let client = h1_client();
+    let mut answered = 0;
+    while !flood.is_finished() || answered < 20 {
+        let started = std::time::Instant::now();
+        let resp = tokio::time::timeout(
+            Duration::from_secs(3),
+            send(&client, get_req(&format!("http://{web}/"))),
+        )
+        .await;
+        match resp {
+            Ok(Ok(r)) if r.body == "alive" => answered += 1,
+            other => panic!(
+                "the worker stopped serving while its log reader stalled (after {answered} answers, {:?}): {other:?}",
+                started.elapsed()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    flood.await.expect("flood task");
+    let metrics = send(&h1_client(), get_req(&format!("http://{admin}/metrics")))
+        .await
+        .expect("/metrics while stderr is stalled")
+        .body;
+    let failures: f64 = metric_samples(&metrics, "flatmesh_upstream_connect_failures", &[])
+        .iter()
+        .map(|(_, v)| v)
+        .sum();
+    assert!(failures >= 3000.0, "the flood did not happen:\n{metrics}");
+    let repeated: f64 = metric_samples(
+        &metrics,
+        "flatmesh_log_lines_dropped",
+        &["log=\"process\"", "reason=\"repeated\""],
+    )
+    .iter()
+    .map(|(_, v)| v)
+    .sum();
+    assert!(
+        repeated > 0.0,
+        "repeated warnings were not rate-limited:\n{metrics}"
+    );
+    // The log really did outgrow the pipe: more than its 64 KiB were waiting to be read.
+    let mut logged = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let mut buf = [0u8; 65536];
+        while let Ok(n) = stderr.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            logged.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await;
+    assert!(
+        logged.len() > 65536,
+        "only {} bytes of log: the pipe never filled, so nothing was tested",
+        logged.len()
+    );
+    let _ = child.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_admin_sends_the_token_and_reaches_a_unix_socket() {
+    let web = free_addr();
+    let dir = TempDir::new();
+    let token = dir.write("admin-token", "0123456789abcdef0123456789abcdef\n");
+    let socket = dir.path.join("admin.sock");
+    let yaml = config(free_addr(), web, "one").replacen(
+        "admin: ",
+        &format!(
+            "admin: {{ address: \"unix:{}\", token_file: {} }}\n# was: ",
+            socket.display(),
+            token.display()
+        ),
+        1,
+    );
+    let path = dir.write("node.yaml", &yaml);
+    let mut child = tokio::process::Command::new(flatmesh_bin())
+        .arg("node")
+        .arg("--config")
+        .arg(&path)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn flatmesh node");
+    let admin = format!("unix:{}", socket.display());
+    let up = eventually(READY_TIMEOUT, || async {
+        send(&h1_client(), get_req(&format!("http://{web}/")))
+            .await
+            .is_ok_and(|r| r.body == "one")
+    })
+    .await;
+    assert!(up, "the node did not start");
+    let out = run_flatmesh(
+        &["check", "--explain", "--admin", &admin],
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(out.code, Some(1), "{}", out.all_output());
+    assert!(
+        out.stderr.contains("needs the admin token"),
+        "{}",
+        out.stderr
+    );
+    let token_arg = token.display().to_string();
+    let out = run_flatmesh(
+        &[
+            "check",
+            "--explain",
+            "--admin",
+            &admin,
+            "--admin-token-file",
+            &token_arg,
+        ],
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(out.code, Some(0), "{}", out.all_output());
+    assert!(out.stdout.contains("web"), "{}", out.stdout);
+    let _ = child.kill().await;
+}

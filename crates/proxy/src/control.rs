@@ -188,11 +188,60 @@ impl Shared {
         if state.snapshot.config.kernel != snapshot.config.kernel {
             tracing::warn!("the `kernel:` section changed; which programs are attached changes at the next restart, the maps follow now");
         }
+        if state.snapshot.config.admin.address != snapshot.config.admin.address {
+            tracing::warn!(
+                running = %state.snapshot.config.admin.address,
+                configured = %snapshot.config.admin.address,
+                "`admin.address` changed; the admin endpoint moves at the next restart (its other settings apply now)"
+            );
+        }
+        warn_if_everything_goes(&state.snapshot, &snapshot);
+        self.metrics.retain(&snapshot.series);
         state.snapshot = snapshot;
         if let Some(k) = &self.kernel {
             k.install(&kernel_plan(&state));
         }
         Ok(())
+    }
+}
+
+/// A reload may replace every listener at once (a valid config that means it, say a node
+/// repurposed): it is applied, but said loudly, since a config file cut short by a writer
+/// looks the same. (A file cut so short that it has no listener, or an http listener with
+/// no route, is refused by validation.)
+fn warn_if_everything_goes(old: &Snapshot, new: &Snapshot) {
+    let kept = old
+        .listeners
+        .iter()
+        .filter(|l| new.listeners.iter().any(|n| n.name == l.name))
+        .count();
+    if kept == 0 && !old.listeners.is_empty() {
+        let names = |s: &Snapshot| {
+            s.listeners
+                .iter()
+                .map(|l| l.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        tracing::warn!(
+            removed = %names(old),
+            now = %names(new),
+            "this reload removes every listener the node had; if that was not meant, restore the config file (write it to a temporary file and rename it over the old one)"
+        );
+    }
+    let routes = |s: &Snapshot| {
+        s.listeners
+            .iter()
+            .map(|l| l.route_stats.len())
+            .sum::<usize>()
+    };
+    let (before, after) = (routes(old), routes(new));
+    if before >= 4 && after * 2 < before {
+        tracing::warn!(
+            before,
+            after,
+            "this reload removes more than half of the node's routes"
+        );
     }
 }
 

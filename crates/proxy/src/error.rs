@@ -11,6 +11,12 @@ pub enum ProxyError {
         source: std::io::Error,
     },
 
+    #[error("cannot listen on the admin socket {}: {why}", path.display())]
+    AdminSocket {
+        path: std::path::PathBuf,
+        why: String,
+    },
+
     #[error("config rejected: {0}")]
     Config(String),
 

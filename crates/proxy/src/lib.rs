@@ -33,6 +33,7 @@ mod l7;
 mod lb;
 mod limits;
 mod listener;
+pub mod logging;
 mod metrics;
 mod node;
 mod snapshot;

@@ -6,7 +6,7 @@
 //! Counter families are keyed by their label set in a registry that outlives config
 //! snapshots, so totals survive a reload.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -156,7 +156,54 @@ pub struct ClusterStats {
     pub retries: WorkerCounter,
 }
 
+/// Clients the admin endpoint turned away, by reason.
+pub struct AdminRefused {
+    /// The `Host` header named something else (DNS rebinding).
+    pub host: WorkerCounter,
+    /// The token was needed and missing or wrong.
+    pub token: WorkerCounter,
+    /// `admin.max_connections` were open already.
+    pub busy: WorkerCounter,
+}
+
 type RequestKey = (String, String, String);
+
+/// The series one config snapshot uses. When it takes over, [`Metrics::retain`] drops every
+/// other one, so the routes, clusters and listeners that reloads removed leave `/metrics`
+/// (their cardinality stays that of the config in force).
+#[derive(Default)]
+pub struct Series {
+    requests: HashSet<RequestKey>,
+    listeners: HashSet<String>,
+    clusters: HashSet<String>,
+}
+
+impl Series {
+    /// [`Metrics::requests`], remembered.
+    pub fn requests(
+        &mut self,
+        m: &Metrics,
+        listener: &str,
+        route: &str,
+        cluster: &str,
+    ) -> Arc<RequestStats> {
+        self.requests
+            .insert((listener.to_owned(), route.to_owned(), cluster.to_owned()));
+        m.requests(listener, route, cluster)
+    }
+
+    /// [`Metrics::listener`], remembered.
+    pub fn listener(&mut self, m: &Metrics, name: &str) -> Arc<ListenerStats> {
+        self.listeners.insert(name.to_owned());
+        m.listener(name)
+    }
+
+    /// [`Metrics::cluster`], remembered.
+    pub fn cluster(&mut self, m: &Metrics, name: &str) -> Arc<ClusterStats> {
+        self.clusters.insert(name.to_owned());
+        m.cluster(name)
+    }
+}
 
 /// Every counter family of the node, keyed by label set; lives as long as the node.
 pub struct Metrics {
@@ -168,6 +215,7 @@ pub struct Metrics {
     pub reloads_failed: WorkerCounter,
     /// Connection, fd and memory budgets, and their refusals (`crate::limits`).
     pub budget: Arc<crate::limits::NodeBudget>,
+    pub admin_refused: AdminRefused,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -188,6 +236,11 @@ impl Metrics {
             reloads_ok: WorkerCounter::new(1),
             reloads_failed: WorkerCounter::new(1),
             budget: crate::limits::NodeBudget::new(),
+            admin_refused: AdminRefused {
+                host: WorkerCounter::new(1),
+                token: WorkerCounter::new(1),
+                busy: WorkerCounter::new(1),
+            },
         })
     }
 
@@ -232,6 +285,20 @@ impl Metrics {
                 })
             })
             .clone()
+    }
+
+    /// Keep only the series `keep` uses: a reload drops those of what it removed. Requests
+    /// still in flight on an older snapshot count into their own (now unlisted) counters.
+    pub fn retain(&self, keep: &Series) {
+        self.requests
+            .lock()
+            .retain(|k, _| keep.requests.contains(k));
+        self.listeners
+            .lock()
+            .retain(|k, _| keep.listeners.contains(k));
+        self.clusters
+            .lock()
+            .retain(|k, _| keep.clusters.contains(k));
     }
 
     /// Prometheus text exposition of everything.
@@ -457,6 +524,29 @@ impl Collector for Scrape {
             &reloads,
         )?;
         m.budget.encode(&mut enc)?;
+
+        let refused = [
+            ([("reason", "host")], m.admin_refused.host.sum()),
+            ([("reason", "token")], m.admin_refused.token.sum()),
+            ([("reason", "busy")], m.admin_refused.busy.sum()),
+        ];
+        counter(
+            &mut enc,
+            "flatmesh_admin_refused",
+            "Admin requests or connections refused: a foreign Host, a missing or wrong token, or too many open",
+            &refused,
+        )?;
+
+        let dropped: Vec<_> = crate::logging::dropped()
+            .into_iter()
+            .map(|d| ([("log", d.log), ("reason", d.reason)], d.lines))
+            .collect();
+        counter(
+            &mut enc,
+            "flatmesh_log_lines_dropped",
+            "Log lines left out: the log's reader lagged (queue_full) or a warning repeated (repeated)",
+            &dropped,
+        )?;
         Ok(())
     }
 }
@@ -488,6 +578,30 @@ mod tests {
         );
         assert!(
             text.contains("flatmesh_request_duration_seconds_bucket"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn retain_drops_the_series_a_snapshot_no_longer_uses() {
+        let m = Metrics::new(1);
+        let mut old = Series::default();
+        old.requests(&m, "web", "gone", "api")
+            .record(0, 200, Duration::ZERO);
+        old.requests(&m, "web", "kept", "api")
+            .record(0, 200, Duration::ZERO);
+        old.listener(&m, "old").connections_opened.add(0, 1);
+        old.cluster(&m, "old-cluster").connections.add(0, 1);
+        let mut new = Series::default();
+        new.requests(&m, "web", "kept", "api")
+            .record(0, 200, Duration::ZERO);
+        new.cluster(&m, "api");
+        m.retain(&new);
+        let text = m.encode();
+        assert!(!text.contains("gone") && !text.contains("old"), "{text}");
+        // A kept series keeps its total across the swap.
+        assert!(
+            text.contains(r#"route="kept",cluster="api",status_class="2xx"} 2"#),
             "{text}"
         );
     }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flatmesh_config::Config;
+use flatmesh_config::{AdminAddress, Config};
 use parking_lot::Mutex;
 
 use crate::access_log::AccessLog;
@@ -16,7 +16,7 @@ use crate::context::WorkerView;
 use crate::control::{kernel_plan, Bound, Shared, State};
 pub use crate::control::{ConfigSource, ReloadStatus};
 use crate::error::ProxyError;
-use crate::listener::{bind_admin, bind_group};
+use crate::listener::bind_group;
 use crate::metrics::Metrics;
 use crate::snapshot::Snapshot;
 use crate::upstream::Upstreams;
@@ -28,7 +28,7 @@ const DRAIN: Duration = Duration::from_secs(5);
 /// A running node proxy.
 pub struct Node {
     shared: Arc<Shared>,
-    admin: SocketAddr,
+    admin: AdminAddress,
     control: Option<std::thread::JoinHandle<()>>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
@@ -48,7 +48,7 @@ impl Node {
         let metrics = Metrics::new(workers);
         let snapshot = Arc::new(Snapshot::build(config, 1, &metrics)?);
         let access_log = match &snapshot.config.access_log {
-            Some(a) => AccessLog::open(&a.path).map_err(|e| {
+            Some(a) => AccessLog::open(a).map_err(|e| {
                 ProxyError::Config(format!(
                     "cannot open access log `{}`: {e}; check the path and permissions",
                     a.path
@@ -56,14 +56,7 @@ impl Node {
             })?,
             None => AccessLog::disabled(),
         };
-        let admin_socket = bind_admin(snapshot.config.admin)?;
-        let admin = admin_socket
-            .local_addr()
-            .map_err(|source| ProxyError::Bind {
-                what: "the admin endpoint".into(),
-                address: snapshot.config.admin,
-                source,
-            })?;
+        let (admin_socket, admin) = crate::admin::bind(&snapshot.config.admin)?;
         let mut bound = HashMap::new();
         let mut sockets = Vec::new();
         for l in &snapshot.listeners {
@@ -129,7 +122,7 @@ impl Node {
                 source,
             })?;
         shared.ready.store(true, Ordering::Release);
-        tracing::info!(%admin, workers, "node proxy started");
+        tracing::info!(admin = %admin, workers, "node proxy started");
         Ok(Node {
             shared,
             admin,
@@ -138,8 +131,9 @@ impl Node {
         })
     }
 
-    pub fn admin_addr(&self) -> SocketAddr {
-        self.admin
+    /// Where the admin endpoint listens (with the actual port when the config said 0).
+    pub fn admin_addr(&self) -> &AdminAddress {
+        &self.admin
     }
 
     /// The bound address of listener `name` (useful with port 0).

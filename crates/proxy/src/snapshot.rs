@@ -12,7 +12,7 @@ use http::HeaderName;
 
 use crate::error::ProxyError;
 use crate::lb::HashTable;
-use crate::metrics::{ClusterStats, ListenerStats, Metrics, RequestStats};
+use crate::metrics::{ClusterStats, ListenerStats, Metrics, RequestStats, Series};
 
 pub struct Snapshot {
     pub generation: u64,
@@ -20,6 +20,10 @@ pub struct Snapshot {
     pub program: RuleProgram,
     pub listeners: Vec<ListenerPlan>,
     pub clusters: Vec<ClusterPlan>,
+    /// The metric series this snapshot counts into.
+    pub series: Series,
+    /// The admin token in force (`admin.token`, or read from `admin.token_file`).
+    pub admin_token: Option<String>,
 }
 
 pub struct ListenerPlan {
@@ -58,6 +62,14 @@ impl Snapshot {
     ) -> Result<Snapshot, ProxyError> {
         let program =
             flatmesh_rules::compile(&config).map_err(|e| ProxyError::Rules(e.to_string()))?;
+        let admin_token = match (&config.admin.token, &config.admin.token_file) {
+            (Some(token), _) => Some(token.clone()),
+            (None, Some(path)) => {
+                Some(flatmesh_config::admin::read_token_file(path).map_err(ProxyError::Config)?)
+            }
+            (None, None) => None,
+        };
+        let mut series = Series::default();
         let clusters = config
             .clusters
             .iter()
@@ -92,7 +104,7 @@ impl Snapshot {
                     protocol: c.protocol,
                     hash_header,
                     connect_timeout: c.connect_timeout.unwrap_or(config.limits.connect_timeout),
-                    stats: metrics.cluster(&c.name),
+                    stats: series.cluster(metrics, &c.name),
                 })
             })
             .collect::<Result<Vec<_>, ProxyError>>()?;
@@ -115,7 +127,7 @@ impl Snapshot {
                         .into_iter()
                         .map(|c| {
                             let cname = c.map(|c| clusters[c].name.as_str()).unwrap_or("");
-                            (c, metrics.requests(&l.name, &name, cname))
+                            (c, series.requests(metrics, &l.name, &name, cname))
                         })
                         .collect(),
                 );
@@ -124,9 +136,9 @@ impl Snapshot {
                 name: l.name.clone(),
                 address: l.address,
                 protocol: l.protocol,
-                stats: metrics.listener(&l.name),
+                stats: series.listener(metrics, &l.name),
                 route_stats,
-                no_route_stats: metrics.requests(&l.name, "none", ""),
+                no_route_stats: series.requests(metrics, &l.name, "none", ""),
                 kernel_l7: kernel_l7 == Some(l.name.as_str()),
                 kernel_splice: l.protocol == ListenerProtocol::Tcp && config.kernel_tcp_splice(),
             });
@@ -137,6 +149,8 @@ impl Snapshot {
             program,
             listeners,
             clusters,
+            series,
+            admin_token,
         })
     }
 

@@ -429,3 +429,252 @@ async fn failed_reloads_are_counted() {
     let resp = get(&h1_client(), &format!("http://{}/healthz", s.web), &[]).await;
     assert_eq!(resp.body, "ok");
 }
+
+/// A node with one direct-response route and `admin: {ADMIN}` written as `admin_yaml`
+/// (`{admin}` in it is replaced by a free loopback address).
+fn node_with_admin(admin_yaml: &str) -> (TestNode, SocketAddr) {
+    let (admin, web) = (free_addr(), free_addr());
+    let yaml = format!(
+        r#"
+{admin_section}
+workers: 1
+listeners:
+  - name: web
+    address: {web}
+    protocol: http
+    routes:
+      - name: secret-route
+        match: {{ path: {{ prefix: / }}, headers: [ {{ name: x-api-key, exact: "match-secret-value" }} ] }}
+        direct_response: {{ status: 200, body: "ok" }}
+        request_headers_to_add: {{ authorization: "Bearer upstream-secret-value" }}
+        response_headers_to_add: {{ x-edit: "edit-secret-value" }}
+"#,
+        admin_section = admin_yaml.replace("{admin}", &admin.to_string())
+    );
+    (TestNode::start(&yaml), web)
+}
+
+/// Send `raw` on a new connection to `addr` and read until the server closes (bounded).
+async fn raw_exchange(addr: SocketAddr, raw: &str) -> String {
+    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    conn.write_all(raw.as_bytes()).await.expect("write");
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        conn.read_to_end(&mut answer),
+    )
+    .await;
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+const TOKEN: &str = "0123456789abcdef0123456789abcdef";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_token_is_needed_for_everything_but_ready_and_open_paths() {
+    let (node, _) = node_with_admin(&format!(
+        "admin: {{ address: \"{{admin}}\", token: {TOKEN}, open_paths: [ /metrics ] }}"
+    ));
+    let admin = node.admin;
+    let call = |method: http::Method, path: &str, token: Option<&str>| {
+        let url = format!("http://{admin}{path}");
+        let auth = token.map(|t| format!("Bearer {t}"));
+        async move {
+            let headers: Vec<(&str, &str)> = auth
+                .as_deref()
+                .map(|a| vec![("authorization", a)])
+                .unwrap_or_default();
+            send(&h1_client(), request(method, &url, &headers, ""))
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+        }
+    };
+    use http::Method;
+    for path in ["/config", "/rules", "/listeners"] {
+        let refused = call(Method::GET, path, None).await;
+        assert_eq!(
+            refused.status,
+            StatusCode::UNAUTHORIZED,
+            "{path}: {refused:?}"
+        );
+        assert!(refused.header("www-authenticate").is_some(), "{refused:?}");
+        let wrong = call(Method::GET, path, Some("0123456789abcdef0123456789abcdeX")).await;
+        assert_eq!(wrong.status, StatusCode::UNAUTHORIZED, "{path}");
+        assert_eq!(
+            call(Method::GET, path, Some(TOKEN)).await.status,
+            StatusCode::OK,
+            "{path}"
+        );
+    }
+    assert_eq!(
+        call(Method::GET, "/ready", None).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        call(Method::GET, "/metrics", None).await.status,
+        StatusCode::OK
+    );
+    // Changing the node always needs the token.
+    assert_eq!(
+        call(Method::POST, "/reload", None).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        call(Method::POST, "/reload", Some(TOKEN)).await.status,
+        StatusCode::OK
+    );
+    let metrics = call(Method::GET, "/metrics", None).await.body;
+    let refused: f64 = metric_samples(&metrics, "flatmesh_admin_refused", &["reason=\"token\""])
+        .iter()
+        .map(|(_, v)| v)
+        .sum();
+    assert!(refused >= 7.0, "refusals not counted:\n{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_refuses_a_host_that_does_not_name_it() {
+    let (node, _) =
+        node_with_admin("admin: { address: \"{admin}\", hosts: [ node-1.mesh.internal ] }");
+    let url = format!("http://{}/config", node.admin);
+    for (host, want) in [
+        ("attacker.example", StatusCode::FORBIDDEN),
+        ("attacker.example:15000", StatusCode::FORBIDDEN),
+        ("localhost:15000", StatusCode::OK),
+        ("node-1.mesh.internal", StatusCode::OK),
+    ] {
+        let resp = send(
+            &h1_client(),
+            request(http::Method::GET, &url, &[("host", host)], ""),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(resp.status, want, "Host: {host}: {}", resp.body);
+    }
+    // The client's own Host (the loopback address and port) passes.
+    assert_eq!(node.admin_get("/config").await.0, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_hides_header_values_and_the_token() {
+    let (node, _) = node_with_admin(&format!(
+        "admin: {{ address: \"{{admin}}\", token: {TOKEN} }}"
+    ));
+    let url = format!("http://{}/config", node.admin);
+    let auth = format!("Bearer {TOKEN}");
+    let resp = send(
+        &h1_client(),
+        request(http::Method::GET, &url, &[("authorization", &auth)], ""),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(resp.status, StatusCode::OK, "{}", resp.body);
+    for secret in [
+        TOKEN,
+        "match-secret-value",
+        "upstream-secret-value",
+        "edit-secret-value",
+    ] {
+        assert!(
+            !resp.body.contains(secret),
+            "/config shows {secret}:\n{}",
+            resp.body
+        );
+    }
+    for kept in [
+        "x-api-key",
+        "authorization",
+        "x-edit",
+        "secret-route",
+        "[redacted]",
+    ] {
+        assert!(
+            resp.body.contains(kept),
+            "/config lost {kept}:\n{}",
+            resp.body
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfinished_admin_request_is_cut_off() {
+    let (node, _) = node_with_admin("admin: { address: \"{admin}\", header_read_timeout: 300ms }");
+    let started = std::time::Instant::now();
+    // Half a request head, then silence: the node must not keep the connection for ever.
+    let answer = raw_exchange(node.admin, "GET /config HTTP/1.1\r\nHost: localhost\r\n").await;
+    let waited = started.elapsed();
+    assert!(
+        waited < std::time::Duration::from_secs(3),
+        "an unfinished request head held its admin connection for {waited:?} (answer {answer:?})"
+    );
+    node.assert_alive("after a slow admin client").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_admin_connections_are_capped() {
+    let (node, _) = node_with_admin("admin: { address: \"{admin}\", max_connections: 3 }");
+    // Three idle connections take every slot (they send nothing)...
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        idle.push(
+            tokio::net::TcpStream::connect(node.admin)
+                .await
+                .expect("connect"),
+        );
+    }
+    // ... so the next one is answered "busy" and closed at once, instead of costing an fd
+    // for as long as the client likes.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let answer = raw_exchange(node.admin, "GET /ready HTTP/1.1\r\nHost: localhost\r\n\r\n").await;
+    assert!(
+        answer.starts_with("HTTP/1.1 503"),
+        "a connection over admin.max_connections was served: {answer:?}"
+    );
+    drop(idle);
+    let served = eventually(std::time::Duration::from_secs(3), || async {
+        raw_exchange(
+            node.admin,
+            "GET /ready HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+        )
+        .await
+        .starts_with("HTTP/1.1 200")
+    })
+    .await;
+    assert!(
+        served,
+        "the admin endpoint did not recover once the idle connections closed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_on_a_unix_socket_is_for_its_owner_only() {
+    use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
+    let dir = TempDir::new();
+    let socket = dir.path.join("admin.sock");
+    let web = free_addr();
+    let yaml = format!(
+        "admin: unix:{}\nworkers: 1\nlisteners:\n  - name: web\n    address: {web}\n    protocol: http\n    routes:\n      - direct_response: {{ status: 200 }}\n",
+        socket.display()
+    );
+    let config = flatmesh_config::parse(&yaml, "t.yaml").unwrap_or_else(|e| panic!("{e}"));
+    let node = flatmesh_proxy::Node::start(config.clone(), flatmesh_proxy::ConfigSource::Inline)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let meta = std::fs::metadata(&socket).expect("the socket file exists");
+    assert!(meta.file_type().is_socket());
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    let mut conn = tokio::net::UnixStream::connect(&socket)
+        .await
+        .expect("connect");
+    conn.write_all(b"GET /ready HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .expect("write");
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).await.expect("read");
+    assert!(answer.starts_with("HTTP/1.0 200"), "{answer}");
+    // A second node cannot take a socket that a live node answers on.
+    let second = flatmesh_proxy::Node::start(config, flatmesh_proxy::ConfigSource::Inline);
+    let err = second.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("another process answers on it"), "{err}");
+    std::thread::spawn(move || node.shutdown())
+        .join()
+        .expect("shutdown");
+    assert!(!socket.exists(), "the socket file outlived the node");
+}

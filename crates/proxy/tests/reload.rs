@@ -395,3 +395,153 @@ async fn tcp_connections_survive_a_reload() {
         .expect("fresh echo");
     assert_eq!(&buf, b"fresh");
 }
+
+/// A config whose `/version` route (answering `version`) comes last, after `filler` routes
+/// and after the cluster: any prefix of it cut at a line end before `/version` is still a
+/// valid config, one without that route.
+fn version_last(admin: SocketAddr, web: SocketAddr, app: SocketAddr, version: &str) -> String {
+    let mut yaml = format!(
+        "admin: {admin}\nworkers: 1\nclusters:\n  - name: app\n    endpoints: [ {app} ]\nlisteners:\n  - name: web\n    address: {web}\n    protocol: http\n    routes:\n"
+    );
+    for i in 0..20 {
+        yaml.push_str(&format!(
+            "      - name: filler-{i}\n        match: {{ path: {{ exact: /filler-{i} }} }}\n        direct_response: {{ status: 200, body: \"{version}\" }}\n"
+        ));
+    }
+    yaml.push_str(&format!(
+        "      - name: version\n        match: {{ path: {{ exact: /version }} }}\n        direct_response: {{ status: 200, body: \"{version}\" }}\n"
+    ));
+    yaml
+}
+
+/// The node's count of reloads that ended `result` ("ok" or "failed").
+async fn reloads(proxy: &TestNode, result: &str) -> f64 {
+    let label = format!("result=\"{result}\"");
+    metric_samples(&proxy.metrics().await, "flatmesh_config_reloads", &[&label])
+        .iter()
+        .map(|(_, v)| v)
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_file_written_in_two_steps_is_applied_only_whole() {
+    let app = HttpBackend::start("app", Proto::H1).await;
+    let (admin, web) = (free_addr(), free_addr());
+    let proxy = TestNode::start(&version_last(admin, web, app.addr, "v0"));
+    assert!(wait_for_version(web, "v0", Duration::from_secs(2)).await);
+    let ok_before = reloads(&proxy, "ok").await;
+
+    // Watch /version throughout: it must always answer, first v0 and then v1.
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let client = h1_client();
+            let mut seen = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let answer = body_of(&client, &format!("http://{web}/version")).await;
+                if seen.last() != Some(&answer) {
+                    seen.push(answer);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            seen
+        })
+    };
+
+    // An editor's save caught halfway: the first half (cut at a line end, so it parses and
+    // validates, without the /version route), a pause longer than the old watcher's poll,
+    // then the rest, written in place rather than renamed.
+    let whole = version_last(admin, web, app.addr, "v1");
+    let cut = whole
+        .find("      - name: filler-10\n")
+        .expect("the config has a tenth filler route");
+    assert!(
+        flatmesh_config::parse(&whole[..cut], "half").is_ok(),
+        "the first half must be a valid config for this test to mean anything"
+    );
+    std::fs::write(&proxy.config_path, &whole[..cut]).expect("write the first half");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    {
+        use std::io::Write as _;
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&proxy.config_path)
+            .expect("open for the second half");
+        file.write_all(&whole.as_bytes()[cut..])
+            .expect("write the second half");
+    }
+    assert!(
+        wait_for_version(web, "v1", Duration::from_secs(5)).await,
+        "the whole file was not applied"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let seen = watcher.await.expect("watcher task");
+    let want = [
+        Some((StatusCode::OK, "v0".to_string())),
+        Some((StatusCode::OK, "v1".to_string())),
+    ];
+    assert_eq!(
+        seen, want,
+        "the half-written file was applied: /version went through {seen:?}"
+    );
+    assert_eq!(
+        reloads(&proxy, "ok").await - ok_before,
+        1.0,
+        "expected exactly one reload, of the whole file"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metric_series_of_removed_routes_clusters_and_listeners_are_dropped() {
+    let app = HttpBackend::start("app", Proto::H1).await;
+    let admin = free_addr();
+    // Generation `i`: listener `web-i` with route `route-i` to cluster `app-i`.
+    let generation = |i: usize, web: SocketAddr| {
+        format!(
+            "admin: {admin}\nworkers: 1\nlisteners:\n  - name: web-{i}\n    address: {web}\n    protocol: http\n    routes:\n      - name: route-{i}\n        match: {{ path: {{ prefix: / }} }}\n        cluster: app-{i}\nclusters:\n  - name: app-{i}\n    endpoints: [ {} ]\n",
+            app.addr
+        )
+    };
+    let web = free_addr();
+    let proxy = TestNode::start(&generation(0, web));
+    let client = h1_client();
+    const RELOADS: usize = 40;
+    for i in 0..=RELOADS {
+        if i > 0 {
+            proxy.write_config(&generation(i, web));
+            let (status, body) = proxy.reload().await;
+            assert_eq!(status, StatusCode::OK, "reload {i}: {body}");
+        }
+        let resp = get(&client, &format!("http://{web}/x"), &[]).await;
+        assert_eq!(resp.status, StatusCode::OK, "generation {i}");
+    }
+    let text = proxy.metrics().await;
+    let labelled = |word: &str| {
+        text.lines()
+            .filter(|l| !l.starts_with('#') && l.contains(word))
+            .count()
+    };
+    // Only the last generation's series are left: its listener, route and cluster.
+    for i in 0..RELOADS {
+        for gone in [
+            format!("listener=\"web-{i}\""),
+            format!("route=\"route-{i}\""),
+            format!("cluster=\"app-{i}\""),
+        ] {
+            assert!(!text.contains(&gone), "{gone} is still exported:\n{text}");
+        }
+    }
+    assert!(
+        text.contains(&format!("route=\"route-{RELOADS}\"")),
+        "{text}"
+    );
+    // One generation's series take some 45 lines (the histogram's buckets among them); the
+    // 41 generations would take some 1,800.
+    assert!(
+        labelled("listener=") + labelled("cluster=") < 100,
+        "{} labelled series after {RELOADS} reloads:\n{text}",
+        labelled("listener=") + labelled("cluster=")
+    );
+}

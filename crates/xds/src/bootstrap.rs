@@ -34,7 +34,7 @@ use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
 };
 use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, RegexMatcher, StringMatcher};
 use envoy_types::pb::google::protobuf::{Any, BoolValue, Duration, UInt32Value};
-use flatmesh_config::Config;
+use flatmesh_config::{Admin, AdminAddress, Config};
 use prost::Name;
 use serde_json::{Map, Value};
 
@@ -89,7 +89,7 @@ pub fn empty_config() -> Config {
 /// What a bootstrap says about the node itself, beside its resources.
 #[derive(Debug, Default)]
 pub struct NodeSettings {
-    pub admin: Option<std::net::SocketAddr>,
+    pub admin: Option<Admin>,
     /// The overload manager's `global_downstream_max_connections`: `limits.max_connections`.
     pub max_connections: Option<usize>,
 }
@@ -154,8 +154,7 @@ pub fn bootstrap(value: Value) -> Result<(Resources, NodeSettings)> {
         a.take("access_log_path");
         a.take("access_log");
         if let Some(v) = a.take("address") {
-            let addr = address(v, "admin.address")?;
-            admin = Some(crate::to_model::socket_addr(Some(&addr), "admin.address")?);
+            admin = Some(admin_address(v, "admin.address")?);
         }
         a.finish()?;
     }
@@ -348,6 +347,39 @@ fn parse_duration(s: &str) -> Option<Duration> {
         format!("{fraction:0<9}").parse().ok()?
     };
     Some(Duration { seconds, nanos })
+}
+
+/// Envoy's admin address: a socket address, or a pipe (a Unix socket) with its mode.
+fn admin_address(v: Value, path: &str) -> Result<Admin> {
+    if v.get("pipe").is_none() {
+        let addr = address(v, path)?;
+        return Ok(Admin::from(crate::to_model::socket_addr(
+            Some(&addr),
+            path,
+        )?));
+    }
+    let mut a = Obj::new(v, path)?;
+    let mut p = a
+        .obj("pipe")?
+        .ok_or_else(|| XdsError::resource(path, "needs a socket_address or a pipe"))?;
+    let socket = p
+        .string("path")?
+        .ok_or_else(|| XdsError::resource(p.at("path"), "needs the socket's path"))?;
+    if socket.starts_with('@') {
+        return Err(XdsError::resource(
+            p.at("path"),
+            format!("`{socket}` is an abstract socket, which any local user can reach; give a filesystem path"),
+        ));
+    }
+    // Envoy's mode 0 means "not set": flatmesh's default, owner only, applies.
+    let mode = p.u32("mode")?.filter(|m| *m != 0);
+    p.finish()?;
+    a.finish()?;
+    Ok(Admin {
+        address: AdminAddress::Unix(socket.into()),
+        mode,
+        ..Admin::default()
+    })
 }
 
 fn address(v: Value, path: &str) -> Result<Address> {

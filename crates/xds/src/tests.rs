@@ -320,3 +320,49 @@ fn missing_clusters_answer_503_and_empty_eds_is_allowed() {
     let back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
     assert!(back.cluster("c").unwrap().endpoints.is_empty());
 }
+
+/// A bootstrap with `admin.address` written as `admin_address` and one tcp listener.
+fn with_admin(admin_address: &str) -> String {
+    format!(
+        r#"
+admin: {{ address: {admin_address} }}
+static_resources:
+  listeners:
+  - name: db
+    address: {{ socket_address: {{ address: 127.0.0.1, port_value: 7000 }} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: db
+          cluster: db
+  clusters:
+  - name: db
+    load_assignment:
+      cluster_name: db
+      endpoints: [ {{ lb_endpoints: [ {{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: 5432 }} }} }} }} ] }} ]
+"#
+    )
+}
+
+#[test]
+fn admin_pipe_imports_as_a_unix_socket_with_its_mode() {
+    let config = bootstrap::parse(
+        &with_admin("{ pipe: { path: /run/envoy/admin.sock, mode: 0o660 } }"),
+        "envoy.yaml",
+    )
+    .unwrap();
+    assert_eq!(
+        config.admin.address,
+        model::AdminAddress::Unix("/run/envoy/admin.sock".into())
+    );
+    assert_eq!(config.admin.unix_mode(), 0o660);
+    let e = import_error(&with_admin("{ pipe: { path: \"@admin\" } }"));
+    assert!(e.contains("abstract socket"), "{e}");
+    // Envoy's habit of an admin on every address is not taken silently.
+    let e = import_error(&with_admin(
+        "{ socket_address: { address: 0.0.0.0, port_value: 9901 } }",
+    ));
+    assert!(e.contains("can be reached from other hosts"), "{e}");
+}

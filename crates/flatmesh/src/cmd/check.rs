@@ -2,12 +2,14 @@
 //! rule program, write tier N's image. `flatmesh check --explain --admin ADDR`: the program a
 //! running node runs, with the tiers it actually has.
 
-use std::io::{Read as _, Write as _};
-use std::net::{SocketAddr, TcpStream};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use flatmesh_config::AdminAddress;
 use flatmesh_rules::image::TABLE_ENTRIES;
 
 #[derive(clap::Args)]
@@ -23,10 +25,13 @@ pub struct Args {
     /// with `flatmesh qnp rules eval --image OUT --inputs FILE`).
     #[arg(long, value_name = "OUT")]
     nic_image: Option<PathBuf>,
-    /// Ask the node whose admin endpoint is at ADDR for the program it runs and where each
-    /// rule actually runs on it (its `/rules`), and print that.
+    /// Ask the node whose admin endpoint is at ADDR (IP:PORT or unix:/path) for the program
+    /// it runs and where each rule actually runs on it (its `/rules`), and print that.
     #[arg(long, value_name = "ADDR")]
-    admin: Option<SocketAddr>,
+    admin: Option<AdminAddress>,
+    /// The admin token (`admin.token` / `admin.token_file` of the node), read from FILE.
+    #[arg(long, value_name = "FILE", requires = "admin")]
+    admin_token_file: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -42,8 +47,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         println!("{}: ok", path.display());
     }
-    if let Some(admin) = args.admin {
-        print!("{}", node_rules(admin)?);
+    if let Some(admin) = &args.admin {
+        let token = match &args.admin_token_file {
+            Some(path) => Some(
+                flatmesh_config::admin::read_token_file(path).map_err(|e| anyhow::anyhow!(e))?,
+            ),
+            None => None,
+        };
+        print!("{}", node_rules(admin, token.as_deref())?);
     }
     Ok(())
 }
@@ -86,16 +97,30 @@ fn write_image(program: &flatmesh_rules::RuleProgram, out: &PathBuf) -> anyhow::
 
 /// GET `/rules?format=text` from a node's admin endpoint. A plain HTTP/1.0 exchange with a
 /// std socket: the CLI needs one response and no async runtime or client crate for it.
-fn node_rules(admin: SocketAddr) -> anyhow::Result<String> {
+fn node_rules(admin: &AdminAddress, token: Option<&str>) -> anyhow::Result<String> {
     let timeout = Duration::from_secs(5);
     let what =
         || format!("asking the node at {admin} for /rules; is it running with `admin: {admin}`?");
-    let mut conn = TcpStream::connect_timeout(&admin, timeout).with_context(what)?;
-    conn.set_read_timeout(Some(timeout)).with_context(what)?;
-    conn.set_write_timeout(Some(timeout)).with_context(what)?;
+    let (mut conn, host): (Box<dyn ReadWrite>, String) = match admin {
+        AdminAddress::Tcp(addr) => {
+            let conn = TcpStream::connect_timeout(addr, timeout).with_context(what)?;
+            conn.set_read_timeout(Some(timeout)).with_context(what)?;
+            conn.set_write_timeout(Some(timeout)).with_context(what)?;
+            (Box::new(conn), addr.to_string())
+        }
+        AdminAddress::Unix(path) => {
+            let conn = UnixStream::connect(path).with_context(what)?;
+            conn.set_read_timeout(Some(timeout)).with_context(what)?;
+            conn.set_write_timeout(Some(timeout)).with_context(what)?;
+            (Box::new(conn), "localhost".to_string())
+        }
+    };
+    let authorization = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
     write!(
         conn,
-        "GET /rules?format=text HTTP/1.0\r\nHost: {admin}\r\n\r\n"
+        "GET /rules?format=text HTTP/1.0\r\nHost: {host}\r\n{authorization}\r\n"
     )
     .with_context(what)?;
     let mut response = Vec::new();
@@ -105,8 +130,20 @@ fn node_rules(admin: SocketAddr) -> anyhow::Result<String> {
         format!("{admin} sent no HTTP response; is that the node's admin address?")
     })?;
     let status = head.lines().next().unwrap_or_default();
-    if status.split_whitespace().nth(1) != Some("200") {
-        anyhow::bail!("{admin} answered `{status}` to /rules; is that the node's admin address?");
+    match status.split_whitespace().nth(1) {
+        Some("200") => Ok(body.to_string()),
+        Some("401") if token.is_none() => anyhow::bail!(
+            "{admin} needs the admin token; pass --admin-token-file FILE (the node's admin.token_file)"
+        ),
+        Some("401") => anyhow::bail!(
+            "{admin} refused the admin token; check that --admin-token-file holds the node's current token"
+        ),
+        _ => anyhow::bail!(
+            "{admin} answered `{status}` to /rules; is that the node's admin address?"
+        ),
     }
-    Ok(body.to_string())
 }
+
+/// A connected byte stream, TCP or Unix.
+trait ReadWrite: Read + Write {}
+impl<T: Read + Write> ReadWrite for T {}

@@ -238,7 +238,7 @@ fn proxy_yaml(
         ));
     }
     format!(
-        "# Written by the flatmesh control demo's orchestrator, endpoint version {}.\nadmin: {node_ip}:{ADMIN_PORT}\nworkers: 1\nlisteners:\n  - name: entrance\n    address: {node_ip}:{PROXY_PORT}\n    protocol: http\n    routes:\n{routes}clusters:\n{clusters}",
+        "# Written by the flatmesh control demo's orchestrator, endpoint version {}.\nadmin: {{ address: \"{node_ip}:{ADMIN_PORT}\", allow_remote: true, hosts: [admin] }}\nworkers: 1\nlisteners:\n  - name: entrance\n    address: {node_ip}:{PROXY_PORT}\n    protocol: http\n    routes:\n{routes}clusters:\n{clusters}",
         snap.version
     )
 }

@@ -160,7 +160,7 @@ mod tests {
     #[test]
     fn builtin_config_is_valid_and_has_what_the_demo_needs() -> Result<(), LabError> {
         let config = node_config(&backends())?;
-        assert_eq!(config.admin.port(), 0);
+        assert_eq!(config.admin.address.tcp().map(|a| a.port()), Some(0));
         let names: Vec<_> = config.listeners.iter().map(|l| l.name.as_str()).collect();
         assert_eq!(names, [WEB_LISTENER, ECHO_LISTENER]);
         assert!(config.listeners.iter().all(|l| l.address.port() == 0));

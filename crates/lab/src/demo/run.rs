@@ -103,7 +103,11 @@ pub fn run(options: &Options) -> Result<Report, LabError> {
     let echo = node
         .listener_addr(ECHO_LISTENER)
         .ok_or(LabError::MissingListener(ECHO_LISTENER))?;
-    let admin = node.admin_addr();
+    // The demo's own config puts the admin endpoint on loopback TCP.
+    let admin = node
+        .admin_addr()
+        .tcp()
+        .ok_or_else(|| LabError::NodeStart("the demo's admin endpoint is not on TCP".into()))?;
     eprintln!(
         "flatmesh demo: node proxy up: web http://{web}  echo tcp {echo}  admin http://{admin}/metrics"
     );

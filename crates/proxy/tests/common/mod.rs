@@ -39,7 +39,10 @@ impl TestNode {
         let node = Node::start(config, ConfigSource::File(config_path.clone()))
             .unwrap_or_else(|e| panic!("the node did not start: {e}"));
         TestNode {
-            admin: node.admin_addr(),
+            admin: node
+                .admin_addr()
+                .tcp()
+                .unwrap_or_else(|| panic!("TestNode serves the admin endpoint on TCP")),
             node: Some(node),
             config_path,
             dir,
