@@ -6,7 +6,8 @@
 //!   table ([`lower::kernel`]) and the NIC image ([`lower::nic`], laid out by [`image`]), each
 //!   with what it decides, what it hands on and why; `compile` runs them, and each rule's
 //!   [`Placement`] (its [tier]) is read from their output;
-//! - [`RuleProgram::route`] is the user-tier (U7) executor the proxy calls on every request;
+//! - [`RuleProgram::route`] is the user-tier (U7) executor the proxy calls on every request,
+//!   on the path as the listener's [`PathNormalization`] made it ([`RuleProgram::paths`]);
 //! - [`RuleProgram::explain`] / [`RuleProgram::to_json`] show the program (`check --explain`,
 //!   `/rules`), with the tiers a running node actually has ([`NodeTiers`]).
 //!
@@ -18,6 +19,7 @@ pub mod image;
 mod index;
 pub mod lower;
 pub mod matcher;
+pub mod normalize;
 mod program;
 mod reason;
 mod request;
@@ -30,6 +32,7 @@ pub use error::RulesError;
 pub use index::IndexStats;
 pub use lower::{Lowering, Verdict};
 pub use matcher::RuleMatch;
+pub use normalize::{Normalized, PathNormalization, PathRejection};
 pub use program::{
     compile, ClusterInfo, CompiledRoute, HttpTable, ListenerTable, RouteAction, RuleProgram,
     TableKind, TcpRule,
