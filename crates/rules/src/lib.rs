@@ -38,7 +38,7 @@ pub use program::{
     TableKind, TcpRule,
 };
 pub use reason::Reason;
-pub use request::{strip_port, Headers, Request, Values};
+pub use request::{is_valid_authority, strip_port, Headers, Request, Values};
 pub use runtime::{KernelRuntime, NodeTiers};
 pub use split::WeightedSplit;
 pub use tier::{Placement, Tier, TierSet};

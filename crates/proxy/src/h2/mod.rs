@@ -131,8 +131,9 @@ async fn handle(
             };
             (resp, outcome)
         }
-        Decision::Forward(route, cluster) => {
-            let (parts, body) = req.into_parts();
+        Decision::Forward(route, cluster, path) => {
+            let (mut parts, body) = req.into_parts();
+            crate::l7::decide::set_path(&mut parts.uri, path);
             let failed = Arc::new(AtomicBool::new(false));
             let replayable = body.is_end_stream();
             let body = DownstreamBody {
