@@ -36,6 +36,9 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
         protocol: model::ListenerProtocol::Http,
         routes,
         cluster: None,
+        normalize_path: None,
+        merge_slashes: None,
+        path_with_escaped_slashes_action: None,
     });
     c
 }
