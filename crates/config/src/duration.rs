@@ -4,6 +4,12 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serializer};
 
+/// The longest duration any input may give (YAML, xDS, an Envoy bootstrap): 365 days. Longer
+/// means "never" in practice, and an unbounded one overflows the clock arithmetic of timers.
+pub const MAX: Duration = Duration::from_secs(365 * 24 * 3600);
+/// [`MAX`] in words, for error messages.
+pub const MAX_TEXT: &str = "365 days (8760h)";
+
 /// Parse `250ms`, `2s`, `1.5s`, `1m`, `1h`. A bare number is rejected: units must be explicit.
 /// The result is rounded to whole microseconds.
 pub fn parse(text: &str) -> Result<Duration, String> {
@@ -29,8 +35,13 @@ pub fn parse(text: &str) -> Result<Duration, String> {
             ))
         }
     };
-    if !seconds.is_finite() || !(0.0..=1e9).contains(&seconds) {
+    if !seconds.is_finite() || seconds < 0.0 {
         return Err(format!("duration `{text}` is out of range"));
+    }
+    if seconds > MAX.as_secs_f64() {
+        return Err(format!(
+            "duration `{text}` is out of range: the longest is {MAX_TEXT}"
+        ));
     }
     // Whole microseconds: finer than any timeout needs, and `format` writes it back exactly.
     Ok(Duration::from_micros((seconds * 1e6).round() as u64))
@@ -97,6 +108,10 @@ mod tests {
         assert!(parse("-1s").is_err());
         assert!(parse("1e400s").is_err());
         assert!(parse("99999999999h").is_err_and(|e| e.contains("out of range")));
+        // Anything past 365 days is refused with the limit named; 365 days itself is fine.
+        assert!(parse("8761h").is_err_and(|e| e.contains("longest is 365 days")));
+        assert!(parse("9223372036854775807s").is_err_and(|e| e.contains("365 days")));
+        assert_eq!(parse("8760h"), Ok(MAX));
     }
 
     #[test]

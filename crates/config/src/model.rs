@@ -212,6 +212,20 @@ pub struct Listener {
     /// listener, and a connection cap of its own).
     #[serde(default, skip_serializing_if = "ListenerLimits::is_empty")]
     pub limits: ListenerLimits,
+    /// HTTP listeners: remove dot segments and decode unreserved `%xx` escapes before
+    /// matching and forwarding (Envoy's `normalize_path`). Unset: on when the listener has a
+    /// `direct_response` route (see [`Listener::path_defaults_on`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub normalize_path: Option<bool>,
+    /// HTTP listeners: collapse runs of `/` into one (Envoy's `merge_slashes`). Unset: as
+    /// `normalize_path`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merge_slashes: Option<bool>,
+    /// HTTP listeners: what a path with `%2F` or `%5C` gets (Envoy's
+    /// `path_with_escaped_slashes_action`). Unset: `reject_request` when the listener has a
+    /// `direct_response` route, else `keep_unchanged`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path_with_escaped_slashes_action: Option<EscapedSlashesAction>,
 }
 
 /// A listener's `limits:`: each key set here replaces the node's for this listener's
@@ -272,6 +286,43 @@ impl Limits {
     }
 }
 
+/// What a request path with an escaped slash (`%2F`, `%2f`) or backslash (`%5C`, `%5c`) gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EscapedSlashesAction {
+    /// Matched and forwarded as it came.
+    KeepUnchanged,
+    /// Answered 400.
+    RejectRequest,
+    /// Answered 307 with the path unescaped, so the client asks again with plain slashes.
+    UnescapeAndRedirect,
+    /// Unescaped, then matched and forwarded.
+    UnescapeAndForward,
+}
+
+/// A listener's path normalisation, every option resolved (docs/config.md, "Paths").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PathOptions {
+    pub normalize_path: bool,
+    pub merge_slashes: bool,
+    pub escaped_slashes: EscapedSlashesAction,
+}
+
+impl PathOptions {
+    /// Paths as received: nothing is changed (Envoy's defaults).
+    pub const RAW: PathOptions = PathOptions {
+        normalize_path: false,
+        merge_slashes: false,
+        escaped_slashes: EscapedSlashesAction::KeepUnchanged,
+    };
+    /// What a listener with a deny (`direct_response`) route gets unless it says otherwise.
+    pub const STRICT: PathOptions = PathOptions {
+        normalize_path: true,
+        merge_slashes: true,
+        escaped_slashes: EscapedSlashesAction::RejectRequest,
+    };
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ListenerProtocol {
@@ -307,6 +358,11 @@ pub struct Route {
     pub response_headers_to_add: BTreeMap<String, String>,
     #[serde(default)]
     pub retries: Option<RetryPolicy>,
+    /// Protocol upgrades the route lets through (`Upgrade` header values such as `websocket`,
+    /// compared case-insensitively; Envoy's `upgrade_configs`). A request asking for any other
+    /// upgrade gets 403. After a `101` the connection is a byte tunnel, out of the rules' reach.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub upgrades: Vec<String>,
 }
 
 /// All conditions must hold for a route to match. An empty match matches everything.
@@ -516,6 +572,30 @@ impl Config {
             serde_json::json!({ "error": format!("config could not be serialized: {error}") })
                 .to_string()
         })
+    }
+}
+
+impl Listener {
+    /// Whether the listener has a route that denies (answers itself with `direct_response`):
+    /// then a path that walks around it matters, and path normalisation defaults on.
+    pub fn path_defaults_on(&self) -> bool {
+        self.routes.iter().any(|r| r.direct_response.is_some())
+    }
+
+    /// The listener's path normalisation: each key as set, else its default.
+    pub fn path_options(&self) -> PathOptions {
+        let default = if self.path_defaults_on() {
+            PathOptions::STRICT
+        } else {
+            PathOptions::RAW
+        };
+        PathOptions {
+            normalize_path: self.normalize_path.unwrap_or(default.normalize_path),
+            merge_slashes: self.merge_slashes.unwrap_or(default.merge_slashes),
+            escaped_slashes: self
+                .path_with_escaped_slashes_action
+                .unwrap_or(default.escaped_slashes),
+        }
     }
 }
 

@@ -1090,3 +1090,100 @@ fn access_log_queue_and_field_sizes_are_bounded() {
         "access_log.max_field_bytes is 1000000",
     );
 }
+
+// ---- hardening: durations, paths, upgrades (issue 23) ---------------------------
+
+#[test]
+fn durations_past_365_days_are_refused_with_the_limit_named() {
+    let d = only(
+        &http("      - cluster: api\n        timeout: 9223372036854775807s\n"),
+        7,
+        18,
+        "longest is 365 days",
+    );
+    assert!(d.hint.contains("250ms"), "{}", d.hint);
+    only("limits:\n  request_timeout: 8761h\n", 2, 20, "out of range");
+    assert!(parse(&http("      - cluster: api\n        timeout: 8760h\n"), "t").is_ok());
+    // A config built in code (or translated from xDS) is checked by validation.
+    let mut config = parse(&http("      - cluster: api\n"), "t").unwrap_or_else(|e| panic!("{e}"));
+    config.listeners[0].routes[0].timeout = Some(std::time::Duration::from_secs(i64::MAX as u64));
+    let problems = crate::validate::validate(&config);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0].message.contains("longer than 365 days"),
+        "{}",
+        problems[0]
+    );
+}
+
+#[test]
+fn path_normalisation_defaults_on_only_where_a_route_denies() {
+    let open = parse(&http("      - cluster: api\n"), "t").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(open.listeners[0].path_options(), PathOptions::RAW);
+    let deny = parse(
+        &http("      - match: { path: { prefix: /admin } }\n        direct_response: { status: 403 }\n      - cluster: api\n"),
+        "t",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(deny.listeners[0].path_options(), PathOptions::STRICT);
+    // Each key set wins over the default; the others keep theirs.
+    let text = "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    merge_slashes: false\n    path_with_escaped_slashes_action: unescape_and_redirect\n    routes:\n      - direct_response: { status: 403 }\n";
+    let set = parse(text, "t").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        set.listeners[0].path_options(),
+        PathOptions {
+            normalize_path: true,
+            merge_slashes: false,
+            escaped_slashes: EscapedSlashesAction::UnescapeAndRedirect,
+        }
+    );
+    let back: Config = serde_json::from_str(&set.to_json()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(back, set);
+    // A wrong value names the allowed ones.
+    let d = only(
+        &text.replace("unescape_and_redirect", "redirect"),
+        6,
+        39,
+        "unknown value `redirect`",
+    );
+    assert!(d.hint.contains("unescape_and_redirect"), "{}", d.hint);
+    // tcp listeners read no path.
+    only(
+        &two_tcp("a", "b").replace(
+            "    cluster: db\n  - name: b",
+            "    cluster: db\n    normalize_path: true\n  - name: b",
+        ),
+        6,
+        5,
+        "tcp listener `a` sets `normalize_path`",
+    );
+}
+
+#[test]
+fn upgrades_are_protocol_names_on_forwarding_routes() {
+    let ok = parse(
+        &http("      - cluster: api\n        upgrades: [ websocket, \"foo/2\" ]\n"),
+        "t",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(ok.listeners[0].routes[0].upgrades, ["websocket", "foo/2"]);
+    only(
+        &http("      - cluster: api\n        upgrades: [ \"web socket\" ]\n"),
+        7,
+        21,
+        "`web socket` is not an upgrade protocol name",
+    );
+    let d = only(
+        &http("      - cluster: api\n        upgrades: [ h2c ]\n"),
+        7,
+        21,
+        "`h2c` cannot be listed",
+    );
+    assert!(d.hint.contains("prior knowledge"), "{}", d.hint);
+    only(
+        &http("      - direct_response: { status: 200 }\n        upgrades: [ websocket ]\n"),
+        7,
+        9,
+        "lists `upgrades`",
+    );
+}

@@ -281,6 +281,19 @@ impl Checker<'_> {
                 format!("{path} is zero: a timeout must be longer than zero"),
                 "write a positive duration such as `500ms` or `5s`, or remove the key to use the default".into(),
             );
+        } else if value > crate::duration::MAX {
+            // YAML durations are checked when read; this catches configs built in code or
+            // translated from xDS.
+            self.report(
+                path,
+                Target::Value,
+                format!(
+                    "{path} is {}s: longer than {}, the longest duration flatmesh accepts",
+                    value.as_secs(),
+                    crate::duration::MAX_TEXT
+                ),
+                "write a shorter duration such as `30s` or `1h`".into(),
+            );
         }
     }
 
@@ -449,6 +462,23 @@ impl Checker<'_> {
                 format!("tcp listener `{name}` has routes, which only http listeners use"),
                 "remove `routes`, or set `protocol: http` to route HTTP requests".into(),
             );
+        }
+        for (key, set) in [
+            ("normalize_path", listener.normalize_path.is_some()),
+            ("merge_slashes", listener.merge_slashes.is_some()),
+            (
+                "path_with_escaped_slashes_action",
+                listener.path_with_escaped_slashes_action.is_some(),
+            ),
+        ] {
+            if set {
+                self.report(
+                    format!("{at}.{key}"),
+                    Target::Key,
+                    format!("tcp listener `{name}` sets `{key}`, which only http listeners use"),
+                    "remove it: a tcp listener relays bytes and reads no request path".into(),
+                );
+            }
         }
     }
 
@@ -662,6 +692,7 @@ impl Checker<'_> {
         if let Some(timeout) = route.timeout {
             self.positive_duration(&format!("{at}.timeout"), timeout);
         }
+        self.upgrades(at, route);
         self.route_match(&format!("{at}.match"), &route.matches);
         self.headers_to_add(
             &format!("{at}.request_headers_to_add"),
@@ -697,6 +728,36 @@ impl Checker<'_> {
                     Target::Value,
                     "retries.on is empty, so nothing would be retried".into(),
                     "list at least one of connect-failure, reset, 5xx, gateway-error, or remove `retries`".into(),
+                );
+            }
+        }
+    }
+
+    /// `upgrades`: protocol names (`websocket`, `name/version`), on routes that forward.
+    fn upgrades(&mut self, at: &str, route: &Route) {
+        if !route.upgrades.is_empty() && route.direct_response.is_some() {
+            self.report(
+                format!("{at}.upgrades"),
+                Target::Key,
+                "route answers with `direct_response` but lists `upgrades`".into(),
+                "an upgrade needs an upstream to switch protocols: remove `upgrades`, or forward with `cluster`".into(),
+            );
+        }
+        for (k, protocol) in route.upgrades.iter().enumerate() {
+            let path = format!("{at}.upgrades[{k}]");
+            if protocol.eq_ignore_ascii_case("h2c") {
+                self.report(
+                    path,
+                    Target::Value,
+                    "`h2c` cannot be listed in `upgrades`".into(),
+                    "the proxy drops `Upgrade: h2c` and serves the request as HTTP/1.1 (as Envoy does); HTTP/2 clients connect with prior knowledge".into(),
+                );
+            } else if !is_protocol(protocol) {
+                self.report(
+                    path,
+                    Target::Value,
+                    format!("`{protocol}` is not an upgrade protocol name"),
+                    "write a protocol as an `Upgrade` header names it, e.g. `websocket` (RFC 9110 §7.8: a token, optionally `/version`)".into(),
                 );
             }
         }
@@ -987,6 +1048,22 @@ fn check_host(host: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// An RFC 9110 token: visible ASCII but delimiters.
+fn is_token(text: &str) -> bool {
+    !text.is_empty()
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+/// An `Upgrade` protocol (RFC 9110 §7.8): `name` or `name/version`, both tokens.
+fn is_protocol(text: &str) -> bool {
+    match text.split_once('/') {
+        Some((name, version)) => is_token(name) && is_token(version),
+        None => is_token(text),
+    }
+}
+
 /// The last line of a regex error: the short reason without the caret diagram.
 fn regex_reason(error: &regex::Error) -> String {
     let text = error.to_string();
@@ -1015,6 +1092,9 @@ mod tests {
                 routes: vec![],
                 cluster: Some("nope".into()),
                 limits: ListenerLimits::default(),
+                normalize_path: None,
+                merge_slashes: None,
+                path_with_escaped_slashes_action: None,
             }],
             clusters: vec![],
             kernel: None,

@@ -57,6 +57,10 @@ enum {
 	FM_WHY_HELD = 12,
 	/* The first HEADERS frame did not come within FM_PENDING_MAX bytes / FM_PENDING_CHUNKS. */
 	FM_WHY_PENDING_LIMIT = 13,
+	/* The path is not plain: it has a '%', "//" or a "." or ".." segment. A listener may
+	 * normalise it into another route's path (flatmesh_rules::normalize); only the user tier
+	 * does that, so only it decides such a request. */
+	FM_WHY_NOT_PLAIN = 14,
 };
 
 /* One tier-K route, in rule order; the first entry with kind END ends the table. */
@@ -113,6 +117,9 @@ struct fm_scratch {
 	 * so the verifier checks each callback once instead of once per distinct position. */
 	__u32 pos, end, have_path, have_method, why, regular, seen, pseudo; /* HTTP/2 header-block walk */
 	__u32 n, sp1, sp2, crlf, bad;                /* HTTP/1.1 request-line scan */
+	/* Whether the path is plain (fm_plain_step): bytes of the current segment (capped at 3),
+	 * whether they are all dots, a '/' seen, the query reached, and the verdict. */
+	__u32 seg, dots, slash, inq, notplain;
 	__u32 hit;                                   /* route match */
 	/* Huffman-coded :path / :method found by the field walk, decoded after it. */
 	__u32 hp_pos, hp_len, hp_huff, hm_pos, hm_len, hm_huff;
@@ -217,9 +224,63 @@ static long fm_match_one(__u32 i, void *unused)
 	return 1;
 }
 
+/* One byte of a path (before its '?') through the plain-path check: a '%', an empty
+ * segment ("//") or a "." or ".." segment ends with s->notplain set. Mirrors
+ * flatmesh_rules::normalize::is_plain, which the lowering's reference executor runs. */
+static __always_inline void fm_plain_step(struct fm_scratch *s, __u8 ch)
+{
+	if (ch == '%') {
+		s->notplain = 1;
+	} else if (ch == '/') {
+		if (s->slash && (s->seg == 0 || (s->dots && s->seg <= 2)))
+			s->notplain = 1;
+		s->slash = 1;
+		s->seg = 0;
+		s->dots = 1;
+	} else if (s->slash) {
+		if (s->seg < 3)
+			s->seg++;
+		if (ch != '.')
+			s->dots = 0;
+	}
+}
+
+/* The path has ended: a last segment of "." or ".." is not plain either. */
+static __always_inline void fm_plain_end(struct fm_scratch *s)
+{
+	if (s->slash && s->dots && (s->seg == 1 || s->seg == 2))
+		s->notplain = 1;
+}
+
+static __always_inline void fm_plain_reset(struct fm_scratch *s)
+{
+	s->seg = 0;
+	s->dots = 0;
+	s->slash = 0;
+	s->inq = 0;
+	s->notplain = 0;
+}
+
+/* One byte of s->path per bpf_loop iteration (HTTP/2: the whole path is there). The loop
+ * runs at most FM_PATH_MAX times; the mask below is what the verifier needs (a separate
+ * `i < FM_PATH_MAX` test lets clang drop it). */
+static long fm_plain_byte(__u32 i, void *unused)
+{
+	__u32 zero = 0;
+	struct fm_scratch *s = bpf_map_lookup_elem(&fm_scratch, &zero);
+	if (!s || i >= s->path_len)
+		return 1;
+	fm_plain_step(s, s->path[i & (FM_PATH_MAX - 1)]);
+	return 0;
+}
+
 /* Runs the route table over s->method / s->path, first match wins as in the user tier. */
 static __always_inline void fm_route(struct fm_scratch *s, struct fm_l7_conn *c)
 {
+	if (s->notplain) {
+		fm_fallback(c, FM_WHY_NOT_PLAIN);
+		return;
+	}
 	s->hit = FM_ROUTES_MAX;
 	bpf_loop(FM_ROUTES_MAX, fm_match_one, NULL, 0);
 	__u32 hit = s->hit;
@@ -273,16 +334,28 @@ static long fm_h1_byte(__u32 i, void *unused)
 		return 1;
 	__u8 ch = s->buf[i & (FM_SCAN * 2 - 1)];
 	if (ch == ' ') {
-		if (!s->sp1)
+		if (!s->sp1) {
 			s->sp1 = i;
-		else if (!s->sp2)
+		} else if (!s->sp2) {
 			s->sp2 = i;
+			if (!s->inq)
+				fm_plain_end(s);
+		}
 	} else if (ch == '\r' || ch == '\n') {
 		s->crlf = i;
 		return 1;
 	} else if (ch < 0x21 || ch > 0x7e) {
 		/* Not a valid request-line byte: the user tier would reject it, so must we. */
 		s->bad = 1;
+	} else if (s->sp1 && !s->sp2 && !s->inq) {
+		/* A byte of the request target's path: the whole of it is checked, not only the
+		 * FM_PATH_MAX bytes a prefix entry compares. */
+		if (ch == '?') {
+			s->inq = 1;
+			fm_plain_end(s);
+		} else {
+			fm_plain_step(s, ch);
+		}
 	}
 	return 0;
 }
@@ -295,6 +368,7 @@ static __always_inline void fm_h1(struct fm_scratch *s, __u32 n, struct fm_l7_co
 	s->sp2 = 0;
 	s->crlf = 0;
 	s->bad = 0;
+	fm_plain_reset(s);
 	bpf_loop(FM_SCAN, fm_h1_byte, NULL, 0);
 	__u32 sp1 = s->sp1, sp2 = s->sp2, crlf = s->crlf;
 	if (!crlf) {
@@ -761,6 +835,10 @@ static __always_inline void fm_h2_block(__u32 pos, __u32 end, __u32 partial, str
 			fm_fallback(c, FM_WHY_MALFORMED);
 			return;
 		}
+		/* The whole path (at most FM_PATH_MAX bytes here) is in s->path. */
+		fm_plain_reset(s);
+		bpf_loop(FM_PATH_MAX, fm_plain_byte, NULL, 0);
+		fm_plain_end(s);
 		fm_route(s, c);
 		return;
 	}
@@ -969,6 +1047,7 @@ static __always_inline void fm_decide(struct __sk_buff *skb, struct fm_l7_conn *
 	__builtin_memset(s->path, 0, sizeof(s->path));
 	__builtin_memset(s->method, 0, sizeof(s->method));
 	s->path_len = 0;
+	fm_plain_reset(s);
 	__u32 len = skb->len;
 	/* Bounded wait for the first HEADERS frame (HTTP/1.1 is decided on the first chunk): a
 	 * client that sends that many chunks of other frames first is left to the user tier;

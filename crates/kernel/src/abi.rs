@@ -49,7 +49,7 @@ pub(crate) const WHY_NAMES: [&str; 16] = [
     "peer_gone",
     "held",
     "pending_limit",
-    "",
+    "not_plain",
     "",
 ];
 

@@ -38,6 +38,9 @@ pub enum FallbackReason {
     Protocol,
     /// No first HEADERS frame within the kernel's bound (16 KiB of stream, 64 chunks).
     PendingLimit,
+    /// The path has a `%`, `//` or a dot segment: the listener may normalise it into another
+    /// route's path, which only the user tier does (`flatmesh_rules::normalize::is_plain`).
+    NotPlain,
     Other(u32),
 }
 
@@ -54,6 +57,7 @@ impl FallbackReason {
             8 => FallbackReason::Busy,
             9 => FallbackReason::Protocol,
             13 => FallbackReason::PendingLimit,
+            14 => FallbackReason::NotPlain,
             other => FallbackReason::Other(other),
         }
     }

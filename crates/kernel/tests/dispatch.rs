@@ -717,6 +717,84 @@ fn kernel_answers_equal_the_user_tier_and_fallbacks_are_explicit() {
     tier.detach().unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// Issue 23 item 5: a path that a listener may normalise into another route's path (`//`,
+/// `/./`, `/../`, a trailing `.` or `..` segment, any `%`) is never decided in the kernel,
+/// on HTTP/1.1 or HTTP/2, literal or Huffman-coded; the user tier normalises it, then
+/// matches. A `//` in the query is no concern of the path's.
+#[test]
+fn paths_that_are_not_plain_are_left_to_the_user_tier() {
+    let tier = tier("l7-not-plain");
+    let (l, port) = listener();
+    let long_walk = format!("/api/{}//x", "q".repeat(100));
+    let walks = [
+        "//api/x",
+        "/./api/x",
+        "/a/../api/x",
+        "/api/%78",
+        "/api/x/..",
+        "/api/x/.",
+        "/api/x?q=1/../",
+        long_walk.as_str(),
+    ];
+    for walk in walks {
+        let req = format!("GET {walk} HTTP/1.1\r\n\r\n");
+        let want = if walk.starts_with("/api/x?") {
+            L7Decision::Backend {
+                backend: 1,
+                route_id: 2,
+            }
+        } else {
+            L7Decision::Fallback {
+                reason: FallbackReason::NotPlain,
+                route_id: None,
+            }
+        };
+        assert_eq!(
+            kernel_decision(&tier, &l, port, &[req.as_bytes()]),
+            want,
+            "HTTP/1.1 {walk}"
+        );
+    }
+    let pre = h2_preface_and_settings();
+    for walk in [&b"/api//x"[..], b"/api/./x", b"/x/../api/x", b"/api/%41"] {
+        for huffman in [false, true] {
+            let path = if huffman {
+                huffman::encode(walk)
+            } else {
+                walk.to_vec()
+            };
+            assert_eq!(
+                kernel_decision(&tier, &l, port, &[&pre, &h2_headers(true, &path, huffman)]),
+                L7Decision::Fallback {
+                    reason: FallbackReason::NotPlain,
+                    route_id: None
+                },
+                "HTTP/2 {} (huffman {huffman})",
+                String::from_utf8_lossy(walk)
+            );
+        }
+    }
+    // Plain paths with dots in their segments are decided as before.
+    assert_eq!(
+        kernel_decision(
+            &tier,
+            &l,
+            port,
+            &[b"GET /api/.well-known/x..y HTTP/1.1\r\n\r\n"]
+        ),
+        L7Decision::Backend {
+            backend: 1,
+            route_id: 2
+        }
+    );
+    let st = tier.status().unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        st.to_string().contains("not_plain"),
+        "kernel status names the reason: {st}"
+    );
+    tier.detach().unwrap_or_else(|e| panic!("{e}"));
+}
+
 /// A HEADERS frame shaped like grpc-go's first request: every value Huffman-coded, `:path`
 /// as a literal with incremental indexing of static name 5, and `grpc-timeout` as a literal
 /// with a Huffman-coded *name* (the field that made grpc-go connections fall back before).

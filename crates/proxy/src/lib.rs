@@ -11,7 +11,7 @@
 //! an endpoint and `upstream.rs` a pooled connection → the response streams back.
 //!
 //! Files depend on each other in one direction only: base pieces (`snapshot`, `metrics`,
-//! `lb`, `tap`, `sniff`, `body`, the HTTP/1 framing in `h1/head`, `h1/chunked`, `h1/body`)
+//! `lb`, `tap`, `sniff`, `body`, `trailers`, the HTTP/1 framing in `h1/head`, `h1/chunked`, `h1/body`)
 //! → upstream pools and clients (`h1/pool`, `h1/client`, `h2/client`, `upstream`) and tier K
 //! (`kernel/`) → `context` → the L7 layer (`l7/`) and the L4 relay (`tcp`) → the codecs'
 //! server sides (`h1/conn`, `h2`) → `dispatch` → `worker` → `control` → `admin`, `node`.
@@ -42,6 +42,7 @@ mod tap;
 mod tcp;
 #[cfg(test)]
 mod testing;
+mod trailers;
 mod upstream;
 mod worker;
 
@@ -49,8 +50,10 @@ pub use error::ProxyError;
 pub use node::{ConfigSource, Node};
 
 /// What the fuzz targets in `crates/proxy/fuzz` exercise: the HTTP/1 head analysis and
-/// upstream head writer, and the chunked-body parser. Not an API for anything else.
+/// upstream head writer, the chunked-body parser and the trailer filter. Not an API for
+/// anything else.
 pub mod fuzz {
     pub use crate::h1::chunked::ChunkedParser;
     pub use crate::h1::head::{analyze_request, write_request_head, MAX_HEADERS};
+    pub use crate::trailers::{filter_section, line_goes_on};
 }

@@ -145,6 +145,15 @@ fn contains(hay: &[u8], needle: &str) -> bool {
 }
 
 async fn proxy_to(upstream: SocketAddr, protocol: &str) -> (TestNode, SocketAddr) {
+    proxy_routes(upstream, protocol, "").await
+}
+
+/// As [`proxy_to`], with `routes` (YAML list items, indented by 6) before the catch-all.
+async fn proxy_routes(
+    upstream: SocketAddr,
+    protocol: &str,
+    routes: &str,
+) -> (TestNode, SocketAddr) {
     let (admin, web) = (free_addr(), free_addr());
     let yaml = format!(
         r#"
@@ -155,6 +164,7 @@ listeners:
     address: {web}
     protocol: http
     routes:
+{routes}
       - match: {{ path: {{ prefix: / }} }}
         cluster: up
         response_headers_to_add: {{ x-proxied: "1" }}
@@ -452,7 +462,9 @@ async fn websocket_upgrade_becomes_a_tunnel() {
         }
         let _ = conn.shutdown().await;
     });
-    let (_proxy, web) = proxy_to(upstream, "http1").await;
+    // Upgrades are a route's opt-in (issue 23 item 5): /chat lets WebSocket through.
+    let chat = "      - match: { path: { prefix: /chat } }\n        cluster: up\n        upgrades: [ websocket ]";
+    let (_proxy, web) = proxy_routes(upstream, "http1", chat).await;
     let mut c = connect(web).await;
     c.write_all(b"GET /chat HTTP/1.1\r\nHost: t\r\nConnection: keep-alive, Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\nearly")
         .await
@@ -486,5 +498,145 @@ async fn websocket_upgrade_becomes_a_tunnel() {
     assert_eq!(
         header(&head, "sec-websocket-key"),
         Some("dGhlIHNhbXBsZSBub25jZQ==")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_the_route_does_not_allow_is_403_and_never_reaches_the_upstream() {
+    // Issue 23 item 5: any Upgrade used to become a raw tunnel on a 101, out of the rules'
+    // reach. Without `upgrades` on the route, Envoy's answer: 403.
+    let up = Scripted::start(|_| {
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+            .to_vec()
+    })
+    .await;
+    let (_proxy, web) = proxy_to(up.addr, "http1").await;
+    let mut c = connect(web).await;
+    c.write_all(b"GET /chat HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        .await
+        .unwrap();
+    let (got, closed) = read_until(&mut c, |_| false).await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 403 Forbidden\r\n"), "{text}");
+    assert!(text.contains("list it in the route's `upgrades`"), "{text}");
+    assert!(closed, "the connection closes after a refused upgrade");
+    assert_eq!(
+        up.requests.load(Ordering::SeqCst),
+        0,
+        "the upstream never saw it"
+    );
+    // `Upgrade: h2c` is dropped (as Envoy drops it): the request is served as HTTP/1.1.
+    let up = Scripted::start(|_| b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec()).await;
+    let (_proxy, web) = proxy_to(up.addr, "http1").await;
+    let mut c = connect(web).await;
+    c.write_all(b"GET / HTTP/1.1\r\nHost: t\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
+        .await
+        .unwrap();
+    let (got, _) = read_until(&mut c, response_complete).await;
+    assert!(
+        got.starts_with(b"HTTP/1.1 200 OK\r\n"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+    let head = up.head(0).await;
+    for gone in ["upgrade", "http2-settings", "connection"] {
+        assert_eq!(header(&head, gone), None, "{gone} went upstream: {head}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_trailers_lose_the_fields_no_trailer_may_carry() {
+    // Issue 23 item 9: trailers were forwarded unchecked (NUL, obs-fold, Content-Length, Host).
+    let up = Scripted::start(|_| {
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: x-sum\r\n\r\n5\r\nhello\r\n0\r\nx-sum: 1\r\nContent-Length: 99\r\nHost: evil\r\nx-nul: a\0b\r\nx-fold: a\r\n b\r\nSet-Cookie: s=1\r\n\r\n"
+            .to_vec()
+    })
+    .await;
+    let (_proxy, web) = proxy_to(up.addr, "http1").await;
+    let mut c = connect(web).await;
+    c.write_all(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+        .await
+        .unwrap();
+    let (got, _) = read_until(&mut c, |b| {
+        contains(b, "\r\n0\r\n") && b.ends_with(b"\r\n\r\n")
+    })
+    .await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(
+        text.ends_with("\r\n\r\n5\r\nhello\r\n0\r\nx-sum: 1\r\n\r\n"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_trailers_lose_the_fields_no_trailer_may_carry() {
+    // An upstream that records the whole chunked request body as it arrives.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let upstream = listener.local_addr().expect("addr");
+    let server = tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.expect("accept");
+        // The body ends with the trailer section's empty line, after the last chunk.
+        let (got, _) = read_until(&mut conn, |b| {
+            contains(b, "\r\n0\r\n") && b.ends_with(b"\r\n\r\n")
+        })
+        .await;
+        conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            .await
+            .expect("answer");
+        String::from_utf8_lossy(&got).into_owned()
+    });
+    let (_proxy, web) = proxy_to(upstream, "http1").await;
+    let mut c = connect(web).await;
+    c.write_all(b"POST /up HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nx-sum: 1\r\nHost: evil\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n")
+        .await
+        .unwrap();
+    let (got, _) = read_until(&mut c, response_complete).await;
+    assert!(
+        got.starts_with(b"HTTP/1.1 200 OK\r\n"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+    let seen = server.await.expect("upstream");
+    assert!(
+        seen.ends_with("\r\n\r\n5\r\nhello\r\n0\r\nx-sum: 1\r\n\r\n"),
+        "{seen}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_codings_besides_chunked_reach_the_client() {
+    // Issue 23 item 9: `gzip, chunked` reached the client as `chunked`, its gzip lost.
+    let up = Scripted::start(|n| match n {
+        0 => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n4\r\nGZIP\r\n0\r\n\r\n"
+            .to_vec(),
+        // Close-delimited and gzip-coded: re-chunked for the client, gzip kept.
+        1 => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nGZIP<close>".to_vec(),
+        _ => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n4\r\nGZIP\r\n0\r\n\r\n"
+            .to_vec(),
+    })
+    .await;
+    let (_proxy, web) = proxy_to(up.addr, "http1").await;
+    for _ in 0..2 {
+        let mut c = connect(web).await;
+        c.write_all(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let (got, _) = read_until(&mut c, |b| b.ends_with(b"0\r\n\r\n")).await;
+        let text = String::from_utf8_lossy(&got);
+        assert!(
+            contains(&got, "transfer-encoding: gzip, chunked\r\n"),
+            "{text}"
+        );
+        assert!(text.ends_with("\r\n\r\n4\r\nGZIP\r\n0\r\n\r\n"), "{text}");
+    }
+    // An HTTP/1.0 client can be sent no transfer coding: 502 rather than a body it misreads.
+    let mut c = connect(web).await;
+    c.write_all(b"GET / HTTP/1.0\r\n\r\n").await.unwrap();
+    let (got, _) = read_until(&mut c, |_| false).await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 502 Bad Gateway\r\n"), "{text}");
+    assert!(
+        text.contains("transfer coding other than chunked"),
+        "{text}"
     );
 }

@@ -69,14 +69,15 @@ impl RuleProgram {
                     let s = t.index_stats();
                     let _ = writeln!(
                         out,
-                        "listener {lid} `{}` http {}: {} routes, first match wins; index: {} exact, {} prefix, {} regex, {} any path",
+                        "listener {lid} `{}` http {}: {} routes, first match wins; index: {} exact, {} prefix, {} regex, {} any path; {}",
                         l.name,
                         l.address,
                         t.routes.len(),
                         s.exact,
                         s.prefix,
                         s.regex,
-                        s.any
+                        s.any,
+                        t.paths.describe()
                     );
                     let rows: Vec<_> = t
                         .routes
@@ -291,6 +292,7 @@ impl RuleProgram {
                         "address": l.address.to_string(),
                         "protocol": "http",
                         "index": t.index_stats(),
+                        "paths": t.paths.to_json(),
                         "kernel_entries": (self.kernel().listener == Some(id)).then(|| self.kernel().entries.len()),
                         "nic": {
                             "app_id": nic.app_id,

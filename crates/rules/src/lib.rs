@@ -6,7 +6,8 @@
 //!   table ([`lower::kernel`]) and the NIC image ([`lower::nic`], laid out by [`image`]), each
 //!   with what it decides, what it hands on and why; `compile` runs them, and each rule's
 //!   [`Placement`] (its [tier]) is read from their output;
-//! - [`RuleProgram::route`] is the user-tier (U7) executor the proxy calls on every request;
+//! - [`RuleProgram::route`] is the user-tier (U7) executor the proxy calls on every request,
+//!   on the path as the listener's [`PathNormalization`] made it ([`RuleProgram::paths`]);
 //! - [`RuleProgram::explain`] / [`RuleProgram::to_json`] show the program (`check --explain`,
 //!   `/rules`), with the tiers a running node actually has ([`NodeTiers`]).
 //!
@@ -19,6 +20,7 @@ pub mod image;
 mod index;
 pub mod lower;
 pub mod matcher;
+pub mod normalize;
 mod program;
 mod reason;
 mod request;
@@ -31,12 +33,13 @@ pub use error::RulesError;
 pub use index::IndexStats;
 pub use lower::{Lowering, Verdict};
 pub use matcher::RuleMatch;
+pub use normalize::{Normalized, PathNormalization, PathRejection};
 pub use program::{
     compile, ClusterInfo, CompiledRoute, HttpTable, ListenerTable, RouteAction, RuleProgram,
     TableKind, TcpRule,
 };
 pub use reason::Reason;
-pub use request::{strip_port, Headers, Request, Values};
+pub use request::{is_valid_authority, strip_port, Headers, Request, Values};
 pub use runtime::{KernelRuntime, NodeTiers};
 pub use split::WeightedSplit;
 pub use tier::{Placement, Tier, TierSet};

@@ -16,6 +16,7 @@ use crate::lower::kernel::{KernelLowering, KernelTarget};
 use crate::lower::nic::NicLowering;
 use crate::lower::Lowering;
 use crate::matcher::{HeaderCond, HostMatch, PathCond, Pattern, QueryCond, RuleMatch, ValueMatch};
+use crate::normalize::PathNormalization;
 use crate::reason::Reason;
 use crate::split::WeightedSplit;
 use crate::tier::{Placement, Tier, TierSet};
@@ -70,7 +71,19 @@ pub struct TcpRule {
 #[derive(Debug, Clone)]
 pub struct HttpTable {
     pub routes: Vec<CompiledRoute>,
+    /// What the listener does to a request's path before any tier matches it.
+    pub paths: PathNormalization,
     index: PathIndex,
+}
+
+impl CompiledRoute {
+    /// Whether the route lets a request switch to `protocol` (an `Upgrade` header's value,
+    /// compared case-insensitively as Envoy compares `upgrade_type`).
+    pub fn allows_upgrade(&self, protocol: &[u8]) -> bool {
+        self.upgrades
+            .iter()
+            .any(|u| u.as_bytes().eq_ignore_ascii_case(protocol.trim_ascii()))
+    }
 }
 
 impl HttpTable {
@@ -92,6 +105,8 @@ pub struct CompiledRoute {
     pub request_headers_to_remove: Vec<HeaderName>,
     pub response_headers_to_add: Vec<(HeaderName, HeaderValue)>,
     pub retries: Option<RetryPolicy>,
+    /// Protocol upgrades the route lets through, lower case (`websocket`).
+    pub upgrades: Vec<String>,
     /// Where the rule runs as the config asks (same as `placement.tier`).
     pub tier: Tier,
     /// The match half of the rule, for lowerings, explain and the reference executor.
@@ -155,7 +170,18 @@ impl RuleProgram {
         [&self.nic, &self.kernel]
     }
 
-    /// User-tier (U7) executor: the first route of an http listener whose match holds.
+    /// What listener `listener` does to a request's path before matching it: the path
+    /// [`route`](Self::route) and every lower tier must be given, and the one forwarded.
+    /// Paths as received for a tcp listener or an unknown id.
+    pub fn paths(&self, listener: ListenerId) -> PathNormalization {
+        match self.listeners.get(listener).map(|l| &l.kind) {
+            Some(TableKind::Http(t)) => t.paths,
+            _ => PathNormalization::new(flatmesh_config::PathOptions::RAW),
+        }
+    }
+
+    /// User-tier (U7) executor: the first route of an http listener whose match holds, for a
+    /// request whose path the listener's [`paths`](Self::paths) has normalised.
     /// `None` means no route matched (answer 404), or the listener is not an http listener.
     pub fn route(&self, listener: ListenerId, req: &Request<'_>) -> Option<&CompiledRoute> {
         let TableKind::Http(table) = &self.listeners.get(listener)?.kind else {
@@ -284,7 +310,11 @@ fn compile_http(
             reason,
         }
     })?;
-    Ok(HttpTable { routes, index })
+    Ok(HttpTable {
+        routes,
+        paths: PathNormalization::new(l.path_options()),
+        index,
+    })
 }
 
 fn compile_route(
@@ -324,6 +354,7 @@ fn compile_route(
             .collect::<Result<_, _>>()?,
         response_headers_to_add: header_pairs(&r.response_headers_to_add)?,
         retries: r.retries.clone(),
+        upgrades: r.upgrades.iter().map(|u| u.to_ascii_lowercase()).collect(),
         tier: UNPLACED.tier,
         matches,
         placement: UNPLACED,

@@ -33,6 +33,14 @@ pub enum Reason {
     PathNeverMatches,
     /// A non-empty path that does not start with `/`: only `OPTIONS *` could match it.
     PathNotOrigin,
+    /// The listener normalises paths and this exact path is not normal: no normalised request
+    /// path equals it, so the route never matches.
+    PathNotNormal,
+    /// The listener normalises paths; the image compares the path as received, so it decides
+    /// exact paths only.
+    PathNormalized,
+    /// An exact path with `%`, `//` or a dot segment: tier K decides plain paths only.
+    PathNotPlain,
     Split,
     DirectResponse,
     HeaderRewrite,
@@ -119,6 +127,15 @@ impl std::fmt::Display for Reason {
             Reason::PathNotOrigin => {
                 f.write_str("path does not start with `/`: only `OPTIONS *` could match it")
             }
+            Reason::PathNotNormal => f.write_str(
+                "the listener normalises paths and this one is not normal: no request path matches it",
+            ),
+            Reason::PathNormalized => f.write_str(
+                "the listener normalises paths and the image reads them as received: it decides exact paths only",
+            ),
+            Reason::PathNotPlain => f.write_str(
+                "the kernel decides plain paths only (no `%`, `//` or dot segment), and this one is not",
+            ),
             Reason::Split => f.write_str("weighted split is picked per request by the user tier"),
             Reason::DirectResponse => f.write_str("direct response is answered by the user tier"),
             Reason::HeaderRewrite => f.write_str("header rewrite needs the user tier"),

@@ -88,9 +88,98 @@ pub fn strip_port(host: &str) -> &str {
     }
 }
 
+/// Whether `host` is a valid `Host` value or `:authority` (RFC 9110 §7.2: `uri-host [ ":"
+/// port ]`, RFC 3986 §3.2.2): a registered name (letters, digits, `-._~`, `!$&'()*+,;=` and
+/// `%xx` escapes, which covers IPv4 addresses) or a bracketed IPv6 address, then an optional
+/// port of up to 5 digits. Empty is valid: a request whose target has no authority sends an
+/// empty Host (RFC 9112 §3.2). No user info (`user@`), no spaces, no control bytes.
+pub fn is_valid_authority(host: &str) -> bool {
+    let (name, port) = if let Some(rest) = host.strip_prefix('[') {
+        let Some((ip, after)) = rest.split_once(']') else {
+            return false;
+        };
+        if ip.parse::<std::net::Ipv6Addr>().is_err() {
+            return false;
+        }
+        match after {
+            "" => return true,
+            _ => match after.strip_prefix(':') {
+                Some(port) => ("", port),
+                None => return false,
+            },
+        }
+    } else {
+        match host.split_once(':') {
+            Some((name, port)) => (name, port),
+            None => (host, ""),
+        }
+    };
+    let port_ok = port.len() <= 5 && port.bytes().all(|b| b.is_ascii_digit());
+    let bytes = name.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        if b == b'%' {
+            let hex = |j: usize| bytes.get(j).is_some_and(u8::is_ascii_hexdigit);
+            if !(hex(i + 1) && hex(i + 2)) {
+                return false;
+            }
+            i += 3;
+            continue;
+        }
+        if !(b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=".contains(&b)) {
+            return false;
+        }
+        i += 1;
+    }
+    port_ok
+}
+
 #[cfg(test)]
 mod tests {
-    use super::strip_port;
+    use super::{is_valid_authority, strip_port};
+
+    #[test]
+    fn authorities_follow_rfc_3986() {
+        for good in [
+            "api.local",
+            "api.local:8080",
+            "API.Local:",
+            "10.0.0.1:80",
+            "[::1]",
+            "[::1]:443",
+            "[2001:db8::7]",
+            "xn--bcher-kva.example",
+            "a_b~c!$&'()*+,;=",
+            "%41pi",
+            "",
+        ] {
+            assert!(is_valid_authority(good), "{good:?} is valid");
+        }
+        for bad in [
+            "a b",
+            "a\0b",
+            "user@host",
+            "host:port",
+            "host:123456",
+            "host:1:2",
+            "[::1",
+            "[::1]x",
+            "[nope]",
+            "::1",
+            "a/b",
+            "a?b",
+            "a#b",
+            "a%zz",
+            "a%4",
+            "é.example",
+            "a\tb",
+            "<script>",
+            "a\"b",
+        ] {
+            assert!(!is_valid_authority(bad), "{bad:?} is not valid");
+        }
+    }
 
     #[test]
     fn ports_are_stripped() {

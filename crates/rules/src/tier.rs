@@ -140,7 +140,7 @@ pub(crate) fn place(
             TableKind::Http(table) => {
                 for r in &mut table.routes {
                     let mut eligible = TierSet::of(&[Tier::UserL7]);
-                    if crate::lower::nic::check(r).is_ok() {
+                    if crate::lower::nic::check(r, table.paths).is_ok() {
                         eligible = eligible.with(Tier::Nic);
                     }
                     if crate::lower::kernel::check(r, clusters).is_ok() {

@@ -517,6 +517,28 @@ fn http_connection_manager(o: &mut Obj) -> Result<HttpConnectionManager> {
         });
         h2.finish()?;
     }
+    h.normalize_path = o.bool("normalize_path")?.map(|value| BoolValue { value });
+    h.merge_slashes = o.bool("merge_slashes")?.unwrap_or(false);
+    if let Some(action) = o.string("path_with_escaped_slashes_action")? {
+        h.path_with_escaped_slashes_action =
+            http_connection_manager::PathWithEscapedSlashesAction::from_str_name(&action)
+                .ok_or_else(|| {
+                    XdsError::resource(
+                        o.at("path_with_escaped_slashes_action"),
+                        format!("`{action}` is not one of KEEP_UNCHANGED, REJECT_REQUEST, UNESCAPE_AND_REDIRECT, UNESCAPE_AND_FORWARD"),
+                    )
+                })? as i32;
+    }
+    for (i, v) in o.list("upgrade_configs")?.into_iter().enumerate() {
+        let mut u = Obj::new(v, &o.at(&format!("upgrade_configs[{i}]")))?;
+        h.upgrade_configs
+            .push(http_connection_manager::UpgradeConfig {
+                upgrade_type: u.string("upgrade_type")?.unwrap_or_default(),
+                enabled: u.bool("enabled")?.map(|value| BoolValue { value }),
+                ..Default::default()
+            });
+        u.finish()?;
+    }
     if let Some(rc) = o.take("route_config") {
         h.route_specifier = Some(http_connection_manager::RouteSpecifier::RouteConfig(
             route_configuration(rc, &o.at("route_config"))?,
@@ -771,6 +793,15 @@ fn route_action_of(o: &mut Obj) -> Result<RouteAction> {
         a.cluster_specifier = Some(route_action::ClusterSpecifier::WeightedClusters(wc));
     }
     a.timeout = o.duration("timeout")?;
+    for (i, v) in o.list("upgrade_configs")?.into_iter().enumerate() {
+        let mut u = Obj::new(v, &o.at(&format!("upgrade_configs[{i}]")))?;
+        a.upgrade_configs.push(route_action::UpgradeConfig {
+            upgrade_type: u.string("upgrade_type")?.unwrap_or_default(),
+            enabled: u.bool("enabled")?.map(|value| BoolValue { value }),
+            ..Default::default()
+        });
+        u.finish()?;
+    }
     if let Some(mut r) = o.obj("retry_policy")? {
         a.retry_policy = Some(RetryPolicy {
             retry_on: r.string("retry_on")?.unwrap_or_default(),

@@ -72,7 +72,8 @@ fn ads() -> ConfigSource {
 
 fn duration(d: Duration) -> pbuf::Duration {
     pbuf::Duration {
-        seconds: d.as_secs() as i64,
+        // A valid model's durations are at most 365 days; saturate rather than wrap anyway.
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
         nanos: d.subsec_nanos() as i32,
     }
 }
@@ -178,6 +179,13 @@ fn listener(l: &model::Listener) -> Listener {
                         ..Default::default()
                     }],
                     http2_protocol_options: http2_options(&l.limits),
+                    // Unset keys stay unset, so the node applies its own defaults. proto3
+                    // cannot say `merge_slashes: false`: that is the default too.
+                    normalize_path: l.normalize_path.map(|value| pbuf::BoolValue { value }),
+                    merge_slashes: l.merge_slashes.unwrap_or(false),
+                    path_with_escaped_slashes_action: l
+                        .path_with_escaped_slashes_action
+                        .map_or(0, escaped_slashes),
                     ..Default::default()
                 },
             ))),
@@ -219,6 +227,16 @@ fn http2_options(limits: &model::ListenerLimits) -> Option<Http2ProtocolOptions>
         ..Default::default()
     };
     (options != Http2ProtocolOptions::default()).then_some(options)
+}
+
+fn escaped_slashes(action: model::EscapedSlashesAction) -> i32 {
+    use http_connection_manager::PathWithEscapedSlashesAction as Escaped;
+    (match action {
+        model::EscapedSlashesAction::KeepUnchanged => Escaped::KeepUnchanged,
+        model::EscapedSlashesAction::RejectRequest => Escaped::RejectRequest,
+        model::EscapedSlashesAction::UnescapeAndRedirect => Escaped::UnescapeAndRedirect,
+        model::EscapedSlashesAction::UnescapeAndForward => Escaped::UnescapeAndForward,
+    }) as i32
 }
 
 fn route_configuration(l: &model::Listener, config: &model::Config) -> RouteConfiguration {
@@ -356,6 +374,14 @@ fn route(r: &model::Route, config: &model::Config) -> Route {
     } else {
         let mut a = RouteAction {
             timeout: r.timeout.map(duration),
+            upgrade_configs: r
+                .upgrades
+                .iter()
+                .map(|kind| route_action::UpgradeConfig {
+                    upgrade_type: kind.clone(),
+                    ..Default::default()
+                })
+                .collect(),
             ..Default::default()
         };
         let targets: Vec<&str> = if let Some(split) = &r.split {

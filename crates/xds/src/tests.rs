@@ -266,11 +266,15 @@ listeners:
   - name: web
     address: 127.0.0.1:8080
     protocol: http
+    normalize_path: false
+    merge_slashes: true
+    path_with_escaped_slashes_action: unescape_and_redirect
     routes:
       - name: exact
         match: { path: { exact: /x }, method: GET, headers: [ { name: x-a, prefix: p }, { name: x-b, present: true } ], query: [ { name: q, regex: "a+" } ] }
         cluster: one
         timeout: 3s
+        upgrades: [ websocket ]
         retries: { attempts: 3, on: [ reset, gateway-error ] }
         request_headers_to_add: { x-added: "1" }
         request_headers_to_remove: [ x-secret ]
@@ -365,4 +369,91 @@ fn admin_pipe_imports_as_a_unix_socket_with_its_mode() {
         "{ socket_address: { address: 0.0.0.0, port_value: 9901 } }",
     ));
     assert!(e.contains("can be reached from other hosts"), "{e}");
+}
+
+#[test]
+fn durations_past_365_days_are_refused_by_name() {
+    // Issue 23 item 9: `i64::MAX` seconds from a bootstrap (or xDS) was accepted and panicked
+    // every request on that route.
+    let e = import_error(&example().replace("timeout: 2s", "timeout: 9223372036854775807s"));
+    assert!(
+        e.contains(".timeout") && e.contains("longer than 365 days"),
+        "{e}"
+    );
+    let e =
+        import_error(&example().replace("connect_timeout: 0.25s", "connect_timeout: 31536001s"));
+    assert!(
+        e.contains("connect_timeout") && e.contains("365 days"),
+        "{e}"
+    );
+    // 365 days itself is fine.
+    let config = bootstrap::parse(
+        &example().replace("timeout: 2s", "timeout: 31536000s"),
+        "envoy.yaml",
+    )
+    .unwrap();
+    let web = config.listeners.iter().find(|l| l.name == "web").unwrap();
+    assert_eq!(web.routes[1].timeout, Some(flatmesh_config::duration::MAX));
+    // Straight from xDS: the same check, and nanos of a second or more are not a Duration.
+    let at = "RouteAction.timeout";
+    let huge = envoy_types::pb::google::protobuf::Duration {
+        seconds: i64::MAX,
+        nanos: 0,
+    };
+    let e = crate::to_model::duration(&huge, at)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("365 days"), "{e}");
+    let bad = envoy_types::pb::google::protobuf::Duration {
+        seconds: 1,
+        nanos: 1_000_000_000,
+    };
+    assert!(crate::to_model::duration(&bad, at).is_err());
+}
+
+#[test]
+fn path_normalisation_and_upgrades_import_from_envoy() {
+    let text = example().replace(
+        "          codec_type: AUTO\n",
+        "          codec_type: AUTO\n          normalize_path: true\n          merge_slashes: true\n          path_with_escaped_slashes_action: UNESCAPE_AND_REDIRECT\n          upgrade_configs: [ { upgrade_type: websocket }, { upgrade_type: spdy/3.1, enabled: false } ]\n",
+    ).replace(
+        "route: { cluster: api-v1, timeout: 2s,",
+        "route: { cluster: api-v1, upgrade_configs: [ { upgrade_type: websocket, enabled: false }, { upgrade_type: spdy/3.1 } ], timeout: 2s,",
+    );
+    let config = bootstrap::parse(&text, "envoy.yaml").unwrap();
+    let web = config.listeners.iter().find(|l| l.name == "web").unwrap();
+    assert_eq!(
+        (
+            web.normalize_path,
+            web.merge_slashes,
+            web.path_with_escaped_slashes_action
+        ),
+        (
+            Some(true),
+            Some(true),
+            Some(model::EscapedSlashesAction::UnescapeAndRedirect)
+        )
+    );
+    // Envoy's rule: the route's own upgrade_configs win type by type; the connection
+    // manager's enabled types apply to every other forwarding route.
+    assert_eq!(web.routes[1].upgrades, ["spdy/3.1"]);
+    assert_eq!(web.routes[0].upgrades, ["websocket"]);
+    assert!(
+        web.routes[2].upgrades.is_empty(),
+        "a direct response takes no upgrade"
+    );
+    // Unset keys stay unset: the listener's own defaults apply.
+    let plain = bootstrap::parse(&example(), "envoy.yaml").unwrap();
+    let web = plain.listeners.iter().find(|l| l.name == "web").unwrap();
+    assert_eq!(
+        (
+            web.normalize_path,
+            web.merge_slashes,
+            web.path_with_escaped_slashes_action
+        ),
+        (None, None, None)
+    );
+    assert!(web.routes.iter().all(|r| r.upgrades.is_empty()));
+    let e = import_error(&text.replace("UNESCAPE_AND_REDIRECT", "REDIRECT"));
+    assert!(e.contains("path_with_escaped_slashes_action"), "{e}");
 }

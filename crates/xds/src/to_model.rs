@@ -312,7 +312,24 @@ pub(crate) fn duration(
             "is negative; write a positive duration such as 2s",
         ));
     }
-    Ok(Duration::new(d.seconds as u64, d.nanos as u32))
+    if d.nanos >= 1_000_000_000 {
+        return Err(XdsError::resource(
+            at,
+            "has nanos of a second or more, which is not a valid google.protobuf.Duration",
+        ));
+    }
+    let d = Duration::new(d.seconds as u64, d.nanos as u32);
+    if d > flatmesh_config::duration::MAX {
+        return Err(XdsError::resource(
+            at,
+            format!(
+                "is {}s, longer than {}, the longest duration flatmesh accepts; write a shorter one",
+                d.as_secs(),
+                flatmesh_config::duration::MAX_TEXT
+            ),
+        ));
+    }
+    Ok(d)
 }
 
 /// An IP socket address. flatmesh resolves no DNS names, so a host name is an error.
@@ -452,10 +469,10 @@ fn listener(
                 &format!("{at_filter}.http2_protocol_options"),
             )?;
         }
-        let Some(config) = http_routes(hcm, routes, &at_filter)? else {
+        let Some((config, options)) = http_routes(hcm, routes, &at_filter)? else {
             return Ok(None);
         };
-        let routes = flatten(&config, hash_headers)?;
+        let routes = flatten(&config, &options.upgrades, hash_headers)?;
         Ok(Some(model::Listener {
             name,
             address,
@@ -463,6 +480,9 @@ fn listener(
             routes,
             cluster: None,
             limits,
+            normalize_path: options.normalize_path,
+            merge_slashes: options.merge_slashes,
+            path_with_escaped_slashes_action: options.escaped_slashes,
         }))
     } else if any.type_url == TcpProxy::type_url() {
         let mut tcp: TcpProxy = unpack(any, &at_filter)?;
@@ -501,6 +521,9 @@ fn listener(
             routes: Vec::new(),
             cluster: Some(cluster),
             limits,
+            normalize_path: None,
+            merge_slashes: None,
+            path_with_escaped_slashes_action: None,
         }))
     } else {
         Err(XdsError::resource(
@@ -526,14 +549,62 @@ fn http2_limits(
     reject_rest(&h2, at)
 }
 
-/// The HTTP connection manager's route configuration (inline, or by RDS name).
+/// What an HTTP connection manager says about its listener besides the routes.
+#[derive(Debug, Default)]
+struct HcmOptions {
+    normalize_path: Option<bool>,
+    /// proto3's `false` is unset: the listener's default applies.
+    merge_slashes: Option<bool>,
+    escaped_slashes: Option<model::EscapedSlashesAction>,
+    /// `upgrade_configs`: each type, and whether it is enabled by default.
+    upgrades: Vec<(String, bool)>,
+}
+
+/// The HTTP connection manager's options and route configuration (inline, or by RDS name).
 /// `None` means the RDS resource has not arrived yet.
 fn http_routes(
     mut hcm: HttpConnectionManager,
     routes: &BTreeMap<String, RouteConfiguration>,
     at: &str,
-) -> Result<Option<RouteConfiguration>> {
+) -> Result<Option<(RouteConfiguration, HcmOptions)>> {
+    use http_connection_manager::PathWithEscapedSlashesAction as Escaped;
     hcm.stat_prefix.clear();
+    let mut options = HcmOptions {
+        normalize_path: hcm.normalize_path.take().map(|b| b.value),
+        merge_slashes: take(&mut hcm.merge_slashes).then_some(true),
+        ..HcmOptions::default()
+    };
+    options.escaped_slashes =
+        match Escaped::try_from(take(&mut hcm.path_with_escaped_slashes_action)) {
+            Ok(Escaped::ImplementationSpecificDefault) => None,
+            Ok(Escaped::KeepUnchanged) => Some(model::EscapedSlashesAction::KeepUnchanged),
+            Ok(Escaped::RejectRequest) => Some(model::EscapedSlashesAction::RejectRequest),
+            Ok(Escaped::UnescapeAndRedirect) => {
+                Some(model::EscapedSlashesAction::UnescapeAndRedirect)
+            }
+            Ok(Escaped::UnescapeAndForward) => {
+                Some(model::EscapedSlashesAction::UnescapeAndForward)
+            }
+            Err(_) => {
+                return Err(XdsError::resource(
+                    format!("{at}.path_with_escaped_slashes_action"),
+                    "is not a PathWithEscapedSlashesAction",
+                ))
+            }
+        };
+    for (i, mut u) in take(&mut hcm.upgrade_configs).into_iter().enumerate() {
+        let here = format!("{at}.upgrade_configs[{i}]");
+        let kind = take(&mut u.upgrade_type);
+        let enabled = u.enabled.take().is_none_or(|b| b.value);
+        if !u.filters.is_empty() {
+            return Err(XdsError::resource(
+                format!("{here}.filters"),
+                "is not supported: an upgraded connection is a byte tunnel in flatmesh; remove it",
+            ));
+        }
+        reject_rest(&u, &here)?;
+        options.upgrades.push((kind, enabled));
+    }
     if !matches!(hcm.codec_type, 0..=2) {
         return Err(XdsError::resource(
             format!("{at}.codec_type"),
@@ -588,7 +659,7 @@ fn http_routes(
         }
     };
     reject_rest(&hcm, at)?;
-    Ok(Some(config))
+    Ok(Some((config, options)))
 }
 
 /// A virtual host's domain, ranked: exact names first, then `*.suffix` by length, then `*`.
@@ -618,7 +689,13 @@ fn domain(d: &str, at: &str) -> Result<Domain> {
     }
 }
 
-fn flatten(rc: &RouteConfiguration, hash_headers: &mut Vec<HashUse>) -> Result<Vec<model::Route>> {
+/// A route configuration as one ordered list of routes; `upgrades` are the connection
+/// manager's `upgrade_configs` (type, enabled), which a route's own override.
+fn flatten(
+    rc: &RouteConfiguration,
+    upgrades: &[(String, bool)],
+    hash_headers: &mut Vec<HashUse>,
+) -> Result<Vec<model::Route>> {
     let at = format!("RouteConfiguration \"{}\"", rc.name);
     let mut rest = rc.clone();
     let vhosts = take(&mut rest.virtual_hosts);
@@ -638,6 +715,7 @@ fn flatten(rc: &RouteConfiguration, hash_headers: &mut Vec<HashUse>) -> Result<V
             translated.push(self::route(
                 route,
                 &format!("{at_vh}.routes[{r}]"),
+                upgrades,
                 hash_headers,
             )?);
         }
@@ -700,12 +778,14 @@ fn not_found(host: Option<String>) -> model::Route {
         request_headers_to_remove: Vec::new(),
         response_headers_to_add: BTreeMap::new(),
         retries: None,
+        upgrades: Vec::new(),
     }
 }
 
 fn route(
     r: &envoy_types::pb::envoy::config::route::v3::Route,
     at: &str,
+    upgrades: &[(String, bool)],
     hash_headers: &mut Vec<HashUse>,
 ) -> Result<model::Route> {
     let mut rest = r.clone();
@@ -725,9 +805,13 @@ fn route(
     )?;
     out.request_headers_to_remove = take(&mut rest.request_headers_to_remove);
     match rest.action.take() {
-        Some(route::Action::Route(action)) => {
-            route_action(action, &mut out, &format!("{at}.route"), hash_headers)?
-        }
+        Some(route::Action::Route(action)) => route_action(
+            action,
+            &mut out,
+            &format!("{at}.route"),
+            upgrades,
+            hash_headers,
+        )?,
         Some(route::Action::DirectResponse(dr)) => {
             let at_dr = format!("{at}.direct_response");
             let mut dr_rest = dr.clone();
@@ -933,8 +1017,35 @@ fn route_action(
     mut a: envoy_types::pb::envoy::config::route::v3::RouteAction,
     out: &mut model::Route,
     at: &str,
+    upgrades: &[(String, bool)],
     hash_headers: &mut Vec<HashUse>,
 ) -> Result<()> {
+    // Envoy's rule: the route's own `upgrade_configs` win, type by type; a type the route
+    // does not name is allowed where the connection manager enables it.
+    let mut allowed: Vec<String> = upgrades
+        .iter()
+        .filter(|(_, enabled)| *enabled)
+        .map(|(kind, _)| kind.to_ascii_lowercase())
+        .collect();
+    for (i, mut u) in take(&mut a.upgrade_configs).into_iter().enumerate() {
+        let here = format!("{at}.upgrade_configs[{i}]");
+        let kind = take(&mut u.upgrade_type).to_ascii_lowercase();
+        let enabled = u.enabled.take().is_none_or(|b| b.value);
+        if u.connect_config.is_some() {
+            return Err(XdsError::resource(
+                format!("{here}.connect_config"),
+                "is not supported: flatmesh does not terminate CONNECT; use a tcp listener for tunnels",
+            ));
+        }
+        reject_rest(&u, &here)?;
+        allowed.retain(|k| *k != kind);
+        if enabled {
+            allowed.push(kind);
+        }
+    }
+    allowed.sort();
+    allowed.dedup();
+    out.upgrades = allowed;
     match a.cluster_specifier.take() {
         Some(route_action::ClusterSpecifier::Cluster(c)) => out.cluster = Some(c),
         Some(route_action::ClusterSpecifier::WeightedClusters(mut w)) => {

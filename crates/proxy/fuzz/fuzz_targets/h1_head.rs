@@ -44,9 +44,23 @@ fuzz_target!(|data: &[u8]| {
     let Ok(httparse::Status::Complete(_)) = req.parse(data) else {
         return;
     };
-    let Ok(info) = analyze_request(&req) else {
+    let Ok(mut info) = analyze_request(&req) else {
         return;
     };
+    // A host that gets through is `host[:port]` (issue 23: garbage Host values went on).
+    if let Some(host) = info.host {
+        assert!(flatmesh_rules::is_valid_authority(host), "host {host:?} went on");
+    }
+    // The path as a listener with a deny route normalises it: what is written upstream.
+    let strict = flatmesh_rules::PathNormalization::new(flatmesh_config::PathOptions::STRICT);
+    let normalized = match strict.apply(&info.path) {
+        Ok(flatmesh_rules::Normalized::Path(p)) => Some(p.into_owned()),
+        _ => None,
+    };
+    if let Some(p) = &normalized {
+        assert!(strict.is_normal(p), "{p:?} is not normal");
+        info.path = p.clone().into();
+    }
     let mut out = Vec::new();
     write_request_head(&mut out, &req, &info, route(), b"127.0.0.1", "127.0.0.1:2");
     let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS + 8];
@@ -60,4 +74,6 @@ fuzz_target!(|data: &[u8]| {
     }
     let reparsed = analyze_request(&again).expect("the upstream head is acceptable");
     assert_eq!(reparsed.framing, info.framing, "framing changed on the way");
+    assert_eq!(reparsed.path, info.path, "the path written is the path matched");
+    assert_eq!(reparsed.upgrade, info.upgrade, "an upgrade appeared or vanished");
 });

@@ -34,7 +34,8 @@ pub enum RelayError {
     Source(io::Error),
     /// The source's chunked framing is malformed.
     Framing(ChunkError),
-    /// The sink failed (closed, reset, or a body channel whose receiver went away).
+    /// The sink failed (closed, reset, a body channel whose receiver went away), or took
+    /// nothing for the idle timeout.
     Sink(io::Error),
 }
 
@@ -49,6 +50,23 @@ pub struct WriteSink<'w, W>(pub &'w mut W);
 impl<W: AsyncWrite + Unpin + Send> Sink for WriteSink<'_, W> {
     async fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
         self.0.write_all(bytes).await
+    }
+}
+
+/// A sink that marks `progress` (with `false`) after each piece it passes on: the retry
+/// driver waits for a request body that keeps moving before it starts the route's timeout.
+pub struct Watched<'p, S> {
+    pub sink: S,
+    pub progress: Option<&'p tokio::sync::watch::Sender<bool>>,
+}
+
+impl<S: Sink + Send> Sink for Watched<'_, S> {
+    async fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.sink.send(bytes).await?;
+        if let Some(progress) = self.progress {
+            progress.send_replace(false);
+        }
+        Ok(())
     }
 }
 
@@ -120,8 +138,8 @@ pub async fn relay<R: AsyncRead + Unpin>(
             let take = (buf.len() as u64).min(left) as usize;
             if take > 0 {
                 if out.is_empty() || take > COALESCE {
-                    flush(sink, &mut out).await?;
-                    sink.send(&buf[..take]).await.map_err(RelayError::Sink)?;
+                    flush(sink, &mut out, idle).await?;
+                    send(sink, &buf[..take], idle).await?;
                 } else {
                     out.extend_from_slice(&buf[..take]);
                 }
@@ -131,7 +149,7 @@ pub async fn relay<R: AsyncRead + Unpin>(
             if left == 0 {
                 break;
             }
-            flush(sink, &mut out).await?;
+            flush(sink, &mut out, idle).await?;
             read_more(src, buf, idle)
                 .await
                 .map_err(RelayError::Source)?;
@@ -147,10 +165,15 @@ pub async fn relay<R: AsyncRead + Unpin>(
                 }
                 .map_err(RelayError::Framing)?;
                 if encode != Encode::Dechunk {
-                    out.extend_from_slice(&input[..progress.consumed]);
+                    // The chunks as they came; the trailer section only with the fields
+                    // that may be trailers (`crate::trailers`).
+                    out.extend_from_slice(&input[..progress.framed]);
+                    if progress.done {
+                        crate::trailers::filter_section(parser.trailer_section(), &mut out);
+                    }
                 }
                 buf.advance(progress.consumed);
-                flush(sink, &mut out).await?;
+                flush(sink, &mut out, idle).await?;
                 if progress.done {
                     break;
                 }
@@ -170,7 +193,7 @@ pub async fn relay<R: AsyncRead + Unpin>(
                 }
                 buf.clear();
             }
-            flush(sink, &mut out).await?;
+            flush(sink, &mut out, idle).await?;
             match read_more(src, buf, idle).await {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
@@ -183,12 +206,24 @@ pub async fn relay<R: AsyncRead + Unpin>(
             }
         },
     }
-    flush(sink, &mut out).await
+    flush(sink, &mut out, idle).await
 }
 
-async fn flush(sink: &mut impl Sink, out: &mut Vec<u8>) -> Result<(), RelayError> {
+/// Sends `bytes`; a sink that takes none of them for `idle` (a peer that stopped reading)
+/// fails the relay, as a source that sends nothing for `idle` does.
+async fn send(sink: &mut impl Sink, bytes: &[u8], idle: Duration) -> Result<(), RelayError> {
+    match tokio::time::timeout(idle, sink.send(bytes)).await {
+        Ok(sent) => sent.map_err(RelayError::Sink),
+        Err(_) => Err(RelayError::Sink(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "the receiver took no body bytes within the idle timeout",
+        ))),
+    }
+}
+
+async fn flush(sink: &mut impl Sink, out: &mut Vec<u8>, idle: Duration) -> Result<(), RelayError> {
     if !out.is_empty() {
-        sink.send(out).await.map_err(RelayError::Sink)?;
+        send(sink, out, idle).await?;
         out.clear();
     }
     Ok(())
@@ -267,6 +302,17 @@ mod tests {
             .expect("valid chunked");
         assert!(p.done && p.consumed == body.len());
         assert_eq!(data, b"abcdefg");
+    }
+
+    #[tokio::test]
+    async fn trailers_go_on_without_the_fields_no_trailer_may_carry() {
+        let chunked = b"5\r\nhello\r\n0\r\nx-sum: 1\r\nContent-Length: 99\r\nHost: evil\r\nx-nul: a\0b\r\nx-fold: a\r\n\tb\r\n\r\nNEXT";
+        let (out, rest) = run(chunked, Framing::Chunked, Encode::AsIs).await;
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "HEAD|5\r\nhello\r\n0\r\nx-sum: 1\r\n\r\n"
+        );
+        assert_eq!(rest, b"NEXT");
     }
 
     #[tokio::test]

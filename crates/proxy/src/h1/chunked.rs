@@ -4,6 +4,9 @@
 //! find where the body ends and to refuse malformed framing (a bad chunk size is a request
 //! smuggling shape: the message must be rejected, never guessed at). It can also report the
 //! data bytes, for the few cases where the body has to be decoded (an HTTP/1.0 client).
+//! The trailer section is not passed through as it came: the parser keeps it
+//! ([`ChunkedParser::trailer_section`]) so that the relay sends on only the fields that may
+//! be trailers (`crate::trailers`).
 //!
 //! It is strict where leniency would let two parsers disagree about the message end:
 //! chunk-size lines and chunk data end with CRLF, never a bare LF; sizes are hex digits only,
@@ -67,6 +70,9 @@ enum State {
 pub struct Progress {
     /// Input bytes that belong to the body (all of them unless the body ended).
     pub consumed: usize,
+    /// The first `framed` of them are chunks (sizes, data, the last chunk's line), to be
+    /// passed on as they came; the rest are trailer section, kept by the parser.
+    pub framed: usize,
     /// The body's last byte was among them.
     pub done: bool,
 }
@@ -77,7 +83,8 @@ pub struct ChunkedParser {
     size: u64,
     digits: usize,
     line: usize,
-    trailers: usize,
+    /// The trailer section read so far (at most MAX_TRAILERS bytes), final CRLF included.
+    trailers: Vec<u8>,
 }
 
 impl Default for ChunkedParser {
@@ -93,12 +100,25 @@ impl ChunkedParser {
             size: 0,
             digits: 0,
             line: 0,
-            trailers: 0,
+            trailers: Vec::new(),
         }
     }
 
     pub fn is_done(&self) -> bool {
         self.state == State::Done
+    }
+
+    /// The trailer section as it came (every byte after the last chunk's line, the final
+    /// empty line included); whole once the body is done.
+    pub fn trailer_section(&self) -> &[u8] {
+        &self.trailers
+    }
+
+    fn in_trailers(&self) -> bool {
+        matches!(
+            self.state,
+            State::TrailerStart | State::TrailerLine | State::TrailerLf | State::EndLf
+        )
     }
 
     /// Parses as much of `input` as belongs to the body. `on_data` receives the ranges of
@@ -110,8 +130,13 @@ impl ChunkedParser {
         mut on_data: impl FnMut(Range<usize>),
     ) -> Result<Progress, ChunkError> {
         let mut i = 0;
+        // Where the trailer section starts in this input, once it has.
+        let mut framed = if self.in_trailers() { Some(0) } else { None };
         while i < input.len() {
             let b = input[i];
+            if framed.is_none() && self.in_trailers() {
+                framed = Some(i);
+            }
             match self.state {
                 State::Size => match hex(b) {
                     Some(d) if self.digits < MAX_SIZE_DIGITS => {
@@ -193,14 +218,17 @@ impl ChunkedParser {
                         return Err(ChunkError::MissingCrlf);
                     }
                     self.state = State::Done;
+                    self.trailers.push(b);
                     return Ok(Progress {
                         consumed: i + 1,
+                        framed: framed.unwrap_or(i),
                         done: true,
                     });
                 }
                 State::Done => {
                     return Ok(Progress {
                         consumed: i,
+                        framed: framed.unwrap_or(i),
                         done: true,
                     })
                 }
@@ -212,11 +240,14 @@ impl ChunkedParser {
                         return Err(ChunkError::SizeLineTooLong);
                     }
                 }
-                State::TrailerStart | State::TrailerLine | State::TrailerLf | State::EndLf => {
-                    self.trailers += 1;
-                    if self.trailers > MAX_TRAILERS {
+                // The byte just read belongs to the trailer section.
+                State::TrailerStart | State::TrailerLine | State::TrailerLf | State::EndLf
+                    if framed.is_some() =>
+                {
+                    if self.trailers.len() >= MAX_TRAILERS {
                         return Err(ChunkError::TrailersTooLong);
                     }
+                    self.trailers.push(b);
                 }
                 _ => {}
             }
@@ -224,6 +255,7 @@ impl ChunkedParser {
         }
         Ok(Progress {
             consumed: input.len(),
+            framed: framed.unwrap_or(input.len()),
             done: self.state == State::Done,
         })
     }

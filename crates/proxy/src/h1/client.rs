@@ -111,6 +111,10 @@ async fn read_answer(
         };
         let info = head::analyze_response(&resp, parts.method == Method::HEAD)
             .map_err(UpstreamError::invalid)?;
+        // HTTP/2 has no transfer codings: a `gzip, chunked` body cannot go on as it is.
+        if info.has_codings() {
+            return Err(UpstreamError::invalid(head::CODINGS_NEED_HTTP11));
+        }
         let mut builder = Response::builder().status(info.status);
         if let Some(headers) = builder.headers_mut() {
             for h in resp.headers.iter() {

@@ -20,9 +20,9 @@ use http::{HeaderName, HeaderValue, Method, Response, StatusCode};
 use http_body::Body as _;
 use http_body_util::BodyExt;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
-use super::body::{self, ChannelSink, DiscardSink, Encode, RelayError, WriteSink};
+use super::body::{self, ChannelSink, DiscardSink, Encode, RelayError, Watched, WriteSink};
 use super::head::{self, Framing, Refusal, MAX_HEADERS};
 use super::pool::{self, H1Pool, HeadState, UpstreamConn};
 use crate::body::{empty, BoxError, UpstreamBody};
@@ -356,14 +356,14 @@ fn prepare<'v>(
             .enabled()
             .then(|| (method_text.to_owned(), req.path.unwrap_or("").to_owned())),
     };
-    let info = match head::analyze_request(&req) {
+    let mut info = match head::analyze_request(&req) {
         Ok(info) => info,
         Err(refusal) => return Ok(Some((head_len, exchange, Action::Refuse(refusal)))),
     };
     exchange.framing = info.framing;
     exchange.keep_alive = info.keep_alive;
     exchange.expect_continue = info.expect_continue;
-    exchange.upgrade = info.upgrade;
+    exchange.upgrade = info.upgrade.is_some();
     let Some(lid) = listener else {
         return Ok(Some((
             head_len,
@@ -382,13 +382,27 @@ fn prepare<'v>(
     let meta = flatmesh_rules::Request {
         method: &method,
         host: info.host,
-        path: info.path,
+        path: &info.path,
         query: info.query,
         headers,
     };
     let action = match decide(snap, lid, &meta, false, || info.target()) {
         Decision::Reply(route, resp) => Action::Reply(route, resp),
-        Decision::Forward(route, cluster) => {
+        Decision::Forward(route, _, _)
+            if info
+                .upgrade
+                .is_some_and(|p| !route.allows_upgrade(p.as_bytes())) =>
+        {
+            // Envoy's answer to an upgrade its route does not allow. The client may already
+            // be sending the new protocol's bytes: the connection closes after the answer.
+            exchange.keep_alive = false;
+            exchange.upgrade = false;
+            Action::Reply(Some(route), upgrade_refused(route, info.upgrade))
+        }
+        Decision::Forward(route, cluster, path) => {
+            if let Some(path) = path {
+                info.path = path.into();
+            }
             let plan = &snap.clusters[cluster];
             match &view.upstreams.by_cluster[cluster].pool {
                 Pool::Http1(pool) => {
@@ -423,6 +437,19 @@ fn prepare<'v>(
     };
     exchange.listener = lid;
     Ok(Some((head_len, exchange, action)))
+}
+
+/// 403 for an upgrade to `protocol` that `route` does not list in `upgrades`.
+fn upgrade_refused(route: &CompiledRoute, protocol: Option<&str>) -> Response<ResponseBody> {
+    text_response(
+        StatusCode::FORBIDDEN,
+        format!(
+            "forbidden: route `{}` does not allow the upgrade to `{}`; list it in the route's `upgrades` to let it through\n",
+            route.name,
+            protocol.unwrap_or_default().escape_debug()
+        ),
+        true,
+    )
 }
 
 /// The request as hyper's client wants it, for an HTTP/2 cluster.
@@ -652,7 +679,7 @@ async fn forward<S: AsyncRead + AsyncWrite + Unpin + Send>(
     let upstream = &view.upstreams.by_cluster[cluster];
     // A body can be sent only once; requests without one may be sent again.
     let replayable = exchange.framing == Framing::Empty;
-    let retry = Retry::new(
+    let mut retry = Retry::new(
         route,
         plan,
         upstream,
@@ -661,6 +688,13 @@ async fn forward<S: AsyncRead + AsyncWrite + Unpin + Send>(
         replayable,
         limits.request_timeout,
     );
+    // A body still to relay: the route's timeout starts once it is through.
+    let mut uploaded = None;
+    if !replayable {
+        let (sender, watched) = watch::channel(false);
+        retry = retry.timed_from_upload(watched, limits.idle_timeout);
+        uploaded = Some(sender);
+    }
     let mut codec = H1Try {
         ctx,
         client: &mut *client,
@@ -670,6 +704,7 @@ async fn forward<S: AsyncRead + AsyncWrite + Unpin + Send>(
         plan,
         head: &head,
         limits,
+        uploaded: uploaded.as_ref(),
     };
     let sent = retry.drive(&mut codec).await;
     let done = |status: u16, upstream, close| Done {
@@ -712,6 +747,8 @@ struct H1Try<'a, 'v, S> {
     /// The upstream request head, written once for every try.
     head: &'a [u8],
     limits: &'a Limits,
+    /// Where the relay of the request body reports its progress (`l7::retry`).
+    uploaded: Option<&'a watch::Sender<bool>>,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin + Send> Attempt for H1Try<'_, '_, S> {
@@ -735,21 +772,28 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> H1Try<'_, '_, S> {
         go_ahead(client, exchange)
             .await
             .map_err(UpstreamError::client_gone)?;
-        body::relay(
+        let mut sink = Watched {
+            sink: WriteSink(&mut conn.stream),
+            progress: self.uploaded,
+        };
+        let relayed = body::relay(
             &mut client.io,
             &mut client.buf,
-            &mut WriteSink(&mut conn.stream),
+            &mut sink,
             self.head.to_vec(),
             exchange.framing,
             Encode::AsIs,
             limits.idle_timeout,
         )
-        .await
-        .map_err(|e| match e {
+        .await;
+        relayed.map_err(|e| match e {
             RelayError::Sink(e) => conn.failed(e),
             RelayError::Framing(e) => UpstreamError::request_body(e.describe()),
             RelayError::Source(e) => UpstreamError::client_gone(e),
         })?;
+        if let Some(uploaded) = self.uploaded {
+            uploaded.send_replace(true);
+        }
         loop {
             match conn.response_head(limits.max_header_bytes, exchange.upgrade) {
                 HeadState::Final => return Ok(conn),
@@ -788,6 +832,9 @@ fn read_answer(
         };
         let info =
             head::analyze_response(&resp, exchange.is_head).map_err(UpstreamError::invalid)?;
+        if exchange.http10 && info.has_codings() {
+            return Err(UpstreamError::invalid(head::CODINGS_NEED_HTTP11));
+        }
         let (out_framing, encode, until_close) = match (info.framing, exchange.http10) {
             (Framing::Chunked, true) => (Framing::UntilClose, Encode::Dechunk, true),
             (Framing::UntilClose, true) => (Framing::UntilClose, Encode::AsIs, true),
@@ -1236,6 +1283,43 @@ clusters:
             bodies.push(read_reply(&mut client, &mut buf).await.unwrap().body);
         }
         assert_eq!(bodies, ["/app/1", "direct", "/app/3"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_but_live_upload_is_not_cut_by_the_route_timeout() {
+        // Issue 23 item 9: the route's timeout (1s on /slow) ran during the upload. It starts
+        // once the request is complete, as Envoy's does: a 3 s upload gets its answer.
+        let app = Endpoint::start(|_, _, head| {
+            assert!(head.contains("content-length: 6"), "{head}");
+            Script::Answer(Duration::ZERO, ok("stored"))
+        })
+        .await;
+        let (mut client, _view) = connect(&config(&[app.addr], ""));
+        let started = Instant::now();
+        client
+            .write_all(b"POST /slow HTTP/1.1\r\nhost: t\r\ncontent-length: 6\r\n\r\n")
+            .await
+            .unwrap();
+        for byte in b"abcdef" {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            client.write_all(&[*byte]).await.unwrap();
+        }
+        let reply = read_reply(&mut client, &mut Vec::new()).await.unwrap();
+        assert_eq!((reply.status, reply.body.as_str()), (200, "stored"));
+        assert_eq!(started.elapsed(), Duration::from_secs(3));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_upload_is_cut_by_the_idle_timeout() {
+        let app = Endpoint::start(|_, _, _| Script::Answer(Duration::ZERO, ok("never"))).await;
+        let (mut client, _view) = connect(&config(&[app.addr], ""));
+        client
+            .write_all(b"POST /slow HTTP/1.1\r\nhost: t\r\ncontent-length: 6\r\n\r\nab")
+            .await
+            .unwrap();
+        let stalled = Instant::now();
+        assert!(closed(&mut client).await);
+        assert_eq!(stalled.elapsed(), Duration::from_secs(5), "idle_timeout");
     }
 
     #[tokio::test(start_paused = true)]

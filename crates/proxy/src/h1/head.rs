@@ -6,6 +6,7 @@
 //! smuggling): Content-Length together with Transfer-Encoding, conflicting or non-numeric
 //! lengths, and any transfer coding but a lone `chunked` are refused.
 
+use std::borrow::Cow;
 use std::io::Write;
 
 use flatmesh_rules::CompiledRoute;
@@ -64,6 +65,8 @@ fn classify(name: &str) -> Known {
         10 if is("connection") => Known::Connection,
         10 if is("keep-alive") => Known::HopByHop,
         14 if is("content-length") => Known::ContentLength,
+        // RFC 7540 §3.2.1: connection-specific, part of an `Upgrade: h2c` the proxy drops.
+        14 if is("http2-settings") => Known::HopByHop,
         15 if is("x-forwarded-for") => Known::XForwardedFor,
         16 if is("proxy-connection") => Known::HopByHop,
         17 if is("transfer-encoding") => Known::TransferEncoding,
@@ -114,14 +117,17 @@ pub struct RequestInfo<'b> {
     pub expect_continue: bool,
     /// The authority of an absolute-form target, else the Host header.
     pub host: Option<&'b str>,
-    /// The target in origin form, `path` and `?query`; or `*`.
-    pub path: &'b str,
+    /// The target's path in origin form; or `*`. The listener's path normalisation may
+    /// replace it (`crate::l7::decide`): what is written upstream is what the routes matched.
+    pub path: Cow<'b, str>,
     pub query: Option<&'b str>,
     /// The target was absolute-form: Host is rewritten to its authority.
     pub absolute_form: bool,
-    /// The client asks to switch protocols (`Connection: upgrade` and an `Upgrade` header,
-    /// as WebSocket does): both go upstream, and a 101 answer turns the connection into a tunnel.
-    pub upgrade: bool,
+    /// The protocol the client asks to switch to (`Connection: upgrade` and an `Upgrade`
+    /// header, as WebSocket does), if any. Forwarded (both headers) only where the route lets
+    /// it through (`upgrades`); a 101 answer then turns the connection into a tunnel.
+    /// `Upgrade: h2c` is dropped, as Envoy drops it: the request is served as HTTP/1.1.
+    pub upgrade: Option<&'b str>,
     pub had_host_header: bool,
     /// Header names listed in Connection: hop-by-hop for this message only.
     connection_tokens: SmallVec<[&'b [u8]; 4]>,
@@ -161,7 +167,7 @@ impl RequestInfo<'_> {
     pub fn target(&self) -> String {
         match self.query {
             Some(q) => format!("{}?{q}", self.path),
-            None => self.path.to_owned(),
+            None => self.path.clone().into_owned(),
         }
     }
 }
@@ -179,12 +185,18 @@ pub fn analyze_request<'b>(req: &httparse::Request<'_, 'b>) -> Result<RequestInf
     let mut hosts = 0;
     let (mut close, mut keep_alive) = (false, false);
     let mut expect_continue = false;
-    let (mut upgrade_token, mut upgrade_header) = (false, false);
+    let mut upgrade_token = false;
+    let mut upgrade_header: Option<&'b [u8]> = None;
     let mut connection_tokens = SmallVec::new();
     for h in req.headers.iter() {
         match classify(h.name) {
             Known::ContentLength => length = Some(content_length(h.value, length)?),
-            Known::Upgrade => upgrade_header |= !h.value.trim_ascii().is_empty(),
+            Known::Upgrade if h.value.trim_ascii().is_empty() => {}
+            // The route checks the one protocol asked for; a second line could ask for
+            // another behind its back.
+            Known::Upgrade if upgrade_header.replace(h.value.trim_ascii()).is_some() => {
+                return Err(refuse(400, "request has more than one Upgrade header"));
+            }
             Known::TransferEncoding => {
                 // Only a lone `chunked` is accepted: `gzip, chunked` would have to be passed
                 // on intact, and anything not ending in chunked cannot be framed at all.
@@ -245,6 +257,20 @@ pub fn analyze_request<'b>(req: &httparse::Request<'_, 'b>) -> Result<RequestInf
         Some(Err(_)) => return Err(refuse(400, "Host header is not valid text")),
         None => None,
     };
+    // The host the request is routed by and sent on with: garbage would reach the upstream.
+    let host = authority.or(host_header);
+    if host.is_some_and(|h| !flatmesh_rules::is_valid_authority(h)) {
+        return Err(refuse(
+            400,
+            "the host is not a valid `host[:port]` (RFC 3986 §3.2)",
+        ));
+    }
+    // `Upgrade: h2c` (RFC 7540 §3.2) is dropped: the request goes on as HTTP/1.1.
+    let upgrade = match (upgrade_token, upgrade_header.map(std::str::from_utf8)) {
+        (true, Some(Ok(p))) if !p.eq_ignore_ascii_case("h2c") => Some(p),
+        (true, Some(Err(_))) => return Err(refuse(400, "Upgrade header is not valid text")),
+        _ => None,
+    };
     let (path, query) = match target.split_once('?') {
         Some((p, q)) => (p, Some(q)),
         None => (target, None),
@@ -261,11 +287,11 @@ pub fn analyze_request<'b>(req: &httparse::Request<'_, 'b>) -> Result<RequestInf
         http10,
         keep_alive: !close && (!http10 || keep_alive),
         expect_continue: expect_continue && framing != Framing::Empty,
-        host: authority.or(host_header),
-        path,
+        host,
+        path: Cow::Borrowed(path),
         query,
         absolute_form: authority.is_some(),
-        upgrade: upgrade_token && upgrade_header,
+        upgrade,
         had_host_header: host_header.is_some(),
         connection_tokens,
     })
@@ -337,7 +363,7 @@ pub fn write_request_head(
                 Known::Other => !listed(&info.connection_tokens, h.name),
                 Known::Te => h.value.eq_ignore_ascii_case(b"trailers"),
                 Known::Expect => !h.value.eq_ignore_ascii_case(b"100-continue"),
-                Known::Upgrade => info.upgrade,
+                Known::Upgrade => info.upgrade.is_some(),
                 Known::XForwardedFor => {
                     if !forwarded_for {
                         // All values, in order, then the client: one line.
@@ -370,7 +396,7 @@ pub fn write_request_head(
         header_line(out, name.as_str().as_bytes(), value.as_bytes());
     }
     framing_line(out, info.framing);
-    if info.upgrade {
+    if info.upgrade.is_some() {
         out.extend_from_slice(b"connection: upgrade\r\n");
     }
     out.extend_from_slice(b"\r\n");
@@ -384,11 +410,25 @@ pub struct ResponseInfo<'b> {
     /// The upstream connection can carry another request after this response.
     pub reusable: bool,
     connection_tokens: SmallVec<[&'b [u8]; 4]>,
+    /// The transfer codings applied to the body other than a final `chunked` (`gzip` of
+    /// `gzip, chunked`), in order. The proxy re-frames the body but does not decode them, so
+    /// they go on in the client's Transfer-Encoding.
+    codings: SmallVec<[&'b [u8]; 2]>,
 }
+
+/// Why an answer with transfer codings cannot go to a client that reads none.
+pub const CODINGS_NEED_HTTP11: &str =
+    "upstream answered with a transfer coding other than chunked, which only an HTTP/1.1 client can be sent";
 
 impl ResponseInfo<'_> {
     pub fn is_informational(&self) -> bool {
         (100..200).contains(&self.status)
+    }
+
+    /// Whether the body carries transfer codings besides chunked, which only an HTTP/1.1
+    /// client reads (RFC 9112 §6.1: none may be sent to HTTP/1.0, and HTTP/2 has none).
+    pub fn has_codings(&self) -> bool {
+        !self.codings.is_empty() && self.framing != Framing::Empty
     }
 }
 
@@ -401,8 +441,8 @@ pub fn analyze_response<'b>(
     let status = resp.code.ok_or("incomplete status line")?;
     let http10 = resp.version == Some(0);
     let mut length = None;
-    let mut chunked_last = false;
     let mut transfer_encoding = false;
+    let mut codings: SmallVec<[&'b [u8]; 2]> = SmallVec::new();
     let (mut close, mut keep_alive) = (false, false);
     let mut connection_tokens = SmallVec::new();
     for h in resp.headers.iter() {
@@ -415,9 +455,15 @@ pub fn analyze_response<'b>(
             }
             Known::TransferEncoding => {
                 transfer_encoding = true;
-                chunked_last = list(h.value)
-                    .last()
-                    .is_some_and(|c| c.eq_ignore_ascii_case(b"chunked"));
+                for coding in list(h.value) {
+                    if codings.len() == 8 {
+                        return Err("more than 8 transfer codings");
+                    }
+                    if coding.iter().any(|b| b.is_ascii_control()) {
+                        return Err("invalid Transfer-Encoding");
+                    }
+                    codings.push(coding);
+                }
             }
             Known::Connection => {
                 for token in list(h.value) {
@@ -432,6 +478,15 @@ pub fn analyze_response<'b>(
             }
             _ => {}
         }
+    }
+    // RFC 9112 §6.1: chunked is applied last and once; anything else cannot be framed.
+    let is_chunked = |c: &&[u8]| c.eq_ignore_ascii_case(b"chunked");
+    let chunked_last = codings.last().is_some_and(is_chunked);
+    if chunked_last {
+        codings.pop();
+    }
+    if codings.iter().any(is_chunked) {
+        return Err("`chunked` is not the last transfer coding");
     }
     let no_body =
         request_was_head || (100..200).contains(&status) || status == 204 || status == 304;
@@ -456,6 +511,7 @@ pub fn analyze_response<'b>(
         framing,
         reusable: framing != Framing::UntilClose && !close && (!http10 || keep_alive),
         connection_tokens,
+        codings,
     })
 }
 
@@ -506,7 +562,18 @@ pub fn write_response_head(
             header_line(out, name.as_str().as_bytes(), value.as_bytes());
         }
     }
-    framing_line(out, framing);
+    match framing {
+        // The codings the body still carries, then the chunked framing of this hop.
+        Framing::Chunked if info.has_codings() => {
+            out.extend_from_slice(b"transfer-encoding: ");
+            for coding in &info.codings {
+                out.extend_from_slice(coding);
+                out.extend_from_slice(b", ");
+            }
+            out.extend_from_slice(b"chunked\r\n");
+        }
+        _ => framing_line(out, framing),
+    }
     if info.status == 101 {
         out.extend_from_slice(b"connection: upgrade\r\n");
     } else if close {
@@ -589,7 +656,7 @@ mod tests {
         let req = parse(raw, &mut headers);
         let i = analyze_request(&req).expect("accepted");
         assert_eq!(
-            (i.host, i.target(), i.path, i.query),
+            (i.host, i.target(), &*i.path, i.query),
             (Some("Api.Example:80"), "/?x=1".to_owned(), "/", Some("x=1"))
         );
     }

@@ -407,7 +407,7 @@ async fn handle(
             };
             (resp, outcome, None)
         }
-        Decision::Forward(route, cluster) => {
+        Decision::Forward(route, cluster, path) => {
             let limits = &snap.config.limits;
             let timeout = route.timeout.unwrap_or(limits.request_timeout);
             // An HTTP/1.1 cluster gives each stream a connection of its own; an HTTP/2
@@ -443,7 +443,8 @@ async fn handle(
                 }
                 Pool::Http2(_) => None,
             };
-            let (parts, body) = req.into_parts();
+            let (mut parts, body) = req.into_parts();
+            crate::l7::decide::set_path(&mut parts.uri, path);
             let failed = Arc::new(AtomicBool::new(false));
             let replayable = body.is_end_stream();
             let left = parts

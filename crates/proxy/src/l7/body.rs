@@ -1,5 +1,5 @@
 //! The body of a response sent downstream, whichever codec carries it: an upstream's body
-//! streamed through, or the proxy's own.
+//! streamed through (its trailers checked, `crate::trailers`), or the proxy's own.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -30,7 +30,10 @@ impl http_body::Body for ResponseBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            ResponseBody::Http2(b) => Pin::new(b).poll_frame(cx).map_err(BoxError::from),
+            // Trailers from an HTTP/2 endpoint lose the fields no trailer may carry.
+            ResponseBody::Http2(b) => Pin::new(b).poll_frame(cx).map(|frame| {
+                frame.map(|f| f.map(crate::trailers::filter_frame).map_err(BoxError::from))
+            }),
             ResponseBody::Http1(b) => Pin::new(b).poll_frame(cx),
             ResponseBody::Local(b) => Pin::new(b).poll_frame(cx).map_err(|never| match never {}),
         }

@@ -1,10 +1,17 @@
-//! The match-action step both codecs share: run the listener's table of the rule program on
-//! a request and say what to do with it.
+//! The match-action step both codecs share: check the request's target, run the listener's
+//! table of the rule program on it and say what to do with it.
+//!
+//! Before any route is matched, the target must hold up: a Host or `:authority` that is not
+//! `host[:port]` (RFC 3986 §3.2) gets 400, and the path is normalised as the listener asks
+//! (`flatmesh_rules::normalize`: a refused path gets 400, an unescaped one under
+//! `unescape_and_redirect` a 307). The normalised path is what the routes match and what the
+//! upstream gets, as in Envoy.
 
+use std::borrow::Cow;
 use std::net::SocketAddr;
 
-use flatmesh_rules::{ClusterId, CompiledRoute, ListenerId, RouteAction};
-use http::header::{self, HeaderMap, HeaderName};
+use flatmesh_rules::{ClusterId, CompiledRoute, ListenerId, Normalized, RouteAction};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Response, StatusCode, Uri};
 use http_body_util::Full;
 
@@ -23,10 +30,12 @@ pub(crate) fn authority<'a>(uri: &'a Uri, headers: &'a HeaderMap) -> Option<&'a 
 
 /// What the rule program decided for one request.
 pub(crate) enum Decision<'v> {
-    /// The proxy answers itself: a direct response, or 404 when no route matched.
+    /// The proxy answers itself: a direct response, 404 when no route matched, or 400 / 307
+    /// for a target that does not hold up.
     Reply(Option<&'v CompiledRoute>, Response<ResponseBody>),
-    /// Forward to this cluster (a split has already picked it).
-    Forward(&'v CompiledRoute, ClusterId),
+    /// Forward to this cluster (a split has already picked it). The path is the normalised
+    /// one when normalising changed it: the upstream gets that path, not the one received.
+    Forward(&'v CompiledRoute, ClusterId, Option<String>),
 }
 
 /// Runs the listener's match-action table on a request. `target` is the request target for
@@ -38,6 +47,51 @@ pub(crate) fn decide<'v>(
     grpc: bool,
     target: impl FnOnce() -> String,
 ) -> Decision<'v> {
+    let refuse = |why: String| {
+        Decision::Reply(
+            None,
+            local_reply(
+                StatusCode::BAD_REQUEST,
+                format!("bad request: {why}\n"),
+                false,
+                grpc,
+            ),
+        )
+    };
+    // The host routed by (`:authority` or Host), and every Host header, which may go on
+    // upstream as it came.
+    let hosts = meta.host.map(str::as_bytes).into_iter();
+    for host in hosts.chain(meta.headers.values(&header::HOST)) {
+        let valid =
+            std::str::from_utf8(host).is_ok_and(|h| flatmesh_rules::is_valid_authority(h.trim()));
+        if !valid {
+            return refuse(format!(
+                "the host `{}` is not a valid `host[:port]` (RFC 3986 §3.2)",
+                String::from_utf8_lossy(host).escape_debug()
+            ));
+        }
+    }
+    let path = match snap.program.paths(listener).apply(meta.path) {
+        // Unescaping can bring in a byte a request target may not carry (`%5C` is `\`):
+        // refuse what could not be forwarded as it was matched.
+        Ok(Normalized::Path(Cow::Owned(path)))
+            if path.parse::<http::uri::PathAndQuery>().is_err() =>
+        {
+            return refuse(format!(
+                "the path normalises to `{}`, which is not a valid request path",
+                path.escape_debug()
+            ));
+        }
+        Ok(Normalized::Path(path)) => path,
+        Ok(Normalized::Redirect(path)) => {
+            return Decision::Reply(None, redirect(&path, meta.query, grpc));
+        }
+        Err(why) => return refuse(why.describe().into()),
+    };
+    let meta = &flatmesh_rules::Request {
+        path: &path,
+        ..*meta
+    };
     let Some(route) = snap.program.route(listener, meta) else {
         let plan = &snap.listeners[listener];
         return Decision::Reply(
@@ -63,8 +117,66 @@ pub(crate) fn decide<'v>(
             add_headers(resp.headers_mut(), &route.response_headers_to_add);
             Decision::Reply(Some(route), resp)
         }
-        RouteAction::Forward(c) => Decision::Forward(route, *c),
-        RouteAction::Split(split) => Decision::Forward(route, split.pick(rand::random::<u32>())),
+        RouteAction::Forward(c) => Decision::Forward(route, *c, changed(path)),
+        RouteAction::Split(split) => {
+            Decision::Forward(route, split.pick(rand::random::<u32>()), changed(path))
+        }
+    }
+}
+
+/// The normalised path, if normalising changed it.
+fn changed(path: Cow<'_, str>) -> Option<String> {
+    match path {
+        Cow::Borrowed(_) => None,
+        Cow::Owned(p) => Some(p),
+    }
+}
+
+/// 307 to the unescaped path, query kept (`unescape_and_redirect`, as Envoy). A gRPC client
+/// cannot follow a redirect: it gets INTERNAL, as from Envoy.
+fn redirect(path: &str, query: Option<&str>, grpc: bool) -> Response<ResponseBody> {
+    let location = match query {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_owned(),
+    };
+    if grpc {
+        return local_reply(
+            StatusCode::BAD_REQUEST,
+            format!("the path holds escaped slashes; call {location}"),
+            false,
+            true,
+        );
+    }
+    let mut resp = local_reply(
+        StatusCode::TEMPORARY_REDIRECT,
+        format!("the path holds escaped slashes: ask for {location}\n"),
+        false,
+        false,
+    );
+    if let Ok(v) = HeaderValue::from_str(&location) {
+        resp.headers_mut().insert(header::LOCATION, v);
+    }
+    resp
+}
+
+/// Puts the normalised path (if it changed) into a request's target, query kept.
+pub(crate) fn set_path(uri: &mut Uri, path: Option<String>) {
+    let Some(path) = path else {
+        return;
+    };
+    let target = match uri.query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path,
+    };
+    // The path came out of a valid target and normalising only removed or decoded bytes,
+    // so it parses; if it ever did not, the target stays as it was rather than failing.
+    let Ok(pq) = target.parse() else {
+        return;
+    };
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = Some(pq);
+    if let Ok(new) = Uri::from_parts(parts) {
+        *uri = new;
     }
 }
 

@@ -34,6 +34,9 @@ pub enum Kind {
     InvalidResponse,
     /// The client's request body broke off or is malformed (a bad chunk size, say).
     RequestBody,
+    /// The request body moved no byte for the idle timeout before it was complete: the
+    /// client stopped sending, or the endpoint stopped reading.
+    UploadStalled,
     /// The request cannot be sent on as it is; says which part.
     UnusableRequest(&'static str),
     /// The client went away before its request was sent: nobody is left to answer.
@@ -102,6 +105,18 @@ impl UpstreamError {
     /// The client's body broke off or is malformed.
     pub fn request_body(why: impl fmt::Display) -> Self {
         Self::new(Source::Downstream, Kind::RequestBody, why.to_string())
+    }
+
+    /// The request body stalled for `idle` before it was complete.
+    pub fn upload_stalled(idle: std::time::Duration) -> Self {
+        Self::new(
+            Source::Downstream,
+            Kind::UploadStalled,
+            format!(
+                "no byte of the request body moved for {} (limits.idle_timeout)",
+                flatmesh_config::duration::format(&idle)
+            ),
+        )
     }
 
     /// The request cannot be sent on: `what` names the part (the target, the head).

@@ -9,6 +9,7 @@ use std::sync::atomic::AtomicBool;
 use flatmesh_config::Limits;
 use flatmesh_rules::{ClusterId, CompiledRoute};
 use http::Response;
+use http_body_util::BodyExt as _;
 
 use super::body::ResponseBody;
 use super::decide::hash_key;
@@ -16,6 +17,7 @@ use super::error::UpstreamError;
 use super::headers::{edit_request, edit_response};
 use super::reply::{is_grpc, upstream_failure};
 use super::retry::{Answer, Attempt, Retry, Try};
+use super::upload::Upload;
 use crate::body::{empty, UpstreamBody};
 use crate::context::{ConnContext, WorkerView};
 use crate::snapshot::ClusterPlan;
@@ -107,7 +109,7 @@ pub(crate) async fn forward(
     let grpc = is_grpc(&parts.headers);
     let key = hash_key((&parts.headers).into(), plan.hash_header.as_ref(), ctx.peer);
     edit_request(&mut parts, route, plan.protocol, &ctx.peer_ip);
-    let retry = Retry::new(
+    let mut retry = Retry::new(
         route,
         plan,
         upstream,
@@ -116,6 +118,14 @@ pub(crate) async fn forward(
         replayable,
         limits.request_timeout,
     );
+    // A body still arriving: the route's timeout starts once it is complete.
+    let body = if replayable {
+        body
+    } else {
+        let (upload, watched) = Upload::new(body);
+        retry = retry.timed_from_upload(watched, limits.idle_timeout);
+        upload.boxed_unsync()
+    };
     let mut codec = MessageTry {
         ctx,
         plan,
@@ -136,5 +146,110 @@ pub(crate) async fn forward(
             upstream_failure(&err, &plan.name, retry.timeout, grpc),
             err.endpoint,
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Requests held in `http` types with a body still arriving, on the paused clock: an
+    //! HTTP/2 client whose body trickles in, to an HTTP/1.1 endpoint.
+    #![allow(clippy::unwrap_used)]
+    use std::convert::Infallible;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use http_body::Frame;
+    use http_body_util::BodyExt as _;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use tokio::sync::mpsc;
+    use tokio::time::Instant;
+
+    use crate::testing::{self, ok, Endpoint, Script};
+
+    /// A request body fed by the test, one piece at a time, of a stated length.
+    struct Trickle(mpsc::Receiver<Bytes>, u64);
+
+    impl http_body::Body for Trickle {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
+        }
+
+        fn size_hint(&self) -> http_body::SizeHint {
+            http_body::SizeHint::with_exact(self.1)
+        }
+    }
+
+    /// POSTs 6 bytes to /up over HTTP/2, one every `every` for `sent` of them (the body ends
+    /// after the sixth, and stays open after fewer); returns the answer's status and when it
+    /// came.
+    async fn trickle(sent: usize, every: Duration) -> (u16, Duration) {
+        let app = Endpoint::start(|_, _, _| Script::Answer(Duration::ZERO, ok("stored"))).await;
+        let yaml = format!(
+            r#"
+limits: {{ idle_timeout: 5s }}
+listeners:
+  - name: web
+    address: 127.0.0.1:1
+    protocol: http
+    routes:
+      - match: {{ path: {{ prefix: /up }} }}
+        cluster: app
+        timeout: 1s
+clusters:
+  - name: app
+    endpoints: [ {} ]
+"#,
+            app.addr
+        );
+        let view = testing::view(&yaml);
+        let io = TokioIo::new(testing::http_client(testing::context(&view)));
+        let (mut h2, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let (tx, rx) = mpsc::channel(8);
+        let req = http::Request::post("http://t/up")
+            .body(Trickle(rx, 6))
+            .unwrap();
+        let started = Instant::now();
+        let feeder = tokio::spawn(async move {
+            for byte in b"abcdef".iter().take(sent) {
+                tokio::time::sleep(every).await;
+                let _ = tx.send(Bytes::copy_from_slice(&[*byte])).await;
+            }
+            if sent < 6 {
+                // Hold the body open (unfinished) until the test is over.
+                std::future::pending::<()>().await;
+            }
+            drop(tx);
+        });
+        let resp = h2.send_request(req).await.unwrap();
+        let status = resp.status().as_u16();
+        let _ = resp.into_body().collect().await;
+        feeder.abort();
+        drop(app);
+        (status, started.elapsed())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_but_live_http2_upload_is_not_cut_by_the_route_timeout() {
+        // Issue 23 item 9: six bytes over 3 s, the route's timeout is 1 s.
+        let (status, took) = trickle(6, Duration::from_millis(500)).await;
+        assert_eq!((status, took), (200, Duration::from_secs(3)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_http2_upload_is_408_after_the_idle_timeout() {
+        // Two bytes, then nothing: the idle timeout (5 s) after the last one.
+        let (status, took) = trickle(2, Duration::from_millis(500)).await;
+        assert_eq!((status, took), (408, Duration::from_secs(6)));
     }
 }

@@ -11,7 +11,8 @@
 //! - [`headers`]: header edits on requests and responses held in `http` types;
 //! - [`forward`]: a request held in `http` types sent to either kind of cluster;
 //! - [`log`]: the stats and the access log line of a finished request;
-//! - [`body`]: the body of a response sent downstream.
+//! - [`body`]: the body of a response sent downstream;
+//! - [`upload`]: the body of a request sent upstream (when it is complete, trailers checked).
 
 pub(crate) mod body;
 pub(crate) mod decide;
@@ -21,3 +22,4 @@ pub(crate) mod headers;
 pub(crate) mod log;
 pub(crate) mod reply;
 pub(crate) mod retry;
+pub(crate) mod upload;

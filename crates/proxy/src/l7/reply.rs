@@ -100,7 +100,7 @@ pub(crate) fn listener_removed() -> Response<ResponseBody> {
 
 /// The answer to a request whose upstream exchange failed with `err`, for cluster
 /// `cluster` and the route's `timeout`: 400 for the client's own faults (and the connection
-/// closes), 502 for a reset or an invalid answer, 503 when nothing could be reached, 504 on
+/// closes), 408 for an upload that stalled, 502 for a reset or an invalid answer, 503 when nothing could be reached, 504 on
 /// the timeout; 499 (nginx's "client closed request", for the stats) when the client is gone.
 pub(crate) fn upstream_failure(
     err: &UpstreamError,
@@ -118,6 +118,11 @@ pub(crate) fn upstream_failure(
         Kind::RequestBody => text_response(
             StatusCode::BAD_REQUEST,
             "bad request: the request body is malformed (bad chunked encoding)\n".into(),
+            true,
+        ),
+        Kind::UploadStalled => text_response(
+            StatusCode::REQUEST_TIMEOUT,
+            format!("request timeout: {detail}\n"),
             true,
         ),
         Kind::UnusableRequest(what) => text_response(
@@ -197,6 +202,10 @@ mod tests {
         assert_eq!(status_of(UpstreamError::request_body("bad chunk")), 400);
         assert_eq!(status_of(UpstreamError::unusable_request("target")), 400);
         assert_eq!(status_of(UpstreamError::client_gone(io())), 499);
+        assert_eq!(
+            status_of(UpstreamError::upload_stalled(Duration::from_secs(1))),
+            408
+        );
     }
 
     #[test]

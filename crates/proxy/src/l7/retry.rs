@@ -7,7 +7,9 @@
 //!   (`connect-failure`, `reset`, `gateway-error`);
 //! - an answer is thrown away and tried again while attempts are left and `retry_on` names
 //!   its status (`5xx`, `gateway-error`);
-//! - the route's timeout bounds all tries together.
+//! - the route's timeout bounds all tries together. It starts once the client's request is
+//!   complete (Envoy's route timeout): a slow but live upload is not cut short by it, while
+//!   an upload that stalls is cut by the idle timeout of the body's relay.
 //!
 //! Only a request without a body is ever sent twice: a body can be read only once.
 
@@ -17,7 +19,7 @@ use std::time::Duration;
 
 use flatmesh_config::RetryOn;
 use flatmesh_rules::CompiledRoute;
-use tokio::time::Instant;
+use tokio::sync::watch;
 
 use super::error::{Kind, UpstreamError};
 use crate::lb::InFlight;
@@ -69,6 +71,9 @@ pub(crate) struct Retry<'a> {
     attempts: usize,
     on: &'a [RetryOn],
     replayable: bool,
+    /// The client's request body while it is on its way (`None`: there is none, the request
+    /// is complete), and the idle timeout that bounds a stall of it.
+    uploaded: Option<(watch::Receiver<bool>, Duration)>,
 }
 
 impl<'a> Retry<'a> {
@@ -95,7 +100,17 @@ impl<'a> Retry<'a> {
             },
             on: route.retries.as_ref().map_or(&[], |r| &r.on),
             replayable,
+            uploaded: None,
         }
+    }
+
+    /// For a request whose body is still arriving: its sender marks `uploaded` (with `false`)
+    /// each time a piece of the body moves on, and sets it `true` once the body is complete
+    /// (or drops it). Until then the route's timeout waits, and a body that moves nothing for
+    /// `idle` fails the request with [`Kind::UploadStalled`].
+    pub fn timed_from_upload(mut self, uploaded: watch::Receiver<bool>, idle: Duration) -> Self {
+        self.uploaded = Some((uploaded, idle));
+        self
     }
 
     /// Runs tries until one gets an answer the policy keeps, or the policy gives up; the
@@ -104,7 +119,24 @@ impl<'a> Retry<'a> {
         &self,
         codec: &mut A,
     ) -> Result<Answered<A::Answer>, UpstreamError> {
-        let deadline = Instant::now() + self.timeout;
+        let (uploaded, timeout) = (self.uploaded.clone(), self.timeout);
+        // The upload, bounded by its idle timeout; then the route's timeout. `sleep`
+        // saturates a deadline past the clock's range rather than overflowing.
+        let timer = async move {
+            if let Some((mut uploaded, idle)) = uploaded {
+                while !*uploaded.borrow_and_update() {
+                    match tokio::time::timeout(idle, uploaded.changed()).await {
+                        Ok(Ok(())) => {}
+                        // The body is gone: nothing more will move.
+                        Ok(Err(_)) => break,
+                        Err(_) => return UpstreamError::upload_stalled(idle),
+                    }
+                }
+            }
+            tokio::time::sleep(timeout).await;
+            UpstreamError::timeout()
+        };
+        tokio::pin!(timer);
         let mut tries = 0;
         let mut stale_retried = false;
         loop {
@@ -113,16 +145,16 @@ impl<'a> Retry<'a> {
             };
             let endpoint = self.plan.endpoints[index];
             let last = tries + 1 >= self.attempts;
-            let tried = tokio::time::timeout_at(
-                deadline,
-                codec.attempt(Try {
-                    index,
-                    endpoint,
-                    last,
-                }),
-            )
-            .await
-            .unwrap_or_else(|_| Err(UpstreamError::timeout()));
+            let attempt = codec.attempt(Try {
+                index,
+                endpoint,
+                last,
+            });
+            let tried = tokio::select! {
+                biased;
+                tried = attempt => tried,
+                err = &mut timer => Err(err),
+            };
             match tried {
                 Ok(answer) if !last && self.retries_status(answer.status()) => {}
                 Ok(answer) => {
@@ -173,6 +205,8 @@ impl<'a> Retry<'a> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use std::collections::VecDeque;
+
+    use tokio::time::Instant;
 
     use super::*;
     use crate::testing;
@@ -355,6 +389,119 @@ clusters:
             Duration::from_secs(3),
             "the route's timeout: 3s"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_route_timeout_starts_when_the_request_is_complete() {
+        // Issue 23 item 9: a slow but live upload must not run out the route's timeout (3s).
+        let view = testing::view(&config(""));
+        let view = view.load();
+        let snap = &view.snapshot;
+        let flatmesh_rules::TableKind::Http(table) = &snap.program.listeners()[0].kind else {
+            panic!("an http listener");
+        };
+        let (uploaded, watched) = watch::channel(false);
+        let retry = Retry::new(
+            &table.routes[0],
+            &snap.clusters[0],
+            &view.upstreams.by_cluster[0],
+            0,
+            0,
+            false,
+            Duration::from_secs(15),
+        )
+        .timed_from_upload(watched, Duration::from_secs(2));
+        let started = Instant::now();
+        // The upload takes 10 s, a piece every second (the idle timeout is 2 s); then the
+        // endpoint never answers.
+        tokio::spawn(async move {
+            for _ in 0..10 {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                uploaded.send_replace(false);
+            }
+            uploaded.send_replace(true);
+            // Dropping the sender after the end changes nothing.
+        });
+        let mut codec = Scripted {
+            steps: vec![Step::Hang].into(),
+            tried: Vec::new(),
+        };
+        let err = retry.drive(&mut codec).await.err().unwrap();
+        assert_eq!(err.kind, Kind::Timeout);
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_secs(13),
+            "10s upload + 3s"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_upload_that_stalls_fails_after_the_idle_timeout() {
+        let view = testing::view(&config(""));
+        let view = view.load();
+        let snap = &view.snapshot;
+        let flatmesh_rules::TableKind::Http(table) = &snap.program.listeners()[0].kind else {
+            panic!("an http listener");
+        };
+        let (uploaded, watched) = watch::channel(false);
+        let retry = Retry::new(
+            &table.routes[0],
+            &snap.clusters[0],
+            &view.upstreams.by_cluster[0],
+            0,
+            0,
+            false,
+            Duration::from_secs(15),
+        )
+        .timed_from_upload(watched, Duration::from_secs(2));
+        let started = Instant::now();
+        // One piece after 1 s, then nothing.
+        let sender = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            uploaded.send_replace(false);
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            drop(uploaded);
+        });
+        let mut codec = Scripted {
+            steps: vec![Step::Hang].into(),
+            tried: Vec::new(),
+        };
+        let err = retry.drive(&mut codec).await.err().unwrap();
+        assert_eq!(err.kind, Kind::UploadStalled);
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_secs(3),
+            "1s, then 2s idle"
+        );
+        sender.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_timeout_past_the_clock_s_range_does_not_panic() {
+        // Issue 23 item 9: `i64::MAX` seconds from xDS panicked every request's task. Inputs
+        // are capped at 365 days now; the driver saturates whatever it is given.
+        let view = testing::view(&config(""));
+        let view = view.load();
+        let snap = &view.snapshot;
+        let flatmesh_rules::TableKind::Http(table) = &snap.program.listeners()[0].kind else {
+            panic!("an http listener");
+        };
+        let mut retry = Retry::new(
+            &table.routes[0],
+            &snap.clusters[0],
+            &view.upstreams.by_cluster[0],
+            0,
+            0,
+            true,
+            Duration::from_secs(15),
+        );
+        retry.timeout = Duration::from_secs(i64::MAX as u64);
+        let mut codec = Scripted {
+            steps: vec![Step::Answer(200)].into(),
+            tried: Vec::new(),
+        };
+        let answered = retry.drive(&mut codec).await;
+        assert_eq!(answered.map(|a| a.answer.0).ok(), Some(200));
     }
 
     #[tokio::test(start_paused = true)]

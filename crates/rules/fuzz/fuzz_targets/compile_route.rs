@@ -1,12 +1,14 @@
 //! Compile arbitrary routes, then route arbitrary requests: never panic, the indexed
-//! executor must give the same answer as the linear one, and wherever a lower tier's lowering
-//! (the kernel's table, the NIC image) decides a request, its answer is the user tier's.
+//! executor must give the same answer as the linear one, path normalisation must be
+//! idempotent, and wherever a lower tier's lowering (the kernel's table, the NIC image)
+//! decides a request as received, its answer is the user tier's on the normalised path.
 #![no_main]
 
 use flatmesh_config::{
-    Config, DirectResponse, NamedMatch, PathMatch, Route, RouteMatch, WeightedCluster,
+    Config, DirectResponse, EscapedSlashesAction, NamedMatch, PathMatch, Route, RouteMatch,
+    WeightedCluster,
 };
-use flatmesh_rules::{compile, Request, RouteAction};
+use flatmesh_rules::{compile, Normalized, Request, RouteAction};
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
 use std::sync::LazyLock;
@@ -46,6 +48,10 @@ struct FRequest {
 struct Case {
     routes: Vec<FRoute>,
     requests: Vec<FRequest>,
+    /// The listener's path keys: each unset (the default), false or true.
+    normalize_path: Option<bool>,
+    merge_slashes: Option<bool>,
+    escaped_slashes: Option<u8>,
 }
 
 /// A config and a route parsed once from YAML, so fields the config model gains later take
@@ -128,7 +134,16 @@ fuzz_target!(|case: Case| {
         return;
     };
     cfg.listeners[0].routes = case.routes.iter().take(16).filter_map(route).collect();
+    cfg.listeners[0].normalize_path = case.normalize_path;
+    cfg.listeners[0].merge_slashes = case.merge_slashes;
+    cfg.listeners[0].path_with_escaped_slashes_action = case.escaped_slashes.map(|a| match a % 4 {
+        0 => EscapedSlashesAction::KeepUnchanged,
+        1 => EscapedSlashesAction::RejectRequest,
+        2 => EscapedSlashesAction::UnescapeAndRedirect,
+        _ => EscapedSlashesAction::UnescapeAndForward,
+    });
     let Ok(program) = compile(&cfg) else { return };
+    let paths = program.paths(0);
     let _ = program.explain();
     let _ = program.to_json();
     for r in case.requests.iter().take(8) {
@@ -142,20 +157,38 @@ fuzz_target!(|case: Case| {
                 headers.append(k, v);
             }
         }
-        let req = Request {
+        let raw = Request {
             method: &method,
             host: r.host.as_deref(),
             path: &r.path,
             query: r.query.as_deref(),
             headers: (&headers).into(),
         };
-        let fast = program.route(0, &req).map(|c| c.id);
-        let linear = program.route_linear(0, &req).map(|c| c.id);
+        // The user tier's path: normalised as the listener asks (idempotently); a refused or
+        // redirected path is routed nowhere.
+        let normalized = paths.apply(&r.path);
+        let path = match &normalized {
+            Ok(Normalized::Path(p)) => Some(p.to_string()),
+            Ok(Normalized::Redirect(p)) => {
+                assert!(paths.is_normal(p), "redirect target {p:?} is not normal");
+                None
+            }
+            Err(_) => None,
+        };
+        if let Some(p) = &path {
+            assert!(paths.is_normal(p), "{:?} normalises to {p:?}, which is not normal", r.path);
+        }
+        let req = Request {
+            path: path.as_deref().unwrap_or(&r.path),
+            ..raw
+        };
+        let fast = path.as_ref().and(program.route(0, &req)).map(|c| c.id);
+        let linear = path.as_ref().and(program.route_linear(0, &req)).map(|c| c.id);
         assert_eq!(fast, linear, "indexed and linear executors disagree");
         // Only a path a request can have: `/...` without `?`, space, CR or LF.
         if r.path.starts_with('/') && !r.path.contains(['?', ' ', '\r', '\n']) {
             for lowering in program.lowerings() {
-                if let Some(got) = lowering.decide(0, &req) {
+                if let Some(got) = lowering.decide(0, &raw) {
                     assert_eq!(
                         Some(got),
                         fast,

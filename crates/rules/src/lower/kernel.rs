@@ -4,7 +4,9 @@
 //!
 //! The kernel reads a connection's first request line (HTTP/1.x) or `:method`/`:path`
 //! (HTTP/2), without the query, and runs the table: the first entry whose method and path match
-//! is the answer. An entry either forwards (the connection is spliced to the route's cluster)
+//! is the answer. It decides plain paths only ([`crate::normalize::is_plain`]: no `%`, `//` or
+//! dot segment), which every path normalisation leaves as they are; any other path goes to the
+//! user tier, which normalises it as the listener asks before it matches. An entry either forwards (the connection is spliced to the route's cluster)
 //! or punts (the user tier decides). `crates/kernel` encodes [`KernelEntry`]s into the map ABI
 //! and nothing else; this module decides what they are.
 //!
@@ -23,6 +25,7 @@ use flatmesh_config::UpstreamProtocol;
 
 use crate::lower::{Lowering, Verdict};
 use crate::matcher::PathCond;
+use crate::normalize::is_plain;
 use crate::program::{ClusterInfo, CompiledRoute, ListenerTable, RouteAction, TableKind};
 use crate::reason::Reason;
 use crate::tier::Tier;
@@ -255,6 +258,8 @@ pub fn check(
         Some(PathCond::Exact(p) | PathCond::Prefix(p)) if p.len() > PATH_MAX => {
             return Err(Reason::PathTooLong { max: PATH_MAX })
         }
+        // The kernel refuses every request whose path is not plain (see `decide`).
+        Some(PathCond::Exact(p)) if !is_plain(p) => return Err(Reason::PathNotPlain),
         _ => {}
     }
     if m.method
@@ -448,9 +453,11 @@ impl Lowering for KernelLowering {
     }
 
     /// The route whose entry forwards, for a connection whose cluster protocol matches; a
-    /// punt, a forward for another protocol or no match are all `None`.
+    /// punt, a forward for another protocol or no match are all `None`. So is a path that is
+    /// not plain (`%`, `//`, a dot segment): the listener may normalise it into another
+    /// route's path, and only the user tier normalises (`dispatch.bpf.c` refuses it too).
     fn decide(&self, listener: ListenerId, req: &Request<'_>) -> Option<RouteId> {
-        if self.listener != Some(listener) {
+        if self.listener != Some(listener) || !is_plain(req.path) {
             return None;
         }
         let e = self.first_match(req.method.as_str(), req.path)?;

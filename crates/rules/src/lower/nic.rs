@@ -34,6 +34,7 @@ use std::ops::Range;
 use crate::image::{compile_app, Image, MAX_STATES, TABLE_ENTRIES};
 use crate::lower::{Lowering, Verdict};
 use crate::matcher::PathCond;
+use crate::normalize::PathNormalization;
 use crate::program::{CompiledRoute, ListenerTable, TableKind};
 use crate::reason::Reason;
 use crate::skipcheck::{Decision, PatByte, Rule};
@@ -96,8 +97,14 @@ impl NicRoute {
     }
 }
 
-/// Whether the image could decide `route` if it had room.
-pub fn check(route: &CompiledRoute) -> Result<(), Reason> {
+/// Whether the image could decide `route` of a listener that normalises paths as `paths`
+/// does, if it had room.
+///
+/// The image compares the request line's bytes as received, so where the listener normalises
+/// paths it decides exact paths only: a request matching `M /x ` has the path `/x`, which is
+/// the path the user tier matches too, whereas `M /api` would also take `/api/../admin`,
+/// which the user tier matches as `/admin`.
+pub fn check(route: &CompiledRoute, paths: PathNormalization) -> Result<(), Reason> {
     let m = &route.matches;
     if m.host.is_some() {
         return Err(Reason::HostMatch);
@@ -123,6 +130,28 @@ pub fn check(route: &CompiledRoute) -> Result<(), Reason> {
             }
         }
     }
+    .and_then(|()| normalized(route, paths))
+}
+
+/// The part of [`check`] about the listener's path normalisation.
+fn normalized(route: &CompiledRoute, paths: PathNormalization) -> Result<(), Reason> {
+    if paths.is_raw() {
+        return Ok(());
+    }
+    match &route.matches.path {
+        Some(PathCond::Exact(e)) if paths.is_normal(e) => Ok(()),
+        Some(PathCond::Exact(_)) => Err(Reason::PathNotNormal),
+        _ => Err(Reason::PathNormalized),
+    }
+}
+
+/// Whether no request the user tier sees can match the route's path, so that it needs no
+/// rule at all.
+fn never_matches(route: &CompiledRoute, paths: PathNormalization) -> bool {
+    matches!(
+        check(route, paths),
+        Err(Reason::PathNeverMatches | Reason::PathNotNormal)
+    )
 }
 
 /// The request-target patterns (after `METHOD SP`) of a route: exact ones when `decides`, else
@@ -172,9 +201,15 @@ fn method_set(routes: &[CompiledRoute]) -> Vec<String> {
 }
 
 /// The rules of one route.
-fn route_rules(app_id: u8, route: &CompiledRoute, methods: &[String], queue: u8) -> Vec<Rule> {
-    // PathNeverMatches: the user tier never picks the route, so no request needs a rule.
-    if check(route) == Err(Reason::PathNeverMatches) {
+fn route_rules(
+    app_id: u8,
+    route: &CompiledRoute,
+    paths: PathNormalization,
+    methods: &[String],
+    queue: u8,
+) -> Vec<Rule> {
+    // The user tier never picks the route, so no request needs a rule.
+    if never_matches(route, paths) {
         return Vec::new();
     }
     let decides = queue != HOST_QUEUE;
@@ -238,7 +273,12 @@ fn by_method(rules: &[Rule]) -> Vec<&Rule> {
 }
 
 /// Lowers one http listener into at most `budget` entries.
-fn lower_listener(app_id: u8, routes: &[CompiledRoute], budget: usize) -> (NicListener, Image) {
+fn lower_listener(
+    app_id: u8,
+    routes: &[CompiledRoute],
+    paths: PathNormalization,
+    budget: usize,
+) -> (NicListener, Image) {
     let methods = method_set(routes);
     let mut out = NicListener {
         app_id: Some(app_id),
@@ -247,7 +287,7 @@ fn lower_listener(app_id: u8, routes: &[CompiledRoute], budget: usize) -> (NicLi
     // With no rules, the app is its start entry: the default, queue 0.
     let mut entries = compile_app(app_id, REQ_TYPE, &[], Some(HOST_QUEUE)).unwrap_or_default();
     for (i, r) in routes.iter().enumerate() {
-        let checked = check(r);
+        let checked = check(r, paths);
         let stop = if i > MAX_ROUTE {
             Some(Reason::QueueRange {
                 max_route: MAX_ROUTE,
@@ -259,7 +299,7 @@ fn lower_listener(app_id: u8, routes: &[CompiledRoute], budget: usize) -> (NicLi
                 HOST_QUEUE
             };
             let start = out.rules.len();
-            let mut own = route_rules(app_id, r, &methods, queue);
+            let mut own = route_rules(app_id, r, paths, &methods, queue);
             let had_rules = !own.is_empty();
             // A rule an earlier rule covers is never reached: leave it out.
             let mut shadowed_by = None;
@@ -303,7 +343,7 @@ fn lower_listener(app_id: u8, routes: &[CompiledRoute], budget: usize) -> (NicLi
         if let Some(why) = stop {
             let end = out.rules.len();
             out.routes.extend(routes[i..].iter().map(|r| NicRoute {
-                verdict: Verdict::host(check(r), why),
+                verdict: Verdict::host(check(r, paths), why),
                 rules: end..end,
             }));
             break;
@@ -338,7 +378,7 @@ impl NicLowering {
                         .routes
                         .iter()
                         .map(|r| NicRoute {
-                            verdict: Verdict::host(check(r), why),
+                            verdict: Verdict::host(check(r, t.paths), why),
                             rules: 0..0,
                         })
                         .collect(),
@@ -355,7 +395,7 @@ impl NicLowering {
                 .count();
             let budget = TABLE_ENTRIES.saturating_sub(out.image.cam.len() + later);
             // id <= MAX_LISTENER, so id + 1 fits in u8.
-            let (mut listener, image) = lower_listener(id as u8 + 1, &t.routes, budget);
+            let (mut listener, image) = lower_listener(id as u8 + 1, &t.routes, t.paths, budget);
             let start = out.image.cam.len();
             listener.entries = start..start + image.cam.len();
             out.image.cam.extend(image.cam);

@@ -37,6 +37,9 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
         routes,
         cluster: None,
         limits: Default::default(),
+        normalize_path: None,
+        merge_slashes: None,
+        path_with_escaped_slashes_action: None,
     });
     c
 }
