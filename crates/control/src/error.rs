@@ -28,7 +28,7 @@ pub enum ControlError {
     Solver(String),
     #[error("placement violates a constraint: {0}")]
     Violation(String),
-    #[error("heartbeat is {len} bytes, expected exactly 16; the agent and controller disagree on the wire format, upgrade the older side")]
+    #[error("heartbeat is {len} bytes, expected exactly 56 (or its 16-byte report); the agent and controller disagree on the wire format, upgrade the older side")]
     HeartbeatLength { len: usize },
     #[error("heartbeat from node {node}: {message}")]
     Heartbeat { node: u32, message: String },
@@ -43,6 +43,9 @@ pub enum ControlError {
     /// The addresses file of `flatmesh control --addresses` is wrong or incomplete.
     #[error("{origin}: {why}")]
     Addresses { origin: String, why: String },
+    /// The heartbeat keys file of `flatmesh control --heartbeat-keys` is wrong or incomplete.
+    #[error("{origin}: {why}")]
+    HeartbeatKeys { origin: String, why: String },
     /// The xDS side of `flatmesh control` (its state file, its server); the message says what to do.
     #[error(transparent)]
     Xds(#[from] flatmesh_xds::XdsError),

@@ -365,23 +365,20 @@ impl<'a, R: Runtime, E: EndpointSink> Controller<'a, R, E> {
         self.sink.publish(&snap)
     }
 
-    /// Runs until the heartbeat channel closes. `raw` carries 16-byte messages as received.
+    /// Runs until the heartbeat channel closes. `beats` carries heartbeats that passed the
+    /// receiver's [`crate::agent::Gate`] (authentic, fresh, from the node's address).
     /// Errors of one decision (a failover with no room, an unwritable endpoints file) are logged and
     /// the loop goes on: the controller must outlive them.
-    pub async fn run(&mut self, mut raw: mpsc::Receiver<Vec<u8>>) -> Result<()> {
+    pub async fn run(&mut self, mut beats: mpsc::Receiver<Heartbeat>) -> Result<()> {
         let mut tick = tokio::time::interval(self.detector.cfg.interval);
         loop {
             // Biased: drain queued heartbeats before judging liveness, so a controller that was busy
             // migrating does not mistake its own delay for silent nodes.
             tokio::select! {
                 biased;
-                msg = raw.recv() => {
-                    let Some(bytes) = msg else { return Ok(()) };
-                    // A malformed heartbeat is logged and dropped; it must not stop the controller.
-                    match Heartbeat::decode(&bytes) {
-                        Ok(hb) => self.on_heartbeat(&hb).await,
-                        Err(e) => tracing::warn!("dropping heartbeat: {e}"),
-                    }
+                hb = beats.recv() => {
+                    let Some(hb) = hb else { return Ok(()) };
+                    self.on_heartbeat(&hb).await;
                 }
                 _ = tick.tick() => {
                     for s in self.detector.sweep(Instant::now()) {
@@ -775,7 +772,7 @@ mod tests {
     /// execution time jump after `after` heartbeats, `silent` stops one node after `after`.
     fn spawn_agents(
         nodes: usize,
-        tx: mpsc::Sender<Vec<u8>>,
+        tx: mpsc::Sender<Heartbeat>,
         slow: Option<usize>,
         silent: Option<usize>,
         after: usize,
@@ -796,9 +793,7 @@ mod tests {
                     } else {
                         100
                     };
-                    let msg = hb(node as u32, 0, 20, 0, [exec, 100, 100, 100])
-                        .encode()
-                        .to_vec();
+                    let msg = hb(node as u32, 0, 20, 0, [exec, 100, 100, 100]);
                     beats.fetch_add(1, Ordering::Relaxed);
                     if tx.send(msg).await.is_err() {
                         return;

@@ -355,11 +355,12 @@ pub struct OrchestratorRow {
 
 /// The orchestrator's side of §5.6 / Fig. 11: a detector that has seen `warm_rounds` rounds of
 /// heartbeats from every SmartNIC of `servers` Type2-SmartNIC servers (4 each), and the next
-/// round's 16-byte messages, ready to be judged. One SmartNIC in 1,000 reports a slow microservice
-/// in that round, so judging it also produces signals.
+/// round's 16-byte reports, ready to be judged. One SmartNIC in 1,000 reports a slow microservice
+/// in that round, so judging it also produces signals. The transport's check of each datagram
+/// (its HMAC, [`crate::agent::Gate`]) comes before this and is not part of the round.
 pub struct HeartbeatRound {
     detector: crate::orchestrator::Detector,
-    round: Vec<[u8; crate::heartbeat::HEARTBEAT_LEN]>,
+    round: Vec<[u8; crate::heartbeat::PAYLOAD_LEN]>,
     now: tokio::time::Instant,
 }
 

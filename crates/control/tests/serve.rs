@@ -13,7 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flatmesh_config::Config;
-use flatmesh_control::heartbeat::{Heartbeat, NO_SAMPLE};
+use flatmesh_control::agent::GateCounts;
+use flatmesh_control::heartbeat::{Heartbeat, HeartbeatKey, KEY_LEN, NO_SAMPLE};
 use flatmesh_control::placement::Algorithm;
 use flatmesh_control::serve::{ControlCenter, Options, OrchestratorOptions, PlacementOptions};
 use flatmesh_xds::client::{Apply, Client, Protocol};
@@ -68,6 +69,23 @@ impl Drop for Scratch {
     }
 }
 
+/// Node `i`'s heartbeat key.
+fn key(node: u32) -> HeartbeatKey {
+    HeartbeatKey::from_bytes([node as u8 + 1; KEY_LEN])
+}
+
+fn keys_file(dir: &Scratch) -> PathBuf {
+    let text: String = ["r0-s0/host", "r0-s0/nic0", "r0-s1/host", "r0-s1/nic0"]
+        .iter()
+        .enumerate()
+        .map(|(i, id)| format!("{id}: {}\n", key(i as u32).to_hex()))
+        .collect();
+    let path = dir.write("heartbeat-keys.yaml", &text);
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path
+}
+
 fn options(dir: &Scratch, addresses: &str, step_command: Option<PathBuf>) -> Options {
     Options {
         listen: "127.0.0.1:0".parse().unwrap(),
@@ -80,6 +98,7 @@ fn options(dir: &Scratch, addresses: &str, step_command: Option<PathBuf>) -> Opt
             addresses: dir.write("addresses.yaml", addresses),
             orchestrator: Some(OrchestratorOptions {
                 heartbeats: "127.0.0.1:0".parse().unwrap(),
+                heartbeat_keys: keys_file(dir),
                 step_command,
             }),
         }),
@@ -121,15 +140,33 @@ fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
     panic!("timed out after 20 s waiting for: {what}");
 }
 
-fn beat(socket: &UdpSocket, to: SocketAddr, node: u32, exec_us: u16) {
-    let hb = Heartbeat {
+fn report(node: u32, exec_us: u16) -> Heartbeat {
+    Heartbeat {
         node,
         queue_len: 0,
         bw_util_pct: 10,
         slot_base: 0,
         exec_us: [exec_us, NO_SAMPLE, NO_SAMPLE, NO_SAMPLE],
-    };
-    socket.send_to(&hb.encode(), to).unwrap();
+    }
+}
+
+/// A strictly increasing sequence number near this clock, as an agent's.
+fn seq() -> u64 {
+    static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = flatmesh_control::agent::unix_now_us();
+    let prev = LAST.fetch_max(now, std::sync::atomic::Ordering::Relaxed);
+    if prev >= now {
+        LAST.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
+    } else {
+        now
+    }
+}
+
+/// Sends node `node`'s heartbeat, sealed with its key; returns the datagram.
+fn beat(socket: &UdpSocket, to: SocketAddr, node: u32, exec_us: u16) -> Vec<u8> {
+    let wire = report(node, exec_us).seal(seq(), &key(node)).to_vec();
+    socket.send_to(&wire, to).unwrap();
+    wire
 }
 
 #[test]
@@ -147,6 +184,7 @@ fn control_center_serves_the_placement_and_the_orchestrator_moves_it() {
     let center = ControlCenter::new(&options).unwrap();
     let feed = center.feed().clone();
     let heartbeats = center.heartbeats_addr().unwrap();
+    let center_stats = center.heartbeat_stats().unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -188,14 +226,45 @@ fn control_center_serves_the_placement_and_the_orchestrator_moves_it() {
         "the state file's cluster settings stay"
     );
 
-    // The SmartNIC reports a slot 2x slower than its average: overload. The orchestrator runs
-    // the five cold-migration steps and the endpoint moves to the server's host.
-    let udp = UdpSocket::bind("127.0.0.1:0").unwrap();
-    for _ in 0..6 {
-        beat(&udp, heartbeats, 1, 100);
+    // Regression (issue 23, item 10): anyone who could send a datagram could make the
+    // orchestrator migrate. The same overload story, told by an attacker, moves nothing: in the
+    // old unauthenticated format, sealed with another node's key, and sealed right but sent
+    // from another address than the SmartNIC's (127.0.0.2).
+    let nic_addr = UdpSocket::bind("127.0.0.2:0").unwrap();
+    let elsewhere = UdpSocket::bind("127.0.0.9:0").unwrap();
+    for exec_us in [100, 100, 100, 100, 100, 100, 200] {
+        let hb = report(1, exec_us);
+        nic_addr.send_to(&hb.encode(), heartbeats).unwrap();
+        nic_addr
+            .send_to(&hb.seal(seq(), &key(3)), heartbeats)
+            .unwrap();
+        beat(&elsewhere, heartbeats, 1, exec_us);
         std::thread::sleep(Duration::from_millis(20));
     }
-    beat(&udp, heartbeats, 1, 200);
+    let stats = center_stats.clone();
+    wait_for("the forged heartbeats are counted", || {
+        stats.read().refused() == 21
+    });
+    assert_eq!(
+        stats.read(),
+        GateCounts {
+            length: 7,
+            bad_tag: 7,
+            wrong_source: 7,
+            ..GateCounts::default()
+        }
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!steps.exists(), "no migration step ran");
+    assert_eq!(endpoints(&node.last().unwrap()), [nic0], "nothing moved");
+
+    // The SmartNIC itself reports a slot 2x slower than its average: overload. The orchestrator
+    // runs the five cold-migration steps and the endpoint moves to the server's host.
+    for _ in 0..6 {
+        beat(&nic_addr, heartbeats, 1, 100);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let overload = beat(&nic_addr, heartbeats, 1, 200);
     let host: SocketAddr = "127.0.0.1:9100".parse().unwrap();
     wait_for("the client has the migrated endpoint on r0-s0/host", || {
         node.last().is_some_and(|c| endpoints(&c) == [host])
@@ -216,6 +285,10 @@ fn control_center_serves_the_placement_and_the_orchestrator_moves_it() {
         expected,
         "the steps, in order"
     );
+    // Played back, the overload heartbeat is refused as a replay.
+    nic_addr.send_to(&overload, heartbeats).unwrap();
+    wait_for("the replay is counted", || stats.read().replayed == 1);
+    assert_eq!(stats.read().accepted, 7);
 
     // A new state file is served with the placement kept; a broken one is refused.
     std::thread::sleep(Duration::from_millis(20)); // a new modification time
@@ -256,11 +329,25 @@ fn bad_inputs_fail_before_anything_serves_and_say_what_is_wrong() {
     if let Some(p) = opts.placement.as_mut() {
         p.orchestrator = Some(OrchestratorOptions {
             heartbeats: taken.local_addr().unwrap(),
+            heartbeat_keys: keys_file(&dir),
             step_command: None,
         });
     }
     let e = ControlCenter::new(&opts).err().unwrap().to_string();
     assert!(e.contains("pick a free address with --heartbeats"), "{e}");
+
+    // A heartbeat keys file that others may read, or that leaves a node out.
+    let opts = options(&dir, ADDRESSES, None);
+    let keys = keys_file(&dir);
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let e = ControlCenter::new(&opts).err().unwrap().to_string();
+    assert!(e.contains("chmod 600"), "{e}");
+    let text = std::fs::read_to_string(&keys).unwrap();
+    std::fs::write(&keys, text.lines().take(3).collect::<Vec<_>>().join("\n")).unwrap();
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let e = ControlCenter::new(&opts).err().unwrap().to_string();
+    assert!(e.contains("node `r0-s1/nic0` has no key"), "{e}");
 
     // A state file that is no config, and one that is missing.
     let mut opts = options(&dir, ADDRESSES, None);

@@ -91,6 +91,10 @@ fn demo_migrates_the_overloaded_smartnic_without_failed_requests_and_cleans_up()
         "the greedy client was never rate-limited: {s}"
     );
     assert!(s["heartbeats"].as_u64().unwrap() > 100, "{s}");
+    assert_eq!(
+        s["heartbeats_refused"], 0,
+        "every agent's heartbeats pass the gate: {s}"
+    );
     // SmartNIC nodes were throttled for real.
     let throttled = s["throttled"].as_object().unwrap();
     assert!(

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use flatmesh_control::heartbeat::{Heartbeat, NO_SAMPLE};
+use flatmesh_control::heartbeat::{Heartbeat, HeartbeatKey, KEY_LEN, NO_SAMPLE};
 
 const CLUSTER: &str = r#"
 name: lab
@@ -159,15 +159,42 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn beat(socket: &UdpSocket, to: SocketAddr, node: u32, exec_us: u16) {
-    let hb = Heartbeat {
-        node,
-        queue_len: 0,
-        bw_util_pct: 10,
-        slot_base: 0,
-        exec_us: [exec_us, NO_SAMPLE, NO_SAMPLE, NO_SAMPLE],
-    };
-    socket.send_to(&hb.encode(), to).unwrap();
+/// Node `i`'s heartbeat key.
+fn key(node: u32) -> HeartbeatKey {
+    HeartbeatKey::from_bytes([node as u8 + 1; KEY_LEN])
+}
+
+/// Node `node`'s agent: a socket on the node's address (the control center takes a node's
+/// heartbeats only from there) and its sequence numbers.
+struct Agent {
+    node: u32,
+    socket: UdpSocket,
+    seq: flatmesh_control::agent::Sequence,
+}
+
+impl Agent {
+    fn new(node: u32) -> Agent {
+        let ip = NODES[node as usize].1;
+        Agent {
+            node,
+            socket: UdpSocket::bind(SocketAddr::from((ip, 0))).unwrap(),
+            seq: Default::default(),
+        }
+    }
+
+    fn beat(&mut self, to: SocketAddr, exec_us: u16) {
+        let hb = Heartbeat {
+            node: self.node,
+            queue_len: 0,
+            bw_util_pct: 10,
+            slot_base: 0,
+            exec_us: [exec_us, NO_SAMPLE, NO_SAMPLE, NO_SAMPLE],
+        };
+        let seq = self.seq.next(flatmesh_control::agent::unix_now_us());
+        self.socket
+            .send_to(&hb.seal(seq, &key(self.node)), to)
+            .unwrap();
+    }
 }
 
 fn workdir() -> PathBuf {
@@ -219,6 +246,13 @@ fn control_serves_placed_endpoints_and_the_orchestrator_moves_them() {
     use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(&step_command, std::fs::Permissions::from_mode(0o755)).unwrap();
     let base = file("base.yaml", "admin: 127.0.0.1:0\nworkers: 1\n");
+    let keys: Vec<String> = NODES
+        .iter()
+        .enumerate()
+        .map(|(i, (n, _))| format!("{n}: {}\n", key(i as u32).to_hex()))
+        .collect();
+    let keys = file("heartbeat-keys.yaml", &keys.concat());
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
 
     let control_log = dir.join("control.log");
     let node_log = dir.join("node.log");
@@ -238,6 +272,8 @@ fn control_serves_placed_endpoints_and_the_orchestrator_moves_them() {
             &addresses,
             "--heartbeats",
             &heartbeats.to_string(),
+            "--heartbeat-keys",
+            &keys,
             "--step-command",
             &step_command,
         ],
@@ -291,12 +327,12 @@ fn control_serves_placed_endpoints_and_the_orchestrator_moves_them() {
 
     // 2. The SmartNIC reports a slot 2x slower than its average: overload. The orchestrator
     //    migrates the KVS to its server's host in five steps and pushes the new endpoint.
-    let udp = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let mut nic = Agent::new(1);
     for _ in 0..6 {
-        beat(&udp, heartbeats, 1, 100);
+        nic.beat(heartbeats, 100);
         std::thread::sleep(Duration::from_millis(20));
     }
-    beat(&udp, heartbeats, 1, 200);
+    nic.beat(heartbeats, 200);
     wait_for("traffic follows the migration to r0-s0/host", &logs, || {
         get(web).as_deref() == Some("200 r0-s0/host")
     });
@@ -319,7 +355,7 @@ fn control_serves_placed_endpoints_and_the_orchestrator_moves_them() {
 
     // 3. The host goes silent after one heartbeat: its whole server (host and SmartNIC, one
     //    fault domain) fails over to the other server, and the endpoint follows again.
-    beat(&udp, heartbeats, 0, NO_SAMPLE);
+    Agent::new(0).beat(heartbeats, NO_SAMPLE);
     wait_for(
         "traffic follows the failover to server r0-s1",
         &logs,

@@ -40,7 +40,7 @@ mod snapshot;
 mod sniff;
 mod tap;
 mod tcp;
-#[cfg(test)]
+#[cfg(any(test, fuzzing))]
 mod testing;
 mod trailers;
 mod upstream;
@@ -56,4 +56,22 @@ pub mod fuzz {
     pub use crate::h1::chunked::ChunkedParser;
     pub use crate::h1::head::{analyze_request, write_request_head, MAX_HEADERS};
     pub use crate::trailers::{filter_section, line_goes_on};
+
+    /// The first listener of a config, served in process (cargo-fuzz builds with
+    /// `--cfg fuzzing`): each [`Listener::connect`] is one client connection through the
+    /// protocol sniff into the HTTP/1 or HTTP/2 server, as `crate::testing` serves them.
+    #[cfg(fuzzing)]
+    pub struct Listener(std::sync::Arc<arc_swap::ArcSwap<crate::context::WorkerView>>);
+
+    #[cfg(fuzzing)]
+    impl Listener {
+        pub fn new(yaml: &str) -> Listener {
+            Listener(crate::testing::view(yaml))
+        }
+
+        /// Serves a new connection on the current tokio runtime; returns the client's end.
+        pub fn connect(&self) -> tokio::io::DuplexStream {
+            crate::testing::http_client(crate::testing::context(&self.0))
+        }
+    }
 }

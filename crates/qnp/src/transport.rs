@@ -46,6 +46,10 @@ pub struct QnpConfig {
     pub max_completed_requests: usize,
     /// How long an answered request is remembered. Keep it above `rto × max_attempts`.
     pub dedup_window: Duration,
+    /// Bytes of responses kept to answer retransmissions (each is sent again at most
+    /// `max_attempts` times, and only for an exact copy of its request). Past it, responses are
+    /// not kept (counted in `RxStats::responses_not_cached`): a lost one is then not resent.
+    pub max_cached_response_bytes: usize,
     /// Retransmission timeout of the sender.
     pub rto: Duration,
     /// Transmissions of a request before `send_req` gives up.
@@ -62,6 +66,8 @@ impl Default for QnpConfig {
             // Sized for ~100k answered requests/s per endpoint over the 2 s window.
             max_completed_requests: 262_144,
             dedup_window: Duration::from_secs(2),
+            // ~200k answered requests of 300 bytes over the 2 s window.
+            max_cached_response_bytes: 64 << 20,
             rto: Duration::from_millis(50),
             max_attempts: 20,
         }
@@ -92,6 +98,9 @@ impl QnpConfig {
         }
         if self.max_completed_requests == 0 {
             return bad("max_completed_requests is 0, so every request would be refused; keep it above the request rate × dedup_window (default 262144)".into());
+        }
+        if self.max_cached_response_bytes == 0 {
+            return bad("max_cached_response_bytes is 0, so a lost response could never be sent again; keep it above the response bytes per dedup_window (default 64 MiB)".into());
         }
         if self.request_expiry.is_zero() {
             return bad("request_expiry is 0, so a request of several packets could never be reassembled; the paper uses 1 s".into());
@@ -281,7 +290,7 @@ pub fn receive_packets(cfg: QnpConfig, packets: &[(&[u8], u16)]) -> (RxStats, Ve
         match t.on_packet(Instant::now(), peer, pkt) {
             RxEvent::Request(r) => delivered.push(r.payload),
             RxEvent::Response { resp, .. } => delivered.push(resp.payload),
-            RxEvent::Nothing | RxEvent::Replay(_) => {}
+            RxEvent::Nothing | RxEvent::Replay { .. } => {}
         }
     }
     (t.stats, delivered)
@@ -317,9 +326,10 @@ async fn receive_loop<S: Datagram>(shared: Arc<Shared<S>>, requests: mpsc::Sende
                     let _ = waiter.send(resp);
                 }
             }
-            RxEvent::Replay(pkts) => {
+            // To the address the answered request came from, never to anyone else.
+            RxEvent::Replay { to, pkts } => {
                 for p in pkts {
-                    let _ = shared.sock.send_to(&p, from).await;
+                    let _ = shared.sock.send_to(&p, to).await;
                 }
             }
         }
@@ -525,6 +535,13 @@ mod tests {
                     ..d
                 },
                 "max_completed_requests",
+            ),
+            (
+                QnpConfig {
+                    max_cached_response_bytes: 0,
+                    ..d
+                },
+                "max_cached_response_bytes",
             ),
             (
                 QnpConfig {

@@ -12,6 +12,7 @@
 //! resolves. The binary only parses arguments and waits for SIGINT/SIGTERM.
 
 pub mod addresses;
+pub mod heartbeat_keys;
 pub mod sink;
 pub mod step_command;
 
@@ -22,6 +23,7 @@ use std::time::{Duration, SystemTime};
 use flatmesh_xds::feed::Feed;
 use flatmesh_xds::server::Store;
 
+use crate::agent::{Gate, GateConfig, GateStats};
 use crate::endpoints::{snapshot, EndpointSink as _};
 use crate::error::{ControlError, Result};
 use crate::model::{load_app, load_cluster};
@@ -30,6 +32,7 @@ use crate::placement::{place, Algorithm, State};
 use crate::topology::Topology;
 use crate::workload::Workload;
 use addresses::Addresses;
+use heartbeat_keys::HeartbeatKeys;
 use sink::XdsSink;
 use step_command::StepCommand;
 
@@ -66,8 +69,11 @@ pub struct PlacementOptions {
 /// Run the orchestrator on node heartbeats.
 #[derive(Debug, Clone)]
 pub struct OrchestratorOptions {
-    /// The UDP address the 16-byte node heartbeats arrive on.
+    /// The UDP address the node heartbeats arrive on.
     pub heartbeats: SocketAddr,
+    /// Each node's heartbeat key ([`HeartbeatKeys`]); a heartbeat must be sealed with its node's
+    /// key and come from the node's address in the addresses file.
+    pub heartbeat_keys: PathBuf,
     /// The program run for each migration step ([`StepCommand`]); `None` only logs the steps.
     pub step_command: Option<PathBuf>,
 }
@@ -119,8 +125,13 @@ impl ControlCenter {
 
     /// Where the orchestrator receives heartbeats, if it runs.
     pub fn heartbeats_addr(&self) -> Option<SocketAddr> {
-        let socket = self.placed.as_ref()?.heartbeats.as_ref()?;
+        let socket = &self.placed.as_ref()?.heartbeats.as_ref()?.socket;
         socket.local_addr().ok()
+    }
+
+    /// What the heartbeat receiver took and dropped, if the orchestrator runs.
+    pub fn heartbeat_stats(&self) -> Option<std::sync::Arc<GateStats>> {
+        Some(self.placed.as_ref()?.heartbeats.as_ref()?.gate.stats())
     }
 
     /// Serves xDS (and runs the orchestrator) until `shutdown` resolves or either fails. `bound`
@@ -189,8 +200,14 @@ struct Placed {
     wl: Workload,
     assign: Vec<usize>,
     addresses: Addresses,
-    heartbeats: Option<std::net::UdpSocket>,
+    heartbeats: Option<HeartbeatInput>,
     step_command: Option<PathBuf>,
+}
+
+/// The bound heartbeat socket and the gate its datagrams pass.
+struct HeartbeatInput {
+    socket: std::net::UdpSocket,
+    gate: Gate,
 }
 
 impl Placed {
@@ -222,9 +239,12 @@ impl Placed {
                     ),
                     source,
                 };
+                let keys = HeartbeatKeys::load(&o.heartbeat_keys)?;
+                keys.check(&topo, &o.heartbeat_keys.display().to_string())?;
+                let gate = keys.gate(&topo, &addresses, GateConfig::default());
                 let socket = std::net::UdpSocket::bind(at).map_err(io)?;
                 socket.set_nonblocking(true).map_err(io)?;
-                Ok::<_, ControlError>(socket)
+                Ok::<_, ControlError>(HeartbeatInput { socket, gate })
             })
             .transpose()?;
         Ok(Placed {
@@ -260,7 +280,7 @@ impl Placed {
             feed,
             addresses: self.addresses.clone(),
         };
-        let Some(socket) = self.heartbeats else {
+        let Some(HeartbeatInput { socket, gate }) = self.heartbeats else {
             sink.publish(&snapshot(&state, 1))?;
             return server.await.map_err(ControlError::from);
         };
@@ -283,7 +303,7 @@ impl Placed {
         });
         let (beats_tx, beats_rx) = tokio::sync::mpsc::channel(1024);
         let receiver = tokio::spawn(async move {
-            if let Err(e) = crate::agent::receive(&socket, beats_tx).await {
+            if let Err(e) = crate::agent::receive(&socket, gate, beats_tx).await {
                 tracing::error!(error = %e, "heartbeat socket failed; the orchestrator stops");
             }
         });

@@ -38,10 +38,15 @@ pub struct Args {
     /// port of shard 0 (shard k serves on port + k). See docs/xds.md.
     #[arg(long, value_name = "FILE", requires = "cluster")]
     addresses: Option<PathBuf>,
-    /// Run the orchestrator on the 16-byte node heartbeats received on this UDP address
+    /// Run the orchestrator on the node heartbeats received on this UDP address
     /// (docs/control.md): overload migrates, silence fails over, and the endpoints follow.
-    #[arg(long, value_name = "HOST:PORT", requires = "cluster")]
+    #[arg(long, value_name = "HOST:PORT", requires_all = ["cluster", "heartbeat_keys"])]
     heartbeats: Option<SocketAddr>,
+    /// Each node's heartbeat key (YAML, mode 0600): node id -> 64 hex digits
+    /// (`openssl rand -hex 32`), the key that node's agent seals its heartbeats with. A
+    /// heartbeat must also come from the node's IP in --addresses; others are dropped.
+    #[arg(long, value_name = "FILE", requires = "heartbeats")]
+    heartbeat_keys: Option<PathBuf>,
     /// Run PROGRAM STEP INSTANCE FROM TO for each step of a migration or failover restart
     /// (STEP: push-binary, remove, cleanup, migrate-state, restart); a non-zero exit fails the
     /// step. Without it the steps are only logged (instances are managed elsewhere).
@@ -73,10 +78,17 @@ fn serve(args: Args) -> anyhow::Result<()> {
             addresses: args
                 .addresses
                 .context("--cluster needs --addresses FILE: where each node's instances serve")?,
-            orchestrator: args.heartbeats.map(|heartbeats| OrchestratorOptions {
-                heartbeats,
-                step_command: args.step_command,
-            }),
+            orchestrator: match (args.heartbeats, args.heartbeat_keys) {
+                (Some(heartbeats), Some(heartbeat_keys)) => Some(OrchestratorOptions {
+                    heartbeats,
+                    heartbeat_keys,
+                    step_command: args.step_command,
+                }),
+                (None, _) => None,
+                (Some(_), None) => anyhow::bail!(
+                    "--heartbeats needs --heartbeat-keys FILE: each node's key (docs/control.md)"
+                ),
+            },
         }),
         None => None,
     };

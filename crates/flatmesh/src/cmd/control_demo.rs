@@ -93,6 +93,9 @@ struct AgentArgs {
     orchestrator: SocketAddr,
     #[arg(long)]
     instances: PathBuf,
+    /// The node's heartbeat key (64 hex digits, mode 0600), written by the demo.
+    #[arg(long)]
+    key_file: PathBuf,
     /// The node's nominal link rate, for the heartbeat's bandwidth utilisation.
     #[arg(long, default_value_t = 1000)]
     link_mbps: u64,
@@ -136,6 +139,7 @@ fn agent(a: AgentArgs) -> anyhow::Result<()> {
         node: a.node,
         orchestrator: a.orchestrator,
         instances: a.instances,
+        key: flatmesh_control::heartbeat::HeartbeatKey::load(&a.key_file)?,
         link_bits_per_sec: a.link_mbps * 1_000_000,
         period: Duration::from_millis(50),
     }))?;

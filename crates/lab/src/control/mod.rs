@@ -35,8 +35,9 @@ use tokio::sync::mpsc;
 
 use crate::control::services::{burn_rate, Kind};
 use crate::{LabError, Result};
+use flatmesh_control::agent::{receive, Gate, GateConfig, NodeCredentials};
 use flatmesh_control::endpoints::{service_of, EndpointSnapshot, ProxyConfigSink};
-use flatmesh_control::heartbeat::Heartbeat;
+use flatmesh_control::heartbeat::{Heartbeat, HeartbeatKey};
 use flatmesh_control::model::{parse_app, parse_cluster};
 use flatmesh_control::orchestrator::{Controller, DetectorConfig, LogEntry, Signal};
 use flatmesh_control::placement::{hcm, State};
@@ -169,7 +170,10 @@ pub struct Summary {
     pub failed: u64,
     pub shed: u64,
     pub failures: Vec<String>,
+    /// Heartbeats the orchestrator took (authentic, fresh, from the node's address).
     pub heartbeats: u64,
+    /// Datagrams its gate dropped (none in a healthy run).
+    pub heartbeats_refused: u64,
     pub detections: Vec<Detection>,
     pub migrations: Vec<Migration>,
     pub placement_before: BTreeMap<String, String>,
@@ -456,6 +460,28 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
         what: "orchestrator".into(),
         message: e.to_string(),
     })?;
+    // One heartbeat key per node, given to its agent in a file only root reads; the orchestrator
+    // takes a node's heartbeats only with its key and from its address on the bridge.
+    let mut credentials = Vec::new();
+    for n in &nodes {
+        let key = HeartbeatKey::generate()?;
+        write_secret(&n.dir.join("heartbeat.key"), &key.to_hex())?;
+        credentials.push((
+            n.index,
+            NodeCredentials {
+                key,
+                address: Some(n.ip.into()),
+            },
+        ));
+    }
+    let mut gate_nodes = vec![None; topo.nodes.len()];
+    for (index, c) in credentials {
+        if let Some(slot) = gate_nodes.get_mut(index) {
+            *slot = Some(c);
+        }
+    }
+    let gate = Gate::new(gate_nodes, GateConfig::default());
+    let gate_stats = gate.stats();
     for n in &nodes {
         let mut args = vec!["node".to_string(), "--config".into()];
         args.push(n.dir.join("proxy.yaml").display().to_string());
@@ -475,6 +501,8 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
             orchestrator.to_string(),
             "--instances".into(),
             runtime::agent_list_path(n).display().to_string(),
+            "--key-file".into(),
+            n.dir.join("heartbeat.key").display().to_string(),
         ]);
         let child = spawn_in(
             &n.ns,
@@ -489,25 +517,28 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
         wait_proxy_ready(n).await?;
     }
     info(format!(
-        "{} node proxies ready; agents send 16-byte heartbeats every 50 ms over UDP to {orchestrator}",
+        "{} node proxies ready; agents send authenticated heartbeats every 50 ms over UDP to {orchestrator}",
         nodes.len()
     ));
 
     // Run: heartbeats in (and into the live view), the controller, the load, a tick per second.
     let view: Arc<Mutex<BTreeMap<usize, Heartbeat>>> = Arc::new(Mutex::new(BTreeMap::new()));
     let heartbeats = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let (hb_tx, hb_rx) = mpsc::channel::<Vec<u8>>(4096);
+    let (admitted_tx, mut admitted_rx) = mpsc::channel::<Heartbeat>(4096);
+    let (hb_tx, hb_rx) = mpsc::channel::<Heartbeat>(4096);
+    let receiver = tokio::spawn(async move {
+        if let Err(e) = receive(&heartbeat_socket, gate, admitted_tx).await {
+            tracing::error!(error = %e, "heartbeat socket failed");
+        }
+    });
     let tee = {
         let view = view.clone();
         let heartbeats = heartbeats.clone();
         tokio::spawn(async move {
-            let mut buf = [0u8; 64];
-            while let Ok((len, _)) = heartbeat_socket.recv_from(&mut buf).await {
-                if let Ok(hb) = Heartbeat::decode(&buf[..len]) {
-                    view.lock().insert(hb.node as usize, hb);
-                    heartbeats.fetch_add(1, Ordering::Relaxed);
-                }
-                if hb_tx.send(buf[..len].to_vec()).await.is_err() {
+            while let Some(hb) = admitted_rx.recv().await {
+                view.lock().insert(hb.node as usize, hb);
+                heartbeats.fetch_add(1, Ordering::Relaxed);
+                if hb_tx.send(hb).await.is_err() {
                     return;
                 }
             }
@@ -542,6 +573,7 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
                 r = &mut ctl => { r?; break; }
                 _ = &mut deadline, if !stopping => {
                     // Stop the heartbeats; the controller returns once it has drained them.
+                    receiver.abort();
                     tee.abort();
                     stopping = true;
                 }
@@ -640,6 +672,7 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
         shed: stats.shed.load(Ordering::Relaxed),
         failures: stats.failures.lock().clone(),
         heartbeats: heartbeats.load(Ordering::Relaxed),
+        heartbeats_refused: gate_stats.read().refused(),
         detections,
         migrations,
         placement_before,
@@ -700,6 +733,24 @@ pub fn describe(topo: &Topology, s: &Signal) -> (String, String) {
         ),
         Signal::NodeDead { node } => (name(*node), "no heartbeat: node dead".into()),
     }
+}
+
+/// Writes a file that only its owner can read (created so, never readable by others meanwhile).
+fn write_secret(path: &Path, text: &str) -> Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let io = |e: std::io::Error| LabError::Demo {
+        what: "heartbeat key".into(),
+        message: format!("cannot write {}: {e}", path.display()),
+    };
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io)?;
+    f.write_all(text.as_bytes()).map_err(io)
 }
 
 async fn wait_proxy_ready(n: &NodeEnv) -> Result<()> {

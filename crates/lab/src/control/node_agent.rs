@@ -1,6 +1,6 @@
 //! The orchestrator agent of one demo node (a process in the node's namespace): every 50 ms it
-//! reads the execution statistics of the instances its node runs and sends one 16-byte heartbeat
-//! over UDP to the orchestrator.
+//! reads the execution statistics of the instances its node runs and sends one heartbeat, sealed
+//! with the node's key, over UDP to the orchestrator.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -16,6 +16,7 @@ use super::runtime::AgentSlot;
 use crate::control::services::Stats;
 use crate::{LabError, Result};
 use flatmesh_control::agent::{send_loop, HeartbeatBuilder, NodeSample};
+use flatmesh_control::heartbeat::HeartbeatKey;
 
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
@@ -23,6 +24,8 @@ pub struct AgentConfig {
     pub orchestrator: SocketAddr,
     /// The runtime's list of instances on this node, in slot order.
     pub instances: PathBuf,
+    /// The node's heartbeat key, which the orchestrator holds too.
+    pub key: HeartbeatKey,
     pub link_bits_per_sec: u64,
     pub period: Duration,
 }
@@ -48,7 +51,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let list = cfg.instances.clone();
     // Half a period per instance at most: a heartbeat must not wait for a stuck instance.
     let budget = cfg.period / 2;
-    send_loop(&socket, cfg.orchestrator, builder, || {
+    send_loop(&socket, cfg.orchestrator, builder, &cfg.key, || {
         let client = client.clone();
         let list = list.clone();
         async move {
