@@ -475,6 +475,9 @@ mod tests {
                 max_connections: max,
                 ..Default::default()
             },
+            normalize_path: None,
+            merge_slashes: None,
+            path_with_escaped_slashes_action: None,
         }
     }
 
