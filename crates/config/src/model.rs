@@ -214,7 +214,7 @@ pub struct Listener {
     pub limits: ListenerLimits,
     /// HTTP listeners: remove dot segments and decode unreserved `%xx` escapes before
     /// matching and forwarding (Envoy's `normalize_path`). Unset: on when the listener has a
-    /// `direct_response` route (see [`Listener::path_defaults_on`]).
+    /// route that denies (a `direct_response` of 400 or more) (see [`Listener::path_defaults_on`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub normalize_path: Option<bool>,
     /// HTTP listeners: collapse runs of `/` into one (Envoy's `merge_slashes`). Unset: as
@@ -223,7 +223,7 @@ pub struct Listener {
     pub merge_slashes: Option<bool>,
     /// HTTP listeners: what a path with `%2F` or `%5C` gets (Envoy's
     /// `path_with_escaped_slashes_action`). Unset: `reject_request` when the listener has a
-    /// `direct_response` route, else `keep_unchanged`.
+    /// route that denies, else `keep_unchanged`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path_with_escaped_slashes_action: Option<EscapedSlashesAction>,
 }
@@ -576,10 +576,13 @@ impl Config {
 }
 
 impl Listener {
-    /// Whether the listener has a route that denies (answers itself with `direct_response`):
-    /// then a path that walks around it matters, and path normalisation defaults on.
+    /// Whether the listener has a route that denies (answers itself with a `direct_response`
+    /// of 400 or more, a 403 say): then a path that walks around it matters, and path
+    /// normalisation defaults on. A `/healthz` answered 200 denies nothing.
     pub fn path_defaults_on(&self) -> bool {
-        self.routes.iter().any(|r| r.direct_response.is_some())
+        self.routes
+            .iter()
+            .any(|r| r.direct_response.as_ref().is_some_and(|d| d.status >= 400))
     }
 
     /// The listener's path normalisation: each key as set, else its default.

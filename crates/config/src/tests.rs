@@ -1126,6 +1126,13 @@ fn path_normalisation_defaults_on_only_where_a_route_denies() {
     )
     .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(deny.listeners[0].path_options(), PathOptions::STRICT);
+    // A route answered 200 (a health check) denies nothing.
+    let health = parse(
+        &http("      - match: { path: { exact: /healthz } }\n        direct_response: { status: 200 }\n      - cluster: api\n"),
+        "t",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(health.listeners[0].path_options(), PathOptions::RAW);
     // Each key set wins over the default; the others keep theirs.
     let text = "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    merge_slashes: false\n    path_with_escaped_slashes_action: unescape_and_redirect\n    routes:\n      - direct_response: { status: 403 }\n";
     let set = parse(text, "t").unwrap_or_else(|e| panic!("{e}"));

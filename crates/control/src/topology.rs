@@ -85,6 +85,29 @@ pub fn hops(topo: &Topology, a: usize, b: usize) -> u32 {
 }
 
 impl Topology {
+    /// That a per-node file (addresses, heartbeat keys) names each node of the topology once
+    /// and nothing else: `named` are the file's names; `missing(id)` says what to add for a
+    /// node it lacks; `section` goes before a name the topology does not know (`"nodes: "`).
+    pub fn check_node_names<'a>(
+        &self,
+        named: impl Iterator<Item = &'a String> + Clone,
+        missing: impl Fn(&str) -> String,
+        section: &str,
+    ) -> std::result::Result<(), String> {
+        let node_ids: Vec<&str> = self.nodes.iter().map(|n| n.id.as_str()).collect();
+        if let Some(id) = node_ids.iter().find(|id| !named.clone().any(|n| n == *id)) {
+            return Err(missing(id));
+        }
+        match named.into_iter().find(|n| !node_ids.contains(&n.as_str())) {
+            Some(id) => Err(format!(
+                "{section}`{id}` is not a node of cluster `{}`{}",
+                self.name,
+                crate::model::did_you_mean(id, &node_ids)
+            )),
+            None => Ok(()),
+        }
+    }
+
     pub fn build(spec: &ClusterSpec) -> Result<Self> {
         let types = cluster_server_types(spec)?;
         let mut topo = Topology {

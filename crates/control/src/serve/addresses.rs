@@ -59,23 +59,12 @@ impl Addresses {
                 why,
             })
         };
-        let node_ids: Vec<&str> = topo.nodes.iter().map(|n| n.id.as_str()).collect();
-        for id in &node_ids {
-            if !self.nodes.contains_key(*id) {
-                return fail(format!(
-                    "node `{id}` has no address; add `{id}: IP` under `nodes:` (an instance may move to any node)"
-                ));
-            }
-        }
-        for id in self.nodes.keys() {
-            if !node_ids.contains(&id.as_str()) {
-                return fail(format!(
-                    "nodes: `{id}` is not a node of cluster `{}`{}",
-                    topo.name,
-                    did_you_mean(id, &node_ids)
-                ));
-            }
-        }
+        topo.check_node_names(
+            self.nodes.keys(),
+            |id| format!("node `{id}` has no address; add `{id}: IP` under `nodes:` (an instance may move to any node)"),
+            "nodes: ",
+        )
+        .or_else(fail)?;
         let mut services: Vec<&str> = wl
             .instances
             .iter()

@@ -13,7 +13,6 @@ use std::path::Path;
 use crate::agent::{Gate, GateConfig, NodeCredentials};
 use crate::error::{ControlError, Result};
 use crate::heartbeat::{read_secret, HeartbeatKey};
-use crate::model::did_you_mean;
 use crate::serve::addresses::Addresses;
 use crate::topology::Topology;
 
@@ -65,24 +64,12 @@ impl HeartbeatKeys {
                 why,
             })
         };
-        let node_ids: Vec<&str> = topo.nodes.iter().map(|n| n.id.as_str()).collect();
-        for id in &node_ids {
-            if !self.keys.contains_key(*id) {
-                return fail(format!(
-                    "node `{id}` has no key; add `{id}: KEY` (`openssl rand -hex 32`) and give the same key to its agent"
-                ));
-            }
-        }
-        for id in self.keys.keys() {
-            if !node_ids.contains(&id.as_str()) {
-                return fail(format!(
-                    "`{id}` is not a node of cluster `{}`{}",
-                    topo.name,
-                    did_you_mean(id, &node_ids)
-                ));
-            }
-        }
-        Ok(())
+        topo.check_node_names(
+            self.keys.keys(),
+            |id| format!("node `{id}` has no key; add `{id}: KEY` (`openssl rand -hex 32`) and give the same key to its agent"),
+            "",
+        )
+        .or_else(fail)
     }
 
     /// The receiver's gate: node `i` (its position in the topology, the heartbeat's node field)

@@ -263,6 +263,24 @@ clusters:
         )
     }
 
+    /// The retry driver of the first route of `view` (a config from [`config`]), for a request
+    /// with a body (`replayable: false`) or without.
+    fn driver(view: &crate::context::WorkerView, replayable: bool) -> Retry<'_> {
+        let snap = &view.snapshot;
+        let flatmesh_rules::TableKind::Http(table) = &snap.program.listeners()[0].kind else {
+            panic!("an http listener");
+        };
+        Retry::new(
+            &table.routes[0],
+            &snap.clusters[0],
+            &view.upstreams.by_cluster[0],
+            0,
+            0,
+            replayable,
+            Duration::from_secs(15),
+        )
+    }
+
     /// Drives `steps` for a request (`replayable`: without a body) under `retries`, and
     /// returns the outcome, the endpoints tried and the retries counted.
     async fn run(
@@ -272,27 +290,17 @@ clusters:
     ) -> (Result<u16, UpstreamError>, Vec<(SocketAddr, bool)>, u64) {
         let view = testing::view(&config(retries));
         let view = view.load();
-        let snap = &view.snapshot;
-        let flatmesh_rules::TableKind::Http(table) = &snap.program.listeners()[0].kind else {
-            panic!("an http listener");
-        };
-        let route = &table.routes[0];
-        let plan = &snap.clusters[0];
-        let retry = Retry::new(
-            route,
-            plan,
-            &view.upstreams.by_cluster[0],
-            0,
-            0,
-            replayable,
-            Duration::from_secs(15),
-        );
+        let retry = driver(&view, replayable);
         let mut codec = Scripted {
             steps: steps.into(),
             tried: Vec::new(),
         };
         let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
-        (outcome, codec.tried, plan.stats.retries.sum())
+        (
+            outcome,
+            codec.tried,
+            view.snapshot.clusters[0].stats.retries.sum(),
+        )
     }
 
     const RETRY_ALL: &str = "        retries: { attempts: 2, on: [ connect-failure, reset, 5xx ] }";
@@ -396,21 +404,8 @@ clusters:
         // Issue 23 item 9: a slow but live upload must not run out the route's timeout (3s).
         let view = testing::view(&config(""));
         let view = view.load();
-        let snap = &view.snapshot;
-        let flatmesh_rules::TableKind::Http(table) = &snap.program.listeners()[0].kind else {
-            panic!("an http listener");
-        };
         let (uploaded, watched) = watch::channel(false);
-        let retry = Retry::new(
-            &table.routes[0],
-            &snap.clusters[0],
-            &view.upstreams.by_cluster[0],
-            0,
-            0,
-            false,
-            Duration::from_secs(15),
-        )
-        .timed_from_upload(watched, Duration::from_secs(2));
+        let retry = driver(&view, false).timed_from_upload(watched, Duration::from_secs(2));
         let started = Instant::now();
         // The upload takes 10 s, a piece every second (the idle timeout is 2 s); then the
         // endpoint never answers.
@@ -439,21 +434,8 @@ clusters:
     async fn an_upload_that_stalls_fails_after_the_idle_timeout() {
         let view = testing::view(&config(""));
         let view = view.load();
-        let snap = &view.snapshot;
-        let flatmesh_rules::TableKind::Http(table) = &snap.program.listeners()[0].kind else {
-            panic!("an http listener");
-        };
         let (uploaded, watched) = watch::channel(false);
-        let retry = Retry::new(
-            &table.routes[0],
-            &snap.clusters[0],
-            &view.upstreams.by_cluster[0],
-            0,
-            0,
-            false,
-            Duration::from_secs(15),
-        )
-        .timed_from_upload(watched, Duration::from_secs(2));
+        let retry = driver(&view, false).timed_from_upload(watched, Duration::from_secs(2));
         let started = Instant::now();
         // One piece after 1 s, then nothing.
         let sender = tokio::spawn(async move {
@@ -482,19 +464,7 @@ clusters:
         // are capped at 365 days now; the driver saturates whatever it is given.
         let view = testing::view(&config(""));
         let view = view.load();
-        let snap = &view.snapshot;
-        let flatmesh_rules::TableKind::Http(table) = &snap.program.listeners()[0].kind else {
-            panic!("an http listener");
-        };
-        let mut retry = Retry::new(
-            &table.routes[0],
-            &snap.clusters[0],
-            &view.upstreams.by_cluster[0],
-            0,
-            0,
-            true,
-            Duration::from_secs(15),
-        );
+        let mut retry = driver(&view, true);
         retry.timeout = Duration::from_secs(i64::MAX as u64);
         let mut codec = Scripted {
             steps: vec![Step::Answer(200)].into(),

@@ -19,13 +19,26 @@ use hyper_util::rt::TokioExecutor;
 /// Upper bound for any single request a test makes; a hang becomes a clear failure.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// A port on 127.0.0.1 that was free a moment ago. The OS picks it (bind :0) so parallel
-/// tests do not collide; the tiny window between release and reuse is acceptable here.
+/// tests do not collide; the tiny window between release and reuse is acceptable here. The OS
+/// may hand out the port it just gave back, so a test that asks twice (an admin address and
+/// a listener) could get the same port twice: a port this process was already given is
+/// skipped.
 pub fn free_port() -> u16 {
-    let listener = StdTcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0 to pick a port");
-    listener
-        .local_addr()
-        .expect("local_addr of a bound socket")
-        .port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..100 {
+        let listener =
+            StdTcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0 to pick a port");
+        let port = listener
+            .local_addr()
+            .expect("local_addr of a bound socket")
+            .port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
+    panic!("the OS gave 100 ports this test process had already used");
 }
 
 pub fn free_addr() -> SocketAddr {
