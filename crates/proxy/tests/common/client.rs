@@ -24,8 +24,9 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// a listener) could get the same port twice: a port this process was already given is
 /// skipped.
 pub fn free_port() -> u16 {
-    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    use std::sync::atomic::{AtomicU64, Ordering};
+    /// One bit per port: set once the port was handed out.
+    static GIVEN: [AtomicU64; 1024] = [const { AtomicU64::new(0) }; 1024];
     for _ in 0..100 {
         let listener =
             StdTcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0 to pick a port");
@@ -33,8 +34,8 @@ pub fn free_port() -> u16 {
             .local_addr()
             .expect("local_addr of a bound socket")
             .port();
-        if !given.contains(&port) {
-            given.push(port);
+        let bit = 1u64 << (port % 64);
+        if GIVEN[usize::from(port / 64)].fetch_or(bit, Ordering::Relaxed) & bit == 0 {
             return port;
         }
     }
