@@ -2,6 +2,8 @@
 //! HTTP/1 client connection served on the test's own runtime, so that a test of timeouts or
 //! retries runs on tokio's paused clock.
 #![allow(clippy::unwrap_used)]
+// The fuzz targets use only the view and the client connection.
+#![cfg_attr(fuzzing, allow(dead_code))]
 
 use std::net::SocketAddr;
 use std::sync::Arc;

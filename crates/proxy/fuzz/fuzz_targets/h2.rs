@@ -14,8 +14,9 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-/// Routes that answer without an upstream: a direct response, a cluster with no endpoints (503),
-/// header edits, and a gRPC-looking path.
+/// Routes that answer without a working upstream: a direct response, a cluster whose one
+/// endpoint refuses connections (127.0.0.1:1, where nothing listens: 503), header edits, and a
+/// gRPC-looking path.
 const CONFIG: &str = r#"
 limits:
   header_read_timeout: 2s
@@ -35,7 +36,7 @@ listeners:
         request_headers_to_remove: [ cookie ]
 clusters:
   - name: empty
-    endpoints: []
+    endpoints: [ 127.0.0.1:1 ]
 "#;
 
 fn listener() -> &'static Listener {
