@@ -144,7 +144,7 @@ async fn tcp_bytes_metric(proxy: &Proxy, listener: &str, direction: &str) -> f64
 }
 
 /// A closed connection's counters, (bytes in, bytes out, spliced connections), once they
-/// reach `expected` or after 4 s. The relay adds them only after both directions are done,
+/// reach `expected` or after 30 s. The relay adds them only after both directions are done,
 /// which can be a moment after the client has its last byte.
 async fn connection_metrics(
     proxy: &Proxy,
@@ -152,7 +152,7 @@ async fn connection_metrics(
     expected: (f64, f64, f64),
 ) -> (f64, f64, f64) {
     let mut seen = (0.0, 0.0, 0.0);
-    for _ in 0..200 {
+    for _ in 0..1500 {
         seen = (
             tcp_bytes_metric(proxy, listener, "downstream_to_upstream").await,
             tcp_bytes_metric(proxy, listener, "upstream_to_downstream").await,
@@ -166,9 +166,10 @@ async fn connection_metrics(
     seen
 }
 
-/// Polls `check` for up to 10 s.
+/// Polls `check` for up to 30 s (a bound for a loaded CI machine, not an expectation: on a quiet
+/// one these conditions hold within a second).
 async fn until(what: &str, mut check: impl FnMut() -> bool) {
-    for _ in 0..500 {
+    for _ in 0..1500 {
         if check() {
             return;
         }
@@ -391,7 +392,7 @@ fn a_thousand_concurrent_connections_go_socket_direct() {
                         let msg = format!("{i:06}-{round}");
                         s.write_all(msg.as_bytes()).await.unwrap();
                         let mut back = vec![0u8; msg.len()];
-                        tokio::time::timeout(Duration::from_secs(20), s.read_exact(&mut back))
+                        tokio::time::timeout(Duration::from_secs(60), s.read_exact(&mut back))
                             .await
                             .expect("echo in time")
                             .unwrap();
@@ -426,7 +427,7 @@ fn a_thousand_concurrent_connections_go_socket_direct() {
             // The node saw every connection open and close, though it carried none of the bytes
             // after the first round trip.
             let mut active = -1.0;
-            for _ in 0..250 {
+            for _ in 0..1500 {
                 active = metric_sum(
                     &proxy,
                     "flatmesh_downstream_connections_active",

@@ -47,6 +47,10 @@ struct DemoOpts {
     /// CPU work per KVS/Count/EMA request on a host core, µs (the gateway does a third of it).
     #[arg(long, default_value_t = 220)]
     work_us: u64,
+    /// End this many seconds after the first migration (the recovery shown), not at --duration,
+    /// which stays the limit.
+    #[arg(long)]
+    end_after_move: Option<u64>,
     /// Keep the working directory (configs, logs, checkpoints) in /tmp after the run.
     #[arg(long)]
     keep: bool,
@@ -188,6 +192,7 @@ fn demo_main(o: DemoOpts) -> anyhow::Result<()> {
         nic_cpu: o.nic_cpu,
         work_us: o.work_us,
         keep: o.keep,
+        end_after_move: o.end_after_move.map(Duration::from_secs),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -2,7 +2,7 @@
 //! entrances, at a rate that follows a schedule, bounded in time and in concurrency.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -68,8 +68,9 @@ impl LoadPlan {
     }
 }
 
-/// Sends until the plan's duration is over, then waits (bounded) for outstanding requests.
-pub async fn run(plan: LoadPlan, stats: Arc<LoadStats>) {
+/// Sends until the plan's duration is over or `stop` is set, then waits (bounded) for outstanding
+/// requests.
+pub async fn run(plan: LoadPlan, stats: Arc<LoadStats>, stop: Arc<AtomicBool>) {
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(30))
         .build_http();
@@ -80,7 +81,7 @@ pub async fn run(plan: LoadPlan, stats: Arc<LoadStats>) {
     let (mut due, mut due_greedy) = (0.0f64, 0.0f64);
     let mut n: u64 = 0;
     let mut last = Duration::ZERO;
-    while start.elapsed() < plan.duration {
+    while start.elapsed() < plan.duration && !stop.load(Ordering::Relaxed) {
         tick.tick().await;
         let now = start.elapsed();
         let dt = (now - last).as_secs_f64();

@@ -24,7 +24,7 @@ pub mod services;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -107,6 +107,9 @@ pub struct DemoConfig {
     pub work_us: u64,
     /// Keep the working directory (logs, configs, checkpoints) after the run.
     pub keep: bool,
+    /// End the run this long after the first migration instead of at `duration` (which stays the
+    /// limit): long enough to watch the recovery, without guessing how soon detection comes.
+    pub end_after_move: Option<Duration>,
 }
 
 /// Everything the demo shows while it runs.
@@ -554,7 +557,8 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
         clients: 8,
     };
     let stats = Arc::new(LoadStats::default());
-    let load = tokio::spawn(load::run(plan.clone(), stats.clone()));
+    let stop_load = Arc::new(AtomicBool::new(false));
+    let load = tokio::spawn(load::run(plan.clone(), stats.clone(), stop_load.clone()));
     let started = Instant::now();
     let mut timeline = Vec::new();
     let mut detections = Vec::new();
@@ -572,7 +576,9 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
             tokio::select! {
                 r = &mut ctl => { r?; break; }
                 _ = &mut deadline, if !stopping => {
-                    // Stop the heartbeats; the controller returns once it has drained them.
+                    // Stop the load and the heartbeats; the controller returns once it has
+                    // drained them.
+                    stop_load.store(true, Ordering::Relaxed);
                     receiver.abort();
                     tee.abort();
                     stopping = true;
@@ -607,9 +613,17 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
                             };
                             detections.push(Detection { node, signal, at_s: at.as_secs_f64(), exec_us });
                         }
-                        LogEntry::Migrated { instance, from, to, .. } => migrations.push(Migration {
-                            instance: instance.clone(), from: from.clone(), to: to.clone(), at_s: at.as_secs_f64(),
-                        }),
+                        LogEntry::Migrated { instance, from, to, .. } => {
+                            if let (true, Some(settle)) = (migrations.is_empty(), cfg.end_after_move) {
+                                let end = tokio::time::Instant::now() + settle;
+                                if end < deadline.deadline() {
+                                    deadline.as_mut().reset(end);
+                                }
+                            }
+                            migrations.push(Migration {
+                                instance: instance.clone(), from: from.clone(), to: to.clone(), at_s: at.as_secs_f64(),
+                            });
+                        }
                         _ => {}
                     }
                     let _ = events.send(DemoEvent::Controller { at, entry });
@@ -622,6 +636,7 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
             }
         }
     }
+    let run_for = started.elapsed();
     // Late log entries (the controller may have finished a migration while stopping).
     while let Ok(entry) = obs_rx.try_recv() {
         if let LogEntry::Migrated {
@@ -663,7 +678,7 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
     let summary = Summary {
         throttle: interface.describe(),
         nic_cpu: cfg.nic_cpu,
-        duration_s: cfg.duration.as_secs_f64(),
+        duration_s: run_for.as_secs_f64(),
         step_at_s: plan.step_at.as_secs_f64(),
         sent: stats.sent.load(Ordering::Relaxed),
         ok: stats.ok.load(Ordering::Relaxed),
