@@ -226,6 +226,47 @@ pub struct Listener {
     /// route that denies, else `keep_unchanged`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path_with_escaped_slashes_action: Option<EscapedSlashesAction>,
+    /// Terminate TLS on this listener (mutual TLS with `client_ca`). The relay or the HTTP
+    /// codecs then run on the decrypted stream; the kernel tier never decides such a listener.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<ListenerTls>,
+}
+
+/// A listener's `tls:` (docs/security.md, "Mutual TLS").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerTls {
+    /// PEM: the listener's certificate, then its chain (`flatmesh ca issue` writes this).
+    pub cert: std::path::PathBuf,
+    /// PEM: the certificate's private key.
+    pub key: std::path::PathBuf,
+    /// PEM: the roots client certificates must chain to. Set: a client certificate is required.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_ca: Option<std::path::PathBuf>,
+    /// SPIFFE IDs, or `spiffe://TD/ns/NS/*` patterns (`spiffe://TD/*`: the whole trust
+    /// domain), that may connect. Required with `client_ca`: nobody is admitted by default.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<String>,
+}
+
+/// A cluster's `tls:`: the node originates TLS to the cluster's endpoints and checks who they are.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterTls {
+    /// PEM: the roots the endpoints' certificates must chain to.
+    pub ca: std::path::PathBuf,
+    /// PEM: the node's client certificate and chain, for endpoints that ask for one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cert: Option<std::path::PathBuf>,
+    /// PEM: the client certificate's private key (with `cert`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<std::path::PathBuf>,
+    /// SPIFFE IDs or patterns the endpoints must present; at least one.
+    pub server_ids: Vec<String>,
+    /// The server name sent in the ClientHello; by default none (SPIFFE peers are checked by
+    /// ID, not by DNS name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sni: Option<String>,
 }
 
 /// A listener's `limits:`: each key set here replaces the node's for this listener's
@@ -501,6 +542,9 @@ pub struct Cluster {
     /// Overrides `limits.connect_timeout` for this cluster.
     #[serde(default, with = "crate::duration::option")]
     pub connect_timeout: Option<Duration>,
+    /// Originate (mutual) TLS to the endpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<ClusterTls>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -545,12 +589,17 @@ impl Config {
     /// the only http listener. `None` when `kernel.l7_dispatch` is off.
     pub fn kernel_l7_listener(&self) -> Option<&str> {
         let k = self.kernel.as_ref().filter(|k| k.l7_dispatch)?;
-        k.l7_listener.as_deref().or_else(|| {
+        let name = k.l7_listener.as_deref().or_else(|| {
             self.listeners
                 .iter()
                 .find(|l| l.protocol == ListenerProtocol::Http)
                 .map(|l| l.name.as_str())
-        })
+        })?;
+        // The kernel reads requests in the clear: a listener that terminates TLS is not one.
+        self.listeners
+            .iter()
+            .any(|l| l.name == name && l.tls.is_none())
+            .then_some(name)
     }
 
     /// Whether tier K splices `tcp` listeners' connections.

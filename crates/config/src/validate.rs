@@ -324,6 +324,9 @@ impl Checker<'_> {
 
             self.listener_address(i, listener.address);
             self.listener_limits(i, listener);
+            if let Some(tls) = &listener.tls {
+                self.listener_tls(&format!("{at}.tls"), tls);
+            }
 
             match listener.protocol {
                 ListenerProtocol::Http => self.http_listener(i, listener),
@@ -568,7 +571,17 @@ impl Checker<'_> {
             .map(|l| l.name.as_str())
             .collect();
         match &kernel.l7_listener {
-            Some(name) => self.listener_ref("kernel.l7_listener", name, Some(ListenerProtocol::Http)),
+            Some(name) => {
+                self.listener_ref("kernel.l7_listener", name, Some(ListenerProtocol::Http));
+                if config.listeners.iter().any(|l| l.name == *name && l.tls.is_some()) {
+                    self.report(
+                        "kernel.l7_listener",
+                        Target::Value,
+                        format!("listener `{name}` terminates TLS: the kernel would see ciphertext"),
+                        "name a plaintext http listener, or set `l7_dispatch: false`".into(),
+                    );
+                }
+            }
             None if kernel.l7_dispatch && http.is_empty() => self.report(
                 "kernel.l7_dispatch",
                 Target::Value,
@@ -1009,6 +1022,71 @@ impl Checker<'_> {
             if let Some(timeout) = cluster.connect_timeout {
                 self.positive_duration(&format!("{at}.connect_timeout"), timeout);
             }
+            if let Some(tls) = &cluster.tls {
+                self.cluster_tls(&format!("{at}.tls"), tls);
+            }
+        }
+    }
+
+    /// The shape of a listener's `tls:`. The files themselves are read (and their certificates
+    /// and the `allow` patterns checked) when the node loads the config.
+    fn listener_tls(&mut self, at: &str, tls: &crate::ListenerTls) {
+        self.file_path(&format!("{at}.cert"), &tls.cert);
+        self.file_path(&format!("{at}.key"), &tls.key);
+        if let Some(ca) = &tls.client_ca {
+            self.file_path(&format!("{at}.client_ca"), ca);
+            if tls.allow.is_empty() {
+                self.report(
+                    format!("{at}.client_ca"),
+                    Target::Key,
+                    "client certificates are verified, but no identity is allowed to connect".into(),
+                    "add `allow:` with the SPIFFE IDs that may connect, e.g. `allow: [ spiffe://example.org/ns/shop/* ]` (`spiffe://example.org/*` for the whole trust domain)".into(),
+                );
+            }
+        } else if !tls.allow.is_empty() {
+            self.report(
+                format!("{at}.allow"),
+                Target::Key,
+                "`allow` lists client identities, but without `client_ca` no client certificate is asked for".into(),
+                "add `client_ca: PATH` (the ca.pem of `flatmesh ca init`), or remove `allow`".into(),
+            );
+        }
+    }
+
+    fn cluster_tls(&mut self, at: &str, tls: &crate::ClusterTls) {
+        self.file_path(&format!("{at}.ca"), &tls.ca);
+        match (&tls.cert, &tls.key) {
+            (Some(cert), Some(key)) => {
+                self.file_path(&format!("{at}.cert"), cert);
+                self.file_path(&format!("{at}.key"), key);
+            }
+            (None, None) => {}
+            (Some(_), None) | (None, Some(_)) => self.report(
+                at,
+                Target::Key,
+                "a client certificate needs both `cert` and `key`".into(),
+                "give both (the PREFIX.pem and PREFIX.key of `flatmesh ca issue`), or neither"
+                    .into(),
+            ),
+        }
+        if tls.server_ids.is_empty() {
+            self.report(
+                format!("{at}.server_ids"),
+                Target::Key,
+                "no server identity to check: a TLS cluster must say whom it expects".into(),
+                "list the endpoints' SPIFFE IDs, e.g. `server_ids: [ spiffe://example.org/ns/shop/sa/api ]` (or a `/*` pattern)".into(),
+            );
+        }
+    }
+
+    fn file_path(&mut self, at: &str, path: &std::path::Path) {
+        if path.as_os_str().is_empty() {
+            self.report(
+                at,
+                Target::Value,
+                "the file path is empty".into(),
+                "give the path of a PEM file".into(),
+            );
         }
     }
 }
@@ -1095,6 +1173,7 @@ mod tests {
                 normalize_path: None,
                 merge_slashes: None,
                 path_with_escaped_slashes_action: None,
+                tls: None,
             }],
             clusters: vec![],
             kernel: None,

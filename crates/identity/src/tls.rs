@@ -153,6 +153,8 @@ pub fn failure_reason(error: &Error) -> &'static str {
             _ => "bad_certificate",
         },
         Error::NoCertificatesPresented => "no_client_certificate",
+        // The first bytes were no TLS record at all: a plaintext client on a TLS port.
+        Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType) => "not_tls",
         Error::InvalidMessage(_) => "malformed",
         Error::AlertReceived(_) => "peer_alert",
         Error::PeerIncompatible(_) => "incompatible",

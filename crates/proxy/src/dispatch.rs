@@ -13,6 +13,7 @@ use crate::kernel::{FirstRequest, KernelBinding, StripSettingsAck};
 use crate::snapshot::Snapshot;
 use crate::sniff::{sniff, Protocol};
 use crate::tap::Rewind;
+use crate::tls::{ListenerTlsPlan, Stream};
 
 /// Serves one accepted connection to its end, counting it for its listener.
 pub(crate) async fn serve(ctx: Arc<ConnContext>, stream: TcpStream) {
@@ -26,9 +27,12 @@ pub(crate) async fn serve(ctx: Arc<ConnContext>, stream: TcpStream) {
     if let Some(s) = &stats {
         s.connections_opened.add_shared(worker, 1);
     }
-    match ctx.protocol {
-        ListenerProtocol::Tcp => crate::tcp::relay(ctx, stream).await,
-        ListenerProtocol::Http => match &ctx.kernel {
+    match (ctx.protocol, plan.and_then(|l| l.tls.clone())) {
+        (protocol, Some(tls)) => {
+            serve_tls(ctx.clone(), &tls, stream, protocol, &current.snapshot).await
+        }
+        (ListenerProtocol::Tcp, None) => crate::tcp::relay(ctx, Stream::Plain(stream)).await,
+        (ListenerProtocol::Http, None) => match &ctx.kernel {
             Some(k) if plan.is_some_and(|l| l.kernel_l7) => {
                 let k = k.clone();
                 serve_http_with_kernel(ctx, &k, stream, &current).await
@@ -85,7 +89,9 @@ async fn serve_http_with_kernel(
                 None => None,
             };
             match connected {
-                Some((mut up, _in_flight)) => {
+                // The lowering gives the kernel no route to a cluster that originates TLS,
+                // so a decided connection's upstream is in the clear.
+                Some((Stream::Plain(mut up), _in_flight)) => {
                     match kernel
                         .take_decided(cookie, &stream, &mut up, &buffered, consumed)
                         .await
@@ -106,7 +112,7 @@ async fn serve_http_with_kernel(
                     return;
                 }
                 // No endpoint answered: the user tier gives the client its 503.
-                None => {
+                Some((Stream::Tls(_), _)) | None => {
                     kernel.forget(&[cookie]);
                     buffered
                 }
@@ -114,6 +120,45 @@ async fn serve_http_with_kernel(
         }
     };
     serve_http(ctx, Rewind::new(buffered, stream), snapshot).await
+}
+
+/// A TLS listener's connection: the handshake (bounded by the header read timeout, counted,
+/// and logged with its reason when it fails), then the relay or the HTTP codecs on the
+/// decrypted stream. Tier K never sees such a connection: its bytes are ciphertext.
+async fn serve_tls(
+    ctx: Arc<ConnContext>,
+    tls: &ListenerTlsPlan,
+    stream: TcpStream,
+    protocol: ListenerProtocol,
+    snapshot: &Snapshot,
+) {
+    let limits = listener_limits(&ctx, snapshot);
+    let Some(listener) = snapshot
+        .listener_at(ctx.listener_address, ctx.protocol)
+        .map(|l| &snapshot.listeners[l])
+    else {
+        return;
+    };
+    let _ = stream.set_nodelay(true);
+    let stream = match tls.accept(stream, limits.header_read_timeout).await {
+        Ok(stream) => {
+            listener.stats.tls.handshakes.add_shared(ctx.worker, 1);
+            stream
+        }
+        Err(err) => {
+            listener.stats.tls.failed(err.reason);
+            tracing::info!(listener = %listener.name, peer = %ctx.peer, reason = err.reason, error = %err.detail,
+                "TLS handshake with a client failed; the connection is closed");
+            return;
+        }
+    };
+    match protocol {
+        ListenerProtocol::Tcp => {
+            let stream = Stream::Tls(Box::new(tokio_rustls::TlsStream::Server(stream)));
+            crate::tcp::relay(ctx, stream).await
+        }
+        ListenerProtocol::Http => serve_http(ctx, stream, snapshot).await,
+    }
 }
 
 /// An http listener's connection: the first bytes tell the protocol. The HTTP/2 preface goes

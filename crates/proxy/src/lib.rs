@@ -42,6 +42,7 @@ mod tap;
 mod tcp;
 #[cfg(any(test, fuzzing))]
 mod testing;
+mod tls;
 mod trailers;
 mod upstream;
 mod worker;

@@ -478,6 +478,7 @@ mod tests {
             normalize_path: None,
             merge_slashes: None,
             path_with_escaped_slashes_action: None,
+            tls: None,
         }
     }
 

@@ -147,6 +147,8 @@ pub struct ListenerStats {
     /// Connections whose bytes tier K moves (tcp splice, or an http connection whose first
     /// request the kernel decided). Their bytes are counted by `flatmesh kernel status`.
     pub kernel_spliced: WorkerCounter,
+    /// TLS listeners: handshakes with clients.
+    pub tls: TlsCounts,
 }
 
 /// Counters of one cluster.
@@ -154,6 +156,65 @@ pub struct ClusterStats {
     pub connections: WorkerCounter,
     pub connect_failures: WorkerCounter,
     pub retries: WorkerCounter,
+    /// TLS clusters: handshakes with endpoints.
+    pub tls: TlsCounts,
+}
+
+/// TLS handshakes on one side, a listener's or a cluster's: finished, and failed by reason
+/// (a short bounded label, `crate::tls::HandshakeError::reason`).
+pub struct TlsCounts {
+    pub handshakes: WorkerCounter,
+    failures: Mutex<std::collections::BTreeMap<&'static str, u64>>,
+}
+
+impl TlsCounts {
+    fn new(workers: usize) -> TlsCounts {
+        TlsCounts {
+            handshakes: WorkerCounter::new(workers),
+            failures: Mutex::default(),
+        }
+    }
+
+    pub fn failed(&self, reason: &'static str) {
+        *self.failures.lock().entry(reason).or_default() += 1;
+    }
+
+    fn failures(&self) -> Vec<(&'static str, u64)> {
+        self.failures.lock().iter().map(|(r, n)| (*r, *n)).collect()
+    }
+}
+
+/// The two TLS families of one side: `{prefix}handshakes` and `{prefix}handshake_failures`.
+fn tls_families<'a>(
+    enc: &mut DescriptorEncoder,
+    prefix: &str,
+    side: &str,
+    label: &str,
+    rows: impl Iterator<Item = (&'a str, &'a TlsCounts)> + Clone,
+) -> Result<(), std::fmt::Error> {
+    let done: Vec<_> = rows
+        .clone()
+        .map(|(n, t)| ([(label, n)], t.handshakes.sum()))
+        .filter(|(_, v)| *v > 0)
+        .collect();
+    counter(
+        enc,
+        &format!("{prefix}handshakes"),
+        &format!("TLS handshakes finished with {side}"),
+        &done,
+    )?;
+    let mut failed = Vec::new();
+    for (n, t) in rows {
+        for (reason, v) in t.failures() {
+            failed.push(([(label, n), ("reason", reason)], v));
+        }
+    }
+    counter(
+        enc,
+        &format!("{prefix}handshake_failures"),
+        &format!("TLS handshakes with {side} that failed, by reason"),
+        &failed,
+    )
 }
 
 /// Clients the admin endpoint turned away, by reason.
@@ -267,6 +328,7 @@ impl Metrics {
                     bytes_in: WorkerCounter::new(w),
                     bytes_out: WorkerCounter::new(w),
                     kernel_spliced: WorkerCounter::new(w),
+                    tls: TlsCounts::new(w),
                 })
             })
             .clone()
@@ -282,6 +344,7 @@ impl Metrics {
                     connections: WorkerCounter::new(w),
                     connect_failures: WorkerCounter::new(w),
                     retries: WorkerCounter::new(w),
+                    tls: TlsCounts::new(w),
                 })
             })
             .clone()
@@ -474,6 +537,13 @@ impl Collector for Scrape {
             "Bytes relayed by tcp listeners, by direction",
             &bytes,
         )?;
+        tls_families(
+            &mut enc,
+            "flatmesh_tls_",
+            "clients",
+            "listener",
+            listeners.iter().map(|(n, s)| (n.as_str(), &s.tls)),
+        )?;
 
         let mut clusters: Vec<_> = m
             .clusters
@@ -511,6 +581,13 @@ impl Collector for Scrape {
             "flatmesh_upstream_retries",
             "Requests retried on another attempt",
             &retries,
+        )?;
+        tls_families(
+            &mut enc,
+            "flatmesh_upstream_tls_",
+            "endpoints",
+            "cluster",
+            clusters.iter().map(|(n, s)| (n.as_str(), &s.tls)),
         )?;
 
         let reloads = [

@@ -13,6 +13,7 @@ use http::HeaderName;
 use crate::error::ProxyError;
 use crate::lb::HashTable;
 use crate::metrics::{ClusterStats, ListenerStats, Metrics, RequestStats, Series};
+use crate::tls::{ClusterTlsPlan, ListenerTlsPlan};
 
 pub struct Snapshot {
     pub generation: u64,
@@ -39,6 +40,8 @@ pub struct ListenerPlan {
     pub kernel_l7: bool,
     /// Tier K splices this tcp listener's connections (when the node attached tier K).
     pub kernel_splice: bool,
+    /// The listener terminates TLS (`tls:`).
+    pub tls: Option<Arc<ListenerTlsPlan>>,
 }
 
 pub struct ClusterPlan {
@@ -52,6 +55,8 @@ pub struct ClusterPlan {
     pub table: HashTable,
     pub connect_timeout: Duration,
     pub stats: Arc<ClusterStats>,
+    /// The node originates TLS to the endpoints (`tls:`).
+    pub tls: Option<Arc<ClusterTlsPlan>>,
 }
 
 impl Snapshot {
@@ -95,7 +100,22 @@ impl Snapshot {
                         })
                     })
                     .collect::<Result<_, _>>()?;
+                let alpn = match c.protocol {
+                    UpstreamProtocol::Http1 => flatmesh_identity::tls::ALPN_HTTP11,
+                    UpstreamProtocol::Http2 => flatmesh_identity::tls::ALPN_H2,
+                };
+                let connect_timeout = c.connect_timeout.unwrap_or(config.limits.connect_timeout);
+                let tls = match &c.tls {
+                    Some(t) => Some(Arc::new(ClusterTlsPlan::load(
+                        &c.name,
+                        t,
+                        alpn,
+                        connect_timeout,
+                    )?)),
+                    None => None,
+                };
                 Ok(ClusterPlan {
+                    tls,
                     name: c.name.clone(),
                     authorities,
                     table: HashTable::build(c.lb, &endpoints),
@@ -103,14 +123,22 @@ impl Snapshot {
                     policy: c.lb,
                     protocol: c.protocol,
                     hash_header,
-                    connect_timeout: c.connect_timeout.unwrap_or(config.limits.connect_timeout),
+                    connect_timeout,
                     stats: series.cluster(metrics, &c.name),
                 })
             })
             .collect::<Result<Vec<_>, ProxyError>>()?;
         let kernel_l7 = config.kernel_l7_listener();
         let mut listeners = Vec::with_capacity(config.listeners.len());
-        for l in config.listeners.iter() {
+        for (lid, l) in config.listeners.iter().enumerate() {
+            let tls = match &l.tls {
+                Some(t) => Some(Arc::new(ListenerTlsPlan::load(
+                    &l.name,
+                    t,
+                    l.protocol == ListenerProtocol::Http,
+                )?)),
+                None => None,
+            };
             let mut route_stats = Vec::with_capacity(l.routes.len());
             for (rid, route) in l.routes.iter().enumerate() {
                 let name = route.display_name(&l.name, rid);
@@ -140,7 +168,13 @@ impl Snapshot {
                 route_stats,
                 no_route_stats: series.requests(metrics, &l.name, "none", ""),
                 kernel_l7: kernel_l7 == Some(l.name.as_str()),
-                kernel_splice: l.protocol == ListenerProtocol::Tcp && config.kernel_tcp_splice(),
+                // The lowering says which tcp listeners the kernel may splice (not one that
+                // terminates TLS, nor one whose cluster originates it).
+                kernel_splice: program
+                    .kernel()
+                    .tcp_verdict(lid)
+                    .is_some_and(|v| v.decides()),
+                tls,
             });
         }
         Ok(Snapshot {

@@ -16,6 +16,7 @@ use crate::kernel::{DirectConn, DirectDir, KernelBinding, KernelPath};
 use crate::lb::{hash_client, InFlight};
 use crate::limits::{upstream_socket, SocketSlot};
 use crate::tap::{Tap, Tapped};
+use crate::tls::Stream;
 use flatmesh_rules::ClusterId;
 
 /// Counts the bytes read through a socket, so totals are known even when the relay ends in error.
@@ -96,11 +97,13 @@ where
     }
 }
 
-pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
+/// Relays a tcp listener's connection (in the clear, or out of the listener's TLS) to an
+/// endpoint of its cluster (in the clear, or inside the cluster's TLS).
+pub async fn relay(ctx: Arc<ConnContext>, downstream: Stream) {
     let view = ctx.view.load_full();
     let snap = &view.snapshot;
     let Some(lid) = snap.listener_at(ctx.listener_address, ctx.protocol) else {
-        reset_on_close(&downstream);
+        reset_on_close(downstream.tcp());
         return;
     };
     let listener = &snap.listeners[lid];
@@ -110,16 +113,10 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
     };
     // The in-flight guard lives as long as the connection: least_request counts connections.
     let Some((up, _in_flight)) = connect_upstream(&ctx, &view, &listener.name, cid).await else {
-        reset_on_close(&downstream);
+        reset_on_close(downstream.tcp());
         return;
     };
-    let _ = downstream.set_nodelay(true);
-    // Tier K: from here on the kernel moves the bytes; the relay below only carries what
-    // was already queued, the half-close and the reset.
-    let path = match &ctx.kernel {
-        Some(k) => k.choose_path(listener.kernel_splice, &downstream, &up),
-        None => KernelPath::User,
-    };
+    let _ = downstream.tcp().set_nodelay(true);
     // The relay's two buffers come out of the node's memory budget.
     let relay = Relay::of(&snap.config.limits.for_listener(&snap.config.listeners[lid]));
     let Some(_buffers) = ctx
@@ -128,11 +125,25 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: TcpStream) {
         .try_take(2 * relay.buffer, snap.config.limits.memory_budget_bytes)
     else {
         tracing::debug!(listener = %listener.name, "memory budget spent; closing the relay");
-        reset_on_close(&downstream);
+        reset_on_close(downstream.tcp());
         return;
     };
-    let (bytes_in, bytes_out, in_kernel) =
-        pump_path(ctx.kernel.as_deref(), downstream, up, path, relay).await;
+    let (bytes_in, bytes_out, in_kernel) = match (downstream, up) {
+        // Tier K: from here on the kernel may move the bytes; the relay then only carries
+        // what was already queued, the half-close and the reset.
+        (Stream::Plain(downstream), Stream::Plain(up)) => {
+            let path = match &ctx.kernel {
+                Some(k) => k.choose_path(listener.kernel_splice, &downstream, &up),
+                None => KernelPath::User,
+            };
+            pump_path(ctx.kernel.as_deref(), downstream, up, path, relay).await
+        }
+        // TLS on either side: only user space has the bytes in the clear.
+        (downstream, up) => {
+            let (i, o) = pump(downstream, up, Some(relay)).await;
+            (i, o, false)
+        }
+    };
     listener.stats.bytes_in.add_shared(ctx.worker, bytes_in);
     listener.stats.bytes_out.add_shared(ctx.worker, bytes_out);
     if in_kernel {
@@ -152,11 +163,11 @@ pub async fn pump_path(
 ) -> (u64, u64, bool) {
     match path {
         KernelPath::User => {
-            let (i, o) = pump(client, upstream, Some(relay)).await;
+            let (i, o) = pump(Stream::Plain(client), Stream::Plain(upstream), Some(relay)).await;
             (i, o, false)
         }
         KernelPath::Spliced(a, b) => {
-            let (i, o) = pump(client, upstream, None).await;
+            let (i, o) = pump(Stream::Plain(client), Stream::Plain(upstream), None).await;
             // What the relay read plus what the kernel moved without it.
             let (ki, ko) = kernel.and_then(|k| k.splice_end(a, b)).unwrap_or_default();
             (i + ki, o + ko, true)
@@ -243,13 +254,14 @@ pub struct Held {
 }
 
 /// Connects to an endpoint of cluster `cid`, picked by the worker's balancer for the client's
-/// address. Tries each endpoint at most once (up to 3), so one dead endpoint does not fail the client.
+/// address, and makes the cluster's TLS handshake when it has `tls:`. Tries each endpoint at
+/// most once (up to 3), so one dead endpoint does not fail the client.
 pub async fn connect_upstream(
     ctx: &ConnContext,
     view: &WorkerView,
     listener: &str,
     cid: ClusterId,
-) -> Option<(TcpStream, Held)> {
+) -> Option<(Stream, Held)> {
     let plan = &view.snapshot.clusters[cid];
     let upstream = &view.upstreams.by_cluster[cid];
     let key = hash_client(ctx.peer.ip());
@@ -265,29 +277,38 @@ pub async fn connect_upstream(
                 return None;
             }
         };
-        match tokio::time::timeout(plan.connect_timeout, TcpStream::connect(endpoint)).await {
-            Ok(Ok(stream)) => {
-                plan.stats.connections.add_shared(ctx.worker, 1);
-                let _ = stream.set_nodelay(true);
-                return Some((
-                    stream,
-                    Held {
-                        _in_flight: in_flight,
-                        _slot: slot,
-                    },
-                ));
-            }
-            Ok(Err(err)) => {
-                plan.stats.connect_failures.add_shared(ctx.worker, 1);
-                tracing::warn!(%listener, cluster = %plan.name, %endpoint, error = %err,
+        let stream =
+            match tokio::time::timeout(plan.connect_timeout, TcpStream::connect(endpoint)).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(err)) => {
+                    plan.stats.connect_failures.add_shared(ctx.worker, 1);
+                    tracing::warn!(%listener, cluster = %plan.name, %endpoint, error = %err,
                     "tcp upstream connect failed; check that the endpoint is listening");
-            }
-            Err(_) => {
-                plan.stats.connect_failures.add_shared(ctx.worker, 1);
-                tracing::warn!(%listener, cluster = %plan.name, %endpoint,
+                    continue;
+                }
+                Err(_) => {
+                    plan.stats.connect_failures.add_shared(ctx.worker, 1);
+                    tracing::warn!(%listener, cluster = %plan.name, %endpoint,
                     "tcp upstream connect timed out; check the endpoint or raise connect_timeout");
-            }
-        }
+                    continue;
+                }
+            };
+        plan.stats.connections.add_shared(ctx.worker, 1);
+        let _ = stream.set_nodelay(true);
+        let stream = match &plan.tls {
+            None => Stream::Plain(stream),
+            Some(tls) => match tls.originate(stream, &plan.stats, ctx.worker).await {
+                Ok(stream) => stream,
+                Err(_) => continue,
+            },
+        };
+        return Some((
+            stream,
+            Held {
+                _in_flight: in_flight,
+                _slot: slot,
+            },
+        ));
     }
     None
 }
@@ -298,7 +319,7 @@ pub async fn connect_upstream(
 /// not see, so only the FIN and the reset are carried (and no idle timeout applies: the
 /// endpoints' own keep-alives end such connections). Returns the bytes read from the client
 /// and from the upstream (by user space: a spliced pair's kernel-moved bytes are not in them).
-pub async fn pump(client: TcpStream, upstream: TcpStream, relay: Option<Relay>) -> (u64, u64) {
+pub async fn pump(client: Stream, upstream: Stream, relay: Option<Relay>) -> (u64, u64) {
     let mut client = Tapped {
         inner: client,
         tap: ByteCount::default(),
@@ -307,9 +328,11 @@ pub async fn pump(client: TcpStream, upstream: TcpStream, relay: Option<Relay>) 
         inner: upstream,
         tap: ByteCount::default(),
     };
-    let result = match relay {
-        None => spliced_pump(&mut client.inner, &mut server.inner).await,
-        Some(relay) => match copy_until_idle(&mut client, &mut server, relay).await {
+    let result = match (relay, &mut client.inner, &mut server.inner) {
+        (None, Stream::Plain(c), Stream::Plain(s)) => spliced_pump(c, s).await,
+        // The kernel splices sockets in the clear only (the lowering keeps TLS from it).
+        (None, _, _) => Err(std::io::Error::other("a TLS connection cannot be spliced")),
+        (Some(relay), _, _) => match copy_until_idle(&mut client, &mut server, relay).await {
             RelayEnd::Closed => Ok(()),
             RelayEnd::Idle => {
                 tracing::debug!(
@@ -324,8 +347,8 @@ pub async fn pump(client: TcpStream, upstream: TcpStream, relay: Option<Relay>) 
     if let Err(err) = result {
         tracing::debug!(error = %err, spliced = relay.is_none(), "relay ended with an error; resetting both sides");
         // One side reset (or failed): pass the reset on rather than a clean FIN.
-        reset_on_close(&client.inner);
-        reset_on_close(&server.inner);
+        reset_on_close(client.inner.tcp());
+        reset_on_close(server.inner.tcp());
     }
     (client.tap.0, server.tap.0)
 }
@@ -443,7 +466,7 @@ mod tests {
             .await
             .unwrap();
         let (accepted, _) = front.accept().await.unwrap();
-        tokio::spawn(relay(testing::context(&view), accepted));
+        tokio::spawn(relay(testing::context(&view), Stream::Plain(accepted)));
         let (upstream, _) = backend.accept().await.unwrap();
         (client, upstream)
     }

@@ -23,6 +23,10 @@ pub struct PoolKey {
     connect_timeout: Duration,
     /// HTTP/2 clusters: the client's per-stream send buffer.
     send_buffer: u32,
+    /// A TLS cluster's snapshot generation: its pool is never carried over a reload (the
+    /// files are read again at each one), so a new certificate, root or `server_ids` holds
+    /// for every connection from the reload on.
+    tls: Option<u64>,
 }
 
 /// One cluster as seen by one worker.
@@ -60,6 +64,7 @@ impl Upstreams {
                     protocol: plan.protocol,
                     connect_timeout: plan.connect_timeout,
                     send_buffer: snapshot.config.limits.http2_stream_window,
+                    tls: plan.tls.is_some().then_some(snapshot.generation),
                 };
                 let pool = previous
                     .and_then(|p| p.pools.get(&key).cloned())

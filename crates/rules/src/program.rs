@@ -44,6 +44,9 @@ pub struct ClusterInfo {
     pub endpoints: Vec<SocketAddr>,
     /// The request header a hashing policy hashes on (`hash_on.header`).
     pub hash_on: Option<String>,
+    /// The node originates TLS to the endpoints (`tls:`), so only the user tier can carry
+    /// bytes to them.
+    pub tls: bool,
 }
 
 /// One listener's table.
@@ -52,6 +55,8 @@ pub struct ListenerTable {
     pub name: String,
     pub address: SocketAddr,
     pub kind: TableKind,
+    /// The listener terminates TLS: its bytes are ciphertext to every tier but the user's.
+    pub tls: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -229,6 +234,7 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
             protocol: c.protocol,
             endpoints: c.endpoints.clone(),
             hash_on: c.hash_on.as_ref().map(|h| h.header.clone()),
+            tls: c.tls.is_some(),
         });
     }
     let mut listener_ids = HashMap::new();
@@ -248,6 +254,7 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
             name: l.name.clone(),
             address: l.address,
             kind,
+            tls: l.tls.is_some(),
         });
     }
     // Every lowering runs on the compiled tables; each rule's placement is read from them.

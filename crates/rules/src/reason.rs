@@ -48,6 +48,10 @@ pub enum Reason {
     Timeout,
     /// The route's cluster hashes on a request header.
     HashOn,
+    /// The cluster originates TLS: the proxy encrypts what goes to it.
+    UpstreamTls,
+    /// The listener terminates TLS: every lower tier sees ciphertext.
+    ListenerTls,
 
     // What the config asks for.
     NoKernelSection,
@@ -93,6 +97,7 @@ impl Reason {
                 | Reason::NoL7Dispatch
                 | Reason::OtherL7Listener
                 | Reason::TcpSpliceOff
+                | Reason::ListenerTls
                 | Reason::Shadowed { .. }
                 | Reason::KernelTableFull { .. }
                 | Reason::ImageFull { .. }
@@ -143,6 +148,12 @@ impl std::fmt::Display for Reason {
             Reason::Timeout => f.write_str("per-request timeout needs the user tier"),
             Reason::HashOn => f.write_str(
                 "its cluster hashes on a request header, which the kernel does not read",
+            ),
+            Reason::UpstreamTls => f.write_str(
+                "its cluster originates TLS, which only the user tier does",
+            ),
+            Reason::ListenerTls => f.write_str(
+                "the listener terminates TLS: only the user tier sees the requests in the clear",
             ),
             Reason::NoKernelSection => f.write_str("the config has no `kernel:` section"),
             Reason::NoL7Dispatch => f.write_str("kernel.l7_dispatch is off"),

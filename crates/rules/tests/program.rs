@@ -485,6 +485,49 @@ fn hash_on_clusters_and_long_paths_are_punted_not_shown_as_kernel() {
 }
 
 #[test]
+fn tls_keeps_every_lower_tier_out_of_the_listener_and_the_cluster() {
+    // The kernel and the NIC see ciphertext on a TLS listener, and cannot originate TLS to a
+    // cluster: such rules stay in the user tier, and say why.
+    let tls = "tls: { cert: n.pem, key: n.key }";
+    let upstream = "tls: { ca: ca.pem, server_ids: [ spiffe://td/ns/a/sa/b ] }";
+    let config = cfg(&format!(
+        "listeners:\n\
+         \x20 - {{ name: web, address: 127.0.0.1:1, protocol: http, routes: [ {{ match: {{ path: {{ exact: /a }} }}, cluster: plain }}, {{ match: {{ path: {{ exact: /b }} }}, cluster: secure }} ] }}\n\
+         \x20 - {{ name: webs, address: 127.0.0.1:2, protocol: http, {tls}, routes: [ {{ match: {{ path: {{ exact: /a }} }}, cluster: plain }} ] }}\n\
+         \x20 - {{ name: db, address: 127.0.0.1:3, protocol: tcp, cluster: plain, {tls} }}\n\
+         \x20 - {{ name: dbs, address: 127.0.0.1:4, protocol: tcp, cluster: secure }}\n\
+         \x20 - {{ name: raw, address: 127.0.0.1:5, protocol: tcp, cluster: plain }}\n\
+         clusters:\n\
+         \x20 - {{ name: plain, endpoints: [127.0.0.1:9] }}\n\
+         \x20 - {{ name: secure, endpoints: [127.0.0.1:9], {upstream} }}\n\
+         kernel: {{ l7_dispatch: true, l7_listener: web, tcp_splice: true }}\n"
+    ));
+    let p = compile(&config).unwrap();
+    let k = p.kernel();
+    assert_eq!(k.verdict(0, 0), Some(Verdict::Decides));
+    assert_eq!(k.verdict(0, 1), Some(Verdict::Host(Reason::UpstreamTls)));
+    assert_eq!(k.verdict(1, 0), Some(Verdict::Host(Reason::ListenerTls)));
+    assert_eq!(k.tcp_verdict(2), Some(Verdict::Host(Reason::ListenerTls)));
+    assert_eq!(k.tcp_verdict(3), Some(Verdict::Host(Reason::UpstreamTls)));
+    assert_eq!(k.tcp_verdict(4), Some(Verdict::Decides));
+    // The NIC image holds no rule of the TLS listener.
+    assert_eq!(
+        p.nic().verdict(1, 0),
+        Some(Verdict::Host(Reason::ListenerTls))
+    );
+    // And a kernel.l7_listener that terminates TLS is refused with the fix.
+    let mut bad = config.clone();
+    bad.kernel = Some(serde_norway::from_str("{ l7_dispatch: true, l7_listener: webs }").unwrap());
+    let problems = flatmesh_config::validate::validate(&bad);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.to_string().contains("terminates TLS")),
+        "{problems:?}"
+    );
+}
+
+#[test]
 fn explain_shows_every_table_rule_and_tier() {
     let text = compile(&cfg(EXAMPLE)).unwrap().explain();
     println!("{text}");

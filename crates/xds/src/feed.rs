@@ -89,6 +89,7 @@ pub fn merge(config: &model::Config, placed: &BTreeMap<String, Vec<SocketAddr>>)
                 protocol: model::UpstreamProtocol::Http1,
                 hash_on: None,
                 connect_timeout: None,
+                tls: None,
             }),
         }
     }

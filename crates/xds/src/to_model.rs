@@ -276,6 +276,7 @@ fn add_missing_clusters(config: &mut model::Config) {
             protocol: model::UpstreamProtocol::Http1,
             hash_on: None,
             connect_timeout: None,
+            tls: None,
         });
     }
 }
@@ -483,6 +484,7 @@ fn listener(
             normalize_path: options.normalize_path,
             merge_slashes: options.merge_slashes,
             path_with_escaped_slashes_action: options.escaped_slashes,
+            tls: None,
         }))
     } else if any.type_url == TcpProxy::type_url() {
         let mut tcp: TcpProxy = unpack(any, &at_filter)?;
@@ -524,6 +526,7 @@ fn listener(
             normalize_path: None,
             merge_slashes: None,
             path_with_escaped_slashes_action: None,
+            tls: None,
         }))
     } else {
         Err(XdsError::resource(
@@ -1307,6 +1310,7 @@ fn cluster(
         protocol,
         hash_on: None,
         connect_timeout,
+        tls: None,
     })
 }
 

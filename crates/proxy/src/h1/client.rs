@@ -322,11 +322,5 @@ impl Body for H1Body {
 /// Reads what the connection has into its buffer.
 fn poll_read(conn: &mut UpstreamConn, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
     conn.buf.reserve(16 * 1024);
-    loop {
-        ready!(conn.stream.poll_read_ready(cx))?;
-        match conn.stream.try_read_buf(&mut conn.buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            result => return Poll::Ready(result),
-        }
-    }
+    conn.stream.poll_read_buf(cx, &mut conn.buf)
 }

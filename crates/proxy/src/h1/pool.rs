@@ -10,7 +10,6 @@ use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
@@ -22,6 +21,7 @@ use crate::l7::error::UpstreamError;
 use crate::limits::{upstream_socket, SocketSlot};
 use crate::metrics::ClusterStats;
 use crate::snapshot::ClusterPlan;
+use crate::tls::{ClusterTlsPlan, Stream};
 
 /// Idle connections kept per endpoint and how long one may stay idle. hyper-util's defaults
 /// for the pool this replaces.
@@ -32,7 +32,8 @@ const READ_BUFFER: usize = 16 * 1024;
 
 /// One connection to an endpoint, with the bytes read from it and not yet used.
 pub struct UpstreamConn {
-    pub stream: TcpStream,
+    /// In the clear, or inside the cluster's TLS.
+    pub stream: Stream,
     pub buf: BytesMut,
     /// Taken from the pool rather than freshly connected: the endpoint may have closed it
     /// while it was idle, so a request that fails on it before any answer is retried.
@@ -46,15 +47,26 @@ impl UpstreamConn {
     /// True if the idle socket is known to be unusable: the endpoint closed it (EOF or
     /// reset) or sent bytes nobody asked for. Costs no system call unless the reactor has
     /// seen the socket become readable.
-    fn is_stale(&self) -> bool {
-        let mut cx = Context::from_waker(Waker::noop());
-        match self.stream.poll_read_ready(&mut cx) {
-            Poll::Pending => false,
-            Poll::Ready(Err(_)) => true,
-            Poll::Ready(Ok(())) => {
-                let mut probe = [0u8; 1];
-                !matches!(self.stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
-            }
+    fn is_stale(&mut self) -> bool {
+        self.stream.is_stale()
+    }
+
+    /// Makes the cluster's TLS handshake on a new connection.
+    async fn secure(
+        self,
+        plan: &ClusterPlan,
+        tls: &ClusterTlsPlan,
+        worker: usize,
+    ) -> io::Result<UpstreamConn> {
+        let Stream::Plain(tcp) = self.stream else {
+            return Ok(self);
+        };
+        match tls.originate(tcp, &plan.stats, worker).await {
+            Ok(stream) => Ok(UpstreamConn { stream, ..self }),
+            Err(err) => Err(io::Error::new(
+                io::ErrorKind::ConnectionRefused,
+                format!("TLS handshake with the endpoint failed: {err}"),
+            )),
         }
     }
 }
@@ -187,7 +199,13 @@ pub async fn acquire(
 ) -> io::Result<UpstreamConn> {
     match pool.checkout(endpoint) {
         Some(conn) => Ok(conn),
-        None => connect(endpoint, plan.connect_timeout, &plan.stats, worker).await,
+        None => {
+            let conn = connect(endpoint, plan.connect_timeout, &plan.stats, worker).await?;
+            match &plan.tls {
+                None => Ok(conn),
+                Some(tls) => conn.secure(plan, tls, worker).await,
+            }
+        }
     }
 }
 
@@ -222,7 +240,7 @@ pub async fn connect(
             stats.connections.add_shared(worker, 1);
             let _ = stream.set_nodelay(true);
             Ok(UpstreamConn {
-                stream,
+                stream: Stream::Plain(stream),
                 buf: BytesMut::with_capacity(READ_BUFFER),
                 reused: false,
                 idle_since: Instant::now(),

@@ -15,13 +15,13 @@ use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
 
 use crate::body::{BoxError, UpstreamBody};
 use crate::l7::error::UpstreamError;
 use crate::limits::{upstream_socket, SocketSlot};
 use crate::metrics::ClusterStats;
 use crate::snapshot::ClusterPlan;
+use crate::tls::{ClusterTlsPlan, Stream};
 
 pub type HttpClient = Client<CountingConnector, UpstreamBody>;
 
@@ -32,11 +32,13 @@ pub struct CountingConnector {
     inner: HttpConnector,
     stats: Arc<ClusterStats>,
     worker: usize,
+    /// The cluster's TLS, made on each new connection.
+    tls: Option<Arc<ClusterTlsPlan>>,
 }
 
 /// An upstream connection of hyper's client, counted against the fd budget while it is open.
 pub struct CountedStream {
-    inner: TcpStream,
+    inner: Stream,
     _slot: SocketSlot,
 }
 
@@ -50,7 +52,7 @@ impl tower_service::Service<Uri> for CountingConnector {
     }
 
     fn call(&mut self, dst: Uri) -> Self::Future {
-        let (stats, worker) = (self.stats.clone(), self.worker);
+        let (stats, worker, tls) = (self.stats.clone(), self.worker, self.tls.clone());
         let slot = upstream_socket();
         let connecting = self.inner.call(dst);
         Box::pin(async move {
@@ -60,10 +62,14 @@ impl tower_service::Service<Uri> for CountingConnector {
             match connecting.await {
                 Ok(io) => {
                     stats.connections.add_shared(worker, 1);
-                    Ok(TokioIo::new(CountedStream {
-                        inner: io.into_inner(),
-                        _slot: slot,
-                    }))
+                    let tcp = io.into_inner();
+                    let inner = match tls {
+                        None => Stream::Plain(tcp),
+                        Some(tls) => tls.originate(tcp, &stats, worker).await.map_err(|e| {
+                            BoxError::from(format!("TLS handshake with the endpoint failed: {e}"))
+                        })?,
+                    };
+                    Ok(TokioIo::new(CountedStream { inner, _slot: slot }))
                 }
                 Err(err) => {
                     stats.connect_failures.add_shared(worker, 1);
@@ -76,7 +82,7 @@ impl tower_service::Service<Uri> for CountingConnector {
 
 impl Connection for CountedStream {
     fn connected(&self) -> Connected {
-        self.inner.connected()
+        self.inner.tcp().connected()
     }
 }
 
@@ -131,6 +137,7 @@ pub fn build_client(plan: &ClusterPlan, worker: usize, send_buffer: u32) -> Http
         inner: http,
         stats: plan.stats.clone(),
         worker,
+        tls: plan.tls.clone(),
     };
     let mut builder = Client::builder(TokioExecutor::new());
     // One connection carries every stream of this worker, so its windows are large.

@@ -290,6 +290,9 @@ pub fn check(
     if info.is_some_and(|c| c.hash_on.is_some()) {
         return Err(Reason::HashOn);
     }
+    if info.is_some_and(|c| c.tls) {
+        return Err(Reason::UpstreamTls);
+    }
     let protocol = info.map_or(UpstreamProtocol::Http1, |c| c.protocol);
     Ok((cluster, Protocols::of(protocol)))
 }
@@ -392,10 +395,19 @@ impl KernelLowering {
         };
         for (id, l) in listeners.iter().enumerate() {
             let verdicts = match &l.kind {
+                TableKind::Tcp(_) if l.tls => {
+                    ListenerVerdicts::Tcp(Verdict::Host(Reason::ListenerTls))
+                }
+                TableKind::Tcp(rule) if clusters.get(rule.cluster).is_some_and(|c| c.tls) => {
+                    ListenerVerdicts::Tcp(Verdict::Host(Reason::UpstreamTls))
+                }
                 TableKind::Tcp(_) => ListenerVerdicts::Tcp(match target.tcp_splice {
                     Ok(()) => Verdict::Decides,
                     Err(why) => Verdict::Host(why),
                 }),
+                TableKind::Http(t) if l.tls => {
+                    ListenerVerdicts::Http(vec![Verdict::Host(Reason::ListenerTls); t.routes.len()])
+                }
                 TableKind::Http(t) if target.l7_listener == Ok(id) => {
                     let (entries, verdicts) = lower_routes(&t.routes, clusters);
                     out.listener = Some(id);

@@ -362,7 +362,7 @@ impl NicLowering {
             listeners: Vec::with_capacity(listeners.len()),
         };
         let in_image = |id: usize, l: &ListenerTable| {
-            id <= MAX_LISTENER && matches!(l.kind, TableKind::Http(_))
+            id <= MAX_LISTENER && !l.tls && matches!(l.kind, TableKind::Http(_))
         };
         for (id, l) in listeners.iter().enumerate() {
             let TableKind::Http(t) = &l.kind else {
@@ -370,8 +370,12 @@ impl NicLowering {
                 continue;
             };
             if !in_image(id, l) {
-                let why = Reason::AppIdRange {
-                    max_listener: MAX_LISTENER,
+                let why = if l.tls {
+                    Reason::ListenerTls
+                } else {
+                    Reason::AppIdRange {
+                        max_listener: MAX_LISTENER,
+                    }
                 };
                 out.listeners.push(NicListener {
                     routes: t

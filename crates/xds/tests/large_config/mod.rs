@@ -22,6 +22,7 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
             protocol: model::UpstreamProtocol::Http1,
             hash_on: None,
             connect_timeout: None,
+            tls: None,
         });
         let mut r: model::Route = serde_json::from_value(serde_json::json!({
             "match": { "path": { "prefix": format!("/svc-{i}/") } }, "cluster": name
@@ -38,6 +39,7 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
         cluster: None,
         limits: Default::default(),
         normalize_path: None,
+        tls: None,
         merge_slashes: None,
         path_with_escaped_slashes_action: None,
     });

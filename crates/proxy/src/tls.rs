@@ -1,0 +1,342 @@
+//! TLS on listeners and clusters: the rustls configurations a snapshot loads (the identity
+//! crate's SPIFFE verifiers), the handshakes with their time bound and failure reason, and
+//! [`Stream`], one connection type for plaintext and TLS alike.
+//!
+//! Certificates and keys are read when a config is loaded or reloaded: a file that is missing
+//! or does not parse fails the load with its path, and the node keeps the config it runs.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use flatmesh_config::{ClusterTls, ListenerTls};
+use flatmesh_identity::tls::{client_config, failure_reason, server_config, ClientAuth};
+use flatmesh_identity::{IdPattern, Svid, TrustBundle};
+use rustls_pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+
+use crate::error::ProxyError;
+use crate::metrics::ClusterStats;
+
+/// A listener's TLS: what it presents and whom it admits.
+pub struct ListenerTlsPlan {
+    acceptor: tokio_rustls::TlsAcceptor,
+}
+
+/// A cluster's TLS: whom its endpoints must be, and what the node presents to them.
+pub struct ClusterTlsPlan {
+    cluster: String,
+    connector: tokio_rustls::TlsConnector,
+    server_name: ServerName<'static>,
+    /// The handshake's bound: the cluster's connect timeout.
+    timeout: Duration,
+}
+
+/// ALPN a TLS http listener offers: both codecs (the first bytes pick one either way).
+const HTTP_ALPN: [&[u8]; 2] = [
+    flatmesh_identity::tls::ALPN_H2,
+    flatmesh_identity::tls::ALPN_HTTP11,
+];
+
+fn patterns(at: &str, written: &[String]) -> Result<Vec<IdPattern>, ProxyError> {
+    written
+        .iter()
+        .map(|p| IdPattern::parse(p).map_err(|e| ProxyError::Config(format!("{at}: {e}"))))
+        .collect()
+}
+
+fn identity_error(at: &str) -> impl Fn(flatmesh_identity::IdentityError) -> ProxyError + '_ {
+    move |e| ProxyError::Config(format!("{at}: {e}"))
+}
+
+impl ListenerTlsPlan {
+    /// Loads `tls` for listener `name`; `http` listeners offer ALPN `h2` and `http/1.1`.
+    pub fn load(name: &str, tls: &ListenerTls, http: bool) -> Result<ListenerTlsPlan, ProxyError> {
+        let at = format!("listener `{name}` tls");
+        let svid = Svid::load(&tls.cert, &tls.key).map_err(identity_error(&at))?;
+        let client_auth = match &tls.client_ca {
+            Some(ca) => Some(ClientAuth {
+                bundle: TrustBundle::load(ca).map_err(identity_error(&at))?,
+                allow: patterns(&format!("{at}.allow"), &tls.allow)?,
+            }),
+            None => None,
+        };
+        let alpn: &[&[u8]] = if http { &HTTP_ALPN } else { &[] };
+        let config = server_config(&svid, client_auth, alpn).map_err(identity_error(&at))?;
+        Ok(ListenerTlsPlan {
+            acceptor: tokio_rustls::TlsAcceptor::from(config),
+        })
+    }
+
+    /// The server side of the handshake on `stream`, within `timeout`. Err: a short reason
+    /// for the log and the `reason` label of the failure counter.
+    pub async fn accept<S>(
+        &self,
+        stream: S,
+        timeout: Duration,
+    ) -> Result<tokio_rustls::server::TlsStream<S>, HandshakeError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        handshake(self.acceptor.accept(stream), timeout).await
+    }
+}
+
+impl ClusterTlsPlan {
+    /// Loads `tls` for cluster `name`; `alpn` is what its protocol speaks, `timeout` bounds
+    /// each handshake.
+    pub fn load(
+        name: &str,
+        tls: &ClusterTls,
+        alpn: &[u8],
+        timeout: Duration,
+    ) -> Result<ClusterTlsPlan, ProxyError> {
+        let at = format!("cluster `{name}` tls");
+        let bundle = TrustBundle::load(&tls.ca).map_err(identity_error(&at))?;
+        let svid = match (&tls.cert, &tls.key) {
+            (Some(cert), Some(key)) => Some(Svid::load(cert, key).map_err(identity_error(&at))?),
+            _ => None,
+        };
+        let server_ids = patterns(&format!("{at}.server_ids"), &tls.server_ids)?;
+        let config = client_config(svid.as_ref(), &bundle, server_ids, &[alpn])
+            .map_err(identity_error(&at))?;
+        // SPIFFE peers are checked by ID, so the name only matters to a server that selects a
+        // certificate by SNI; without `sni` none is sent.
+        let (server_name, send_sni) = match &tls.sni {
+            Some(sni) => (
+                ServerName::try_from(sni.clone()).map_err(|_| {
+                    ProxyError::Config(format!(
+                        "{at}.sni: `{sni}` is not a DNS name or an IP address"
+                    ))
+                })?,
+                true,
+            ),
+            None => (
+                ServerName::IpAddress(std::net::Ipv4Addr::LOCALHOST.into()),
+                false,
+            ),
+        };
+        let mut config = Arc::unwrap_or_clone(config);
+        config.enable_sni = send_sni;
+        Ok(ClusterTlsPlan {
+            cluster: name.to_owned(),
+            connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
+            server_name,
+            timeout,
+        })
+    }
+
+    /// The client side of the handshake over a freshly connected `stream`, counted in `stats`
+    /// and logged when it fails.
+    pub async fn originate(
+        &self,
+        stream: TcpStream,
+        stats: &ClusterStats,
+        worker: usize,
+    ) -> Result<Stream, HandshakeError> {
+        let endpoint = stream.peer_addr().ok();
+        let pending = self.connector.connect(self.server_name.clone(), stream);
+        match handshake(pending, self.timeout).await {
+            Ok(tls) => {
+                stats.tls.handshakes.add_shared(worker, 1);
+                Ok(Stream::Tls(Box::new(tokio_rustls::TlsStream::Client(tls))))
+            }
+            Err(err) => {
+                stats.tls.failed(err.reason);
+                tracing::warn!(cluster = %self.cluster, endpoint = ?endpoint, reason = err.reason, error = %err.detail,
+                    "upstream TLS handshake failed; check the cluster's `tls.ca` and `tls.server_ids` against the endpoint's certificate");
+                Err(err)
+            }
+        }
+    }
+}
+
+/// Why a handshake failed.
+#[derive(Debug)]
+pub struct HandshakeError {
+    /// Bounded: a metric label.
+    pub reason: &'static str,
+    pub detail: String,
+}
+
+impl std::fmt::Display for HandshakeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.detail, self.reason)
+    }
+}
+
+async fn handshake<T>(
+    pending: impl std::future::Future<Output = io::Result<T>>,
+    timeout: Duration,
+) -> Result<T, HandshakeError> {
+    match tokio::time::timeout(timeout, pending).await {
+        Ok(Ok(tls)) => Ok(tls),
+        Ok(Err(err)) => Err(classify(&err)),
+        Err(_) => Err(HandshakeError {
+            reason: "timeout",
+            detail: format!(
+                "the handshake did not finish within {}",
+                flatmesh_config::duration::format(&timeout)
+            ),
+        }),
+    }
+}
+
+/// tokio-rustls reports a TLS failure as an io::Error around the rustls error.
+fn classify(err: &io::Error) -> HandshakeError {
+    if let Some(tls) = err
+        .get_ref()
+        .and_then(|e| e.downcast_ref::<rustls::Error>())
+    {
+        return HandshakeError {
+            reason: failure_reason(tls),
+            detail: tls.to_string(),
+        };
+    }
+    let reason = match err.kind() {
+        io::ErrorKind::UnexpectedEof => "closed",
+        _ => "io",
+    };
+    HandshakeError {
+        reason,
+        detail: err.to_string(),
+    }
+}
+
+/// What one read through the record layer may add to a buffer.
+const READ_ROOM: usize = 16 * 1024;
+
+/// A connection in the clear or inside TLS (either side of the handshake).
+pub enum Stream {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::TlsStream<TcpStream>>),
+}
+
+impl Stream {
+    /// The TCP socket underneath.
+    pub fn tcp(&self) -> &TcpStream {
+        match self {
+            Stream::Plain(s) => s,
+            Stream::Tls(s) => s.get_ref().0,
+        }
+    }
+
+    /// Reads what has arrived into `buf`. In the clear it reads the socket straight into the
+    /// buffer; inside TLS it goes through the record layer.
+    pub fn poll_read_buf(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut BytesMut,
+    ) -> Poll<io::Result<usize>> {
+        match self {
+            Stream::Plain(s) => loop {
+                std::task::ready!(s.poll_read_ready(cx))?;
+                match s.try_read_buf(buf) {
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                    result => return Poll::Ready(result),
+                }
+            },
+            Stream::Tls(s) => {
+                // Zeroed room for the record layer to fill (safe code cannot hand it the
+                // uninitialised spare capacity); cut back to what was read.
+                let start = buf.len();
+                buf.resize(start + READ_ROOM, 0);
+                let mut read = ReadBuf::new(&mut buf[start..]);
+                let polled = Pin::new(s.as_mut()).poll_read(cx, &mut read);
+                let n = read.filled().len();
+                buf.truncate(start + n);
+                polled.map_ok(|()| n)
+            }
+        }
+    }
+
+    /// True if an idle connection is known to be unusable: closed, reset, or holding bytes
+    /// nobody asked for. Never blocks, and costs no system call unless the reactor has seen
+    /// the socket become readable.
+    pub fn is_stale(&mut self) -> bool {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        match self {
+            Stream::Plain(s) => match s.poll_read_ready(&mut cx) {
+                Poll::Pending => false,
+                Poll::Ready(Err(_)) => true,
+                Poll::Ready(Ok(())) => {
+                    let mut probe = [0u8; 1];
+                    !matches!(s.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+                }
+            },
+            // Through the record layer: a session ticket the server sent after the handshake
+            // is consumed there and is no sign of a dead connection; close_notify, EOF or
+            // application data is.
+            Stream::Tls(s) => {
+                let mut probe = [0u8; 1];
+                let mut read = ReadBuf::new(&mut probe);
+                !matches!(
+                    Pin::new(s.as_mut()).poll_read(&mut cx, &mut read),
+                    Poll::Pending
+                )
+            }
+        }
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Stream::Plain(s) => s.is_write_vectored(),
+            Stream::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
