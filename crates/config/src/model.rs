@@ -230,6 +230,91 @@ pub struct Listener {
     /// codecs then run on the decrypted stream; the kernel tier never decides such a listener.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<ListenerTls>,
+    /// Who may do what on this listener (Istio's AuthorizationPolicy, per listener).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub authorization: Option<Authorization>,
+}
+
+/// A listener's `authorization:` (docs/security.md, "Authorization"). A request (or, on a
+/// `tcp` listener, a connection) is denied when a `deny` policy matches; otherwise, when the
+/// listener has `allow` policies or `default: deny`, it is allowed only if an `allow` policy
+/// matches. Istio's order.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Authorization {
+    /// What a request no policy matches gets, when there is no `allow` policy.
+    #[serde(default)]
+    pub default: AuthzDefault,
+    #[serde(default)]
+    pub policies: Vec<AuthzPolicy>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AuthzDefault {
+    #[default]
+    #[serde(alias = "ALLOW")]
+    Allow,
+    #[serde(alias = "DENY")]
+    Deny,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AuthzAction {
+    #[serde(alias = "ALLOW")]
+    Allow,
+    #[serde(alias = "DENY")]
+    Deny,
+}
+
+/// One policy: it matches when every part it has matches (`from`, `to`, each `when`); a list
+/// inside a part matches when any of its entries does.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthzPolicy {
+    /// Labels the policy in metrics, logs and `--explain`.
+    pub name: String,
+    pub action: AuthzAction,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<AuthzFrom>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to: Option<AuthzTo>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub when: Vec<AuthzWhen>,
+}
+
+/// Who the caller is: its verified SPIFFE ID (a TLS listener with `client_ca`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthzFrom {
+    /// SPIFFE IDs, or patterns ending in `/*`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub principals: Vec<String>,
+    /// The `ns/NAMESPACE` part of the caller's SPIFFE ID.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub namespaces: Vec<String>,
+}
+
+/// What the request asks for (http listeners). Paths and hosts: exact, `prefix*`, `*suffix`
+/// or `*`; paths are matched after the listener's normalisation.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthzTo {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub methods: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<String>,
+}
+
+/// A request header with one of `values` (exact, `prefix*`, `*suffix` or `*`: present).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthzWhen {
+    pub header: String,
+    pub values: Vec<String>,
 }
 
 /// A listener's `tls:` (docs/security.md, "Mutual TLS").
@@ -629,9 +714,18 @@ impl Listener {
     /// of 400 or more, a 403 say): then a path that walks around it matters, and path
     /// normalisation defaults on. A `/healthz` answered 200 denies nothing.
     pub fn path_defaults_on(&self) -> bool {
-        self.routes
+        let route_denies = self
+            .routes
             .iter()
-            .any(|r| r.direct_response.as_ref().is_some_and(|d| d.status >= 400))
+            .any(|r| r.direct_response.as_ref().is_some_and(|d| d.status >= 400));
+        // A policy on paths is a deny too (a `deny` one, or an `allow` one that leaves the
+        // rest out): no spelling of a path may walk around it.
+        let policy_on_paths = self.authorization.as_ref().is_some_and(|a| {
+            a.policies
+                .iter()
+                .any(|p| p.to.as_ref().is_some_and(|t| !t.paths.is_empty()))
+        });
+        route_denies || policy_on_paths
     }
 
     /// The listener's path normalisation: each key as set, else its default.

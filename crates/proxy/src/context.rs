@@ -20,6 +20,7 @@ pub struct WorkerView {
 }
 
 /// Per-connection context handed to the L4 / L7 handlers.
+#[derive(Clone)]
 pub struct ConnContext {
     pub worker: usize,
     /// The listener's address as written in the config (its identity across reloads).
@@ -34,4 +35,15 @@ pub struct ConnContext {
     pub kernel: Option<Arc<KernelBinding>>,
     /// The node's budgets: the connection's buffers are reserved from its memory budget.
     pub budget: Arc<NodeBudget>,
+    /// The client's verified SPIFFE ID (a TLS listener with `client_ca`), for authorization.
+    pub principal: Option<Arc<str>>,
+}
+
+impl ConnContext {
+    /// The caller as authorization policies see it.
+    pub fn peer(&self) -> flatmesh_rules::Peer<'_> {
+        flatmesh_rules::Peer {
+            principal: self.principal.as_deref(),
+        }
+    }
 }

@@ -152,6 +152,14 @@ async fn serve_tls(
             return;
         }
     };
+    // The client's SPIFFE ID, verified in the handshake, is who the policies see.
+    let ctx = match flatmesh_identity::tls::peer_identity(stream.get_ref().1) {
+        Some(id) => Arc::new(ConnContext {
+            principal: Some(Arc::from(id.as_str())),
+            ..(*ctx).clone()
+        }),
+        None => ctx,
+    };
     match protocol {
         ListenerProtocol::Tcp => {
             let stream = Stream::Tls(Box::new(tokio_rustls::TlsStream::Server(stream)));

@@ -479,6 +479,7 @@ mod tests {
             merge_slashes: None,
             path_with_escaped_slashes_action: None,
             tls: None,
+            authorization: None,
         }
     }
 

@@ -237,7 +237,11 @@ pub struct Series {
     requests: HashSet<RequestKey>,
     listeners: HashSet<String>,
     clusters: HashSet<String>,
+    authz: HashSet<AuthzKey>,
 }
+
+/// (listener, policy, decision): an authorization decision's series.
+type AuthzKey = (String, String, &'static str);
 
 impl Series {
     /// [`Metrics::requests`], remembered.
@@ -264,6 +268,20 @@ impl Series {
         self.clusters.insert(name.to_owned());
         m.cluster(name)
     }
+
+    /// The counters of `policy` on `listener`: [allowed, denied]. `policy` is `(none)` for
+    /// the decisions no policy matched.
+    pub fn authz(&mut self, m: &Metrics, listener: &str, policy: &str) -> [Arc<WorkerCounter>; 2] {
+        ["allow", "deny"].map(|decision| {
+            let key = (listener.to_owned(), policy.to_owned(), decision);
+            self.authz.insert(key.clone());
+            m.authz
+                .lock()
+                .entry(key)
+                .or_insert_with(|| Arc::new(WorkerCounter::new(m.workers)))
+                .clone()
+        })
+    }
 }
 
 /// Every counter family of the node, keyed by label set; lives as long as the node.
@@ -272,6 +290,7 @@ pub struct Metrics {
     requests: Mutex<HashMap<RequestKey, Arc<RequestStats>>>,
     listeners: Mutex<HashMap<String, Arc<ListenerStats>>>,
     clusters: Mutex<HashMap<String, Arc<ClusterStats>>>,
+    authz: Mutex<HashMap<AuthzKey, Arc<WorkerCounter>>>,
     pub reloads_ok: WorkerCounter,
     pub reloads_failed: WorkerCounter,
     /// Connection, fd and memory budgets, and their refusals (`crate::limits`).
@@ -294,6 +313,7 @@ impl Metrics {
             requests: Mutex::default(),
             listeners: Mutex::default(),
             clusters: Mutex::default(),
+            authz: Mutex::default(),
             reloads_ok: WorkerCounter::new(1),
             reloads_failed: WorkerCounter::new(1),
             budget: crate::limits::NodeBudget::new(),
@@ -362,6 +382,7 @@ impl Metrics {
         self.clusters
             .lock()
             .retain(|k, _| keep.clusters.contains(k));
+        self.authz.lock().retain(|k, _| keep.authz.contains(k));
     }
 
     /// Prometheus text exposition of everything.
@@ -588,6 +609,34 @@ impl Collector for Scrape {
             "endpoints",
             "cluster",
             clusters.iter().map(|(n, s)| (n.as_str(), &s.tls)),
+        )?;
+
+        let mut authz: Vec<_> = m
+            .authz
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.sum()))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        authz.sort();
+        let rows: Vec<_> = authz
+            .iter()
+            .map(|((l, p, d), n)| {
+                (
+                    [
+                        ("listener", l.as_str()),
+                        ("policy", p.as_str()),
+                        ("decision", *d),
+                    ],
+                    *n,
+                )
+            })
+            .collect();
+        counter(
+            &mut enc,
+            "flatmesh_authz_decisions",
+            "Authorization decisions by listener, deciding policy (`(none)`: no policy matched) and decision",
+            &rows,
         )?;
 
         let reloads = [

@@ -12,7 +12,7 @@ use http::HeaderName;
 
 use crate::error::ProxyError;
 use crate::lb::HashTable;
-use crate::metrics::{ClusterStats, ListenerStats, Metrics, RequestStats, Series};
+use crate::metrics::{ClusterStats, ListenerStats, Metrics, RequestStats, Series, WorkerCounter};
 use crate::tls::{ClusterTlsPlan, ListenerTlsPlan};
 
 pub struct Snapshot {
@@ -42,6 +42,19 @@ pub struct ListenerPlan {
     pub kernel_splice: bool,
     /// The listener terminates TLS (`tls:`).
     pub tls: Option<Arc<ListenerTlsPlan>>,
+    /// Authorization decisions, [allowed, denied], per policy in order and then for no
+    /// policy matched (empty without `authorization:`).
+    pub authz_stats: Vec<[Arc<WorkerCounter>; 2]>,
+}
+
+impl ListenerPlan {
+    /// Counts an authorization decision.
+    pub fn count_authz(&self, worker: usize, d: flatmesh_rules::AuthzDecision) {
+        let index = d.policy.unwrap_or(self.authz_stats.len().saturating_sub(1));
+        if let Some(counters) = self.authz_stats.get(index) {
+            counters[usize::from(!d.allowed)].add_shared(worker, 1);
+        }
+    }
 }
 
 pub struct ClusterPlan {
@@ -128,7 +141,6 @@ impl Snapshot {
                 })
             })
             .collect::<Result<Vec<_>, ProxyError>>()?;
-        let kernel_l7 = config.kernel_l7_listener();
         let mut listeners = Vec::with_capacity(config.listeners.len());
         for (lid, l) in config.listeners.iter().enumerate() {
             let tls = match &l.tls {
@@ -160,14 +172,23 @@ impl Snapshot {
                         .collect(),
                 );
             }
+            let authz_stats = match program.authz(lid) {
+                Some(a) => a
+                    .policy_names()
+                    .chain(["(none)"])
+                    .map(|p| series.authz(metrics, &l.name, p))
+                    .collect(),
+                None => Vec::new(),
+            };
             listeners.push(ListenerPlan {
+                authz_stats,
                 name: l.name.clone(),
                 address: l.address,
                 protocol: l.protocol,
                 stats: series.listener(metrics, &l.name),
                 route_stats,
                 no_route_stats: series.requests(metrics, &l.name, "none", ""),
-                kernel_l7: kernel_l7 == Some(l.name.as_str()),
+                kernel_l7: program.kernel().listener == Some(lid),
                 // The lowering says which tcp listeners the kernel may splice (not one that
                 // terminates TLS, nor one whose cluster originates it).
                 kernel_splice: program

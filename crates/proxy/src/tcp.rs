@@ -111,6 +111,16 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: Stream) {
         tracing::warn!(listener = %listener.name, "tcp listener has no cluster; closing the connection");
         return;
     };
+    // Authorization happens once, before anything is spent on the connection.
+    if let Some(authz) = snap.program.authz(lid) {
+        let d = authz.check_connection(ctx.peer());
+        listener.count_authz(ctx.worker, d);
+        if !d.allowed {
+            tracing::debug!(listener = %listener.name, principal = ?ctx.principal, policy = ?d.policy.map(|p| authz.policy_name(p)), "connection denied");
+            reset_on_close(downstream.tcp());
+            return;
+        }
+    }
     // The in-flight guard lives as long as the connection: least_request counts connections.
     let Some((up, _in_flight)) = connect_upstream(&ctx, &view, &listener.name, cid).await else {
         reset_on_close(downstream.tcp());

@@ -43,6 +43,7 @@ pub(crate) fn context(view: &Arc<ArcSwap<WorkerView>>) -> Arc<ConnContext> {
         access_log: AccessLog::disabled(),
         kernel: None,
         budget: crate::limits::NodeBudget::new(),
+        principal: None,
     })
 }
 

@@ -209,6 +209,7 @@ async fn accept_loop(key: ListenerKey, listener: tokio::net::TcpListener, shared
             access_log: shared.access_log.clone(),
             kernel: shared.kernel.clone(),
             budget: shared.budget.clone(),
+            principal: None,
         });
         tokio::spawn(async move {
             let _guard = guard;

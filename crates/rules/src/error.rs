@@ -13,6 +13,13 @@ pub enum RulesError {
     #[error("tcp listener `{listener}` names cluster `{cluster}`, which is not defined: add it under `clusters:` or fix the name")]
     UnknownTcpCluster { listener: String, cluster: String },
 
+    #[error("listener `{listener}`, authorization policy `{policy}`: {what}")]
+    BadPolicy {
+        listener: String,
+        policy: String,
+        what: String,
+    },
+
     #[error("tcp listener `{listener}` has no `cluster`: a tcp listener forwards every connection to one cluster, so set `cluster: NAME`")]
     TcpWithoutCluster { listener: String },
 

@@ -64,6 +64,7 @@ impl RuleProgram {
                         why.into_owned(),
                     ];
                     table(&mut out, &header, &[row]);
+                    explain_authz(&mut out, l);
                 }
                 TableKind::Http(t) => {
                     let s = t.index_stats();
@@ -99,6 +100,7 @@ impl RuleProgram {
                         .collect();
                     table(&mut out, &header, &rows);
                     let _ = writeln!(out, "  (no match: 404)");
+                    explain_authz(&mut out, l);
                     self.explain_kernel_table(&mut out, lid);
                     self.explain_image(&mut out, lid);
                 }
@@ -282,6 +284,8 @@ impl RuleProgram {
                             "reason": reason,
                             "kernel": self.kernel().tcp_verdict(id),
                         },
+                        "tls": l.tls,
+                        "authorization": l.authz.as_ref().map(|a| a.summary()),
                     })
                 }
                 TableKind::Http(t) => {
@@ -300,6 +304,8 @@ impl RuleProgram {
                             "rules": nic.rules.len(),
                         },
                         "routes": t.routes.iter().map(|r| self.route_json(id, r, node)).collect::<Vec<_>>(),
+                        "tls": l.tls,
+                        "authorization": l.authz.as_ref().map(|a| a.summary()),
                     })
                 }
             })
@@ -457,5 +463,35 @@ fn table(out: &mut String, header: &[&str], rows: &[Vec<String>]) {
         }
         out.push_str(line.trim_end());
         out.push('\n');
+    }
+}
+
+/// A listener's authorization policies, in the order they are tried, and what a request no
+/// policy matches gets.
+fn explain_authz(out: &mut String, l: &crate::ListenerTable) {
+    let Some(authz) = &l.authz else {
+        return;
+    };
+    let summary = authz.summary();
+    let _ = writeln!(
+        out,
+        "  authorization (user tier; a matching deny wins, else an allow must match when any exists): no match -> {}",
+        summary.unmatched
+    );
+    let rows: Vec<Vec<String>> = summary
+        .policies
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            vec![
+                i.to_string(),
+                p.name.clone(),
+                p.action.to_string(),
+                p.conditions.clone(),
+            ]
+        })
+        .collect();
+    if !rows.is_empty() {
+        table(out, &["#", "policy", "action", "when"], &rows);
     }
 }

@@ -14,6 +14,7 @@
 //! See docs/rules.md for the semantics and how to read `--explain`.
 #![forbid(unsafe_code)]
 
+pub mod authz;
 mod error;
 mod explain;
 pub mod image;
@@ -29,6 +30,7 @@ pub mod skipcheck;
 mod split;
 pub mod tier;
 
+pub use authz::{AuthzDecision, ListenerAuthz, Peer};
 pub use error::RulesError;
 pub use index::IndexStats;
 pub use lower::{Lowering, Verdict};

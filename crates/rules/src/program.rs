@@ -11,6 +11,7 @@ use flatmesh_config::{
 };
 use http::{HeaderName, HeaderValue, Method, StatusCode};
 
+use crate::authz::ListenerAuthz;
 use crate::index::{IndexStats, PathIndex};
 use crate::lower::kernel::{KernelLowering, KernelTarget};
 use crate::lower::nic::NicLowering;
@@ -57,6 +58,9 @@ pub struct ListenerTable {
     pub kind: TableKind,
     /// The listener terminates TLS: its bytes are ciphertext to every tier but the user's.
     pub tls: bool,
+    /// The listener's authorization policies, run by the user tier on every request (http)
+    /// or connection (tcp).
+    pub authz: Option<ListenerAuthz>,
 }
 
 #[derive(Debug, Clone)]
@@ -178,6 +182,11 @@ impl RuleProgram {
     /// What listener `listener` does to a request's path before matching it: the path
     /// [`route`](Self::route) and every lower tier must be given, and the one forwarded.
     /// Paths as received for a tcp listener or an unknown id.
+    /// The listener's authorization policies, if it has any.
+    pub fn authz(&self, listener: ListenerId) -> Option<&ListenerAuthz> {
+        self.listeners.get(listener)?.authz.as_ref()
+    }
+
     pub fn paths(&self, listener: ListenerId) -> PathNormalization {
         match self.listeners.get(listener).map(|l| &l.kind) {
             Some(TableKind::Http(t)) => t.paths,
@@ -255,6 +264,11 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
             address: l.address,
             kind,
             tls: l.tls.is_some(),
+            authz: l
+                .authorization
+                .as_ref()
+                .map(|a| ListenerAuthz::compile(&l.name, a))
+                .transpose()?,
         });
     }
     // Every lowering runs on the compiled tables; each rule's placement is read from them.

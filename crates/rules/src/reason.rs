@@ -52,6 +52,8 @@ pub enum Reason {
     UpstreamTls,
     /// The listener terminates TLS: every lower tier sees ciphertext.
     ListenerTls,
+    /// The listener has authorization policies, which the user tier runs.
+    Authorization,
 
     // What the config asks for.
     NoKernelSection,
@@ -98,6 +100,7 @@ impl Reason {
                 | Reason::OtherL7Listener
                 | Reason::TcpSpliceOff
                 | Reason::ListenerTls
+                | Reason::Authorization
                 | Reason::Shadowed { .. }
                 | Reason::KernelTableFull { .. }
                 | Reason::ImageFull { .. }
@@ -154,6 +157,9 @@ impl std::fmt::Display for Reason {
             ),
             Reason::ListenerTls => f.write_str(
                 "the listener terminates TLS: only the user tier sees the requests in the clear",
+            ),
+            Reason::Authorization => f.write_str(
+                "the listener has authorization policies, which only the user tier runs",
             ),
             Reason::NoKernelSection => f.write_str("the config has no `kernel:` section"),
             Reason::NoL7Dispatch => f.write_str("kernel.l7_dispatch is off"),

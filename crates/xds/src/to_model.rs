@@ -485,6 +485,7 @@ fn listener(
             merge_slashes: options.merge_slashes,
             path_with_escaped_slashes_action: options.escaped_slashes,
             tls: None,
+            authorization: None,
         }))
     } else if any.type_url == TcpProxy::type_url() {
         let mut tcp: TcpProxy = unpack(any, &at_filter)?;
@@ -527,6 +528,7 @@ fn listener(
             merge_slashes: None,
             path_with_escaped_slashes_action: None,
             tls: None,
+            authorization: None,
         }))
     } else {
         Err(XdsError::resource(

@@ -386,7 +386,8 @@ fn prepare<'v>(
         query: info.query,
         headers,
     };
-    let action = match decide(snap, lid, &meta, false, || info.target()) {
+    let caller = (ctx.peer(), ctx.worker);
+    let action = match decide(snap, lid, &meta, caller, false, || info.target()) {
         Decision::Reply(route, resp) => Action::Reply(route, resp),
         Decision::Forward(route, _, _)
             if info

@@ -395,7 +395,14 @@ async fn handle(
             query: req.uri().query(),
             headers: req.headers().into(),
         };
-        decide(snap, lid, &meta, grpc, path_and_query)
+        decide(
+            snap,
+            lid,
+            &meta,
+            (ctx.peer(), ctx.worker),
+            grpc,
+            path_and_query,
+        )
     };
     let (resp, outcome, held) = match decision {
         Decision::Reply(route, resp) => {

@@ -107,7 +107,6 @@ pub fn plan(snapshot: &Snapshot, bound: &dyn Fn(&str) -> Option<SocketAddr>) -> 
     let Some(k) = &config.kernel else {
         return plan;
     };
-    let l7_listener = config.kernel_l7_listener();
     if let Some(capture) = &k.capture {
         for s in &capture.services {
             if let Some(addr) = bound(&s.listener) {
@@ -120,7 +119,9 @@ pub fn plan(snapshot: &Snapshot, bound: &dyn Fn(&str) -> Option<SocketAddr>) -> 
         let table = &snapshot.program.listeners()[lid];
         let port = bound(&l.name).map(|a| a.port());
         match (&table.kind, port) {
-            (TableKind::Http(_), Some(port)) if Some(l.name.as_str()) == l7_listener => {
+            // The lowering says which listener's routes the kernel decides (none that
+            // terminates TLS or has authorization policies).
+            (TableKind::Http(_), Some(port)) if snapshot.program.kernel().listener == Some(lid) => {
                 plan.l7_ports.insert(port);
                 plan.routes = snapshot.program.kernel().entries.clone();
                 // The accepted end belongs to the sk_skb dispatcher, which must see the

@@ -10,7 +10,7 @@
 use std::borrow::Cow;
 use std::net::SocketAddr;
 
-use flatmesh_rules::{ClusterId, CompiledRoute, ListenerId, Normalized, RouteAction};
+use flatmesh_rules::{ClusterId, CompiledRoute, ListenerId, Normalized, Peer, RouteAction};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Response, StatusCode, Uri};
 use http_body_util::Full;
@@ -44,6 +44,7 @@ pub(crate) fn decide<'v>(
     snap: &'v Snapshot,
     listener: ListenerId,
     meta: &flatmesh_rules::Request<'_>,
+    caller: (Peer<'_>, usize),
     grpc: bool,
     target: impl FnOnce() -> String,
 ) -> Decision<'v> {
@@ -92,6 +93,28 @@ pub(crate) fn decide<'v>(
         path: &path,
         ..*meta
     };
+    // Authorization, on the normalised path: no spelling of a path walks around a policy.
+    if let Some(authz) = snap.program.authz(listener) {
+        let (peer, worker) = caller;
+        let d = authz.check_request(meta, peer);
+        snap.listeners[listener].count_authz(worker, d);
+        if !d.allowed {
+            let why = match d.policy {
+                Some(p) => format!("policy `{}` denies it", authz.policy_name(p)),
+                None => "no policy allows it".to_string(),
+            };
+            tracing::debug!(listener = %snap.listeners[listener].name, principal = ?peer.principal, %why, "request denied");
+            return Decision::Reply(
+                None,
+                local_reply(
+                    StatusCode::FORBIDDEN,
+                    format!("access denied: {why}\n"),
+                    false,
+                    grpc,
+                ),
+            );
+        }
+    }
     let Some(route) = snap.program.route(listener, meta) else {
         let plan = &snap.listeners[listener];
         return Decision::Reply(

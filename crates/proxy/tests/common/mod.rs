@@ -10,6 +10,7 @@ pub mod backends;
 mod client;
 pub mod grpc;
 pub mod hostile;
+pub mod pki;
 
 pub use client::*;
 

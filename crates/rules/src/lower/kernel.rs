@@ -408,6 +408,11 @@ impl KernelLowering {
                 TableKind::Http(t) if l.tls => {
                     ListenerVerdicts::Http(vec![Verdict::Host(Reason::ListenerTls); t.routes.len()])
                 }
+                // Every request must pass the policies, and only the user tier runs them.
+                TableKind::Http(t) if l.authz.is_some() => ListenerVerdicts::Http(vec![
+                    Verdict::Host(Reason::Authorization);
+                    t.routes.len()
+                ]),
                 TableKind::Http(t) if target.l7_listener == Ok(id) => {
                     let (entries, verdicts) = lower_routes(&t.routes, clusters);
                     out.listener = Some(id);

@@ -362,7 +362,10 @@ impl NicLowering {
             listeners: Vec::with_capacity(listeners.len()),
         };
         let in_image = |id: usize, l: &ListenerTable| {
-            id <= MAX_LISTENER && !l.tls && matches!(l.kind, TableKind::Http(_))
+            id <= MAX_LISTENER
+                && !l.tls
+                && l.authz.is_none()
+                && matches!(l.kind, TableKind::Http(_))
         };
         for (id, l) in listeners.iter().enumerate() {
             let TableKind::Http(t) = &l.kind else {
@@ -372,6 +375,8 @@ impl NicLowering {
             if !in_image(id, l) {
                 let why = if l.tls {
                     Reason::ListenerTls
+                } else if l.authz.is_some() {
+                    Reason::Authorization
                 } else {
                     Reason::AppIdRange {
                         max_listener: MAX_LISTENER,
@@ -382,7 +387,13 @@ impl NicLowering {
                         .routes
                         .iter()
                         .map(|r| NicRoute {
-                            verdict: Verdict::host(check(r, t.paths), why),
+                            // TLS and policies keep the whole listener out, whatever
+                            // the route; the app id range only routes it could have held.
+                            verdict: if matches!(why, Reason::ListenerTls | Reason::Authorization) {
+                                Verdict::Host(why)
+                            } else {
+                                Verdict::host(check(r, t.paths), why)
+                            },
                             rules: 0..0,
                         })
                         .collect(),

@@ -40,6 +40,7 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
         limits: Default::default(),
         normalize_path: None,
         tls: None,
+        authorization: None,
         merge_slashes: None,
         path_with_escaped_slashes_action: None,
     });
