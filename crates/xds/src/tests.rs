@@ -485,94 +485,8 @@ fn path_normalisation_and_upgrades_import_from_envoy() {
 
 /// An Envoy bootstrap with every TLS shape flatmesh takes: an mTLS http listener admitting an
 /// ID and a namespace, a TLS-only tcp listener, and clusters originating TLS with and without a
-/// client certificate.
-const TLS_BOOTSTRAP: &str = r#"
-static_resources:
-  listeners:
-  - name: mtls
-    address: { socket_address: { address: 127.0.0.1, port_value: 8443 } }
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: mtls
-          route_config: { virtual_hosts: [ { name: any, domains: ["*"], routes: [ { match: { prefix: / }, route: { cluster: api } } ] } ] }
-          http_filters: [ { name: envoy.filters.http.router, typed_config: { "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router } } ]
-      transport_socket:
-        name: envoy.transport_sockets.tls
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
-          require_client_certificate: true
-          common_tls_context:
-            tls_certificates:
-            - certificate_chain: { filename: /pki/node.pem }
-              private_key: { filename: /pki/node.key }
-            validation_context:
-              trusted_ca: { filename: /pki/ca.pem }
-              match_typed_subject_alt_names:
-              - san_type: URI
-                matcher: { exact: "spiffe://td/ns/shop/sa/web" }
-              - san_type: URI
-                matcher: { prefix: "spiffe://td/ns/ops/" }
-            alpn_protocols: [ h2, http/1.1 ]
-  - name: tls
-    address: { socket_address: { address: 127.0.0.1, port_value: 9443 } }
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.tcp_proxy
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
-          stat_prefix: tls
-          cluster: db
-      transport_socket:
-        name: envoy.transport_sockets.tls
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
-          common_tls_context:
-            tls_certificates:
-            - certificate_chain: { filename: /pki/node.pem }
-              private_key: { filename: /pki/node.key }
-  clusters:
-  - name: api
-    type: STATIC
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: { http2_protocol_options: {} }
-    load_assignment:
-      cluster_name: api
-      endpoints: [ { lb_endpoints: [ { endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: 9001 } } } } ] } ]
-    transport_socket:
-      name: envoy.transport_sockets.tls
-      typed_config:
-        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
-        sni: api.shop.svc
-        common_tls_context:
-          tls_certificates:
-          - certificate_chain: { filename: /pki/node.pem }
-            private_key: { filename: /pki/node.key }
-          validation_context:
-            trusted_ca: { filename: /pki/ca.pem }
-            match_typed_subject_alt_names:
-            - { san_type: URI, matcher: { prefix: "spiffe://td/ns/api/" } }
-          alpn_protocols: [ h2 ]
-          tls_params: { tls_minimum_protocol_version: TLSv1_2, tls_maximum_protocol_version: TLSv1_3 }
-  - name: db
-    type: STATIC
-    load_assignment:
-      cluster_name: db
-      endpoints: [ { lb_endpoints: [ { endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: 5432 } } } } ] } ]
-    transport_socket:
-      name: envoy.transport_sockets.tls
-      typed_config:
-        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
-        common_tls_context:
-          validation_context:
-            trusted_ca: { filename: /pki/ca.pem }
-            match_typed_subject_alt_names:
-            - { san_type: URI, matcher: { exact: "spiffe://td/ns/data/sa/db" } }
-"#;
+/// client certificate. It is also the bootstrap fuzz target's seed for TLS.
+const TLS_BOOTSTRAP: &str = include_str!("../fuzz/seeds/bootstrap/tls.yaml");
 
 #[test]
 fn tls_contexts_import_from_envoy() {
@@ -945,4 +859,45 @@ fn unsupported_tls_over_xds_is_refused_by_name() {
     );
     let e = edit(&|c| c.common_tls_context = None);
     assert!(e.contains("common_tls_context: is missing"), "{e}");
+}
+
+/// The `resources` fuzz target's TLS seed: every resource of [`TLS_BOOTSTRAP`] as the server
+/// sends it, in the target's records ([type index in ORDER][length, 2 bytes big-endian][protobuf]),
+/// so the fuzzer starts inside the TLS translation. `FLATMESH_WRITE_SEEDS=1` rewrites the file
+/// after a change of shape.
+#[test]
+fn the_resources_fuzz_seed_holds_every_tls_shape() {
+    use crate::resources::ORDER;
+    let config = bootstrap::parse(TLS_BOOTSTRAP, "envoy.yaml").unwrap();
+    let resources = crate::from_model::resources(&config);
+    let mut seed = Vec::new();
+    for (index, type_url) in ORDER.iter().enumerate() {
+        for resource in resources.of_type(type_url) {
+            let value = resource.to_any().value;
+            seed.push(u8::try_from(index).unwrap());
+            seed.extend(u16::try_from(value.len()).unwrap().to_be_bytes());
+            seed.extend(value);
+        }
+    }
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/seeds/resources/tls");
+    if std::env::var_os("FLATMESH_WRITE_SEEDS").is_some() {
+        std::fs::write(path, &seed).unwrap();
+    }
+    assert!(
+        std::fs::read(path).ok() == Some(seed),
+        "{path} is not the encoding of TLS_BOOTSTRAP's resources; rerun this test with FLATMESH_WRITE_SEEDS=1"
+    );
+    // What the records hold translates back to the same TLS settings.
+    let back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
+    for l in &config.listeners {
+        let found = back.listeners.iter().find(|b| b.name == l.name).unwrap();
+        assert!(l.tls.is_some() && found.tls == l.tls, "listener {}", l.name);
+    }
+    for c in &config.clusters {
+        assert!(
+            c.tls.is_some() && back.cluster(&c.name).unwrap().tls == c.tls,
+            "cluster {}",
+            c.name
+        );
+    }
 }
