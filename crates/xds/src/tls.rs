@@ -1,0 +1,542 @@
+//! TLS between the config model and Envoy's API, both ways: a listener's `tls` is its filter
+//! chain's transport socket with a `DownstreamTlsContext`, a cluster's `tls` the cluster's
+//! transport socket with an `UpstreamTlsContext` (docs/security.md, "TLS over xDS and Envoy
+//! import").
+//!
+//! One shape is accepted, the one [`downstream`] and [`upstream`] write: certificates, keys and
+//! CAs as file names, peers matched by URI SAN (a SPIFFE ID exactly, or a `/`-ending prefix for a
+//! `/*` pattern), ALPN the codecs flatmesh speaks. Anything else in the contexts is an error that
+//! names the field, so a secure Envoy listener never turns into a flatmesh listener that checks
+//! less. SDS is not served yet: secrets must be files.
+
+use std::path::PathBuf;
+
+use envoy_types::pb::envoy::config::core::v3::TransportSocket;
+use envoy_types::pb::envoy::config::core::v3::{data_source, transport_socket, DataSource};
+use envoy_types::pb::envoy::extensions::transport_sockets::raw_buffer::v3::RawBuffer;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+    common_tls_context, subject_alt_name_matcher, tls_parameters, CertificateValidationContext,
+    CommonTlsContext, DownstreamTlsContext, SubjectAltNameMatcher, TlsCertificate,
+    UpstreamTlsContext,
+};
+use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, StringMatcher};
+use envoy_types::pb::google::protobuf::BoolValue;
+use flatmesh_config as model;
+use prost::Name;
+
+use crate::error::{Result, XdsError};
+use crate::resources::pack;
+use crate::to_model::{reject_rest, unpack};
+
+/// The transport socket Envoy knows TLS by.
+pub const TLS_SOCKET_NAME: &str = "envoy.transport_sockets.tls";
+
+const ALPN_H2: &str = "h2";
+const ALPN_HTTP11: &str = "http/1.1";
+
+/// The part of a SPIFFE ID every ID and pattern starts with.
+const SPIFFE_SCHEME: &str = "spiffe://";
+
+// ---- model -> Envoy ----
+
+/// A listener's `tls` as its filter chain's transport socket. An `http` listener offers ALPN
+/// `h2` and `http/1.1` (its codecs serve both); a `tcp` listener offers none.
+pub fn downstream(tls: &model::ListenerTls, http: bool) -> TransportSocket {
+    let context = DownstreamTlsContext {
+        common_tls_context: Some(CommonTlsContext {
+            tls_certificates: vec![certificate(&tls.cert, &tls.key)],
+            validation_context_type: tls.client_ca.as_ref().map(|ca| {
+                common_tls_context::ValidationContextType::ValidationContext(validation(
+                    ca, &tls.allow,
+                ))
+            }),
+            alpn_protocols: if http {
+                vec![ALPN_H2.into(), ALPN_HTTP11.into()]
+            } else {
+                Vec::new()
+            },
+            ..Default::default()
+        }),
+        // flatmesh requires the client certificate it verifies.
+        require_client_certificate: tls.client_ca.as_ref().map(|_| BoolValue { value: true }),
+        ..Default::default()
+    };
+    socket(pack(&context))
+}
+
+/// A cluster's `tls` as the cluster's transport socket; ALPN is the cluster's protocol.
+pub fn upstream(tls: &model::ClusterTls, protocol: model::UpstreamProtocol) -> TransportSocket {
+    let context = UpstreamTlsContext {
+        common_tls_context: Some(CommonTlsContext {
+            tls_certificates: match (&tls.cert, &tls.key) {
+                (Some(cert), Some(key)) => vec![certificate(cert, key)],
+                _ => Vec::new(),
+            },
+            validation_context_type: Some(
+                common_tls_context::ValidationContextType::ValidationContext(validation(
+                    &tls.ca,
+                    &tls.server_ids,
+                )),
+            ),
+            alpn_protocols: vec![alpn_of(protocol).into()],
+            ..Default::default()
+        }),
+        sni: tls.sni.clone().unwrap_or_default(),
+        ..Default::default()
+    };
+    socket(pack(&context))
+}
+
+fn socket(context: envoy_types::pb::google::protobuf::Any) -> TransportSocket {
+    TransportSocket {
+        name: TLS_SOCKET_NAME.into(),
+        config_type: Some(transport_socket::ConfigType::TypedConfig(context)),
+    }
+}
+
+fn alpn_of(protocol: model::UpstreamProtocol) -> &'static str {
+    match protocol {
+        model::UpstreamProtocol::Http1 => ALPN_HTTP11,
+        model::UpstreamProtocol::Http2 => ALPN_H2,
+    }
+}
+
+fn file(path: &std::path::Path) -> Option<DataSource> {
+    Some(DataSource {
+        specifier: Some(data_source::Specifier::Filename(
+            path.to_string_lossy().into_owned(),
+        )),
+        ..Default::default()
+    })
+}
+
+fn certificate(cert: &std::path::Path, key: &std::path::Path) -> TlsCertificate {
+    TlsCertificate {
+        certificate_chain: file(cert),
+        private_key: file(key),
+        ..Default::default()
+    }
+}
+
+/// The roots in `ca` and the SPIFFE IDs (or `/*` patterns) a peer must present.
+fn validation(ca: &std::path::Path, ids: &[String]) -> CertificateValidationContext {
+    CertificateValidationContext {
+        trusted_ca: file(ca),
+        match_typed_subject_alt_names: ids.iter().map(|id| uri_matcher(id)).collect(),
+        ..Default::default()
+    }
+}
+
+/// An ID matches exactly; a pattern `spiffe://TD/ns/NS/*` matches the URIs under
+/// `spiffe://TD/ns/NS/`, which is Envoy's prefix match on the text before the `*`.
+fn uri_matcher(id: &str) -> SubjectAltNameMatcher {
+    let pattern = match id.strip_suffix('*').filter(|base| base.ends_with('/')) {
+        Some(base) => string_matcher::MatchPattern::Prefix(base.into()),
+        None => string_matcher::MatchPattern::Exact(id.into()),
+    };
+    SubjectAltNameMatcher {
+        san_type: subject_alt_name_matcher::SanType::Uri as i32,
+        matcher: Some(StringMatcher {
+            match_pattern: Some(pattern),
+            ignore_case: false,
+        }),
+        oid: String::new(),
+    }
+}
+
+// ---- Envoy -> model ----
+
+/// The TLS context a transport socket carries (`at` names the socket); `None` for Envoy's
+/// plaintext `raw_buffer` socket.
+fn context<M: prost::Message + Name + Default>(
+    socket: &TransportSocket,
+    at: &str,
+) -> Result<Option<M>> {
+    // Envoy picks the socket by its typed_config's type; the name is a label.
+    let Some(transport_socket::ConfigType::TypedConfig(any)) = &socket.config_type else {
+        return Err(XdsError::resource(
+            format!("{at}.typed_config"),
+            format!(
+                "is missing; write `{TLS_SOCKET_NAME}` with a typed_config of type {}",
+                M::type_url()
+            ),
+        ));
+    };
+    if any.type_url == RawBuffer::type_url() {
+        return Ok(None); // plaintext, as without a transport socket
+    }
+    if any.type_url != M::type_url() {
+        return Err(XdsError::resource(
+            format!("{at}.typed_config"),
+            format!(
+                "`{}` is not supported here; flatmesh speaks TLS ({}) or plaintext (raw_buffer)",
+                any.type_url,
+                M::type_url()
+            ),
+        ));
+    }
+    unpack(any, &format!("{at}.typed_config")).map(Some)
+}
+
+/// A listener filter chain's `transport_socket` (named by `at`) as the listener's `tls`.
+pub(crate) fn listener_tls(
+    socket: &TransportSocket,
+    http: bool,
+    at: &str,
+) -> Result<Option<model::ListenerTls>> {
+    let Some(mut ctx) = context::<DownstreamTlsContext>(socket, at)? else {
+        return Ok(None);
+    };
+    let at = format!("{at}.typed_config");
+    let require = ctx.require_client_certificate.take().map(|b| b.value);
+    let mut common = ctx.common_tls_context.take().ok_or_else(|| {
+        XdsError::resource(
+            format!("{at}.common_tls_context"),
+            "is missing; it holds the listener's certificate (tls_certificates)",
+        )
+    })?;
+    reject_rest(&ctx, &at)?;
+    let at_common = format!("{at}.common_tls_context");
+    no_secret_discovery(&common, &at_common)?;
+    let (cert, key) = match take_certificates(&mut common, &at_common)? {
+        Some(pair) => pair,
+        None => {
+            return Err(XdsError::resource(
+                format!("{at_common}.tls_certificates"),
+                "is empty; a TLS listener needs its certificate and key (the PREFIX.pem and PREFIX.key of `flatmesh ca issue`)",
+            ))
+        }
+    };
+    let validation = take_validation(&mut common, &at_common)?;
+    let offered = if http {
+        &[ALPN_H2, ALPN_HTTP11][..]
+    } else {
+        &[]
+    };
+    check_alpn(
+        &take_alpn(&mut common),
+        offered,
+        &format!("{at_common}.alpn_protocols"),
+        if http {
+            "flatmesh's http listeners speak h2 and http/1.1 and offer both"
+        } else {
+            "a tcp listener offers no application protocol in flatmesh; remove alpn_protocols"
+        },
+    )?;
+    take_tls_params(&mut common, &at_common)?;
+    reject_rest(&common, &at_common)?;
+    let (client_ca, allow) = match (validation, require) {
+        (Some((ca, ids)), Some(true)) => (Some(ca), ids),
+        (Some(_), _) => {
+            return Err(XdsError::resource(
+                format!("{at}.require_client_certificate"),
+                "is not true, but a validation_context is given: flatmesh requires every client certificate it verifies; set require_client_certificate: true, or remove validation_context to accept any client",
+            ))
+        }
+        (None, Some(true)) => {
+            return Err(XdsError::resource(
+                format!("{at_common}.validation_context"),
+                "is missing: require_client_certificate needs the CA client certificates chain to (trusted_ca) and the SPIFFE IDs to admit (match_typed_subject_alt_names)",
+            ))
+        }
+        (None, _) => (None, Vec::new()),
+    };
+    Ok(Some(model::ListenerTls {
+        cert,
+        key,
+        client_ca,
+        allow,
+    }))
+}
+
+/// A cluster's `transport_socket` (named by `at`) as the cluster's `tls`; `protocol` is the
+/// cluster's, which decides the ALPN it offers.
+pub(crate) fn cluster_tls(
+    socket: &TransportSocket,
+    protocol: model::UpstreamProtocol,
+    at: &str,
+) -> Result<Option<model::ClusterTls>> {
+    let Some(mut ctx) = context::<UpstreamTlsContext>(socket, at)? else {
+        return Ok(None);
+    };
+    let at = format!("{at}.typed_config");
+    let sni = std::mem::take(&mut ctx.sni);
+    let mut common = ctx.common_tls_context.take().ok_or_else(|| {
+        XdsError::resource(
+            format!("{at}.common_tls_context"),
+            "is missing; it holds the CA and the SPIFFE IDs the endpoints must present (validation_context)",
+        )
+    })?;
+    reject_rest(&ctx, &at)?;
+    let at_common = format!("{at}.common_tls_context");
+    no_secret_discovery(&common, &at_common)?;
+    let certificate = take_certificates(&mut common, &at_common)?;
+    let Some((ca, server_ids)) = take_validation(&mut common, &at_common)? else {
+        return Err(XdsError::resource(
+            format!("{at_common}.validation_context"),
+            "is missing: flatmesh verifies every TLS endpoint; give trusted_ca and the endpoints' SPIFFE IDs (match_typed_subject_alt_names)",
+        ));
+    };
+    let own = alpn_of(protocol);
+    check_alpn(
+        &take_alpn(&mut common),
+        &[own],
+        &format!("{at_common}.alpn_protocols"),
+        &format!("flatmesh offers the cluster's own protocol, `{own}`; list only it, or nothing"),
+    )?;
+    take_tls_params(&mut common, &at_common)?;
+    reject_rest(&common, &at_common)?;
+    let (cert, key) = certificate.unzip();
+    Ok(Some(model::ClusterTls {
+        ca,
+        cert,
+        key,
+        server_ids,
+        sni: (!sni.is_empty()).then_some(sni),
+    }))
+}
+
+/// Secrets from SDS or a certificate provider: not served yet, so refused with what to write.
+fn no_secret_discovery(common: &CommonTlsContext, at: &str) -> Result<()> {
+    let sds = |field: &str| {
+        XdsError::resource(
+            format!("{at}.{field}"),
+            "SDS and certificate providers are not supported yet: give the files instead (tls_certificates with certificate_chain and private_key, validation_context with trusted_ca, each as `filename`)",
+        )
+    };
+    if !common.tls_certificate_sds_secret_configs.is_empty() {
+        return Err(sds("tls_certificate_sds_secret_configs"));
+    }
+    if common.tls_certificate_provider_instance.is_some() {
+        return Err(sds("tls_certificate_provider_instance"));
+    }
+    if common.tls_certificate_certificate_provider.is_some() {
+        return Err(sds("tls_certificate_certificate_provider"));
+    }
+    if common
+        .tls_certificate_certificate_provider_instance
+        .is_some()
+    {
+        return Err(sds("tls_certificate_certificate_provider_instance"));
+    }
+    use common_tls_context::ValidationContextType as V;
+    match &common.validation_context_type {
+        Some(V::ValidationContextSdsSecretConfig(_)) => {
+            Err(sds("validation_context_sds_secret_config"))
+        }
+        Some(V::CombinedValidationContext(_)) => Err(sds("combined_validation_context")),
+        Some(V::ValidationContextCertificateProvider(_)) => {
+            Err(sds("validation_context_certificate_provider"))
+        }
+        Some(V::ValidationContextCertificateProviderInstance(_)) => {
+            Err(sds("validation_context_certificate_provider_instance"))
+        }
+        Some(V::ValidationContext(_)) | None => Ok(()),
+    }
+}
+
+/// The one certificate and key, if any, as file names.
+fn take_certificates(
+    common: &mut CommonTlsContext,
+    at: &str,
+) -> Result<Option<(PathBuf, PathBuf)>> {
+    let mut certificates = std::mem::take(&mut common.tls_certificates);
+    if certificates.len() > 1 {
+        return Err(XdsError::resource(
+            format!("{at}.tls_certificates"),
+            format!(
+                "has {} certificates; flatmesh presents one (no selection by SNI or key type)",
+                certificates.len()
+            ),
+        ));
+    }
+    let Some(mut c) = certificates.pop() else {
+        return Ok(None);
+    };
+    let at = format!("{at}.tls_certificates[0]");
+    let cert = file_name(
+        c.certificate_chain.take(),
+        &format!("{at}.certificate_chain"),
+    )?;
+    let key = file_name(c.private_key.take(), &format!("{at}.private_key"))?;
+    reject_rest(&c, &at)?;
+    Ok(Some((cert, key)))
+}
+
+/// The validation context's CA file and the SPIFFE IDs or patterns it admits.
+fn take_validation(
+    common: &mut CommonTlsContext,
+    at: &str,
+) -> Result<Option<(PathBuf, Vec<String>)>> {
+    let Some(common_tls_context::ValidationContextType::ValidationContext(mut v)) =
+        common.validation_context_type.take()
+    else {
+        return Ok(None); // the other kinds were refused by no_secret_discovery
+    };
+    let at = format!("{at}.validation_context");
+    let ca = file_name(v.trusted_ca.take(), &format!("{at}.trusted_ca"))?;
+    if !v.match_subject_alt_names.is_empty() {
+        return Err(XdsError::resource(
+            format!("{at}.match_subject_alt_names"),
+            "is not supported (Envoy deprecates it); write match_typed_subject_alt_names with san_type: URI",
+        ));
+    }
+    let matchers = std::mem::take(&mut v.match_typed_subject_alt_names);
+    if matchers.is_empty() {
+        return Err(XdsError::resource(
+            format!("{at}.match_typed_subject_alt_names"),
+            "is empty: Envoy would accept any peer the CA signed, flatmesh accepts only listed SPIFFE IDs; add a URI matcher, e.g. { san_type: URI, matcher: { prefix: \"spiffe://example.org/ns/shop/\" } }",
+        ));
+    }
+    let ids = matchers
+        .iter()
+        .enumerate()
+        .map(|(i, m)| spiffe_pattern(m, &format!("{at}.match_typed_subject_alt_names[{i}]")))
+        .collect::<Result<Vec<_>>>()?;
+    reject_rest(&v, &at)?;
+    Ok(Some((ca, ids)))
+}
+
+/// A URI SAN matcher as a SPIFFE ID (exact) or a `/*` pattern (a prefix that ends at `/`).
+fn spiffe_pattern(m: &SubjectAltNameMatcher, at: &str) -> Result<String> {
+    let mut rest = m.clone();
+    if rest.san_type != subject_alt_name_matcher::SanType::Uri as i32 {
+        let kind = subject_alt_name_matcher::SanType::try_from(rest.san_type)
+            .map(|t| t.as_str_name())
+            .unwrap_or("unknown");
+        return Err(XdsError::resource(
+            format!("{at}.san_type"),
+            format!("{kind} is not supported: flatmesh checks peers by SPIFFE ID, a URI SAN; write san_type: URI"),
+        ));
+    }
+    rest.san_type = 0;
+    let Some(matcher) = rest.matcher.take() else {
+        return Err(XdsError::resource(
+            format!("{at}.matcher"),
+            "is missing; write { exact: SPIFFE_ID } or { prefix: \"spiffe://TD/ns/NS/\" }",
+        ));
+    };
+    reject_rest(&rest, at)?;
+    let at = format!("{at}.matcher");
+    if matcher.ignore_case {
+        return Err(XdsError::resource(
+            format!("{at}.ignore_case"),
+            "is not supported: SPIFFE IDs are compared exactly",
+        ));
+    }
+    let spiffe = |text: &str| {
+        if text.starts_with(SPIFFE_SCHEME) && !text.contains('*') {
+            Ok(())
+        } else {
+            Err(format!(
+                "`{text}` is not a SPIFFE ID (spiffe://TRUST_DOMAIN/PATH, without `*`)"
+            ))
+        }
+    };
+    match matcher.match_pattern {
+        Some(string_matcher::MatchPattern::Exact(id)) => {
+            spiffe(&id).map_err(|why| XdsError::resource(format!("{at}.exact"), why))?;
+            Ok(id)
+        }
+        Some(string_matcher::MatchPattern::Prefix(prefix)) => {
+            spiffe(&prefix).map_err(|why| XdsError::resource(format!("{at}.prefix"), why))?;
+            if !prefix.ends_with('/') {
+                return Err(XdsError::resource(
+                    format!("{at}.prefix"),
+                    format!("`{prefix}` does not end with `/`: flatmesh admits whole path segments (`{prefix}/` admits every ID under it)"),
+                ));
+            }
+            Ok(format!("{prefix}*"))
+        }
+        _ => Err(XdsError::resource(
+            at,
+            "only exact (one SPIFFE ID) and prefix (every ID under a path ending in `/`) are supported",
+        )),
+    }
+}
+
+fn take_alpn(common: &mut CommonTlsContext) -> Vec<String> {
+    std::mem::take(&mut common.alpn_protocols)
+}
+
+/// `alpn` may name only protocols in `offered`; `why` says what flatmesh offers.
+fn check_alpn(alpn: &[String], offered: &[&str], at: &str, why: &str) -> Result<()> {
+    match alpn.iter().find(|p| !offered.contains(&p.as_str())) {
+        Some(p) => Err(XdsError::resource(
+            at,
+            format!("`{p}` is not supported: {why}"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// TLS parameters flatmesh can honour: versions from TLS 1.2 to 1.3, its own cipher suites.
+fn take_tls_params(common: &mut CommonTlsContext, at: &str) -> Result<()> {
+    use tls_parameters::TlsProtocol;
+    let Some(mut params) = common.tls_params.take() else {
+        return Ok(());
+    };
+    let at = format!("{at}.tls_params");
+    let version = |v: i32| {
+        TlsProtocol::try_from(v)
+            .map(|t| t.as_str_name())
+            .unwrap_or("unknown")
+    };
+    let min = std::mem::take(&mut params.tls_minimum_protocol_version);
+    if ![TlsProtocol::TlsAuto as i32, TlsProtocol::TlSv12 as i32].contains(&min) {
+        return Err(XdsError::resource(
+            format!("{at}.tls_minimum_protocol_version"),
+            format!("{} is not supported: flatmesh speaks TLS 1.2 and 1.3; write TLSv1_2 or leave it out", version(min)),
+        ));
+    }
+    let max = std::mem::take(&mut params.tls_maximum_protocol_version);
+    if ![TlsProtocol::TlsAuto as i32, TlsProtocol::TlSv13 as i32].contains(&max) {
+        return Err(XdsError::resource(
+            format!("{at}.tls_maximum_protocol_version"),
+            format!("{} is not supported: flatmesh speaks TLS 1.2 and 1.3; write TLSv1_3 or leave it out", version(max)),
+        ));
+    }
+    if !params.cipher_suites.is_empty() {
+        return Err(XdsError::resource(
+            format!("{at}.cipher_suites"),
+            "is not supported: flatmesh negotiates its own AEAD suites (TLS 1.3 AES-GCM and ChaCha20-Poly1305, TLS 1.2 ECDHE with AES-GCM); remove it",
+        ));
+    }
+    reject_rest(&params, &at)
+}
+
+/// A certificate, key or CA given as a file, the only kind flatmesh reads (and re-reads on
+/// reload).
+fn file_name(source: Option<DataSource>, at: &str) -> Result<PathBuf> {
+    let Some(mut source) = source else {
+        return Err(XdsError::resource(
+            at,
+            "is missing; give the PEM file as { filename: PATH }",
+        ));
+    };
+    let name = match source.specifier.take() {
+        Some(data_source::Specifier::Filename(name)) if !name.is_empty() => name,
+        Some(data_source::Specifier::Filename(_)) | None => {
+            return Err(XdsError::resource(
+                format!("{at}.filename"),
+                "is empty; give the path of a PEM file",
+            ))
+        }
+        Some(
+            data_source::Specifier::InlineString(_) | data_source::Specifier::InlineBytes(_),
+        ) => {
+            return Err(XdsError::resource(
+                at,
+                "inline certificates and keys are not supported: write the PEM to a file and give { filename: PATH }",
+            ))
+        }
+        Some(data_source::Specifier::EnvironmentVariable(_)) => {
+            return Err(XdsError::resource(
+                at,
+                "environment_variable is not supported: write the PEM to a file and give { filename: PATH }",
+            ))
+        }
+    };
+    reject_rest(&source, at)?;
+    Ok(PathBuf::from(name))
+}
