@@ -291,6 +291,9 @@ pub struct Metrics {
     listeners: Mutex<HashMap<String, Arc<ListenerStats>>>,
     clusters: Mutex<HashMap<String, Arc<ClusterStats>>>,
     authz: Mutex<HashMap<AuthzKey, Arc<WorkerCounter>>>,
+    /// (`listener` or `cluster`, its name, the SPIFFE ID it presents, expiry in Unix seconds):
+    /// the certificates of the snapshot in force.
+    certificates: Mutex<Vec<([String; 3], i64)>>,
     pub reloads_ok: WorkerCounter,
     pub reloads_failed: WorkerCounter,
     /// Connection, fd and memory budgets, and their refusals (`crate::limits`).
@@ -314,6 +317,7 @@ impl Metrics {
             listeners: Mutex::default(),
             clusters: Mutex::default(),
             authz: Mutex::default(),
+            certificates: Mutex::default(),
             reloads_ok: WorkerCounter::new(1),
             reloads_failed: WorkerCounter::new(1),
             budget: crate::limits::NodeBudget::new(),
@@ -383,6 +387,11 @@ impl Metrics {
             .lock()
             .retain(|k, _| keep.clusters.contains(k));
         self.authz.lock().retain(|k, _| keep.authz.contains(k));
+    }
+
+    /// The certificates the node presents from now on (a snapshot came into force).
+    pub fn set_certificates(&self, certificates: Vec<([String; 3], i64)>) {
+        *self.certificates.lock() = certificates;
     }
 
     /// Prometheus text exposition of everything.
@@ -636,6 +645,23 @@ impl Collector for Scrape {
             &mut enc,
             "flatmesh_authz_decisions",
             "Authorization decisions by listener, deciding policy (`(none)`: no policy matched) and decision",
+            &rows,
+        )?;
+
+        let certificates = m.certificates.lock().clone();
+        let rows: Vec<_> = certificates
+            .iter()
+            .map(|([kind, name, id], at)| {
+                (
+                    [(kind.as_str(), name.as_str()), ("identity", id.as_str())],
+                    *at,
+                )
+            })
+            .collect();
+        gauge(
+            &mut enc,
+            "flatmesh_tls_certificate_expiry_timestamp_seconds",
+            "When each certificate the node presents expires (Unix time), by listener or cluster and SPIFFE ID",
             &rows,
         )?;
 

@@ -198,6 +198,26 @@ impl Snapshot {
                 tls,
             });
         }
+        let unix = |t: std::time::SystemTime| {
+            t.duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+        };
+        let presented = listeners
+            .iter()
+            .filter_map(|l| Some(("listener", &l.name, &l.tls.as_ref()?.presents)))
+            .chain(
+                clusters
+                    .iter()
+                    .filter_map(|c| Some(("cluster", &c.name, c.tls.as_ref()?.presents.as_ref()?))),
+            )
+            .map(|(kind, name, p)| {
+                (
+                    [kind.to_owned(), name.clone(), p.id.clone()],
+                    unix(p.not_after),
+                )
+            })
+            .collect();
+        metrics.set_certificates(presented);
         Ok(Snapshot {
             generation,
             config: Arc::new(config),

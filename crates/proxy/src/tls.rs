@@ -25,6 +25,25 @@ use crate::metrics::ClusterStats;
 /// A listener's TLS: what it presents and whom it admits.
 pub struct ListenerTlsPlan {
     acceptor: tokio_rustls::TlsAcceptor,
+    /// The identity the listener presents, and until when.
+    pub presents: Presented,
+}
+
+/// A certificate a listener or a cluster presents: its SPIFFE ID and its expiry, for the
+/// `flatmesh_tls_certificate_expiry_timestamp_seconds` gauge.
+#[derive(Clone, Debug)]
+pub struct Presented {
+    pub id: String,
+    pub not_after: std::time::SystemTime,
+}
+
+impl Presented {
+    fn of(svid: &Svid) -> Presented {
+        Presented {
+            id: svid.id.to_string(),
+            not_after: svid.not_after,
+        }
+    }
 }
 
 /// A cluster's TLS: whom its endpoints must be, and what the node presents to them.
@@ -34,6 +53,8 @@ pub struct ClusterTlsPlan {
     server_name: ServerName<'static>,
     /// The handshake's bound: the cluster's connect timeout.
     timeout: Duration,
+    /// The client certificate the cluster presents, if it has one.
+    pub presents: Option<Presented>,
 }
 
 /// ALPN a TLS http listener offers: both codecs (the first bytes pick one either way).
@@ -69,6 +90,7 @@ impl ListenerTlsPlan {
         let config = server_config(&svid, client_auth, alpn).map_err(identity_error(&at))?;
         Ok(ListenerTlsPlan {
             acceptor: tokio_rustls::TlsAcceptor::from(config),
+            presents: Presented::of(&svid),
         })
     }
 
@@ -127,6 +149,7 @@ impl ClusterTlsPlan {
             connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
             server_name,
             timeout,
+            presents: svid.as_ref().map(Presented::of),
         })
     }
 

@@ -113,6 +113,21 @@ async fn an_mtls_listener_admits_the_allowed_ids_over_http1_and_http2() {
         .await,
         2.0
     );
+    // The certificate the listener presents, and when it expires (issued for an hour).
+    let expiry = metric(
+        &node,
+        "flatmesh_tls_certificate_expiry_timestamp_seconds",
+        &["listener=\"web\"", &format!("identity=\"{NODE}\"")],
+    )
+    .await;
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert!(
+        (now + 3000.0..now + 3700.0).contains(&expiry),
+        "expiry {expiry}, now {now}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
