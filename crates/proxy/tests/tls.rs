@@ -49,6 +49,30 @@ clusters:
     )
 }
 
+/// The node of the listener tests: listener `web` terminates mTLS (allow: web, ops/*) in front
+/// of an HTTP/1.1 backend.
+struct MtlsWeb {
+    pki: Pki,
+    backend: HttpBackend,
+    listen: SocketAddr,
+    node: TestNode,
+}
+
+impl MtlsWeb {
+    async fn start() -> MtlsWeb {
+        let pki = Pki::new();
+        let backend = HttpBackend::start("app", Proto::H1).await;
+        let (admin, listen) = (free_addr(), free_addr());
+        let node = TestNode::start(&mtls_listener_config(&pki, admin, listen, backend.addr));
+        MtlsWeb {
+            pki,
+            backend,
+            listen,
+            node,
+        }
+    }
+}
+
 async fn metric(node: &TestNode, name: &str, labels: &[&str]) -> f64 {
     metric_samples(&node.metrics().await, name, labels)
         .iter()
@@ -58,10 +82,12 @@ async fn metric(node: &TestNode, name: &str, labels: &[&str]) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_mtls_listener_admits_the_allowed_ids_over_http1_and_http2() {
-    let pki = Pki::new();
-    let backend = HttpBackend::start("app", Proto::H1).await;
-    let (admin, listen) = (free_addr(), free_addr());
-    let node = TestNode::start(&mtls_listener_config(&pki, admin, listen, backend.addr));
+    let MtlsWeb {
+        pki,
+        backend,
+        listen,
+        node,
+    } = MtlsWeb::start().await;
     let bundle = pki.bundle();
     let web = pki.svid(WEB);
     let ops = pki.svid("spiffe://td/ns/ops/sa/oncall");
@@ -132,10 +158,12 @@ async fn an_mtls_listener_admits_the_allowed_ids_over_http1_and_http2() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_and_stalled_clients_are_counted_by_reason_and_neighbours_do_not_notice() {
-    let pki = Pki::new();
-    let backend = HttpBackend::start("app", Proto::H1).await;
-    let (admin, listen) = (free_addr(), free_addr());
-    let node = TestNode::start(&mtls_listener_config(&pki, admin, listen, backend.addr));
+    let MtlsWeb {
+        pki,
+        backend,
+        listen,
+        node,
+    } = MtlsWeb::start().await;
     let bundle = pki.bundle();
 
     // A neighbour with a request in the middle of its life on a kept-alive connection.
@@ -233,10 +261,12 @@ async fn refused_and_stalled_clients_are_counted_by_reason_and_neighbours_do_not
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_megabyte_certificate_chain_is_refused_and_costs_the_node_nothing_lasting() {
-    let pki = Pki::new();
-    let backend = HttpBackend::start("app", Proto::H1).await;
-    let (admin, listen) = (free_addr(), free_addr());
-    let node = TestNode::start(&mtls_listener_config(&pki, admin, listen, backend.addr));
+    let MtlsWeb {
+        pki,
+        backend: _backend,
+        listen,
+        node,
+    } = MtlsWeb::start().await;
     // The right identity, padded with 1 MiB of extra chain certificates.
     let mut huge = pki.svid(WEB);
     let root = pki.ca.bundle()[0].clone();

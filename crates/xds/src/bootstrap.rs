@@ -300,6 +300,22 @@ impl Obj {
         }
     }
 
+    /// A list of strings: each entry that is not one is refused with its index.
+    fn strings(&mut self, key: &str) -> Result<Vec<String>> {
+        let at = self.at(key);
+        self.list(key)?
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| match v {
+                Value::String(s) => Ok(s),
+                other => Err(XdsError::resource(
+                    format!("{at}[{i}]"),
+                    format!("must be a string, found {}", kind(&other)),
+                )),
+            })
+            .collect()
+    }
+
     fn finish(self) -> Result<()> {
         match self.map.keys().next() {
             None => Ok(()),
@@ -583,17 +599,7 @@ fn route_configuration(v: Value, path: &str) -> Result<RouteConfiguration> {
             name: vo.string("name")?.unwrap_or_default(),
             ..Default::default()
         };
-        for (k, d) in vo.list("domains")?.into_iter().enumerate() {
-            match d {
-                Value::String(d) => vh.domains.push(d),
-                other => {
-                    return Err(XdsError::resource(
-                        vo.at(&format!("domains[{k}]")),
-                        format!("must be a string, found {}", kind(&other)),
-                    ))
-                }
-            }
-        }
+        vh.domains.extend(vo.strings("domains")?);
         for (k, r) in vo.list("routes")?.into_iter().enumerate() {
             vh.routes
                 .push(route_of(r, &vo.at(&format!("routes[{k}]")))?);
@@ -649,17 +655,8 @@ fn route_of(v: Value, path: &str) -> Result<Route> {
         o.list("response_headers_to_add")?,
         &o.at("response_headers_to_add"),
     )?;
-    for (i, v) in o.list("request_headers_to_remove")?.into_iter().enumerate() {
-        match v {
-            Value::String(s) => r.request_headers_to_remove.push(s),
-            other => {
-                return Err(XdsError::resource(
-                    o.at(&format!("request_headers_to_remove[{i}]")),
-                    format!("must be a string, found {}", kind(&other)),
-                ))
-            }
-        }
-    }
+    r.request_headers_to_remove
+        .extend(o.strings("request_headers_to_remove")?);
     o.finish()?;
     Ok(r)
 }
@@ -1099,17 +1096,7 @@ fn common_tls_context_of(mut o: Obj) -> Result<CommonTlsContext> {
         c.validation_context_type =
             Some(common_tls_context::ValidationContextType::ValidationContext(vc));
     }
-    for (i, p) in o.list("alpn_protocols")?.into_iter().enumerate() {
-        match p {
-            Value::String(p) => c.alpn_protocols.push(p),
-            other => {
-                return Err(XdsError::resource(
-                    o.at(&format!("alpn_protocols[{i}]")),
-                    format!("must be a string, found {}", kind(&other)),
-                ))
-            }
-        }
-    }
+    c.alpn_protocols.extend(o.strings("alpn_protocols")?);
     if let Some(mut p) = o.obj("tls_params")? {
         let mut params = TlsParameters::default();
         for (key, field) in [
@@ -1131,17 +1118,7 @@ fn common_tls_context_of(mut o: Obj) -> Result<CommonTlsContext> {
                 })? as i32;
             }
         }
-        for (i, s) in p.list("cipher_suites")?.into_iter().enumerate() {
-            match s {
-                Value::String(s) => params.cipher_suites.push(s),
-                other => {
-                    return Err(XdsError::resource(
-                        p.at(&format!("cipher_suites[{i}]")),
-                        format!("must be a string, found {}", kind(&other)),
-                    ))
-                }
-            }
-        }
+        params.cipher_suites.extend(p.strings("cipher_suites")?);
         p.finish()?;
         c.tls_params = Some(params);
     }
