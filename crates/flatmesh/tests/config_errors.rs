@@ -294,6 +294,33 @@ async fn route_with_two_actions_is_refused() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_reads_the_tls_files_as_the_node_would() {
+    // The config is well-formed; the certificate it names is not there.
+    let dir = TempDir::new();
+    let missing = dir.path.join("nowhere/node.pem");
+    let yaml = edit(
+        "    protocol: tcp",
+        &format!(
+            "    protocol: tcp\n    tls: {{ cert: {}, key: {} }}",
+            missing.display(),
+            dir.path.join("node.key").display()
+        ),
+    );
+    let path = dir.write("tls.yaml", &yaml);
+    let out = run_flatmesh(&["check", "--config", path.to_str().expect("utf-8")], LIMIT).await;
+    let all = out.all_output();
+    assert_ne!(
+        out.code,
+        Some(0),
+        "a missing certificate passed check:\n{all}"
+    );
+    assert!(
+        all.contains("listener `db` tls") && all.contains(&missing.display().to_string()),
+        "the error names the listener and the file:\n{all}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lowercase_method_is_refused_with_a_fix() {
     let yaml = edit("method: GET", "method: get");
     expect_error("lowercase method", &yaml, "get\n", 0, &["get"], "GET").await;

@@ -49,6 +49,7 @@ mod worker;
 
 pub use error::ProxyError;
 pub use node::{ConfigSource, Node};
+pub use tls::check_files as check_tls_files;
 
 /// What the fuzz targets in `crates/proxy/fuzz` exercise: the HTTP/1 head analysis and
 /// upstream head writer, the chunked-body parser and the trailer filter. Not an API for

@@ -178,6 +178,27 @@ impl ClusterTlsPlan {
     }
 }
 
+/// Loads every TLS setting of `config` as the node would (the files read, the certificates,
+/// keys and patterns checked) without serving anything: `flatmesh check` runs it, so a bad
+/// file is found before a node fails to start on it. Returns how many were loaded.
+pub fn check_files(config: &flatmesh_config::Config) -> Result<usize, ProxyError> {
+    let mut loaded = 0;
+    for l in &config.listeners {
+        if let Some(tls) = &l.tls {
+            let http = l.protocol == flatmesh_config::ListenerProtocol::Http;
+            ListenerTlsPlan::load(&l.name, tls, http)?;
+            loaded += 1;
+        }
+    }
+    for c in &config.clusters {
+        if let Some(tls) = &c.tls {
+            ClusterTlsPlan::load(&c.name, tls, b"", Duration::from_secs(1))?;
+            loaded += 1;
+        }
+    }
+    Ok(loaded)
+}
+
 /// Why a handshake failed.
 #[derive(Debug)]
 pub struct HandshakeError {

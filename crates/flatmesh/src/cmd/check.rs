@@ -39,6 +39,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let config = flatmesh_config::load(path).map_err(|e| anyhow::anyhow!("{e}"))?;
         let program = flatmesh_rules::compile(&config)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        // Certificates, keys and roots are read as the node reads them at start.
+        flatmesh_proxy::check_tls_files(&config)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         if args.explain && args.admin.is_none() {
             print!("{}", program.explain());
         }
