@@ -24,6 +24,9 @@ pub struct AccessRecord {
     pub duration: Duration,
     pub upstream: Option<SocketAddr>,
     pub peer: SocketAddr,
+    /// The client's verified SPIFFE ID (TLS listeners with `client_ca`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub principal: Option<String>,
 }
 
 fn millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -148,6 +151,7 @@ mod tests {
             duration: Duration::from_millis(1),
             upstream: None,
             peer: SocketAddr::from(([127, 0, 0, 1], 1)),
+            principal: None,
         }
     }
 

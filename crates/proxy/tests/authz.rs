@@ -33,6 +33,7 @@ async fn http_policies_decide_per_request_on_the_normalised_path() {
         r#"
 admin: {admin}
 workers: 2
+access_log: {{ path: {log} }}
 listeners:
   - name: web
     address: {listen}
@@ -60,7 +61,8 @@ clusters:
   - name: app
     endpoints: [ {backend} ]
 "#,
-        backend = backend.addr
+        backend = backend.addr,
+        log = pki.dir.path.join("access.log").display()
     );
     let node = TestNode::start(&yaml);
     let bundle = pki.bundle();
@@ -130,6 +132,14 @@ clusters:
     assert_eq!(at("shop-reads", "allow"), 1.0, "{text}");
     assert_eq!(at("db-writes-with-ticket", "allow"), 1.0, "{text}");
     assert_eq!(at("(none)", "deny"), 3.0, "{text}");
+    // The access log names the caller by its SPIFFE ID.
+    let log_path = pki.dir.path.join("access.log");
+    let logged = eventually(Duration::from_secs(5), || async {
+        std::fs::read_to_string(&log_path)
+            .is_ok_and(|t| t.contains(&format!("\"principal\":\"{WEB}\"")))
+    })
+    .await;
+    assert!(logged, "{:?}", std::fs::read_to_string(&log_path));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

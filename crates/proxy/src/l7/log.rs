@@ -60,5 +60,6 @@ pub(crate) fn finish(
         duration: elapsed,
         upstream: outcome.upstream,
         peer: ctx.peer,
+        principal: ctx.principal.as_deref().map(str::to_owned),
     });
 }
