@@ -284,17 +284,48 @@ listeners:
       - direct_response: { status: 404, body: nope }
     limits: { per_connection_buffer_bytes: 65536, http2_max_concurrent_streams: 10, http2_stream_window: 32768, http2_connection_window: 131072 }
     tls: { cert: /pki/node.pem, key: /pki/node.key, client_ca: /pki/ca.pem, allow: [ spiffe://td/ns/shop/sa/web, "spiffe://td/ns/ops/*", "spiffe://partner/*" ] }
+    authorization:
+      default: deny
+      policies:
+        - name: no-admin
+          action: deny
+          from: { principals: [ spiffe://td/ns/shop/sa/web, "spiffe://partner/*" ], namespaces: [ ops, "a.b+c" ] }
+          to: { methods: [ POST, DELETE ], paths: [ /admin, "/admin/*", "*.php", "*" ], hosts: [ admin.example.org, "*.internal", "api.*", "*" ] }
+          when: [ { header: x-debug, values: [ "1", "on*", "*yes", "*" ] }, { header: x-tenant, values: [ acme ] } ]
+        - { name: no-delete, action: deny, to: { methods: [ DELETE ] } }
+        - { name: anyone-ready, action: allow, to: { paths: [ /ready ] } }
+        - name: shop-reads
+          action: allow
+          from: { namespaces: [ shop ] }
+          to: { methods: [ GET, HEAD ], paths: [ "/api/*" ], hosts: [ "*.example.org" ] }
+          when: [ { header: x-tenant, values: [ "acme", "beta-*" ] } ]
   - name: tcp
     address: 127.0.0.1:9000
     protocol: tcp
     cluster: two
     limits: { tcp_idle_timeout: 10m }
     tls: { cert: /pki/node.pem, key: /pki/node.key }
+    authorization: { default: deny }
   - name: mtcp
     address: 127.0.0.1:9001
     protocol: tcp
     cluster: three
     tls: { cert: /pki/node.pem, key: /pki/node.key, client_ca: /pki/ca.pem, allow: [ "spiffe://td/ns/data/*" ] }
+    authorization:
+      policies:
+        - { name: no-batch, action: deny, from: { namespaces: [ batch ] } }
+        - { name: no-old-db, action: deny, from: { principals: [ spiffe://td/ns/data/sa/old, "spiffe://td/ns/data/tmp/*" ] } }
+  - name: mtcp-allow
+    address: 127.0.0.1:9003
+    protocol: tcp
+    cluster: three
+    tls: { cert: /pki/node.pem, key: /pki/node.key, client_ca: /pki/ca.pem, allow: [ "spiffe://td/*" ] }
+    authorization:
+      default: deny
+      policies:
+        - { name: z-not-plaintext, action: deny, from: { namespaces: [ plain ] } }
+        - { name: db-clients, action: allow, from: { principals: [ "spiffe://td/ns/data/*" ], namespaces: [ data ] } }
+        - { name: ops, action: allow, from: { namespaces: [ ops ] } }
   - { name: plain, address: 127.0.0.1:9002, protocol: tcp, cluster: three }
 clusters:
   - name: one
@@ -312,11 +343,23 @@ clusters:
     // exact IDs and `/*` patterns; clusters with and without a client certificate and SNI.
     assert_eq!(
         config.listeners.iter().filter(|l| l.tls.is_some()).count(),
-        3
+        4
     );
     assert_eq!(
         config.clusters.iter().filter(|c| c.tls.is_some()).count(),
         2
+    );
+    // Every authorization shape is in it too: http and tcp listeners, both defaults, deny and
+    // allow layers, every field of `from`, `to` and `when`, every kind of pattern. (Policies
+    // are listed as they read back: deny before allow, each by name; see
+    // `authorization_reads_back_in_envoys_terms`.)
+    assert_eq!(
+        config
+            .listeners
+            .iter()
+            .filter(|l| l.authorization.is_some())
+            .count(),
+        4
     );
     let resources = crate::from_model::resources(&config);
     let mut back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
