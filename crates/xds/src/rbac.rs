@@ -33,9 +33,9 @@ use envoy_types::pb::envoy::r#type::matcher::v3::{
 };
 use envoy_types::pb::google::protobuf::Any;
 use flatmesh_config as model;
+use prost::{Message, Name};
 
 use crate::error::{Result, XdsError};
-use crate::resources::pack;
 use crate::to_model::{reject_rest, unpack};
 
 pub const HTTP_RBAC_NAME: &str = "envoy.filters.http.rbac";
@@ -91,10 +91,10 @@ pub fn http_filters(authz: &model::Authorization) -> Vec<HttpFilter> {
         .into_iter()
         .map(|rules| HttpFilter {
             name: HTTP_RBAC_NAME.into(),
-            config_type: Some(http_filter::ConfigType::TypedConfig(pack(&HttpRbac {
-                rules: Some(rules),
-                ..Default::default()
-            }))),
+            config_type: Some(http_filter::ConfigType::TypedConfig(pack_with_rules(
+                &HttpRbac::default(),
+                &rules,
+            ))),
             ..Default::default()
         })
         .collect()
@@ -108,13 +108,47 @@ pub fn network_filters(authz: &model::Authorization, stat_prefix: &str) -> Vec<F
         .into_iter()
         .map(|rules| Filter {
             name: NETWORK_RBAC_NAME.into(),
-            config_type: Some(filter::ConfigType::TypedConfig(pack(&NetworkRbac {
-                rules: Some(rules),
-                stat_prefix: stat_prefix.into(),
-                ..Default::default()
-            }))),
+            config_type: Some(filter::ConfigType::TypedConfig(pack_with_rules(
+                &NetworkRbac {
+                    stat_prefix: stat_prefix.into(),
+                    ..Default::default()
+                },
+                &rules,
+            ))),
         })
         .collect()
+}
+
+/// An RBAC filter config (`filter`, without `rules`; both filters have `rules` as field 1,
+/// and `rules` has only its action besides the policies)
+/// packed with `rules`, whose policies are written in name order. prost writes a map in its
+/// hasher's order, which changes from one map to the next, and the server's versions are
+/// hashes of these bytes: the same policies must always give the same bytes, or every rebuild
+/// would push every listener again.
+pub(crate) fn pack_with_rules<M: Message + Name>(filter: &M, rules: &Rules) -> Any {
+    let mut encoded_rules = Rules {
+        policies: HashMap::new(),
+        ..rules.clone()
+    }
+    .encode_to_vec();
+    let mut named: Vec<(&String, &Policy)> = rules.policies.iter().collect();
+    named.sort_by(|a, b| a.0.cmp(b.0));
+    for (name, policy) in named {
+        // A map entry is a message with the key as field 1 and the value as field 2; the
+        // map is field 2 of `Rules`.
+        let mut entry = Vec::new();
+        prost::encoding::string::encode(1, name, &mut entry);
+        prost::encoding::message::encode(2, policy, &mut entry);
+        prost::encoding::bytes::encode(2, &entry, &mut encoded_rules);
+    }
+    // Fields in tag order, as prost writes them: `rules` first.
+    let mut value = Vec::new();
+    prost::encoding::bytes::encode(1, &encoded_rules, &mut value);
+    value.extend(filter.encode_to_vec());
+    Any {
+        type_url: M::type_url(),
+        value,
+    }
 }
 
 fn policy(p: &model::AuthzPolicy) -> Policy {
