@@ -738,7 +738,11 @@ fn request_part(p: Permission, at: &str) -> Result<(Want, String)> {
                     format!("{at}.name"),
                     format!("`{name}` is not supported: flatmesh's policies match :method, :authority (hosts) and plain request headers"),
                 )),
-                _ => Ok((Want::Header(name), header_value(h, false, &at)?)),
+                // Header names are case-insensitive in both; keep it as written.
+                _ => {
+                    let written = h.name.clone();
+                    Ok((Want::Header(written), header_value(h, false, &at)?))
+                }
             }
         }
         Some(permission::Rule::UrlPath(mut pm)) => {
