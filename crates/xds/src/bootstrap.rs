@@ -19,15 +19,20 @@ use envoy_types::pb::envoy::config::endpoint::v3::{
     lb_endpoint, ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
 };
 use envoy_types::pb::envoy::config::listener::v3::{filter, Filter, FilterChain, Listener};
+use envoy_types::pb::envoy::config::rbac::v3::{
+    permission, principal, rbac, Permission, Policy, Principal, Rbac as Rules,
+};
 use envoy_types::pb::envoy::config::route::v3::{
     header_matcher, query_parameter_matcher, route, route_action, route_match, weighted_cluster,
     DirectResponseAction, HeaderMatcher, QueryParameterMatcher, RetryPolicy, Route, RouteAction,
     RouteConfiguration, RouteMatch, VirtualHost, WeightedCluster,
 };
+use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::Rbac as HttpRbac;
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
     http_connection_manager, http_filter, HttpConnectionManager, HttpFilter,
 };
+use envoy_types::pb::envoy::extensions::filters::network::rbac::v3::Rbac as NetworkRbac;
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{tcp_proxy, TcpProxy};
 use envoy_types::pb::envoy::extensions::transport_sockets::raw_buffer::v3::RawBuffer;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
@@ -38,7 +43,9 @@ use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
 use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
     http_protocol_options, HttpProtocolOptions,
 };
-use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, RegexMatcher, StringMatcher};
+use envoy_types::pb::envoy::r#type::matcher::v3::{
+    path_matcher, string_matcher, PathMatcher, RegexMatcher, StringMatcher,
+};
 use envoy_types::pb::google::protobuf::{Any, BoolValue, Duration, UInt32Value};
 use flatmesh_config::{Admin, AdminAddress, Config};
 use prost::Name;
@@ -452,10 +459,25 @@ fn typed_config(v: Value, path: &str) -> Result<Any> {
         pack(&Router::default())
     } else if type_name == HttpProtocolOptions::type_url() {
         pack(&http_protocol_options_of(&mut o)?)
+    } else if type_name == HttpRbac::type_url() {
+        let rules = o.obj("rules")?.map(rbac_rules_of).transpose()?;
+        match rules {
+            Some(rules) => crate::rbac::pack_with_rules(&HttpRbac::default(), &rules),
+            None => pack(&HttpRbac::default()),
+        }
+    } else if type_name == NetworkRbac::type_url() {
+        let filter = NetworkRbac {
+            stat_prefix: o.string("stat_prefix")?.unwrap_or_default(),
+            ..Default::default()
+        };
+        match o.obj("rules")?.map(rbac_rules_of).transpose()? {
+            Some(rules) => crate::rbac::pack_with_rules(&filter, &rules),
+            None => pack(&filter),
+        }
     } else {
         return Err(XdsError::resource(
             o.at("@type"),
-            format!("`{type_name}` is not supported; flatmesh runs the HTTP connection manager (with the router filter) and tcp_proxy"),
+            format!("`{type_name}` is not supported; flatmesh runs the HTTP connection manager (with the RBAC and router filters), tcp_proxy and network RBAC"),
         ));
     };
     o.finish()?;
@@ -587,6 +609,118 @@ fn http_connection_manager(o: &mut Obj) -> Result<HttpConnectionManager> {
     Ok(h)
 }
 
+/// An RBAC filter's `rules` (a listener's authorization, [`crate::rbac`]).
+fn rbac_rules_of(mut o: Obj) -> Result<Rules> {
+    let mut rules = Rules::default();
+    if let Some(action) = o.string("action")? {
+        rules.action = rbac::Action::from_str_name(&action).ok_or_else(|| {
+            XdsError::resource(
+                o.at("action"),
+                format!("`{action}` is not an RBAC action; write ALLOW or DENY"),
+            )
+        })? as i32;
+    }
+    if let Some(policies) = o.obj("policies")? {
+        let at = policies.path.clone();
+        for (name, v) in policies.map {
+            let mut p = Obj::new(v, &format!("{at}.{name}"))?;
+            let mut policy = Policy::default();
+            for (i, v) in p.list("permissions")?.into_iter().enumerate() {
+                policy
+                    .permissions
+                    .push(permission_of(v, &p.at(&format!("permissions[{i}]")))?);
+            }
+            for (i, v) in p.list("principals")?.into_iter().enumerate() {
+                policy
+                    .principals
+                    .push(principal_of(v, &p.at(&format!("principals[{i}]")))?);
+            }
+            p.finish()?;
+            rules.policies.insert(name, policy);
+        }
+    }
+    o.finish()?;
+    Ok(rules)
+}
+
+fn permission_of(v: Value, path: &str) -> Result<Permission> {
+    use permission::Rule;
+    let mut o = Obj::new(v, path)?;
+    let set = |o: &mut Obj, key: &str| -> Result<Option<permission::Set>> {
+        let Some(mut s) = o.obj(key)? else {
+            return Ok(None);
+        };
+        let rules = s
+            .list("rules")?
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| permission_of(v, &s.at(&format!("rules[{i}]"))))
+            .collect::<Result<_>>()?;
+        s.finish()?;
+        Ok(Some(permission::Set { rules }))
+    };
+    let rule = if let Some(any) = o.bool("any")? {
+        Some(Rule::Any(any))
+    } else if let Some(s) = set(&mut o, "and_rules")? {
+        Some(Rule::AndRules(s))
+    } else if let Some(s) = set(&mut o, "or_rules")? {
+        Some(Rule::OrRules(s))
+    } else if let Some(h) = o.take("header") {
+        Some(Rule::Header(header_matcher_of(h, &o.at("header"))?))
+    } else if let Some(mut u) = o.obj("url_path")? {
+        let path = u
+            .take("path")
+            .map(|v| string_matcher_of(v, &u.at("path")))
+            .transpose()?;
+        u.finish()?;
+        Some(Rule::UrlPath(PathMatcher {
+            rule: path.map(path_matcher::Rule::Path),
+        }))
+    } else {
+        None
+    };
+    o.finish()?;
+    Ok(Permission { rule })
+}
+
+fn principal_of(v: Value, path: &str) -> Result<Principal> {
+    use principal::Identifier;
+    let mut o = Obj::new(v, path)?;
+    let set = |o: &mut Obj, key: &str| -> Result<Option<principal::Set>> {
+        let Some(mut s) = o.obj(key)? else {
+            return Ok(None);
+        };
+        let ids = s
+            .list("ids")?
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| principal_of(v, &s.at(&format!("ids[{i}]"))))
+            .collect::<Result<_>>()?;
+        s.finish()?;
+        Ok(Some(principal::Set { ids }))
+    };
+    let identifier = if let Some(any) = o.bool("any")? {
+        Some(Identifier::Any(any))
+    } else if let Some(s) = set(&mut o, "and_ids")? {
+        Some(Identifier::AndIds(s))
+    } else if let Some(s) = set(&mut o, "or_ids")? {
+        Some(Identifier::OrIds(s))
+    } else if let Some(mut a) = o.obj("authenticated")? {
+        let principal_name = a
+            .take("principal_name")
+            .map(|v| string_matcher_of(v, &a.at("principal_name")))
+            .transpose()?;
+        a.finish()?;
+        Some(Identifier::Authenticated(principal::Authenticated {
+            principal_name,
+        }))
+    } else {
+        None
+    };
+    o.finish()?;
+    Ok(Principal { identifier })
+}
+
 fn route_configuration(v: Value, path: &str) -> Result<RouteConfiguration> {
     let mut o = Obj::named(v, path)?;
     let mut rc = RouteConfiguration {
@@ -709,6 +843,8 @@ fn string_matcher_of(v: Value, path: &str) -> Result<StringMatcher> {
         m.match_pattern = Some(string_matcher::MatchPattern::Exact(s));
     } else if let Some(s) = o.string("prefix")? {
         m.match_pattern = Some(string_matcher::MatchPattern::Prefix(s));
+    } else if let Some(s) = o.string("suffix")? {
+        m.match_pattern = Some(string_matcher::MatchPattern::Suffix(s));
     } else if let Some(r) = o.take("safe_regex") {
         m.match_pattern = Some(string_matcher::MatchPattern::SafeRegex(regex_of(
             r,
@@ -717,6 +853,33 @@ fn string_matcher_of(v: Value, path: &str) -> Result<StringMatcher> {
     }
     o.finish()?;
     Ok(m)
+}
+
+fn header_matcher_of(v: Value, path: &str) -> Result<HeaderMatcher> {
+    let mut h = Obj::new(v, path)?;
+    let mut hm = HeaderMatcher {
+        name: h.string("name")?.unwrap_or_default(),
+        invert_match: h.bool("invert_match")?.unwrap_or(false),
+        ..Default::default()
+    };
+    use header_matcher::HeaderMatchSpecifier as S;
+    hm.header_match_specifier = if let Some(s) = h.string("exact_match")? {
+        Some(S::ExactMatch(s))
+    } else if let Some(s) = h.string("prefix_match")? {
+        Some(S::PrefixMatch(s))
+    } else if let Some(s) = h.string("suffix_match")? {
+        Some(S::SuffixMatch(s))
+    } else if let Some(r) = h.take("safe_regex_match") {
+        Some(S::SafeRegexMatch(regex_of(r, &h.at("safe_regex_match"))?))
+    } else if let Some(b) = h.bool("present_match")? {
+        Some(S::PresentMatch(b))
+    } else if let Some(s) = h.take("string_match") {
+        Some(S::StringMatch(string_matcher_of(s, &h.at("string_match"))?))
+    } else {
+        None
+    };
+    h.finish()?;
+    Ok(hm)
 }
 
 fn route_match_of(mut o: Obj) -> Result<RouteMatch> {
@@ -735,28 +898,8 @@ fn route_match_of(mut o: Obj) -> Result<RouteMatch> {
         m.case_sensitive = Some(BoolValue { value: c });
     }
     for (i, v) in o.list("headers")?.into_iter().enumerate() {
-        let mut h = Obj::new(v, &o.at(&format!("headers[{i}]")))?;
-        let mut hm = HeaderMatcher {
-            name: h.string("name")?.unwrap_or_default(),
-            invert_match: h.bool("invert_match")?.unwrap_or(false),
-            ..Default::default()
-        };
-        use header_matcher::HeaderMatchSpecifier as S;
-        hm.header_match_specifier = if let Some(s) = h.string("exact_match")? {
-            Some(S::ExactMatch(s))
-        } else if let Some(s) = h.string("prefix_match")? {
-            Some(S::PrefixMatch(s))
-        } else if let Some(r) = h.take("safe_regex_match") {
-            Some(S::SafeRegexMatch(regex_of(r, &h.at("safe_regex_match"))?))
-        } else if let Some(b) = h.bool("present_match")? {
-            Some(S::PresentMatch(b))
-        } else if let Some(s) = h.take("string_match") {
-            Some(S::StringMatch(string_matcher_of(s, &h.at("string_match"))?))
-        } else {
-            None
-        };
-        h.finish()?;
-        m.headers.push(hm);
+        m.headers
+            .push(header_matcher_of(v, &o.at(&format!("headers[{i}]")))?);
     }
     for (i, v) in o.list("query_parameters")?.into_iter().enumerate() {
         let mut q = Obj::new(v, &o.at(&format!("query_parameters[{i}]")))?;

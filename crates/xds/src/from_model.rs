@@ -7,7 +7,7 @@
 //! condition; Envoy selects a virtual host first, so each distinct host becomes a virtual host
 //! holding, in order, the routes for that host and the routes for any host, and the routes for
 //! any host also form the `*` virtual host. A listener's or a cluster's `tls` becomes its TLS
-//! transport socket ([`crate::tls`]).
+//! transport socket ([`crate::tls`]), its `authorization` RBAC filters ([`crate::rbac`]).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -40,6 +40,7 @@ use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, RegexMatcher, 
 use envoy_types::pb::google::protobuf::{self as pbuf, UInt32Value};
 use flatmesh_config as model;
 
+use crate::rbac;
 use crate::resources::{pack, Resources};
 use crate::tls;
 use crate::to_model::{HCM_NAME, HTTP_OPTIONS_KEY, ROUTER_NAME, TCP_PROXY_NAME};
@@ -160,6 +161,12 @@ pub fn assignment(name: &str, endpoints: &[SocketAddr]) -> ClusterLoadAssignment
 }
 
 fn listener(l: &model::Listener) -> Listener {
+    let authorization = l.authorization.as_ref();
+    // On a tcp listener the authorization's RBAC layers are network filters before tcp_proxy.
+    let mut filters = match (l.protocol, authorization) {
+        (model::ListenerProtocol::Tcp, Some(a)) => rbac::network_filters(a, &l.name),
+        _ => Vec::new(),
+    };
     let filter = match l.protocol {
         model::ListenerProtocol::Http => Filter {
             name: HCM_NAME.into(),
@@ -174,13 +181,19 @@ fn listener(l: &model::Listener) -> Listener {
                         config_source: Some(ads()),
                         route_config_name: l.name.clone(),
                     })),
-                    http_filters: vec![HttpFilter {
-                        name: ROUTER_NAME.into(),
-                        config_type: Some(http_filter::ConfigType::TypedConfig(pack(
-                            &Router::default(),
-                        ))),
-                        ..Default::default()
-                    }],
+                    // The authorization's RBAC layers, then the router.
+                    http_filters: authorization
+                        .map(rbac::http_filters)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .chain([HttpFilter {
+                            name: ROUTER_NAME.into(),
+                            config_type: Some(http_filter::ConfigType::TypedConfig(pack(
+                                &Router::default(),
+                            ))),
+                            ..Default::default()
+                        }])
+                        .collect(),
                     http2_protocol_options: http2_options(&l.limits),
                     // Unset keys stay unset, so the node applies its own defaults. proto3
                     // cannot say `merge_slashes: false`: that is the default too.
@@ -203,12 +216,13 @@ fn listener(l: &model::Listener) -> Listener {
             }))),
         },
     };
+    filters.push(filter);
     // A listener's own connection cap has no field in Envoy's listener: it is not carried.
     Listener {
         name: l.name.clone(),
         address: Some(socket_address(l.address)),
         filter_chains: vec![FilterChain {
-            filters: vec![filter],
+            filters,
             transport_socket: l
                 .tls
                 .as_ref()

@@ -4,6 +4,7 @@
 //!   anything else is an error naming the field (the NACK's `error_detail`).
 //! - [`from_model`]: the config model -> xDS resources, for the server and for Envoy.
 //! - [`tls`]: a listener's and a cluster's `tls` <-> Envoy's TLS transport sockets, both ways.
+//! - [`rbac`]: a listener's `authorization` <-> Envoy's RBAC filters, both ways.
 //! - [`bootstrap`]: an Envoy v3 bootstrap file (`static_resources`) -> the config model.
 //! - [`client`]: the ADS client of `flatmesh node --xds`, state-of-the-world and delta.
 //! - [`server`]: the ADS server of `flatmesh control`.
@@ -22,6 +23,7 @@ pub mod client;
 pub mod error;
 pub mod feed;
 pub mod from_model;
+pub mod rbac;
 pub mod resources;
 pub mod server;
 pub mod tls;

@@ -284,17 +284,48 @@ listeners:
       - direct_response: { status: 404, body: nope }
     limits: { per_connection_buffer_bytes: 65536, http2_max_concurrent_streams: 10, http2_stream_window: 32768, http2_connection_window: 131072 }
     tls: { cert: /pki/node.pem, key: /pki/node.key, client_ca: /pki/ca.pem, allow: [ spiffe://td/ns/shop/sa/web, "spiffe://td/ns/ops/*", "spiffe://partner/*" ] }
+    authorization:
+      default: deny
+      policies:
+        - name: no-admin
+          action: deny
+          from: { principals: [ spiffe://td/ns/shop/sa/web, "spiffe://partner/*" ], namespaces: [ ops, "a.b+c" ] }
+          to: { methods: [ POST, DELETE ], paths: [ /admin, "/admin/*", "*.php", "*" ], hosts: [ admin.example.org, "*.internal", "api.*", "*" ] }
+          when: [ { header: x-debug, values: [ "1", "on*", "*yes", "*" ] }, { header: x-tenant, values: [ acme ] } ]
+        - { name: no-delete, action: deny, to: { methods: [ DELETE ] } }
+        - { name: anyone-ready, action: allow, to: { paths: [ /ready ] } }
+        - name: shop-reads
+          action: allow
+          from: { namespaces: [ shop ] }
+          to: { methods: [ GET, HEAD ], paths: [ "/api/*" ], hosts: [ "*.example.org" ] }
+          when: [ { header: x-tenant, values: [ "acme", "beta-*" ] } ]
   - name: tcp
     address: 127.0.0.1:9000
     protocol: tcp
     cluster: two
     limits: { tcp_idle_timeout: 10m }
     tls: { cert: /pki/node.pem, key: /pki/node.key }
+    authorization: { default: deny }
   - name: mtcp
     address: 127.0.0.1:9001
     protocol: tcp
     cluster: three
     tls: { cert: /pki/node.pem, key: /pki/node.key, client_ca: /pki/ca.pem, allow: [ "spiffe://td/ns/data/*" ] }
+    authorization:
+      policies:
+        - { name: no-batch, action: deny, from: { namespaces: [ batch ] } }
+        - { name: no-old-db, action: deny, from: { principals: [ spiffe://td/ns/data/sa/old, "spiffe://td/ns/data/tmp/*" ] } }
+  - name: mtcp-allow
+    address: 127.0.0.1:9003
+    protocol: tcp
+    cluster: three
+    tls: { cert: /pki/node.pem, key: /pki/node.key, client_ca: /pki/ca.pem, allow: [ "spiffe://td/*" ] }
+    authorization:
+      default: deny
+      policies:
+        - { name: z-not-plaintext, action: deny, from: { namespaces: [ plain ] } }
+        - { name: db-clients, action: allow, from: { principals: [ "spiffe://td/ns/data/*" ], namespaces: [ data ] } }
+        - { name: ops, action: allow, from: { namespaces: [ ops ] } }
   - { name: plain, address: 127.0.0.1:9002, protocol: tcp, cluster: three }
 clusters:
   - name: one
@@ -312,11 +343,23 @@ clusters:
     // exact IDs and `/*` patterns; clusters with and without a client certificate and SNI.
     assert_eq!(
         config.listeners.iter().filter(|l| l.tls.is_some()).count(),
-        3
+        4
     );
     assert_eq!(
         config.clusters.iter().filter(|c| c.tls.is_some()).count(),
         2
+    );
+    // Every authorization shape is in it too: http and tcp listeners, both defaults, deny and
+    // allow layers, every field of `from`, `to` and `when`, every kind of pattern. (Policies
+    // are listed as they read back: deny before allow, each by name; see
+    // `authorization_reads_back_in_envoys_terms`.)
+    assert_eq!(
+        config
+            .listeners
+            .iter()
+            .filter(|l| l.authorization.is_some())
+            .count(),
+        4
     );
     let resources = crate::from_model::resources(&config);
     let mut back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
@@ -867,26 +910,9 @@ fn unsupported_tls_over_xds_is_refused_by_name() {
 /// after a change of shape.
 #[test]
 fn the_resources_fuzz_seed_holds_every_tls_shape() {
-    use crate::resources::ORDER;
     let config = bootstrap::parse(TLS_BOOTSTRAP, "envoy.yaml").unwrap();
     let resources = crate::from_model::resources(&config);
-    let mut seed = Vec::new();
-    for (index, type_url) in ORDER.iter().enumerate() {
-        for resource in resources.of_type(type_url) {
-            let value = resource.to_any().value;
-            seed.push(u8::try_from(index).unwrap());
-            seed.extend(u16::try_from(value.len()).unwrap().to_be_bytes());
-            seed.extend(value);
-        }
-    }
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/seeds/resources/tls");
-    if std::env::var_os("FLATMESH_WRITE_SEEDS").is_some() {
-        std::fs::write(path, &seed).unwrap();
-    }
-    assert!(
-        std::fs::read(path).ok() == Some(seed),
-        "{path} is not the encoding of TLS_BOOTSTRAP's resources; rerun this test with FLATMESH_WRITE_SEEDS=1"
-    );
+    check_resources_seed(&resources, "tls", "TLS_BOOTSTRAP");
     // What the records hold translates back to the same TLS settings.
     let back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
     for l in &config.listeners {
@@ -898,6 +924,510 @@ fn the_resources_fuzz_seed_holds_every_tls_shape() {
             c.tls.is_some() && back.cluster(&c.name).unwrap().tls == c.tls,
             "cluster {}",
             c.name
+        );
+    }
+}
+
+/// `resources` as the `resources` fuzz target's records ([type index in ORDER][length, 2 bytes
+/// big-endian][protobuf]) must be the seed file `name`; `FLATMESH_WRITE_SEEDS=1` rewrites it.
+fn check_resources_seed(resources: &crate::resources::Resources, name: &str, source: &str) {
+    use crate::resources::ORDER;
+    let mut seed = Vec::new();
+    for (index, type_url) in ORDER.iter().enumerate() {
+        for resource in resources.of_type(type_url) {
+            let value = resource.to_any().value;
+            seed.push(u8::try_from(index).unwrap());
+            seed.extend(u16::try_from(value.len()).unwrap().to_be_bytes());
+            seed.extend(value);
+        }
+    }
+    let path = format!("{}/fuzz/seeds/resources/{name}", env!("CARGO_MANIFEST_DIR"));
+    if std::env::var_os("FLATMESH_WRITE_SEEDS").is_some() {
+        std::fs::write(&path, &seed).unwrap();
+    }
+    assert!(
+        std::fs::read(&path).ok() == Some(seed),
+        "{path} is not the encoding of {source}'s resources; rerun this test with FLATMESH_WRITE_SEEDS=1"
+    );
+}
+
+/// Envoy RBAC in the canonical shape `flatmesh control` serves (also the bootstrap fuzz seed).
+const RBAC_BOOTSTRAP: &str = include_str!("../fuzz/seeds/bootstrap/rbac.yaml");
+
+fn authorization(yaml: &str) -> Option<model::Authorization> {
+    Some(serde_norway::from_str(yaml).unwrap())
+}
+
+fn authorization_of(config: &model::Config, listener: &str) -> Option<model::Authorization> {
+    let l = config
+        .listeners
+        .iter()
+        .find(|l| l.name == listener)
+        .unwrap();
+    l.authorization.clone()
+}
+
+#[test]
+fn rbac_filters_import_from_envoy() {
+    let config = bootstrap::parse(RBAC_BOOTSTRAP, "envoy.yaml").unwrap();
+    assert_eq!(
+        authorization_of(&config, "web"),
+        authorization(
+            r#"
+default: deny
+policies:
+  - name: no-admin
+    action: deny
+    from: { principals: [ spiffe://td/ns/shop/sa/web, "spiffe://partner/*" ], namespaces: [ ops ] }
+    to: { methods: [ POST ], paths: [ "/admin*", "*.php", "*" ], hosts: [ admin.example.org, "*" ] }
+    when: [ { header: x-debug, values: [ "1", "*" ] } ]
+  - { name: no-delete, action: deny, to: { methods: [ DELETE ] } }
+  - name: shop-reads
+    action: allow
+    from: { namespaces: [ shop ] }
+    to: { methods: [ GET, HEAD ], paths: [ "/api/*" ], hosts: [ "*.example.org" ] }
+    when: [ { header: x-tenant, values: [ acme, "beta-*" ] } ]
+"#
+        )
+    );
+    assert_eq!(
+        authorization_of(&config, "db"),
+        authorization(
+            r#"
+default: deny
+policies:
+  - { name: no-batch, action: deny, from: { namespaces: [ batch ] } }
+  - { name: db-clients, action: allow, from: { principals: [ "spiffe://td/ns/data/*", spiffe://td/ns/ops/sa/dba ] } }
+"#
+        )
+    );
+    // An ALLOW RBAC without policies admits nobody.
+    assert_eq!(
+        authorization_of(&config, "closed"),
+        authorization("default: deny")
+    );
+    // Written back, the import is what the file says, filter for filter.
+    let served = crate::from_model::resources(&config);
+    let value: serde_json::Value = serde_norway::from_str(RBAC_BOOTSTRAP).unwrap();
+    let (written, _) = bootstrap::bootstrap(value).unwrap();
+    for name in ["db", "closed"] {
+        assert_eq!(
+            served.listeners[name].filter_chains[0].filters,
+            written.listeners[name].filter_chains[0].filters,
+            "listener {name}"
+        );
+    }
+    let http_filters = |l: &envoy_types::pb::envoy::config::listener::v3::Listener| {
+        use envoy_types::pb::envoy::config::listener::v3::filter::ConfigType;
+        use prost::Message;
+        let Some(ConfigType::TypedConfig(any)) = &l.filter_chains[0].filters[0].config_type else {
+            panic!("no typed_config")
+        };
+        envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager::decode(any.value.as_slice())
+            .unwrap()
+            .http_filters
+    };
+    assert_eq!(
+        http_filters(&served.listeners["web"]),
+        http_filters(&written.listeners["web"])
+    );
+}
+
+/// Envoy's RBAC is a map and an ALLOW layer makes the default moot, so an authorization reads
+/// back in Envoy's terms: deny policies, then allow policies, each by name; `default: deny`
+/// wherever an ALLOW layer is. Every decision stays the same.
+#[test]
+fn authorization_reads_back_in_envoys_terms() {
+    let round_trip = |yaml: &str| {
+        let text = format!(
+            "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    routes: [ {{ cluster: one }} ]\n    authorization: {yaml}\nclusters: [ {{ name: one, endpoints: [ 127.0.0.1:1 ] }} ]\n"
+        );
+        let config = model::parse(&text, "t.yaml").unwrap();
+        let resources = crate::from_model::resources(&config);
+        let back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
+        authorization_of(&back, "web")
+    };
+    assert_eq!(
+        round_trip("{ policies: [ { name: b, action: allow, from: { namespaces: [ x ] } }, { name: z, action: deny, to: { paths: [ /z ] } }, { name: a, action: allow, to: { paths: [ /a ] } } ] }"),
+        authorization("{ default: deny, policies: [ { name: z, action: deny, to: { paths: [ /z ] } }, { name: a, action: allow, to: { paths: [ /a ] } }, { name: b, action: allow, from: { namespaces: [ x ] } } ] }")
+    );
+    // Nothing to enforce: no RBAC is written, and none is read.
+    assert_eq!(round_trip("{ default: allow }"), None);
+    assert_eq!(
+        round_trip("{ default: deny }"),
+        authorization("{ default: deny }")
+    );
+}
+
+/// The served resources of [`RBAC_BOOTSTRAP`] with one edit, translated back: the error.
+fn rbac_edit(
+    listener: &str,
+    change: &dyn Fn(&mut Vec<envoy_types::pb::envoy::config::listener::v3::Filter>),
+) -> String {
+    let config = bootstrap::parse(RBAC_BOOTSTRAP, "envoy.yaml").unwrap();
+    let mut resources = crate::from_model::resources(&config);
+    let chain = &mut resources.listeners.get_mut(listener).unwrap().filter_chains[0];
+    change(&mut chain.filters);
+    crate::to_model::translate(&resources, &bootstrap::empty_config())
+        .unwrap_err()
+        .to_string()
+}
+
+/// Edits the served `web` listener's HTTP RBAC filter number `index` (0: DENY, 1: ALLOW).
+fn http_rbac_edit(
+    index: usize,
+    change: &dyn Fn(&mut envoy_types::pb::envoy::extensions::filters::http::rbac::v3::Rbac),
+) -> String {
+    use envoy_types::pb::envoy::config::listener::v3::filter::ConfigType;
+    use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::Rbac;
+    use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+        http_filter, HttpConnectionManager,
+    };
+    use prost::Message;
+    rbac_edit("web", &|filters| {
+        let Some(ConfigType::TypedConfig(any)) = &mut filters[0].config_type else {
+            panic!("no typed_config")
+        };
+        let mut hcm = HttpConnectionManager::decode(any.value.as_slice()).unwrap();
+        let Some(http_filter::ConfigType::TypedConfig(rbac_any)) =
+            &mut hcm.http_filters[index].config_type
+        else {
+            panic!("no typed_config")
+        };
+        let mut rbac = Rbac::decode(rbac_any.value.as_slice()).unwrap();
+        change(&mut rbac);
+        rbac_any.value = rbac.encode_to_vec();
+        any.value = hcm.encode_to_vec();
+    })
+}
+
+/// Everything in an RBAC config that flatmesh's policies cannot say is refused with the
+/// field's path, so a policy never checks less than Envoy's would.
+#[test]
+fn unsupported_rbac_over_xds_is_refused_by_name() {
+    use envoy_types::pb::envoy::config::rbac::v3::{
+        permission, principal, rbac, Permission, Principal,
+    };
+    use envoy_types::pb::envoy::r#type::matcher::v3::string_matcher::MatchPattern;
+    let at =
+        "Listener \"web\": filter_chains[0].filters[0].typed_config.http_filters[0].typed_config";
+    let e = http_rbac_edit(0, &|r| r.shadow_rules = r.rules.clone());
+    assert!(
+        e.contains(&format!(
+            "{at}.shadow_rules: shadow rules are not supported"
+        )),
+        "{e}"
+    );
+    let e = http_rbac_edit(0, &|r| r.shadow_rules_stat_prefix = "shadow".into());
+    assert!(
+        e.contains(&format!(
+            "{at}.shadow_rules: shadow rules are not supported"
+        )),
+        "{e}"
+    );
+    let e = http_rbac_edit(0, &|r| r.matcher = Some(Default::default()));
+    assert!(
+        e.contains(&format!("{at}.matcher: the unified matcher API")),
+        "{e}"
+    );
+    let e = http_rbac_edit(0, &|r| {
+        r.rules.as_mut().unwrap().action = rbac::Action::Log as i32
+    });
+    assert!(
+        e.contains(&format!("{at}.rules.action: only ALLOW and DENY")),
+        "{e}"
+    );
+    let e = http_rbac_edit(0, &|r| {
+        r.rules.as_mut().unwrap().audit_logging_options = Some(Default::default())
+    });
+    assert!(
+        e.contains(&format!(
+            "{at}.rules: audit_logging_options is not supported"
+        )),
+        "{e}"
+    );
+    let policy = format!("{at}.rules.policies[\"no-admin\"]");
+    let e = http_rbac_edit(0, &|r| {
+        r.rules
+            .as_mut()
+            .unwrap()
+            .policies
+            .get_mut("no-admin")
+            .unwrap()
+            .condition = Some(Default::default());
+    });
+    assert!(
+        e.contains(&format!("{policy}: condition is not supported")),
+        "{e}"
+    );
+    let e = http_rbac_edit(0, &|r| {
+        r.rules
+            .as_mut()
+            .unwrap()
+            .policies
+            .get_mut("no-admin")
+            .unwrap()
+            .principals = vec![Principal {
+            identifier: Some(principal::Identifier::SourceIp(Default::default())),
+        }];
+    });
+    assert!(
+        e.contains(&format!("{policy}.principals[0]: only `authenticated`")),
+        "{e}"
+    );
+    let e = http_rbac_edit(0, &|r| {
+        r.rules
+            .as_mut()
+            .unwrap()
+            .policies
+            .get_mut("no-admin")
+            .unwrap()
+            .permissions = vec![Permission {
+            rule: Some(permission::Rule::DestinationPort(80)),
+        }];
+    });
+    assert!(
+        e.contains(&format!("{policy}.permissions[0]: only header")),
+        "{e}"
+    );
+    let e = http_rbac_edit(0, &|r| {
+        let p = r
+            .rules
+            .as_mut()
+            .unwrap()
+            .policies
+            .get_mut("no-admin")
+            .unwrap();
+        let Some(principal::Identifier::AndIds(set)) = &mut p.principals[0].identifier else {
+            panic!()
+        };
+        let Some(principal::Identifier::OrIds(ns)) = &mut set.ids[1].identifier else {
+            panic!()
+        };
+        let Some(principal::Identifier::Authenticated(a)) = &mut ns.ids[0].identifier else {
+            panic!()
+        };
+        let Some(MatchPattern::SafeRegex(re)) =
+            &mut a.principal_name.as_mut().unwrap().match_pattern
+        else {
+            panic!()
+        };
+        re.regex = "spiffe://td/ns/ops/.*".into();
+    });
+    assert!(
+        e.contains(&format!("{policy}.principals[0].and_ids.ids[1].or_ids.ids[0].authenticated.principal_name.safe_regex.regex: `spiffe://td/ns/ops/.*` is not a namespace pattern")),
+        "{e}"
+    );
+    let e = http_rbac_edit(0, &|r| {
+        let p = r
+            .rules
+            .as_mut()
+            .unwrap()
+            .policies
+            .get_mut("no-admin")
+            .unwrap();
+        let Some(permission::Rule::AndRules(set)) = &mut p.permissions[0].rule else {
+            panic!()
+        };
+        let Some(permission::Rule::OrRules(hosts)) = &mut set.rules[2].rule else {
+            panic!()
+        };
+        let Some(permission::Rule::Header(h)) = &mut hosts.rules[0].rule else {
+            panic!()
+        };
+        let Some(envoy_types::pb::envoy::config::route::v3::header_matcher::HeaderMatchSpecifier::StringMatch(m)) = &mut h.header_match_specifier else { panic!() };
+        m.ignore_case = false;
+    });
+    assert!(
+        e.contains(
+            "and_rules.rules[2].or_rules.rules[0].header.string_match.ignore_case: must be true"
+        ),
+        "{e}"
+    );
+    let e = http_rbac_edit(0, &|r| {
+        let p = r
+            .rules
+            .as_mut()
+            .unwrap()
+            .policies
+            .get_mut("no-admin")
+            .unwrap();
+        let Some(permission::Rule::AndRules(set)) = &mut p.permissions[0].rule else {
+            panic!()
+        };
+        // A method and a path in one `or`: flatmesh ANDs the kinds a policy lists.
+        let Some(permission::Rule::OrRules(paths)) = set.rules.remove(1).rule else {
+            panic!()
+        };
+        let Some(permission::Rule::OrRules(methods)) = &mut set.rules[0].rule else {
+            panic!()
+        };
+        methods.rules.push(paths.rules[0].clone());
+    });
+    assert!(e.contains("mixes kinds in one `or`"), "{e}");
+    // A second ALLOW layer would need a match in each.
+    let e = http_rbac_edit(0, &|r| {
+        r.rules.as_mut().unwrap().action = rbac::Action::Allow as i32
+    });
+    assert!(e.contains("is a second ALLOW RBAC"), "{e}");
+}
+
+/// Where RBAC filters may stand, over xDS: before the router, before tcp_proxy, and with only
+/// principals on a tcp listener.
+#[test]
+fn rbac_out_of_place_is_refused_by_name() {
+    use envoy_types::pb::envoy::config::listener::v3::filter::ConfigType;
+    use envoy_types::pb::envoy::config::rbac::v3::{permission, Permission};
+    use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager;
+    use envoy_types::pb::envoy::extensions::filters::network::rbac::v3::Rbac;
+    use prost::Message;
+    let e = rbac_edit("web", &|filters| {
+        let Some(ConfigType::TypedConfig(any)) = &mut filters[0].config_type else {
+            panic!("no typed_config")
+        };
+        let mut hcm = HttpConnectionManager::decode(any.value.as_slice()).unwrap();
+        hcm.http_filters.swap(1, 2); // the ALLOW layer after the router
+        any.value = hcm.encode_to_vec();
+    });
+    assert!(
+        e.contains("http_filters[2]: envoy.filters.http.rbac after the router never runs"),
+        "{e}"
+    );
+    // The db listener's DENY layer put in front of the web listener's HCM.
+    let config = bootstrap::parse(RBAC_BOOTSTRAP, "envoy.yaml").unwrap();
+    let db_deny =
+        crate::from_model::resources(&config).listeners["db"].filter_chains[0].filters[0].clone();
+    let e = rbac_edit("web", &|filters| filters.insert(0, db_deny.clone()));
+    assert!(
+        e.contains("Listener \"web\": filter_chains[0].filters[0]: envoy.filters.network.rbac on an http listener is not supported"),
+        "{e}"
+    );
+    let e = rbac_edit("db", &|filters| {
+        let Some(ConfigType::TypedConfig(any)) = &mut filters[0].config_type else {
+            panic!("no typed_config")
+        };
+        let mut rbac = Rbac::decode(any.value.as_slice()).unwrap();
+        let p = rbac
+            .rules
+            .as_mut()
+            .unwrap()
+            .policies
+            .get_mut("no-batch")
+            .unwrap();
+        p.permissions = vec![Permission {
+            rule: Some(permission::Rule::DestinationPort(5432)),
+        }];
+        any.value = rbac.encode_to_vec();
+    });
+    assert!(
+        e.contains("policies[\"no-batch\"].permissions[0]: only header"),
+        "{e}"
+    );
+    let e = rbac_edit("db", &|filters| {
+        let Some(ConfigType::TypedConfig(any)) = &mut filters[0].config_type else {
+            panic!("no typed_config")
+        };
+        let mut rbac = Rbac::decode(any.value.as_slice()).unwrap();
+        let p = rbac
+            .rules
+            .as_mut()
+            .unwrap()
+            .policies
+            .get_mut("no-batch")
+            .unwrap();
+        p.permissions = vec![Permission {
+            rule: Some(permission::Rule::UrlPath(Default::default())),
+        }];
+        any.value = rbac.encode_to_vec();
+    });
+    assert!(e.contains("url_path.path: is missing"), "{e}");
+    let e = rbac_edit("db", &|filters| {
+        let Some(ConfigType::TypedConfig(any)) = &mut filters[0].config_type else {
+            panic!("no typed_config")
+        };
+        let mut rbac = Rbac::decode(any.value.as_slice()).unwrap();
+        let p = rbac
+            .rules
+            .as_mut()
+            .unwrap()
+            .policies
+            .get_mut("no-batch")
+            .unwrap();
+        p.permissions = vec![Permission {
+            rule: Some(permission::Rule::Header(
+                envoy_types::pb::envoy::config::route::v3::HeaderMatcher {
+                    name: "x-a".into(),
+                    header_match_specifier: Some(envoy_types::pb::envoy::config::route::v3::header_matcher::HeaderMatchSpecifier::PresentMatch(true)),
+                    ..Default::default()
+                },
+            )),
+        }];
+        any.value = rbac.encode_to_vec();
+    });
+    assert!(
+        e.contains(
+            "policies[\"no-batch\"].permissions: a tcp listener sees connections, not requests"
+        ),
+        "{e}"
+    );
+}
+
+/// The Envoy import walks RBAC field by field: what it does not take is named.
+#[test]
+fn unsupported_rbac_in_a_bootstrap_is_refused_by_name() {
+    let e = import_error(&RBAC_BOOTSTRAP.replacen(
+        "          stat_prefix: db\n          rules:",
+        "          stat_prefix: db\n          shadow_rules: {}\n          rules:",
+        1,
+    ));
+    assert!(
+        e.contains("filters[0].typed_config.shadow_rules: is not supported"),
+        "{e}"
+    );
+    let e = import_error(&RBAC_BOOTSTRAP.replacen(
+        "permissions: [ { any: true } ]",
+        "permissions: [ { destination_port: 80 } ]",
+        1,
+    ));
+    assert!(
+        e.contains("policies.no-batch.permissions[0].destination_port: is not supported"),
+        "{e}"
+    );
+    let e = import_error(&RBAC_BOOTSTRAP.replacen("action: DENY", "action: LOG", 1));
+    assert!(e.contains("rules.action: only ALLOW and DENY"), "{e}");
+    let e = import_error(&RBAC_BOOTSTRAP.replacen("action: DENY", "action: MAYBE", 1));
+    assert!(e.contains("`MAYBE` is not an RBAC action"), "{e}");
+}
+
+/// The same policies always encode to the same bytes (the server's versions hash them),
+/// although Envoy's policies are a map and prost writes maps in their hasher's order.
+#[test]
+fn served_rbac_encodes_the_same_every_time() {
+    let config = bootstrap::parse(RBAC_BOOTSTRAP, "envoy.yaml").unwrap();
+    let first = crate::from_model::resources(&config);
+    for _ in 0..20 {
+        assert_eq!(
+            crate::from_model::resources(&config).listeners["web"],
+            first.listeners["web"]
+        );
+    }
+}
+
+/// The `resources` fuzz target's RBAC seed: [`RBAC_BOOTSTRAP`]'s resources as served (its
+/// byte-for-byte check across processes also holds the encoding stable).
+#[test]
+fn the_resources_fuzz_seed_holds_every_rbac_shape() {
+    let config = bootstrap::parse(RBAC_BOOTSTRAP, "envoy.yaml").unwrap();
+    let resources = crate::from_model::resources(&config);
+    check_resources_seed(&resources, "rbac", "RBAC_BOOTSTRAP");
+    let back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
+    for l in &config.listeners {
+        assert!(l.authorization.is_some(), "listener {}", l.name);
+        assert_eq!(
+            authorization_of(&back, &l.name),
+            l.authorization,
+            "listener {}",
+            l.name
         );
     }
 }

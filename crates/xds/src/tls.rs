@@ -127,20 +127,25 @@ fn validation(ca: &std::path::Path, ids: &[String]) -> CertificateValidationCont
     }
 }
 
-/// An ID matches exactly; a pattern `spiffe://TD/ns/NS/*` matches the URIs under
-/// `spiffe://TD/ns/NS/`, which is Envoy's prefix match on the text before the `*`.
 fn uri_matcher(id: &str) -> SubjectAltNameMatcher {
+    SubjectAltNameMatcher {
+        san_type: subject_alt_name_matcher::SanType::Uri as i32,
+        matcher: Some(spiffe_matcher(id)),
+        oid: String::new(),
+    }
+}
+
+/// An ID matches exactly; a pattern `spiffe://TD/ns/NS/*` matches the URIs under
+/// `spiffe://TD/ns/NS/`, which is Envoy's prefix match on the text before the `*`. The RBAC
+/// principals ([`crate::rbac`]) are written the same way.
+pub(crate) fn spiffe_matcher(id: &str) -> StringMatcher {
     let pattern = match id.strip_suffix('*').filter(|base| base.ends_with('/')) {
         Some(base) => string_matcher::MatchPattern::Prefix(base.into()),
         None => string_matcher::MatchPattern::Exact(id.into()),
     };
-    SubjectAltNameMatcher {
-        san_type: subject_alt_name_matcher::SanType::Uri as i32,
-        matcher: Some(StringMatcher {
-            match_pattern: Some(pattern),
-            ignore_case: false,
-        }),
-        oid: String::new(),
+    StringMatcher {
+        match_pattern: Some(pattern),
+        ignore_case: false,
     }
 }
 
@@ -417,7 +422,12 @@ fn spiffe_pattern(m: &SubjectAltNameMatcher, at: &str) -> Result<String> {
         ));
     };
     reject_rest(&rest, at)?;
-    let at = format!("{at}.matcher");
+    spiffe_text(matcher, &format!("{at}.matcher"))
+}
+
+/// A string matcher on a SPIFFE ID (named by `at`) as the ID (exact) or a `/*` pattern (a
+/// prefix that ends at `/`), the inverse of [`spiffe_matcher`].
+pub(crate) fn spiffe_text(matcher: StringMatcher, at: &str) -> Result<String> {
     if matcher.ignore_case {
         return Err(XdsError::resource(
             format!("{at}.ignore_case"),

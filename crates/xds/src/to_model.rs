@@ -24,10 +24,12 @@ use envoy_types::pb::envoy::config::route::v3::{
     header_matcher, query_parameter_matcher, route, route_action, route_match, HeaderMatcher,
     RouteConfiguration,
 };
+use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::Rbac as HttpRbac;
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
     http_connection_manager, HttpConnectionManager,
 };
+use envoy_types::pb::envoy::extensions::filters::network::rbac::v3::Rbac as NetworkRbac;
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{tcp_proxy, TcpProxy};
 use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
     http_protocol_options, HttpProtocolOptions,
@@ -448,17 +450,35 @@ fn listener(
     let transport_socket = chain.transport_socket.take();
     chain.name.clear();
     reject_rest(&chain, &format!("{at}: filter_chains[0]"))?;
-    if filters.len() != 1 {
+    let Some(f) = filters.pop() else {
         return Err(XdsError::resource(
             format!("{at}: filter_chains[0].filters"),
-            format!(
-                "has {} network filters; flatmesh runs exactly one: {HCM_NAME} or {TCP_PROXY_NAME}",
-                filters.len()
-            ),
+            format!("is empty; flatmesh runs {HCM_NAME} or {TCP_PROXY_NAME}"),
         ));
+    };
+    // Before the last filter only RBAC may come (a tcp listener's authorization).
+    let mut network_rbac = crate::rbac::Layers::default();
+    for (i, f) in filters.iter().enumerate() {
+        let here = format!("{at}: filter_chains[0].filters[{i}].typed_config");
+        match &f.config_type {
+            Some(filter::ConfigType::TypedConfig(any)) if any.type_url == NetworkRbac::type_url() => {
+                network_rbac.network(any, &here)?
+            }
+            _ => {
+                return Err(XdsError::resource(
+                    format!("{at}: filter_chains[0].filters[{i}]"),
+                    format!(
+                        "network filter `{}` is not supported; flatmesh runs {HCM_NAME} or {TCP_PROXY_NAME}, after {} (a tcp listener's authorization)",
+                        f.name,
+                        crate::rbac::NETWORK_RBAC_NAME
+                    ),
+                ))
+            }
+        }
     }
-    let f = filters.remove(0);
-    let at_filter = format!("{at}: filter_chains[0].filters[0].typed_config");
+    let network_rbac = network_rbac.finish();
+    let last = filters.len();
+    let at_filter = format!("{at}: filter_chains[0].filters[{last}].typed_config");
     let Some(filter::ConfigType::TypedConfig(any)) = &f.config_type else {
         return Err(XdsError::resource(
             at_filter,
@@ -474,8 +494,18 @@ fn listener(
                 &format!("{at_filter}.http2_protocol_options"),
             )?;
         }
+        if network_rbac.is_some() {
+            return Err(XdsError::resource(
+                format!("{at}: filter_chains[0].filters[0]"),
+                format!(
+                    "{} on an http listener is not supported: flatmesh decides per request there; write the policies as the HTTP filter {} before the router",
+                    crate::rbac::NETWORK_RBAC_NAME,
+                    crate::rbac::HTTP_RBAC_NAME
+                ),
+            ));
+        }
         let tls = listener_tls(transport_socket.as_ref(), true, &at)?;
-        let Some((config, options)) = http_routes(hcm, routes, &at_filter)? else {
+        let Some((config, mut options)) = http_routes(hcm, routes, &at_filter)? else {
             return Ok(None);
         };
         let routes = flatten(&config, &options.upgrades, hash_headers)?;
@@ -490,7 +520,7 @@ fn listener(
             merge_slashes: options.merge_slashes,
             path_with_escaped_slashes_action: options.escaped_slashes,
             tls,
-            authorization: None,
+            authorization: options.authorization.take(),
         }))
     } else if any.type_url == TcpProxy::type_url() {
         let mut tcp: TcpProxy = unpack(any, &at_filter)?;
@@ -534,7 +564,7 @@ fn listener(
             merge_slashes: None,
             path_with_escaped_slashes_action: None,
             tls,
-            authorization: None,
+            authorization: network_rbac,
         }))
     } else {
         Err(XdsError::resource(
@@ -585,6 +615,8 @@ struct HcmOptions {
     escaped_slashes: Option<model::EscapedSlashesAction>,
     /// `upgrade_configs`: each type, and whether it is enabled by default.
     upgrades: Vec<(String, bool)>,
+    /// The RBAC filters before the router.
+    authorization: Option<model::Authorization>,
 }
 
 /// The HTTP connection manager's options and route configuration (inline, or by RDS name).
@@ -647,8 +679,25 @@ fn http_routes(
     ) {
         hcm.strip_port_mode = None;
     }
+    let mut rbac = crate::rbac::Layers::default();
+    let mut router_seen = false;
     for (i, f) in take(&mut hcm.http_filters).into_iter().enumerate() {
         let here = format!("{at}.http_filters[{i}]");
+        if let Some(
+            envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_filter::ConfigType::TypedConfig(any),
+        ) = &f.config_type
+        {
+            if any.type_url == HttpRbac::type_url() {
+                if router_seen {
+                    return Err(XdsError::resource(
+                        here,
+                        format!("{} after the router never runs; put it before {ROUTER_NAME}", crate::rbac::HTTP_RBAC_NAME),
+                    ));
+                }
+                rbac.http(any, &format!("{here}.typed_config"))?;
+                continue;
+            }
+        }
         let is_router = match &f.config_type {
             Some(
                 envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_filter::ConfigType::TypedConfig(any),
@@ -664,12 +713,15 @@ fn http_routes(
             return Err(XdsError::resource(
                 here,
                 format!(
-                    "HTTP filter `{}` is not supported; flatmesh runs only {ROUTER_NAME} (its routes do the rest)",
-                    f.name
+                    "HTTP filter `{}` is not supported; flatmesh runs only {} (a listener's authorization) and {ROUTER_NAME} (its routes do the rest)",
+                    f.name,
+                    crate::rbac::HTTP_RBAC_NAME
                 ),
             ));
         }
+        router_seen = true;
     }
+    options.authorization = rbac.finish();
     let config = match hcm.route_specifier.take() {
         Some(http_connection_manager::RouteSpecifier::RouteConfig(rc)) => rc,
         Some(http_connection_manager::RouteSpecifier::Rds(rds)) => {

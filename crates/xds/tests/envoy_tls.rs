@@ -17,80 +17,16 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::time::Duration;
 
-use common::{envoy, free_port, get, wait_for, Backend, XdsServer};
+use common::pki::{Control, Pki};
+use common::{envoy, free_port, get, wait_for, Backend};
 use flatmesh_config as model;
-use flatmesh_identity::{Authority, SpiffeId};
-use flatmesh_xds::server::Store;
 
 const NODE: &str = "spiffe://td/ns/mesh/sa/node";
 const ENVOY: &str = "spiffe://td/ns/edge/sa/envoy";
 const WEB: &str = "spiffe://td/ns/shop/sa/web";
 const ONCALL: &str = "spiffe://td/ns/ops/sa/oncall";
 const CART: &str = "spiffe://td/ns/shop/sa/cart";
-
-/// The CA's bundle (`ca.pem`) and one `NAME.pem`/`NAME.key` pair per identity, in `dir`.
-struct Pki {
-    ca: Authority,
-    dir: PathBuf,
-}
-
-impl Pki {
-    fn new(test: &str) -> Pki {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("envoy-tls-{test}"));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let ca = Authority::generate("td").unwrap();
-        std::fs::write(dir.join("ca.pem"), ca.bundle_pem()).unwrap();
-        Pki { ca, dir }
-    }
-
-    fn ca_file(&self) -> String {
-        self.dir.join("ca.pem").display().to_string()
-    }
-
-    /// Issues `id` as `NAME.pem` and `NAME.key`; returns the path prefix.
-    fn issue(&self, name: &str, id: &str) -> String {
-        let prefix = self.dir.join(name);
-        self.ca
-            .issue(&SpiffeId::parse(id).unwrap(), Duration::from_secs(3600))
-            .unwrap()
-            .write(&prefix)
-            .unwrap();
-        prefix.display().to_string()
-    }
-}
-
-/// flatmesh control serving `config` to an Envoy that follows it over ADS.
-struct Control {
-    store: Store,
-    _server: XdsServer,
-    _envoy: envoy::Envoy,
-}
-
-impl Control {
-    fn start(config: &model::Config, envoy_admin: SocketAddr, dir: &Path) -> Control {
-        let store = Store::new();
-        store.publish_config(config);
-        let server = XdsServer::start(&store, "127.0.0.1:0".parse().unwrap());
-        let envoy = envoy::follow(server.addr, false, envoy_admin, dir);
-        Control {
-            store,
-            _server: server,
-            _envoy: envoy,
-        }
-    }
-
-    fn assert_no_nacks(&self) {
-        assert!(
-            self.store.nacks().is_empty(),
-            "Envoy refused the resources: {:?}",
-            self.store.nacks()
-        );
-    }
-}
 
 fn start_node(config: model::Config) -> flatmesh_proxy::Node {
     flatmesh_proxy::Node::start(config, flatmesh_proxy::ConfigSource::Inline).unwrap()

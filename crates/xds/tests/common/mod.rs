@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 pub mod envoy;
+pub mod pki;
 
 /// The client's [`flatmesh_xds::client::Apply`] for a real node proxy, as `flatmesh node --xds`
 /// wires it: the first config starts the node, every later one reloads it.
@@ -73,11 +74,21 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 
 /// GET `path` from `addr` with `host`; returns (status, body), or None if the connection failed.
 pub fn get(addr: SocketAddr, host: &str, path: &str) -> Option<(u16, String)> {
+    request(addr, "GET", host, path)
+}
+
+/// `method` `path` (without a body) from `addr` with `host`, as [`get`].
+pub fn request(addr: SocketAddr, method: &str, host: &str, path: &str) -> Option<(u16, String)> {
     let mut conn = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
     conn.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let length = if method == "GET" {
+        ""
+    } else {
+        "content-length: 0\r\n"
+    };
     write!(
         conn,
-        "GET {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nhost: {host}\r\n{length}connection: close\r\n\r\n"
     )
     .ok()?;
     let mut text = String::new();
