@@ -29,6 +29,7 @@ mod h1;
 mod h2;
 mod idle;
 mod kernel;
+mod ktls;
 mod l7;
 mod lb;
 mod limits;

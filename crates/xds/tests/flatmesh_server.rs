@@ -87,6 +87,7 @@ fn scenario(protocol: Protocol) {
         node_id: node_id.clone(),
         node_cluster: "test".into(),
         protocol,
+        security: Default::default(),
     };
     let client = rt.block_on(async { Client::spawn(options, base, apply) });
     let v1 = || {
@@ -270,6 +271,7 @@ fn unreachable_control_plane_is_retried_with_backoff() {
         node_id: "lonely".into(),
         node_cluster: "test".into(),
         protocol: Protocol::Sotw,
+        security: Default::default(),
     };
     let client = rt
         .block_on(async { Client::spawn(options, flatmesh_xds::bootstrap::empty_config(), apply) });

@@ -124,6 +124,7 @@ fn scenario(protocol: Protocol) {
         node_id: node_id.clone(),
         node_cluster: "test".into(),
         protocol,
+        security: Default::default(),
     };
     let client = rt.block_on(async { Client::spawn(options, base, apply) });
 
