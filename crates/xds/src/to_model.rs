@@ -279,6 +279,8 @@ fn add_missing_clusters(config: &mut model::Config) {
             hash_on: None,
             connect_timeout: None,
             tls: None,
+            circuit_breaker: None,
+            outlier_detection: None,
         });
     }
 }
