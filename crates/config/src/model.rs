@@ -706,8 +706,9 @@ pub struct OutlierDetection {
     /// An ejection lasts this × the number of times the endpoint has been ejected.
     #[serde(default = "default_base_ejection_time", with = "crate::duration")]
     pub base_ejection_time: Duration,
-    /// The most of the cluster's endpoints, in percent, that may be out at once (at least
-    /// one may always be, unless this is 0).
+    /// The most of the cluster's endpoints, in percent, that may be out at once. As in Envoy,
+    /// an ejection that would pass it is not made: the default 10% ejects nothing in a
+    /// cluster of fewer than ten endpoints.
     #[serde(default = "default_max_ejection_percent")]
     pub max_ejection_percent: u32,
 }

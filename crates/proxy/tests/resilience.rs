@@ -417,7 +417,7 @@ async fn connect_failures_eject_a_dead_endpoint() {
         admin,
         web,
         &[good0.addr, dead, good1.addr],
-        "    outlier_detection: { consecutive_connect_failures: 2, consecutive_5xx: 0, base_ejection_time: 60s }",
+        "    outlier_detection: { consecutive_connect_failures: 2, consecutive_5xx: 0, base_ejection_time: 60s, max_ejection_percent: 50 }",
     ));
     let mut failed = 0;
     let client = h1_client();
@@ -465,7 +465,7 @@ listeners:
 clusters:
   - name: pool
     endpoints: [ {dead}, {alive} ]
-    outlier_detection: {{ consecutive_connect_failures: 1, base_ejection_time: 60s }}
+    outlier_detection: {{ consecutive_connect_failures: 1, base_ejection_time: 60s, max_ejection_percent: 50 }}
 "#,
         alive = alive.addr
     ));

@@ -4,8 +4,8 @@
 //! the number of times it has been ejected (capped at Envoy's `max_ejection_time`, 300 s, or
 //! the base if longer), and is back once that time has passed. That number drops by one for
 //! each `interval` the endpoint stays in, as Envoy's interval timer does. No more than
-//! `max_ejection_percent` of the endpoints are out at once, though one always may be (unless
-//! the percent is 0).
+//! `max_ejection_percent` of the endpoints are out at once (Envoy's rule: the ejection that
+//! would pass it is not made, so 10% of fewer than ten endpoints ejects none).
 //!
 //! Envoy runs a timer to re-admit endpoints and decay the counts; here both are computed
 //! from timestamps when they are next looked at, which gives the same answers without a
@@ -126,12 +126,10 @@ pub fn decayed(times: u32, back_at: u64, now: u64, interval_ms: u64) -> u32 {
     times.saturating_sub(u32::try_from(intervals).unwrap_or(u32::MAX))
 }
 
-/// May one more of `endpoints` be ejected while `active` are? Within `percent`, or the
-/// first one whatever the percent (unless it is 0), as Envoy allows.
+/// May one more of `endpoints` be ejected while `active` are? Only if the share out after
+/// it stays within `percent`, as Envoy decides (without its `always_eject_one_host`).
 pub fn may_eject(active: usize, endpoints: usize, percent: u32) -> bool {
-    percent > 0
-        && active < endpoints
-        && (active == 0 || (active + 1) * 100 <= percent as usize * endpoints)
+    active < endpoints && (active + 1) * 100 <= percent as usize * endpoints
 }
 
 impl Outlier {
@@ -355,10 +353,12 @@ mod tests {
     }
 
     #[test]
-    fn the_percent_limits_ejections_but_one_may_always_go() {
-        // 3 endpoints at Envoy's default 10%: one, not two.
-        assert!(may_eject(0, 3, 10));
-        assert!(!may_eject(1, 3, 10));
+    fn the_percent_limits_ejections() {
+        // Envoy's default 10%: none of 3 endpoints (33%), one of 10.
+        assert!(!may_eject(0, 3, 10));
+        assert!(may_eject(0, 10, 10) && !may_eject(1, 10, 10));
+        // 34% of 3: one.
+        assert!(may_eject(0, 3, 34));
         // 50% of 3: one (33%), not two (67%).
         assert!(may_eject(0, 3, 50));
         assert!(!may_eject(1, 3, 50));
