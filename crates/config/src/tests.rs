@@ -1251,7 +1251,11 @@ fn circuit_breaker_and_outlier_detection_are_validated_by_line() {
         24,
         "max_request",
     );
-    assert!(d.hint.starts_with("did you mean `max_requests`?"), "{}", d.hint);
+    assert!(
+        d.hint.starts_with("did you mean `max_requests`?"),
+        "{}",
+        d.hint
+    );
     let d = only(
         &guarded("    outlier_detection:\n      max_ejection_percent: 150\n"),
         9,
@@ -1266,7 +1270,9 @@ fn circuit_breaker_and_outlier_detection_are_validated_by_line() {
         "is zero",
     );
     let d = only(
-        &guarded("    outlier_detection: { consecutive_5xx: 0, consecutive_connect_failures: 0 }\n"),
+        &guarded(
+            "    outlier_detection: { consecutive_5xx: 0, consecutive_connect_failures: 0 }\n",
+        ),
         8,
         5,
         "every threshold is 0",
@@ -1278,5 +1284,9 @@ fn circuit_breaker_and_outlier_detection_are_validated_by_line() {
         26,
         "consecutive_5xxx",
     );
-    assert!(d.hint.starts_with("did you mean `consecutive_5xx`?"), "{}", d.hint);
+    assert!(
+        d.hint.starts_with("did you mean `consecutive_5xx`?"),
+        "{}",
+        d.hint
+    );
 }

@@ -121,7 +121,9 @@ impl RuleProgram {
                     json_str(&c.protocol),
                     endpoints.join(", "),
                     describe_breaker(&c.breaker),
-                    c.outlier.as_ref().map_or_else(|| "off".into(), describe_outlier),
+                    c.outlier
+                        .as_ref()
+                        .map_or_else(|| "off".into(), describe_outlier),
                 ]
             })
             .collect();

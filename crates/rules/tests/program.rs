@@ -690,7 +690,10 @@ clusters:
             .unwrap_or_else(|| panic!("no row for {endpoint} in\n{text}"))
             .to_owned()
     };
-    let header = text.lines().find(|l| l.contains("circuit breaker")).unwrap();
+    let header = text
+        .lines()
+        .find(|l| l.contains("circuit breaker"))
+        .unwrap();
     assert!(header.contains("outlier detection"), "{header}");
     let api = row("127.0.0.1:9001");
     assert!(
@@ -702,9 +705,18 @@ clusters:
         "{api}"
     );
     let plain = row("127.0.0.1:9002");
-    assert!(plain.contains("retries 3") && plain.trim_end().ends_with("off"), "{plain}");
+    assert!(
+        plain.contains("retries 3") && plain.trim_end().ends_with("off"),
+        "{plain}"
+    );
     let json = program.to_json();
     assert_eq!(json["clusters"][0]["circuit_breaker"]["max_requests"], 50);
-    assert_eq!(json["clusters"][0]["outlier_detection"]["base_ejection_time"], "10s");
-    assert_eq!(json["clusters"][1]["outlier_detection"], serde_json::Value::Null);
+    assert_eq!(
+        json["clusters"][0]["outlier_detection"]["base_ejection_time"],
+        "10s"
+    );
+    assert_eq!(
+        json["clusters"][1]["outlier_detection"],
+        serde_json::Value::Null
+    );
 }

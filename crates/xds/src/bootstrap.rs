@@ -1051,12 +1051,8 @@ fn cluster(v: Value, path: &str) -> Result<Cluster> {
 }
 
 /// An optional whole number as protobuf's wrapper.
-fn wrapped_u32(
-    o: &mut Obj,
-    key: &str,
-) -> Result<Option<UInt32Value>> {
-    Ok(o.u32(key)?
-        .map(|value| UInt32Value { value }))
+fn wrapped_u32(o: &mut Obj, key: &str) -> Result<Option<UInt32Value>> {
+    Ok(o.u32(key)?.map(|value| UInt32Value { value }))
 }
 
 /// A cluster's `circuit_breakers`; which thresholds flatmesh honours is decided in

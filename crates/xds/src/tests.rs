@@ -1496,11 +1496,15 @@ fn circuit_breakers_and_outlier_detection_import_from_envoy() {
     };
     let e = refused("    outlier_detection: { enforcing_consecutive_5xx: 50 }");
     assert!(
-        e.contains("outlier_detection.enforcing_consecutive_5xx") && e.contains("neither 0 nor 100"),
+        e.contains("outlier_detection.enforcing_consecutive_5xx")
+            && e.contains("neither 0 nor 100"),
         "{e}"
     );
     let e = refused("    outlier_detection: { enforcing_success_rate: 100 }");
-    assert!(e.contains("enforcing_success_rate") && e.contains("not supported"), "{e}");
+    assert!(
+        e.contains("enforcing_success_rate") && e.contains("not supported"),
+        "{e}"
+    );
     let e = refused("    outlier_detection: { success_rate_stdev_factor: 1900 }");
     assert!(e.contains("success_rate_stdev_factor"), "{e}");
     let e = refused("    outlier_detection: { max_ejection_time: 10s }");
@@ -1508,7 +1512,10 @@ fn circuit_breakers_and_outlier_detection_import_from_envoy() {
     let e = refused("    outlier_detection: { always_eject_one_host: true }");
     assert!(e.contains("always_eject_one_host"), "{e}");
     let e = refused("    circuit_breakers: { thresholds: [ {}, { max_requests: 5 } ] }");
-    assert!(e.contains("thresholds[1]") && e.contains("second threshold"), "{e}");
+    assert!(
+        e.contains("thresholds[1]") && e.contains("second threshold"),
+        "{e}"
+    );
     let e = refused("    circuit_breakers: { thresholds: [ { max_connection_pools: 5 } ] }");
     assert!(e.contains("max_connection_pools"), "{e}");
     let e = refused("    circuit_breakers: { per_host_thresholds: [ { max_connections: 5 } ] }");
@@ -1542,7 +1549,10 @@ clusters:
     assert_eq!(thresholds.len(), 1);
     assert_eq!(thresholds[0].priority, 0);
     assert_eq!(thresholds[0].max_requests, Some(UInt32Value { value: 7 }));
-    assert_eq!(thresholds[0].max_connections, Some(UInt32Value { value: 1024 }));
+    assert_eq!(
+        thresholds[0].max_connections,
+        Some(UInt32Value { value: 1024 })
+    );
     let od = served.outlier_detection.as_ref().unwrap();
     assert!(od.split_external_local_origin_errors);
     assert_eq!(
