@@ -7,6 +7,7 @@
 //! times (1–2 s) and phases that take a few milliseconds of local requests, so the bounds
 //! are generous. The ejection-time arithmetic itself is tested on the paused clock in
 //! `crates/proxy/src/resilience/outlier.rs`.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

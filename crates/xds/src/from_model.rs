@@ -172,10 +172,10 @@ fn outlier_detection(o: &model::OutlierDetection) -> OutlierDetection {
         consecutive_gateway_failure: value(o.consecutive_gateway_errors),
         enforcing_consecutive_gateway_failure: enforcing(o.consecutive_gateway_errors),
         split_external_local_origin_errors: split,
-        consecutive_local_origin_failure: split.then(|| UInt32Value {
+        consecutive_local_origin_failure: split.then_some(UInt32Value {
             value: o.consecutive_connect_failures,
         }),
-        enforcing_consecutive_local_origin_failure: split.then(|| UInt32Value { value: 100 }),
+        enforcing_consecutive_local_origin_failure: split.then_some(UInt32Value { value: 100 }),
         interval: Some(duration(o.interval)),
         base_ejection_time: Some(duration(o.base_ejection_time)),
         max_ejection_percent: value(o.max_ejection_percent),
