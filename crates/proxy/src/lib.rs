@@ -37,6 +37,7 @@ mod listener;
 pub mod logging;
 mod metrics;
 mod node;
+mod resilience;
 mod snapshot;
 mod sniff;
 mod tap;

@@ -13,6 +13,7 @@ use http::HeaderName;
 use crate::error::ProxyError;
 use crate::lb::HashTable;
 use crate::metrics::{ClusterStats, ListenerStats, Metrics, RequestStats, Series, WorkerCounter};
+use crate::resilience::ClusterGuard;
 use crate::tls::{ClusterTlsPlan, ListenerTlsPlan};
 
 pub struct Snapshot {
@@ -70,6 +71,8 @@ pub struct ClusterPlan {
     pub stats: Arc<ClusterStats>,
     /// The node originates TLS to the endpoints (`tls:`).
     pub tls: Option<Arc<ClusterTlsPlan>>,
+    /// The cluster's circuit breaker and outlier detection, shared by every worker.
+    pub guard: ClusterGuard,
 }
 
 impl Snapshot {
@@ -138,6 +141,7 @@ impl Snapshot {
                     hash_header,
                     connect_timeout,
                     stats: series.cluster(metrics, &c.name),
+                    guard: metrics.resilience.guard(c),
                 })
             })
             .collect::<Result<Vec<_>, ProxyError>>()?;

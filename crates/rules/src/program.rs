@@ -48,6 +48,10 @@ pub struct ClusterInfo {
     /// The node originates TLS to the endpoints (`tls:`), so only the user tier can carry
     /// bytes to them.
     pub tls: bool,
+    /// The circuit breaker in force (the proxy enforces it; shown by `--explain`).
+    pub breaker: flatmesh_config::CircuitBreaker,
+    /// Outlier detection, if on (the proxy runs it; shown by `--explain`).
+    pub outlier: Option<flatmesh_config::OutlierDetection>,
 }
 
 /// One listener's table.
@@ -244,6 +248,8 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
             endpoints: c.endpoints.clone(),
             hash_on: c.hash_on.as_ref().map(|h| h.header.clone()),
             tls: c.tls.is_some(),
+            breaker: c.breaker(),
+            outlier: c.outlier_detection.clone(),
         });
     }
     let mut listener_ids = HashMap::new();

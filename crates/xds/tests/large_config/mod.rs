@@ -23,6 +23,8 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
             hash_on: None,
             connect_timeout: None,
             tls: None,
+            circuit_breaker: None,
+            outlier_detection: None,
         });
         let mut r: model::Route = serde_json::from_value(serde_json::json!({
             "match": { "path": { "prefix": format!("/svc-{i}/") } }, "cluster": name
