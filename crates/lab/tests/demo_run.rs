@@ -29,5 +29,15 @@ fn demo_runs_clean_through_the_node_proxy() -> Result<(), flatmesh_lab::LabError
         .as_ref()
         .ok_or_else(|| flatmesh_lab::LabError::Internal("the report has no TCP row".into()))?;
     assert!(tcp.requests > 10 && tcp.errors == 0, "{report}");
+    // The mTLS part: every caller got what its identity should get (checked by problems()
+    // above), and the four of them are in the report with their identities.
+    let callers: Vec<_> = report.mtls.iter().map(|r| r.caller).collect();
+    assert_eq!(callers, ["frontend", "intruder", "stranger", "anonymous"]);
+    assert!(report.mtls.iter().all(|r| r.ok), "{report}");
+    assert_eq!(report.mtls[1].got, "403", "{report}");
+    assert!(
+        text.contains("spiffe://demo.local/ns/shop/sa/intruder"),
+        "{text}"
+    );
     Ok(())
 }

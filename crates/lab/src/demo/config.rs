@@ -34,7 +34,9 @@ pub struct Backends {
 ///   `^/v[0-9]+/items` GET → 90/10 split between `api` and `canary` (h2c upstream);
 ///   `/healthz` → direct 200 "ok"; anything else → the proxy's 404.
 /// - `echo` (tcp): → the echo service.
-pub fn node_config_yaml(backends: &Backends) -> String {
+///
+/// `extra_listeners` (YAML list items, e.g. the mTLS part's `secure` listener) go after those.
+pub fn node_config_yaml(backends: &Backends, extra_listeners: &str) -> String {
     let Backends {
         api_1,
         api_2,
@@ -64,7 +66,7 @@ listeners:
     address: 127.0.0.1:0
     protocol: tcp
     cluster: echo
-clusters:
+{extra_listeners}clusters:
   - name: api
     lb: round_robin
     endpoints: [ {api_1}, {api_2} ]
@@ -78,9 +80,12 @@ clusters:
 }
 
 /// The built-in node config, parsed and validated like any config file.
-pub fn node_config(backends: &Backends) -> Result<Config, LabError> {
-    flatmesh_config::parse(&node_config_yaml(backends), "built-in demo config")
-        .map_err(|e| LabError::BuiltinConfig(e.to_string()))
+pub fn node_config(backends: &Backends, extra_listeners: &str) -> Result<Config, LabError> {
+    flatmesh_config::parse(
+        &node_config_yaml(backends, extra_listeners),
+        "built-in demo config",
+    )
+    .map_err(|e| LabError::BuiltinConfig(e.to_string()))
 }
 
 /// The HTTP requests the demo sends, one target per route (round robin across them).
@@ -159,7 +164,7 @@ mod tests {
 
     #[test]
     fn builtin_config_is_valid_and_has_what_the_demo_needs() -> Result<(), LabError> {
-        let config = node_config(&backends())?;
+        let config = node_config(&backends(), "")?;
         assert_eq!(config.admin.address.tcp().map(|a| a.port()), Some(0));
         let names: Vec<_> = config.listeners.iter().map(|l| l.name.as_str()).collect();
         assert_eq!(names, [WEB_LISTENER, ECHO_LISTENER]);
@@ -171,7 +176,7 @@ mod tests {
 
     #[test]
     fn every_target_has_an_expectation_and_a_route_name() -> Result<(), LabError> {
-        let config = node_config(&backends())?;
+        let config = node_config(&backends(), "")?;
         let expectations = expectations().routes;
         let route_names: Vec<_> = config.listeners[0]
             .routes

@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod load;
+pub mod mtls;
 pub mod report;
 pub mod run;
 pub mod services;

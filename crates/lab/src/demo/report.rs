@@ -10,6 +10,7 @@ use comfy_table::{CellAlignment, Table};
 use hdrhistogram::Histogram;
 
 use crate::demo::load::{Results, TargetResult};
+use crate::demo::mtls::MtlsRow;
 
 /// Least slack allowed between an observed and an expected share (absolute, 3 points).
 pub const MIN_SHARE_TOLERANCE: f64 = 0.03;
@@ -271,6 +272,8 @@ pub struct Report {
     pub http: Vec<Row>,
     pub tcp: Option<Row>,
     pub balances: Vec<BalanceRow>,
+    /// The mTLS part: each caller's identity and what it got (`crate::demo::mtls`).
+    pub mtls: Vec<MtlsRow>,
 }
 
 impl Report {
@@ -300,6 +303,7 @@ impl Report {
                 .iter()
                 .map(|b| BalanceRow::new(b, results))
                 .collect(),
+            mtls: Vec::new(),
         }
     }
 
@@ -316,7 +320,33 @@ impl Report {
             }
             check_shares(&name, &balance.shares, balance.answered, &mut out);
         }
+        for row in self.mtls.iter().filter(|r| !r.ok) {
+            out.push(format!(
+                "mTLS caller {} ({}): expected {}, got {}",
+                row.caller, row.presents, row.expected, row.got
+            ));
+        }
         out
+    }
+
+    /// The mTLS part as a comfy-table: who called, as whom, and what it got.
+    pub fn mtls_table(&self) -> Table {
+        let mut table = Table::new();
+        table.load_style(UTF8_FULL_CONDENSED).set_header(vec![
+            "mTLS caller",
+            "presents (SPIFFE ID)",
+            "expected",
+            "got",
+        ]);
+        for row in &self.mtls {
+            table.add_row(vec![
+                row.caller.to_string(),
+                row.presents.clone(),
+                row.expected.clone(),
+                row.got.clone(),
+            ]);
+        }
+        table
     }
 
     /// The report as a comfy-table.
@@ -348,6 +378,9 @@ impl Report {
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{}", self.table())?;
+        if !self.mtls.is_empty() {
+            writeln!(f, "{}", self.mtls_table())?;
+        }
         for balance in &self.balances {
             writeln!(
                 f,

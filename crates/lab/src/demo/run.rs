@@ -15,6 +15,7 @@ use tokio::time::Instant;
 
 use crate::demo::config::{self, Backends, ECHO_LISTENER, WEB_LISTENER};
 use crate::demo::load::{self, Live, Plan, TcpPlan};
+use crate::demo::mtls::{Pki, SECURE_LISTENER};
 use crate::demo::report::Report;
 use crate::demo::services::DemoServices;
 use crate::LabError;
@@ -88,12 +89,16 @@ pub fn run(options: &Options) -> Result<Report, LabError> {
         .build()
         .map_err(LabError::Runtime)?;
     let services = runtime.block_on(DemoServices::start())?;
-    let config = config::node_config(&Backends {
-        api_1: services.api_1,
-        api_2: services.api_2,
-        canary: services.canary,
-        echo: services.echo,
-    })?;
+    let pki = Pki::create()?;
+    let config = config::node_config(
+        &Backends {
+            api_1: services.api_1,
+            api_2: services.api_2,
+            canary: services.canary,
+            echo: services.echo,
+        },
+        &pki.listener_yaml("api"),
+    )?;
 
     let node = flatmesh_proxy::Node::start(config, flatmesh_proxy::ConfigSource::Inline)
         .map_err(|e| LabError::NodeStart(e.to_string()))?;
@@ -103,13 +108,16 @@ pub fn run(options: &Options) -> Result<Report, LabError> {
     let echo = node
         .listener_addr(ECHO_LISTENER)
         .ok_or(LabError::MissingListener(ECHO_LISTENER))?;
+    let secure = node
+        .listener_addr(SECURE_LISTENER)
+        .ok_or(LabError::MissingListener(SECURE_LISTENER))?;
     // The demo's own config puts the admin endpoint on loopback TCP.
     let admin = node
         .admin_addr()
         .tcp()
         .ok_or_else(|| LabError::NodeStart("the demo's admin endpoint is not on TCP".into()))?;
     eprintln!(
-        "flatmesh demo: node proxy up: web http://{web}  echo tcp {echo}  admin http://{admin}/metrics"
+        "flatmesh demo: node proxy up: web http://{web}  echo tcp {echo}  secure https://{secure} (mTLS)  admin http://{admin}/metrics"
     );
     eprintln!(
         "flatmesh demo: backends api-1 {}  api-2 {}  canary {} (h2c)  echo {}",
@@ -129,11 +137,16 @@ pub fn run(options: &Options) -> Result<Report, LabError> {
     };
     let results = runtime.block_on(async {
         wait_ready(admin, READY_TIMEOUT).await?;
-        drive(&plan, options.progress).await
+        let results = drive(&plan, options.progress).await?;
+        // The mTLS part: four callers, one call each.
+        Ok::<_, LabError>((results, pki.calls(secure).await))
     });
     node.shutdown();
     drop(services);
-    Ok(Report::new(&results?, &config::expectations()))
+    let (results, mtls) = results?;
+    let mut report = Report::new(&results, &config::expectations());
+    report.mtls = mtls;
+    Ok(report)
 }
 
 /// Poll the admin `/ready` endpoint until it answers 200, for at most `within`.
