@@ -309,11 +309,22 @@ fn listener_addresses_unique() {
     // A wildcard address takes the port on every address.
     let yaml = two_tcp("a", "b").replace("127.0.0.1:8081", "0.0.0.0:8080");
     only(&yaml, 7, 14, "clashes with listener `a`");
-    // Port 0 lets the OS pick, so two of them do not clash.
+    // Port 0 lets the OS pick, so two of them do not clash on the port...
+    let yaml = two_tcp("a", "b")
+        .replace("127.0.0.1:8080", "127.0.0.1:0")
+        .replace("127.0.0.1:8081", "127.0.0.2:0");
+    assert!(parse(&yaml, "t.yaml").is_ok());
+    // ...but the node tells listeners apart by address and protocol: two tcp listeners on
+    // 127.0.0.1:0 would be one.
     let yaml = two_tcp("a", "b")
         .replace(":8080", ":0")
         .replace(":8081", ":0");
-    assert!(parse(&yaml, "t.yaml").is_ok());
+    only(
+        &yaml,
+        7,
+        14,
+        "is the same as listener `a`'s, with the same protocol",
+    );
 }
 
 #[test]

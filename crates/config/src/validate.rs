@@ -409,6 +409,22 @@ impl Checker<'_> {
                 ),
                 "give each listener its own port".into(),
             );
+        } else if let Some(first) = config.listeners[..i].iter().position(|other| {
+            address.port() == 0
+                && other.address == address
+                && other.protocol == config.listeners[i].protocol
+        }) {
+            // The node tells its listeners apart by address and protocol; two that share both
+            // (port 0 included) would be one listener.
+            self.report_duplicate(
+                path,
+                format!("listeners[{first}].address"),
+                format!(
+                    "listener address {address} is the same as listener `{}`'s, with the same protocol: the node tells listeners apart by address and protocol, so they would be one",
+                    config.listeners[first].name
+                ),
+                "give one of them another IP (127.0.0.2:0) or a port of its own".into(),
+            );
         } else if config
             .admin
             .address
@@ -1272,7 +1288,8 @@ impl Checker<'_> {
 
 /// Two listen addresses clash when they share a port and either the same IP or
 /// an unspecified one (0.0.0.0 / [::] takes the port on every address).
-/// Port 0 asks the OS for a free port, so it never clashes.
+/// Port 0 asks the OS for a free port, so it never clashes (but see `listener_address`: two
+/// listeners of one protocol on the same port-0 address would be one).
 fn addresses_clash(a: SocketAddr, b: SocketAddr) -> bool {
     a.port() != 0
         && a.port() == b.port()
