@@ -5,6 +5,9 @@
 //! they hold: the identities placed on them or granted to them, and nothing of another node's.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+use common::{Scratch, ADDRESSES, APP, CLUSTER};
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,21 +20,6 @@ use flatmesh_xds::client::{Apply, Client, Protocol};
 use flatmesh_xds::identities::{self, IdentityOptions};
 use flatmesh_xds::secure::ChannelSecurity;
 
-const CLUSTER: &str = r#"
-name: lab
-server_types:
-  Small:
-    host:     {core: beefy, cores: 2, memory_mb: 4096, idle_watts: 83, peak_watts: 201, cost_usd: 4500, bandwidth_gbps: 0}
-    smartnic: {core: wimpy, cores: 1, memory_mb: 1024, idle_watts: 15, peak_watts: 21, cost_usd: 150, bandwidth_gbps: 10}
-    smartnic_count: 1
-racks:
-  - name: r0
-    servers: [{type: Small, count: 2}]
-"#;
-
-const APP: &str =
-    "name: shop\nrps: 1000\nreplicas: 0\nstages: [{name: kvs, microservice: KVS, shards: 1}]\n";
-const ADDRESSES: &str = "nodes: { r0-s0/host: 127.0.0.1, r0-s0/nic0: 127.0.0.2, r0-s1/host: 127.0.0.3, r0-s1/nic0: 127.0.0.4 }\nservices: { shop/kvs: 9100 }\n";
 const STATE: &str = "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    routes: [ { cluster: shop/kvs } ]\nclusters:\n  - { name: shop/kvs, endpoints: [] }\n";
 
 /// HCM puts the only KVS instance on the first SmartNIC.
@@ -39,28 +27,6 @@ const KVS_NODE: &str = "r0-s0/nic0";
 const KVS_ID: &str = "spiffe://mesh.test/ns/shop/sa/kvs";
 /// Granted to the first host in the tokens file.
 const FRONT_ID: &str = "spiffe://mesh.test/ns/shop/sa/front";
-
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(test: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("fm-ca-{test}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-    fn write(&self, name: &str, text: &str) -> PathBuf {
-        let path = self.0.join(name);
-        std::fs::write(&path, text).unwrap();
-        path
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn token_of(node: &str) -> String {
     format!("token-of-{}", node.replace('/', "-"))
@@ -135,6 +101,45 @@ fn identity_options(
     }
 }
 
+/// A control center serving on its own runtime.
+struct Running {
+    rt: tokio::runtime::Runtime,
+    server: String,
+    stop: tokio::sync::oneshot::Sender<()>,
+    served: tokio::task::JoinHandle<flatmesh_control::Result<()>>,
+}
+
+impl Running {
+    fn start(center: ControlCenter) -> Running {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+        let served = rt.spawn(center.run(
+            async {
+                let _ = stop_rx.await;
+            },
+            Some(bound_tx),
+        ));
+        let server = rt.block_on(bound_rx).unwrap().to_string();
+        Running {
+            rt,
+            server,
+            stop,
+            served,
+        }
+    }
+
+    /// Stops the server and checks that it ended cleanly.
+    fn stop(self) {
+        self.stop.send(()).unwrap();
+        self.rt.block_on(self.served).unwrap().unwrap();
+    }
+}
+
 #[derive(Clone, Default)]
 struct Recorder(Arc<parking_lot::Mutex<u64>>);
 
@@ -158,20 +163,8 @@ fn nodes_get_certificates_only_for_the_identities_they_hold_over_an_authenticate
     let dir = Scratch::new("holds");
     let (center, ca_dir) = control_center(&dir);
     let stats = center.ca_stats().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
-    let served = rt.spawn(center.run(
-        async {
-            let _ = stop_rx.await;
-        },
-        Some(bound_tx),
-    ));
-    let server = rt.block_on(bound_rx).unwrap().to_string();
+    let running = Running::start(center);
+    let (rt, server) = (&running.rt, running.server.clone());
     let ca_pem = ca_dir.join("ca.pem");
     let out = dir.0.join("identities");
 
@@ -333,28 +326,15 @@ fn nodes_get_certificates_only_for_the_identities_they_hold_over_an_authenticate
 
     rt.block_on(client.stop());
     rt.block_on(refused_client.stop());
-    stop_tx.send(()).unwrap();
-    rt.block_on(served).unwrap().unwrap();
+    running.stop();
 }
 
 #[test]
 fn after_a_root_rotation_new_certificates_come_from_the_new_root_with_both_roots_trusted() {
     let dir = Scratch::new("rotation");
     let (center, ca_dir) = control_center(&dir);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
-    let served = rt.spawn(center.run(
-        async {
-            let _ = stop_rx.await;
-        },
-        Some(bound_tx),
-    ));
-    let server = rt.block_on(bound_rx).unwrap().to_string();
+    let running = Running::start(center);
+    let (rt, server) = (&running.rt, running.server.clone());
     let ca_pem = ca_dir.join("ca.pem");
     let old_roots = flatmesh_identity::ca::load_certificates(&ca_pem).unwrap();
     let out = dir.0.join("identities");
@@ -385,6 +365,5 @@ fn after_a_root_rotation_new_certificates_come_from_the_new_root_with_both_roots
     assert_eq!(bundle[0], new_root);
     assert_eq!(bundle[1], old_roots[0]);
 
-    stop_tx.send(()).unwrap();
-    rt.block_on(served).unwrap().unwrap();
+    running.stop();
 }

@@ -7,6 +7,9 @@
 //! crates/flatmesh/tests/xds_control.rs, with a real node and traffic.)
 #![allow(clippy::unwrap_used)]
 
+mod common;
+use common::{Scratch, ADDRESSES, APP, CLUSTER};
+
 use std::net::{SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -20,53 +23,8 @@ use flatmesh_control::serve::{ControlCenter, Options, OrchestratorOptions, Place
 use flatmesh_xds::client::{Apply, Client, Protocol};
 use parking_lot::Mutex;
 
-const CLUSTER: &str = r#"
-name: lab
-server_types:
-  Small:
-    host:     {core: beefy, cores: 2, memory_mb: 4096, idle_watts: 83, peak_watts: 201, cost_usd: 4500, bandwidth_gbps: 0}
-    smartnic: {core: wimpy, cores: 1, memory_mb: 1024, idle_watts: 15, peak_watts: 21, cost_usd: 150, bandwidth_gbps: 10}
-    smartnic_count: 1
-racks:
-  - name: r0
-    servers: [{type: Small, count: 2}]
-"#;
-
-const APP: &str = r#"
-name: shop
-rps: 1000
-replicas: 0
-stages: [{name: kvs, microservice: KVS, shards: 1}]
-"#;
-
-/// Topology order: per server its host, then its SmartNIC; the index is the heartbeat's node.
-const ADDRESSES: &str = "nodes: { r0-s0/host: 127.0.0.1, r0-s0/nic0: 127.0.0.2, r0-s1/host: 127.0.0.3, r0-s1/nic0: 127.0.0.4 }\nservices: { shop/kvs: 9100 }\n";
-
 fn state(listener: &str) -> String {
     format!("listeners:\n  - name: {listener}\n    address: 127.0.0.1:8080\n    protocol: http\n    routes: [ {{ match: {{ path: {{ prefix: /kvs/ }} }}, cluster: shop/kvs }} ]\nclusters:\n  - {{ name: shop/kvs, lb: least_request, endpoints: [] }}\n")
-}
-
-/// A scratch directory of this test's own, removed on drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(test: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("fm-control-{test}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-    fn write(&self, name: &str, text: &str) -> PathBuf {
-        let path = self.0.join(name);
-        std::fs::write(&path, text).unwrap();
-        path
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// Node `i`'s heartbeat key.
