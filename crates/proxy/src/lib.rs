@@ -27,6 +27,7 @@ mod dispatch;
 mod error;
 mod h1;
 mod h2;
+mod hbone;
 mod idle;
 mod kernel;
 mod l7;

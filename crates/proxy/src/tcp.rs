@@ -21,7 +21,7 @@ use flatmesh_rules::ClusterId;
 
 /// Counts the bytes read through a socket, so totals are known even when the relay ends in error.
 #[derive(Default)]
-struct ByteCount(u64);
+pub(crate) struct ByteCount(pub(crate) u64);
 
 impl Tap for ByteCount {
     fn on_read(&mut self, bytes: &[u8]) {
@@ -30,7 +30,7 @@ impl Tap for ByteCount {
 }
 
 /// Make dropping the socket send a RST instead of a FIN.
-fn reset_on_close(stream: &TcpStream) {
+pub(crate) fn reset_on_close(stream: &TcpStream) {
     let _ = socket2::SockRef::from(stream).set_linger(Some(std::time::Duration::ZERO));
 }
 
@@ -120,6 +120,10 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: Stream) {
             reset_on_close(downstream.tcp());
             return;
         }
+    }
+    // A tunnel cluster carries the connection as a CONNECT stream (crate::hbone).
+    if snap.clusters[cid].tunnel.is_some() {
+        return crate::hbone::client::relay(&ctx, &view, lid, cid, downstream).await;
     }
     // The in-flight guard lives as long as the connection: least_request counts connections.
     let Some((up, _in_flight)) = connect_upstream(&ctx, &view, &listener.name, cid).await else {

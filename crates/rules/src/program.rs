@@ -48,6 +48,8 @@ pub struct ClusterInfo {
     /// The node originates TLS to the endpoints (`tls:`), so only the user tier can carry
     /// bytes to them.
     pub tls: bool,
+    /// The node tunnels each connection to the endpoints (`tunnel: hbone`).
+    pub tunnel: bool,
 }
 
 /// One listener's table.
@@ -69,6 +71,14 @@ pub enum TableKind {
     Tcp(TcpRule),
     /// L7: routes in order, first match wins.
     Http(HttpTable),
+    /// HBONE tunnels in: each CONNECT stream goes to the destination it names.
+    Hbone(HboneRule),
+}
+
+/// An hbone listener's one rule: deliver each stream to its (allowed) destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HboneRule {
+    pub placement: Placement,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -221,7 +231,7 @@ impl RuleProgram {
     pub fn tcp_cluster(&self, listener: ListenerId) -> Option<ClusterId> {
         match &self.listeners.get(listener)?.kind {
             TableKind::Tcp(rule) => Some(rule.cluster),
-            TableKind::Http(_) => None,
+            TableKind::Http(_) | TableKind::Hbone(_) => None,
         }
     }
 }
@@ -244,6 +254,7 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
             endpoints: c.endpoints.clone(),
             hash_on: c.hash_on.as_ref().map(|h| h.header.clone()),
             tls: c.tls.is_some(),
+            tunnel: c.tunnel.is_some(),
         });
     }
     let mut listener_ids = HashMap::new();
@@ -258,6 +269,9 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
         let kind = match l.protocol {
             ListenerProtocol::Tcp => TableKind::Tcp(compile_tcp(l, &cluster_ids)?),
             ListenerProtocol::Http => TableKind::Http(compile_http(l, &cluster_ids)?),
+            ListenerProtocol::Hbone => TableKind::Hbone(HboneRule {
+                placement: UNPLACED,
+            }),
         };
         listeners.push(ListenerTable {
             name: l.name.clone(),

@@ -279,6 +279,8 @@ fn add_missing_clusters(config: &mut model::Config) {
             hash_on: None,
             connect_timeout: None,
             tls: None,
+            tunnel: None,
+            tunnel_port: None,
         });
     }
 }
@@ -521,6 +523,7 @@ fn listener(
             path_with_escaped_slashes_action: options.escaped_slashes,
             tls,
             authorization: options.authorization.take(),
+            hbone: None,
         }))
     } else if any.type_url == TcpProxy::type_url() {
         let mut tcp: TcpProxy = unpack(any, &at_filter)?;
@@ -565,6 +568,7 @@ fn listener(
             path_with_escaped_slashes_action: None,
             tls,
             authorization: network_rbac,
+            hbone: None,
         }))
     } else {
         Err(XdsError::resource(
@@ -1393,6 +1397,8 @@ fn cluster(
         hash_on: None,
         connect_timeout,
         tls,
+        tunnel: None,
+        tunnel_port: None,
     })
 }
 

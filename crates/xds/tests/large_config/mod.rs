@@ -23,6 +23,8 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
             hash_on: None,
             connect_timeout: None,
             tls: None,
+            tunnel: None,
+            tunnel_port: None,
         });
         let mut r: model::Route = serde_json::from_value(serde_json::json!({
             "match": { "path": { "prefix": format!("/svc-{i}/") } }, "cluster": name
@@ -41,6 +43,7 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
         normalize_path: None,
         tls: None,
         authorization: None,
+        hbone: None,
         merge_slashes: None,
         path_with_escaped_slashes_action: None,
     });
