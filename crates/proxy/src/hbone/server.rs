@@ -247,14 +247,16 @@ async fn admit(
                 format!("HBONE destination {destination} refused the connection: {err}"),
             ))
         }
-        Err(_) => return Err((
-            StatusCode::SERVICE_UNAVAILABLE,
-            "connect_timeout",
-            format!(
+        Err(_) => {
+            return Err((
+                StatusCode::SERVICE_UNAVAILABLE,
+                "connect_timeout",
+                format!(
                 "HBONE destination {destination} did not accept within limits.connect_timeout ({})",
                 flatmesh_config::duration::format(&timeout)
             ),
-        )),
+            ))
+        }
     };
     Ok((up, slot, buffers, destination))
 }
