@@ -1261,7 +1261,8 @@ fn a_tunnel_cluster_needs_tls_and_only_tcp_listeners_use_it() {
             "listeners:\n  - name: app\n    address: 127.0.0.1:9000\n    protocol: tcp\n    cluster: remote\nclusters:\n{cluster}"
         )
     };
-    let tls = "tls: { ca: ca.pem, cert: n.pem, key: n.key, server_ids: [ spiffe://td/ns/mesh/sa/node ] }";
+    let tls =
+        "tls: { ca: ca.pem, cert: n.pem, key: n.key, server_ids: [ spiffe://td/ns/mesh/sa/node ] }";
     let ok = parse(
         &tcp(&format!(
             "  - {{ name: remote, endpoints: [ 10.0.0.7:80 ], tunnel: hbone, tunnel_port: 15009, {tls} }}\n"

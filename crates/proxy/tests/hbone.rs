@@ -57,12 +57,25 @@ fn node_a(
     tunnel_port: u16,
     me: &str,
 ) -> TestNode {
+    node_a_with(pki, listen, endpoint, tunnel_port, me, "")
+}
+
+/// [`node_a`] with `limits` (the inside of a YAML flow map) for node A.
+fn node_a_with(
+    pki: &Pki,
+    listen: SocketAddr,
+    endpoint: SocketAddr,
+    tunnel_port: u16,
+    me: &str,
+    limits: &str,
+) -> TestNode {
     let id = pki.issue("node-a", me);
     let ca = pki.ca_file();
     TestNode::start(&format!(
         r#"
 admin: {admin}
 workers: 1
+limits: {{ {limits} }}
 listeners:
   - name: app
     address: {listen}
@@ -159,6 +172,60 @@ async fn many_connections_ride_one_tunnel_connection_to_the_echo_backend() {
         );
     }
     b.assert_alive("after the tunnel").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_tunnel_connection_makes_node_a_open_another() {
+    let pki = Pki::new();
+    let echo = TcpBackend::start(TcpMode::Echo).await;
+    let (a_listen, b_listen) = (free_addr(), free_addr());
+    let b = node_b(&pki, b_listen, WEB, "");
+    // Two streams per tunnel connection: five open connections need three.
+    let a = node_a_with(
+        &pki,
+        a_listen,
+        echo.addr,
+        b_listen.port(),
+        WEB,
+        "http2_max_concurrent_streams: 2",
+    );
+    let mut held = Vec::new();
+    for i in 0..5u8 {
+        let mut s = TcpStream::connect(a_listen).await.unwrap();
+        s.write_all(&[i; 3]).await.unwrap();
+        let mut back = [0u8; 3];
+        tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut back))
+            .await
+            .expect("echoed in time")
+            .unwrap();
+        assert_eq!(back, [i; 3]);
+        held.push(s);
+    }
+    assert_eq!(
+        metric(
+            &b,
+            "flatmesh_downstream_connections_total",
+            &["listener=\"tunnel\""]
+        )
+        .await,
+        3.0
+    );
+    assert_eq!(
+        metric(
+            &a,
+            "flatmesh_upstream_connections_total",
+            &["cluster=\"remote\""]
+        )
+        .await,
+        3.0
+    );
+    // Every held connection still relays both ways.
+    for (i, s) in held.iter_mut().enumerate() {
+        s.write_all(b"again").await.unwrap();
+        let mut back = [0u8; 5];
+        s.read_exact(&mut back).await.unwrap();
+        assert_eq!(&back, b"again", "connection {i}");
+    }
 }
 
 /// An HTTP/2 client over mutual TLS to B's listener, presenting `me`: an HBONE peer without

@@ -546,9 +546,15 @@ fn hbone_listeners_and_tunnel_clusters_stay_in_the_user_tier_and_say_why() {
     assert_eq!(k.tcp_verdict(1), Some(Verdict::Host(Reason::Tunnel)));
     assert_eq!(p.tcp_cluster(0), None);
     let text = p.explain();
-    assert!(text.contains("listener 0 `in` hbone 127.0.0.1:15008"), "{text}");
+    assert!(
+        text.contains("listener 0 `in` hbone 127.0.0.1:15008"),
+        "{text}"
+    );
     assert!(text.contains("its cluster tunnels (HBONE"), "{text}");
-    assert!(text.contains("an hbone listener: its CONNECT streams"), "{text}");
+    assert!(
+        text.contains("an hbone listener: its CONNECT streams"),
+        "{text}"
+    );
     let json = p.to_json();
     assert_eq!(json["listeners"][0]["protocol"], "hbone");
 }
