@@ -34,14 +34,11 @@ impl Destination {
                     mask(network, prefix)
                 ));
             }
-            return Ok(Destination::Block { network, prefix });
+            return Ok(Destination::block(network, prefix));
         }
         if let Ok(ip) = text.parse::<IpAddr>() {
             let prefix = if ip.is_ipv4() { 32 } else { 128 };
-            return Ok(Destination::Block {
-                network: ip,
-                prefix,
-            });
+            return Ok(Destination::block(ip, prefix));
         }
         match text.parse::<SocketAddr>() {
             Ok(addr) if addr.port() != 0 => Ok(Destination::Exact(addr)),
@@ -49,6 +46,19 @@ impl Destination {
             Err(_) => Err(format!(
                 "`{text}` is neither an address block (10.0.0.0/8), an IP (10.0.0.1) nor an IP:PORT (10.0.0.1:8080)"
             )),
+        }
+    }
+
+    /// A block, an IPv4-mapped IPv6 one (`::ffff:10.0.0.0/104`) as the IPv4 block it is, since
+    /// destinations are matched as IPv4 when they are mapped. (A mapped network's prefix is at
+    /// least 96: its `ffff` bits are set.)
+    fn block(network: IpAddr, prefix: u8) -> Destination {
+        match canonical(network) {
+            IpAddr::V4(v4) if network.is_ipv6() => Destination::Block {
+                network: IpAddr::V4(v4),
+                prefix: prefix.saturating_sub(96),
+            },
+            _ => Destination::Block { network, prefix },
         }
     }
 
@@ -125,6 +135,9 @@ mod tests {
         assert!(allows("[::1]:9", "[::1]:9"));
         // A mapped IPv4 address is its IPv4 address.
         assert!(allows("127.0.0.0/8", "[::ffff:127.0.0.1]:80"));
+        assert!(allows("::ffff:127.0.0.1", "127.0.0.1:80"));
+        assert!(allows("::ffff:10.0.0.0/104", "10.9.9.9:80"));
+        assert!(!allows("::ffff:10.0.0.0/104", "11.0.0.1:80"));
         assert!(DEFAULT_DESTINATIONS
             .iter()
             .any(|d| d.allows("127.0.0.1:5".parse().unwrap())));

@@ -53,11 +53,13 @@ pub use node::{ConfigSource, Node};
 pub use tls::check_files as check_tls_files;
 
 /// What the fuzz targets in `crates/proxy/fuzz` exercise: the HTTP/1 head analysis and
-/// upstream head writer, the chunked-body parser and the trailer filter. Not an API for
+/// upstream head writer, the chunked-body parser, the trailer filter and HBONE's
+/// `:authority` parser. Not an API for
 /// anything else.
 pub mod fuzz {
     pub use crate::h1::chunked::ChunkedParser;
     pub use crate::h1::head::{analyze_request, write_request_head, MAX_HEADERS};
+    pub use crate::hbone::authority::parse as hbone_authority;
     pub use crate::trailers::{filter_section, line_goes_on};
 
     /// The first listener of a config, served in process (cargo-fuzz builds with
