@@ -171,12 +171,6 @@ impl StreamCounts {
     pub fn refused(&self, reason: &'static str) {
         *self.refused.lock().entry(reason).or_default() += 1;
     }
-
-    /// How many were refused for `reason`.
-    #[cfg(test)]
-    pub fn refused_for(&self, reason: &str) -> u64 {
-        self.refused.lock().get(reason).copied().unwrap_or(0)
-    }
 }
 
 /// The two stream families of one side: `{prefix}streams` and `{prefix}streams_refused`.

@@ -73,17 +73,6 @@ impl TunnelPlan {
         }
     }
 
-    /// Tunnel connections open to `peer` on `worker` (for tests and status).
-    #[cfg(test)]
-    pub fn connections(&self, worker: usize, peer: SocketAddr) -> usize {
-        self.pool.lock().get(&(worker, peer)).map_or(0, |conns| {
-            conns
-                .iter()
-                .filter(|c| !c.closed.load(Ordering::Relaxed))
-                .count()
-        })
-    }
-
     /// A pooled connection to `peer` with room for one more stream, its room taken.
     fn pooled(&self, worker: usize, peer: SocketAddr) -> Option<(Pooled, Slot)> {
         let mut pool = self.pool.lock();
