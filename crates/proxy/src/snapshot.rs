@@ -72,8 +72,9 @@ pub struct ClusterPlan {
     pub stats: Arc<ClusterStats>,
     /// The node originates TLS to the endpoints (`tls:`).
     pub tls: Option<Arc<ClusterTlsPlan>>,
-    /// The node tunnels each connection to the endpoints' nodes (`tunnel: hbone`).
-    pub tunnel: Option<crate::hbone::client::TunnelPlan>,
+    /// The node tunnels each connection to the endpoints' nodes on this port (`tunnel: hbone`
+    /// and `tunnel_port`); the connections are the worker's (`crate::hbone::pool`).
+    pub tunnel_port: Option<u16>,
 }
 
 impl Snapshot {
@@ -134,15 +135,11 @@ impl Snapshot {
                     )?)),
                     None => None,
                 };
-                let tunnel = c.tunnel.map(|_| {
-                    crate::hbone::client::TunnelPlan::new(
-                        c.tunnel_port.unwrap_or(flatmesh_config::HBONE_PORT),
-                        &config.limits,
-                    )
-                });
                 Ok(ClusterPlan {
                     tls,
-                    tunnel,
+                    tunnel_port: c
+                        .tunnel
+                        .map(|_| c.tunnel_port.unwrap_or(flatmesh_config::HBONE_PORT)),
                     name: c.name.clone(),
                     authorities,
                     table: HashTable::build(c.lb, &endpoints),

@@ -14,9 +14,9 @@ use tokio::net::TcpStream;
 use super::stream::H2Stream;
 use super::Refusal;
 use crate::context::ConnContext;
+use crate::relay::{copy_until_idle, reset_on_close, ByteCount, Relay, RelayEnd};
 use crate::snapshot::{ListenerPlan, Snapshot};
 use crate::tap::Tapped;
-use crate::tcp::{copy_until_idle, reset_on_close, ByteCount, Relay, RelayEnd};
 
 /// What every stream of one tunnel connection shares.
 struct Tunnel {
