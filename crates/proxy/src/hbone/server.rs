@@ -27,7 +27,7 @@ struct Tunnel {
     /// The peer's authorization, decided once (its principal is the connection's) and
     /// counted for each stream.
     authz: Option<flatmesh_rules::AuthzDecision>,
-    /// Streams being relayed now.
+    /// Streams being admitted or relayed now.
     open: AtomicUsize,
 }
 
@@ -107,6 +107,10 @@ async fn stream_task(
     request: http::Request<h2::RecvStream>,
     mut respond: h2::server::SendResponse<Bytes>,
 ) {
+    // The connection is not idle while a stream is admitted (a connect may take a while) or
+    // relayed.
+    tunnel.open.fetch_add(1, Ordering::Relaxed);
+    let _open = OpenStream(&tunnel.open);
     let plan = tunnel.plan();
     let worker = tunnel.ctx.worker;
     let authority = request
@@ -132,7 +136,6 @@ async fn stream_task(
         }
     };
     plan.stats.hbone.opened.add_shared(worker, 1);
-    tunnel.open.fetch_add(1, Ordering::Relaxed);
     let _ = up.set_nodelay(true);
     let mut from_peer = Tapped {
         inner: H2Stream::new(send, request.into_body()),
@@ -152,11 +155,19 @@ async fn stream_task(
             reset_on_close(&to_destination.inner);
         }
     }
-    tunnel.open.fetch_sub(1, Ordering::Relaxed);
     plan.stats.bytes_in.add_shared(worker, from_peer.tap.0);
     plan.stats
         .bytes_out
         .add_shared(worker, to_destination.tap.0);
+}
+
+/// A stream counted in [`Tunnel::open`] until it is dropped.
+struct OpenStream<'a>(&'a AtomicUsize);
+
+impl Drop for OpenStream<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 type Refused = (StatusCode, Refusal, String);
