@@ -80,7 +80,7 @@ type ClusterDef struct {
 	Name    string   `json:"name"`
 	Lb      string   `json:"lb"`
 	Static  []string `json:"static"`
-	Outlier bool     `json:"outlier"` // sets outlier_detection, which flatmesh must NACK
+	Unsupported bool `json:"unsupported"` // sets upstream_connection_options, which flatmesh must NACK
 }
 
 type EndpointDef struct {
@@ -189,8 +189,8 @@ func build(s Snapshot) map[resource.Type][]types.Resource {
 		if c.Lb != "" {
 			cl.LbPolicy = cluster.Cluster_LbPolicy(cluster.Cluster_LbPolicy_value[c.Lb])
 		}
-		if c.Outlier {
-			cl.OutlierDetection = &cluster.OutlierDetection{}
+		if c.Unsupported {
+			cl.UpstreamConnectionOptions = &cluster.UpstreamConnectionOptions{}
 		}
 		if c.Static != nil {
 			cl.ClusterDiscoveryType = &cluster.Cluster_Type{Type: cluster.Cluster_STATIC}

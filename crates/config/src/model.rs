@@ -666,6 +666,113 @@ pub struct Cluster {
     /// The port the endpoints' nodes accept tunnels on; default [`HBONE_PORT`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tunnel_port: Option<u16>,
+    /// Limits on what the node sends the cluster at once (Envoy's `circuit_breakers`);
+    /// absent: the defaults of [`CircuitBreaker`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub circuit_breaker: Option<CircuitBreaker>,
+    /// Ejects endpoints that keep failing (Envoy's `outlier_detection`); absent: off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outlier_detection: Option<OutlierDetection>,
+}
+
+impl Cluster {
+    /// The circuit breaker in force: the configured one, else the defaults.
+    pub fn breaker(&self) -> CircuitBreaker {
+        self.circuit_breaker.clone().unwrap_or_default()
+    }
+}
+
+/// A cluster's circuit breaker, per node (all workers together). Each limit has Envoy's
+/// meaning and default; a request over one is answered 503 at once, never queued.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CircuitBreaker {
+    /// Open connections to all endpoints of the cluster.
+    #[serde(default = "default_breaker_limit")]
+    pub max_connections: u32,
+    /// Requests waiting for a new connection to the cluster to open.
+    #[serde(default = "default_breaker_limit")]
+    pub max_pending: u32,
+    /// Requests outstanding to the cluster.
+    #[serde(default = "default_breaker_limit")]
+    pub max_requests: u32,
+    /// Retries outstanding to the cluster; a retry over it is not made.
+    #[serde(default = "default_breaker_retries")]
+    pub max_retries: u32,
+}
+
+fn default_breaker_limit() -> u32 {
+    1024
+}
+fn default_breaker_retries() -> u32 {
+    3
+}
+
+impl Default for CircuitBreaker {
+    fn default() -> Self {
+        CircuitBreaker {
+            max_connections: default_breaker_limit(),
+            max_pending: default_breaker_limit(),
+            max_requests: default_breaker_limit(),
+            max_retries: default_breaker_retries(),
+        }
+    }
+}
+
+/// A cluster's outlier detection, with Envoy's semantics: an endpoint with N consecutive
+/// failures of one kind is ejected for `base_ejection_time` × the times it has been ejected;
+/// no more than `max_ejection_percent` of the endpoints are out at once. A threshold of 0
+/// turns that kind off.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutlierDetection {
+    /// Consecutive 5xx answers (and failures to get one: reset, timeout, no connection).
+    #[serde(default = "default_consecutive_5xx")]
+    pub consecutive_5xx: u32,
+    /// Consecutive 502/503/504 answers (and failures to get one); off by default, as
+    /// Envoy enforces none of them by default.
+    #[serde(default)]
+    pub consecutive_gateway_errors: u32,
+    /// Consecutive connections that could not be opened.
+    #[serde(default = "default_consecutive_5xx")]
+    pub consecutive_connect_failures: u32,
+    /// How often an endpoint that stays in has its ejection count lowered by one.
+    #[serde(default = "default_outlier_interval", with = "crate::duration")]
+    pub interval: Duration,
+    /// An ejection lasts this × the number of times the endpoint has been ejected.
+    #[serde(default = "default_base_ejection_time", with = "crate::duration")]
+    pub base_ejection_time: Duration,
+    /// The most of the cluster's endpoints, in percent, that may be out at once. As in Envoy,
+    /// an ejection that would pass it is not made: the default 10% ejects nothing in a
+    /// cluster of fewer than ten endpoints.
+    #[serde(default = "default_max_ejection_percent")]
+    pub max_ejection_percent: u32,
+}
+
+fn default_consecutive_5xx() -> u32 {
+    5
+}
+fn default_outlier_interval() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_base_ejection_time() -> Duration {
+    Duration::from_secs(30)
+}
+fn default_max_ejection_percent() -> u32 {
+    10
+}
+
+impl Default for OutlierDetection {
+    fn default() -> Self {
+        OutlierDetection {
+            consecutive_5xx: default_consecutive_5xx(),
+            consecutive_gateway_errors: 0,
+            consecutive_connect_failures: default_consecutive_5xx(),
+            interval: default_outlier_interval(),
+            base_ejection_time: default_base_ejection_time(),
+            max_ejection_percent: default_max_ejection_percent(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]

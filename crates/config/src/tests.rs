@@ -1195,6 +1195,102 @@ fn upgrades_are_protocol_names_on_forwarding_routes() {
     );
 }
 
+/// One tcp listener to cluster `c`, whose settings start on line 8.
+fn guarded(settings: &str) -> String {
+    format!(
+        "listeners:\n  - name: t\n    address: 127.0.0.1:7000\n    protocol: tcp\n    cluster: c\nclusters:\n  - name: c\n{settings}    endpoints: [127.0.0.1:9001]\n"
+    )
+}
+
+#[test]
+fn circuit_breaker_and_outlier_detection_parse_with_envoy_s_defaults() {
+    let config = parse(
+        &guarded("    circuit_breaker: { max_requests: 5 }\n    outlier_detection: { consecutive_5xx: 2, base_ejection_time: 1s }\n"),
+        "t.yaml",
+    )
+    .unwrap();
+    let c = &config.clusters[0];
+    assert_eq!(
+        c.breaker(),
+        CircuitBreaker {
+            max_connections: 1024,
+            max_pending: 1024,
+            max_requests: 5,
+            max_retries: 3,
+        }
+    );
+    assert_eq!(
+        c.outlier_detection,
+        Some(OutlierDetection {
+            consecutive_5xx: 2,
+            consecutive_gateway_errors: 0,
+            consecutive_connect_failures: 5,
+            interval: std::time::Duration::from_secs(10),
+            base_ejection_time: std::time::Duration::from_secs(1),
+            max_ejection_percent: 10,
+        })
+    );
+    // Without the keys: the breaker's defaults, no outlier detection.
+    let plain = parse(&guarded(""), "t.yaml").unwrap();
+    assert_eq!(plain.clusters[0].breaker(), CircuitBreaker::default());
+    assert_eq!(plain.clusters[0].outlier_detection, None);
+}
+
+#[test]
+fn circuit_breaker_and_outlier_detection_are_validated_by_line() {
+    let d = only(
+        &guarded("    circuit_breaker: { max_requests: 0 }\n"),
+        8,
+        38,
+        "max_requests is 0",
+    );
+    assert!(d.hint.contains("default is 1024"), "{}", d.hint);
+    let d = only(
+        &guarded("    circuit_breaker: { max_request: 10 }\n"),
+        8,
+        24,
+        "max_request",
+    );
+    assert!(
+        d.hint.starts_with("did you mean `max_requests`?"),
+        "{}",
+        d.hint
+    );
+    let d = only(
+        &guarded("    outlier_detection:\n      max_ejection_percent: 150\n"),
+        9,
+        29,
+        "cannot pass 100",
+    );
+    assert!(d.hint.contains("0 to 100"), "{}", d.hint);
+    only(
+        &guarded("    outlier_detection: { base_ejection_time: 0s }\n"),
+        8,
+        46,
+        "is zero",
+    );
+    let d = only(
+        &guarded(
+            "    outlier_detection: { consecutive_5xx: 0, consecutive_connect_failures: 0 }\n",
+        ),
+        8,
+        5,
+        "every threshold is 0",
+    );
+    assert!(d.hint.contains("consecutive_5xx"), "{}", d.hint);
+    let d = only(
+        &guarded("    outlier_detection: { consecutive_5xxx: 3 }\n"),
+        8,
+        26,
+        "consecutive_5xxx",
+    );
+    assert!(
+        d.hint.starts_with("did you mean `consecutive_5xx`?"),
+        "{}",
+        d.hint
+    );
+}
+
 /// An hbone listener with mutual TLS, then `rest` (indented by 4); `rest` starts on line 6.
 fn hbone(rest: &str) -> String {
     format!(

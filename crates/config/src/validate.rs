@@ -1100,6 +1100,62 @@ impl Checker<'_> {
                 self.cluster_tls(&format!("{at}.tls"), tls);
             }
             self.cluster_tunnel(&at, cluster);
+            if let Some(breaker) = &cluster.circuit_breaker {
+                self.circuit_breaker(&format!("{at}.circuit_breaker"), breaker);
+            }
+            if let Some(outlier) = &cluster.outlier_detection {
+                self.outlier_detection(&format!("{at}.outlier_detection"), outlier);
+            }
+        }
+    }
+
+    /// A limit of 0 would answer every request with an overflow; `max_retries: 0` is a
+    /// meaningful "no retries".
+    fn circuit_breaker(&mut self, at: &str, breaker: &crate::CircuitBreaker) {
+        for (key, value) in [
+            ("max_connections", breaker.max_connections),
+            ("max_pending", breaker.max_pending),
+            ("max_requests", breaker.max_requests),
+        ] {
+            if value == 0 {
+                self.report(
+                    format!("{at}.{key}"),
+                    Target::Value,
+                    format!("{at}.{key} is 0: every request would be refused as an overflow"),
+                    "set a positive limit (the default is 1024), or remove the key".into(),
+                );
+            }
+        }
+    }
+
+    fn outlier_detection(&mut self, at: &str, outlier: &crate::OutlierDetection) {
+        self.positive_duration(&format!("{at}.interval"), outlier.interval);
+        self.positive_duration(
+            &format!("{at}.base_ejection_time"),
+            outlier.base_ejection_time,
+        );
+        if outlier.max_ejection_percent > 100 {
+            self.report(
+                format!("{at}.max_ejection_percent"),
+                Target::Value,
+                format!(
+                    "{at}.max_ejection_percent is {}: a share of the endpoints cannot pass 100",
+                    outlier.max_ejection_percent
+                ),
+                "write a percentage from 0 to 100 (the default is 10)".into(),
+            );
+        }
+        if outlier.consecutive_5xx == 0
+            && outlier.consecutive_gateway_errors == 0
+            && outlier.consecutive_connect_failures == 0
+        {
+            self.report(
+                at.to_owned(),
+                Target::Key,
+                "outlier detection is on but every threshold is 0, so no endpoint is ever ejected"
+                    .into(),
+                "set `consecutive_5xx`, `consecutive_gateway_errors` or `consecutive_connect_failures` above 0, or remove `outlier_detection`".into(),
+            );
         }
     }
 

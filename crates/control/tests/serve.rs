@@ -89,6 +89,7 @@ fn keys_file(dir: &Scratch) -> PathBuf {
 fn options(dir: &Scratch, addresses: &str, step_command: Option<PathBuf>) -> Options {
     Options {
         listen: "127.0.0.1:0".parse().unwrap(),
+        ca: None,
         state: Some(dir.write("state.yaml", &state("web"))),
         placement: Some(PlacementOptions {
             cluster: dir.write("cluster.yaml", CLUSTER).display().to_string(),
@@ -209,6 +210,7 @@ fn control_center_serves_the_placement_and_the_orchestrator_moves_it() {
                 node_id: "node-1".into(),
                 node_cluster: "node-1".into(),
                 protocol: Protocol::Sotw,
+                security: Default::default(),
             },
             flatmesh_xds::bootstrap::empty_config(),
             node.clone(),

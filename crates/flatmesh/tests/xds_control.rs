@@ -198,7 +198,11 @@ impl Agent {
 }
 
 fn workdir() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("xds-control");
+    workdir_named("xds-control")
+}
+
+fn workdir_named(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
@@ -421,4 +425,189 @@ fn control_refuses_incomplete_addresses_and_names_what_is_missing() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(stderr.contains("--addresses"), "{stderr}");
+}
+
+fn run_ok(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_flatmesh"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "flatmesh {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// `200 BODY` from GET / over TLS on `addr`, verifying that the server presents `server_id`
+/// (a certificate of the bundle `ca_pem`).
+fn get_tls(addr: SocketAddr, ca_pem: &Path, server_id: &str) -> Result<String, String> {
+    let bundle = flatmesh_identity::TrustBundle::load(ca_pem).map_err(|e| e.to_string())?;
+    let config = flatmesh_identity::tls::client_config(
+        None,
+        &bundle,
+        vec![flatmesh_identity::IdPattern::parse(server_id).unwrap()],
+        &[b"http/1.1"],
+    )
+    .map_err(|e| e.to_string())?;
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let connection = rustls::ClientConnection::new(config, name).map_err(|e| e.to_string())?;
+    let tcp =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
+    tcp.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut tls = rustls::StreamOwned::new(connection, tcp);
+    tls.write_all(b"GET /x HTTP/1.1\r\nhost: shop.local\r\nconnection: close\r\n\r\n")
+        .map_err(|e| e.to_string())?;
+    let mut text = String::new();
+    // A TLS peer that closes without close_notify is an error to rustls; the answer is complete.
+    let _ = tls.read_to_string(&mut text);
+    let status = text.split(' ').nth(1).ok_or("no answer")?;
+    let body = text.split_once("\r\n\r\n").ok_or("no body")?.1;
+    Ok(format!("{status} {body}"))
+}
+
+/// The control center as CA, from the command line: `flatmesh ca init` and `ca token`, a
+/// control center with `--ca-dir`/`--node-tokens`, and a node that gets the identity placed on
+/// it over the TLS channel (`--xds-ca`, `--bootstrap-token`, `--identity`) and presents it on
+/// its TLS listener. A node asking for an identity that is not placed on it does not start, and
+/// says why.
+#[test]
+fn a_node_presents_the_identity_the_control_center_placed_on_it() {
+    let dir = workdir_named("control-ca");
+    let path = |name: &str| dir.join(name).display().to_string();
+    run_ok(&[
+        "ca",
+        "init",
+        "--trust-domain",
+        "mesh.test",
+        "--dir",
+        &path("ca"),
+    ]);
+    let printed = run_ok(&["ca", "token", "--node", "r0-s0/nic0"]);
+    let lines: Vec<&str> = printed.lines().filter(|l| !l.starts_with('#')).collect();
+    let [token, entry] = lines.as_slice() else {
+        panic!("`ca token` printed {printed}")
+    };
+    std::fs::write(dir.join("token"), token).unwrap();
+    std::fs::write(dir.join("node-tokens.yaml"), format!("{entry}\n")).unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(
+        dir.join("node-tokens.yaml"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+
+    let backend_listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let backend_addr = backend_listener.local_addr().unwrap();
+    backend(backend_listener, "kvs");
+    let addresses: String = NODES
+        .iter()
+        .map(|(id, ip)| format!("  {id}: {}.{}.{}.{}\n", ip[0], ip[1], ip[2], ip[3]))
+        .collect();
+    std::fs::write(dir.join("cluster.yaml"), CLUSTER).unwrap();
+    std::fs::write(dir.join("app.yaml"), APP).unwrap();
+    std::fs::write(
+        dir.join("addresses.yaml"),
+        format!("nodes:\n{addresses}services: {{ shop/kvs: 9100 }}\n"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("state.yaml"),
+        "clusters: [ { name: shop/kvs, endpoints: [] } ]\n",
+    )
+    .unwrap();
+    let xds = format!("127.0.0.1:{}", free_port());
+    let control_log = dir.join("control.log");
+    let _control = flatmesh(
+        &[
+            "control",
+            "--listen",
+            &xds,
+            "--state",
+            &path("state.yaml"),
+            "--cluster",
+            &path("cluster.yaml"),
+            "--app",
+            &path("app.yaml"),
+            "--addresses",
+            &path("addresses.yaml"),
+            "--ca-dir",
+            &path("ca"),
+            "--node-tokens",
+            &path("node-tokens.yaml"),
+            "--cert-ttl",
+            "1h",
+        ],
+        &control_log,
+    );
+    let web = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let ids = dir.join("ids");
+    std::fs::write(
+        dir.join("node.yaml"),
+        format!(
+            "admin: {{ address: 127.0.0.1:{admin} }}\nlisteners:\n  - name: web\n    address: {web}\n    protocol: http\n    tls: {{ cert: {ids}/ns.shop.sa.kvs.pem, key: {ids}/ns.shop.sa.kvs.key }}\n    routes: [ {{ cluster: local }} ]\nclusters:\n  - {{ name: local, endpoints: [ {backend_addr} ] }}\n",
+            admin = free_port(),
+            ids = ids.display()
+        ),
+    )
+    .unwrap();
+    let node_args = |identity: &str, ids: &str| -> Vec<String> {
+        [
+            "node",
+            "--xds",
+            &xds,
+            "--node-id",
+            "r0-s0/nic0",
+            "--xds-ca",
+            &path("ca/ca.pem"),
+            "--bootstrap-token",
+            &path("token"),
+            "--identity",
+            identity,
+            "--identity-dir",
+            ids,
+            "--config",
+            &path("node.yaml"),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let node_log = dir.join("node.log");
+    let args = node_args(
+        "spiffe://mesh.test/ns/shop/sa/kvs",
+        &ids.display().to_string(),
+    );
+    let _node = flatmesh(
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        &node_log,
+    );
+    let ca_pem = dir.join("ca/ca.pem");
+    wait_for(
+        "the node to serve TLS as spiffe://mesh.test/ns/shop/sa/kvs",
+        &[&control_log, &node_log],
+        || get_tls(web, &ca_pem, "spiffe://mesh.test/ns/shop/sa/kvs").is_ok_and(|a| a == "200 kvs"),
+    );
+    // The node presents that identity and no other: a client expecting another one refuses it.
+    let refused = get_tls(web, &ca_pem, "spiffe://mesh.test/ns/shop/sa/other").unwrap_err();
+    assert!(
+        refused.contains("not") || refused.contains("certificate"),
+        "{refused}"
+    );
+
+    // The same node asking for an identity placed nowhere near it gets nothing, and says why.
+    let out = Command::new(env!("CARGO_BIN_EXE_flatmesh"))
+        .args(node_args(
+            "spiffe://mesh.test/ns/shop/sa/payments",
+            &path("ids2"),
+        ))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("is not an identity placed on node `r0-s0/nic0`"),
+        "{stderr}"
+    );
+    assert!(!dir.join("ids2/ns.shop.sa.payments.key").exists());
 }

@@ -158,8 +158,9 @@ fn write_new(path: &Path, contents: &str, mode: u32) -> Result<(), IdentityError
         .map_err(|e| IdentityError::io(path, e))
 }
 
-/// Replaces `path` atomically (write a temporary file, then rename), with `mode`.
-fn replace(path: &Path, contents: &str, mode: u32) -> Result<(), IdentityError> {
+/// Replaces `path` atomically (write a temporary file, then rename), with `mode`: a reader
+/// sees the old file or the new one, never half of one.
+pub fn replace(path: &Path, contents: &str, mode: u32) -> Result<(), IdentityError> {
     let temporary = path.with_extension(format!("tmp-{}", std::process::id()));
     let _ = std::fs::remove_file(&temporary);
     write_new(&temporary, contents, mode).map_err(|e| match e {

@@ -129,6 +129,18 @@ pub fn certificate_request(id: &SpiffeId, key: &rcgen::KeyPair) -> Result<String
     Ok(params.serialize_request(key)?.pem()?)
 }
 
+/// A fresh ECDSA P-256 key and a request for `id` signed by it: (key PEM, CSR PEM).
+pub fn new_request(id: &SpiffeId) -> Result<(String, String), IdentityError> {
+    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+    let csr = certificate_request(id, &key)?;
+    Ok((key.serialize_pem(), csr))
+}
+
+/// When a certificate valid from `not_before` to `not_after` is renewed: half way through.
+pub fn half_life(not_before: SystemTime, not_after: SystemTime) -> SystemTime {
+    not_before + not_after.duration_since(not_before).unwrap_or_default() / 2
+}
+
 /// An identity this node presents: its certificate chain and private key.
 #[derive(Debug)]
 pub struct Svid {

@@ -123,6 +123,11 @@ impl Shared {
         }
     }
 
+    /// The config in force.
+    pub fn config_in_force(&self) -> flatmesh_config::Config {
+        (*self.state.lock().snapshot.config).clone()
+    }
+
     /// Validate, compile and swap in `config`. Nothing changes unless all of it succeeds.
     pub fn apply(&self, config: Config) -> Result<(), ProxyError> {
         let mut state = self.state.lock();

@@ -3,12 +3,17 @@
 //! Each worker owns its own `Balancer` per cluster (shared-nothing), so round-robin
 //! cursors and least-request counts are per worker, as in Envoy. Hash rings and Maglev
 //! tables are immutable and shared by all workers of a snapshot.
+//!
+//! Every policy skips the endpoints outlier detection has ejected (`crate::resilience`),
+//! unless all of them are: then it picks among all, as Envoy's panic threshold does.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use flatmesh_config::LbPolicy;
+
+use crate::resilience::{Outlier, Permit};
 
 /// Stable 64-bit hash (FNV-1a, then murmur3's finalizer to spread near-identical keys).
 pub fn hash64(bytes: &[u8]) -> u64 {
@@ -146,12 +151,23 @@ pub struct Balancer {
     cursor: AtomicUsize,
     in_flight: Arc<[AtomicU32]>,
     table: HashTable,
+    /// The cluster's outlier detection, if it has one (shared by the node's workers).
+    outlier: Option<Arc<Outlier>>,
 }
 
-/// Held while a request is outstanding; least_request counts it.
+/// Held while a request is outstanding; least_request counts it. It also holds the
+/// request's place in the cluster's circuit breaker, when the retry driver gives it one.
 pub struct InFlight {
     counts: Arc<[AtomicU32]>,
     index: usize,
+    permit: Option<Permit>,
+}
+
+impl InFlight {
+    /// Keeps `permit` for as long as the request is outstanding.
+    pub fn hold(&mut self, permit: Option<Permit>) {
+        self.permit = permit;
+    }
 }
 
 impl Drop for InFlight {
@@ -176,7 +192,14 @@ impl Balancer {
             in_flight,
             table: table.share(),
             endpoints,
+            outlier: None,
         }
+    }
+
+    /// Skips the endpoints `outlier` ejects.
+    pub fn with_outlier(mut self, outlier: Option<Arc<Outlier>>) -> Balancer {
+        self.outlier = outlier;
+        self
     }
 
     /// Pick an endpoint. `hash` is the request's hash key (ring_hash / maglev);
@@ -187,7 +210,41 @@ impl Balancer {
         if n == 0 {
             return None;
         }
-        let index = match self.policy {
+        let first = self.choose(hash, attempt, n);
+        let index = match &self.outlier {
+            // One load while nothing is ejected.
+            Some(outlier) if outlier.any_out() => {
+                let now = outlier.now();
+                // The policy's own next choices first (a round-robin cursor moves on, a
+                // random pick draws again, a hash walks the ring), then any endpoint that
+                // is in; none: panic routing, to the policy's first choice.
+                let all_out = || outlier.out() >= n && (0..n).all(|i| outlier.is_out(i, now));
+                if outlier.is_out(first, now) && !all_out() {
+                    (1..n)
+                        .map(|k| self.choose(hash, attempt + k, n))
+                        .chain(0..n)
+                        .find(|&i| !outlier.is_out(i, now))
+                        .unwrap_or(first)
+                } else {
+                    first
+                }
+            }
+            _ => first,
+        };
+        self.in_flight[index].fetch_add(1, Ordering::Relaxed);
+        Some((
+            index,
+            InFlight {
+                counts: self.in_flight.clone(),
+                index,
+                permit: None,
+            },
+        ))
+    }
+
+    /// The policy's choice among all `n` endpoints for the `attempt`th try.
+    fn choose(&self, hash: u64, attempt: usize, n: usize) -> usize {
+        match self.policy {
             LbPolicy::RoundRobin => self.cursor.fetch_add(1, Ordering::Relaxed) % n,
             LbPolicy::Random => rand::random_range(0..n),
             LbPolicy::LeastRequest => {
@@ -209,15 +266,7 @@ impl Balancer {
                 };
                 (base + attempt) % n
             }
-        };
-        self.in_flight[index].fetch_add(1, Ordering::Relaxed);
-        Some((
-            index,
-            InFlight {
-                counts: self.in_flight.clone(),
-                index,
-            },
-        ))
+        }
     }
 }
 
@@ -284,6 +333,45 @@ mod tests {
             moved < 2_000,
             "maglev moved {moved} of 10000 keys that did not need to move"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_policy_skips_ejected_endpoints_unless_all_are() {
+        use crate::resilience::{Outcome, Outlier};
+        let e = eps(3);
+        let config = flatmesh_config::OutlierDetection {
+            consecutive_5xx: 1,
+            max_ejection_percent: 100,
+            ..Default::default()
+        };
+        for policy in [
+            LbPolicy::RoundRobin,
+            LbPolicy::Random,
+            LbPolicy::LeastRequest,
+            LbPolicy::RingHash,
+            LbPolicy::Maglev,
+        ] {
+            let outlier = Outlier::new("c", &config, &e, Arc::default());
+            let b = Balancer::new(policy, e.clone(), &HashTable::build(policy, &e), 0)
+                .with_outlier(Some(outlier.clone()));
+            outlier.report(1, Outcome::Answered(503));
+            let mut counts = [0; 3];
+            for i in 0..300u64 {
+                counts[b.pick(hash64(&i.to_le_bytes()), 0).unwrap().0] += 1;
+            }
+            assert_eq!(
+                counts[1], 0,
+                "{policy:?} picked the ejected endpoint: {counts:?}"
+            );
+            assert!(counts[0] > 60 && counts[2] > 60, "{policy:?}: {counts:?}");
+            // All out: panic routing sends to all of them again.
+            outlier.report(0, Outcome::Answered(503));
+            outlier.report(2, Outcome::Answered(503));
+            let picked: std::collections::HashSet<usize> = (0..300u64)
+                .map(|i| b.pick(hash64(&i.to_le_bytes()), 0).unwrap().0)
+                .collect();
+            assert_eq!(picked.len(), 3, "{policy:?}: panic routing");
+        }
     }
 
     #[test]

@@ -355,6 +355,8 @@ pub struct Metrics {
     /// Connection, fd and memory budgets, and their refusals (`crate::limits`).
     pub budget: Arc<crate::limits::NodeBudget>,
     pub admin_refused: AdminRefused,
+    /// Circuit breakers and outlier detection of every cluster (`crate::resilience`).
+    pub resilience: crate::resilience::Registry,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -382,6 +384,7 @@ impl Metrics {
                 token: WorkerCounter::new(1),
                 busy: WorkerCounter::new(1),
             },
+            resilience: crate::resilience::Registry::default(),
         })
     }
 
@@ -444,6 +447,7 @@ impl Metrics {
         self.clusters
             .lock()
             .retain(|k, _| keep.clusters.contains(k));
+        self.resilience.retain(&keep.clusters);
         self.authz.lock().retain(|k, _| keep.authz.contains(k));
     }
 
@@ -676,6 +680,7 @@ impl Collector for Scrape {
             "Requests retried on another attempt",
             &retries,
         )?;
+        m.resilience.encode(&mut enc)?;
         tls_families(
             &mut enc,
             "flatmesh_upstream_tls_",

@@ -153,6 +153,13 @@ impl Node {
         result
     }
 
+    /// Applies the config in force again, re-reading the certificate and key files it names
+    /// (renewed on disk). A zero-drop swap like any reload: new connections present the new
+    /// certificates, open ones keep theirs.
+    pub fn reload_files(&self) -> Result<(), ProxyError> {
+        self.reload(self.shared.config_in_force())
+    }
+
     /// Stop accepting, let in-flight connections finish (up to 5 s), and stop every thread.
     pub fn shutdown(mut self) {
         self.stop_all();

@@ -13,6 +13,7 @@ use http::HeaderName;
 use crate::error::ProxyError;
 use crate::lb::HashTable;
 use crate::metrics::{ClusterStats, ListenerStats, Metrics, RequestStats, Series, WorkerCounter};
+use crate::resilience::ClusterGuard;
 use crate::tls::{ClusterTlsPlan, ListenerTlsPlan};
 
 pub struct Snapshot {
@@ -75,6 +76,8 @@ pub struct ClusterPlan {
     /// The node tunnels each connection to the endpoints' nodes on this port (`tunnel: hbone`
     /// and `tunnel_port`); the connections are the worker's (`crate::hbone::pool`).
     pub tunnel_port: Option<u16>,
+    /// The cluster's circuit breaker and outlier detection, shared by every worker.
+    pub guard: ClusterGuard,
 }
 
 impl Snapshot {
@@ -149,6 +152,7 @@ impl Snapshot {
                     hash_header,
                     connect_timeout,
                     stats: series.cluster(metrics, &c.name),
+                    guard: metrics.resilience.guard(c),
                 })
             })
             .collect::<Result<Vec<_>, ProxyError>>()?;

@@ -14,6 +14,7 @@ use crate::lb::{hash_client, InFlight};
 use crate::limits::{upstream_socket, SocketSlot};
 pub use crate::relay::{copy_until_idle, Relay, RelayEnd};
 use crate::relay::{reset_on_close, ByteCount};
+use crate::resilience::{Outcome, Overflow, Permit};
 use crate::tap::Tapped;
 use crate::tls::Stream;
 use flatmesh_rules::ClusterId;
@@ -186,11 +187,15 @@ async fn direct_one_way(
 pub struct Held {
     _in_flight: InFlight,
     _slot: SocketSlot,
+    /// Its place under the cluster's `circuit_breaker.max_connections`.
+    _counted: Permit,
 }
 
 /// Connects to an endpoint of cluster `cid`, picked by the worker's balancer for the client's
 /// address, and makes the cluster's TLS handshake when it has `tls:`. Tries each endpoint at
-/// most once (up to 3), so one dead endpoint does not fail the client.
+/// most once (up to 3), so one dead endpoint does not fail the client. The cluster's circuit
+/// breaker bounds the connections (`max_connections`) and those still opening
+/// (`max_pending`); its outlier detection hears of every connect's outcome.
 pub async fn connect_upstream(
     ctx: &ConnContext,
     view: &WorkerView,
@@ -204,6 +209,23 @@ pub async fn connect_upstream(
     for attempt in 0..tries {
         let (index, in_flight) = upstream.balancer.pick(key, attempt)?;
         let endpoint = plan.endpoints[index];
+        let breaker = &plan.guard.breaker;
+        let permits = breaker
+            .acquire(Overflow::Pending)
+            .and_then(|pending| Ok((pending, breaker.acquire(Overflow::Connections)?)));
+        let (pending, counted) = match permits {
+            Ok(permits) => permits,
+            Err(kind) => {
+                tracing::warn!(%listener, cluster = %plan.name, limit = kind.key(),
+                    "tcp connection refused: the cluster's circuit breaker is at its limit; raise circuit_breaker.{}", kind.key());
+                return None;
+            }
+        };
+        let report = |outcome| {
+            if let Some(outlier) = &plan.guard.outlier {
+                outlier.report(index, outcome);
+            }
+        };
         let slot = match upstream_socket() {
             Ok(slot) => slot,
             Err(err) => {
@@ -217,18 +239,22 @@ pub async fn connect_upstream(
                 Ok(Ok(stream)) => stream,
                 Ok(Err(err)) => {
                     plan.stats.connect_failures.add_shared(ctx.worker, 1);
+                    report(Outcome::ConnectFailed);
                     tracing::warn!(%listener, cluster = %plan.name, %endpoint, error = %err,
                     "tcp upstream connect failed; check that the endpoint is listening");
                     continue;
                 }
                 Err(_) => {
                     plan.stats.connect_failures.add_shared(ctx.worker, 1);
+                    report(Outcome::ConnectFailed);
                     tracing::warn!(%listener, cluster = %plan.name, %endpoint,
                     "tcp upstream connect timed out; check the endpoint or raise connect_timeout");
                     continue;
                 }
             };
         plan.stats.connections.add_shared(ctx.worker, 1);
+        report(Outcome::Connected);
+        drop(pending);
         let _ = stream.set_nodelay(true);
         let stream = match &plan.tls {
             None => Stream::Plain(stream),
@@ -242,6 +268,7 @@ pub async fn connect_upstream(
             Held {
                 _in_flight: in_flight,
                 _slot: slot,
+                _counted: counted,
             },
         ));
     }

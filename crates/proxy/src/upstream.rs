@@ -85,7 +85,8 @@ impl Upstreams {
                         plan.endpoints.clone(),
                         &plan.table,
                         worker,
-                    ),
+                    )
+                    .with_outlier(plan.guard.outlier.clone()),
                     pool,
                 }
             })

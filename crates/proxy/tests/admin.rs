@@ -62,8 +62,13 @@ clusters:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ready_config_and_rules() {
     let s = setup().await;
-    let (status, _) = s.proxy.admin_get("/ready").await;
+    let (status, ready) = s.proxy.admin_get("/ready").await;
     assert_eq!(status, StatusCode::OK);
+    // Where TLS runs, and why not in the kernel when it does not (these kernels lack CONFIG_TLS).
+    assert!(
+        ready.contains("kernel TLS: ") && ready.contains("rustls in user space"),
+        "{ready}"
+    );
 
     let config = s.proxy.config_json().await;
     let text = config.to_string();

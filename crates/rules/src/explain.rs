@@ -141,12 +141,24 @@ impl RuleProgram {
                     json_str(&c.lb),
                     json_str(&c.protocol),
                     endpoints.join(", "),
+                    describe_breaker(&c.breaker),
+                    c.outlier
+                        .as_ref()
+                        .map_or_else(|| "off".into(), describe_outlier),
                 ]
             })
             .collect();
         table(
             &mut out,
-            &["id", "name", "lb", "protocol", "endpoints"],
+            &[
+                "id",
+                "name",
+                "lb",
+                "protocol",
+                "endpoints",
+                "circuit breaker",
+                "outlier detection",
+            ],
             &rows,
         );
         out
@@ -360,6 +372,8 @@ impl RuleProgram {
                     "lb": c.lb,
                     "protocol": c.protocol,
                     "endpoints": c.endpoints.iter().map(|e| e.to_string()).collect::<Vec<_>>(),
+                    "circuit_breaker": c.breaker,
+                    "outlier_detection": c.outlier,
                 })
             })
             .collect();
@@ -533,4 +547,32 @@ fn explain_authz(out: &mut String, l: &crate::ListenerTable) {
     if !rows.is_empty() {
         table(out, &["#", "policy", "action", "when"], &rows);
     }
+}
+
+/// A circuit breaker in a table cell: `connections 1024, pending 1024, requests 1024, retries 3`.
+fn describe_breaker(b: &flatmesh_config::CircuitBreaker) -> String {
+    format!(
+        "connections {}, pending {}, requests {}, retries {}",
+        b.max_connections, b.max_pending, b.max_requests, b.max_retries
+    )
+}
+
+/// Outlier detection in a table cell: the kinds that eject, then the timing and the cap.
+fn describe_outlier(o: &flatmesh_config::OutlierDetection) -> String {
+    let kinds: Vec<String> = [
+        ("5xx", o.consecutive_5xx),
+        ("gateway errors", o.consecutive_gateway_errors),
+        ("connect failures", o.consecutive_connect_failures),
+    ]
+    .iter()
+    .filter(|(_, n)| *n > 0)
+    .map(|(what, n)| format!("{n} {what}"))
+    .collect();
+    format!(
+        "eject after {} in a row for {} x times ejected; at most {}% out; count decays every {}",
+        kinds.join(" or "),
+        duration::format(&o.base_ejection_time),
+        o.max_ejection_percent,
+        duration::format(&o.interval)
+    )
 }

@@ -50,6 +50,10 @@ pub struct ClusterInfo {
     pub tls: bool,
     /// The node tunnels each connection to the endpoints (`tunnel: hbone`).
     pub tunnel: bool,
+    /// The circuit breaker in force (the proxy enforces it; shown by `--explain`).
+    pub breaker: flatmesh_config::CircuitBreaker,
+    /// Outlier detection, if on (the proxy runs it; shown by `--explain`).
+    pub outlier: Option<flatmesh_config::OutlierDetection>,
 }
 
 /// One listener's table.
@@ -255,6 +259,8 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
             hash_on: c.hash_on.as_ref().map(|h| h.header.clone()),
             tls: c.tls.is_some(),
             tunnel: c.tunnel.is_some(),
+            breaker: c.breaker(),
+            outlier: c.outlier_detection.clone(),
         });
     }
     let mut listener_ids = HashMap::new();

@@ -700,3 +700,55 @@ fn an_http_listener_without_routes_answers_404_for_everything() {
     let p = compile(&routes("      []\n")).unwrap();
     assert_eq!(hit(&p, &Req::get("/")), None);
 }
+
+#[test]
+fn explain_shows_each_cluster_s_circuit_breaker_and_outlier_detection() {
+    let yaml = r#"
+listeners:
+  - { name: web, address: 127.0.0.1:8080, protocol: http, routes: [ { match: { path: { prefix: / } }, cluster: api } ] }
+clusters:
+  - name: api
+    endpoints: [ 127.0.0.1:9001 ]
+    circuit_breaker: { max_requests: 50 }
+    outlier_detection: { consecutive_5xx: 3, consecutive_connect_failures: 0, base_ejection_time: 10s, max_ejection_percent: 50 }
+  - { name: plain, endpoints: [ 127.0.0.1:9002 ] }
+"#;
+    let program = compile(&cfg(yaml)).unwrap();
+    let text = program.explain();
+    // A cluster's row is the one with its endpoint.
+    let row = |endpoint: &str| {
+        text.lines()
+            .find(|l| l.contains(endpoint))
+            .unwrap_or_else(|| panic!("no row for {endpoint} in\n{text}"))
+            .to_owned()
+    };
+    let header = text
+        .lines()
+        .find(|l| l.contains("circuit breaker"))
+        .unwrap();
+    assert!(header.contains("outlier detection"), "{header}");
+    let api = row("127.0.0.1:9001");
+    assert!(
+        api.contains("connections 1024, pending 1024, requests 50, retries 3"),
+        "{api}"
+    );
+    assert!(
+        api.contains("eject after 3 5xx in a row for 10s x times ejected; at most 50% out"),
+        "{api}"
+    );
+    let plain = row("127.0.0.1:9002");
+    assert!(
+        plain.contains("retries 3") && plain.trim_end().ends_with("off"),
+        "{plain}"
+    );
+    let json = program.to_json();
+    assert_eq!(json["clusters"][0]["circuit_breaker"]["max_requests"], 50);
+    assert_eq!(
+        json["clusters"][0]["outlier_detection"]["base_ejection_time"],
+        "10s"
+    );
+    assert_eq!(
+        json["clusters"][1]["outlier_detection"],
+        serde_json::Value::Null
+    );
+}

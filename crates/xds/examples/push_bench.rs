@@ -100,6 +100,7 @@ fn main() {
                 node_id: "bench".into(),
                 node_cluster: "bench".into(),
                 protocol,
+                security: Default::default(),
             };
             let mut base = flatmesh_xds::bootstrap::empty_config();
             base.admin = "127.0.0.1:0".parse().unwrap();

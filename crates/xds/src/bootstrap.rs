@@ -10,7 +10,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
+use envoy_types::pb::envoy::config::cluster::v3::{
+    circuit_breakers, cluster, CircuitBreakers, Cluster, OutlierDetection,
+};
 use envoy_types::pb::envoy::config::core::v3::{
     address, data_source, socket_address, transport_socket, Address, DataSource, HeaderValue,
     HeaderValueOption, Http1ProtocolOptions, Http2ProtocolOptions, SocketAddress, TransportSocket,
@@ -1038,8 +1040,84 @@ fn cluster(v: Value, path: &str) -> Result<Cluster> {
     if let Some(ts) = o.take("transport_socket") {
         c.transport_socket = Some(transport_socket(ts, &o.at("transport_socket"))?);
     }
+    if let Some(b) = o.obj("circuit_breakers")? {
+        c.circuit_breakers = Some(circuit_breakers(b)?);
+    }
+    if let Some(od) = o.obj("outlier_detection")? {
+        c.outlier_detection = Some(outlier_detection(od)?);
+    }
     o.finish()?;
     Ok(c)
+}
+
+/// An optional whole number as protobuf's wrapper.
+fn wrapped_u32(o: &mut Obj, key: &str) -> Result<Option<UInt32Value>> {
+    Ok(o.u32(key)?.map(|value| UInt32Value { value }))
+}
+
+/// A cluster's `circuit_breakers`; which thresholds flatmesh honours is decided in
+/// `crate::to_model`, as for xDS.
+fn circuit_breakers(mut o: Obj) -> Result<CircuitBreakers> {
+    use envoy_types::pb::envoy::config::core::v3::RoutingPriority;
+    let mut out = CircuitBreakers::default();
+    for (i, v) in o.list("thresholds")?.into_iter().enumerate() {
+        let mut t = Obj::new(v, &o.at(&format!("thresholds[{i}]")))?;
+        let priority = match t.string("priority")? {
+            None => RoutingPriority::Default,
+            Some(p) => RoutingPriority::from_str_name(&p).ok_or_else(|| {
+                XdsError::resource(
+                    t.at("priority"),
+                    format!("`{p}` is not a routing priority; use DEFAULT or HIGH"),
+                )
+            })?,
+        };
+        out.thresholds.push(circuit_breakers::Thresholds {
+            priority: priority as i32,
+            max_connections: wrapped_u32(&mut t, "max_connections")?,
+            max_pending_requests: wrapped_u32(&mut t, "max_pending_requests")?,
+            max_requests: wrapped_u32(&mut t, "max_requests")?,
+            max_retries: wrapped_u32(&mut t, "max_retries")?,
+            track_remaining: t.bool("track_remaining")?.unwrap_or(false),
+            ..Default::default()
+        });
+        t.finish()?;
+    }
+    o.finish()?;
+    Ok(out)
+}
+
+/// A cluster's `outlier_detection`: the fields of the kinds flatmesh runs; what they mean is
+/// decided in `crate::to_model`, as for xDS.
+fn outlier_detection(mut o: Obj) -> Result<OutlierDetection> {
+    let mut out = OutlierDetection {
+        consecutive_5xx: wrapped_u32(&mut o, "consecutive_5xx")?,
+        enforcing_consecutive_5xx: wrapped_u32(&mut o, "enforcing_consecutive_5xx")?,
+        consecutive_gateway_failure: wrapped_u32(&mut o, "consecutive_gateway_failure")?,
+        enforcing_consecutive_gateway_failure: wrapped_u32(
+            &mut o,
+            "enforcing_consecutive_gateway_failure",
+        )?,
+        split_external_local_origin_errors: o
+            .bool("split_external_local_origin_errors")?
+            .unwrap_or(false),
+        consecutive_local_origin_failure: wrapped_u32(&mut o, "consecutive_local_origin_failure")?,
+        enforcing_consecutive_local_origin_failure: wrapped_u32(
+            &mut o,
+            "enforcing_consecutive_local_origin_failure",
+        )?,
+        max_ejection_percent: wrapped_u32(&mut o, "max_ejection_percent")?,
+        enforcing_success_rate: wrapped_u32(&mut o, "enforcing_success_rate")?,
+        enforcing_failure_percentage: wrapped_u32(&mut o, "enforcing_failure_percentage")?,
+        ..Default::default()
+    };
+    out.interval = o.duration("interval")?;
+    out.base_ejection_time = o.duration("base_ejection_time")?;
+    out.max_ejection_time = o.duration("max_ejection_time")?;
+    out.always_eject_one_host = o
+        .bool("always_eject_one_host")?
+        .map(|value| BoolValue { value });
+    o.finish()?;
+    Ok(out)
 }
 
 fn http_protocol_options_of(o: &mut Obj) -> Result<HttpProtocolOptions> {

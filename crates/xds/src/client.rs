@@ -31,6 +31,7 @@ use crate::to_model::Translator;
 const MAX_MESSAGE: usize = 64 * 1024 * 1024;
 const BACKOFF_FIRST: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Which ADS form to speak.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +50,8 @@ pub struct Options {
     /// Sent as the node's `cluster` (some control planes key on it); defaults to the node id.
     pub node_cluster: String,
     pub protocol: Protocol,
+    /// TLS and the bootstrap token, when the control center asks for them.
+    pub security: crate::secure::ChannelSecurity,
 }
 
 /// Where translated configs go: the node proxy in production, anything in tests.
@@ -188,26 +191,14 @@ impl Session {
     async fn stream(&mut self) -> std::result::Result<bool, (bool, XdsError)> {
         let address = self.options.server.clone();
         self.status.lock().attempts += 1;
-        let endpoint = format!("http://{address}");
-        let channel = tonic::transport::Endpoint::from_shared(endpoint)
-            .map_err(|e| {
-                (
-                    false,
-                    XdsError::Connect {
-                        address: address.clone(),
-                        why: e.to_string(),
-                    },
-                )
-            })?
-            .connect_timeout(Duration::from_secs(2))
-            .connect()
+        let channel = crate::secure::connect(&address, &self.options.security, CONNECT_TIMEOUT)
             .await
-            .map_err(|e| {
+            .map_err(|why| {
                 (
                     false,
                     XdsError::Connect {
                         address: address.clone(),
-                        why: source_chain(&e),
+                        why,
                     },
                 )
             })?;
@@ -338,7 +329,13 @@ impl Session {
             }
         }
         let mut responses = client
-            .stream_aggregated_resources(ReceiverStream::new(rx))
+            .stream_aggregated_resources(
+                crate::secure::with_token(
+                    tonic::Request::new(ReceiverStream::new(rx)),
+                    &self.options.security,
+                )
+                .map_err(|e| self.stream_error(false, e))?,
+            )
             .await
             .map_err(|e| self.stream_error(false, e))?
             .into_inner();
@@ -479,7 +476,13 @@ impl Session {
             }
         }
         let mut responses = client
-            .delta_aggregated_resources(ReceiverStream::new(rx))
+            .delta_aggregated_resources(
+                crate::secure::with_token(
+                    tonic::Request::new(ReceiverStream::new(rx)),
+                    &self.options.security,
+                )
+                .map_err(|e| self.stream_error(false, e))?,
+            )
             .await
             .map_err(|e| self.stream_error(false, e))?
             .into_inner();
@@ -637,16 +640,6 @@ fn static_type(type_url: &str) -> &'static str {
 }
 
 /// tonic's transport errors hide the useful part (connection refused) in their sources.
-fn source_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
 
 #[cfg(test)]
 mod tests {

@@ -35,6 +35,17 @@ pub enum XdsError {
     #[error("the xDS stream to {address} failed: {why}")]
     Stream { address: String, why: String },
 
+    /// The control center would not (or could not) give a workload certificate.
+    #[error("cannot get a certificate for {id} from the control center at {server}: {why}")]
+    Certificate {
+        id: String,
+        server: String,
+        why: String,
+        /// The control center could not be reached or was not ready: worth trying again.
+        /// (A refusal is not: it would be refused again.)
+        transient: bool,
+    },
+
     #[error("cannot serve xDS on {address}: {why}; pick a free port with --listen")]
     Serve { address: String, why: String },
 }

@@ -92,6 +92,8 @@ pub fn merge(config: &model::Config, placed: &BTreeMap<String, Vec<SocketAddr>>)
                 tls: None,
                 tunnel: None,
                 tunnel_port: None,
+                circuit_breaker: None,
+                outlier_detection: None,
             }),
         }
     }

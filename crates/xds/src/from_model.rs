@@ -13,7 +13,9 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
+use envoy_types::pb::envoy::config::cluster::v3::{
+    circuit_breakers, cluster, CircuitBreakers, Cluster, OutlierDetection,
+};
 use envoy_types::pb::envoy::config::core::v3::{
     address, config_source, data_source, socket_address, Address, AggregatedConfigSource,
     ApiVersion, ConfigSource, DataSource, HeaderValue, HeaderValueOption, Http2ProtocolOptions,
@@ -140,6 +142,47 @@ fn cluster(c: &model::Cluster, config: &model::Config) -> Cluster {
         lb_policy: lb_policy as i32,
         typed_extension_protocol_options: options,
         transport_socket: c.tls.as_ref().map(|t| tls::upstream(t, c.protocol)),
+        circuit_breakers: c.circuit_breaker.as_ref().map(circuit_breakers),
+        outlier_detection: c.outlier_detection.as_ref().map(outlier_detection),
+        ..Default::default()
+    }
+}
+
+/// A circuit breaker as Envoy's thresholds of the default priority.
+fn circuit_breakers(b: &model::CircuitBreaker) -> CircuitBreakers {
+    let value = |value| Some(UInt32Value { value });
+    CircuitBreakers {
+        thresholds: vec![circuit_breakers::Thresholds {
+            max_connections: value(b.max_connections),
+            max_pending_requests: value(b.max_pending),
+            max_requests: value(b.max_requests),
+            max_retries: value(b.max_retries),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// Outlier detection in Envoy's terms: each consecutive kind enforced (100%) when its
+/// threshold is set, and connect failures as the local-origin kind (which Envoy counts apart
+/// only with `split_external_local_origin_errors`). `crate::to_model` reads it back.
+fn outlier_detection(o: &model::OutlierDetection) -> OutlierDetection {
+    let value = |value| Some(UInt32Value { value });
+    let enforcing = |threshold: u32| value(if threshold > 0 { 100 } else { 0 });
+    let split = o.consecutive_connect_failures > 0;
+    OutlierDetection {
+        consecutive_5xx: value(o.consecutive_5xx),
+        enforcing_consecutive_5xx: enforcing(o.consecutive_5xx),
+        consecutive_gateway_failure: value(o.consecutive_gateway_errors),
+        enforcing_consecutive_gateway_failure: enforcing(o.consecutive_gateway_errors),
+        split_external_local_origin_errors: split,
+        consecutive_local_origin_failure: split.then_some(UInt32Value {
+            value: o.consecutive_connect_failures,
+        }),
+        enforcing_consecutive_local_origin_failure: split.then_some(UInt32Value { value: 100 }),
+        interval: Some(duration(o.interval)),
+        base_ejection_time: Some(duration(o.base_ejection_time)),
+        max_ejection_percent: value(o.max_ejection_percent),
         ..Default::default()
     }
 }

@@ -8,6 +8,9 @@
 //! - [`bootstrap`]: an Envoy v3 bootstrap file (`static_resources`) -> the config model.
 //! - [`client`]: the ADS client of `flatmesh node --xds`, state-of-the-world and delta.
 //! - [`server`]: the ADS server of `flatmesh control`.
+//! - [`secure`]: the control channel's TLS and bootstrap tokens; [`certificates`]: the
+//!   certificate API over it (Istio's CA API), through which nodes get their SVIDs;
+//!   [`identities`]: the node's side, which fetches them and renews them at half life.
 //! - [`feed`]: what `flatmesh control` serves: its state file plus the endpoints of placed
 //!   services (the control crate places them and moves them).
 //! - [`apply`]: the client's [`client::Apply`] for a node proxy (start, then reload); the
@@ -19,12 +22,15 @@
 
 pub mod apply;
 pub mod bootstrap;
+pub mod certificates;
 pub mod client;
 pub mod error;
 pub mod feed;
 pub mod from_model;
+pub mod identities;
 pub mod rbac;
 pub mod resources;
+pub mod secure;
 pub mod server;
 pub mod tls;
 pub mod to_model;

@@ -208,11 +208,34 @@ impl Store {
     }
 }
 
-/// Serve ADS on `address` until `shutdown` resolves. Returns the bound address through `bound`
-/// as soon as it listens (useful with port 0).
+/// What protects the server and what it serves besides ADS.
+#[derive(Clone, Default)]
+pub struct ServeOptions {
+    /// TLS on the port (the control center's certificate); `None` = plaintext.
+    pub tls: Option<crate::secure::ServerTls>,
+    /// With tokens, every call must carry a known bootstrap token.
+    pub tokens: Option<Arc<dyn crate::secure::Tokens>>,
+    /// The certificate API ([`crate::certificates`]), when the control center is a CA.
+    pub certificates: Option<crate::certificates::CertificateServer>,
+}
+
+/// Serve ADS on `address`, plaintext and open to any caller, until `shutdown` resolves.
+/// Returns the bound address through `bound` as soon as it listens (useful with port 0).
 pub async fn serve(
     address: SocketAddr,
     store: Store,
+    bound: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<()> {
+    serve_with(address, store, ServeOptions::default(), bound, shutdown).await
+}
+
+/// Serve ADS (and, with `options`, the certificate API, over TLS, to token holders only) on
+/// `address` until `shutdown` resolves.
+pub async fn serve_with(
+    address: SocketAddr,
+    store: Store,
+    options: ServeOptions,
     bound: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
@@ -224,28 +247,60 @@ pub async fn serve(
         .await
         .map_err(|e| err(e.to_string()))?;
     let actual = listener.local_addr().map_err(|e| err(e.to_string()))?;
-    tracing::info!(address = %actual, "serving xDS (ADS: state of the world and delta)");
+    tracing::info!(
+        address = %actual,
+        tls = options.tls.is_some(),
+        tokens = options.tokens.is_some(),
+        certificates = options.certificates.is_some(),
+        "serving xDS (ADS: state of the world and delta)"
+    );
     if let Some(bound) = bound {
         let _ = bound.send(actual);
     }
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     // xDS streams never end by themselves, so on shutdown every stream is ended with
     // UNAVAILABLE (clients reconnect, here or elsewhere), then the server stops; if a
     // connection still lingers after a second, it is dropped.
     let (fired_tx, mut fired_rx) = watch::channel(false);
-    let service = AggregatedDiscoveryServiceServer::new(Ads {
+    let ads = AggregatedDiscoveryServiceServer::new(Ads {
         store,
         closing: fired_rx.clone(),
     })
     .max_decoding_message_size(MAX_MESSAGE)
     .max_encoding_message_size(MAX_MESSAGE);
+    // Without tokens every call passes; with them, ADS and the certificate API alike need one.
+    let check = {
+        let tokens = options.tokens.clone();
+        move |request: tonic::Request<()>| match &tokens {
+            Some(tokens) => crate::secure::require_token(tokens.clone())(request),
+            None => Ok(request),
+        }
+    };
+    let routes = tonic::service::Routes::new(tonic::service::interceptor::InterceptedService::new(
+        ads,
+        check.clone(),
+    ));
+    let routes = match options.certificates {
+        Some(certificates) => routes.add_service(
+            tonic::service::interceptor::InterceptedService::new(certificates, check),
+        ),
+        None => routes,
+    };
     let signal = async move {
         shutdown.await;
         let _ = fired_tx.send(true);
     };
-    let server = tonic::transport::Server::builder()
-        .add_service(service)
-        .serve_with_incoming_shutdown(incoming, signal);
+    let mut builder = tonic::transport::Server::builder();
+    let server: Pin<Box<dyn std::future::Future<Output = _> + Send>> = match options.tls {
+        Some(tls) => Box::pin(
+            builder
+                .add_routes(routes)
+                .serve_with_incoming_shutdown(crate::secure::accept_tls(listener, tls), signal),
+        ),
+        None => Box::pin(builder.add_routes(routes).serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            signal,
+        )),
+    };
     tokio::select! {
         result = server => result.map_err(|e| err(e.to_string())),
         _ = async {

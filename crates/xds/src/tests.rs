@@ -140,11 +140,11 @@ fn envoy_connection_limits_become_flatmesh_limits() {
 fn unknown_bootstrap_fields_are_named() {
     let text = example().replace(
         "    lb_policy: MAGLEV\n",
-        "    lb_policy: MAGLEV\n    outlier_detection: {}\n",
+        "    lb_policy: MAGLEV\n    common_lb_config: {}\n",
     );
     let e = import_error(&text);
     assert!(
-        e.contains("static_resources.clusters[2] (\"sticky\").outlier_detection"),
+        e.contains("static_resources.clusters[2] (\"sticky\").common_lb_config"),
         "{e}"
     );
     assert!(e.contains("not supported"), "{e}");
@@ -337,6 +337,14 @@ clusters:
     tls: { ca: /pki/ca.pem, cert: /pki/node.pem, key: /pki/node.key, server_ids: [ spiffe://td/ns/shop/sa/api, "spiffe://td/ns/api/*" ], sni: api.shop.svc }
   - { name: two, lb: random, endpoints: [ "[::1]:3" ], tls: { ca: /pki/ca.pem, server_ids: [ spiffe://td/ns/data/sa/db ] } }
   - { name: three, endpoints: [ 127.0.0.1:4 ], connect_timeout: 1s }
+  - name: guarded
+    endpoints: [ 127.0.0.1:5, 127.0.0.1:6 ]
+    circuit_breaker: { max_connections: 10, max_pending: 20, max_requests: 30, max_retries: 0 }
+    outlier_detection: { consecutive_5xx: 0, consecutive_gateway_errors: 4, consecutive_connect_failures: 2, interval: 5s, base_ejection_time: 1500ms, max_ejection_percent: 50 }
+  - name: guarded-defaults
+    endpoints: [ 127.0.0.1:7 ]
+    circuit_breaker: {}
+    outlier_detection: { consecutive_connect_failures: 0 }
 "#;
     let config = model::parse(text, "t.yaml").unwrap();
     // Every TLS shape is in it: http and tcp listeners with and without client certificates,
@@ -365,7 +373,7 @@ clusters:
     let mut back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
     // The server states every cluster's connect timeout explicitly.
     for c in &mut back.clusters {
-        if c.name == "two" {
+        if ["two", "guarded", "guarded-defaults"].contains(&c.name.as_str()) {
             assert_eq!(c.connect_timeout, Some(config.limits.connect_timeout));
             c.connect_timeout = None;
         }
@@ -1430,4 +1438,144 @@ fn the_resources_fuzz_seed_holds_every_rbac_shape() {
             l.name
         );
     }
+}
+
+#[test]
+fn circuit_breakers_and_outlier_detection_import_from_envoy() {
+    let text = example().replace(
+        "    lb_policy: MAGLEV\n",
+        "    lb_policy: MAGLEV\n    circuit_breakers: { thresholds: [ { priority: HIGH, max_requests: 1 }, { max_connections: 100, max_pending_requests: 10, max_requests: 200, track_remaining: true } ] }\n    outlier_detection: { consecutive_5xx: 7, consecutive_gateway_failure: 3, enforcing_consecutive_gateway_failure: 100, interval: 2s, base_ejection_time: 0.5s, max_ejection_percent: 40, enforcing_success_rate: 0 }\n",
+    );
+    let config = bootstrap::parse(&text, "envoy.yaml").unwrap();
+    let sticky = config.cluster("sticky").unwrap();
+    // The DEFAULT priority's thresholds; Envoy's default (3) for the retries left out.
+    assert_eq!(
+        sticky.circuit_breaker,
+        Some(model::CircuitBreaker {
+            max_connections: 100,
+            max_pending: 10,
+            max_requests: 200,
+            max_retries: 3,
+        })
+    );
+    // Envoy's meaning: gateway failures only when enforced; local-origin failures only when
+    // split from the rest.
+    assert_eq!(
+        sticky.outlier_detection,
+        Some(model::OutlierDetection {
+            consecutive_5xx: 7,
+            consecutive_gateway_errors: 3,
+            consecutive_connect_failures: 0,
+            interval: std::time::Duration::from_secs(2),
+            base_ejection_time: std::time::Duration::from_millis(500),
+            max_ejection_percent: 40,
+        })
+    );
+    // Envoy's defaults for an empty block.
+    let empty = example().replace(
+        "    lb_policy: MAGLEV\n",
+        "    lb_policy: MAGLEV\n    outlier_detection: { split_external_local_origin_errors: true }\n    circuit_breakers: {}\n",
+    );
+    let config = bootstrap::parse(&empty, "envoy.yaml").unwrap();
+    let sticky = config.cluster("sticky").unwrap();
+    assert_eq!(
+        sticky.outlier_detection,
+        Some(model::OutlierDetection {
+            consecutive_gateway_errors: 0,
+            ..Default::default()
+        })
+    );
+    assert_eq!(sticky.circuit_breaker, None, "no thresholds: the defaults");
+
+    // What flatmesh does not do is named.
+    let refused = |block: &str| {
+        import_error(&example().replace(
+            "    lb_policy: MAGLEV\n",
+            &format!("    lb_policy: MAGLEV\n{block}\n"),
+        ))
+    };
+    let e = refused("    outlier_detection: { enforcing_consecutive_5xx: 50 }");
+    assert!(
+        e.contains("outlier_detection.enforcing_consecutive_5xx")
+            && e.contains("neither 0 nor 100"),
+        "{e}"
+    );
+    let e = refused("    outlier_detection: { enforcing_success_rate: 100 }");
+    assert!(
+        e.contains("enforcing_success_rate") && e.contains("not supported"),
+        "{e}"
+    );
+    let e = refused("    outlier_detection: { success_rate_stdev_factor: 1900 }");
+    assert!(e.contains("success_rate_stdev_factor"), "{e}");
+    let e = refused("    outlier_detection: { max_ejection_time: 10s }");
+    assert!(e.contains("max_ejection_time") && e.contains("300s"), "{e}");
+    let e = refused("    outlier_detection: { always_eject_one_host: true }");
+    assert!(e.contains("always_eject_one_host"), "{e}");
+    let e = refused("    circuit_breakers: { thresholds: [ {}, { max_requests: 5 } ] }");
+    assert!(
+        e.contains("thresholds[1]") && e.contains("second threshold"),
+        "{e}"
+    );
+    let e = refused("    circuit_breakers: { thresholds: [ { max_connection_pools: 5 } ] }");
+    assert!(e.contains("max_connection_pools"), "{e}");
+    let e = refused("    circuit_breakers: { per_host_thresholds: [ { max_connections: 5 } ] }");
+    assert!(e.contains("per_host_thresholds"), "{e}");
+    // Out of flatmesh's ranges: refused by the config's own validation.
+    let e = refused("    circuit_breakers: { thresholds: [ { max_requests: 0 } ] }");
+    assert!(e.contains("max_requests is 0"), "{e}");
+}
+
+#[test]
+fn circuit_breakers_and_outlier_detection_map_over_xds() {
+    use envoy_types::pb::envoy::config::cluster::v3::{circuit_breakers, CircuitBreakers};
+    use envoy_types::pb::google::protobuf::UInt32Value;
+    let config = model::parse(
+        r#"
+listeners:
+  - { name: web, address: 127.0.0.1:8080, protocol: http, routes: [ { match: { path: { prefix: / } }, cluster: api } ] }
+clusters:
+  - name: api
+    endpoints: [ 127.0.0.1:1 ]
+    circuit_breaker: { max_requests: 7 }
+    outlier_detection: { consecutive_connect_failures: 3 }
+"#,
+        "t.yaml",
+    )
+    .unwrap();
+    let mut resources = crate::from_model::resources(&config);
+    // The served cluster states the thresholds of the default priority, in Envoy's terms.
+    let served = &resources.clusters["api"];
+    let thresholds = &served.circuit_breakers.as_ref().unwrap().thresholds;
+    assert_eq!(thresholds.len(), 1);
+    assert_eq!(thresholds[0].priority, 0);
+    assert_eq!(thresholds[0].max_requests, Some(UInt32Value { value: 7 }));
+    assert_eq!(
+        thresholds[0].max_connections,
+        Some(UInt32Value { value: 1024 })
+    );
+    let od = served.outlier_detection.as_ref().unwrap();
+    assert!(od.split_external_local_origin_errors);
+    assert_eq!(
+        od.consecutive_local_origin_failure,
+        Some(UInt32Value { value: 3 })
+    );
+    let back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
+    let api = back.cluster("api").unwrap();
+    assert_eq!(api.circuit_breaker, config.clusters[0].circuit_breaker);
+    assert_eq!(api.outlier_detection, config.clusters[0].outlier_detection);
+    // An unsupported field is NACKed by name, not dropped.
+    resources.clusters.get_mut("api").unwrap().circuit_breakers = Some(CircuitBreakers {
+        thresholds: vec![circuit_breakers::Thresholds {
+            retry_budget: Some(Default::default()),
+            ..Default::default()
+        }],
+        ..Default::default()
+    });
+    let e = crate::to_model::translate(&resources, &bootstrap::empty_config())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("circuit_breakers.thresholds[0]") && e.contains("retry_budget"),
+        "{e}"
+    );
 }

@@ -281,6 +281,8 @@ fn add_missing_clusters(config: &mut model::Config) {
             tls: None,
             tunnel: None,
             tunnel_port: None,
+            circuit_breaker: None,
+            outlier_detection: None,
         });
     }
 }
@@ -1386,6 +1388,14 @@ fn cluster(
         }
         None => None,
     };
+    let circuit_breaker = match rest.circuit_breakers.take() {
+        Some(b) => circuit_breaker(b, &format!("{at}: circuit_breakers"))?,
+        None => None,
+    };
+    let outlier_detection = match rest.outlier_detection.take() {
+        Some(o) => Some(outlier_detection(o, &format!("{at}: outlier_detection"))?),
+        None => None,
+    };
     rest.alt_stat_name.clear();
     rest.dns_lookup_family = 0; // DNS settings mean nothing for IP endpoints
     reject_rest(&rest, &at)?;
@@ -1399,6 +1409,152 @@ fn cluster(
         tls,
         tunnel: None,
         tunnel_port: None,
+        circuit_breaker,
+        outlier_detection,
+    })
+}
+
+/// Envoy's thresholds of the default priority as the cluster's circuit breaker; Envoy's
+/// defaults for what they leave out. Thresholds of the high priority are accepted and have
+/// no effect: no flatmesh route asks for that priority.
+fn circuit_breaker(
+    breakers: envoy_types::pb::envoy::config::cluster::v3::CircuitBreakers,
+    at: &str,
+) -> Result<Option<model::CircuitBreaker>> {
+    use envoy_types::pb::envoy::config::core::v3::RoutingPriority;
+    let mut rest = breakers;
+    let mut out = None;
+    for (i, t) in take(&mut rest.thresholds).into_iter().enumerate() {
+        let here = format!("{at}.thresholds[{i}]");
+        if t.priority == RoutingPriority::High as i32 {
+            continue;
+        }
+        if t.priority != RoutingPriority::Default as i32 {
+            return Err(XdsError::resource(
+                format!("{here}.priority"),
+                "is not a known priority; use DEFAULT (or HIGH, which flatmesh routes never ask for)",
+            ));
+        }
+        if out.is_some() {
+            return Err(XdsError::resource(
+                here,
+                "is a second threshold of the DEFAULT priority; give one",
+            ));
+        }
+        let mut t = t;
+        let defaults = model::CircuitBreaker::default();
+        let limit = |v: Option<envoy_types::pb::google::protobuf::UInt32Value>, default| {
+            v.map_or(default, |v| v.value)
+        };
+        out = Some(model::CircuitBreaker {
+            max_connections: limit(t.max_connections.take(), defaults.max_connections),
+            max_pending: limit(t.max_pending_requests.take(), defaults.max_pending),
+            max_requests: limit(t.max_requests.take(), defaults.max_requests),
+            max_retries: limit(t.max_retries.take(), defaults.max_retries),
+        });
+        t.priority = 0;
+        t.track_remaining = false; // statistics only
+        reject_rest(&t, &here)?;
+    }
+    reject_rest(&rest, at)?;
+    Ok(out)
+}
+
+/// Envoy's outlier detection as the cluster's: its consecutive kinds (each only if enforced
+/// at 100% or not at all: flatmesh does not eject by chance), connect failures as the
+/// local-origin kind when Envoy counts that apart, and Envoy's defaults for what it leaves out.
+/// Success-rate and failure-percentage detection are not supported.
+fn outlier_detection(
+    od: envoy_types::pb::envoy::config::cluster::v3::OutlierDetection,
+    at: &str,
+) -> Result<model::OutlierDetection> {
+    use envoy_types::pb::google::protobuf::{BoolValue, UInt32Value};
+    let mut rest = od;
+    let defaults = model::OutlierDetection::default();
+    let value = |v: Option<UInt32Value>, default: u32| v.map_or(default, |v| v.value);
+    // The threshold of one kind, 0 when it is not enforced.
+    let enforced = |threshold: Option<UInt32Value>,
+                    enforcing: Option<UInt32Value>,
+                    default_enforcing: u32,
+                    key: &str|
+     -> Result<u32> {
+        match value(enforcing, default_enforcing) {
+            0 => Ok(0),
+            100 => Ok(value(threshold, 5)),
+            _ => Err(XdsError::resource(
+                format!("{at}.enforcing_{key}"),
+                "is neither 0 nor 100; flatmesh ejects every endpoint that reaches a threshold, or none",
+            )),
+        }
+    };
+    let consecutive_5xx = enforced(
+        rest.consecutive_5xx.take(),
+        rest.enforcing_consecutive_5xx.take(),
+        100,
+        "consecutive_5xx",
+    )?;
+    let consecutive_gateway_errors = enforced(
+        rest.consecutive_gateway_failure.take(),
+        rest.enforcing_consecutive_gateway_failure.take(),
+        0,
+        "consecutive_gateway_failure",
+    )?;
+    let local_origin = enforced(
+        rest.consecutive_local_origin_failure.take(),
+        rest.enforcing_consecutive_local_origin_failure.take(),
+        100,
+        "consecutive_local_origin_failure",
+    )?;
+    let consecutive_connect_failures = if take(&mut rest.split_external_local_origin_errors) {
+        local_origin
+    } else {
+        0
+    };
+    let interval = match rest.interval.take() {
+        Some(d) => duration(&d, &format!("{at}.interval"))?,
+        None => defaults.interval,
+    };
+    let base_ejection_time = match rest.base_ejection_time.take() {
+        Some(d) => duration(&d, &format!("{at}.base_ejection_time"))?,
+        None => defaults.base_ejection_time,
+    };
+    let max_ejection_percent = value(
+        rest.max_ejection_percent.take(),
+        defaults.max_ejection_percent,
+    );
+    if let Some(d) = rest.max_ejection_time.take() {
+        if duration(&d, &format!("{at}.max_ejection_time"))? != Duration::from_secs(300) {
+            return Err(XdsError::resource(
+                format!("{at}.max_ejection_time"),
+                "is not supported; flatmesh caps ejections at Envoy's default, 300s (or the base ejection time if longer)",
+            ));
+        }
+    }
+    if rest.always_eject_one_host.take() == Some(BoolValue { value: true }) {
+        return Err(XdsError::resource(
+            format!("{at}.always_eject_one_host"),
+            "is not supported; raise max_ejection_percent instead",
+        ));
+    }
+    // Kinds switched off explicitly are as good as unset.
+    for off in [
+        &mut rest.enforcing_success_rate,
+        &mut rest.enforcing_local_origin_success_rate,
+        &mut rest.enforcing_failure_percentage,
+        &mut rest.enforcing_failure_percentage_local_origin,
+    ] {
+        if *off == Some(UInt32Value { value: 0 }) {
+            *off = None;
+        }
+    }
+    reject_rest(&rest, at)?;
+    Ok(model::OutlierDetection {
+        consecutive_5xx,
+        consecutive_gateway_errors,
+        consecutive_connect_failures,
+        interval,
+        base_ejection_time,
+        max_ejection_percent,
     })
 }
 

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{free_port, get, wait_for, Backend, XdsServer};
-use envoy_types::pb::envoy::config::cluster::v3::{cluster, OutlierDetection};
+use envoy_types::pb::envoy::config::cluster::v3::{cluster, UpstreamConnectionOptions};
 use envoy_types::pb::envoy::config::listener::v3::FilterChain;
 use envoy_types::pb::envoy::config::route::v3::{header_matcher, route_match, HeaderMatcher};
 use flatmesh_config as model;
@@ -87,6 +87,7 @@ fn scenario(protocol: Protocol) {
         node_id: node_id.clone(),
         node_cluster: "test".into(),
         protocol,
+        security: Default::default(),
     };
     let client = rt.block_on(async { Client::spawn(options, base, apply) });
     let v1 = || {
@@ -98,8 +99,11 @@ fn scenario(protocol: Protocol) {
     let good_resources = flatmesh_xds::from_model::resources(&good);
 
     let mut bad = good_resources.clone();
-    bad.clusters.get_mut("a").unwrap().outlier_detection = Some(OutlierDetection::default());
-    refused(&store, &client, &node_id, bad, "Cluster \"a\": outlier_detection is not supported by flatmesh; remove it (docs/xds.md lists the supported subset)", v1);
+    bad.clusters
+        .get_mut("a")
+        .unwrap()
+        .upstream_connection_options = Some(UpstreamConnectionOptions::default());
+    refused(&store, &client, &node_id, bad, "Cluster \"a\": upstream_connection_options is not supported by flatmesh; remove it (docs/xds.md lists the supported subset)", v1);
 
     let mut bad = good_resources.clone();
     bad.clusters.get_mut("b").unwrap().lb_policy = cluster::LbPolicy::ClusterProvided as i32;
@@ -270,6 +274,7 @@ fn unreachable_control_plane_is_retried_with_backoff() {
         node_id: "lonely".into(),
         node_cluster: "test".into(),
         protocol: Protocol::Sotw,
+        security: Default::default(),
     };
     let client = rt
         .block_on(async { Client::spawn(options, flatmesh_xds::bootstrap::empty_config(), apply) });

@@ -124,6 +124,7 @@ fn scenario(protocol: Protocol) {
         node_id: node_id.clone(),
         node_cluster: "test".into(),
         protocol,
+        security: Default::default(),
     };
     let client = rt.block_on(async { Client::spawn(options, base, apply) });
 
@@ -187,15 +188,15 @@ fn scenario(protocol: Protocol) {
         "3",
         port,
         v2_routes.clone(),
-        json!([ { "name": "a", "outlier": true }, { "name": "b" }, { "name": "c", "static": [c.addr.to_string()] } ]),
+        json!([ { "name": "a", "unsupported": true }, { "name": "b" }, { "name": "c", "static": [c.addr.to_string()] } ]),
         v2_endpoints.clone(),
     ));
-    wait_for("CDS v3 NACKed naming outlier_detection", || {
-        server.saw_nack("CDS", "outlier_detection")
+    wait_for("CDS v3 NACKed naming upstream_connection_options", || {
+        server.saw_nack("CDS", "upstream_connection_options")
     });
     let nack = client.status().nacks.join("\n");
     assert!(
-        nack.contains("Cluster \"a\"") && nack.contains("outlier_detection"),
+        nack.contains("Cluster \"a\"") && nack.contains("upstream_connection_options"),
         "{nack}"
     );
     assert_eq!(

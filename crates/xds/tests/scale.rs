@@ -51,6 +51,7 @@ fn scenario(protocol: Protocol) {
         node_id: "scale".into(),
         node_cluster: "test".into(),
         protocol,
+        security: Default::default(),
     };
     let client = rt.block_on(async { Client::spawn(options, base, apply) });
     wait_for("connected", || client.status().connected);

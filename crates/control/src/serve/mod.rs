@@ -12,6 +12,7 @@
 //! resolves. The binary only parses arguments and waits for SIGINT/SIGTERM.
 
 pub mod addresses;
+pub mod ca;
 pub mod heartbeat_keys;
 pub mod sink;
 pub mod step_command;
@@ -32,8 +33,13 @@ use crate::placement::{place, Algorithm, State};
 use crate::topology::Topology;
 use crate::workload::Workload;
 use addresses::Addresses;
+use ca::{CaStats, NodeCa, NodeTokens, Placements};
+use flatmesh_xds::certificates::CertificateServer;
+use flatmesh_xds::secure::ServerTls;
+use flatmesh_xds::server::ServeOptions;
 use heartbeat_keys::HeartbeatKeys;
 use sink::XdsSink;
+use std::sync::Arc;
 use step_command::StepCommand;
 
 /// How often the state file is checked for changes.
@@ -48,6 +54,19 @@ pub struct Options {
     /// placement's clusters alone are served.
     pub state: Option<PathBuf>,
     pub placement: Option<PlacementOptions>,
+    /// Be the nodes' CA, and protect the channel: TLS, bootstrap tokens.
+    pub ca: Option<CaOptions>,
+}
+
+/// `flatmesh control --ca-dir DIR --node-tokens FILE`.
+#[derive(Debug, Clone)]
+pub struct CaOptions {
+    /// The CA directory of `flatmesh ca init`.
+    pub dir: PathBuf,
+    /// Each node's bootstrap token (its SHA-256) and outright grants ([`ca::NodeTokens`]).
+    pub node_tokens: PathBuf,
+    /// The longest lifetime of a node's certificate (nodes may ask for less).
+    pub ttl: Duration,
 }
 
 /// Place applications on a cluster and serve each placed service `APP/STAGE` as the EDS
@@ -84,6 +103,8 @@ pub struct ControlCenter {
     feed: Feed,
     state: Option<StateFile>,
     placed: Option<Placed>,
+    ca: Option<Arc<NodeCa>>,
+    placements: Placements,
 }
 
 /// The state file and when it was last read.
@@ -110,11 +131,31 @@ impl ControlCenter {
             None => (flatmesh_xds::bootstrap::empty_config(), None),
         };
         let placed = options.placement.as_ref().map(Placed::new).transpose()?;
+        let placements = Placements::default();
+        let ca = options
+            .ca
+            .as_ref()
+            .map(|o| {
+                let tokens = NodeTokens::load(&o.node_tokens)?;
+                if let Some(placed) = &placed {
+                    let origin = o.node_tokens.display().to_string();
+                    if let Some(stranger) = tokens
+                        .nodes()
+                        .find(|n| !placed.topo.nodes.iter().any(|t| &t.id == *n))
+                    {
+                        tracing::warn!(node = %stranger, file = %origin, "node tokens file names a node the cluster does not have; it can only get the identities granted to it there");
+                    }
+                }
+                NodeCa::new(&o.dir, Arc::new(tokens), placements.clone(), o.ttl).map(Arc::new)
+            })
+            .transpose()?;
         Ok(ControlCenter {
             listen: options.listen,
             feed: Feed::new(Store::new(), config),
             state,
             placed,
+            ca,
+            placements,
         })
     }
 
@@ -134,6 +175,11 @@ impl ControlCenter {
         Some(self.placed.as_ref()?.heartbeats.as_ref()?.gate.stats())
     }
 
+    /// What the CA has issued and refused, when the control center is one.
+    pub fn ca_stats(&self) -> Option<Arc<CaStats>> {
+        Some(self.ca.as_ref()?.stats.clone())
+    }
+
     /// Serves xDS (and runs the orchestrator) until `shutdown` resolves or either fails. `bound`
     /// receives the xDS address once the server listens.
     pub async fn run(
@@ -144,14 +190,39 @@ impl ControlCenter {
         let watcher = self
             .state
             .map(|state| tokio::spawn(watch(state, self.feed.clone())));
-        let server =
-            flatmesh_xds::server::serve(self.listen, self.feed.store().clone(), bound, shutdown);
+        let mut serve_options = ServeOptions::default();
+        let mut fresh = None;
+        if let Some(ca) = &self.ca {
+            let (config, renew_at) = ca.control_tls()?;
+            let tls = ServerTls::new(config);
+            fresh = Some(tokio::spawn(ca::keep_fresh(
+                ca.clone(),
+                tls.clone(),
+                renew_at,
+            )));
+            serve_options = ServeOptions {
+                tls: Some(tls),
+                tokens: Some(ca.clone()),
+                certificates: Some(CertificateServer::new(ca.clone())),
+            };
+        }
+        let server = flatmesh_xds::server::serve_with(
+            self.listen,
+            self.feed.store().clone(),
+            serve_options,
+            bound,
+            shutdown,
+        );
+        let grants = self
+            .ca
+            .as_ref()
+            .map(|ca| (ca.trust_domain(), self.placements.clone()));
         let result = match self.placed {
-            Some(placed) => placed.run(self.feed.clone(), server).await,
+            Some(placed) => placed.run(self.feed.clone(), grants, server).await,
             None => server.await.map_err(ControlError::from),
         };
-        if let Some(w) = watcher {
-            w.abort();
+        for task in [watcher, fresh].into_iter().flatten() {
+            task.abort();
         }
         result
     }
@@ -265,6 +336,7 @@ impl Placed {
     async fn run(
         self,
         feed: Feed,
+        grants: Option<(String, Placements)>,
         server: impl std::future::Future<Output = flatmesh_xds::Result<()>>,
     ) -> Result<()> {
         let mut state = State::new(&self.topo, &self.wl);
@@ -279,6 +351,7 @@ impl Placed {
         let mut sink = XdsSink {
             feed,
             addresses: self.addresses.clone(),
+            grants,
         };
         let Some(HeartbeatInput { socket, gate }) = self.heartbeats else {
             sink.publish(&snapshot(&state, 1))?;

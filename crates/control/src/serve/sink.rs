@@ -15,6 +15,9 @@ use crate::endpoints::{EndpointSink, EndpointSnapshot};
 pub struct XdsSink {
     pub feed: Feed,
     pub addresses: Addresses,
+    /// With the control center as CA: its trust domain, and where placed identities are
+    /// recorded (a node may get a certificate only for the services placed on it).
+    pub grants: Option<(String, super::ca::Placements)>,
 }
 
 impl EndpointSink for XdsSink {
@@ -38,6 +41,11 @@ impl EndpointSink for XdsSink {
             services = placed.len(),
             "publishing the placement's endpoints over EDS"
         );
+        // Identities move with the instances: record the new placement before the nodes hear
+        // of it, so a node that just received an instance can get its certificate at once.
+        if let Some((trust_domain, placements)) = &self.grants {
+            placements.update(trust_domain, snapshot);
+        }
         self.feed.set_endpoints(placed);
         Ok(())
     }
@@ -67,6 +75,7 @@ mod tests {
                 "a.yaml",
             )
             .unwrap(),
+            grants: None,
         };
         let endpoint = |instance: &str, node: &str| Endpoint {
             instance: instance.into(),

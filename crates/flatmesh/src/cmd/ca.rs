@@ -48,6 +48,14 @@ enum Command {
         #[arg(long)]
         dir: PathBuf,
     },
+    /// Make a bootstrap token for a node: prints the token (give it to the node, as the file of
+    /// `flatmesh node --bootstrap-token`) and the entry for `flatmesh control --node-tokens`
+    /// (which keeps only its SHA-256).
+    Token {
+        /// The node's id, as the cluster (or the placement) names it.
+        #[arg(long)]
+        node: String,
+    },
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -89,6 +97,14 @@ pub fn run(args: Args) -> Result<()> {
                 dir.join(ca::CERT_FILE).display(),
                 authority.bundle().len()
             );
+        }
+        Command::Token { node } => {
+            let token = flatmesh_control::serve::ca::new_token()?;
+            let digest = flatmesh_control::serve::ca::token_digest_hex(&token);
+            println!("# the node's token (flatmesh node --bootstrap-token FILE; keep it secret):");
+            println!("{token}");
+            println!("# its entry in the control center's node tokens file (mode 0600):");
+            println!("{node:?}: {{ token_sha256: {digest}, identities: [] }}");
         }
         Command::Retire { dir } => {
             let mut authority = Authority::load(&dir)?;

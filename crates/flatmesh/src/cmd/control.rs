@@ -6,14 +6,16 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context as _;
-use flatmesh_control::serve::{ControlCenter, Options, OrchestratorOptions, PlacementOptions};
+use flatmesh_control::serve::{
+    CaOptions, ControlCenter, Options, OrchestratorOptions, PlacementOptions,
+};
 
 #[derive(clap::Args)]
 #[command(args_conflicts_with_subcommands = true)]
 pub struct Args {
     #[command(subcommand)]
     command: Option<ControlCommand>,
-    /// Where to serve xDS (ADS over plaintext gRPC), HOST:PORT.
+    /// Where to serve xDS (ADS over gRPC: plaintext, or TLS with --ca-dir), HOST:PORT.
     #[arg(long, default_value = "127.0.0.1:18000")]
     listen: SocketAddr,
     /// The state to serve: a flatmesh config (YAML/JSON, docs/config.md) whose listeners, routes
@@ -52,6 +54,19 @@ pub struct Args {
     /// step. Without it the steps are only logged (instances are managed elsewhere).
     #[arg(long, value_name = "PROGRAM", requires = "heartbeats")]
     step_command: Option<PathBuf>,
+    /// Be the nodes' CA with the CA of `flatmesh ca init --dir DIR`: serve over TLS (the
+    /// control center presents spiffe://TD/flatmesh/control), require each node's bootstrap
+    /// token, and sign nodes' CSRs for the identities placed on (or granted to) them.
+    #[arg(long, value_name = "DIR", requires = "node_tokens")]
+    ca_dir: Option<PathBuf>,
+    /// Each node's bootstrap token and outright identity grants (YAML, mode 0600):
+    /// `NODE: { token_sha256: HEX, identities: [...] }`; `flatmesh ca token --node NODE`
+    /// prints an entry and its token. See docs/security.md, "The control center as CA".
+    #[arg(long, value_name = "FILE", requires = "ca_dir")]
+    node_tokens: Option<PathBuf>,
+    /// The longest lifetime of a node's certificate, like `24h` or `30m` (nodes renew at half).
+    #[arg(long, default_value = "24h", requires = "ca_dir")]
+    cert_ttl: String,
 }
 
 #[derive(clap::Subcommand)]
@@ -92,10 +107,21 @@ fn serve(args: Args) -> anyhow::Result<()> {
         }),
         None => None,
     };
+    let ca = match (args.ca_dir, args.node_tokens) {
+        (Some(dir), Some(node_tokens)) => Some(CaOptions {
+            dir,
+            node_tokens,
+            ttl: flatmesh_config::duration::parse(&args.cert_ttl)
+                .map_err(anyhow::Error::msg)
+                .context("--cert-ttl")?,
+        }),
+        _ => None,
+    };
     let options = Options {
         listen: args.listen,
         state: args.state,
         placement,
+        ca,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

@@ -8,6 +8,8 @@ use anyhow::Context as _;
 use flatmesh_proxy::{ConfigSource, Node};
 use flatmesh_xds::apply::StartThenReload;
 use flatmesh_xds::client::{Apply as _, Client, Options, Protocol};
+use flatmesh_xds::identities::IdentityOptions;
+use flatmesh_xds::secure::ChannelSecurity;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -28,6 +30,24 @@ pub struct Args {
     /// subset flatmesh supports (docs/xds.md).
     #[arg(long, value_name = "FILE", conflicts_with = "config")]
     envoy_config: Option<PathBuf>,
+    /// Speak TLS to the xDS server and trust this bundle (PEM: the `ca.pem` of its CA); the
+    /// server must present spiffe://TD/flatmesh/control of that trust domain.
+    #[arg(long, value_name = "FILE", requires = "xds")]
+    xds_ca: Option<PathBuf>,
+    /// A file holding this node's bootstrap token, sent on every call to the control center.
+    #[arg(long, value_name = "FILE", requires = "xds")]
+    bootstrap_token: Option<PathBuf>,
+    /// A workload identity this node presents (repeatable): its certificate comes from the
+    /// control center, which gives it only if the identity is placed on this node, and is kept
+    /// in --identity-dir as ns.NS.sa.SA.pem/.key, renewed at half its lifetime.
+    #[arg(long, value_name = "SPIFFE_ID", requires_all = ["xds_ca", "bootstrap_token", "identity_dir"])]
+    identity: Vec<String>,
+    /// Where workload certificates and the trust bundle (bundle.pem) are written.
+    #[arg(long, value_name = "DIR", requires = "identity")]
+    identity_dir: Option<PathBuf>,
+    /// The certificate lifetime to ask for (the control center may give less).
+    #[arg(long, default_value = "24h", requires = "identity")]
+    identity_ttl: String,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -61,6 +81,25 @@ fn run_xds(args: &Args, server: String) -> anyhow::Result<()> {
         (None, None) => flatmesh_xds::bootstrap::empty_config(),
     };
     let node_id = args.node_id.clone().context("--xds needs --node-id ID")?;
+    let security = channel_security(args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("flatmesh-xds")
+        .enable_all()
+        .build()
+        .context("cannot start the xDS client runtime")?;
+    // Certificates first: the static config may name their files.
+    let identities = match &args.identity_dir {
+        Some(dir) => {
+            let options = identity_options(args, &server, security.clone(), dir.clone())?;
+            let held = rt.block_on(flatmesh_xds::identities::fetch_all(
+                &options,
+                IDENTITY_PATIENCE,
+            ))?;
+            Some((options, held))
+        }
+        None => None,
+    };
     let stop = StopSignals::register()?;
     let (mut apply, node) = StartThenReload::new(
         |config| Node::start(config, ConfigSource::Inline).map_err(|e| e.to_string()),
@@ -73,12 +112,16 @@ fn run_xds(args: &Args, server: String) -> anyhow::Result<()> {
     if let Some(n) = node.lock().as_ref() {
         tracing::info!(admin = %n.admin_addr(), xds = %server, node_id = %node_id, "flatmesh node is ready; waiting for xDS");
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("flatmesh-xds")
-        .enable_all()
-        .build()
-        .context("cannot start the xDS client runtime")?;
+    if let Some((options, held)) = identities {
+        let node = node.clone();
+        rt.spawn(flatmesh_xds::identities::keep_renewed(options, held, move || {
+            if let Some(n) = node.lock().as_ref() {
+                if let Err(e) = n.reload_files() {
+                    tracing::error!(error = %e, "renewed certificates not taken up; the node keeps the previous ones until the next renewal");
+                }
+            }
+        }));
+    }
     let options = Options {
         server,
         node_cluster: node_id.clone(),
@@ -88,6 +131,7 @@ fn run_xds(args: &Args, server: String) -> anyhow::Result<()> {
         } else {
             Protocol::Sotw
         },
+        security,
     };
     let client = rt.block_on(async { Client::spawn(options, base, apply) });
     // The client runs on `rt`'s own worker thread while this one waits for a signal.
@@ -99,6 +143,80 @@ fn run_xds(args: &Args, server: String) -> anyhow::Result<()> {
         n.shutdown();
     }
     Ok(())
+}
+
+/// TLS (trusting --xds-ca, expecting the control center's SPIFFE ID) and the bootstrap token.
+fn channel_security(args: &Args) -> anyhow::Result<ChannelSecurity> {
+    let token = args
+        .bootstrap_token
+        .as_ref()
+        .map(|path| {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read the bootstrap token {}", path.display()))?;
+            let token = text.trim().to_string();
+            anyhow::ensure!(
+                !token.is_empty(),
+                "{} is empty; put the node's bootstrap token in it (`flatmesh ca token` prints one)",
+                path.display()
+            );
+            Ok(token)
+        })
+        .transpose()?;
+    let tls = args
+        .xds_ca
+        .as_ref()
+        .map(|path| {
+            let bundle = flatmesh_identity::TrustBundle::load(path)?;
+            let roots = flatmesh_identity::ca::load_certificates(path)?;
+            let domain = roots
+                .first()
+                .and_then(|root| flatmesh_identity::svid::spiffe_id_of(root).ok())
+                .with_context(|| {
+                    format!(
+                        "{}: its first certificate carries no trust domain (spiffe://TD); give the ca.pem of `flatmesh ca init`",
+                        path.display()
+                    )
+                })?;
+            let control = flatmesh_identity::IdPattern::parse(&format!(
+                "spiffe://{}/flatmesh/control",
+                domain.trust_domain()
+            ))?;
+            Ok::<_, anyhow::Error>(flatmesh_identity::tls::client_config(
+                None,
+                &bundle,
+                vec![control],
+                &[b"h2"],
+            )?)
+        })
+        .transpose()?;
+    Ok(ChannelSecurity { tls, token })
+}
+
+/// How long a starting node waits for an unreachable control center before it gives up.
+const IDENTITY_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120);
+
+fn identity_options(
+    args: &Args,
+    server: &str,
+    security: ChannelSecurity,
+    dir: PathBuf,
+) -> anyhow::Result<IdentityOptions> {
+    let ids = args
+        .identity
+        .iter()
+        .map(|id| {
+            flatmesh_identity::SpiffeId::parse(id).with_context(|| format!("--identity {id}"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(IdentityOptions {
+        server: server.to_string(),
+        security,
+        ids,
+        dir,
+        ttl: flatmesh_config::duration::parse(&args.identity_ttl)
+            .map_err(anyhow::Error::msg)
+            .context("--identity-ttl")?,
+    })
 }
 
 /// SIGTERM/SIGINT handlers registered before the node starts: a signal that arrives right

@@ -345,12 +345,18 @@ fn handle(shared: &Shared, req: Request<Incoming>, conn: ConnInfo) -> Response<F
         ),
         "/ready" => {
             if shared.ready.load(Ordering::Acquire) {
-                // The detail lines: the fd limit and the budgets in use (`crate::limits`).
+                // The detail lines: the fd limit and the budgets in use (`crate::limits`),
+                // and where TLS runs.
                 let detail = shared
                     .metrics
                     .budget
                     .report(&shared.snapshot().config.limits);
-                respond(StatusCode::OK, "text/plain", format!("ready\n{detail}"))
+                let ktls = crate::ktls::probe();
+                respond(
+                    StatusCode::OK,
+                    "text/plain",
+                    format!("ready\n{detail}{ktls}\n"),
+                )
             } else {
                 respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "not ready\n")
             }

@@ -38,9 +38,7 @@ pub async fn send(
     max_head: usize,
     idle: Duration,
 ) -> Result<Response<H1Body>, UpstreamError> {
-    let mut conn = pool::acquire(pool, endpoint, plan, worker)
-        .await
-        .map_err(UpstreamError::connect)?;
+    let mut conn = pool::acquire(pool, endpoint, plan, worker).await?;
     let length = body.size_hint().exact();
     let chunked = length.is_none();
     let mut out = request_head(parts, length);

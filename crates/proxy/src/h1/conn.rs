@@ -767,9 +767,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> H1Try<'_, '_, S> {
     /// the client on the way.
     async fn exchange_with(&mut self, endpoint: SocketAddr) -> Result<UpstreamConn, UpstreamError> {
         let (client, exchange, limits) = (&mut *self.client, self.exchange, self.limits);
-        let mut conn = pool::acquire(self.pool, endpoint, self.plan, self.ctx.worker)
-            .await
-            .map_err(UpstreamError::connect)?;
+        let mut conn = pool::acquire(self.pool, endpoint, self.plan, self.ctx.worker).await?;
         go_ahead(client, exchange)
             .await
             .map_err(UpstreamError::client_gone)?;

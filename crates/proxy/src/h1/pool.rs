@@ -20,6 +20,7 @@ use super::head::{self, Framing, MAX_HEADERS};
 use crate::l7::error::UpstreamError;
 use crate::limits::{upstream_socket, SocketSlot};
 use crate::metrics::ClusterStats;
+use crate::resilience::{Overflow, Permit};
 use crate::snapshot::ClusterPlan;
 use crate::tls::{ClusterTlsPlan, Stream};
 
@@ -41,6 +42,8 @@ pub struct UpstreamConn {
     idle_since: Instant,
     /// Counts the socket against the node's fd budget while it is open.
     _slot: SocketSlot,
+    /// Its place under the cluster's `circuit_breaker.max_connections` while it is open.
+    counted: Option<Permit>,
 }
 
 impl UpstreamConn {
@@ -106,6 +109,15 @@ impl H1Pool {
             stack.remove(0);
         }
         stack.push(conn);
+    }
+
+    /// Closes one idle connection, the oldest of some endpoint, to make room under the
+    /// cluster's `max_connections`, if there is one.
+    fn evict_one(&self) {
+        let mut idle = self.idle.lock();
+        if let Some(stack) = idle.values_mut().find(|stack| !stack.is_empty()) {
+            stack.remove(0);
+        }
     }
 
     /// Idle connections right now.
@@ -190,22 +202,38 @@ impl UpstreamConn {
     }
 }
 
-/// A connection to `endpoint`: an idle pooled one, else a new one.
+/// A connection to `endpoint`: an idle pooled one, else a new one if the cluster's circuit
+/// breaker has room for it (an idle connection of this worker to another endpoint is closed
+/// to make room under `max_connections`); the request counts as pending while it opens.
 pub async fn acquire(
     pool: &H1Pool,
     endpoint: SocketAddr,
     plan: &ClusterPlan,
     worker: usize,
-) -> io::Result<UpstreamConn> {
-    match pool.checkout(endpoint) {
-        Some(conn) => Ok(conn),
-        None => {
-            let conn = connect(endpoint, plan.connect_timeout, &plan.stats, worker).await?;
-            match &plan.tls {
-                None => Ok(conn),
-                Some(tls) => conn.secure(plan, tls, worker).await,
-            }
-        }
+) -> Result<UpstreamConn, UpstreamError> {
+    if let Some(conn) = pool.checkout(endpoint) {
+        return Ok(conn);
+    }
+    let breaker = &plan.guard.breaker;
+    let _pending = breaker
+        .acquire(Overflow::Pending)
+        .map_err(UpstreamError::overflow)?;
+    if breaker.open(Overflow::Connections) >= breaker.limit(Overflow::Connections) {
+        pool.evict_one();
+    }
+    let counted = breaker
+        .acquire(Overflow::Connections)
+        .map_err(UpstreamError::overflow)?;
+    let mut conn = connect(endpoint, plan.connect_timeout, &plan.stats, worker)
+        .await
+        .map_err(UpstreamError::connect)?;
+    conn.counted = Some(counted);
+    match &plan.tls {
+        None => Ok(conn),
+        Some(tls) => conn
+            .secure(plan, tls, worker)
+            .await
+            .map_err(UpstreamError::connect),
     }
 }
 
@@ -245,6 +273,7 @@ pub async fn connect(
                 reused: false,
                 idle_since: Instant::now(),
                 _slot: slot,
+                counted: None,
             })
         }
         Err(err) => {

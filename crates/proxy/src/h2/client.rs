@@ -20,6 +20,7 @@ use crate::body::{BoxError, UpstreamBody};
 use crate::l7::error::UpstreamError;
 use crate::limits::{upstream_socket, SocketSlot};
 use crate::metrics::ClusterStats;
+use crate::resilience::{Breaker, Overflow, Overflowed, Permit};
 use crate::snapshot::ClusterPlan;
 use crate::tls::{ClusterTlsPlan, Stream};
 
@@ -34,12 +35,16 @@ pub struct CountingConnector {
     worker: usize,
     /// The cluster's TLS, made on each new connection.
     tls: Option<Arc<ClusterTlsPlan>>,
+    /// The cluster's circuit breaker: a connection takes a place under `max_connections`
+    /// (and under `max_pending` while it opens).
+    breaker: Arc<Breaker>,
 }
 
 /// An upstream connection of hyper's client, counted against the fd budget while it is open.
 pub struct CountedStream {
     inner: Stream,
     _slot: SocketSlot,
+    _counted: Permit,
 }
 
 impl tower_service::Service<Uri> for CountingConnector {
@@ -54,8 +59,13 @@ impl tower_service::Service<Uri> for CountingConnector {
     fn call(&mut self, dst: Uri) -> Self::Future {
         let (stats, worker, tls) = (self.stats.clone(), self.worker, self.tls.clone());
         let slot = upstream_socket();
+        let permits = self
+            .breaker
+            .acquire(Overflow::Pending)
+            .and_then(|pending| Ok((pending, self.breaker.acquire(Overflow::Connections)?)));
         let connecting = self.inner.call(dst);
         Box::pin(async move {
+            let (pending, counted) = permits.map_err(|kind| BoxError::from(Overflowed(kind)))?;
             // Connect outcomes are rare next to requests and can come from any task of
             // the worker; the shared add keeps them exact.
             let slot = slot.inspect_err(|_| stats.connect_failures.add_shared(worker, 1))?;
@@ -69,7 +79,12 @@ impl tower_service::Service<Uri> for CountingConnector {
                             BoxError::from(format!("TLS handshake with the endpoint failed: {e}"))
                         })?,
                     };
-                    Ok(TokioIo::new(CountedStream { inner, _slot: slot }))
+                    drop(pending);
+                    Ok(TokioIo::new(CountedStream {
+                        inner,
+                        _slot: slot,
+                        _counted: counted,
+                    }))
                 }
                 Err(err) => {
                     stats.connect_failures.add_shared(worker, 1);
@@ -138,6 +153,7 @@ pub fn build_client(plan: &ClusterPlan, worker: usize, send_buffer: u32) -> Http
         stats: plan.stats.clone(),
         worker,
         tls: plan.tls.clone(),
+        breaker: plan.guard.breaker.clone(),
     };
     let mut builder = Client::builder(TokioExecutor::new());
     // One connection carries every stream of this worker, so its windows are large.
@@ -174,6 +190,8 @@ pub(crate) async fn send(
         let detail = error_chain(&err);
         if downstream_failed.load(Ordering::Relaxed) {
             UpstreamError::request_body(detail)
+        } else if let Some(kind) = Overflowed::find(&err) {
+            UpstreamError::overflow(kind)
         } else if err.is_connect() {
             UpstreamError::connect(detail)
         } else {

@@ -8,6 +8,8 @@ use std::fmt;
 use std::io;
 use std::net::SocketAddr;
 
+use crate::resilience::Overflow;
+
 /// Where a failure came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Source {
@@ -43,6 +45,8 @@ pub enum Kind {
     ClientGone,
     /// The cluster has no endpoint to send to.
     NoEndpoint,
+    /// The cluster's circuit breaker refused the request: says which limit.
+    Overflow(Overflow),
 }
 
 /// A failed upstream exchange.
@@ -136,6 +140,11 @@ impl UpstreamError {
     /// The cluster has no endpoint.
     pub fn no_endpoint() -> Self {
         Self::new(Source::Internal, Kind::NoEndpoint, String::new())
+    }
+
+    /// The cluster's circuit breaker refused: its `kind` limit is reached.
+    pub fn overflow(kind: Overflow) -> Self {
+        Self::new(Source::Internal, Kind::Overflow(kind), String::new())
     }
 
     /// A pooled connection the endpoint had closed while idle: not a failure of the

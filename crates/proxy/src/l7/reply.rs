@@ -163,8 +163,29 @@ pub(crate) fn upstream_failure(
             false,
             grpc,
         ),
+        Kind::Overflow(kind) => {
+            let mut resp = local_reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "upstream overflow: cluster `{cluster}` is at its circuit breaker's {} ({}); retry later, or raise circuit_breaker.{}\n",
+                    kind.key(),
+                    kind.as_str(),
+                    kind.key()
+                ),
+                false,
+                grpc,
+            );
+            resp.headers_mut().insert(
+                OVERFLOW_HEADER,
+                HeaderValue::from_static(kind.as_str()),
+            );
+            resp
+        }
     }
 }
+
+/// Names the circuit-breaker limit that refused a request (Envoy's `x-envoy-overloaded`).
+pub(crate) const OVERFLOW_HEADER: &str = "x-flatmesh-overflow";
 
 #[cfg(test)]
 mod tests {
@@ -206,6 +227,20 @@ mod tests {
             status_of(UpstreamError::upload_stalled(Duration::from_secs(1))),
             408
         );
+    }
+
+    #[test]
+    fn an_overflow_says_which_limit_to_plain_and_grpc_clients() {
+        use crate::resilience::Overflow;
+        let err = UpstreamError::overflow(Overflow::Pending);
+        let plain = upstream_failure(&err, "api", Duration::from_secs(1), false);
+        assert_eq!(plain.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(plain.headers()[OVERFLOW_HEADER], "pending");
+        let grpc = upstream_failure(&err, "api", Duration::from_secs(1), true);
+        assert_eq!(grpc.headers()["grpc-status"], "14", "UNAVAILABLE");
+        assert_eq!(grpc.headers()[OVERFLOW_HEADER], "pending");
+        let message = grpc.headers()["grpc-message"].to_str().unwrap();
+        assert!(message.contains("max_pending"), "{message}");
     }
 
     #[test]

@@ -12,6 +12,11 @@
 //!   an upload that stalls is cut by the idle timeout of the body's relay.
 //!
 //! Only a request without a body is ever sent twice: a body can be read only once.
+//!
+//! The cluster's circuit breaker (`crate::resilience`) bounds it: the request takes a place
+//! under `max_requests` before its first try (none left: answered 503 at once), and a retry
+//! takes one under `max_retries` (none left: the answer or failure in hand goes back). Each
+//! try's outcome goes to the cluster's outlier detection, which may eject the endpoint.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -23,6 +28,7 @@ use tokio::sync::watch;
 
 use super::error::{Kind, UpstreamError};
 use crate::lb::InFlight;
+use crate::resilience::{Outcome, Overflow, Permit};
 use crate::snapshot::ClusterPlan;
 use crate::upstream::Upstream;
 
@@ -137,10 +143,24 @@ impl<'a> Retry<'a> {
             UpstreamError::timeout()
         };
         tokio::pin!(timer);
+        let breaker = &self.plan.guard.breaker;
+        let mut request = Some(
+            breaker
+                .acquire(Overflow::Requests)
+                .map_err(UpstreamError::overflow)?,
+        );
+        // One place under `max_retries` for all of this request's retries, taken at its first.
+        let mut retrying: Option<Permit> = None;
+        let mut may_retry = || {
+            retrying.is_some() || {
+                retrying = breaker.acquire(Overflow::Retries).ok();
+                retrying.is_some()
+            }
+        };
         let mut tries = 0;
         let mut stale_retried = false;
         loop {
-            let Some((index, in_flight)) = self.upstream.balancer.pick(self.key, tries) else {
+            let Some((index, mut in_flight)) = self.upstream.balancer.pick(self.key, tries) else {
                 return Err(UpstreamError::no_endpoint());
             };
             let endpoint = self.plan.endpoints[index];
@@ -155,14 +175,16 @@ impl<'a> Retry<'a> {
                 tried = attempt => tried,
                 err = &mut timer => Err(err),
             };
+            self.observe(index, &tried);
             match tried {
-                Ok(answer) if !last && self.retries_status(answer.status()) => {}
+                Ok(answer) if !last && self.retries_status(answer.status()) && may_retry() => {}
                 Ok(answer) => {
+                    in_flight.hold(request.take());
                     return Ok(Answered {
                         answer,
                         endpoint,
                         in_flight,
-                    })
+                    });
                 }
                 Err(err) if err.is_stale_connection() && self.replayable && !stale_retried => {
                     tracing::debug!(%endpoint, error = %err.detail, "pooled connection was closed; retrying on a new one");
@@ -170,7 +192,7 @@ impl<'a> Retry<'a> {
                     continue;
                 }
                 Err(mut err) => {
-                    if last || !self.retries_failure(err.kind) {
+                    if last || !self.retries_failure(err.kind) || !may_retry() {
                         err.endpoint = Some(endpoint);
                         return Err(err);
                     }
@@ -179,6 +201,25 @@ impl<'a> Retry<'a> {
             tries += 1;
             self.plan.stats.retries.add(self.worker, 1);
         }
+    }
+
+    /// Tells the cluster's outlier detection what the try at endpoint `index` came to.
+    fn observe<A: Answer>(&self, index: usize, tried: &Result<A, UpstreamError>) {
+        let Some(outlier) = &self.plan.guard.outlier else {
+            return;
+        };
+        let outcome = match tried {
+            Ok(answer) => Outcome::Answered(answer.status()),
+            // A pooled connection the endpoint closed while idle is not its failure.
+            Err(err) if err.is_stale_connection() => return,
+            Err(err) => match err.kind {
+                Kind::ConnectFailed => Outcome::ConnectFailed,
+                Kind::Closed | Kind::Timeout | Kind::InvalidResponse => Outcome::Failed,
+                // The client's doing, or the proxy's own refusal: not the endpoint's.
+                _ => return,
+            },
+        };
+        outlier.report(index, outcome);
     }
 
     fn retries_failure(&self, kind: Kind) -> bool {

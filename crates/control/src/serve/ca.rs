@@ -1,0 +1,467 @@
+//! The control center as its nodes' CA (`flatmesh control --ca-dir DIR --node-tokens FILE`).
+//!
+//! A node proves itself with its bootstrap token and sends CSRs over the TLS control channel
+//! ([`flatmesh_xds::certificates`]); it gets a certificate only for an identity it holds:
+//! one granted to it in the node tokens file, or that of a service the placement put on it
+//! (service `APP/STAGE` is `spiffe://TD/ns/APP/sa/STAGE`). So a node cannot obtain another
+//! node's workload identity. The control center presents a certificate of the same CA
+//! (`spiffe://TD/flatmesh/control`), renewed at half its lifetime, and re-reads the CA
+//! directory when it changes (`flatmesh ca rotate` while it runs): new certificates are signed
+//! by the new root and carry the bundle with both roots.
+//!
+//! The node tokens file (mode 0600):
+//!
+//! ```yaml
+//! # node id -> the SHA-256 of its bootstrap token (`flatmesh ca token --node ID` makes both),
+//! # and identities granted to it outright, besides those of the services placed on it
+//! r0-s0/host:
+//!   token_sha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08
+//!   identities: [ spiffe://cluster.local/ns/shop/sa/frontend ]
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use flatmesh_identity::svid::half_life;
+use flatmesh_identity::{Authority, IdentityError, SpiffeId};
+use flatmesh_xds::certificates::{CertificateRequest, CertificateResponse, Signer};
+use flatmesh_xds::secure::{ServerTls, Tokens};
+use parking_lot::RwLock;
+use serde::Deserialize;
+
+use crate::endpoints::EndpointSnapshot;
+use crate::error::{ControlError, Result};
+use crate::heartbeat::read_secret;
+
+/// The path of the control center's own identity, under the trust domain.
+pub const CONTROL_PATH: &str = "/flatmesh/control";
+/// How often the CA directory is checked for a rotation, and the control certificate for its
+/// renewal time.
+const CA_POLL: Duration = Duration::from_secs(1);
+/// Lifetime of the control center's own certificate.
+const CONTROL_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// The control center's SPIFFE ID in `trust_domain`.
+pub fn control_id(trust_domain: &str) -> std::result::Result<SpiffeId, IdentityError> {
+    SpiffeId::parse(&format!("spiffe://{trust_domain}{CONTROL_PATH}"))
+}
+
+/// The identity of placed service `APP/STAGE`: `spiffe://TD/ns/APP/sa/STAGE`.
+pub fn service_identity(trust_domain: &str, service: &str) -> Option<SpiffeId> {
+    let (app, stage) = service.split_once('/')?;
+    SpiffeId::workload(trust_domain, app, stage).ok()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NodeEntry {
+    token_sha256: String,
+    #[serde(default)]
+    identities: Vec<String>,
+}
+
+/// Who holds which token, and what each node was granted outright.
+#[derive(Debug, Clone, Default)]
+pub struct NodeTokens {
+    /// SHA-256 of the token -> node id.
+    by_digest: BTreeMap<[u8; 32], String>,
+    granted: BTreeMap<String, BTreeSet<String>>,
+}
+
+impl NodeTokens {
+    /// Reads the file; it must be readable by its owner only.
+    pub fn load(path: &Path) -> Result<NodeTokens> {
+        NodeTokens::parse(&read_secret(path)?, &path.display().to_string())
+    }
+
+    pub fn parse(text: &str, origin: &str) -> Result<NodeTokens> {
+        let fail = |why: String| ControlError::Invalid {
+            what: "node tokens file",
+            message: format!("{origin}: {why}"),
+        };
+        let raw: BTreeMap<String, NodeEntry> = serde_norway::from_str(text).map_err(|e| {
+            fail(format!(
+                "{e}; write `NODE: {{ token_sha256: 64 hex digits, identities: [SPIFFE IDs] }}` per node (`flatmesh ca token --node NODE` prints one)"
+            ))
+        })?;
+        let mut tokens = NodeTokens::default();
+        for (node, entry) in raw {
+            let digest = parse_digest(&entry.token_sha256)
+                .map_err(|why| fail(format!("`{node}`: token_sha256 {why}")))?;
+            if let Some(other) = tokens.by_digest.insert(digest, node.clone()) {
+                return Err(fail(format!(
+                    "`{node}` and `{other}` have the same token; give every node its own"
+                )));
+            }
+            let mut ids = BTreeSet::new();
+            for id in entry.identities {
+                let parsed = SpiffeId::parse(&id)
+                    .map_err(|e| fail(format!("`{node}`: identity `{id}`: {e}")))?;
+                ids.insert(parsed.as_str().to_string());
+            }
+            tokens.granted.insert(node, ids);
+        }
+        Ok(tokens)
+    }
+
+    /// Node ids the file names.
+    pub fn nodes(&self) -> impl Iterator<Item = &String> + Clone {
+        self.granted.keys()
+    }
+}
+
+impl Tokens for NodeTokens {
+    fn node_of(&self, token: &str) -> Option<String> {
+        self.by_digest.get(&sha256(token.as_bytes())).cloned()
+    }
+}
+
+fn sha256(bytes: &[u8]) -> [u8; 32] {
+    let digest = ring::digest::digest(&ring::digest::SHA256, bytes);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(digest.as_ref());
+    out
+}
+
+/// The hex SHA-256 of a token, as the node tokens file holds it.
+pub fn token_digest_hex(token: &str) -> String {
+    sha256(token.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn parse_digest(hex: &str) -> std::result::Result<[u8; 32], String> {
+    let hex = hex.trim();
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!(
+            "must be 64 hex digits (a SHA-256), not {} characters",
+            hex.len()
+        ));
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|e| e.to_string())?;
+    }
+    Ok(out)
+}
+
+/// A fresh random bootstrap token: 32 random bytes in hex (printable in any header or file).
+pub fn new_token() -> Result<String> {
+    use ring::rand::SecureRandom as _;
+    let mut bytes = [0u8; 32];
+    ring::rand::SystemRandom::new()
+        .fill(&mut bytes)
+        .map_err(|_| ControlError::Invalid {
+            what: "token",
+            message: "the system's random source failed".into(),
+        })?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The identities the placement puts on each node; replaced with every placement snapshot.
+#[derive(Debug, Clone, Default)]
+pub struct Placements {
+    by_node: Arc<RwLock<BTreeMap<String, BTreeSet<String>>>>,
+}
+
+impl Placements {
+    /// Records where `snapshot` placed every service.
+    pub fn update(&self, trust_domain: &str, snapshot: &EndpointSnapshot) {
+        let mut by_node: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (service, endpoints) in &snapshot.services {
+            let Some(id) = service_identity(trust_domain, service) else {
+                continue;
+            };
+            for endpoint in endpoints {
+                by_node
+                    .entry(endpoint.node.clone())
+                    .or_default()
+                    .insert(id.as_str().to_string());
+            }
+        }
+        *self.by_node.write() = by_node;
+    }
+
+    fn holds(&self, node: &str, id: &str) -> bool {
+        self.by_node
+            .read()
+            .get(node)
+            .is_some_and(|ids| ids.contains(id))
+    }
+}
+
+/// What the CA did, by outcome (for logs, tests and `flatmesh control`'s summary).
+#[derive(Debug, Default)]
+pub struct CaStats {
+    pub issued: AtomicU64,
+    /// No token, or one nobody holds.
+    pub unauthenticated: AtomicU64,
+    /// An identity not placed on (nor granted to) the asking node.
+    pub not_placed: AtomicU64,
+    /// A CSR that does not parse, names another trust domain or no single SPIFFE ID.
+    pub bad_request: AtomicU64,
+}
+
+/// Signs nodes' CSRs with the CA of `dir`, within what each node holds.
+pub struct NodeCa {
+    dir: PathBuf,
+    authority: RwLock<Authority>,
+    tokens: Arc<NodeTokens>,
+    placements: Placements,
+    ttl: Duration,
+    pub stats: Arc<CaStats>,
+}
+
+impl NodeCa {
+    pub fn new(
+        dir: &Path,
+        tokens: Arc<NodeTokens>,
+        placements: Placements,
+        ttl: Duration,
+    ) -> Result<NodeCa> {
+        let authority = Authority::load(dir).map_err(identity_error)?;
+        Ok(NodeCa {
+            dir: dir.to_path_buf(),
+            authority: RwLock::new(authority),
+            tokens,
+            placements,
+            ttl,
+            stats: Arc::default(),
+        })
+    }
+
+    pub fn trust_domain(&self) -> String {
+        self.authority.read().trust_domain().to_string()
+    }
+
+    /// A server configuration for the control channel, presenting a fresh certificate of the
+    /// control center's own identity; also returns when that certificate should be renewed.
+    pub fn control_tls(&self) -> Result<(Arc<rustls::ServerConfig>, SystemTime)> {
+        let authority = self.authority.read();
+        let id = control_id(authority.trust_domain()).map_err(identity_error)?;
+        let issued = authority.issue(&id, CONTROL_TTL).map_err(identity_error)?;
+        let key = issued.key_pem.as_deref().unwrap_or_default();
+        let svid =
+            flatmesh_identity::Svid::from_pem(&issued.chain_pem, key).map_err(|message| {
+                ControlError::Invalid {
+                    what: "control center certificate",
+                    message,
+                }
+            })?;
+        let config =
+            flatmesh_identity::tls::server_config(&svid, None, &[b"h2"]).map_err(identity_error)?;
+        Ok((config, half_life(issued.not_before, issued.not_after)))
+    }
+
+    /// Re-reads the CA directory (after `flatmesh ca rotate` or `retire`).
+    fn reload(&self) -> Result<()> {
+        let authority = Authority::load(&self.dir).map_err(identity_error)?;
+        tracing::info!(
+            dir = %self.dir.display(),
+            roots = authority.bundle().len(),
+            "CA directory changed: signing with its current root from now on"
+        );
+        *self.authority.write() = authority;
+        Ok(())
+    }
+
+    fn refuse(counter: &AtomicU64, status: tonic::Status) -> tonic::Status {
+        counter.fetch_add(1, Ordering::Relaxed);
+        status
+    }
+}
+
+fn identity_error(e: IdentityError) -> ControlError {
+    ControlError::Invalid {
+        what: "certificate authority",
+        message: e.to_string(),
+    }
+}
+
+/// The channel's token check (every call, before any handler): counts the refusals.
+impl Tokens for NodeCa {
+    fn node_of(&self, token: &str) -> Option<String> {
+        self.tokens.node_of(token)
+    }
+
+    fn refused(&self) {
+        self.stats.unauthenticated.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!("control channel: a call without a known bootstrap token, refused");
+    }
+}
+
+impl Signer for NodeCa {
+    fn sign(
+        &self,
+        token: Option<&str>,
+        request: &CertificateRequest,
+    ) -> std::result::Result<CertificateResponse, tonic::Status> {
+        // The channel's check has already passed (an unknown token never gets here); this
+        // finds which node is asking.
+        let Some(node) = token.and_then(|t| Tokens::node_of(self, t)) else {
+            return Err(tonic::Status::unauthenticated(
+                "no known bootstrap token; give the node its own (flatmesh node --bootstrap-token FILE)",
+            ));
+        };
+        let asked = u64::try_from(request.validity_duration).unwrap_or(0);
+        let ttl = match asked {
+            0 => self.ttl,
+            seconds => Duration::from_secs(seconds).clamp(flatmesh_identity::ca::MIN_TTL, self.ttl),
+        };
+        let granted = self.tokens.granted.get(&node);
+        let authority = self.authority.read();
+        let signed = authority.sign_csr(request.csr.as_bytes(), ttl, |id| {
+            let holds = granted.is_some_and(|ids| ids.contains(id.as_str()))
+                || self.placements.holds(&node, id.as_str());
+            if holds {
+                Ok(())
+            } else {
+                Err(IdentityError::NotPlaced {
+                    id: id.to_string(),
+                    node: node.clone(),
+                })
+            }
+        });
+        let issued = match signed {
+            Ok(issued) => issued,
+            Err(e @ IdentityError::NotPlaced { .. }) => {
+                tracing::warn!(%node, error = %e, "CA: refused");
+                return Err(Self::refuse(
+                    &self.stats.not_placed,
+                    tonic::Status::permission_denied(e.to_string()),
+                ));
+            }
+            Err(e) => {
+                tracing::warn!(%node, error = %e, "CA: bad certificate request, refused");
+                return Err(Self::refuse(
+                    &self.stats.bad_request,
+                    tonic::Status::invalid_argument(e.to_string()),
+                ));
+            }
+        };
+        // The leaf, then the whole bundle (not just the signing root): a node trusts what it
+        // is given, and during a rotation that is both roots.
+        let leaf = flatmesh_identity::ca::certificates_from_pem(issued.chain_pem.as_bytes())
+            .ok()
+            .and_then(|chain| chain.into_iter().next())
+            .ok_or_else(|| tonic::Status::internal("the CA produced no certificate"))?;
+        let mut cert_chain = vec![flatmesh_identity::svid::pem("CERTIFICATE", &leaf)];
+        cert_chain.extend(
+            authority
+                .bundle()
+                .iter()
+                .map(|root| flatmesh_identity::svid::pem("CERTIFICATE", root)),
+        );
+        self.stats.issued.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(%node, id = %issued.id, ttl = ?ttl, "CA: issued");
+        Ok(CertificateResponse { cert_chain })
+    }
+}
+
+/// Keeps the control channel's certificate fresh: renews it at half its lifetime, and re-reads
+/// the CA directory when it changes. A rotation does not renew the channel's certificate at
+/// once: nodes that still trust only the old root keep reaching the control center until its
+/// next renewal (half of [`CONTROL_TTL`]), which is the time operators have to hand nodes the
+/// new `ca.pem` (it holds both roots).
+pub async fn keep_fresh(ca: Arc<NodeCa>, tls: ServerTls, mut renew_at: SystemTime) {
+    let stamp = |dir: &Path| {
+        [
+            flatmesh_identity::ca::CERT_FILE,
+            flatmesh_identity::ca::KEY_FILE,
+        ]
+        .map(|f| {
+            std::fs::metadata(dir.join(f))
+                .and_then(|m| m.modified())
+                .ok()
+        })
+    };
+    let mut seen = stamp(&ca.dir);
+    let mut tick = tokio::time::interval(CA_POLL);
+    loop {
+        tick.tick().await;
+        let now = stamp(&ca.dir);
+        let rotated = now != seen;
+        if rotated {
+            seen = now;
+            if let Err(e) = ca.reload() {
+                tracing::error!(error = %e, "CA directory changed but cannot be read; still signing with the previous root");
+                continue;
+            }
+        }
+        if SystemTime::now() >= renew_at {
+            match ca.control_tls() {
+                Ok((config, next)) => {
+                    tls.set(config);
+                    renew_at = next;
+                    tracing::info!("control channel certificate renewed");
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot renew the control channel certificate; retrying")
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_tokens_file_is_checked() {
+        let digest = token_digest_hex("s3cret");
+        let tokens = NodeTokens::parse(
+            &format!("n1: {{ token_sha256: {digest}, identities: [spiffe://td/ns/a/sa/b] }}\n"),
+            "t.yaml",
+        )
+        .unwrap();
+        assert_eq!(tokens.node_of("s3cret").as_deref(), Some("n1"));
+        assert_eq!(tokens.node_of("s3cret2"), None);
+        for (bad, says) in [
+            ("n1: { token_sha256: abc }", "64 hex digits"),
+            (
+                &format!("n1: {{ token_sha256: {digest} }}\nn2: {{ token_sha256: {digest} }}"),
+                "same token",
+            ),
+            (
+                &format!("n1: {{ token_sha256: {digest}, identities: [http://x] }}"),
+                "identity `http://x`",
+            ),
+            (
+                &format!("n1: {{ token_sha256: {digest}, roles: [] }}"),
+                "unknown field",
+            ),
+        ] {
+            let e = NodeTokens::parse(bad, "t.yaml").unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn renewal_is_at_half_life() {
+        let start = SystemTime::UNIX_EPOCH + Duration::from_secs(1000);
+        assert_eq!(
+            half_life(start, start + Duration::from_secs(3600)),
+            start + Duration::from_secs(1800)
+        );
+        assert_eq!(
+            half_life(start, start),
+            start,
+            "an empty lifetime renews at once"
+        );
+    }
+
+    #[test]
+    fn placed_services_map_to_workload_identities() {
+        assert_eq!(
+            service_identity("td", "shop/cart").unwrap().as_str(),
+            "spiffe://td/ns/shop/sa/cart"
+        );
+        assert!(service_identity("td", "nostage").is_none());
+    }
+}

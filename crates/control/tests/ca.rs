@@ -1,0 +1,390 @@
+//! The control center as its nodes' CA, in-process and over real sockets: HCM places `shop/kvs`
+//! on the first SmartNIC, the control center serves xDS and the certificate API over TLS to
+//! token holders only, and nodes (the identity fetcher and the xDS client that
+//! `flatmesh node --identity ... --xds-ca ... --bootstrap-token ...` runs) get exactly what
+//! they hold: the identities placed on them or granted to them, and nothing of another node's.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flatmesh_control::placement::Algorithm;
+use flatmesh_control::serve::ca::token_digest_hex;
+use flatmesh_control::serve::{CaOptions, ControlCenter, Options, PlacementOptions};
+use flatmesh_identity::{Authority, IdPattern, SpiffeId, TrustBundle};
+use flatmesh_xds::client::{Apply, Client, Protocol};
+use flatmesh_xds::identities::{self, IdentityOptions};
+use flatmesh_xds::secure::ChannelSecurity;
+
+const CLUSTER: &str = r#"
+name: lab
+server_types:
+  Small:
+    host:     {core: beefy, cores: 2, memory_mb: 4096, idle_watts: 83, peak_watts: 201, cost_usd: 4500, bandwidth_gbps: 0}
+    smartnic: {core: wimpy, cores: 1, memory_mb: 1024, idle_watts: 15, peak_watts: 21, cost_usd: 150, bandwidth_gbps: 10}
+    smartnic_count: 1
+racks:
+  - name: r0
+    servers: [{type: Small, count: 2}]
+"#;
+
+const APP: &str =
+    "name: shop\nrps: 1000\nreplicas: 0\nstages: [{name: kvs, microservice: KVS, shards: 1}]\n";
+const ADDRESSES: &str = "nodes: { r0-s0/host: 127.0.0.1, r0-s0/nic0: 127.0.0.2, r0-s1/host: 127.0.0.3, r0-s1/nic0: 127.0.0.4 }\nservices: { shop/kvs: 9100 }\n";
+const STATE: &str = "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    routes: [ { cluster: shop/kvs } ]\nclusters:\n  - { name: shop/kvs, endpoints: [] }\n";
+
+/// HCM puts the only KVS instance on the first SmartNIC.
+const KVS_NODE: &str = "r0-s0/nic0";
+const KVS_ID: &str = "spiffe://mesh.test/ns/shop/sa/kvs";
+/// Granted to the first host in the tokens file.
+const FRONT_ID: &str = "spiffe://mesh.test/ns/shop/sa/front";
+
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(test: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("fm-ca-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+    fn write(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.0.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn token_of(node: &str) -> String {
+    format!("token-of-{}", node.replace('/', "-"))
+}
+
+/// A control center with a CA, placing shop/kvs; returns it with the CA directory.
+fn control_center(dir: &Scratch) -> (ControlCenter, PathBuf) {
+    let ca_dir = dir.0.join("ca");
+    Authority::init("mesh.test", &ca_dir).unwrap();
+    let tokens: String = ["r0-s0/host", "r0-s0/nic0", "r0-s1/host"]
+        .iter()
+        .map(|node| {
+            let grants = if *node == "r0-s0/host" {
+                format!(", identities: [ {FRONT_ID} ]")
+            } else {
+                String::new()
+            };
+            format!(
+                "{node}: {{ token_sha256: {}{grants} }}\n",
+                token_digest_hex(&token_of(node))
+            )
+        })
+        .collect();
+    let tokens_path = dir.write("node-tokens.yaml", &tokens);
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&tokens_path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let options = Options {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        state: Some(dir.write("state.yaml", STATE)),
+        placement: Some(PlacementOptions {
+            cluster: dir.write("cluster.yaml", CLUSTER).display().to_string(),
+            apps: vec![dir.write("app.yaml", APP).display().to_string()],
+            algorithm: Algorithm::Hcm,
+            seed: 1,
+            addresses: dir.write("addresses.yaml", ADDRESSES),
+            orchestrator: None,
+        }),
+        ca: Some(CaOptions {
+            dir: ca_dir.clone(),
+            node_tokens: tokens_path,
+            ttl: Duration::from_secs(3600),
+        }),
+    };
+    (ControlCenter::new(&options).unwrap(), ca_dir)
+}
+
+/// What `flatmesh node --xds-ca CA --bootstrap-token ...` sets up: TLS trusting `ca_pem`,
+/// expecting the control center's SPIFFE ID.
+fn security(ca_pem: &Path, token: Option<&str>) -> ChannelSecurity {
+    let bundle = TrustBundle::load(ca_pem).unwrap();
+    let control = IdPattern::parse("spiffe://mesh.test/flatmesh/control").unwrap();
+    ChannelSecurity {
+        tls: Some(
+            flatmesh_identity::tls::client_config(None, &bundle, vec![control], &[b"h2"]).unwrap(),
+        ),
+        token: token.map(str::to_owned),
+    }
+}
+
+fn identity_options(
+    server: &str,
+    security: ChannelSecurity,
+    dir: &Path,
+    id: &str,
+) -> IdentityOptions {
+    IdentityOptions {
+        server: server.to_string(),
+        security,
+        ids: vec![SpiffeId::parse(id).unwrap()],
+        dir: dir.to_path_buf(),
+        ttl: Duration::from_secs(600),
+    }
+}
+
+#[derive(Clone, Default)]
+struct Recorder(Arc<parking_lot::Mutex<u64>>);
+
+impl Apply for Recorder {
+    fn apply(&mut self, _config: flatmesh_config::Config) -> Result<(), String> {
+        *self.0.lock() += 1;
+        Ok(())
+    }
+}
+
+fn until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn nodes_get_certificates_only_for_the_identities_they_hold_over_an_authenticated_tls_channel() {
+    let dir = Scratch::new("holds");
+    let (center, ca_dir) = control_center(&dir);
+    let stats = center.ca_stats().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+    let served = rt.spawn(center.run(
+        async {
+            let _ = stop_rx.await;
+        },
+        Some(bound_tx),
+    ));
+    let server = rt.block_on(bound_rx).unwrap().to_string();
+    let ca_pem = ca_dir.join("ca.pem");
+    let out = dir.0.join("identities");
+
+    // The SmartNIC that runs the KVS gets the KVS identity: key 0600, leaf for that ID,
+    // chained to the bundle it also gets.
+    let nic = security(&ca_pem, Some(&token_of(KVS_NODE)));
+    let held = rt
+        .block_on(identities::fetch(
+            &identity_options(&server, nic.clone(), &out, KVS_ID),
+            &SpiffeId::parse(KVS_ID).unwrap(),
+        ))
+        .unwrap();
+    assert_eq!(held.id.as_str(), KVS_ID);
+    let lifetime = held.not_after.duration_since(held.not_before).unwrap();
+    assert!(
+        lifetime <= Duration::from_secs(600 + 60),
+        "the node asked for 10 minutes and got {lifetime:?}"
+    );
+    let (cert, key) = identities::files(&out, &held.id);
+    use std::os::unix::fs::PermissionsExt as _;
+    assert_eq!(
+        std::fs::metadata(&key).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let svid = flatmesh_identity::Svid::load(&cert, &key).unwrap();
+    assert_eq!(svid.id.as_str(), KVS_ID);
+    let bundle =
+        flatmesh_identity::ca::load_certificates(&out.join(identities::BUNDLE_FILE)).unwrap();
+    assert_eq!(
+        bundle,
+        flatmesh_identity::ca::load_certificates(&ca_pem).unwrap()
+    );
+    // What it got works as a server identity that a peer trusting the bundle accepts.
+    flatmesh_identity::tls::server_config(&svid, None, &[b"h2"]).unwrap();
+
+    // A host asking for the KVS identity (placed on another node) is refused, and says why.
+    let host = security(&ca_pem, Some(&token_of("r0-s0/host")));
+    let refused = rt
+        .block_on(identities::fetch(
+            &identity_options(&server, host.clone(), &out, KVS_ID),
+            &SpiffeId::parse(KVS_ID).unwrap(),
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("PermissionDenied")
+            && refused.contains("not an identity placed on node `r0-s0/host`"),
+        "{refused}"
+    );
+    // What the tokens file grants it outright, it gets.
+    rt.block_on(identities::fetch(
+        &identity_options(&server, host.clone(), &out, FRONT_ID),
+        &SpiffeId::parse(FRONT_ID).unwrap(),
+    ))
+    .unwrap();
+    // Another trust domain is refused as a bad request.
+    let foreign = "spiffe://elsewhere.test/ns/shop/sa/kvs";
+    let refused = rt
+        .block_on(identities::fetch(
+            &identity_options(&server, nic.clone(), &out, foreign),
+            &SpiffeId::parse(foreign).unwrap(),
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("InvalidArgument") && refused.contains("trust domain"),
+        "{refused}"
+    );
+
+    // No token, or a token nobody holds: refused before anything is read.
+    for token in [None, Some("guessed")] {
+        let refused = rt
+            .block_on(identities::fetch(
+                &identity_options(&server, security(&ca_pem, token), &out, KVS_ID),
+                &SpiffeId::parse(KVS_ID).unwrap(),
+            ))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            refused.contains("Unauthenticated") && refused.contains("bootstrap token"),
+            "{token:?}: {refused}"
+        );
+    }
+    // Plaintext to the TLS port, and TLS trusting another CA, never get through.
+    let plaintext = ChannelSecurity {
+        tls: None,
+        token: Some(token_of(KVS_NODE)),
+    };
+    assert!(rt
+        .block_on(identities::fetch(
+            &identity_options(&server, plaintext, &out, KVS_ID),
+            &SpiffeId::parse(KVS_ID).unwrap(),
+        ))
+        .is_err());
+    let stranger_dir = dir.0.join("stranger");
+    Authority::init("mesh.test", &stranger_dir).unwrap();
+    let refused = rt
+        .block_on(identities::fetch(
+            &identity_options(
+                &server,
+                security(&stranger_dir.join("ca.pem"), Some(&token_of(KVS_NODE))),
+                &out,
+                KVS_ID,
+            ),
+            &SpiffeId::parse(KVS_ID).unwrap(),
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("certificate"), "{refused}");
+
+    use std::sync::atomic::Ordering::Relaxed;
+    assert_eq!(stats.issued.load(Relaxed), 2);
+    assert_eq!(stats.not_placed.load(Relaxed), 1);
+    assert_eq!(stats.bad_request.load(Relaxed), 1);
+    assert_eq!(stats.unauthenticated.load(Relaxed), 2);
+
+    // The xDS stream over the same channel: served to a token holder over TLS; refused
+    // without a token.
+    let spawn = |security: ChannelSecurity, node: Recorder| {
+        rt.block_on(async {
+            Client::spawn(
+                flatmesh_xds::client::Options {
+                    server: server.clone(),
+                    node_id: "r0-s0/nic0".into(),
+                    node_cluster: "r0-s0/nic0".into(),
+                    protocol: Protocol::Sotw,
+                    security,
+                },
+                flatmesh_xds::bootstrap::empty_config(),
+                node,
+            )
+        })
+    };
+    let served_node = Recorder::default();
+    let client = spawn(nic.clone(), served_node.clone());
+    until(
+        "the TLS xDS client to get a config",
+        Duration::from_secs(30),
+        || *served_node.0.lock() > 0,
+    );
+    let tokenless = Recorder::default();
+    let refused_client = spawn(security(&ca_pem, None), tokenless.clone());
+    until(
+        "the tokenless client to be refused",
+        Duration::from_secs(30),
+        || {
+            refused_client
+                .status()
+                .last_error
+                .is_some_and(|e| e.contains("bootstrap token"))
+        },
+    );
+    assert_eq!(
+        *tokenless.0.lock(),
+        0,
+        "nothing reached a node without a token"
+    );
+    assert!(client.status().connected);
+
+    rt.block_on(client.stop());
+    rt.block_on(refused_client.stop());
+    stop_tx.send(()).unwrap();
+    rt.block_on(served).unwrap().unwrap();
+}
+
+#[test]
+fn after_a_root_rotation_new_certificates_come_from_the_new_root_with_both_roots_trusted() {
+    let dir = Scratch::new("rotation");
+    let (center, ca_dir) = control_center(&dir);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+    let served = rt.spawn(center.run(
+        async {
+            let _ = stop_rx.await;
+        },
+        Some(bound_tx),
+    ));
+    let server = rt.block_on(bound_rx).unwrap().to_string();
+    let ca_pem = ca_dir.join("ca.pem");
+    let old_roots = flatmesh_identity::ca::load_certificates(&ca_pem).unwrap();
+    let out = dir.0.join("identities");
+    let nic = security(&ca_pem, Some(&token_of(KVS_NODE)));
+    let options = identity_options(&server, nic, &out, KVS_ID);
+    let id = SpiffeId::parse(KVS_ID).unwrap();
+    rt.block_on(identities::fetch(&options, &id)).unwrap();
+
+    // `flatmesh ca rotate` while the control center runs.
+    let mut authority = Authority::load(&ca_dir).unwrap();
+    authority.rotate(Some(&ca_dir)).unwrap();
+    let new_root = authority.bundle()[0].clone();
+    // The control center notices within a poll (1 s); the node, still trusting the old
+    // root for the channel, renews and gets a leaf of the new root and both roots.
+    let bundle_path = out.join(identities::BUNDLE_FILE);
+    until(
+        "a certificate of the new root",
+        Duration::from_secs(30),
+        || {
+            rt.block_on(identities::fetch(&options, &id)).unwrap();
+            let chain =
+                flatmesh_identity::ca::load_certificates(&identities::files(&out, &id).0).unwrap();
+            chain[1] == new_root
+        },
+    );
+    let bundle = flatmesh_identity::ca::load_certificates(&bundle_path).unwrap();
+    assert_eq!(bundle.len(), 2, "both roots are trusted during the overlap");
+    assert_eq!(bundle[0], new_root);
+    assert_eq!(bundle[1], old_roots[0]);
+
+    stop_tx.send(()).unwrap();
+    rt.block_on(served).unwrap().unwrap();
+}
