@@ -1389,6 +1389,15 @@ fn a_tunnel_cluster_needs_tls_and_only_tcp_listeners_use_it() {
         18,
         "tunnel_port 0",
     );
+    // Not applied to tunnels yet, so refused rather than ignored.
+    only(
+        &tcp(&format!(
+            "  - name: remote\n    endpoints: [ 10.0.0.7:80 ]\n    {tls}\n    tunnel: hbone\n    outlier_detection: {{ consecutive_5xx: 3 }}\n"
+        )),
+        10,
+        5,
+        "runs no circuit breaker or outlier detection yet",
+    );
     // An http route to a tunnel cluster: refused with the way out.
     let d = only(
         &format!(

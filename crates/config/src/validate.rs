@@ -1200,6 +1200,12 @@ impl Checker<'_> {
                 format!("cluster `{name}` sets `tunnel_port` but does not tunnel"),
                 "add `tunnel: hbone`, or remove `tunnel_port`".into(),
             ),
+            (Some(_), _) if cluster.circuit_breaker.is_some() || cluster.outlier_detection.is_some() => self.report(
+                format!("{at}.tunnel"),
+                Target::Key,
+                format!("cluster `{name}` tunnels, and a tunnel cluster runs no circuit breaker or outlier detection yet"),
+                "remove `circuit_breaker` and `outlier_detection` from this cluster, or `tunnel`".into(),
+            ),
             (Some(_), Some(0)) => self.report(
                 format!("{at}.tunnel_port"),
                 Target::Value,
