@@ -8,6 +8,7 @@
 
 pub mod admin;
 mod decode;
+pub mod destination;
 pub mod duration;
 pub mod error;
 pub mod locate;

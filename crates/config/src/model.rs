@@ -233,7 +233,34 @@ pub struct Listener {
     /// Who may do what on this listener (Istio's AuthorizationPolicy, per listener).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub authorization: Option<Authorization>,
+    /// `hbone` listeners: where their CONNECT streams may go (docs/security.md, "HBONE").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hbone: Option<HboneListener>,
 }
+
+/// An `hbone` listener's `hbone:`: the destinations its tunnels may reach. Without it (or
+/// with an empty list) a tunnel reaches loopback addresses only, so the listener is never an
+/// open relay.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HboneListener {
+    /// Each an address block (`10.0.0.0/8`, `::1/128`), a bare IP (every port) or an
+    /// `IP:PORT`; a CONNECT's `:authority` must fall in one.
+    #[serde(default)]
+    pub destinations: Vec<String>,
+}
+
+/// How a cluster carries its connections to its endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tunnel {
+    /// One HTTP/2 CONNECT stream per connection, inside mutual TLS to the endpoint's node
+    /// (ztunnel's HBONE).
+    Hbone,
+}
+
+/// The conventional HBONE port (ztunnel's).
+pub const HBONE_PORT: u16 = 15008;
 
 /// A listener's `authorization:` (docs/security.md, "Authorization"). A request (or, on a
 /// `tcp` listener, a connection) is denied when a `deny` policy matches; otherwise, when the
@@ -456,6 +483,9 @@ pub enum ListenerProtocol {
     Http,
     /// Plain L4 relay.
     Tcp,
+    /// HBONE tunnels in: HTTP/2 CONNECT streams over mutual TLS, each relayed to the
+    /// destination its `:authority` names.
+    Hbone,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -630,6 +660,12 @@ pub struct Cluster {
     /// Originate (mutual) TLS to the endpoints.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<ClusterTls>,
+    /// Carry each connection inside a tunnel to the endpoint's node (needs `tls`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tunnel: Option<Tunnel>,
+    /// The port the endpoints' nodes accept tunnels on; default [`HBONE_PORT`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tunnel_port: Option<u16>,
     /// Limits on what the node sends the cluster at once (Envoy's `circuit_breakers`);
     /// absent: the defaults of [`CircuitBreaker`].
     #[serde(default, skip_serializing_if = "Option::is_none")]

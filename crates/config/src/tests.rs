@@ -1301,3 +1301,122 @@ fn circuit_breaker_and_outlier_detection_are_validated_by_line() {
         d.hint
     );
 }
+
+/// An hbone listener with mutual TLS, then `rest` (indented by 4); `rest` starts on line 6.
+fn hbone(rest: &str) -> String {
+    format!(
+        "listeners:\n  - name: in\n    address: 127.0.0.1:15008\n    protocol: hbone\n    tls: {{ cert: n.pem, key: n.key, client_ca: ca.pem, allow: [ spiffe://td/* ] }}\n{rest}{CLUSTERS}"
+    )
+}
+
+#[test]
+fn hbone_listeners_and_tunnel_clusters() {
+    let ok = parse(
+        &hbone("    hbone: { destinations: [ 10.0.0.0/8, 127.0.0.1, \"[::1]:80\" ] }\n"),
+        "t.yaml",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(ok.listeners[0].protocol, ListenerProtocol::Hbone);
+    // A destination that does not parse, at its own line and column.
+    let d = only(
+        &hbone("    hbone:\n      destinations: [ 10.0.0.0/8, example.org:80 ]\n"),
+        7,
+        35,
+        "neither an address block",
+    );
+    assert!(d.hint.contains("IP:PORT"));
+    only(
+        &hbone("    hbone: { destinations: [ 10.1.0.0/8 ] }\n"),
+        6,
+        30,
+        "bits set past its prefix",
+    );
+    // Without mutual TLS anyone could tunnel: refused.
+    only(
+        "listeners:\n  - name: in\n    address: 127.0.0.1:15008\n    protocol: hbone\n",
+        2,
+        5,
+        "has no `tls`",
+    );
+    only(
+        "listeners:\n  - name: in\n    address: 127.0.0.1:15008\n    protocol: hbone\n    tls: { cert: n.pem, key: n.key }\n",
+        5,
+        5,
+        "does not ask for client certificates",
+    );
+    // What an hbone listener does not use, and `hbone:` where it means nothing.
+    only(&hbone("    cluster: db\n"), 6, 5, "which it does not use");
+    only(
+        &format!("listeners:\n  - name: db\n    address: 127.0.0.1:5432\n    protocol: tcp\n    cluster: db\n    hbone: {{ destinations: [] }}\n{CLUSTERS}"),
+        6,
+        5,
+        "only hbone listeners use",
+    );
+    // Request-level policies on a listener that sees tunnels, not requests.
+    only(
+        &hbone("    authorization:\n      policies:\n        - { name: p, action: deny, to: { paths: [ /x ] } }\n"),
+        8,
+        11,
+        "is a hbone listener",
+    );
+}
+
+#[test]
+fn a_tunnel_cluster_needs_tls_and_only_tcp_listeners_use_it() {
+    let tcp = |cluster: &str| {
+        format!(
+            "listeners:\n  - name: app\n    address: 127.0.0.1:9000\n    protocol: tcp\n    cluster: remote\nclusters:\n{cluster}"
+        )
+    };
+    let tls =
+        "tls: { ca: ca.pem, cert: n.pem, key: n.key, server_ids: [ spiffe://td/ns/mesh/sa/node ] }";
+    let ok = parse(
+        &tcp(&format!(
+            "  - {{ name: remote, endpoints: [ 10.0.0.7:80 ], tunnel: hbone, tunnel_port: 15009, {tls} }}\n"
+        )),
+        "t.yaml",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(ok.clusters[0].tunnel, Some(Tunnel::Hbone));
+    only(
+        &tcp("  - name: remote\n    endpoints: [ 10.0.0.7:80 ]\n    tunnel: hbone\n"),
+        9,
+        5,
+        "without `tls`",
+    );
+    only(
+        &tcp(&format!(
+            "  - name: remote\n    endpoints: [ 10.0.0.7:80 ]\n    {tls}\n    tunnel_port: 15008\n"
+        )),
+        10,
+        5,
+        "does not tunnel",
+    );
+    only(
+        &tcp(&format!(
+            "  - name: remote\n    endpoints: [ 10.0.0.7:80 ]\n    {tls}\n    tunnel: hbone\n    tunnel_port: 0\n"
+        )),
+        11,
+        18,
+        "tunnel_port 0",
+    );
+    // Not applied to tunnels yet, so refused rather than ignored.
+    only(
+        &tcp(&format!(
+            "  - name: remote\n    endpoints: [ 10.0.0.7:80 ]\n    {tls}\n    tunnel: hbone\n    outlier_detection: {{ consecutive_5xx: 3 }}\n"
+        )),
+        10,
+        5,
+        "runs no circuit breaker or outlier detection yet",
+    );
+    // An http route to a tunnel cluster: refused with the way out.
+    let d = only(
+        &format!(
+            "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    routes:\n      - cluster: remote\nclusters:\n  - {{ name: remote, endpoints: [ 10.0.0.7:80 ], tunnel: hbone, {tls} }}\n"
+        ),
+        6,
+        18,
+        "only tcp listeners can use a tunnel cluster",
+    );
+    assert!(d.hint.contains("tcp listener"));
+}

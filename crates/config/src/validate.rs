@@ -334,6 +334,15 @@ impl Checker<'_> {
             match listener.protocol {
                 ListenerProtocol::Http => self.http_listener(i, listener),
                 ListenerProtocol::Tcp => self.tcp_listener(i, listener),
+                ListenerProtocol::Hbone => self.hbone_listener(i, listener),
+            }
+            if listener.hbone.is_some() && listener.protocol != ListenerProtocol::Hbone {
+                self.report(
+                    format!("{at}.hbone"),
+                    Target::Key,
+                    format!("listener `{name}` sets `hbone`, which only hbone listeners use"),
+                    "remove it, or set `protocol: hbone` to accept HBONE tunnels".into(),
+                );
             }
         }
     }
@@ -504,6 +513,60 @@ impl Checker<'_> {
         }
     }
 
+    /// An `hbone` listener: mutual TLS is required (the tunnel's peers are known by their
+    /// SPIFFE IDs), it routes nothing itself, and its destinations must parse.
+    fn hbone_listener(&mut self, i: usize, listener: &Listener) {
+        let at = format!("listeners[{i}]");
+        let name = &listener.name;
+        match &listener.tls {
+            None => self.report(
+                at.clone(),
+                Target::Key,
+                format!("hbone listener `{name}` has no `tls`: HBONE tunnels run inside mutual TLS"),
+                "add `tls: { cert, key, client_ca, allow }` (docs/security.md, \"HBONE\")".into(),
+            ),
+            Some(tls) if tls.client_ca.is_none() => self.report(
+                format!("{at}.tls"),
+                Target::Key,
+                format!("hbone listener `{name}` does not ask for client certificates: anyone could open a tunnel"),
+                "add `client_ca: PATH` and `allow:` with the SPIFFE IDs of the nodes that may tunnel in".into(),
+            ),
+            Some(_) => {}
+        }
+        for (key, set) in [
+            ("cluster", listener.cluster.is_some()),
+            ("routes", !listener.routes.is_empty()),
+            ("normalize_path", listener.normalize_path.is_some()),
+            ("merge_slashes", listener.merge_slashes.is_some()),
+            (
+                "path_with_escaped_slashes_action",
+                listener.path_with_escaped_slashes_action.is_some(),
+            ),
+        ] {
+            if set {
+                self.report(
+                    format!("{at}.{key}"),
+                    Target::Key,
+                    format!("hbone listener `{name}` sets `{key}`, which it does not use"),
+                    "remove it: each tunnel goes to the destination its CONNECT names, within `hbone.destinations`".into(),
+                );
+            }
+        }
+        let Some(hbone) = &listener.hbone else {
+            return;
+        };
+        for (k, text) in hbone.destinations.iter().enumerate() {
+            if let Err(why) = crate::destination::Destination::parse(text) {
+                self.report(
+                    format!("{at}.hbone.destinations[{k}]"),
+                    Target::Value,
+                    why,
+                    "write an address block (10.0.0.0/8), an IP (10.0.0.7) or an IP:PORT (10.0.0.7:8080)".into(),
+                );
+            }
+        }
+    }
+
     /// The `kernel:` section names listeners; they must exist and have the right protocol.
     fn kernel(&mut self) {
         let config = self.config;
@@ -650,7 +713,15 @@ impl Checker<'_> {
 
     fn cluster_ref(&mut self, path: &str, name: &str) {
         let clusters = &self.config.clusters;
-        if clusters.iter().any(|c| c.name == name) {
+        if let Some(c) = clusters.iter().find(|c| c.name == name) {
+            if c.tunnel.is_some() && path.contains(".routes[") {
+                self.report(
+                    path,
+                    Target::Value,
+                    format!("route sends HTTP requests to cluster `{name}`, which tunnels (`tunnel: hbone`); only tcp listeners can use a tunnel cluster"),
+                    format!("route to a cluster without `tunnel`, or put a tcp listener with `cluster: {name}` in front of it"),
+                );
+            }
             return;
         }
         let hint = if clusters.is_empty() {
@@ -1044,6 +1115,7 @@ impl Checker<'_> {
             if let Some(tls) = &cluster.tls {
                 self.cluster_tls(&format!("{at}.tls"), tls);
             }
+            self.cluster_tunnel(&at, cluster);
             if let Some(breaker) = &cluster.circuit_breaker {
                 self.circuit_breaker(&format!("{at}.circuit_breaker"), breaker);
             }
@@ -1128,6 +1200,38 @@ impl Checker<'_> {
         }
     }
 
+    /// `tunnel` needs the cluster's `tls` (the tunnel is mutual TLS), and `tunnel_port` a tunnel.
+    fn cluster_tunnel(&mut self, at: &str, cluster: &Cluster) {
+        let name = &cluster.name;
+        match (cluster.tunnel, cluster.tunnel_port) {
+            (Some(_), _) if cluster.tls.is_none() => self.report(
+                format!("{at}.tunnel"),
+                Target::Key,
+                format!("cluster `{name}` tunnels (`tunnel: hbone`) without `tls`: HBONE tunnels run inside mutual TLS"),
+                "add `tls: { ca, cert, key, server_ids }` with the peer nodes' SPIFFE IDs in `server_ids`".into(),
+            ),
+            (None, Some(_)) => self.report(
+                format!("{at}.tunnel_port"),
+                Target::Key,
+                format!("cluster `{name}` sets `tunnel_port` but does not tunnel"),
+                "add `tunnel: hbone`, or remove `tunnel_port`".into(),
+            ),
+            (Some(_), _) if cluster.circuit_breaker.is_some() || cluster.outlier_detection.is_some() => self.report(
+                format!("{at}.tunnel"),
+                Target::Key,
+                format!("cluster `{name}` tunnels, and a tunnel cluster runs no circuit breaker or outlier detection yet"),
+                "remove `circuit_breaker` and `outlier_detection` from this cluster, or `tunnel`".into(),
+            ),
+            (Some(_), Some(0)) => self.report(
+                format!("{at}.tunnel_port"),
+                Target::Value,
+                "tunnel_port 0 cannot be connected to".into(),
+                format!("write the port the peers accept tunnels on (HBONE's is {})", crate::HBONE_PORT),
+            ),
+            _ => {}
+        }
+    }
+
     fn cluster_tls(&mut self, at: &str, tls: &crate::ClusterTls) {
         self.file_path(&format!("{at}.ca"), &tls.ca);
         match (&tls.cert, &tls.key) {
@@ -1156,7 +1260,11 @@ impl Checker<'_> {
 
     fn authorization(&mut self, at: &str, listener: &Listener, authz: &crate::Authorization) {
         let mut names: HashMap<&str, usize> = HashMap::new();
-        let tcp = listener.protocol == ListenerProtocol::Tcp;
+        // Tunnels are authorized per stream, as connections: no request to match.
+        let tcp = matches!(
+            listener.protocol,
+            ListenerProtocol::Tcp | ListenerProtocol::Hbone
+        );
         for (i, policy) in authz.policies.iter().enumerate() {
             let at = format!("{at}.policies[{i}]");
             if policy.name.trim().is_empty() {
@@ -1207,8 +1315,8 @@ impl Checker<'_> {
                     at.to_string(),
                     Target::Key,
                     format!(
-                        "policy `{}` matches requests (`to`/`when`), but `{}` is a tcp listener: it sees connections, not requests",
-                        policy.name, listener.name
+                        "policy `{}` matches requests (`to`/`when`), but `{}` is a {} listener: it sees connections, not requests",
+                        policy.name, listener.name, if listener.protocol == ListenerProtocol::Hbone { "hbone" } else { "tcp" }
                     ),
                     "keep only `from` on a tcp listener's policies, or move the policy to an http listener".into(),
                 );
@@ -1402,6 +1510,7 @@ mod tests {
                 path_with_escaped_slashes_action: None,
                 tls: None,
                 authorization: None,
+                hbone: None,
             }],
             clusters: vec![],
             kernel: None,

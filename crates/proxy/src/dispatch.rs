@@ -32,6 +32,8 @@ pub(crate) async fn serve(ctx: Arc<ConnContext>, stream: TcpStream) {
             serve_tls(ctx.clone(), &tls, stream, protocol, &current.snapshot).await
         }
         (ListenerProtocol::Tcp, None) => crate::tcp::relay(ctx, Stream::Plain(stream)).await,
+        // Validation requires an hbone listener's `tls`: never tunnel in the clear.
+        (ListenerProtocol::Hbone, None) => {}
         (ListenerProtocol::Http, None) => match &ctx.kernel {
             Some(k) if plan.is_some_and(|l| l.kernel_l7) => {
                 let k = k.clone();
@@ -130,7 +132,7 @@ async fn serve_tls(
     tls: &ListenerTlsPlan,
     stream: TcpStream,
     protocol: ListenerProtocol,
-    snapshot: &Snapshot,
+    snapshot: &Arc<Snapshot>,
 ) {
     let limits = listener_limits(&ctx, snapshot);
     let Some(listener) = snapshot
@@ -166,6 +168,11 @@ async fn serve_tls(
             crate::tcp::relay(ctx, stream).await
         }
         ListenerProtocol::Http => serve_http(ctx, stream, snapshot).await,
+        ListenerProtocol::Hbone => {
+            if let Some(lid) = snapshot.listener_at(ctx.listener_address, ctx.protocol) {
+                crate::hbone::server::serve(ctx, stream, snapshot.clone(), lid).await
+            }
+        }
     }
 }
 

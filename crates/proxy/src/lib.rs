@@ -4,16 +4,17 @@
 //!
 //! Follow one request (the README's "Architecture" walks it with file names):
 //! `node.rs` binds and swaps config snapshots (`control.rs`, `snapshot.rs`) → `worker.rs`
-//! accepts on a SO_REUSEPORT socket → `dispatch.rs` picks the path: the L4 relay (`tcp.rs`),
-//! tier K's first-request hand-off (`kernel/`), or the protocol sniff (`sniff.rs`) → the
+//! accepts on a SO_REUSEPORT socket → `dispatch.rs` picks the path: the L4 relay (`tcp.rs`,
+//! which hands a tunnel cluster's connections to `hbone/client.rs`), HBONE tunnels in
+//! (`hbone/server.rs`), tier K's first-request hand-off (`kernel/`), or the protocol sniff (`sniff.rs`) → the
 //! HTTP/1 codec (`h1/`) or the HTTP/2 codec (`h2/`, on hyper), thin adapters over the
 //! codec-neutral L7 layer (`l7/`: decide, retry driver, error type, replies) → `lb.rs` picks
 //! an endpoint and `upstream.rs` a pooled connection → the response streams back.
 //!
 //! Files depend on each other in one direction only: base pieces (`snapshot`, `metrics`,
-//! `lb`, `tap`, `sniff`, `body`, `trailers`, the HTTP/1 framing in `h1/head`, `h1/chunked`, `h1/body`)
+//! `lb`, `tap`, `relay`, `sniff`, `body`, `trailers`, the HTTP/1 framing in `h1/head`, `h1/chunked`, `h1/body`)
 //! → upstream pools and clients (`h1/pool`, `h1/client`, `h2/client`, `upstream`) and tier K
-//! (`kernel/`) → `context` → the L7 layer (`l7/`) and the L4 relay (`tcp`) → the codecs'
+//! (`kernel/`) → `context` → the L7 layer (`l7/`) and the L4 relay (`tcp`, `hbone`) → the codecs'
 //! server sides (`h1/conn`, `h2`) → `dispatch` → `worker` → `control` → `admin`, `node`.
 // One exception, with its SAFETY note: `limits::release_free_heap` (glibc's malloc_trim).
 #![deny(unsafe_code)]
@@ -27,6 +28,7 @@ mod dispatch;
 mod error;
 mod h1;
 mod h2;
+mod hbone;
 mod idle;
 mod kernel;
 mod ktls;
@@ -37,6 +39,7 @@ mod listener;
 pub mod logging;
 mod metrics;
 mod node;
+mod relay;
 mod resilience;
 mod snapshot;
 mod sniff;
@@ -54,11 +57,13 @@ pub use node::{ConfigSource, Node};
 pub use tls::check_files as check_tls_files;
 
 /// What the fuzz targets in `crates/proxy/fuzz` exercise: the HTTP/1 head analysis and
-/// upstream head writer, the chunked-body parser and the trailer filter. Not an API for
+/// upstream head writer, the chunked-body parser, the trailer filter and HBONE's
+/// `:authority` parser. Not an API for
 /// anything else.
 pub mod fuzz {
     pub use crate::h1::chunked::ChunkedParser;
     pub use crate::h1::head::{analyze_request, write_request_head, MAX_HEADERS};
+    pub use crate::hbone::authority::parse as hbone_authority;
     pub use crate::trailers::{filter_section, line_goes_on};
 
     /// The first listener of a config, served in process (cargo-fuzz builds with

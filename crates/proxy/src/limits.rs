@@ -480,6 +480,7 @@ mod tests {
             path_with_escaped_slashes_action: None,
             tls: None,
             authorization: None,
+            hbone: None,
         }
     }
 

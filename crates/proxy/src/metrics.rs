@@ -149,6 +149,60 @@ pub struct ListenerStats {
     pub kernel_spliced: WorkerCounter,
     /// TLS listeners: handshakes with clients.
     pub tls: TlsCounts,
+    /// hbone listeners: CONNECT streams relayed, and refused by reason.
+    pub hbone: StreamCounts,
+}
+
+/// HBONE CONNECT streams on one side, a listener's (tunnels in) or a cluster's (tunnels
+/// out): opened, and refused by reason (a short bounded label).
+pub struct StreamCounts {
+    pub opened: WorkerCounter,
+    refused: Mutex<std::collections::BTreeMap<&'static str, u64>>,
+}
+
+impl StreamCounts {
+    fn new(workers: usize) -> StreamCounts {
+        StreamCounts {
+            opened: WorkerCounter::new(workers),
+            refused: Mutex::default(),
+        }
+    }
+
+    pub fn refused(&self, reason: &'static str) {
+        *self.refused.lock().entry(reason).or_default() += 1;
+    }
+}
+
+/// The two stream families of one side: `{prefix}streams` and `{prefix}streams_refused`.
+fn stream_families<'a>(
+    enc: &mut DescriptorEncoder,
+    prefix: &str,
+    label: &str,
+    rows: impl Iterator<Item = (&'a str, &'a StreamCounts)> + Clone,
+) -> Result<(), std::fmt::Error> {
+    let opened: Vec<_> = rows
+        .clone()
+        .map(|(n, s)| ([(label, n)], s.opened.sum()))
+        .filter(|(_, v)| *v > 0)
+        .collect();
+    counter(
+        enc,
+        &format!("{prefix}streams"),
+        "HBONE CONNECT streams opened",
+        &opened,
+    )?;
+    let mut refused = Vec::new();
+    for (n, s) in rows {
+        for (reason, v) in s.refused.lock().iter() {
+            refused.push(([(label, n), ("reason", *reason)], *v));
+        }
+    }
+    counter(
+        enc,
+        &format!("{prefix}streams_refused"),
+        "HBONE CONNECT streams refused, by reason",
+        &refused,
+    )
 }
 
 /// Counters of one cluster.
@@ -158,6 +212,8 @@ pub struct ClusterStats {
     pub retries: WorkerCounter,
     /// TLS clusters: handshakes with endpoints.
     pub tls: TlsCounts,
+    /// Tunnel clusters: CONNECT streams opened to the peers, and refused by reason.
+    pub tunnel: StreamCounts,
 }
 
 /// TLS handshakes on one side, a listener's or a cluster's: finished, and failed by reason
@@ -356,6 +412,7 @@ impl Metrics {
                     bytes_out: WorkerCounter::new(w),
                     kernel_spliced: WorkerCounter::new(w),
                     tls: TlsCounts::new(w),
+                    hbone: StreamCounts::new(w),
                 })
             })
             .clone()
@@ -372,6 +429,7 @@ impl Metrics {
                     connect_failures: WorkerCounter::new(w),
                     retries: WorkerCounter::new(w),
                     tls: TlsCounts::new(w),
+                    tunnel: StreamCounts::new(w),
                 })
             })
             .clone()
@@ -568,7 +626,7 @@ impl Collector for Scrape {
         counter(
             &mut enc,
             "flatmesh_tcp_bytes",
-            "Bytes relayed by tcp listeners, by direction",
+            "Bytes relayed by tcp and hbone listeners, by direction",
             &bytes,
         )?;
         tls_families(
@@ -577,6 +635,12 @@ impl Collector for Scrape {
             "clients",
             "listener",
             listeners.iter().map(|(n, s)| (n.as_str(), &s.tls)),
+        )?;
+        stream_families(
+            &mut enc,
+            "flatmesh_hbone_",
+            "listener",
+            listeners.iter().map(|(n, s)| (n.as_str(), &s.hbone)),
         )?;
 
         let mut clusters: Vec<_> = m
@@ -623,6 +687,12 @@ impl Collector for Scrape {
             "endpoints",
             "cluster",
             clusters.iter().map(|(n, s)| (n.as_str(), &s.tls)),
+        )?;
+        stream_families(
+            &mut enc,
+            "flatmesh_upstream_hbone_",
+            "cluster",
+            clusters.iter().map(|(n, s)| (n.as_str(), &s.tunnel)),
         )?;
 
         let mut authz: Vec<_> = m

@@ -46,6 +46,8 @@ pub struct ListenerPlan {
     /// Authorization decisions, [allowed, denied], per policy in order and then for no
     /// policy matched (empty without `authorization:`).
     pub authz_stats: Vec<[Arc<WorkerCounter>; 2]>,
+    /// hbone listeners: where tunnels may go (`hbone.destinations`; empty: loopback only).
+    pub destinations: Vec<flatmesh_config::destination::Destination>,
 }
 
 impl ListenerPlan {
@@ -71,6 +73,9 @@ pub struct ClusterPlan {
     pub stats: Arc<ClusterStats>,
     /// The node originates TLS to the endpoints (`tls:`).
     pub tls: Option<Arc<ClusterTlsPlan>>,
+    /// The node tunnels each connection to the endpoints' nodes on this port (`tunnel: hbone`
+    /// and `tunnel_port`); the connections are the worker's (`crate::hbone::pool`).
+    pub tunnel_port: Option<u16>,
     /// The cluster's circuit breaker and outlier detection, shared by every worker.
     pub guard: ClusterGuard,
 }
@@ -116,9 +121,12 @@ impl Snapshot {
                         })
                     })
                     .collect::<Result<_, _>>()?;
-                let alpn = match c.protocol {
-                    UpstreamProtocol::Http1 => flatmesh_identity::tls::ALPN_HTTP11,
-                    UpstreamProtocol::Http2 => flatmesh_identity::tls::ALPN_H2,
+                let alpn = match (c.tunnel, c.protocol) {
+                    // A tunnel is HTTP/2 whatever the tunnelled bytes are.
+                    (Some(_), _) | (None, UpstreamProtocol::Http2) => {
+                        flatmesh_identity::tls::ALPN_H2
+                    }
+                    (None, UpstreamProtocol::Http1) => flatmesh_identity::tls::ALPN_HTTP11,
                 };
                 let connect_timeout = c.connect_timeout.unwrap_or(config.limits.connect_timeout);
                 let tls = match &c.tls {
@@ -132,6 +140,9 @@ impl Snapshot {
                 };
                 Ok(ClusterPlan {
                     tls,
+                    tunnel_port: c
+                        .tunnel
+                        .map(|_| c.tunnel_port.unwrap_or(flatmesh_config::HBONE_PORT)),
                     name: c.name.clone(),
                     authorities,
                     table: HashTable::build(c.lb, &endpoints),
@@ -148,13 +159,22 @@ impl Snapshot {
         let mut listeners = Vec::with_capacity(config.listeners.len());
         for (lid, l) in config.listeners.iter().enumerate() {
             let tls = match &l.tls {
-                Some(t) => Some(Arc::new(ListenerTlsPlan::load(
-                    &l.name,
-                    t,
-                    l.protocol == ListenerProtocol::Http,
-                )?)),
+                Some(t) => Some(Arc::new(ListenerTlsPlan::load(&l.name, t, l.protocol)?)),
                 None => None,
             };
+            let destinations = l
+                .hbone
+                .iter()
+                .flat_map(|h| &h.destinations)
+                .map(|d| {
+                    flatmesh_config::destination::Destination::parse(d).map_err(|why| {
+                        ProxyError::Config(format!(
+                            "listener `{}`: hbone.destinations: {why}",
+                            l.name
+                        ))
+                    })
+                })
+                .collect::<Result<_, _>>()?;
             let mut route_stats = Vec::with_capacity(l.routes.len());
             for (rid, route) in l.routes.iter().enumerate() {
                 let name = route.display_name(&l.name, rid);
@@ -186,6 +206,7 @@ impl Snapshot {
             };
             listeners.push(ListenerPlan {
                 authz_stats,
+                destinations,
                 name: l.name.clone(),
                 address: l.address,
                 protocol: l.protocol,

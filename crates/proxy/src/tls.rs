@@ -12,7 +12,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use flatmesh_config::{ClusterTls, ListenerTls};
+use flatmesh_config::{ClusterTls, ListenerProtocol, ListenerTls};
 use flatmesh_identity::tls::{client_config, failure_reason, server_config, ClientAuth};
 use flatmesh_identity::{IdPattern, Svid, TrustBundle};
 use rustls_pki_types::ServerName;
@@ -75,8 +75,13 @@ fn identity_error(at: &str) -> impl Fn(flatmesh_identity::IdentityError) -> Prox
 }
 
 impl ListenerTlsPlan {
-    /// Loads `tls` for listener `name`; `http` listeners offer ALPN `h2` and `http/1.1`.
-    pub fn load(name: &str, tls: &ListenerTls, http: bool) -> Result<ListenerTlsPlan, ProxyError> {
+    /// Loads `tls` for listener `name`; `http` listeners offer ALPN `h2` and `http/1.1`,
+    /// `hbone` listeners `h2` only.
+    pub fn load(
+        name: &str,
+        tls: &ListenerTls,
+        protocol: ListenerProtocol,
+    ) -> Result<ListenerTlsPlan, ProxyError> {
         let at = format!("listener `{name}` tls");
         let svid = Svid::load(&tls.cert, &tls.key).map_err(identity_error(&at))?;
         let client_auth = match &tls.client_ca {
@@ -86,7 +91,11 @@ impl ListenerTlsPlan {
             }),
             None => None,
         };
-        let alpn: &[&[u8]] = if http { &HTTP_ALPN } else { &[] };
+        let alpn: &[&[u8]] = match protocol {
+            ListenerProtocol::Http => &HTTP_ALPN,
+            ListenerProtocol::Hbone => &[flatmesh_identity::tls::ALPN_H2],
+            ListenerProtocol::Tcp => &[],
+        };
         let config = server_config(&svid, client_auth, alpn).map_err(identity_error(&at))?;
         Ok(ListenerTlsPlan {
             acceptor: tokio_rustls::TlsAcceptor::from(config),
@@ -185,8 +194,7 @@ pub fn check_files(config: &flatmesh_config::Config) -> Result<usize, ProxyError
     let mut loaded = 0;
     for l in &config.listeners {
         if let Some(tls) = &l.tls {
-            let http = l.protocol == flatmesh_config::ListenerProtocol::Http;
-            ListenerTlsPlan::load(&l.name, tls, http)?;
+            ListenerTlsPlan::load(&l.name, tls, l.protocol)?;
             loaded += 1;
         }
     }

@@ -12,6 +12,7 @@ use flatmesh_config::UpstreamProtocol;
 
 use crate::h1::pool::H1Pool;
 use crate::h2::client::{build_client, HttpClient};
+use crate::hbone::pool::TunnelPool;
 use crate::lb::Balancer;
 use crate::snapshot::Snapshot;
 
@@ -48,6 +49,9 @@ pub enum Pool {
 pub struct Upstreams {
     pub by_cluster: Vec<Upstream>,
     pub pools: HashMap<PoolKey, Pool>,
+    /// Per cluster, `tunnel: hbone` ones only: this worker's tunnel connections. Never carried
+    /// over a reload (the cluster's TLS is not).
+    pub tunnels: Vec<Option<Arc<TunnelPool>>>,
 }
 
 impl Upstreams {
@@ -87,6 +91,18 @@ impl Upstreams {
                 }
             })
             .collect();
-        Upstreams { by_cluster, pools }
+        let tunnels = snapshot
+            .clusters
+            .iter()
+            .map(|plan| {
+                let port = plan.tunnel_port?;
+                Some(Arc::new(TunnelPool::new(port, &snapshot.config.limits)))
+            })
+            .collect();
+        Upstreams {
+            by_cluster,
+            pools,
+            tunnels,
+        }
     }
 }

@@ -66,6 +66,27 @@ impl RuleProgram {
                     table(&mut out, &header, &[row]);
                     explain_authz(&mut out, l);
                 }
+                TableKind::Hbone(rule) => {
+                    let _ = writeln!(
+                        out,
+                        "listener {lid} `{}` hbone {}: 1 rule",
+                        l.name, l.address
+                    );
+                    let (tier, why) = node.place(&rule.placement, Tier::UserL4);
+                    let row = vec![
+                        "0".into(),
+                        l.name.clone(),
+                        "* (every CONNECT stream)".into(),
+                        "deliver to its :authority, within hbone.destinations".into(),
+                        rule.placement.eligible.label(),
+                        "-".into(),
+                        "-".into(),
+                        tier.to_string(),
+                        why.into_owned(),
+                    ];
+                    table(&mut out, &header, &[row]);
+                    explain_authz(&mut out, l);
+                }
                 TableKind::Http(t) => {
                     let s = t.index_stats();
                     let _ = writeln!(
@@ -291,6 +312,24 @@ impl RuleProgram {
                         "protocol": "tcp",
                         "rule": {
                             "action": { "forward": self.cluster_name(rule.cluster) },
+                            "eligible": rule.placement.eligible,
+                            "tier": tier,
+                            "reason": reason,
+                            "kernel": self.kernel().tcp_verdict(id),
+                        },
+                        "tls": l.tls,
+                        "authorization": l.authz.as_ref().map(|a| a.summary()),
+                    })
+                }
+                TableKind::Hbone(rule) => {
+                    let (tier, reason) = node.place(&rule.placement, Tier::UserL4);
+                    json!({
+                        "id": id,
+                        "name": l.name,
+                        "address": l.address.to_string(),
+                        "protocol": "hbone",
+                        "rule": {
+                            "action": "deliver",
                             "eligible": rule.placement.eligible,
                             "tier": tier,
                             "reason": reason,

@@ -37,8 +37,8 @@ pub use lower::{Lowering, Verdict};
 pub use matcher::RuleMatch;
 pub use normalize::{Normalized, PathNormalization, PathRejection};
 pub use program::{
-    compile, ClusterInfo, CompiledRoute, HttpTable, ListenerTable, RouteAction, RuleProgram,
-    TableKind, TcpRule,
+    compile, ClusterInfo, CompiledRoute, HboneRule, HttpTable, ListenerTable, RouteAction,
+    RuleProgram, TableKind, TcpRule,
 };
 pub use reason::Reason;
 pub use request::{is_valid_authority, strip_port, Headers, Request, Values};

@@ -48,6 +48,8 @@ pub struct ClusterInfo {
     /// The node originates TLS to the endpoints (`tls:`), so only the user tier can carry
     /// bytes to them.
     pub tls: bool,
+    /// The node tunnels each connection to the endpoints (`tunnel: hbone`).
+    pub tunnel: bool,
     /// The circuit breaker in force (the proxy enforces it; shown by `--explain`).
     pub breaker: flatmesh_config::CircuitBreaker,
     /// Outlier detection, if on (the proxy runs it; shown by `--explain`).
@@ -73,6 +75,14 @@ pub enum TableKind {
     Tcp(TcpRule),
     /// L7: routes in order, first match wins.
     Http(HttpTable),
+    /// HBONE tunnels in: each CONNECT stream goes to the destination it names.
+    Hbone(HboneRule),
+}
+
+/// An hbone listener's one rule: deliver each stream to its (allowed) destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HboneRule {
+    pub placement: Placement,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -225,7 +235,7 @@ impl RuleProgram {
     pub fn tcp_cluster(&self, listener: ListenerId) -> Option<ClusterId> {
         match &self.listeners.get(listener)?.kind {
             TableKind::Tcp(rule) => Some(rule.cluster),
-            TableKind::Http(_) => None,
+            TableKind::Http(_) | TableKind::Hbone(_) => None,
         }
     }
 }
@@ -248,6 +258,7 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
             endpoints: c.endpoints.clone(),
             hash_on: c.hash_on.as_ref().map(|h| h.header.clone()),
             tls: c.tls.is_some(),
+            tunnel: c.tunnel.is_some(),
             breaker: c.breaker(),
             outlier: c.outlier_detection.clone(),
         });
@@ -264,6 +275,9 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
         let kind = match l.protocol {
             ListenerProtocol::Tcp => TableKind::Tcp(compile_tcp(l, &cluster_ids)?),
             ListenerProtocol::Http => TableKind::Http(compile_http(l, &cluster_ids)?),
+            ListenerProtocol::Hbone => TableKind::Hbone(HboneRule {
+                placement: UNPLACED,
+            }),
         };
         listeners.push(ListenerTable {
             name: l.name.clone(),

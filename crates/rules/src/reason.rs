@@ -52,6 +52,10 @@ pub enum Reason {
     UpstreamTls,
     /// The listener terminates TLS: every lower tier sees ciphertext.
     ListenerTls,
+    /// The cluster tunnels its connections (HBONE): only the user tier speaks HTTP/2 CONNECT.
+    Tunnel,
+    /// An hbone listener: each CONNECT stream is relayed by the user tier.
+    HboneListener,
     /// The listener has authorization policies, which the user tier runs.
     Authorization,
 
@@ -100,6 +104,7 @@ impl Reason {
                 | Reason::OtherL7Listener
                 | Reason::TcpSpliceOff
                 | Reason::ListenerTls
+                | Reason::HboneListener
                 | Reason::Authorization
                 | Reason::Shadowed { .. }
                 | Reason::KernelTableFull { .. }
@@ -154,6 +159,12 @@ impl std::fmt::Display for Reason {
             ),
             Reason::UpstreamTls => f.write_str(
                 "its cluster originates TLS, which only the user tier does",
+            ),
+            Reason::Tunnel => f.write_str(
+                "its cluster tunnels (HBONE: HTTP/2 CONNECT inside mutual TLS), which only the user tier does",
+            ),
+            Reason::HboneListener => f.write_str(
+                "an hbone listener: its CONNECT streams arrive inside mutual TLS and HTTP/2, which only the user tier reads",
             ),
             Reason::ListenerTls => f.write_str(
                 "the listener terminates TLS: only the user tier sees the requests in the clear",

@@ -137,6 +137,13 @@ pub(crate) fn place(
                     reason: verdict.reason().unwrap_or(Reason::KernelSplices),
                 };
             }
+            TableKind::Hbone(rule) => {
+                rule.placement = Placement {
+                    eligible: TierSet::of(&[Tier::UserL4]),
+                    tier: Tier::UserL4,
+                    reason: Reason::HboneListener,
+                };
+            }
             TableKind::Http(table) => {
                 for r in &mut table.routes {
                     let mut eligible = TierSet::of(&[Tier::UserL7]);

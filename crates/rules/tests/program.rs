@@ -528,6 +528,38 @@ fn tls_keeps_every_lower_tier_out_of_the_listener_and_the_cluster() {
 }
 
 #[test]
+fn hbone_listeners_and_tunnel_clusters_stay_in_the_user_tier_and_say_why() {
+    // HBONE is HTTP/2 CONNECT inside mutual TLS: neither the kernel nor the NIC reads it.
+    let tls = "tls: { cert: n.pem, key: n.key, client_ca: ca.pem, allow: [ spiffe://td/* ] }";
+    let upstream = "tls: { ca: ca.pem, server_ids: [ spiffe://td/ns/mesh/sa/node ] }";
+    let config = cfg(&format!(
+        "listeners:\n\
+         \x20 - {{ name: in, address: 127.0.0.1:15008, protocol: hbone, {tls} }}\n\
+         \x20 - {{ name: app, address: 127.0.0.1:2, protocol: tcp, cluster: remote }}\n\
+         clusters:\n\
+         \x20 - {{ name: remote, endpoints: [10.0.0.7:80], tunnel: hbone, {upstream} }}\n\
+         kernel: {{ tcp_splice: true }}\n"
+    ));
+    let p = compile(&config).unwrap();
+    let k = p.kernel();
+    assert_eq!(k.tcp_verdict(0), Some(Verdict::Host(Reason::HboneListener)));
+    assert_eq!(k.tcp_verdict(1), Some(Verdict::Host(Reason::Tunnel)));
+    assert_eq!(p.tcp_cluster(0), None);
+    let text = p.explain();
+    assert!(
+        text.contains("listener 0 `in` hbone 127.0.0.1:15008"),
+        "{text}"
+    );
+    assert!(text.contains("its cluster tunnels (HBONE"), "{text}");
+    assert!(
+        text.contains("an hbone listener: its CONNECT streams"),
+        "{text}"
+    );
+    let json = p.to_json();
+    assert_eq!(json["listeners"][0]["protocol"], "hbone");
+}
+
+#[test]
 fn explain_shows_every_table_rule_and_tier() {
     let text = compile(&cfg(EXAMPLE)).unwrap().explain();
     println!("{text}");

@@ -90,6 +90,8 @@ pub fn merge(config: &model::Config, placed: &BTreeMap<String, Vec<SocketAddr>>)
                 hash_on: None,
                 connect_timeout: None,
                 tls: None,
+                tunnel: None,
+                tunnel_port: None,
                 circuit_breaker: None,
                 outlier_detection: None,
             }),

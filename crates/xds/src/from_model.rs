@@ -56,6 +56,10 @@ pub fn resources(config: &model::Config) -> Resources {
             .insert(c.name.clone(), assignment(&c.name, &c.endpoints));
     }
     for l in &config.listeners {
+        // HBONE tunnels in are flatmesh's own; Envoy is not sent a listener for them.
+        if l.protocol == model::ListenerProtocol::Hbone {
+            continue;
+        }
         out.listeners.insert(l.name.clone(), listener(l));
         if l.protocol == model::ListenerProtocol::Http {
             out.routes
@@ -249,7 +253,7 @@ fn listener(l: &model::Listener) -> Listener {
                 },
             ))),
         },
-        model::ListenerProtocol::Tcp => Filter {
+        model::ListenerProtocol::Tcp | model::ListenerProtocol::Hbone => Filter {
             name: TCP_PROXY_NAME.into(),
             config_type: Some(filter::ConfigType::TypedConfig(pack(&TcpProxy {
                 stat_prefix: l.name.clone(),

@@ -279,6 +279,8 @@ fn add_missing_clusters(config: &mut model::Config) {
             hash_on: None,
             connect_timeout: None,
             tls: None,
+            tunnel: None,
+            tunnel_port: None,
             circuit_breaker: None,
             outlier_detection: None,
         });
@@ -523,6 +525,7 @@ fn listener(
             path_with_escaped_slashes_action: options.escaped_slashes,
             tls,
             authorization: options.authorization.take(),
+            hbone: None,
         }))
     } else if any.type_url == TcpProxy::type_url() {
         let mut tcp: TcpProxy = unpack(any, &at_filter)?;
@@ -567,6 +570,7 @@ fn listener(
             path_with_escaped_slashes_action: None,
             tls,
             authorization: network_rbac,
+            hbone: None,
         }))
     } else {
         Err(XdsError::resource(
@@ -1403,6 +1407,8 @@ fn cluster(
         hash_on: None,
         connect_timeout,
         tls,
+        tunnel: None,
+        tunnel_port: None,
         circuit_breaker,
         outlier_detection,
     })

@@ -290,6 +290,9 @@ pub fn check(
     if info.is_some_and(|c| c.hash_on.is_some()) {
         return Err(Reason::HashOn);
     }
+    if info.is_some_and(|c| c.tunnel) {
+        return Err(Reason::Tunnel);
+    }
     if info.is_some_and(|c| c.tls) {
         return Err(Reason::UpstreamTls);
     }
@@ -397,6 +400,10 @@ impl KernelLowering {
             let verdicts = match &l.kind {
                 TableKind::Tcp(_) if l.tls => {
                     ListenerVerdicts::Tcp(Verdict::Host(Reason::ListenerTls))
+                }
+                TableKind::Hbone(_) => ListenerVerdicts::Tcp(Verdict::Host(Reason::HboneListener)),
+                TableKind::Tcp(rule) if clusters.get(rule.cluster).is_some_and(|c| c.tunnel) => {
+                    ListenerVerdicts::Tcp(Verdict::Host(Reason::Tunnel))
                 }
                 TableKind::Tcp(rule) if clusters.get(rule.cluster).is_some_and(|c| c.tls) => {
                     ListenerVerdicts::Tcp(Verdict::Host(Reason::UpstreamTls))

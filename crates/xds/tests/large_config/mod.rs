@@ -23,6 +23,8 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
             hash_on: None,
             connect_timeout: None,
             tls: None,
+            tunnel: None,
+            tunnel_port: None,
             circuit_breaker: None,
             outlier_detection: None,
         });
@@ -43,6 +45,7 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
         normalize_path: None,
         tls: None,
         authorization: None,
+        hbone: None,
         merge_slashes: None,
         path_with_escaped_slashes_action: None,
     });

@@ -1,0 +1,125 @@
+//! One HTTP/2 CONNECT stream as a byte stream ([`AsyncRead`] + [`AsyncWrite`]), so the
+//! relay that copies between two sockets (`crate::tcp::copy_until_idle`) copies between a
+//! socket and a tunnelled stream alike. Flow control is HTTP/2's: what is read releases
+//! window to the peer, and a write waits for window the peer granted.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use bytes::{Buf, Bytes};
+use h2::{RecvStream, SendStream};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// The most a single write asks the peer's window for: one HTTP/2 frame's worth of a relay
+/// buffer, so a slow stream does not hold the connection's window.
+const MAX_WRITE: usize = 64 * 1024;
+
+pub struct H2Stream {
+    send: SendStream<Bytes>,
+    recv: RecvStream,
+    /// Received data not yet read.
+    pending: Bytes,
+    /// The end of the stream was sent (our half-close).
+    finished: bool,
+}
+
+impl H2Stream {
+    pub fn new(send: SendStream<Bytes>, recv: RecvStream) -> H2Stream {
+        H2Stream {
+            send,
+            recv,
+            pending: Bytes::new(),
+            finished: false,
+        }
+    }
+
+    /// Resets the stream (the tunnelled connection failed): the peer sees RST_STREAM, not a
+    /// clean end.
+    pub fn reset(&mut self) {
+        self.send.send_reset(h2::Reason::CANCEL);
+    }
+}
+
+fn io_error(err: h2::Error) -> io::Error {
+    if err.is_io() {
+        return err
+            .into_io()
+            .unwrap_or_else(|| io::Error::other("h2 I/O error"));
+    }
+    io::Error::new(io::ErrorKind::ConnectionReset, err)
+}
+
+impl AsyncRead for H2Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        while this.pending.is_empty() {
+            match ready!(this.recv.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    // The bytes are ours now: the peer may send as much again.
+                    let _ = this.recv.flow_control().release_capacity(data.len());
+                    this.pending = data;
+                }
+                Some(Err(err)) => return Poll::Ready(Err(io_error(err))),
+                None => return Poll::Ready(Ok(())),
+            }
+        }
+        let n = this.pending.len().min(buf.remaining());
+        buf.put_slice(&this.pending[..n]);
+        this.pending.advance(n);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for H2Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        this.send.reserve_capacity(buf.len().min(MAX_WRITE));
+        let granted = loop {
+            if this.send.capacity() > 0 {
+                break this.send.capacity();
+            }
+            match ready!(this.send.poll_capacity(cx)) {
+                Some(Ok(n)) if n > 0 => break n,
+                Some(Ok(_)) => continue,
+                Some(Err(err)) => return Poll::Ready(Err(io_error(err))),
+                None => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::BrokenPipe,
+                        "the tunnel stream is closed",
+                    )))
+                }
+            }
+        };
+        let n = granted.min(buf.len());
+        this.send
+            .send_data(Bytes::copy_from_slice(&buf[..n]), false)
+            .map_err(io_error)?;
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // h2's connection task writes what was queued; there is nothing to push here.
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if !this.finished {
+            this.finished = true;
+            this.send.send_data(Bytes::new(), true).map_err(io_error)?;
+        }
+        Poll::Ready(Ok(()))
+    }
+}
