@@ -639,8 +639,6 @@ fn static_type(type_url: &str) -> &'static str {
     }
 }
 
-/// tonic's transport errors hide the useful part (connection refused) in their sources.
-
 #[cfg(test)]
 mod tests {
     use super::*;
