@@ -548,12 +548,23 @@ mod tests {
             ],
             tcp: None,
             balances: vec![],
+            mtls: vec![MtlsRow {
+                caller: "intruder",
+                presents: "spiffe://demo.local/ns/shop/sa/intruder".into(),
+                expected: "403 (denied by policy)".into(),
+                got: "200".into(),
+                ok: false,
+            }],
         };
         let problems = report.problems();
-        assert_eq!(problems.len(), 3, "{problems:#?}");
+        assert_eq!(problems.len(), 4, "{problems:#?}");
         assert!(problems[0].starts_with("skewed: api got 80.0% of the answers, expected 90.0%"));
         assert!(problems[1].contains("3 of 100 requests failed, e.g. status 503"));
         assert!(problems[2].starts_with("idle: sent no requests"));
+        assert_eq!(
+            problems[3],
+            "mTLS caller intruder (spiffe://demo.local/ns/shop/sa/intruder): expected 403 (denied by policy), got 200"
+        );
     }
 
     /// A result with `count` answers of 100 µs from each backend.
