@@ -1034,6 +1034,9 @@ impl Checker<'_> {
             if let Some(outlier) = &cluster.outlier_detection {
                 self.outlier_detection(&format!("{at}.outlier_detection"), outlier);
             }
+            if let Some(check) = &cluster.health_check {
+                self.health_check(&format!("{at}.health_check"), check, cluster.tls.is_some());
+            }
         }
     }
 
@@ -1084,6 +1087,79 @@ impl Checker<'_> {
                     .into(),
                 "set `consecutive_5xx`, `consecutive_gateway_errors` or `consecutive_connect_failures` above 0, or remove `outlier_detection`".into(),
             );
+        }
+    }
+
+    fn health_check(&mut self, at: &str, check: &crate::HealthCheck, tls: bool) {
+        let kinds = [
+            ("http", check.http.is_some()),
+            ("tcp", check.tcp.is_some()),
+            ("grpc", check.grpc.is_some()),
+        ];
+        let set: Vec<&str> = kinds.iter().filter(|k| k.1).map(|k| k.0).collect();
+        if set.len() != 1 {
+            self.report(
+                at.to_owned(),
+                Target::Key,
+                if set.is_empty() {
+                    format!("{at} says how often to probe but not how: it has no `http`, `tcp` or `grpc`")
+                } else {
+                    format!("{at} has {}: a health check probes one way", set.join(" and "))
+                },
+                "keep exactly one of `http: { path: /healthz }`, `tcp: {}` or `grpc: {}`".into(),
+            );
+        }
+        if tls && (check.http.is_some() || check.grpc.is_some()) {
+            self.report(
+                at.to_owned(),
+                Target::Key,
+                format!("{at}: http and grpc health checks are sent in cleartext, and this cluster's endpoints speak TLS"),
+                "use `tcp: {}` for this cluster (a connection that opens passes)".into(),
+            );
+        }
+        self.positive_duration(&format!("{at}.interval"), check.interval);
+        self.positive_duration(&format!("{at}.timeout"), check.timeout);
+        for (key, value) in [
+            ("unhealthy_threshold", check.unhealthy_threshold),
+            ("healthy_threshold", check.healthy_threshold),
+        ] {
+            if value == 0 {
+                self.report(
+                    format!("{at}.{key}"),
+                    Target::Value,
+                    format!("{at}.{key} is 0: it counts consecutive probes and needs at least one"),
+                    "write 1 or more (the defaults are 3 failures and 2 passes)".into(),
+                );
+            }
+        }
+        if let Some(http) = &check.http {
+            if !http.path.starts_with('/')
+                || http.path.chars().any(|c| c.is_ascii_control() || c == ' ')
+            {
+                self.report(
+                    format!("{at}.http.path"),
+                    Target::Value,
+                    format!("{at}.http.path `{}` is not a request path", http.path),
+                    "write an absolute path such as `/healthz`".into(),
+                );
+            }
+            if http.expect.0.is_empty()
+                || http
+                    .expect
+                    .0
+                    .iter()
+                    .any(|(from, to)| from > to || *from < 100 || *to > 599)
+            {
+                self.report(
+                    format!("{at}.http.expect"),
+                    Target::Value,
+                    format!(
+                        "{at}.http.expect `{}` is not a status from 100 to 599 nor a range of them",
+                        http.expect
+                    ),
+                    "write a status (`200`), a range (`\"200-299\"`) or a list of them".into(),
+                );
+            }
         }
     }
 

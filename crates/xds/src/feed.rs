@@ -92,6 +92,7 @@ pub fn merge(config: &model::Config, placed: &BTreeMap<String, Vec<SocketAddr>>)
                 tls: None,
                 circuit_breaker: None,
                 outlier_detection: None,
+                health_check: None,
             }),
         }
     }

@@ -281,6 +281,7 @@ fn add_missing_clusters(config: &mut model::Config) {
             tls: None,
             circuit_breaker: None,
             outlier_detection: None,
+            health_check: None,
         });
     }
 }
