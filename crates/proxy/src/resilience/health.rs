@@ -295,13 +295,12 @@ async fn probe_http(stream: TcpStream, check: &HttpHealthCheck, host: &str) -> b
     else {
         return false;
     };
-    // The connection is driven here, not spawned, so a probe that times out leaves nothing.
-    tokio::select! {
-        response = sender.send_request(request) => {
-            response.is_ok_and(|r| check.expect.accepts(r.status().as_u16()))
-        }
-        _ = conn => false,
-    }
+    let response = sender.send_request(request);
+    let status = drive(conn, response)
+        .await
+        .ok()
+        .map(|r| r.status().as_u16());
+    status.is_some_and(|s| check.expect.accepts(s))
 }
 
 /// `grpc.health.v1.Health/Check` over cleartext HTTP/2: passes when the answer is SERVING.
@@ -342,9 +341,19 @@ async fn probe_grpc(stream: TcpStream, check: &GrpcHealthCheck, host: &str) -> b
         }
         serving_status(&bytes)
     };
+    drive(conn, call).await == Some(SERVING)
+}
+
+/// `call`'s outcome, driving `conn` (its connection) meanwhile. The connection is driven
+/// here, not spawned, so a probe cut at its timeout leaves nothing behind. A connection
+/// that ends (the server closed it after answering) may have handed `call` its answer in
+/// the same turn: `call` then finishes with it, or with the error of the closed connection.
+async fn drive<C: Future, F: Future>(conn: C, call: F) -> F::Output {
+    tokio::pin!(call);
     tokio::select! {
-        status = call => status == Some(SERVING),
-        _ = conn => false,
+        biased;
+        out = &mut call => out,
+        _ = conn => call.await,
     }
 }
 
