@@ -673,6 +673,10 @@ pub struct Cluster {
     /// Ejects endpoints that keep failing (Envoy's `outlier_detection`); absent: off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outlier_detection: Option<OutlierDetection>,
+    /// Probes each endpoint and takes those that fail out of load balancing (Envoy's
+    /// `health_checks`); absent: off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_check: Option<HealthCheck>,
 }
 
 impl Cluster {
@@ -772,6 +776,202 @@ impl Default for OutlierDetection {
             base_ejection_time: default_base_ejection_time(),
             max_ejection_percent: default_max_ejection_percent(),
         }
+    }
+}
+
+/// A cluster's active health check: every `interval` (plus up to 10% jitter) the node probes
+/// each endpoint, bounded by `timeout`. An endpoint starts healthy, is taken out of load
+/// balancing after `unhealthy_threshold` consecutive failed probes and back in after
+/// `healthy_threshold` consecutive passes. Exactly one of `http`, `tcp`, `grpc`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HealthCheck {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<HttpHealthCheck>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp: Option<TcpHealthCheck>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpc: Option<GrpcHealthCheck>,
+    #[serde(default = "default_health_interval", with = "crate::duration")]
+    pub interval: Duration,
+    #[serde(default = "default_health_timeout", with = "crate::duration")]
+    pub timeout: Duration,
+    #[serde(default = "default_unhealthy_threshold")]
+    pub unhealthy_threshold: u32,
+    #[serde(default = "default_healthy_threshold")]
+    pub healthy_threshold: u32,
+}
+
+fn default_health_interval() -> Duration {
+    Duration::from_secs(5)
+}
+fn default_health_timeout() -> Duration {
+    Duration::from_secs(1)
+}
+fn default_unhealthy_threshold() -> u32 {
+    3
+}
+fn default_healthy_threshold() -> u32 {
+    2
+}
+
+impl HealthCheck {
+    /// A health check of `kind` with every other setting at its default.
+    pub fn new(kind: HealthCheckKind) -> HealthCheck {
+        let mut check = HealthCheck {
+            http: None,
+            tcp: None,
+            grpc: None,
+            interval: default_health_interval(),
+            timeout: default_health_timeout(),
+            unhealthy_threshold: default_unhealthy_threshold(),
+            healthy_threshold: default_healthy_threshold(),
+        };
+        match kind {
+            HealthCheckKind::Http(h) => check.http = Some(h),
+            HealthCheckKind::Tcp => check.tcp = Some(TcpHealthCheck {}),
+            HealthCheckKind::Grpc(g) => check.grpc = Some(g),
+        }
+        check
+    }
+
+    /// The probe, once validation has made sure exactly one is set (`tcp` if none is).
+    pub fn kind(&self) -> HealthCheckKind {
+        match (&self.http, &self.grpc) {
+            (Some(h), _) => HealthCheckKind::Http(h.clone()),
+            (None, Some(g)) => HealthCheckKind::Grpc(g.clone()),
+            (None, None) => HealthCheckKind::Tcp,
+        }
+    }
+}
+
+/// What a health check sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HealthCheckKind {
+    Http(HttpHealthCheck),
+    Tcp,
+    Grpc(GrpcHealthCheck),
+}
+
+/// `GET path` over HTTP/1.1; the endpoint passes when the status is one of `expect`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpHealthCheck {
+    pub path: String,
+    /// Default 200.
+    #[serde(default)]
+    pub expect: ExpectStatus,
+}
+
+/// A connection that opens passes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TcpHealthCheck {}
+
+/// `grpc.health.v1.Health/Check` over HTTP/2 (cleartext); SERVING passes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GrpcHealthCheck {
+    /// The service asked about; empty (the default) asks about the server as a whole.
+    #[serde(default)]
+    pub service: String,
+}
+
+/// The statuses an HTTP health check accepts, as inclusive ranges. YAML: a status (`204`),
+/// a range (`"200-299"`) or a list of either (`[200, "300-302"]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpectStatus(pub Vec<(u16, u16)>);
+
+impl Default for ExpectStatus {
+    fn default() -> Self {
+        ExpectStatus(vec![(200, 200)])
+    }
+}
+
+impl ExpectStatus {
+    pub fn accepts(&self, status: u16) -> bool {
+        self.0
+            .iter()
+            .any(|(from, to)| (*from..=*to).contains(&status))
+    }
+}
+
+impl std::fmt::Display for ExpectStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (from, to)) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            if from == to {
+                write!(f, "{from}")?;
+            } else {
+                write!(f, "{from}-{to}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(untagged)]
+enum ExpectOne {
+    Code(u16),
+    Range(String),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ExpectYaml {
+    One(ExpectOne),
+    Many(Vec<ExpectOne>),
+}
+
+impl ExpectOne {
+    fn range(self) -> Result<(u16, u16), String> {
+        match self {
+            ExpectOne::Code(c) => Ok((c, c)),
+            ExpectOne::Range(s) => {
+                let parse = |t: &str| t.trim().parse::<u16>().ok();
+                let parsed = match s.split_once('-') {
+                    Some((a, b)) => parse(a).zip(parse(b)),
+                    None => parse(&s).map(|c| (c, c)),
+                };
+                parsed.ok_or_else(|| {
+                    format!("`{s}` is not a status nor a range of statuses like \"200-299\"")
+                })
+            }
+        }
+    }
+}
+
+impl Serialize for ExpectStatus {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let one = |(from, to): (u16, u16)| {
+            if from == to {
+                ExpectOne::Code(from)
+            } else {
+                ExpectOne::Range(format!("{from}-{to}"))
+            }
+        };
+        match self.0.as_slice() {
+            [only] => one(*only).serialize(s),
+            all => all.iter().map(|r| one(*r)).collect::<Vec<_>>().serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ExpectStatus {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let items = match ExpectYaml::deserialize(d)? {
+            ExpectYaml::One(one) => vec![one],
+            ExpectYaml::Many(many) => many,
+        };
+        items
+            .into_iter()
+            .map(ExpectOne::range)
+            .collect::<Result<Vec<_>, _>>()
+            .map(ExpectStatus)
+            .map_err(serde::de::Error::custom)
     }
 }
 

@@ -1420,3 +1420,118 @@ fn a_tunnel_cluster_needs_tls_and_only_tcp_listeners_use_it() {
     );
     assert!(d.hint.contains("tcp listener"));
 }
+
+#[test]
+fn health_checks_parse_with_defaults_and_every_expect_form() {
+    let config = parse(
+        &guarded("    health_check: { http: { path: /healthz }, interval: 200ms }\n"),
+        "t.yaml",
+    )
+    .unwrap();
+    let check = config.clusters[0].health_check.clone().unwrap();
+    assert_eq!(
+        check,
+        HealthCheck {
+            interval: std::time::Duration::from_millis(200),
+            ..HealthCheck::new(HealthCheckKind::Http(HttpHealthCheck {
+                path: "/healthz".into(),
+                expect: ExpectStatus(vec![(200, 200)]),
+            }))
+        }
+    );
+    assert_eq!(check.timeout, std::time::Duration::from_secs(1));
+    assert_eq!((check.unhealthy_threshold, check.healthy_threshold), (3, 2));
+    for (yaml, ranges) in [
+        ("204", vec![(204, 204)]),
+        ("\"200-299\"", vec![(200, 299)]),
+        ("[200, \"300-302\"]", vec![(200, 200), (300, 302)]),
+    ] {
+        let config = parse(
+            &guarded(&format!(
+                "    health_check: {{ http: {{ path: /, expect: {yaml} }} }}\n"
+            )),
+            "t.yaml",
+        )
+        .unwrap();
+        let check = config.clusters[0].health_check.clone().unwrap();
+        let HealthCheckKind::Http(http) = check.kind() else {
+            panic!("not http: {check:?}");
+        };
+        assert_eq!(http.expect.0, ranges, "{yaml}");
+        // What is written back reads the same.
+        let again: Config =
+            serde_norway::from_str(&serde_norway::to_string(&config).unwrap()).unwrap();
+        assert_eq!(again.clusters[0].health_check, Some(check));
+    }
+    let tcp = parse(&guarded("    health_check: { tcp: {} }\n"), "t.yaml").unwrap();
+    assert_eq!(
+        tcp.clusters[0].health_check.as_ref().map(HealthCheck::kind),
+        Some(HealthCheckKind::Tcp)
+    );
+    let grpc = parse(
+        &guarded("    health_check: { grpc: { service: echo } }\n"),
+        "t.yaml",
+    )
+    .unwrap();
+    assert_eq!(
+        grpc.clusters[0]
+            .health_check
+            .as_ref()
+            .map(HealthCheck::kind),
+        Some(HealthCheckKind::Grpc(GrpcHealthCheck {
+            service: "echo".into()
+        }))
+    );
+}
+
+#[test]
+fn health_checks_are_validated_by_line() {
+    let d = only(
+        &guarded("    health_check: { interval: 1s }\n"),
+        8,
+        5,
+        "no `http`, `tcp` or `grpc`",
+    );
+    assert!(d.hint.contains("exactly one"), "{}", d.hint);
+    only(
+        &guarded("    health_check: { tcp: {}, http: { path: / } }\n"),
+        8,
+        5,
+        "http and tcp",
+    );
+    only(
+        &guarded("    health_check: { tcp: {}, unhealthy_threshold: 0 }\n"),
+        8,
+        51,
+        "unhealthy_threshold is 0",
+    );
+    only(
+        &guarded("    health_check: { tcp: {}, timeout: 0s }\n"),
+        8,
+        39,
+        "is zero",
+    );
+    only(
+        &guarded("    health_check: { http: { path: healthz } }\n"),
+        8,
+        35,
+        "not a request path",
+    );
+    only(
+        &guarded("    health_check: { http: { path: /, expect: \"300-200\" } }\n"),
+        8,
+        46,
+        "not a status from 100 to 599",
+    );
+    let d = only(
+        &guarded("    health_check: { tcp: {}, healthy_treshold: 2 }\n"),
+        8,
+        30,
+        "healthy_treshold",
+    );
+    assert!(
+        d.hint.starts_with("did you mean `healthy_threshold`?"),
+        "{}",
+        d.hint
+    );
+}

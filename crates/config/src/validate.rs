@@ -1122,6 +1122,9 @@ impl Checker<'_> {
             if let Some(outlier) = &cluster.outlier_detection {
                 self.outlier_detection(&format!("{at}.outlier_detection"), outlier);
             }
+            if let Some(check) = &cluster.health_check {
+                self.health_check(&format!("{at}.health_check"), check, cluster.tls.is_some());
+            }
         }
     }
 
@@ -1175,6 +1178,79 @@ impl Checker<'_> {
         }
     }
 
+    fn health_check(&mut self, at: &str, check: &crate::HealthCheck, tls: bool) {
+        let kinds = [
+            ("http", check.http.is_some()),
+            ("tcp", check.tcp.is_some()),
+            ("grpc", check.grpc.is_some()),
+        ];
+        let set: Vec<&str> = kinds.iter().filter(|k| k.1).map(|k| k.0).collect();
+        if set.len() != 1 {
+            self.report(
+                at.to_owned(),
+                Target::Key,
+                if set.is_empty() {
+                    format!("{at} says how often to probe but not how: it has no `http`, `tcp` or `grpc`")
+                } else {
+                    format!("{at} has {}: a health check probes one way", set.join(" and "))
+                },
+                "keep exactly one of `http: { path: /healthz }`, `tcp: {}` or `grpc: {}`".into(),
+            );
+        }
+        if tls && (check.http.is_some() || check.grpc.is_some()) {
+            self.report(
+                at.to_owned(),
+                Target::Key,
+                format!("{at}: http and grpc health checks are sent in cleartext, and this cluster's endpoints speak TLS"),
+                "use `tcp: {}` for this cluster (a connection that opens passes)".into(),
+            );
+        }
+        self.positive_duration(&format!("{at}.interval"), check.interval);
+        self.positive_duration(&format!("{at}.timeout"), check.timeout);
+        for (key, value) in [
+            ("unhealthy_threshold", check.unhealthy_threshold),
+            ("healthy_threshold", check.healthy_threshold),
+        ] {
+            if value == 0 {
+                self.report(
+                    format!("{at}.{key}"),
+                    Target::Value,
+                    format!("{at}.{key} is 0: it counts consecutive probes and needs at least one"),
+                    "write 1 or more (the defaults are 3 failures and 2 passes)".into(),
+                );
+            }
+        }
+        if let Some(http) = &check.http {
+            if !http.path.starts_with('/')
+                || http.path.chars().any(|c| c.is_ascii_control() || c == ' ')
+            {
+                self.report(
+                    format!("{at}.http.path"),
+                    Target::Value,
+                    format!("{at}.http.path `{}` is not a request path", http.path),
+                    "write an absolute path such as `/healthz`".into(),
+                );
+            }
+            if http.expect.0.is_empty()
+                || http
+                    .expect
+                    .0
+                    .iter()
+                    .any(|(from, to)| from > to || *from < 100 || *to > 599)
+            {
+                self.report(
+                    format!("{at}.http.expect"),
+                    Target::Value,
+                    format!(
+                        "{at}.http.expect `{}` is not a status from 100 to 599 nor a range of them",
+                        http.expect
+                    ),
+                    "write a status (`200`), a range (`\"200-299\"`) or a list of them".into(),
+                );
+            }
+        }
+    }
+
     /// The shape of a listener's `tls:`. The files themselves are read (and their certificates
     /// and the `allow` patterns checked) when the node loads the config.
     fn listener_tls(&mut self, at: &str, tls: &crate::ListenerTls) {
@@ -1216,12 +1292,18 @@ impl Checker<'_> {
                 format!("cluster `{name}` sets `tunnel_port` but does not tunnel"),
                 "add `tunnel: hbone`, or remove `tunnel_port`".into(),
             ),
-            (Some(_), _) if cluster.circuit_breaker.is_some() || cluster.outlier_detection.is_some() => self.report(
-                format!("{at}.tunnel"),
-                Target::Key,
-                format!("cluster `{name}` tunnels, and a tunnel cluster runs no circuit breaker or outlier detection yet"),
-                "remove `circuit_breaker` and `outlier_detection` from this cluster, or `tunnel`".into(),
-            ),
+            (Some(_), _)
+                if cluster.circuit_breaker.is_some()
+                    || cluster.outlier_detection.is_some()
+                    || cluster.health_check.is_some() =>
+            {
+                self.report(
+                    format!("{at}.tunnel"),
+                    Target::Key,
+                    format!("cluster `{name}` tunnels, and a tunnel cluster runs no circuit breaker, outlier detection or health check yet"),
+                    "remove `circuit_breaker`, `outlier_detection` and `health_check` from this cluster, or `tunnel`".into(),
+                )
+            }
             (Some(_), Some(0)) => self.report(
                 format!("{at}.tunnel_port"),
                 Target::Value,

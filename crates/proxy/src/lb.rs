@@ -4,8 +4,9 @@
 //! cursors and least-request counts are per worker, as in Envoy. Hash rings and Maglev
 //! tables are immutable and shared by all workers of a snapshot.
 //!
-//! Every policy skips the endpoints outlier detection has ejected (`crate::resilience`),
-//! unless all of them are: then it picks among all, as Envoy's panic threshold does.
+//! Every policy skips the endpoints that are out (`crate::resilience::Out`: ejected by
+//! outlier detection or failing their health check), unless all of them are: then it picks
+//! among all, as Envoy's panic threshold does.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
@@ -13,7 +14,7 @@ use std::sync::Arc;
 
 use flatmesh_config::LbPolicy;
 
-use crate::resilience::{Outlier, Permit};
+use crate::resilience::{Out, Permit};
 
 /// Stable 64-bit hash (FNV-1a, then murmur3's finalizer to spread near-identical keys).
 pub fn hash64(bytes: &[u8]) -> u64 {
@@ -151,8 +152,8 @@ pub struct Balancer {
     cursor: AtomicUsize,
     in_flight: Arc<[AtomicU32]>,
     table: HashTable,
-    /// The cluster's outlier detection, if it has one (shared by the node's workers).
-    outlier: Option<Arc<Outlier>>,
+    /// What takes endpoints out (shared by the node's workers).
+    out: Out,
 }
 
 /// Held while a request is outstanding; least_request counts it. It also holds the
@@ -192,13 +193,13 @@ impl Balancer {
             in_flight,
             table: table.share(),
             endpoints,
-            outlier: None,
+            out: Out::default(),
         }
     }
 
-    /// Skips the endpoints `outlier` ejects.
-    pub fn with_outlier(mut self, outlier: Option<Arc<Outlier>>) -> Balancer {
-        self.outlier = outlier;
+    /// Skips the endpoints that `out` takes out.
+    pub fn with_out(mut self, out: Out) -> Balancer {
+        self.out = out;
         self
     }
 
@@ -211,25 +212,25 @@ impl Balancer {
             return None;
         }
         let first = self.choose(hash, attempt, n);
-        let index = match &self.outlier {
-            // One load while nothing is ejected.
-            Some(outlier) if outlier.any_out() => {
-                let now = outlier.now();
-                // The policy's own next choices first (a round-robin cursor moves on, a
-                // random pick draws again, a hash walks the ring), then any endpoint that
-                // is in; none: panic routing, to the policy's first choice.
-                let all_out = || outlier.out() >= n && (0..n).all(|i| outlier.is_out(i, now));
-                if outlier.is_out(first, now) && !all_out() {
-                    (1..n)
-                        .map(|k| self.choose(hash, attempt + k, n))
-                        .chain(0..n)
-                        .find(|&i| !outlier.is_out(i, now))
-                        .unwrap_or(first)
-                } else {
-                    first
-                }
+        let out = &self.out;
+        // A load or two while nothing is out.
+        let index = if out.any() {
+            let now = out.now();
+            // The policy's own next choices first (a round-robin cursor moves on, a
+            // random pick draws again, a hash walks the ring), then any endpoint that
+            // is in; none: panic routing, to the policy's first choice.
+            let all_out = || out.count() >= n && (0..n).all(|i| out.is_out(i, now));
+            if out.is_out(first, now) && !all_out() {
+                (1..n)
+                    .map(|k| self.choose(hash, attempt + k, n))
+                    .chain(0..n)
+                    .find(|&i| !out.is_out(i, now))
+                    .unwrap_or(first)
+            } else {
+                first
             }
-            _ => first,
+        } else {
+            first
         };
         self.in_flight[index].fetch_add(1, Ordering::Relaxed);
         Some((
@@ -352,8 +353,12 @@ mod tests {
             LbPolicy::Maglev,
         ] {
             let outlier = Outlier::new("c", &config, &e, Arc::default());
-            let b = Balancer::new(policy, e.clone(), &HashTable::build(policy, &e), 0)
-                .with_outlier(Some(outlier.clone()));
+            let b = Balancer::new(policy, e.clone(), &HashTable::build(policy, &e), 0).with_out(
+                crate::resilience::Out {
+                    outlier: Some(outlier.clone()),
+                    health: None,
+                },
+            );
             outlier.report(1, Outcome::Answered(503));
             let mut counts = [0; 3];
             for i in 0..300u64 {
@@ -367,6 +372,46 @@ mod tests {
             // All out: panic routing sends to all of them again.
             outlier.report(0, Outcome::Answered(503));
             outlier.report(2, Outcome::Answered(503));
+            let picked: std::collections::HashSet<usize> = (0..300u64)
+                .map(|i| b.pick(hash64(&i.to_le_bytes()), 0).unwrap().0)
+                .collect();
+            assert_eq!(picked.len(), 3, "{policy:?}: panic routing");
+        }
+    }
+
+    #[test]
+    fn every_policy_skips_endpoints_failing_their_health_check() {
+        use crate::resilience::{ClusterHealth, Out, ProbeResult};
+        let e = eps(3);
+        let check = flatmesh_config::HealthCheck {
+            unhealthy_threshold: 1,
+            ..flatmesh_config::HealthCheck::new(flatmesh_config::HealthCheckKind::Tcp)
+        };
+        for policy in [
+            LbPolicy::RoundRobin,
+            LbPolicy::Random,
+            LbPolicy::LeastRequest,
+            LbPolicy::RingHash,
+            LbPolicy::Maglev,
+        ] {
+            let health = ClusterHealth::new("c", &check, &e, Arc::default());
+            let b =
+                Balancer::new(policy, e.clone(), &HashTable::build(policy, &e), 0).with_out(Out {
+                    outlier: None,
+                    health: Some(health.clone()),
+                });
+            health.record(2, ProbeResult::Fail);
+            let mut counts = [0; 3];
+            for i in 0..300u64 {
+                counts[b.pick(hash64(&i.to_le_bytes()), 0).unwrap().0] += 1;
+            }
+            assert_eq!(
+                counts[2], 0,
+                "{policy:?} picked a failing endpoint: {counts:?}"
+            );
+            assert!(counts[0] > 60 && counts[1] > 60, "{policy:?}: {counts:?}");
+            health.record(0, ProbeResult::Timeout);
+            health.record(1, ProbeResult::Fail);
             let picked: std::collections::HashSet<usize> = (0..300u64)
                 .map(|i| b.pick(hash64(&i.to_le_bytes()), 0).unwrap().0)
                 .collect();

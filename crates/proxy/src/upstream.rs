@@ -86,7 +86,7 @@ impl Upstreams {
                         &plan.table,
                         worker,
                     )
-                    .with_outlier(plan.guard.outlier.clone()),
+                    .with_out(plan.guard.out()),
                     pool,
                 }
             })

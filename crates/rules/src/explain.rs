@@ -145,6 +145,9 @@ impl RuleProgram {
                     c.outlier
                         .as_ref()
                         .map_or_else(|| "off".into(), describe_outlier),
+                    c.health_check
+                        .as_ref()
+                        .map_or_else(|| "off".into(), describe_health_check),
                 ]
             })
             .collect();
@@ -158,6 +161,7 @@ impl RuleProgram {
                 "endpoints",
                 "circuit breaker",
                 "outlier detection",
+                "health check",
             ],
             &rows,
         );
@@ -374,6 +378,7 @@ impl RuleProgram {
                     "endpoints": c.endpoints.iter().map(|e| e.to_string()).collect::<Vec<_>>(),
                     "circuit_breaker": c.breaker,
                     "outlier_detection": c.outlier,
+                    "health_check": c.health_check,
                 })
             })
             .collect();
@@ -554,6 +559,27 @@ fn describe_breaker(b: &flatmesh_config::CircuitBreaker) -> String {
     format!(
         "connections {}, pending {}, requests {}, retries {}",
         b.max_connections, b.max_pending, b.max_requests, b.max_retries
+    )
+}
+
+/// An active health check in a table cell: the probe, then the timing and thresholds.
+fn describe_health_check(h: &flatmesh_config::HealthCheck) -> String {
+    let probe = match h.kind() {
+        flatmesh_config::HealthCheckKind::Http(http) => {
+            format!("http GET {} expects {}", http.path, http.expect)
+        }
+        flatmesh_config::HealthCheckKind::Tcp => "tcp connect".into(),
+        flatmesh_config::HealthCheckKind::Grpc(g) if g.service.is_empty() => {
+            "grpc Health/Check".into()
+        }
+        flatmesh_config::HealthCheckKind::Grpc(g) => format!("grpc Health/Check `{}`", g.service),
+    };
+    format!(
+        "{probe} every {} (timeout {}); out after {} failures, back after {} passes",
+        duration::format(&h.interval),
+        duration::format(&h.timeout),
+        h.unhealthy_threshold,
+        h.healthy_threshold
     )
 }
 

@@ -54,6 +54,8 @@ pub struct ClusterInfo {
     pub breaker: flatmesh_config::CircuitBreaker,
     /// Outlier detection, if on (the proxy runs it; shown by `--explain`).
     pub outlier: Option<flatmesh_config::OutlierDetection>,
+    /// The active health check, if on (the proxy's checker runs it; shown by `--explain`).
+    pub health_check: Option<flatmesh_config::HealthCheck>,
 }
 
 /// One listener's table.
@@ -261,6 +263,7 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
             tunnel: c.tunnel.is_some(),
             breaker: c.breaker(),
             outlier: c.outlier_detection.clone(),
+            health_check: c.health_check.clone(),
         });
     }
     let mut listener_ids = HashMap::new();

@@ -711,6 +711,7 @@ clusters:
     endpoints: [ 127.0.0.1:9001 ]
     circuit_breaker: { max_requests: 50 }
     outlier_detection: { consecutive_5xx: 3, consecutive_connect_failures: 0, base_ejection_time: 10s, max_ejection_percent: 50 }
+    health_check: { http: { path: /healthz, expect: [200, "300-302"] }, interval: 2s }
   - { name: plain, endpoints: [ 127.0.0.1:9002 ] }
 "#;
     let program = compile(&cfg(yaml)).unwrap();
@@ -727,6 +728,7 @@ clusters:
         .find(|l| l.contains("circuit breaker"))
         .unwrap();
     assert!(header.contains("outlier detection"), "{header}");
+    assert!(header.contains("health check"), "{header}");
     let api = row("127.0.0.1:9001");
     assert!(
         api.contains("connections 1024, pending 1024, requests 50, retries 3"),
@@ -734,6 +736,10 @@ clusters:
     );
     assert!(
         api.contains("eject after 3 5xx in a row for 10s x times ejected; at most 50% out"),
+        "{api}"
+    );
+    assert!(
+        api.contains("http GET /healthz expects 200,300-302 every 2s (timeout 1s); out after 3 failures, back after 2 passes"),
         "{api}"
     );
     let plain = row("127.0.0.1:9002");
@@ -751,4 +757,10 @@ clusters:
         json["clusters"][1]["outlier_detection"],
         serde_json::Value::Null
     );
+    assert_eq!(
+        json["clusters"][0]["health_check"]["http"]["path"],
+        "/healthz"
+    );
+    assert_eq!(json["clusters"][0]["health_check"]["interval"], "2s");
+    assert_eq!(json["clusters"][1]["health_check"], serde_json::Value::Null);
 }

@@ -1046,6 +1046,11 @@ fn cluster(v: Value, path: &str) -> Result<Cluster> {
     if let Some(od) = o.obj("outlier_detection")? {
         c.outlier_detection = Some(outlier_detection(od)?);
     }
+    let at = o.at("health_checks");
+    for (i, v) in o.list("health_checks")?.into_iter().enumerate() {
+        c.health_checks
+            .push(health_check(Obj::new(v, &format!("{at}[{i}]"))?)?);
+    }
     o.finish()?;
     Ok(c)
 }
@@ -1116,6 +1121,57 @@ fn outlier_detection(mut o: Obj) -> Result<OutlierDetection> {
     out.always_eject_one_host = o
         .bool("always_eject_one_host")?
         .map(|value| BoolValue { value });
+    o.finish()?;
+    Ok(out)
+}
+
+/// A cluster's health check: the probes and fields flatmesh runs; what they mean (and what
+/// of them it refuses) is decided in `crate::to_model`, as for xDS.
+fn health_check(mut o: Obj) -> Result<envoy_types::pb::envoy::config::core::v3::HealthCheck> {
+    use envoy_types::pb::envoy::config::core::v3::health_check::{
+        GrpcHealthCheck, HealthChecker, HttpHealthCheck, TcpHealthCheck,
+    };
+    use envoy_types::pb::envoy::r#type::v3::Int64Range;
+    let mut out = envoy_types::pb::envoy::config::core::v3::HealthCheck {
+        timeout: o.duration("timeout")?,
+        interval: o.duration("interval")?,
+        unhealthy_threshold: wrapped_u32(&mut o, "unhealthy_threshold")?,
+        healthy_threshold: wrapped_u32(&mut o, "healthy_threshold")?,
+        ..Default::default()
+    };
+    if let Some(mut h) = o.obj("http_health_check")? {
+        let mut http = HttpHealthCheck {
+            path: h.string("path")?.unwrap_or_default(),
+            ..Default::default()
+        };
+        let at = h.at("expected_statuses");
+        for (i, v) in h.list("expected_statuses")?.into_iter().enumerate() {
+            let mut r = Obj::new(v, &format!("{at}[{i}]"))?;
+            let mut bound = |key: &str| -> Result<i64> {
+                let here = r.at(key);
+                r.take(key)
+                    .as_ref()
+                    .and_then(number)
+                    .and_then(|n| i64::try_from(n).ok())
+                    .ok_or_else(|| XdsError::resource(here, "must be a whole number"))
+            };
+            let (start, end) = (bound("start")?, bound("end")?);
+            r.finish()?;
+            http.expected_statuses.push(Int64Range { start, end });
+        }
+        h.finish()?;
+        out.health_checker = Some(HealthChecker::HttpHealthCheck(http));
+    } else if let Some(t) = o.obj("tcp_health_check")? {
+        t.finish()?;
+        out.health_checker = Some(HealthChecker::TcpHealthCheck(TcpHealthCheck::default()));
+    } else if let Some(mut g) = o.obj("grpc_health_check")? {
+        let grpc = GrpcHealthCheck {
+            service_name: g.string("service_name")?.unwrap_or_default(),
+            ..Default::default()
+        };
+        g.finish()?;
+        out.health_checker = Some(HealthChecker::GrpcHealthCheck(grpc));
+    }
     o.finish()?;
     Ok(out)
 }

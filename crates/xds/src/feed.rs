@@ -94,6 +94,7 @@ pub fn merge(config: &model::Config, placed: &BTreeMap<String, Vec<SocketAddr>>)
                 tunnel_port: None,
                 circuit_breaker: None,
                 outlier_detection: None,
+                health_check: None,
             }),
         }
     }

@@ -144,6 +144,7 @@ fn cluster(c: &model::Cluster, config: &model::Config) -> Cluster {
         transport_socket: c.tls.as_ref().map(|t| tls::upstream(t, c.protocol)),
         circuit_breakers: c.circuit_breaker.as_ref().map(circuit_breakers),
         outlier_detection: c.outlier_detection.as_ref().map(outlier_detection),
+        health_checks: c.health_check.iter().map(health_check).collect(),
         ..Default::default()
     }
 }
@@ -183,6 +184,47 @@ fn outlier_detection(o: &model::OutlierDetection) -> OutlierDetection {
         interval: Some(duration(o.interval)),
         base_ejection_time: Some(duration(o.base_ejection_time)),
         max_ejection_percent: value(o.max_ejection_percent),
+        ..Default::default()
+    }
+}
+
+/// A health check in Envoy's terms (each `expect` range as a half-open `Int64Range`);
+/// `crate::to_model` reads it back.
+fn health_check(h: &model::HealthCheck) -> envoy_types::pb::envoy::config::core::v3::HealthCheck {
+    use envoy_types::pb::envoy::config::core::v3::health_check::{
+        GrpcHealthCheck, HealthChecker, HttpHealthCheck, TcpHealthCheck,
+    };
+    use envoy_types::pb::envoy::r#type::v3::Int64Range;
+    let checker = match h.kind() {
+        model::HealthCheckKind::Http(http) => HealthChecker::HttpHealthCheck(HttpHealthCheck {
+            path: http.path.clone(),
+            expected_statuses: http
+                .expect
+                .0
+                .iter()
+                .map(|(from, to)| Int64Range {
+                    start: i64::from(*from),
+                    end: i64::from(*to) + 1,
+                })
+                .collect(),
+            ..Default::default()
+        }),
+        model::HealthCheckKind::Tcp => HealthChecker::TcpHealthCheck(TcpHealthCheck::default()),
+        model::HealthCheckKind::Grpc(g) => HealthChecker::GrpcHealthCheck(GrpcHealthCheck {
+            service_name: g.service.clone(),
+            ..Default::default()
+        }),
+    };
+    envoy_types::pb::envoy::config::core::v3::HealthCheck {
+        timeout: Some(duration(h.timeout)),
+        interval: Some(duration(h.interval)),
+        unhealthy_threshold: Some(UInt32Value {
+            value: h.unhealthy_threshold,
+        }),
+        healthy_threshold: Some(UInt32Value {
+            value: h.healthy_threshold,
+        }),
+        health_checker: Some(checker),
         ..Default::default()
     }
 }

@@ -336,15 +336,17 @@ clusters:
     connect_timeout: 1s
     tls: { ca: /pki/ca.pem, cert: /pki/node.pem, key: /pki/node.key, server_ids: [ spiffe://td/ns/shop/sa/api, "spiffe://td/ns/api/*" ], sni: api.shop.svc }
   - { name: two, lb: random, endpoints: [ "[::1]:3" ], tls: { ca: /pki/ca.pem, server_ids: [ spiffe://td/ns/data/sa/db ] } }
-  - { name: three, endpoints: [ 127.0.0.1:4 ], connect_timeout: 1s }
+  - { name: three, endpoints: [ 127.0.0.1:4 ], connect_timeout: 1s, health_check: { grpc: { service: db } } }
   - name: guarded
     endpoints: [ 127.0.0.1:5, 127.0.0.1:6 ]
     circuit_breaker: { max_connections: 10, max_pending: 20, max_requests: 30, max_retries: 0 }
     outlier_detection: { consecutive_5xx: 0, consecutive_gateway_errors: 4, consecutive_connect_failures: 2, interval: 5s, base_ejection_time: 1500ms, max_ejection_percent: 50 }
+    health_check: { http: { path: /healthz, expect: [ 200, "300-302" ] }, interval: 2s, timeout: 500ms, unhealthy_threshold: 4, healthy_threshold: 1 }
   - name: guarded-defaults
     endpoints: [ 127.0.0.1:7 ]
     circuit_breaker: {}
     outlier_detection: { consecutive_connect_failures: 0 }
+    health_check: { tcp: {} }
 "#;
     let config = model::parse(text, "t.yaml").unwrap();
     // Every TLS shape is in it: http and tcp listeners with and without client certificates,
@@ -1576,6 +1578,124 @@ clusters:
         .to_string();
     assert!(
         e.contains("circuit_breakers.thresholds[0]") && e.contains("retry_budget"),
+        "{e}"
+    );
+}
+
+#[test]
+fn health_checks_import_from_envoy() {
+    let with = |block: &str| {
+        example().replace(
+            "    lb_policy: MAGLEV\n",
+            &format!("    lb_policy: MAGLEV\n{block}\n"),
+        )
+    };
+    let config = bootstrap::parse(
+        &with("    health_checks: [ { timeout: 0.5s, interval: 2s, unhealthy_threshold: 4, healthy_threshold: 1, http_health_check: { path: /healthz, expected_statuses: [ { start: 200, end: 201 }, { start: 300, end: 303 } ] } } ]"),
+        "envoy.yaml",
+    )
+    .unwrap();
+    assert_eq!(
+        config.cluster("sticky").unwrap().health_check,
+        Some(model::HealthCheck {
+            interval: std::time::Duration::from_secs(2),
+            timeout: std::time::Duration::from_millis(500),
+            unhealthy_threshold: 4,
+            healthy_threshold: 1,
+            ..model::HealthCheck::new(model::HealthCheckKind::Http(model::HttpHealthCheck {
+                path: "/healthz".into(),
+                expect: model::ExpectStatus(vec![(200, 200), (300, 302)]),
+            }))
+        })
+    );
+    let config = bootstrap::parse(
+        &with("    health_checks: [ { timeout: 1s, interval: 5s, unhealthy_threshold: 3, healthy_threshold: 2, tcp_health_check: {} } ]"),
+        "envoy.yaml",
+    )
+    .unwrap();
+    assert_eq!(
+        config.cluster("sticky").unwrap().health_check,
+        Some(model::HealthCheck::new(model::HealthCheckKind::Tcp))
+    );
+    let config = bootstrap::parse(
+        &with("    health_checks: [ { timeout: 1s, interval: 5s, grpc_health_check: { service_name: api } } ]"),
+        "envoy.yaml",
+    )
+    .unwrap();
+    assert_eq!(
+        config.cluster("sticky").unwrap().health_check,
+        Some(model::HealthCheck::new(model::HealthCheckKind::Grpc(
+            model::GrpcHealthCheck {
+                service: "api".into()
+            }
+        )))
+    );
+
+    // What would change the probe is named.
+    let refused = |block: &str| import_error(&with(block));
+    let e = refused("    health_checks: [ { interval: 1s, timeout: 1s, tcp_health_check: { send: { text: 00 } } } ]");
+    assert!(e.contains("tcp_health_check.send"), "{e}");
+    let e = refused("    health_checks: [ { interval: 1s, timeout: 1s, http_health_check: { path: /h, host: x } } ]");
+    assert!(e.contains("http_health_check.host"), "{e}");
+    let e = refused("    health_checks: [ { interval: 1s, timeout: 1s, no_traffic_interval: 60s, tcp_health_check: {} } ]");
+    assert!(e.contains("no_traffic_interval"), "{e}");
+    let e = refused("    health_checks: [ { interval: 1s, timeout: 1s, tcp_health_check: {} }, { interval: 1s, timeout: 1s, tcp_health_check: {} } ]");
+    assert!(
+        e.contains("health_checks[1]") && e.contains("second health check"),
+        "{e}"
+    );
+    let e = refused("    health_checks: [ { interval: 1s, timeout: 1s, http_health_check: { path: /h, expected_statuses: [ { start: 200, end: 200 } ] } } ]");
+    assert!(e.contains("expected_statuses[0]"), "{e}");
+    let e = refused("    health_checks: [ { interval: 1s, timeout: 1s } ]");
+    assert!(e.contains("but not how"), "{e}");
+    // Out of flatmesh's ranges: refused by the config's own validation.
+    let e = refused("    health_checks: [ { interval: 1s, timeout: 1s, unhealthy_threshold: 0, tcp_health_check: {} } ]");
+    assert!(e.contains("unhealthy_threshold is 0"), "{e}");
+}
+
+#[test]
+fn health_checks_map_over_xds() {
+    use envoy_types::pb::envoy::config::core::v3::health_check::HealthChecker;
+    let config = model::parse(
+        r#"
+listeners:
+  - { name: web, address: 127.0.0.1:8080, protocol: http, routes: [ { match: { path: { prefix: / } }, cluster: api } ] }
+clusters:
+  - name: api
+    endpoints: [ 127.0.0.1:1 ]
+    health_check: { http: { path: /ready, expect: "200-299" }, interval: 3s }
+"#,
+        "t.yaml",
+    )
+    .unwrap();
+    let mut resources = crate::from_model::resources(&config);
+    let served = &resources.clusters["api"].health_checks;
+    assert_eq!(served.len(), 1);
+    let Some(HealthChecker::HttpHealthCheck(http)) = &served[0].health_checker else {
+        panic!("not an http check: {served:?}");
+    };
+    assert_eq!(http.path, "/ready");
+    assert_eq!(
+        (
+            http.expected_statuses[0].start,
+            http.expected_statuses[0].end
+        ),
+        (200, 300),
+        "Envoy's ranges end before their end"
+    );
+    let back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
+    assert_eq!(
+        back.cluster("api").unwrap().health_check,
+        config.clusters[0].health_check
+    );
+    // An unsupported field is NACKed by name, not dropped.
+    resources.clusters.get_mut("api").unwrap().health_checks[0].reuse_connection =
+        Some(envoy_types::pb::google::protobuf::BoolValue { value: false });
+    let e = crate::to_model::translate(&resources, &bootstrap::empty_config())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("health_checks[0]") && e.contains("reuse_connection"),
         "{e}"
     );
 }

@@ -283,6 +283,7 @@ fn add_missing_clusters(config: &mut model::Config) {
             tunnel_port: None,
             circuit_breaker: None,
             outlier_detection: None,
+            health_check: None,
         });
     }
 }
@@ -1396,6 +1397,16 @@ fn cluster(
         Some(o) => Some(outlier_detection(o, &format!("{at}: outlier_detection"))?),
         None => None,
     };
+    let health_check = match take(&mut rest.health_checks).as_slice() {
+        [] => None,
+        [one] => Some(health_check(one, &format!("{at}: health_checks[0]"))?),
+        [_, _, ..] => {
+            return Err(XdsError::resource(
+                format!("{at}: health_checks[1]"),
+                "is a second health check; flatmesh runs one per cluster",
+            ))
+        }
+    };
     rest.alt_stat_name.clear();
     rest.dns_lookup_family = 0; // DNS settings mean nothing for IP endpoints
     reject_rest(&rest, &at)?;
@@ -1411,7 +1422,84 @@ fn cluster(
         tunnel_port: None,
         circuit_breaker,
         outlier_detection,
+        health_check,
     })
+}
+
+/// Envoy's health check as the cluster's: an HTTP check's path and expected statuses (its
+/// half-open ranges made inclusive), a TCP check that only connects, a gRPC check's service
+/// name, the timing and the thresholds (flatmesh's defaults for those left out; Envoy
+/// requires them). What would change the probe is refused by name.
+fn health_check(
+    check: &envoy_types::pb::envoy::config::core::v3::HealthCheck,
+    at: &str,
+) -> Result<model::HealthCheck> {
+    use envoy_types::pb::envoy::config::core::v3::health_check::HealthChecker;
+    let mut rest = check.clone();
+    let kind = match rest.health_checker.take() {
+        Some(HealthChecker::HttpHealthCheck(mut http)) => {
+            let here = format!("{at}.http_health_check");
+            let path = take(&mut http.path);
+            let mut expect = Vec::new();
+            for (i, range) in take(&mut http.expected_statuses).into_iter().enumerate() {
+                let status = |v: i64| u16::try_from(v).ok().filter(|s| (100..=599).contains(s));
+                match (status(range.start), status(range.end - 1)) {
+                    (Some(from), Some(to)) if from <= to => expect.push((from, to)),
+                    _ => {
+                        return Err(XdsError::resource(
+                            format!("{here}.expected_statuses[{i}]"),
+                            "is not a range of HTTP statuses from 100 to 599 (start inclusive, end exclusive)",
+                        ))
+                    }
+                }
+            }
+            reject_rest(&http, &here)?;
+            model::HealthCheckKind::Http(model::HttpHealthCheck {
+                path,
+                expect: if expect.is_empty() {
+                    model::ExpectStatus::default()
+                } else {
+                    model::ExpectStatus(expect)
+                },
+            })
+        }
+        Some(HealthChecker::TcpHealthCheck(tcp)) => {
+            reject_rest(&tcp, &format!("{at}.tcp_health_check"))?;
+            model::HealthCheckKind::Tcp
+        }
+        Some(HealthChecker::GrpcHealthCheck(mut grpc)) => {
+            let service = take(&mut grpc.service_name);
+            reject_rest(&grpc, &format!("{at}.grpc_health_check"))?;
+            model::HealthCheckKind::Grpc(model::GrpcHealthCheck { service })
+        }
+        Some(HealthChecker::CustomHealthCheck(_)) => {
+            return Err(XdsError::resource(
+                format!("{at}.custom_health_check"),
+                "is not supported; use http_health_check, tcp_health_check or grpc_health_check",
+            ))
+        }
+        None => {
+            return Err(XdsError::resource(
+                at,
+                "says how often to probe but not how; give http_health_check, tcp_health_check or grpc_health_check",
+            ))
+        }
+    };
+    let mut out = model::HealthCheck::new(kind);
+    if let Some(d) = rest.interval.take() {
+        out.interval = duration(&d, &format!("{at}.interval"))?;
+    }
+    if let Some(d) = rest.timeout.take() {
+        out.timeout = duration(&d, &format!("{at}.timeout"))?;
+    }
+    if let Some(v) = rest.unhealthy_threshold.take() {
+        out.unhealthy_threshold = v.value;
+    }
+    if let Some(v) = rest.healthy_threshold.take() {
+        out.healthy_threshold = v.value;
+    }
+    reject_rest(&rest, at)?;
+    Ok(out)
 }
 
 /// Envoy's thresholds of the default priority as the cluster's circuit breaker; Envoy's

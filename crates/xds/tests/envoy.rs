@@ -40,9 +40,9 @@ fn scenario(delta: bool) {
         port,
         "      - { match: { path: { prefix: /a } }, cluster: a }\n      - { match: { host: api.local }, direct_response: { status: 418, body: teapot } }\n      - { cluster: b }\n",
         &format!(
-            // Envoy takes the served circuit breaker and outlier detection (a NACK would
-            // leave cluster b unserved).
-            "  - {{ name: a, endpoints: [ {} ], circuit_breaker: {{ max_requests: 100, max_retries: 0 }} }}\n  - {{ name: b, lb: least_request, endpoints: [ {} ], outlier_detection: {{ consecutive_5xx: 3, consecutive_gateway_errors: 2, base_ejection_time: 5s, max_ejection_percent: 50 }} }}\n",
+            // Envoy takes the served circuit breaker, health check and outlier detection (a
+            // NACK would leave the cluster unserved; a failing check would leave /a unrouted).
+            "  - {{ name: a, endpoints: [ {} ], circuit_breaker: {{ max_requests: 100, max_retries: 0 }}, health_check: {{ http: {{ path: /healthz, expect: \"200-499\" }}, interval: 1s }} }}\n  - {{ name: b, lb: least_request, endpoints: [ {} ], outlier_detection: {{ consecutive_5xx: 3, consecutive_gateway_errors: 2, base_ejection_time: 5s, max_ejection_percent: 50 }} }}\n",
             a.addr, b.addr
         ),
     ));

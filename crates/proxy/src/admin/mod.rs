@@ -130,11 +130,20 @@ pub(crate) fn run(
         AdminListener::Unix(_, path) => Some(path.clone()),
         AdminListener::Tcp(_) => None,
     };
+    // The node's one health checker runs here, on the control runtime, not on the workers.
+    let checker = shared.metrics.resilience.take_checker();
     rt.block_on(async move {
         let watch = watch::watch_reloads(shared.clone());
+        let health = async move {
+            match checker {
+                Some(clusters) => crate::resilience::health::run(clusters).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             _ = serve(shared, socket) => {}
             _ = watch => {}
+            _ = health => {}
             _ = stop => {}
         }
     });

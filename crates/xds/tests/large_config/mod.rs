@@ -27,6 +27,7 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
             tunnel_port: None,
             circuit_breaker: None,
             outlier_detection: None,
+            health_check: None,
         });
         let mut r: model::Route = serde_json::from_value(serde_json::json!({
             "match": { "path": { "prefix": format!("/svc-{i}/") } }, "cluster": name
