@@ -1407,7 +1407,15 @@ fn a_tunnel_cluster_needs_tls_and_only_tcp_listeners_use_it() {
         )),
         10,
         5,
-        "runs no circuit breaker or outlier detection yet",
+        "runs no circuit breaker, outlier detection or health check yet",
+    );
+    only(
+        &tcp(&format!(
+            "  - name: remote\n    endpoints: [ 10.0.0.7:80 ]\n    {tls}\n    tunnel: hbone\n    health_check: {{ tcp: {{}} }}\n"
+        )),
+        10,
+        5,
+        "runs no circuit breaker, outlier detection or health check yet",
     );
     // An http route to a tunnel cluster: refused with the way out.
     let d = only(

@@ -98,8 +98,19 @@ fn scenario(protocol: Protocol) {
         assert!(status.acked.contains_key(kind), "{kind} ACKed: {status:?}");
     }
 
-    // One cluster's endpoints change: applied, and only that cluster moves.
-    let applied = status.applied;
+    // One cluster's endpoints change: applied, and only that cluster moves. The big push may
+    // still be arriving in pieces (delta sends EDS after CDS, in several responses), so count
+    // from where the node's applies have settled: the same for half a second.
+    let mut applied = client.status().applied;
+    let mut steady_since = Instant::now();
+    while steady_since.elapsed() < Duration::from_millis(500) {
+        assert!(start.elapsed() < deadline, "applies never settled");
+        std::thread::sleep(Duration::from_millis(20));
+        let now = client.status().applied;
+        if now != applied {
+            (applied, steady_since) = (now, Instant::now());
+        }
+    }
     let start = Instant::now();
     store.set_endpoints("svc-1", &live);
     wait_for("the EDS change", || {
