@@ -213,20 +213,15 @@ impl HeartbeatKey {
                 text.len()
             ));
         }
-        let mut bytes = [0u8; KEY_LEN];
-        for (b, pair) in bytes.iter_mut().zip(text.as_bytes().chunks(2)) {
-            let digits = std::str::from_utf8(pair).ok();
-            *b = digits
-                .and_then(|d| u8::from_str_radix(d, 16).ok())
-                .ok_or_else(|| {
-                    "a heartbeat key holds only hex digits (0-9, a-f); make one with `openssl rand -hex 32`".to_string()
-                })?;
-        }
-        Ok(HeartbeatKey::from_bytes(bytes))
+        bytes_from_hex(text)
+            .map(HeartbeatKey::from_bytes)
+            .ok_or_else(|| {
+                "a heartbeat key holds only hex digits (0-9, a-f); make one with `openssl rand -hex 32`".to_string()
+            })
     }
 
     pub fn to_hex(&self) -> String {
-        self.bytes.iter().map(|b| format!("{b:02x}")).collect()
+        hex(&self.bytes)
     }
 
     /// Reads a key file (64 hex digits) that only its owner may read.
@@ -258,6 +253,25 @@ fn tagged_message(signed: &[u8; SIGNED_LEN]) -> [u8; DOMAIN.len() + SIGNED_LEN] 
 
 /// Reads a file holding secrets, refusing one that others than its owner may read: a key that
 /// every local user can read authenticates nothing.
+/// `N` bytes written as `2N` hex digits (surrounding whitespace ignored); `None` for any other
+/// text. The control center's secrets (heartbeat keys, token digests) are written so.
+pub fn bytes_from_hex<const N: usize>(text: &str) -> Option<[u8; N]> {
+    let text = text.trim().as_bytes();
+    if text.len() != 2 * N || !text.iter().all(u8::is_ascii_hexdigit) {
+        return None;
+    }
+    let mut bytes = [0u8; N];
+    for (byte, pair) in bytes.iter_mut().zip(text.chunks(2)) {
+        *byte = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+    }
+    Some(bytes)
+}
+
+/// `bytes` as lower-case hex digits.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 pub fn read_secret(path: &Path) -> Result<String> {
     use std::os::unix::fs::PermissionsExt as _;
     let read = |cause| ControlError::Read {

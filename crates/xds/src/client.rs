@@ -590,28 +590,39 @@ struct Changes(Vec<(&'static str, String, Option<Resource>)>);
 /// a stream has delivered a response.
 #[derive(Debug)]
 pub(crate) struct Backoff {
+    first: Duration,
+    max: Duration,
     ceiling: Duration,
     seed: u64,
 }
 
 impl Backoff {
+    /// The xDS stream's: 100 ms doubling to 5 s.
     pub(crate) fn new(node_id: &str) -> Backoff {
+        Backoff::between(node_id, BACKOFF_FIRST, BACKOFF_MAX)
+    }
+
+    /// A ceiling of `first` doubling to `max`; `seed_name` (the node id) spreads the waits of
+    /// nodes that fail together.
+    pub(crate) fn between(seed_name: &str, first: Duration, max: Duration) -> Backoff {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        node_id.hash(&mut h);
+        seed_name.hash(&mut h);
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos())
             .unwrap_or(0)
             .hash(&mut h);
         Backoff {
-            ceiling: BACKOFF_FIRST,
+            first,
+            max,
+            ceiling: first,
             seed: h.finish() | 1,
         }
     }
 
     pub(crate) fn reset(&mut self) {
-        self.ceiling = BACKOFF_FIRST;
+        self.ceiling = self.first;
     }
 
     /// The next delay: between half the ceiling and the ceiling; the ceiling then doubles.
@@ -624,7 +635,7 @@ impl Backoff {
         let half = ceiling / 2;
         let spread = half.as_micros() as u64;
         let wait = half + Duration::from_micros(self.seed % spread.max(1));
-        self.ceiling = (ceiling * 2).min(BACKOFF_MAX);
+        self.ceiling = (ceiling * 2).min(self.max);
         wait
     }
 }

@@ -15,13 +15,14 @@ use std::time::{Duration, SystemTime};
 use flatmesh_identity::svid::{half_life, new_request, pem, spiffe_id_of, CertificateInfo};
 use flatmesh_identity::SpiffeId;
 
+use crate::client::Backoff;
 use crate::error::{Result, XdsError};
 use crate::secure::ChannelSecurity;
 
 /// The trust bundle's file name in the identity directory.
 pub const BUNDLE_FILE: &str = "bundle.pem";
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// A renewal that fails is retried after this, doubling up to [`RETRY_MAX`].
+/// A fetch that fails is retried after up to this, doubling (with jitter) up to [`RETRY_MAX`].
 const RETRY_FIRST: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(60);
 
@@ -156,7 +157,7 @@ pub async fn fetch_all(options: &IdentityOptions, patience: Duration) -> Result<
     let give_up = tokio::time::Instant::now() + patience;
     let mut held = Vec::with_capacity(options.ids.len());
     for id in &options.ids {
-        let mut retry = RETRY_FIRST;
+        let mut backoff = Backoff::between(id.as_str(), RETRY_FIRST, RETRY_MAX);
         loop {
             match fetch(options, id).await {
                 Ok(one) => {
@@ -167,10 +168,10 @@ pub async fn fetch_all(options: &IdentityOptions, patience: Duration) -> Result<
                     transient: true,
                     why,
                     ..
-                }) if tokio::time::Instant::now() + retry < give_up => {
+                }) if tokio::time::Instant::now() < give_up => {
+                    let retry = backoff.next();
                     tracing::warn!(%id, error = %why, retry_in = ?retry, "control center not reachable yet; trying again");
-                    tokio::time::sleep(retry).await;
-                    retry = (retry * 2).min(RETRY_MAX);
+                    tokio::time::sleep(retry.min(give_up - tokio::time::Instant::now())).await;
                 }
                 Err(e) => return Err(e),
             }
@@ -187,7 +188,7 @@ pub async fn keep_renewed(
     mut held: Vec<Held>,
     mut renewed: impl FnMut() + Send,
 ) {
-    let mut retry = RETRY_FIRST;
+    let mut backoff = Backoff::between(&options.server, RETRY_FIRST, RETRY_MAX);
     loop {
         let Some(next) = held.iter().map(Held::renew_at).min() else {
             return;
@@ -205,7 +206,7 @@ pub async fn keep_renewed(
                 }
                 Err(e) => {
                     failed = true;
-                    tracing::warn!(error = %e, retry_in = ?retry, expires_in_s = slot.not_after.duration_since(now).unwrap_or_default().as_secs(), "workload certificate renewal failed; keeping the current one");
+                    tracing::warn!(error = %e, expires_in_s = slot.not_after.duration_since(now).unwrap_or_default().as_secs(), "workload certificate renewal failed; keeping the current one");
                 }
             }
         }
@@ -213,10 +214,11 @@ pub async fn keep_renewed(
             renewed();
         }
         if failed {
+            let retry = backoff.next();
+            tracing::info!(retry_in = ?retry, "retrying the failed renewals");
             tokio::time::sleep(retry).await;
-            retry = (retry * 2).min(RETRY_MAX);
         } else {
-            retry = RETRY_FIRST;
+            backoff.reset();
         }
     }
 }

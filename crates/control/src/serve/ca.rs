@@ -34,7 +34,7 @@ use serde::Deserialize;
 
 use crate::endpoints::EndpointSnapshot;
 use crate::error::{ControlError, Result};
-use crate::heartbeat::read_secret;
+use crate::heartbeat::{bytes_from_hex, hex, read_secret};
 
 /// The path of the control center's own identity, under the trust domain.
 pub const CONTROL_PATH: &str = "/flatmesh/control";
@@ -128,25 +128,16 @@ fn sha256(bytes: &[u8]) -> [u8; 32] {
 
 /// The hex SHA-256 of a token, as the node tokens file holds it.
 pub fn token_digest_hex(token: &str) -> String {
-    sha256(token.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex(&sha256(token.as_bytes()))
 }
 
-fn parse_digest(hex: &str) -> std::result::Result<[u8; 32], String> {
-    let hex = hex.trim();
-    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(format!(
+fn parse_digest(text: &str) -> std::result::Result<[u8; 32], String> {
+    bytes_from_hex(text).ok_or_else(|| {
+        format!(
             "must be 64 hex digits (a SHA-256), not {} characters",
-            hex.len()
-        ));
-    }
-    let mut out = [0u8; 32];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|e| e.to_string())?;
-    }
-    Ok(out)
+            text.trim().len()
+        )
+    })
 }
 
 /// A fresh random bootstrap token: 32 random bytes in hex (printable in any header or file).
@@ -159,7 +150,7 @@ pub fn new_token() -> Result<String> {
             what: "token",
             message: "the system's random source failed".into(),
         })?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    Ok(hex(&bytes))
 }
 
 /// The identities the placement puts on each node; replaced with every placement snapshot.
