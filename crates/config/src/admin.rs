@@ -108,7 +108,7 @@ pub struct Admin {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_file: Option<PathBuf>,
     /// Read-only endpoints that answer without the token, e.g. `[/metrics]` for a scraper.
-    /// `/ready` always does; `/reload` never does.
+    /// `/ready` always does; `/reload` and `/drain` never do.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub open_paths: Vec<String>,
     /// Host names accepted in the `Host` header besides loopback names and addresses
@@ -246,7 +246,8 @@ mod octal_mode {
     }
 }
 
-/// The read-only endpoints, answered to GET. `POST /reload` is the one that changes the node.
+/// The read-only endpoints, answered to GET. `POST /reload` and `POST /drain` are the ones
+/// that change the node.
 pub const READ_PATHS: &[&str] = &["/metrics", "/ready", "/config", "/rules", "/listeners"];
 
 /// Longest Unix socket path the kernel takes (`sun_path` is 108 bytes with its NUL).
@@ -325,10 +326,10 @@ pub(crate) fn check(admin: &Admin, report: &mut dyn FnMut(&str, String, String))
     }
     for (i, path) in admin.open_paths.iter().enumerate() {
         let at = format!("admin.open_paths[{i}]");
-        if path == "/reload" {
+        if path == "/reload" || path == "/drain" {
             report(
                 &at,
-                "`/reload` changes the node: it always needs the token".into(),
+                format!("`{path}` changes the node: it always needs the token"),
                 format!("list only read-only endpoints: {}", READ_PATHS.join(", ")),
             );
         } else if !READ_PATHS.contains(&path.as_str()) {

@@ -36,6 +36,18 @@ pub struct Config {
     /// Tier K (eBPF). Absent: the node runs on the user tiers only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernel: Option<Kernel>,
+    /// How long a draining node (SIGTERM, SIGINT or `POST /drain`) lets in-flight requests
+    /// and connections finish before it closes what is left and exits (docs/resilience.md,
+    /// "Graceful drain").
+    #[serde(default = "default_drain_timeout", with = "crate::duration")]
+    pub drain_timeout: Duration,
+}
+
+/// ztunnel's default grace period; Kubernetes gives a pod 30 s between SIGTERM and SIGKILL.
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn default_drain_timeout() -> Duration {
+    DEFAULT_DRAIN_TIMEOUT
 }
 
 /// The `kernel:` section: which eBPF mechanisms the node attaches (docs/kernel.md).

@@ -1543,3 +1543,19 @@ fn health_checks_are_validated_by_line() {
         d.hint
     );
 }
+
+#[test]
+fn drain_timeout_defaults_to_five_seconds_and_reads_a_duration() {
+    let routes = "      - match: { path: { prefix: / } }\n        cluster: api\n";
+    let config = parse(&http(routes), "t.yaml").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(config.drain_timeout, std::time::Duration::from_secs(5));
+    let config = parse(&format!("drain_timeout: 45s\n{}", http(routes)), "t.yaml")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(config.drain_timeout, std::time::Duration::from_secs(45));
+    only(
+        &format!("drain_timeout: soon\n{}", http(routes)),
+        1,
+        16,
+        "duration",
+    );
+}

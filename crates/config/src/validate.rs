@@ -190,6 +190,9 @@ impl Checker<'_> {
         for (name, value) in timeouts {
             self.positive_duration(&format!("limits.{name}"), value);
         }
+        if self.config.drain_timeout > crate::duration::MAX {
+            self.positive_duration("drain_timeout", self.config.drain_timeout);
+        }
         self.budgets("limits", limits, &|_| true);
     }
 
@@ -1580,6 +1583,7 @@ mod tests {
             workers: None,
             access_log: None,
             limits: Limits::default(),
+            drain_timeout: crate::model::DEFAULT_DRAIN_TIMEOUT,
             listeners: vec![Listener {
                 name: "t".into(),
                 address: SocketAddr::from(([127, 0, 0, 1], 7000)),

@@ -21,6 +21,8 @@ struct Cli {
 enum Command {
     /// Run the node proxy.
     Node(cmd::node::Args),
+    /// Drain a running node (POST /drain) and wait until it has stopped: a preStop hook.
+    Drain(cmd::drain::Args),
     /// The mesh CA: `ca init`, `ca issue` (X.509 SVIDs), `ca rotate`, `ca retire`.
     Ca(cmd::ca::Args),
     /// Validate a config; --explain prints the rule program and where each rule runs,
@@ -72,6 +74,7 @@ fn main() -> std::process::ExitCode {
     }
     let result = match cli.command {
         Command::Node(args) => cmd::node::run(args),
+        Command::Drain(args) => cmd::drain::run(args),
         Command::Ca(args) => cmd::ca::run(args),
         Command::Check(args) => cmd::check::run(args),
         Command::Demo(args) => cmd::demo::run(args),

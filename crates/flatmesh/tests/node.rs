@@ -1,5 +1,6 @@
 //! `flatmesh node` as a command: it starts on a config file and serves, SIGHUP reloads the
-//! file (a refused reload is logged and the old config stays), and SIGTERM stops it cleanly.
+//! file (a refused reload is logged and the old config stays), and SIGTERM or `flatmesh drain`
+//! stops it cleanly.
 //! `flatmesh check --explain --admin` shows a running node's rule program as it runs it.
 //! What the node does with traffic is tested in process, in `crates/proxy/tests`.
 
@@ -109,6 +110,45 @@ async fn node_serves_reloads_on_sighup_and_stops_on_sigterm() {
     assert!(
         after.is_err(),
         "the admin endpoint still answers after exit: {after:?}"
+    );
+}
+
+/// A Kubernetes preStop hook: `flatmesh drain --admin ADDR` drains the node and returns once
+/// the node has exited (0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flatmesh_drain_stops_the_node_and_waits_for_it() {
+    let (admin, web) = (free_addr(), free_addr());
+    let mut proxy = Proxy::start(admin, &config(admin, web, "one")).await;
+    assert_eq!(body_at(web).await, "one");
+    let out = run_flatmesh(
+        &["drain", "--admin", &admin.to_string(), "--wait", "20s"],
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(
+        out.code,
+        Some(0),
+        "{}\n{}",
+        out.all_output(),
+        proxy.output()
+    );
+    assert!(out.stdout.starts_with("draining: "), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("drained: the node has stopped"),
+        "{}",
+        out.stdout
+    );
+    let exited = eventually(Duration::from_secs(5), || {
+        let done = proxy.exit_status().is_some();
+        async move { done }
+    })
+    .await;
+    assert!(exited, "the node did not exit:\n{}", proxy.output());
+    assert_eq!(
+        proxy.exit_status().and_then(|s| s.code()),
+        Some(0),
+        "{}",
+        proxy.output()
     );
 }
 

@@ -8,6 +8,7 @@ use arc_swap::ArcSwap;
 use flatmesh_config::ListenerProtocol;
 
 use crate::access_log::AccessLog;
+use crate::drain::Draining;
 use crate::kernel::KernelBinding;
 use crate::limits::NodeBudget;
 use crate::snapshot::Snapshot;
@@ -37,6 +38,8 @@ pub struct ConnContext {
     pub budget: Arc<NodeBudget>,
     /// The client's verified SPIFFE ID (a TLS listener with `client_ca`), for authorization.
     pub principal: Option<Arc<str>>,
+    /// The node's drain: once it begins, the connection finishes what it carries and closes.
+    pub draining: Draining,
 }
 
 impl ConnContext {

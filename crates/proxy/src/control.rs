@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -15,6 +15,7 @@ use flatmesh_config::Config;
 use parking_lot::Mutex;
 
 use crate::context::WorkerView;
+use crate::drain::DrainSignal;
 use crate::error::ProxyError;
 use crate::kernel::KernelBinding;
 use crate::listener::bind_group;
@@ -59,6 +60,8 @@ pub(crate) struct Shared {
     pub kernel: Option<Arc<KernelBinding>>,
     /// Why tier K is not attached, when it is not.
     pub kernel_off: Option<String>,
+    /// Set once the node drains (`crate::drain`).
+    pub drain: DrainSignal,
 }
 
 impl Shared {
@@ -120,6 +123,18 @@ impl Shared {
                 state.status.last_reload_error = Some(err.clone());
                 tracing::error!(error = %err, "config reload refused; the previous config stays in force");
             }
+        }
+    }
+
+    /// Begins the node's drain (`crate::drain`); a second call changes nothing.
+    pub fn begin_drain(&self) {
+        self.ready.store(false, Ordering::Release);
+        if self.drain.start() {
+            let open = self.metrics.budget.open_connections();
+            tracing::info!(
+                open,
+                "draining: no new connections; open ones finish and close"
+            );
         }
     }
 

@@ -25,6 +25,7 @@ mod body;
 mod context;
 mod control;
 mod dispatch;
+mod drain;
 mod error;
 mod h1;
 mod h2;
@@ -52,6 +53,7 @@ mod trailers;
 mod upstream;
 mod worker;
 
+pub use drain::Draining;
 pub use error::ProxyError;
 pub use node::{ConfigSource, Node};
 pub use tls::check_files as check_tls_files;

@@ -369,6 +369,11 @@ impl NodeBudget {
         *self.stream_resets.lock().entry(reason).or_default() += 1;
     }
 
+    /// Client connections open on the node.
+    pub fn open_connections(&self) -> usize {
+        self.connections.load(Ordering::Relaxed)
+    }
+
     /// One line per limit for `/ready`: the fd limit as found and as raised, and what is in use.
     pub fn report(&self, limits: &Limits) -> String {
         let fd = fd_limit();
@@ -390,7 +395,7 @@ impl NodeBudget {
         let _ = writeln!(
             out,
             "connections: {} open (limits.max_connections: {})",
-            self.connections.load(Ordering::Relaxed),
+            self.open_connections(),
             limits.max_connections
         );
         let _ = writeln!(

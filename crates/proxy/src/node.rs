@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use flatmesh_config::{AdminAddress, Config};
 use parking_lot::Mutex;
@@ -15,15 +14,13 @@ use crate::access_log::AccessLog;
 use crate::context::WorkerView;
 use crate::control::{kernel_plan, Bound, Shared, State};
 pub use crate::control::{ConfigSource, ReloadStatus};
+use crate::drain::{DrainSignal, Draining};
 use crate::error::ProxyError;
 use crate::listener::bind_group;
 use crate::metrics::Metrics;
 use crate::snapshot::Snapshot;
 use crate::upstream::Upstreams;
 use crate::worker::{self, Command};
-
-/// How long in-flight connections get to finish at shutdown.
-const DRAIN: Duration = Duration::from_secs(5);
 
 /// A running node proxy.
 pub struct Node {
@@ -75,6 +72,7 @@ impl Node {
             Ok(k) => (Some(Arc::new(k)), None),
             Err(why) => (None, Some(why)),
         };
+        let drain = DrainSignal::new();
         let mut handles = Vec::with_capacity(workers);
         for id in 0..workers {
             let view = WorkerView {
@@ -87,6 +85,7 @@ impl Node {
                 access_log.clone(),
                 kernel.clone(),
                 metrics.budget.clone(),
+                drain.subscribe(),
             )?);
         }
         let state = State {
@@ -111,6 +110,7 @@ impl Node {
             state: Mutex::new(state),
             kernel,
             kernel_off,
+            drain,
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
         let control_shared = shared.clone();
@@ -160,13 +160,28 @@ impl Node {
         self.reload(self.shared.config_in_force())
     }
 
-    /// Stop accepting, let in-flight connections finish (up to 5 s), and stop every thread.
+    /// Begins the drain without stopping the node: `/ready` answers 503, the workers stop
+    /// accepting, and connections finish what they carry and close (`crate::drain`). What
+    /// `POST /drain` does; [`shutdown`](Self::shutdown) then waits for the connections.
+    pub fn drain(&self) {
+        self.shared.begin_drain();
+    }
+
+    /// Resolves once the drain has begun, by [`drain`](Self::drain) or `POST /drain`: the
+    /// node's owner then calls [`shutdown`](Self::shutdown).
+    pub fn draining(&self) -> Draining {
+        self.shared.drain.subscribe()
+    }
+
+    /// Drains the node: stop accepting, let in-flight requests and connections finish (up to
+    /// the config's `drain_timeout`), close what is left, and stop every thread.
     pub fn shutdown(mut self) {
         self.stop_all();
     }
 
     fn stop_all(&mut self) {
-        self.shared.ready.store(false, Ordering::Release);
+        self.shared.begin_drain();
+        let drain_timeout = self.shared.snapshot().config.drain_timeout;
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -175,11 +190,13 @@ impl Node {
         }
         if let Some(shared) = Arc::get_mut(&mut self.shared) {
             for w in shared.workers.drain(..) {
-                w.join(DRAIN);
+                w.join(drain_timeout);
             }
         } else {
             for w in &self.shared.workers {
-                w.send(Command::Shutdown { drain: DRAIN });
+                w.send(Command::Shutdown {
+                    drain: drain_timeout,
+                });
             }
         }
     }

@@ -44,6 +44,7 @@ pub(crate) fn context(view: &Arc<ArcSwap<WorkerView>>) -> Arc<ConnContext> {
         kernel: None,
         budget: crate::limits::NodeBudget::new(),
         principal: None,
+        draining: crate::drain::DrainSignal::new().subscribe(),
     })
 }
 

@@ -14,6 +14,7 @@ use tokio::sync::mpsc;
 
 use crate::access_log::AccessLog;
 use crate::context::{ConnContext, WorkerView};
+use crate::drain::Draining;
 use crate::error::ProxyError;
 use crate::kernel::KernelBinding;
 use crate::limits::NodeBudget;
@@ -61,13 +62,23 @@ pub fn spawn(
     access_log: AccessLog,
     kernel: Option<Arc<KernelBinding>>,
     budget: Arc<NodeBudget>,
+    draining: Draining,
 ) -> Result<WorkerHandle, ProxyError> {
     let view = Arc::new(ArcSwap::from_pointee(view));
     let (tx, rx) = mpsc::unbounded_channel();
     let worker_view = view.clone();
+    let services = Accepting {
+        worker: id,
+        view: worker_view,
+        access_log,
+        kernel,
+        budget,
+        active: Arc::new(AtomicUsize::new(0)),
+        draining,
+    };
     let thread = std::thread::Builder::new()
         .name(format!("flatmesh-worker-{id}"))
-        .spawn(move || run(id, worker_view, access_log, kernel, budget, rx))
+        .spawn(move || run(services, rx))
         .map_err(|source| ProxyError::Thread { worker: id, source })?;
     Ok(WorkerHandle {
         id,
@@ -86,16 +97,11 @@ struct Accepting {
     kernel: Option<Arc<KernelBinding>>,
     budget: Arc<NodeBudget>,
     active: Arc<AtomicUsize>,
+    draining: Draining,
 }
 
-fn run(
-    id: usize,
-    view: Arc<ArcSwap<WorkerView>>,
-    access_log: AccessLog,
-    kernel: Option<Arc<KernelBinding>>,
-    budget: Arc<NodeBudget>,
-    mut rx: mpsc::UnboundedReceiver<Command>,
-) {
+fn run(services: Accepting, mut rx: mpsc::UnboundedReceiver<Command>) {
+    let id = services.worker;
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -107,23 +113,34 @@ fn run(
         }
     };
     rt.block_on(async move {
-        let active = Arc::new(AtomicUsize::new(0));
-        let shared = Arc::new(Accepting {
-            worker: id,
-            view,
-            access_log,
-            kernel,
-            budget,
-            active: active.clone(),
-        });
+        let active = services.active.clone();
+        let mut draining = services.draining.clone();
+        let shared = Arc::new(services);
         // One worker hands the heap a burst of connections freed back to the kernel.
         let trimming = (id == 0).then(|| {
             tokio::spawn(crate::limits::trim_after_bursts(shared.budget.clone()))
         });
         let mut accepting: HashMap<ListenerKey, tokio::task::JoinHandle<()>> = HashMap::new();
         let mut drain = Duration::ZERO;
-        while let Some(command) = rx.recv().await {
+        let mut stopped_accepting = false;
+        loop {
+            let command = tokio::select! {
+                command = rx.recv() => match command {
+                    Some(command) => command,
+                    None => break,
+                },
+                // The drain stops accepting at once: the listening sockets close.
+                _ = draining.begun(), if !stopped_accepting => {
+                    stopped_accepting = true;
+                    for (_, task) in accepting.drain() {
+                        task.abort();
+                    }
+                    continue;
+                }
+            };
             match command {
+                // A listener that a reload adds during the drain is not opened.
+                Command::Listen { .. } if stopped_accepting => {}
                 Command::Listen { key, socket } => match tokio::net::TcpListener::from_std(socket) {
                     Ok(listener) => {
                         let task = tokio::spawn(accept_loop(key, listener, shared.clone()));
@@ -151,6 +168,10 @@ fn run(
         let deadline = tokio::time::Instant::now() + drain;
         while active.load(Ordering::Relaxed) > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let cut = active.load(Ordering::Relaxed);
+        if cut > 0 {
+            tracing::warn!(worker = id, connections = cut, "drain timeout reached: closing the connections still open");
         }
     });
 }
@@ -210,6 +231,7 @@ async fn accept_loop(key: ListenerKey, listener: tokio::net::TcpListener, shared
             kernel: shared.kernel.clone(),
             budget: shared.budget.clone(),
             principal: None,
+            draining: shared.draining.clone(),
         });
         tokio::spawn(async move {
             let _guard = guard;

@@ -2,11 +2,7 @@
 //! rule program, write tier N's image. `flatmesh check --explain --admin ADDR`: the program a
 //! running node runs, with the tiers it actually has.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::Context as _;
 use flatmesh_config::AdminAddress;
@@ -98,55 +94,11 @@ fn write_image(program: &flatmesh_rules::RuleProgram, out: &PathBuf) -> anyhow::
     Ok(())
 }
 
-/// GET `/rules?format=text` from a node's admin endpoint. A plain HTTP/1.0 exchange with a
-/// std socket: the CLI needs one response and no async runtime or client crate for it.
+/// GET `/rules?format=text` from a node's admin endpoint.
 fn node_rules(admin: &AdminAddress, token: Option<&str>) -> anyhow::Result<String> {
-    let timeout = Duration::from_secs(5);
-    let what =
-        || format!("asking the node at {admin} for /rules; is it running with `admin: {admin}`?");
-    let (mut conn, host): (Box<dyn ReadWrite>, String) = match admin {
-        AdminAddress::Tcp(addr) => {
-            let conn = TcpStream::connect_timeout(addr, timeout).with_context(what)?;
-            conn.set_read_timeout(Some(timeout)).with_context(what)?;
-            conn.set_write_timeout(Some(timeout)).with_context(what)?;
-            (Box::new(conn), addr.to_string())
-        }
-        AdminAddress::Unix(path) => {
-            let conn = UnixStream::connect(path).with_context(what)?;
-            conn.set_read_timeout(Some(timeout)).with_context(what)?;
-            conn.set_write_timeout(Some(timeout)).with_context(what)?;
-            (Box::new(conn), "localhost".to_string())
-        }
-    };
-    let authorization = token
-        .map(|t| format!("Authorization: Bearer {t}\r\n"))
-        .unwrap_or_default();
-    write!(
-        conn,
-        "GET /rules?format=text HTTP/1.0\r\nHost: {host}\r\n{authorization}\r\n"
-    )
-    .with_context(what)?;
-    let mut response = Vec::new();
-    conn.read_to_end(&mut response).with_context(what)?;
-    let response = String::from_utf8_lossy(&response);
-    let (head, body) = response.split_once("\r\n\r\n").with_context(|| {
-        format!("{admin} sent no HTTP response; is that the node's admin address?")
-    })?;
-    let status = head.lines().next().unwrap_or_default();
-    match status.split_whitespace().nth(1) {
-        Some("200") => Ok(body.to_string()),
-        Some("401") if token.is_none() => anyhow::bail!(
-            "{admin} needs the admin token; pass --admin-token-file FILE (the node's admin.token_file)"
-        ),
-        Some("401") => anyhow::bail!(
-            "{admin} refused the admin token; check that --admin-token-file holds the node's current token"
-        ),
-        _ => anyhow::bail!(
-            "{admin} answered `{status}` to /rules; is that the node's admin address?"
-        ),
+    let answer = super::admin_client::request(admin, "GET", "/rules?format=text", token)?;
+    match answer.status {
+        200 => Ok(answer.body),
+        _ => anyhow::bail!(answer.refusal(admin, token, "/rules")),
     }
 }
-
-/// A connected byte stream, TCP or Unix.
-trait ReadWrite: Read + Write {}
-impl<T: Read + Write> ReadWrite for T {}

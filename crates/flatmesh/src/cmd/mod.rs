@@ -1,10 +1,12 @@
 //! One module per subcommand.
 
+pub mod admin_client;
 pub mod ca;
 pub mod check;
 pub mod control;
 pub mod control_demo;
 pub mod demo;
+pub mod drain;
 pub mod kernel;
 pub mod node;
 pub mod place;

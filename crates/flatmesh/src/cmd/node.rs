@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context as _;
-use flatmesh_proxy::{ConfigSource, Node};
+use flatmesh_proxy::{ConfigSource, Draining, Node};
 use flatmesh_xds::apply::StartThenReload;
 use flatmesh_xds::client::{Apply as _, Client, Options, Protocol};
 use flatmesh_xds::identities::IdentityOptions;
@@ -135,7 +135,8 @@ fn run_xds(args: &Args, server: String) -> anyhow::Result<()> {
     };
     let client = rt.block_on(async { Client::spawn(options, base, apply) });
     // The client runs on `rt`'s own worker thread while this one waits for a signal.
-    stop.wait();
+    let draining = node.lock().as_ref().map(Node::draining);
+    stop.wait(draining);
     rt.block_on(client.stop());
     let running = node.lock().take();
     if let Some(n) = running {
@@ -245,24 +246,31 @@ impl StopSignals {
         Ok(StopSignals { rt, term, int })
     }
 
-    /// Blocks until SIGTERM or SIGINT.
-    fn wait(self) {
+    /// Blocks until SIGTERM or SIGINT, or until the node's drain begins (`POST /drain`).
+    fn wait(self, draining: Option<Draining>) {
         let StopSignals {
             rt,
             mut term,
             mut int,
         } = self;
         rt.block_on(async {
+            let drain_asked = async {
+                match draining {
+                    Some(mut d) => d.begun().await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = term.recv() => {}
                 _ = int.recv() => {}
+                () = drain_asked => {}
             }
         });
     }
 }
 
 fn wait_and_stop(node: Node, stop: StopSignals) -> anyhow::Result<()> {
-    stop.wait();
+    stop.wait(Some(node.draining()));
     tracing::info!("stopping: draining in-flight connections");
     node.shutdown();
     Ok(())

@@ -54,7 +54,7 @@ fn strip_port(host: &str) -> &str {
 
 /// Whether this request must carry the token: all do, when one is set, except `GET /ready`
 /// and the read-only endpoints listed in `admin.open_paths`. A request that changes the node
-/// (`POST /reload`) always does.
+/// (`POST /reload`, `POST /drain`) always does.
 pub fn needs_token(method: &Method, path: &str, admin: &Admin, token: Option<&str>) -> bool {
     if token.is_none() {
         return false;
@@ -137,6 +137,7 @@ mod tests {
         assert!(!needs_token(&Method::GET, "/ready", &a, t));
         assert!(!needs_token(&Method::GET, "/metrics", &a, t));
         assert!(needs_token(&Method::POST, "/reload", &a, t));
+        assert!(needs_token(&Method::POST, "/drain", &a, t));
         assert!(needs_token(&Method::POST, "/metrics", &a, t));
 
         let mut h = HeaderMap::new();

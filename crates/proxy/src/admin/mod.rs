@@ -337,13 +337,12 @@ fn handle(shared: &Shared, req: Request<Incoming>, conn: ConnInfo) -> Response<F
         counter.add_shared(0, 1);
         return refuse(refusal);
     }
-    if req.method() != Method::GET
-        && !(req.method() == Method::POST && req.uri().path() == "/reload")
-    {
+    let post = matches!(req.uri().path(), "/reload" | "/drain");
+    if req.method() != Method::GET && !(post && req.method() == Method::POST) {
         return respond(
             StatusCode::METHOD_NOT_ALLOWED,
             "text/plain",
-            "admin endpoints answer GET (and POST /reload)\n",
+            "admin endpoints answer GET (and POST /reload, POST /drain)\n",
         );
     }
     match req.uri().path() {
@@ -366,6 +365,8 @@ fn handle(shared: &Shared, req: Request<Incoming>, conn: ConnInfo) -> Response<F
                     "text/plain",
                     format!("ready\n{detail}{ktls}\n"),
                 )
+            } else if shared.drain.started() {
+                respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "draining\n")
             } else {
                 respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "not ready\n")
             }
@@ -416,11 +417,24 @@ fn handle(shared: &Shared, req: Request<Incoming>, conn: ConnInfo) -> Response<F
                 format!("reload refused: {e}\n"),
             ),
         },
+        "/drain" if req.method() == Method::POST => {
+            shared.begin_drain();
+            let timeout = shared.snapshot().config.drain_timeout;
+            respond(
+                StatusCode::ACCEPTED,
+                "text/plain",
+                format!(
+                    "draining: {} connections open; the node stops once they close, or after drain_timeout ({})\n",
+                    shared.metrics.budget.open_connections(),
+                    flatmesh_config::duration::format(&timeout)
+                ),
+            )
+        }
         _ => respond(
             StatusCode::NOT_FOUND,
             "text/plain",
             format!(
-                "unknown admin path; try {} (and POST /reload)\n",
+                "unknown admin path; try {} (and POST /reload, POST /drain)\n",
                 flatmesh_config::admin::READ_PATHS.join(", ")
             ),
         ),

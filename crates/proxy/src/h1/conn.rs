@@ -103,6 +103,7 @@ where
 {
     let mut client = Client { io, buf };
     client.buf.reserve(READ_BUFFER);
+    let mut draining = ctx.draining.clone();
     loop {
         // The snapshot is read once the next request has begun to arrive, so a request
         // that comes after a reload, on a connection older than it, meets the new config.
@@ -110,9 +111,18 @@ where
             let idle = ctx.view.load().snapshot.config.limits.idle_timeout;
             client.buf.reserve(READ_BUFFER);
             let read = tokio::io::AsyncReadExt::read_buf(&mut client.io, &mut client.buf);
-            match tokio::time::timeout(idle, read).await {
-                Ok(Ok(1..)) => {}
-                _ => return,
+            let next = tokio::select! {
+                read = tokio::time::timeout(idle, read) => Some(read),
+                // Between requests the connection carries nothing: a drain closes it now.
+                () = draining.begun() => None,
+            };
+            match next {
+                Some(Ok(Ok(1..))) => {}
+                Some(_) => return,
+                None => {
+                    close_gracefully(&mut client.io).await;
+                    return;
+                }
             }
         }
         let view = ctx.view.load_full();
@@ -361,7 +371,9 @@ fn prepare<'v>(
         Err(refusal) => return Ok(Some((head_len, exchange, Action::Refuse(refusal)))),
     };
     exchange.framing = info.framing;
-    exchange.keep_alive = info.keep_alive;
+    // A request that arrives once the node drains is the connection's last: its answer says
+    // `Connection: close`.
+    exchange.keep_alive = info.keep_alive && !ctx.draining.now();
     exchange.expect_continue = info.expect_continue;
     exchange.upgrade = info.upgrade.is_some();
     let Some(lid) = listener else {

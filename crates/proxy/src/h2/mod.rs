@@ -74,8 +74,16 @@ where
     };
     // Dropped with the connection: a stream's task never outlives it.
     let mut streams = JoinSet::new();
+    let mut draining = ctx.draining.clone();
+    let mut goaway_sent = false;
     loop {
         tokio::select! {
+            // The node drains: GOAWAY; the streams open now finish, no new one is taken, and
+            // `accept` ends once they have.
+            () = draining.begun(), if !goaway_sent => {
+                goaway_sent = true;
+                conn.graceful_shutdown();
+            }
             accepted = conn.accept() => match accepted {
                 Some(Ok((req, respond))) => {
                     streams.spawn(stream::serve(ctx.clone(), req, respond, budget.clone()));

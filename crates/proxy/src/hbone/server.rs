@@ -71,6 +71,8 @@ where
         .authz(listener)
         .map(|authz| authz.check_connection(ctx.peer()));
     let idle = limits.idle_timeout;
+    let mut draining = ctx.draining.clone();
+    let mut goaway_sent = false;
     let tunnel = Arc::new(Tunnel {
         ctx,
         snapshot,
@@ -81,7 +83,16 @@ where
     });
     loop {
         // `accept` is cancel safe: an idle timeout that finds streams still open waits on.
-        let next = match tokio::time::timeout(idle, conn.accept()).await {
+        let next = tokio::select! {
+            next = tokio::time::timeout(idle, conn.accept()) => next,
+            // The node drains: GOAWAY; the open tunnels finish, no new one is taken.
+            () = draining.begun(), if !goaway_sent => {
+                goaway_sent = true;
+                conn.graceful_shutdown();
+                continue;
+            }
+        };
+        let next = match next {
             Ok(next) => next,
             Err(_) if tunnel.open.load(Ordering::Relaxed) == 0 => {
                 tracing::debug!(listener = %name, "HBONE connection idle; closing it");

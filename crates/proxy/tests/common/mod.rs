@@ -73,6 +73,29 @@ impl TestNode {
         (resp.status, resp.body)
     }
 
+    /// Asks the node to drain (POST /drain); returns the admin endpoint's answer.
+    pub async fn drain(&self) -> (StatusCode, String) {
+        let url = format!("http://{}/drain", self.admin);
+        let resp = send(&h1_client(), request(Method::POST, &url, &[], ""))
+            .await
+            .unwrap_or_else(|e| panic!("POST {url} failed: {e}"));
+        (resp.status, resp.body)
+    }
+
+    /// Stops the node as its owner does (`Node::shutdown`: drain, wait for the open
+    /// connections up to `drain_timeout`), off the test's runtime; returns how long it took.
+    pub async fn shutdown(&mut self) -> std::time::Duration {
+        let node = self
+            .node
+            .take()
+            .unwrap_or_else(|| panic!("the node is stopped already"));
+        let started = std::time::Instant::now();
+        tokio::task::spawn_blocking(move || node.shutdown())
+            .await
+            .unwrap_or_else(|e| panic!("Node::shutdown panicked: {e}"));
+        started.elapsed()
+    }
+
     /// Panics unless the node still answers /ready.
     pub async fn assert_alive(&self, context: &str) {
         let (status, body) = self.admin_get("/ready").await;
@@ -109,8 +132,8 @@ impl TestNode {
 
 impl Drop for TestNode {
     fn drop(&mut self) {
-        // Shutting down waits (up to 5 s) for open connections to finish, and a test's
-        // clients may keep theirs: stop off the test's thread.
+        // Shutting down waits (up to drain_timeout, 5 s by default) for open connections to
+        // finish, and a test's clients may keep theirs: stop off the test's thread.
         if let Some(node) = self.node.take() {
             std::thread::spawn(move || node.shutdown());
         }
