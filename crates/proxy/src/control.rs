@@ -129,6 +129,7 @@ impl Shared {
     /// Begins the node's drain (`crate::drain`); a second call changes nothing.
     pub fn begin_drain(&self) {
         self.ready.store(false, Ordering::Release);
+        self.metrics.draining.store(true, Ordering::Relaxed);
         if self.drain.start() {
             let open = self.metrics.budget.open_connections();
             tracing::info!(

@@ -357,6 +357,8 @@ pub struct Metrics {
     pub admin_refused: AdminRefused,
     /// Circuit breakers and outlier detection of every cluster (`crate::resilience`).
     pub resilience: crate::resilience::Registry,
+    /// The node drains (`crate::drain`).
+    pub draining: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -378,6 +380,7 @@ impl Metrics {
             certificates: Mutex::default(),
             reloads_ok: WorkerCounter::new(1),
             reloads_failed: WorkerCounter::new(1),
+            draining: std::sync::atomic::AtomicBool::new(false),
             budget: crate::limits::NodeBudget::new(),
             admin_refused: AdminRefused {
                 host: WorkerCounter::new(1),
@@ -751,6 +754,12 @@ impl Collector for Scrape {
             &reloads,
         )?;
         m.budget.encode(&mut enc)?;
+        gauge(
+            &mut enc,
+            "flatmesh_draining",
+            "1 once the node drains (SIGTERM, POST /drain): it accepts nothing new and closes connections as they finish",
+            &[((), i64::from(m.draining.load(Ordering::Relaxed)))],
+        )?;
 
         let refused = [
             ([("reason", "host")], m.admin_refused.host.sum()),

@@ -119,6 +119,10 @@ async fn a_drain_closes_idle_connections_finishes_the_request_in_flight_and_stop
     );
     // A second drain changes nothing.
     assert_eq!(node.drain().await.0, StatusCode::ACCEPTED);
+    assert!(
+        node.metrics().await.contains("\nflatmesh_draining 1\n"),
+        "/metrics does not say the node drains"
+    );
 
     assert!(
         closed_within(&mut idle, Duration::from_secs(5)).await,
