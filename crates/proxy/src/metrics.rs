@@ -754,11 +754,14 @@ impl Collector for Scrape {
             &reloads,
         )?;
         m.budget.encode(&mut enc)?;
-        gauge(
-            &mut enc,
-            "flatmesh_draining",
-            "1 once the node drains (SIGTERM, POST /drain): it accepts nothing new and closes connections as they finish",
-            &[((), i64::from(m.draining.load(Ordering::Relaxed)))],
+        // No labels: written as the family itself, not as one member of it.
+        ConstGauge::new(i64::from(m.draining.load(Ordering::Relaxed))).encode(
+            enc.encode_descriptor(
+                "flatmesh_draining",
+                "1 once the node drains (SIGTERM, POST /drain): it accepts nothing new and closes connections as they finish",
+                None,
+                MetricType::Gauge,
+            )?,
         )?;
 
         let refused = [

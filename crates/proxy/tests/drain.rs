@@ -121,7 +121,8 @@ async fn a_drain_closes_idle_connections_finishes_the_request_in_flight_and_stop
     assert_eq!(node.drain().await.0, StatusCode::ACCEPTED);
     assert!(
         node.metrics().await.contains("\nflatmesh_draining 1\n"),
-        "/metrics does not say the node drains"
+        "/metrics does not say the node drains:\n{}",
+        node.metrics().await
     );
 
     assert!(
