@@ -119,6 +119,17 @@ fn count_status(t: &BTreeMap<(String, u16), usize>, status: u16) -> usize {
         .sum()
 }
 
+/// The test process's resident set (the node runs in it), from /proc.
+fn resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib * 1024
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hanging_backend_gets_max_requests_and_the_rest_overflow_at_once() {
     let hang = HttpBackend::start("hang", Proto::H1).await;
@@ -129,7 +140,7 @@ async fn a_hanging_backend_gets_max_requests_and_the_rest_overflow_at_once() {
         &[hang.addr],
         "    circuit_breaker: { max_requests: 4 }",
     ));
-    // Four requests the backend holds for 4 s: the refused ones below take milliseconds.
+    // Four requests the backend holds for 7 s: the refused ones below take milliseconds.
     let mut held = Vec::new();
     for i in 0..4 {
         held.push(tokio::spawn(async move {
@@ -137,7 +148,7 @@ async fn a_hanging_backend_gets_max_requests_and_the_rest_overflow_at_once() {
             get(
                 &client,
                 &format!("http://{web}/held/{i}"),
-                &[("x-delay-ms", "4000")],
+                &[("x-delay-ms", "7000")],
             )
             .await
         }));
@@ -147,9 +158,12 @@ async fn a_hanging_backend_gets_max_requests_and_the_rest_overflow_at_once() {
         eventually(Duration::from_secs(5), || async { hang.conns() >= 4 }).await,
         "the four held requests reached the backend"
     );
-    // The fifth, and 200 more, are answered at once with the overflow, not queued.
+    // The fifth, and 2,000 more, are answered at once with the overflow, not queued: the
+    // node's memory stays flat (its budget in use, and the process's resident set).
+    let budget_before = metric(&node, "flatmesh_memory_budget_used_bytes", &[]).await;
+    let rss_before = resident_bytes();
     let client = h1_client();
-    for i in 0..201 {
+    for i in 0..2001 {
         let started = Instant::now();
         let resp = get(&client, &format!("http://{web}/more/{i}"), &[]).await;
         assert_eq!(resp.status, StatusCode::SERVICE_UNAVAILABLE, "{resp:?}");
@@ -166,8 +180,21 @@ async fn a_hanging_backend_gets_max_requests_and_the_rest_overflow_at_once() {
         );
     }
     assert_eq!(hang.conns(), 4, "no refused request reached the backend");
+    let budget_after = metric(&node, "flatmesh_memory_budget_used_bytes", &[]).await;
     assert!(
-        holding.elapsed() < Duration::from_secs(3),
+        budget_after <= budget_before + 64.0 * 1024.0,
+        "the node's memory budget in use grew from {budget_before} to {budget_after} bytes"
+    );
+    let grown = resident_bytes().saturating_sub(rss_before);
+    assert!(
+        grown < 16 << 20,
+        "the process grew by {grown} bytes over 2,001 refused requests"
+    );
+    println!(
+        "FAULT-SURVIVED | a backend that hangs: 4 requests held (max_requests 4), 2,001 more answered 503 overflow at once, memory flat | sent 2005 | failed 0"
+    );
+    assert!(
+        holding.elapsed() < Duration::from_secs(5),
         "the refusals took {:?}: the held requests may have ended meanwhile",
         holding.elapsed()
     );
@@ -193,7 +220,7 @@ async fn a_hanging_backend_gets_max_requests_and_the_rest_overflow_at_once() {
             &["cluster=\"pool\"", "kind=\"requests\""]
         )
         .await,
-        201.0
+        2001.0
     );
     // The held requests end: their places free up and requests go through again.
     for h in held {
