@@ -208,6 +208,20 @@ def targets(rows: list[dict]) -> list[dict]:
         add("sockperf added p50 ≤ ½ Envoy's added p50 (TCP, 64 B)", a <= b / 2, f"+{a:.1f} µs vs +{b:.1f} µs over direct")
     else:
         add("sockperf added p50 ≤ ½ Envoy's added p50 (TCP, 64 B)", None, "flatmesh, Envoy or direct not measured")
+    # Issue 17: what the resilience policies cost, none of them triggered.
+    pol, pol_env = get("http1_policies", "flatmesh"), get("http1_policies", "envoy")
+    name = "policies: CPU per request ≤ 1.10× without them (flatmesh, HTTP/1.1 keep-alive)"
+    if pol and fm and pol["cpu_per_unit"] and fm["cpu_per_unit"]:
+        x = pol["cpu_per_unit"] / fm["cpu_per_unit"]
+        add(name, x <= 1.10, f"{f_cpu(pol['cpu_per_unit'])} vs {f_cpu(fm['cpu_per_unit'])} = {x:.3f}×")
+    else:
+        add(name, None, "http1_policies or http1_keepalive not measured for flatmesh")
+    name = "policies: req/s ≥ 2× Envoy's with the same policies"
+    if pol and pol_env and pol_env["rate"]:
+        x = pol["rate"] / pol_env["rate"]
+        add(name, x >= 2, f"{pol['rate']:,.0f} vs {pol_env['rate']:,.0f} req/s = {x:.2f}× (CPU per request {f_cpu(pol['cpu_per_unit'])} vs {f_cpu(pol_env['cpu_per_unit'])})")
+    else:
+        add(name, None, "flatmesh or Envoy not measured on http1_policies")
     # Issue 4 (tier K): flatmesh+kernel against Envoy's tcp_proxy and nginx grpc_pass.
     kp = get("tcp_pingpong", "flatmesh+kernel")
     name = "tier K: sockperf added p50 ≤ 10% of Envoy's added p50 (TCP, 64 B)"

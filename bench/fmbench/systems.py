@@ -109,6 +109,133 @@ def to_yaml(obj, indent: int = 0) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- the policies scenario
+#
+# Issue 17's resilience policies, each set so that nothing triggers: the limits are far above
+# the load, the rate limit far above any req/s here, the faults and the mirror at 0 percent, the
+# health check passes (the backend answers every path), outlier detection never sees a 5xx, and
+# slow start's window is over long before the timed run (the node is warmed up first). The same
+# set for flatmesh and Envoy; HAProxy and nginx have no like-for-like config for all of it and
+# sit this scenario out.
+
+MIRROR_CLUSTER = "svc-0"
+BREAKER = {"max_connections": 1024, "max_pending": 1024, "max_requests": 1024, "max_retries": 3}
+RATE_PER_S = 10_000_000
+
+
+def flatmesh_route_policies() -> dict:
+    return {
+        "retries": {
+            "attempts": 2,
+            "on": ["connect-failure", "gateway-error"],
+            "per_try_timeout": "5s",
+            "backoff": {"base": "25ms", "max": "250ms"},
+            "budget": {"ratio": 0.2, "min_per_s": 10},
+        },
+        "rate_limit": {"requests_per_s": RATE_PER_S, "burst": RATE_PER_S},
+        "fault": {"abort": {"status": 503, "percent": 0}, "delay": {"duration": "1s", "percent": 0}},
+        "mirror": {"cluster": MIRROR_CLUSTER, "percent": 0},
+    }
+
+
+def flatmesh_cluster_policies() -> dict:
+    return {
+        "circuit_breaker": dict(BREAKER),
+        "outlier_detection": {
+            "consecutive_5xx": 5,
+            "consecutive_connect_failures": 5,
+            "interval": "10s",
+            "base_ejection_time": "30s",
+            "max_ejection_percent": 34,
+        },
+        "health_check": {
+            "http": {"path": "/healthz"},
+            "interval": "5s",
+            "timeout": "1s",
+            "unhealthy_threshold": 3,
+            "healthy_threshold": 2,
+        },
+        "slow_start": {"window": "1s"},
+    }
+
+
+def _envoy_percent(value: int) -> dict:
+    return {"numerator": value, "denominator": "HUNDRED"}
+
+
+def envoy_route_policies() -> dict:
+    """The route action's share of the policies (retries and the mirror)."""
+    return {
+        "retry_policy": {
+            "retry_on": "connect-failure,gateway-error",
+            "num_retries": 2,
+            "per_try_timeout": "5s",
+            "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
+        },
+        "request_mirror_policies": [
+            {"cluster": MIRROR_CLUSTER, "runtime_fraction": {"default_value": _envoy_percent(0)}}
+        ],
+    }
+
+
+def envoy_policy_filters() -> list[dict]:
+    """The HTTP filters ahead of the router: the rate limit and fault injection."""
+    return [
+        {
+            "name": "envoy.filters.http.local_ratelimit",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+                "stat_prefix": "rate_limit",
+                "token_bucket": {"max_tokens": RATE_PER_S, "tokens_per_fill": RATE_PER_S, "fill_interval": "1s"},
+                "filter_enabled": {"runtime_key": "rl_enabled", "default_value": _envoy_percent(100)},
+                "filter_enforced": {"runtime_key": "rl_enforced", "default_value": _envoy_percent(100)},
+            },
+        },
+        {
+            "name": "envoy.filters.http.fault",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault",
+                "abort": {"http_status": 503, "percentage": _envoy_percent(0)},
+                "delay": {"fixed_delay": "1s", "percentage": _envoy_percent(0)},
+            },
+        },
+    ]
+
+
+def envoy_cluster_policies() -> dict:
+    return {
+        "circuit_breakers": {
+            "thresholds": [
+                {
+                    "max_connections": BREAKER["max_connections"],
+                    "max_pending_requests": BREAKER["max_pending"],
+                    "max_requests": BREAKER["max_requests"],
+                    "max_retries": BREAKER["max_retries"],
+                    "retry_budget": {"budget_percent": {"value": 20.0}, "min_retry_concurrency": 10},
+                }
+            ]
+        },
+        "outlier_detection": {
+            "consecutive_5xx": 5,
+            "consecutive_local_origin_failure": 5,
+            "split_external_local_origin_errors": True,
+            "interval": "10s",
+            "base_ejection_time": "30s",
+            "max_ejection_percent": 34,
+        },
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": "5s",
+                "unhealthy_threshold": 3,
+                "healthy_threshold": 2,
+                "http_health_check": {"path": "/healthz"},
+            }
+        ],
+        "round_robin_lb_config": {"slow_start_config": {"slow_start_window": "1s"}},
+    }
+
+
 def flatmesh_config(topo: Topology, extra: dict | None = None) -> dict:
     listeners = []
     for lst in topo.listeners:
@@ -117,12 +244,18 @@ def flatmesh_config(topo: Topology, extra: dict | None = None) -> dict:
             entry["cluster"] = lst.cluster
         else:
             entry["routes"] = [{"match": {"path": {r.kind: r.value}}, "cluster": r.cluster} for r in lst.routes]
+            if topo.policies:
+                for route in entry["routes"]:
+                    route.update(flatmesh_route_policies())
         listeners.append(entry)
     clusters = []
     for c in topo.clusters:
         entry = {"name": c.name, "endpoints": [f"{HOST}:{c.port}"]}
         if c.protocol == "http2":
             entry["protocol"] = "http2"
+        if topo.policies:
+            entry["endpoints"] = [{"address": f"{HOST}:{c.port}", "weight": 1}]
+            entry.update(flatmesh_cluster_policies())
         clusters.append(entry)
     cfg: dict = {"admin": f"{HOST}:{FLATMESH_ADMIN}", "workers": 1}
     cfg.update(extra or {})
@@ -178,17 +311,20 @@ class Flatmesh(System):
 # ---------------------------------------------------------------- Envoy
 
 
-def _envoy_route(r) -> dict:
+def _envoy_route(r, policies: bool = False) -> dict:
     if r.kind == "exact":
         m = {"path": r.value}
     elif r.kind == "prefix":
         m = {"prefix": r.value}
     else:
         m = {"safe_regex": {"regex": r.value}}
-    return {"match": m, "route": {"cluster": r.cluster}}
+    action = {"cluster": r.cluster}
+    if policies:
+        action.update(envoy_route_policies())
+    return {"match": m, "route": action}
 
 
-def _envoy_listener(lst: Listener) -> dict:
+def _envoy_listener(lst: Listener, policies: bool = False) -> dict:
     addr = {"socket_address": {"address": HOST, "port_value": lst.port}}
     if lst.protocol == "tcp":
         flt = {
@@ -209,10 +345,10 @@ def _envoy_listener(lst: Listener) -> dict:
                 "route_config": {
                     "name": lst.name,
                     "virtual_hosts": [
-                        {"name": "all", "domains": ["*"], "routes": [_envoy_route(r) for r in lst.routes]}
+                        {"name": "all", "domains": ["*"], "routes": [_envoy_route(r, policies) for r in lst.routes]}
                     ],
                 },
-                "http_filters": [
+                "http_filters": (envoy_policy_filters() if policies else []) + [
                     {
                         "name": "envoy.filters.http.router",
                         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
@@ -237,6 +373,9 @@ def envoy_config(topo: Topology) -> dict:
                 ],
             },
         }
+        if topo.policies:
+            entry["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["load_balancing_weight"] = 1
+            entry.update(envoy_cluster_policies())
         if c.protocol == "http2":
             entry["typed_extension_protocol_options"] = {
                 "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -247,7 +386,10 @@ def envoy_config(topo: Topology) -> dict:
         clusters.append(entry)
     return {
         "admin": {"address": {"socket_address": {"address": HOST, "port_value": ENVOY_ADMIN}}},
-        "static_resources": {"listeners": [_envoy_listener(lst) for lst in topo.listeners], "clusters": clusters},
+        "static_resources": {
+            "listeners": [_envoy_listener(lst, topo.policies) for lst in topo.listeners],
+            "clusters": clusters,
+        },
     }
 
 
@@ -313,8 +455,14 @@ def haproxy_config(topo: Topology) -> str:
     return "\n".join(out) + "\n"
 
 
+NO_POLICIES = "no like-for-like config for every resilience policy (rate limit, fault injection, mirroring, retry budget)"
+
+
 class Haproxy(System):
     name = "haproxy"
+
+    def supports(self, scenario: Scenario) -> tuple[bool, str]:
+        return (False, NO_POLICIES) if scenario.topology.policies else (True, "")
 
     def available(self) -> tuple[bool, str]:
         b = shutil.which("haproxy")
@@ -401,6 +549,8 @@ class Nginx(System):
         return (b is not None, b or "nginx not installed (apt-get install nginx)")
 
     def supports(self, scenario: Scenario) -> tuple[bool, str]:
+        if scenario.topology.policies:
+            return False, NO_POLICIES
         tcp = any(lst.protocol == "tcp" for lst in scenario.topology.listeners)
         if tcp and not os.path.exists(NGINX_STREAM_MODULE):
             return False, "nginx stream module missing (apt-get install libnginx-mod-stream)"

@@ -179,6 +179,32 @@ clusters:
         tcp = systems.envoy_config(scenario("tcp_pingpong").topology)["static_resources"]["listeners"][0]
         self.assertEqual(tcp["filter_chains"][0]["filters"][0]["name"], "envoy.filters.network.tcp_proxy")
 
+    def test_policies_scenario_sets_every_policy_on_flatmesh_and_envoy(self):
+        s = scenario("http1_policies")
+        cfg = systems.flatmesh_config(s.topology)
+        route = cfg["listeners"][0]["routes"][0]
+        for key in ("retries", "rate_limit", "fault", "mirror"):
+            self.assertIn(key, route)
+        self.assertEqual(route["fault"]["abort"]["percent"], 0)
+        cluster = cfg["clusters"][0]
+        for key in ("circuit_breaker", "outlier_detection", "health_check", "slow_start"):
+            self.assertIn(key, cluster)
+        self.assertEqual(cluster["endpoints"][0]["weight"], 1)
+        plain = systems.flatmesh_config(scenario("http1_keepalive").topology)
+        self.assertNotIn("retries", plain["listeners"][0]["routes"][0])
+        env = systems.envoy_config(s.topology)["static_resources"]
+        hcm = env["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        names = [f["name"] for f in hcm["http_filters"]]
+        self.assertEqual(names, ["envoy.filters.http.local_ratelimit", "envoy.filters.http.fault", "envoy.filters.http.router"])
+        action = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+        self.assertIn("retry_policy", action)
+        self.assertIn("request_mirror_policies", action)
+        for key in ("circuit_breakers", "outlier_detection", "health_checks", "round_robin_lb_config"):
+            self.assertIn(key, env["clusters"][0])
+        self.assertFalse(systems.Haproxy().supports(s)[0])
+        self.assertFalse(systems.Nginx().supports(s)[0])
+        self.assertTrue(systems.Haproxy().supports(scenario("http1_keepalive"))[0])
+
     def test_haproxy_config(self):
         text = systems.haproxy_config(scenario("http1_1000_routes").topology)
         self.assertIn("  nbthread 1", text)
@@ -262,6 +288,20 @@ class ReportTests(unittest.TestCase):
         self.assertEqual(t["req/s ≥ HAProxy"], "FAIL")
         self.assertEqual(t["idle RSS ≤ 15 MB"], "pass")
         self.assertEqual(t["sockperf added p50 ≤ ½ Envoy's added p50"], "FAIL")  # +17 µs > +32 µs / 2
+
+    def test_policies_targets_compare_with_flatmesh_without_them_and_envoy_with_them(self):
+        recs = [
+            rec("flatmesh", "http1_keepalive", 80_000, 300, 1000, cpu=0.100),
+            rec("flatmesh", "http1_policies", 76_000, 300, 1000, cpu=0.108),
+            rec("envoy", "http1_policies", 30_000, 900, 3000, cpu=0.300),
+        ]
+        t = {x["target"]: x["status"] for x in report.targets(report.summarize(recs))}
+        self.assertEqual(t["policies: CPU per request ≤ 1.10× without them (flatmesh, HTTP/1.1 keep-alive)"], "pass")
+        self.assertEqual(t["policies: req/s ≥ 2× Envoy's with the same policies"], "pass")
+        recs[1] = rec("flatmesh", "http1_policies", 50_000, 300, 1000, cpu=0.120)
+        t = {x["target"]: x["status"] for x in report.targets(report.summarize(recs))}
+        self.assertEqual(t["policies: CPU per request ≤ 1.10× without them (flatmesh, HTTP/1.1 keep-alive)"], "FAIL")
+        self.assertEqual(t["policies: req/s ≥ 2× Envoy's with the same policies"], "FAIL")
 
     def test_added_latency_is_over_direct(self):
         rows = report.summarize([rec("direct", "tcp_pingpong", 1, 4.0, 5.0), rec("envoy", "tcp_pingpong", 1, 36.5, 50.0)])
