@@ -510,10 +510,15 @@ async fn admin_token_is_needed_for_everything_but_ready_and_open_paths() {
             "{path}"
         );
     }
+    // A probe without the token learns that the node is ready, not how it is built.
+    let ready = call(Method::GET, "/ready", None).await;
     assert_eq!(
-        call(Method::GET, "/ready", None).await.status,
-        StatusCode::OK
+        (ready.status, ready.body.as_str()),
+        (StatusCode::OK, "ready\n")
     );
+    let detailed = call(Method::GET, "/ready", Some(TOKEN)).await;
+    assert_eq!(detailed.status, StatusCode::OK);
+    assert!(detailed.body.contains("fd limit: "), "{}", detailed.body);
     assert_eq!(
         call(Method::GET, "/metrics", None).await.status,
         StatusCode::OK

@@ -352,7 +352,16 @@ fn handle(shared: &Shared, req: Request<Incoming>, conn: ConnInfo) -> Response<F
             shared.metrics.encode(),
         ),
         "/ready" => {
-            if shared.ready.load(Ordering::Acquire) {
+            // Anyone may ask whether the node is ready (a probe has no token); the detail
+            // lines say how the node is built and loaded, so they need the token when one is set.
+            let detailed = shared
+                .snapshot()
+                .admin_token
+                .as_deref()
+                .is_none_or(|t| access::bearer_matches(req.headers(), t));
+            if shared.ready.load(Ordering::Acquire) && !detailed {
+                respond(StatusCode::OK, "text/plain", "ready\n")
+            } else if shared.ready.load(Ordering::Acquire) {
                 // The detail lines: the fd limit and the budgets in use (`crate::limits`),
                 // and where TLS runs.
                 let detail = shared
