@@ -121,21 +121,9 @@ impl Snapshot {
                         })
                     })
                     .collect::<Result<_, _>>()?;
-                let alpn = match (c.tunnel, c.protocol) {
-                    // A tunnel is HTTP/2 whatever the tunnelled bytes are.
-                    (Some(_), _) | (None, UpstreamProtocol::Http2) => {
-                        flatmesh_identity::tls::ALPN_H2
-                    }
-                    (None, UpstreamProtocol::Http1) => flatmesh_identity::tls::ALPN_HTTP11,
-                };
                 let connect_timeout = c.connect_timeout.unwrap_or(config.limits.connect_timeout);
                 let tls = match &c.tls {
-                    Some(t) => Some(Arc::new(ClusterTlsPlan::load(
-                        &c.name,
-                        t,
-                        alpn,
-                        connect_timeout,
-                    )?)),
+                    Some(t) => Some(Arc::new(ClusterTlsPlan::load(c, t, connect_timeout)?)),
                     None => None,
                 };
                 Ok(ClusterPlan {

@@ -258,7 +258,7 @@ pub async fn connect_upstream(
         let _ = stream.set_nodelay(true);
         let stream = match &plan.tls {
             None => Stream::Plain(stream),
-            Some(tls) => match tls.originate(stream, &plan.stats, ctx.worker).await {
+            Some(tls) => match tls.originate_relay(stream, &plan.stats, ctx.worker).await {
                 Ok(stream) => stream,
                 Err(_) => continue,
             },

@@ -49,7 +49,11 @@ impl Presented {
 /// A cluster's TLS: whom its endpoints must be, and what the node presents to them.
 pub struct ClusterTlsPlan {
     cluster: String,
+    /// For HTTP (and HBONE tunnels): offers the ALPN the cluster's protocol speaks.
     connector: tokio_rustls::TlsConnector,
+    /// For a tcp listener's relay: the same, without ALPN, since the bytes it carries are
+    /// the client's and the node cannot promise any protocol for them.
+    relay_connector: tokio_rustls::TlsConnector,
     server_name: ServerName<'static>,
     /// The handshake's bound: the cluster's connect timeout.
     timeout: Duration,
@@ -118,14 +122,20 @@ impl ListenerTlsPlan {
 }
 
 impl ClusterTlsPlan {
-    /// Loads `tls` for cluster `name`; `alpn` is what its protocol speaks, `timeout` bounds
-    /// each handshake.
+    /// Loads the TLS settings of `cluster`; `timeout` bounds each handshake.
     pub fn load(
-        name: &str,
+        cluster: &flatmesh_config::Cluster,
         tls: &ClusterTls,
-        alpn: &[u8],
         timeout: Duration,
     ) -> Result<ClusterTlsPlan, ProxyError> {
+        let name = cluster.name.as_str();
+        let alpn = match (cluster.tunnel, cluster.protocol) {
+            // A tunnel is HTTP/2 whatever the tunnelled bytes are.
+            (Some(_), _) | (None, flatmesh_config::UpstreamProtocol::Http2) => {
+                flatmesh_identity::tls::ALPN_H2
+            }
+            (None, flatmesh_config::UpstreamProtocol::Http1) => flatmesh_identity::tls::ALPN_HTTP11,
+        };
         let at = format!("cluster `{name}` tls");
         let bundle = TrustBundle::load(&tls.ca).map_err(identity_error(&at))?;
         let svid = match (&tls.cert, &tls.key) {
@@ -153,25 +163,50 @@ impl ClusterTlsPlan {
         };
         let mut config = Arc::unwrap_or_clone(config);
         config.enable_sni = send_sni;
+        let mut relay_config = config.clone();
+        relay_config.alpn_protocols.clear();
         Ok(ClusterTlsPlan {
             cluster: name.to_owned(),
             connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
+            relay_connector: tokio_rustls::TlsConnector::from(Arc::new(relay_config)),
             server_name,
             timeout,
             presents: svid.as_ref().map(Presented::of),
         })
     }
 
-    /// The client side of the handshake over a freshly connected `stream`, counted in `stats`
-    /// and logged when it fails.
+    /// The client side of the handshake over a freshly connected `stream` for HTTP (with
+    /// the cluster's ALPN), counted in `stats` and logged when it fails.
     pub async fn originate(
         &self,
         stream: TcpStream,
         stats: &ClusterStats,
         worker: usize,
     ) -> Result<Stream, HandshakeError> {
+        self.handshake_with(&self.connector, stream, stats, worker)
+            .await
+    }
+
+    /// The same for a tcp listener's relay: no ALPN is offered.
+    pub async fn originate_relay(
+        &self,
+        stream: TcpStream,
+        stats: &ClusterStats,
+        worker: usize,
+    ) -> Result<Stream, HandshakeError> {
+        self.handshake_with(&self.relay_connector, stream, stats, worker)
+            .await
+    }
+
+    async fn handshake_with(
+        &self,
+        connector: &tokio_rustls::TlsConnector,
+        stream: TcpStream,
+        stats: &ClusterStats,
+        worker: usize,
+    ) -> Result<Stream, HandshakeError> {
         let endpoint = stream.peer_addr().ok();
-        let pending = self.connector.connect(self.server_name.clone(), stream);
+        let pending = connector.connect(self.server_name.clone(), stream);
         match handshake(pending, self.timeout).await {
             Ok(tls) => {
                 stats.tls.handshakes.add_shared(worker, 1);
@@ -200,7 +235,7 @@ pub fn check_files(config: &flatmesh_config::Config) -> Result<usize, ProxyError
     }
     for c in &config.clusters {
         if let Some(tls) = &c.tls {
-            ClusterTlsPlan::load(&c.name, tls, b"", Duration::from_secs(1))?;
+            ClusterTlsPlan::load(c, tls, Duration::from_secs(1))?;
             loaded += 1;
         }
     }

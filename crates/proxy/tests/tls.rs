@@ -307,7 +307,9 @@ async fn a_megabyte_certificate_chain_is_refused_and_costs_the_node_nothing_last
 }
 
 /// A TLS endpoint: requires a client certificate the `allow` list admits, presents `id`, and
-/// answers HTTP (both codecs, by ALPN) or echoes bytes (`http: false`).
+/// answers HTTP (both codecs, by ALPN) or echoes bytes (`http: false`). The echo speaks an
+/// ALPN of its own, so a client that offers an HTTP one fails the handshake
+/// (`no_application_protocol`): a tcp relay must offer none, the bytes are its client's.
 async fn tls_endpoint(pki: &Pki, id: &str, allow: &[&str], http: bool) -> SocketAddr {
     let config = tls::server_config(
         &pki.svid(id),
@@ -318,7 +320,7 @@ async fn tls_endpoint(pki: &Pki, id: &str, allow: &[&str], http: bool) -> Socket
         if http {
             &[tls::ALPN_H2, tls::ALPN_HTTP11]
         } else {
-            &[]
+            &[b"flatmesh-test-echo"]
         },
     )
     .unwrap();
