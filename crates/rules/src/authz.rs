@@ -155,10 +155,19 @@ impl Policy {
                 let h = strip_port(h).to_ascii_lowercase();
                 self.hosts.iter().any(|p| p.matches(&h))
             });
+        // A header sent more than once errs on the safe side: a deny policy holds when any
+        // of its values matches, an allow policy only when every one does (and there is one),
+        // so a second copy of the header can neither walk around a deny nor into an allow.
         let when_ok = self.when.iter().all(|(name, values)| {
-            req.headers
-                .values(name)
-                .any(|v| std::str::from_utf8(v).is_ok_and(|v| values.iter().any(|p| p.matches(v))))
+            let mut sent = req.headers.values(name).peekable();
+            let matches = |v: &[u8]| {
+                std::str::from_utf8(v).is_ok_and(|v| values.iter().any(|p| p.matches(v)))
+            };
+            if self.deny {
+                sent.any(matches)
+            } else {
+                sent.peek().is_some() && sent.all(matches)
+            }
         });
         method_ok && path_ok && host_ok && when_ok
     }
@@ -384,6 +393,49 @@ mod tests {
         assert_eq!(check(&p, "GET", "h", "/x", None), (true, None));
         let p = program("[]", "deny");
         assert_eq!(check(&p, "GET", "h", "/x", WEB), (false, None));
+    }
+
+    #[test]
+    fn a_header_sent_twice_walks_neither_around_a_deny_nor_into_an_allow() {
+        let decide = |p: &crate::RuleProgram, tenants: &[&str]| {
+            let mut headers = http::HeaderMap::new();
+            for t in tenants {
+                headers.append("x-tenant", t.parse().unwrap());
+            }
+            let req = Request {
+                method: &http::Method::GET,
+                host: Some("h"),
+                path: "/",
+                query: None,
+                headers: (&headers).into(),
+            };
+            p.authz(0)
+                .unwrap()
+                .check_request(&req, Peer { principal: None })
+                .allowed
+        };
+        let deny = program(
+            "[ { name: d, action: deny, when: [ { header: x-tenant, values: [ evil ] } ] } ]",
+            "allow",
+        );
+        assert!(!decide(&deny, &["evil"]));
+        assert!(
+            !decide(&deny, &["good", "evil"]),
+            "a deny holds on any value"
+        );
+        assert!(decide(&deny, &["good"]));
+        assert!(decide(&deny, &[]));
+        let allow = program(
+            "[ { name: a, action: allow, when: [ { header: x-tenant, values: [ acme ] } ] } ]",
+            "deny",
+        );
+        assert!(decide(&allow, &["acme"]));
+        assert!(decide(&allow, &["acme", "acme"]));
+        assert!(
+            !decide(&allow, &["other", "acme"]),
+            "an allow needs every value"
+        );
+        assert!(!decide(&allow, &[]), "an allow needs the header");
     }
 
     #[test]
