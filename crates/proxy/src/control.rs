@@ -218,6 +218,8 @@ impl Shared {
         }
         warn_if_everything_goes(&state.snapshot, &snapshot);
         self.metrics.retain(&snapshot.series);
+        self.metrics
+            .set_certificates(snapshot.presented_certificates());
         state.snapshot = snapshot;
         if let Some(k) = &self.kernel {
             k.install(&kernel_plan(&state));

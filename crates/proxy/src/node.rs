@@ -44,6 +44,7 @@ impl Node {
         );
         let metrics = Metrics::new(workers);
         let snapshot = Arc::new(Snapshot::build(config, 1, &metrics)?);
+        metrics.set_certificates(snapshot.presented_certificates());
         let access_log = match &snapshot.config.access_log {
             Some(a) => AccessLog::open(a).map_err(|e| {
                 ProxyError::Config(format!(

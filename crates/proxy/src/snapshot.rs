@@ -211,26 +211,6 @@ impl Snapshot {
                 tls,
             });
         }
-        let unix = |t: std::time::SystemTime| {
-            t.duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
-        };
-        let presented = listeners
-            .iter()
-            .filter_map(|l| Some(("listener", &l.name, &l.tls.as_ref()?.presents)))
-            .chain(
-                clusters
-                    .iter()
-                    .filter_map(|c| Some(("cluster", &c.name, c.tls.as_ref()?.presents.as_ref()?))),
-            )
-            .map(|(kind, name, p)| {
-                (
-                    [kind.to_owned(), name.clone(), p.id.clone()],
-                    unix(p.not_after),
-                )
-            })
-            .collect();
-        metrics.set_certificates(presented);
         Ok(Snapshot {
             generation,
             config: Arc::new(config),
@@ -240,6 +220,33 @@ impl Snapshot {
             series,
             admin_token,
         })
+    }
+
+    /// The certificates this snapshot presents, for the expiry gauge: (`listener` or
+    /// `cluster`, its name, the SPIFFE ID), and when the certificate expires (Unix seconds).
+    /// Set by whoever puts the snapshot in force, never by a build that may yet be refused.
+    pub fn presented_certificates(&self) -> Vec<([String; 3], i64)> {
+        let unix = |t: std::time::SystemTime| {
+            t.duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+        };
+        let listeners = self
+            .listeners
+            .iter()
+            .filter_map(|l| Some(("listener", &l.name, &l.tls.as_ref()?.presents)));
+        let clusters = self
+            .clusters
+            .iter()
+            .filter_map(|c| Some(("cluster", &c.name, c.tls.as_ref()?.presents.as_ref()?)));
+        listeners
+            .chain(clusters)
+            .map(|(kind, name, p)| {
+                (
+                    [kind.to_owned(), name.clone(), p.id.clone()],
+                    unix(p.not_after),
+                )
+            })
+            .collect()
     }
 
     /// The listener configured at `address` (the address as written in the config).
