@@ -3,10 +3,11 @@
 //! close act on it as usual, and its byte stream carries only wake-up bytes once the data path
 //! has moved (plus, for the connector, the bytes it sent before the acceptor attached).
 
+use arc_swap::ArcSwapOption;
 use crate::lock::SpinGuard;
 use crate::region::{Pipe, Region, ATTACHED};
 use std::ffi::CString;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -227,49 +228,36 @@ impl Drop for Conn {
 /// Highest fd number the library accelerates; sockets above it use plain TCP.
 pub const MAX_FD: usize = 1 << 16;
 
-static TABLE: [AtomicPtr<Conn>; MAX_FD] = [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_FD];
+/// fd -> connection. Each slot is an `ArcSwapOption`: a lookup takes its own reference safely
+/// even while another thread replaces or removes the slot (the application closing an fd that
+/// another of its threads is using), with no lock on the read path.
+static TABLE: [ArcSwapOption<Conn>; MAX_FD] = [const { ArcSwapOption::const_empty() }; MAX_FD];
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 
-fn slot(fd: libc::c_int) -> Option<&'static AtomicPtr<Conn>> {
+fn slot(fd: libc::c_int) -> Option<&'static ArcSwapOption<Conn>> {
     usize::try_from(fd).ok().and_then(|index| TABLE.get(index))
 }
 
 /// The connection behind `fd`, if it is a shared-memory one.
-///
-/// Closing an fd while another thread is inside a call on it is undefined for applications
-/// anyway; the table does not try to make that race safe.
 pub fn lookup(fd: libc::c_int) -> Option<Arc<Conn>> {
-    let pointer = slot(fd)?.load(Ordering::Acquire);
-    if pointer.is_null() {
-        return None;
-    }
-    // SAFETY: a non-null slot holds a pointer from `Arc::into_raw` (`insert`) together with
-    // the strong reference it stands for, so the Conn is alive while the slot holds it; the
-    // count is raised first, then the new Arc takes that one reference. Known gap: another
-    // thread's `remove` of the same fd between the load and the increment (the application
-    // closing an fd another thread is using) could drop the last reference first; see
-    // docs/shm.md, "Limits".
-    unsafe {
-        Arc::increment_strong_count(pointer);
-        Some(Arc::from_raw(pointer))
-    }
+    slot(fd)?.load_full()
 }
 
 /// Attaches `conn` to `fd` (dropping whatever was there).
 pub fn insert(fd: libc::c_int, conn: Arc<Conn>) {
     let Some(slot) = slot(fd) else { return };
     conn.fds.fetch_add(1, Ordering::AcqRel);
-    let previous = slot.swap(Arc::into_raw(conn).cast_mut(), Ordering::AcqRel);
-    if previous.is_null() {
-        LIVE.fetch_add(1, Ordering::Relaxed);
-    } else {
-        // SAFETY: `previous` was stored by an earlier `insert` from `Arc::into_raw`, and the swap
-        // took it out of the table: the table's reference is ours now, turned back once.
-        let previous = unsafe { Arc::from_raw(previous) };
+    match slot.swap(Some(conn)) {
+        None => {
+            LIVE.fetch_add(1, Ordering::Relaxed);
+        }
         // The fd was closed behind the library's back (a path it does not intercept) and the
         // number reused: let go of the old connection.
-        if previous.fds.fetch_sub(1, Ordering::AcqRel) == 1 && previous.release_process_hold() {
-            previous.release_records();
+        Some(previous) => {
+            if previous.fds.fetch_sub(1, Ordering::AcqRel) == 1 && previous.release_process_hold()
+            {
+                previous.release_records();
+            }
         }
     }
 }
@@ -277,14 +265,8 @@ pub fn insert(fd: libc::c_int, conn: Arc<Conn>) {
 /// Detaches the connection behind `fd`. Returns it, and whether this was the last process
 /// holding this side of it (the caller then drains wake-ups before the kernel socket closes).
 pub fn remove(fd: libc::c_int) -> Option<(Arc<Conn>, bool)> {
-    let pointer = slot(fd)?.swap(std::ptr::null_mut(), Ordering::AcqRel);
-    if pointer.is_null() {
-        return None;
-    }
+    let conn = slot(fd)?.swap(None)?;
     LIVE.fetch_sub(1, Ordering::Relaxed);
-    // SAFETY: as in `insert`: a pointer from `Arc::into_raw` that the swap took out of the
-    // table, so the table's reference is ours, turned back into an Arc once.
-    let conn = unsafe { Arc::from_raw(pointer) };
     let last = conn.fds.fetch_sub(1, Ordering::AcqRel) == 1 && conn.release_process_hold();
     Some((conn, last))
 }
