@@ -211,14 +211,7 @@ fn sockperf_ping_pong() {
         "10000000",
     ]);
     let mut client_run = Running::spawn(client);
-    // The server maps its region once the client's connection is accepted; on a loaded
-    // machine the client may take a while to start, so look until it shows (the run lasts 2 s).
-    let looking = std::time::Instant::now();
-    let mut mapped = 0;
-    while mapped == 0 && looking.elapsed() < Duration::from_secs(2) {
-        std::thread::sleep(Duration::from_millis(50));
-        mapped = shm_mappings(server.pid());
-    }
+    let mapped = mappings_within(server.pid(), 1, Duration::from_secs(2));
     assert!(
         client_run.wait(Duration::from_secs(30)).success(),
         "sockperf client failed"
@@ -243,14 +236,7 @@ fn iperf3_throughput() {
     let mut client = command("iperf3", true);
     client.args(["-c", "127.0.0.1", "-p", &port, "-t", "2", "-J"]);
     let mut client_run = Running::spawn(client);
-    // The server maps its region once the client's connection is accepted; on a loaded
-    // machine the client may take a while to start, so look until it shows (the run lasts 2 s).
-    let looking = std::time::Instant::now();
-    let mut mapped = 0;
-    while mapped == 0 && looking.elapsed() < Duration::from_secs(2) {
-        std::thread::sleep(Duration::from_millis(50));
-        mapped = shm_mappings(server.pid());
-    }
+    let mapped = mappings_within(server.pid(), 2, Duration::from_secs(2));
     assert!(
         client_run.wait(Duration::from_secs(30)).success(),
         "iperf3 client failed"

@@ -245,6 +245,20 @@ pub fn shm_mappings(pid: u32) -> usize {
 }
 
 /// Shared-memory mappings of a process and all its descendants.
+/// The shared-memory regions `pid` maps, looked at until there are `at_least` or `within` has
+/// passed: a server maps a region once it has accepted the connection, and on a loaded machine
+/// the client may take a while to start.
+pub fn mappings_within(pid: u32, at_least: usize, within: Duration) -> usize {
+    let looking = Instant::now();
+    loop {
+        let mapped = shm_mappings(pid);
+        if mapped >= at_least || looking.elapsed() >= within {
+            return mapped;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 pub fn shm_mappings_tree(pid: u32) -> usize {
     let mut total = shm_mappings(pid);
     let children =
