@@ -1885,3 +1885,65 @@ clusters:
     });
     assert!(e.contains("before envoy.filters.http.router"), "{e}");
 }
+
+#[test]
+fn faults_and_mirrors_import_from_envoy() {
+    let text = example()
+        .replace(
+            "          http_filters:\n",
+            "          http_filters:\n          - name: envoy.filters.http.fault\n            typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault\n              delay: { fixed_delay: 0.25s, percentage: { numerator: 5 } }\n",
+        )
+        .replace(
+            "                route: { cluster: api-v1, timeout: 2s,",
+            "                typed_per_filter_config:\n                  envoy.filters.http.fault:\n                    \"@type\": type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault\n                    abort: { grpc_status: 14, percentage: { numerator: 2500, denominator: TEN_THOUSAND } }\n                route: { cluster: api-v1, request_mirror_policies: [ { cluster: api-v2, runtime_fraction: { default_value: { numerator: 50 }, runtime_key: mirror.v2 } } ], timeout: 2s,",
+        );
+    let config = bootstrap::parse(&text, "envoy.yaml").unwrap();
+    let web = config.listeners.iter().find(|l| l.name == "web").unwrap();
+    let fallback = &web.routes[1];
+    let abort = fallback.fault.as_ref().unwrap().abort.as_ref().unwrap();
+    assert_eq!(
+        (abort.status, abort.grpc_status, abort.percent),
+        (None, Some(14), 25.0)
+    );
+    assert!(
+        fallback.fault.as_ref().unwrap().delay.is_none(),
+        "the route's own config wins"
+    );
+    let mirror = fallback.mirror.as_ref().unwrap();
+    assert_eq!((mirror.cluster.as_str(), mirror.percent), ("api-v2", 50.0));
+    // Every other forwarding route gets the filter's delay; the direct responses none.
+    let delay = model::FaultDelay {
+        duration: std::time::Duration::from_millis(250),
+        percent: 5.0,
+    };
+    for r in web
+        .routes
+        .iter()
+        .filter(|r| r.cluster.is_some() || r.split.is_some())
+    {
+        if r.mirror.is_none() {
+            assert_eq!(r.fault.as_ref().unwrap().delay.as_ref(), Some(&delay));
+        }
+    }
+    assert!(web
+        .routes
+        .iter()
+        .filter(|r| r.direct_response.is_some())
+        .all(|r| r.fault.is_none()));
+
+    let e = import_error(&text.replace("abort: { grpc_status: 14,", "abort: { header_abort: {},"));
+    assert!(
+        e.contains("header_abort") && e.contains("not supported"),
+        "{e}"
+    );
+    let e = import_error(&text.replace(
+        "fixed_delay: 0.25s,",
+        "fixed_delay: 0.25s, max_active_faults: 3,",
+    ));
+    assert!(e.contains("max_active_faults"), "{e}");
+    let e = import_error(&text.replace(
+        "{ numerator: 50 }",
+        "{ numerator: 50, denominator: THOUSAND }",
+    ));
+    assert!(e.contains("THOUSAND"), "{e}");
+}
