@@ -431,7 +431,7 @@ impl RuleProgram {
             "request_headers_to_remove": r.request_headers_to_remove.iter().map(|h| h.as_str()).collect::<Vec<_>>(),
             "response_headers_to_add": pairs(&r.response_headers_to_add),
             "retries": r.retries,
-            "fault": r.fault.as_ref().map(|f| fault_json(f)),
+            "fault": r.fault.as_ref().map(fault_json),
             "mirror": r.mirror.as_ref().map(|m| json!({
                 "cluster": self.cluster_name(m.cluster),
                 "percent": m.share.percent,
