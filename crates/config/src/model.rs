@@ -526,6 +526,13 @@ pub struct Route {
     pub response_headers_to_add: BTreeMap<String, String>,
     #[serde(default)]
     pub retries: Option<RetryPolicy>,
+    /// Faults injected into a share of the route's requests (Envoy's HTTP fault filter).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault: Option<Fault>,
+    /// A copy of a share of the route's requests, sent fire-and-forget to another cluster
+    /// (Envoy's `request_mirror_policies`, one per route).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mirror: Option<Mirror>,
     /// Protocol upgrades the route lets through (`Upgrade` header values such as `websocket`,
     /// compared case-insensitively; Envoy's `upgrade_configs`). A request asking for any other
     /// upgrade gets 403. After a `101` the connection is a byte tunnel, out of the rules' reach.
@@ -624,6 +631,60 @@ pub struct DirectResponse {
     #[serde(default)]
     pub body: String,
 }
+
+/// `fault:` on a route: an abort, a delay, or both (the delay first, then the abort, as in
+/// Envoy: a request both hit is answered with the abort after the delay).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fault {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abort: Option<FaultAbort>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delay: Option<FaultDelay>,
+}
+
+/// Answer a share of the requests at once, without forwarding them. Exactly one of `status`
+/// (an HTTP status; a gRPC client gets it mapped to a gRPC status) and `grpc_status`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultAbort {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpc_status: Option<u16>,
+    /// The share of requests aborted, 0 to 100 (default 100).
+    #[serde(default = "default_percent")]
+    pub percent: f64,
+}
+
+/// Hold a share of the requests for `duration` before forwarding them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultDelay {
+    #[serde(with = "crate::duration")]
+    pub duration: Duration,
+    /// The share of requests delayed, 0 to 100 (default 100).
+    #[serde(default = "default_percent")]
+    pub percent: f64,
+}
+
+/// `mirror:` on a route: a copy of a share of the requests goes to `cluster`, its answer
+/// dropped.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Mirror {
+    pub cluster: String,
+    /// The share of requests mirrored, 0 to 100 (default 100).
+    #[serde(default = "default_percent")]
+    pub percent: f64,
+}
+
+fn default_percent() -> f64 {
+    100.0
+}
+
+/// The largest gRPC status code (`UNAUTHENTICATED`).
+pub const MAX_GRPC_STATUS: u16 = 16;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -1206,6 +1206,86 @@ fn upgrades_are_protocol_names_on_forwarding_routes() {
     );
 }
 
+#[test]
+fn fault_and_mirror_on_a_route() {
+    let ok = parse(
+        &http("      - cluster: api\n        fault: { abort: { status: 503, percent: 12.5 }, delay: { duration: 2s } }\n        mirror: { cluster: api, percent: 50 }\n"),
+        "t",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let route = &ok.listeners[0].routes[0];
+    let fault = route.fault.as_ref().unwrap();
+    let abort = fault.abort.as_ref().unwrap();
+    assert_eq!(
+        (abort.status, abort.grpc_status, abort.percent),
+        (Some(503), None, 12.5)
+    );
+    let delay = fault.delay.as_ref().unwrap();
+    assert_eq!(
+        (delay.duration, delay.percent),
+        (std::time::Duration::from_secs(2), 100.0)
+    );
+    let mirror = route.mirror.as_ref().unwrap();
+    assert_eq!((mirror.cluster.as_str(), mirror.percent), ("api", 50.0));
+
+    only(
+        &http("      - cluster: api\n        fault: { abort: { status: 503, grpc_status: 14 } }\n"),
+        7,
+        40,
+        "sets both `status` and `grpc_status`",
+    );
+    only(
+        &http("      - cluster: api\n        fault: { abort: { percent: 5 } }\n"),
+        7,
+        18,
+        "has no `status` or `grpc_status`",
+    );
+    only(
+        &http("      - cluster: api\n        fault: { abort: { grpc_status: 17 } }\n"),
+        7,
+        40,
+        "grpc_status 17 is not a gRPC error status",
+    );
+    only(
+        &http("      - cluster: api\n        fault: { abort: { status: 503, percent: 150 } }\n"),
+        7,
+        49,
+        "percent is 150",
+    );
+    only(
+        &http("      - cluster: api\n        fault: { delay: { duration: 0s } }\n"),
+        7,
+        37,
+        "duration is zero",
+    );
+    only(
+        &http("      - cluster: api\n        fault: {}\n"),
+        7,
+        9,
+        "neither `abort` nor `delay`",
+    );
+    let d = only(
+        &http("      - cluster: api\n        mirror: { cluster: apu }\n"),
+        7,
+        28,
+        "unknown cluster `apu`",
+    );
+    assert!(d.hint.contains("did you mean `api`"), "{}", d.hint);
+    only(
+        &http("      - direct_response: { status: 200 }\n        mirror: { cluster: api }\n"),
+        7,
+        9,
+        "sets `mirror`",
+    );
+    let e = parse(
+        &http("      - cluster: api\n        mirror: { cluster: api, percnt: 5 }\n"),
+        "t",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("percnt"), "{e}");
+}
+
 /// One tcp listener to cluster `c`, whose settings start on line 8.
 fn guarded(settings: &str) -> String {
     format!(

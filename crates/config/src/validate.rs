@@ -799,6 +799,7 @@ impl Checker<'_> {
             self.positive_duration(&format!("{at}.timeout"), timeout);
         }
         self.upgrades(at, route);
+        self.fault_and_mirror(at, route);
         self.route_match(&format!("{at}.match"), &route.matches);
         self.headers_to_add(
             &format!("{at}.request_headers_to_add"),
@@ -866,6 +867,96 @@ impl Checker<'_> {
                     "write a protocol as an `Upgrade` header names it, e.g. `websocket` (RFC 9110 §7.8: a token, optionally `/version`)".into(),
                 );
             }
+        }
+    }
+
+    /// `fault` and `mirror`: shares of 0 to 100, an abort that says one status, a delay that
+    /// is not zero, a mirror cluster that exists; only on routes that forward.
+    fn fault_and_mirror(&mut self, at: &str, route: &Route) {
+        if route.direct_response.is_some() {
+            for (set, key) in [
+                (route.fault.is_some(), "fault"),
+                (route.mirror.is_some(), "mirror"),
+            ] {
+                if set {
+                    self.report(
+                        format!("{at}.{key}"),
+                        Target::Key,
+                        format!("route answers with `direct_response` but sets `{key}`"),
+                        format!("`{key}` acts on requests the route forwards: remove it, or forward with `cluster`"),
+                    );
+                }
+            }
+        }
+        if let Some(fault) = &route.fault {
+            let at = format!("{at}.fault");
+            if fault.abort.is_none() && fault.delay.is_none() {
+                self.report(
+                    &at,
+                    Target::Key,
+                    "fault has neither `abort` nor `delay`, so it does nothing".into(),
+                    "add `abort: { status: 503, percent: 10 }` or `delay: { duration: 1s, percent: 10 }`, or remove `fault`".into(),
+                );
+            }
+            if let Some(abort) = &fault.abort {
+                self.fault_abort(&format!("{at}.abort"), abort);
+            }
+            if let Some(delay) = &fault.delay {
+                self.positive_duration(&format!("{at}.delay.duration"), delay.duration);
+                self.percent(&format!("{at}.delay.percent"), delay.percent);
+            }
+        }
+        if let Some(mirror) = &route.mirror {
+            self.cluster_ref(&format!("{at}.mirror.cluster"), &mirror.cluster);
+            self.percent(&format!("{at}.mirror.percent"), mirror.percent);
+        }
+    }
+
+    fn fault_abort(&mut self, at: &str, abort: &crate::FaultAbort) {
+        match (abort.status, abort.grpc_status) {
+            (Some(_), Some(_)) => self.report(
+                format!("{at}.grpc_status"),
+                Target::Key,
+                "fault.abort sets both `status` and `grpc_status`".into(),
+                "keep one: `status` (gRPC clients get it mapped to a gRPC status) or `grpc_status`"
+                    .into(),
+            ),
+            (None, None) => self.report(
+                at,
+                Target::Key,
+                "fault.abort has no `status` or `grpc_status`".into(),
+                "add `status: 503` (an HTTP status) or `grpc_status: 14` (a gRPC status code)"
+                    .into(),
+            ),
+            (Some(status), None) if !(200..=599).contains(&status) => self.report(
+                format!("{at}.status"),
+                Target::Value,
+                format!("fault.abort.status {status} is not a final HTTP status"),
+                "use a status between 200 and 599, e.g. 503".into(),
+            ),
+            (None, Some(code)) if code == 0 || code > crate::MAX_GRPC_STATUS => self.report(
+                format!("{at}.grpc_status"),
+                Target::Value,
+                format!("fault.abort.grpc_status {code} is not a gRPC error status"),
+                format!(
+                    "use a code from 1 (CANCELLED) to {} (UNAUTHENTICATED), e.g. 14 (UNAVAILABLE)",
+                    crate::MAX_GRPC_STATUS
+                ),
+            ),
+            _ => {}
+        }
+        self.percent(&format!("{at}.percent"), abort.percent);
+    }
+
+    /// A share of requests: a number from 0 to 100.
+    fn percent(&mut self, path: &str, value: f64) {
+        if !(0.0..=100.0).contains(&value) {
+            self.report(
+                path,
+                Target::Value,
+                format!("{path} is {value}: a share of requests is a percentage"),
+                "write a number from 0 to 100, e.g. 10 or 0.5".into(),
+            );
         }
     }
 

@@ -359,6 +359,10 @@ pub struct Metrics {
     pub resilience: crate::resilience::Registry,
     /// The node drains (`crate::drain`).
     pub draining: std::sync::atomic::AtomicBool,
+    /// Faults injected by routes (`crate::l7::fault`).
+    pub faults: Arc<crate::l7::fault::FaultCounts>,
+    /// Mirror copies: the node's cap on those in flight, and their counts (`crate::l7::mirror`).
+    pub mirrors: Arc<crate::l7::mirror::MirrorGate>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -388,6 +392,8 @@ impl Metrics {
                 busy: WorkerCounter::new(1),
             },
             resilience: crate::resilience::Registry::default(),
+            faults: Arc::new(crate::l7::fault::FaultCounts::new(workers)),
+            mirrors: Arc::new(crate::l7::mirror::MirrorGate::new(workers)),
         })
     }
 
@@ -684,6 +690,8 @@ impl Collector for Scrape {
             &retries,
         )?;
         m.resilience.encode(&mut enc)?;
+        m.faults.encode(&mut enc)?;
+        m.mirrors.encode(&mut enc)?;
         tls_families(
             &mut enc,
             "flatmesh_upstream_tls_",

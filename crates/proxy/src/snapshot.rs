@@ -26,6 +26,10 @@ pub struct Snapshot {
     pub series: Series,
     /// The admin token in force (`admin.token`, or read from `admin.token_file`).
     pub admin_token: Option<String>,
+    /// The node's counts of injected faults, and its mirror copies (cap and counts): the
+    /// node's own, shared by every snapshot.
+    pub faults: Arc<crate::l7::fault::FaultCounts>,
+    pub mirrors: Arc<crate::l7::mirror::MirrorGate>,
 }
 
 pub struct ListenerPlan {
@@ -219,6 +223,8 @@ impl Snapshot {
             clusters,
             series,
             admin_token,
+            faults: metrics.faults.clone(),
+            mirrors: metrics.mirrors.clone(),
         })
     }
 

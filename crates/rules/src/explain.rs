@@ -291,6 +291,17 @@ impl RuleProgram {
         if let Some(retry) = &r.retries {
             let _ = write!(text, "; retries {}", retry.attempts);
         }
+        if let Some(fault) = &r.fault {
+            let _ = write!(text, "; fault {}", fault.describe());
+        }
+        if let Some(m) = &r.mirror {
+            let _ = write!(
+                text,
+                "; mirror {} ({}%)",
+                self.cluster_name(m.cluster),
+                m.share.percent
+            );
+        }
         text
     }
 
@@ -420,6 +431,11 @@ impl RuleProgram {
             "request_headers_to_remove": r.request_headers_to_remove.iter().map(|h| h.as_str()).collect::<Vec<_>>(),
             "response_headers_to_add": pairs(&r.response_headers_to_add),
             "retries": r.retries,
+            "fault": r.fault.as_ref().map(fault_json),
+            "mirror": r.mirror.as_ref().map(|m| json!({
+                "cluster": self.cluster_name(m.cluster),
+                "percent": m.share.percent,
+            })),
             "eligible": r.placement.eligible,
             "tier": tier,
             "reason": reason,
@@ -460,6 +476,18 @@ impl RuleProgram {
             "queue": r.and_then(|r| r.queue(route)),
         })
     }
+}
+
+/// `fault:` as `/rules` shows it: the config's own shape.
+fn fault_json(f: &crate::FaultAction) -> Value {
+    let abort = f.abort.map(|(status, share)| match status {
+        crate::AbortStatus::Http(s) => json!({ "status": s.as_u16(), "percent": share.percent }),
+        crate::AbortStatus::Grpc(code) => json!({ "grpc_status": code, "percent": share.percent }),
+    });
+    let delay = f
+        .delay
+        .map(|(d, share)| json!({ "duration": duration::format(&d), "percent": share.percent }));
+    json!({ "abort": abort, "delay": delay })
 }
 
 fn match_json(m: &RuleMatch) -> Value {

@@ -17,6 +17,7 @@
 pub mod authz;
 mod error;
 mod explain;
+pub mod fault;
 pub mod image;
 mod index;
 pub mod lower;
@@ -32,6 +33,7 @@ pub mod tier;
 
 pub use authz::{AuthzDecision, ListenerAuthz, Peer};
 pub use error::RulesError;
+pub use fault::{AbortStatus, FaultAction, MirrorAction, Share};
 pub use index::IndexStats;
 pub use lower::{Lowering, Verdict};
 pub use matcher::RuleMatch;

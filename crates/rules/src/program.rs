@@ -12,6 +12,7 @@ use flatmesh_config::{
 use http::{HeaderName, HeaderValue, Method, StatusCode};
 
 use crate::authz::ListenerAuthz;
+use crate::fault::{FaultAction, MirrorAction};
 use crate::index::{IndexStats, PathIndex};
 use crate::lower::kernel::{KernelLowering, KernelTarget};
 use crate::lower::nic::NicLowering;
@@ -130,6 +131,10 @@ pub struct CompiledRoute {
     pub request_headers_to_remove: Vec<HeaderName>,
     pub response_headers_to_add: Vec<(HeaderName, HeaderValue)>,
     pub retries: Option<RetryPolicy>,
+    /// Faults injected into a share of the route's requests (user tier only).
+    pub fault: Option<FaultAction>,
+    /// A copy of a share of the route's requests to another cluster (user tier only).
+    pub mirror: Option<MirrorAction>,
     /// Protocol upgrades the route lets through, lower case (`websocket`).
     pub upgrades: Vec<String>,
     /// Where the rule runs as the config asks (same as `placement.tier`).
@@ -398,6 +403,23 @@ fn compile_route(
             .collect::<Result<_, _>>()?,
         response_headers_to_add: header_pairs(&r.response_headers_to_add)?,
         retries: r.retries.clone(),
+        fault: r
+            .fault
+            .as_ref()
+            .map(|f| FaultAction::compile(f, &name))
+            .transpose()?,
+        mirror: match &r.mirror {
+            None => None,
+            Some(m) => Some(MirrorAction::compile(
+                m,
+                *clusters
+                    .get(&m.cluster)
+                    .ok_or_else(|| RulesError::UnknownCluster {
+                        route: name.clone(),
+                        cluster: m.cluster.clone(),
+                    })?,
+            )),
+        },
         upgrades: r.upgrades.iter().map(|u| u.to_ascii_lowercase()).collect(),
         tier: UNPLACED.tier,
         matches,

@@ -46,6 +46,10 @@ pub enum Reason {
     HeaderRewrite,
     Retries,
     Timeout,
+    /// The route injects faults (`fault:`): drawn and answered or delayed per request.
+    Fault,
+    /// The route mirrors requests (`mirror:`): a copy goes to another cluster.
+    Mirror,
     /// The route's cluster hashes on a request header.
     HashOn,
     /// The cluster originates TLS: the proxy encrypts what goes to it.
@@ -154,6 +158,10 @@ impl std::fmt::Display for Reason {
             Reason::HeaderRewrite => f.write_str("header rewrite needs the user tier"),
             Reason::Retries => f.write_str("retries need the user tier"),
             Reason::Timeout => f.write_str("per-request timeout needs the user tier"),
+            Reason::Fault => f.write_str("fault injection runs in the user tier"),
+            Reason::Mirror => f.write_str(
+                "mirroring runs in the user tier (it copies the request to another cluster)",
+            ),
             Reason::HashOn => f.write_str(
                 "its cluster hashes on a request header, which the kernel does not read",
             ),

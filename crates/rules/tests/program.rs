@@ -764,3 +764,81 @@ clusters:
     assert_eq!(json["clusters"][0]["health_check"]["interval"], "2s");
     assert_eq!(json["clusters"][1]["health_check"], serde_json::Value::Null);
 }
+
+#[test]
+fn fault_and_mirror_routes_run_in_the_user_tier_and_say_why() {
+    let list = "      - match: { path: { prefix: /f } }\n        cluster: a\n        fault: { abort: { status: 503, percent: 10 }, delay: { duration: 2s, percent: 50 } }\n\
+         \x20     - match: { path: { prefix: /g } }\n        cluster: a\n        fault: { abort: { grpc_status: 14 } }\n\
+         \x20     - match: { path: { prefix: /m } }\n        cluster: a\n        mirror: { cluster: b, percent: 25 }\n\
+         \x20     - match: { path: { prefix: /ok } }\n        cluster: a\n";
+    let mut config = routes(list);
+    config.kernel = Some(serde_norway::from_str("{ l7_dispatch: true }").unwrap());
+    let p = compile(&config).unwrap();
+    let table = match &p.listeners()[0].kind {
+        flatmesh_rules::TableKind::Http(t) => &t.routes,
+        other => panic!("unexpected {other:?}"),
+    };
+    let placed: Vec<_> = table
+        .iter()
+        .map(|r| (r.tier, r.placement.reason, r.placement.eligible.label()))
+        .collect();
+    // The NIC image only picks the core: the host runs the route's actions, faults included.
+    assert_eq!(
+        placed,
+        [
+            (Tier::UserL7, Reason::Fault, "N|U7".to_string()),
+            (Tier::UserL7, Reason::Fault, "N|U7".to_string()),
+            (Tier::UserL7, Reason::Mirror, "N|U7".to_string()),
+            (Tier::Kernel, Reason::KernelDecides, "N|K|U7".to_string()),
+        ]
+    );
+    // The kernel's table punts the fault and mirror routes to the user tier.
+    let k = p.kernel();
+    for path in ["/f", "/g", "/m"] {
+        assert_eq!(
+            k.first_match("GET", path)
+                .map(|e| e.cluster_for(Protocols::HTTP1)),
+            Some(None),
+            "{path}"
+        );
+    }
+    let f = table[0].fault.unwrap();
+    assert_eq!(
+        f.abort,
+        Some((
+            flatmesh_rules::AbortStatus::Http(http::StatusCode::SERVICE_UNAVAILABLE),
+            flatmesh_rules::Share::of_percent(10.0)
+        ))
+    );
+    assert_eq!(table[2].mirror.map(|m| m.cluster), p.cluster_id("b"));
+
+    let text = p.explain();
+    assert!(
+        text.contains("fault abort 503 (10%), delay 2s (50%)"),
+        "{text}"
+    );
+    assert!(text.contains("fault abort grpc-status 14 (100%)"), "{text}");
+    assert!(text.contains("mirror b (25%)"), "{text}");
+    assert!(
+        text.contains("fault injection runs in the user tier"),
+        "{text}"
+    );
+    assert!(text.contains("mirroring runs in the user tier"), "{text}");
+    let json = p.to_json();
+    let r0 = &json["listeners"][0]["routes"][0];
+    assert_eq!(r0["fault"]["abort"]["status"], 503);
+    assert_eq!(r0["fault"]["delay"]["duration"], "2s");
+    assert_eq!(json["listeners"][0]["routes"][2]["mirror"]["cluster"], "b");
+    assert_eq!(
+        json["listeners"][0]["routes"][2]["reason"],
+        "mirroring runs in the user tier (it copies the request to another cluster)"
+    );
+
+    // A mirror to a cluster that does not exist is refused (a config built in code).
+    let mut bad = routes("      - cluster: a\n        mirror: { cluster: nope }\n");
+    bad.kernel = None;
+    assert!(matches!(
+        compile(&bad),
+        Err(RulesError::UnknownCluster { cluster, .. }) if cluster == "nope"
+    ));
+}

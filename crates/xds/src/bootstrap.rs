@@ -13,6 +13,7 @@ use std::path::Path;
 use envoy_types::pb::envoy::config::cluster::v3::{
     circuit_breakers, cluster, CircuitBreakers, Cluster, OutlierDetection,
 };
+use envoy_types::pb::envoy::config::core::v3::RuntimeFractionalPercent;
 use envoy_types::pb::envoy::config::core::v3::{
     address, data_source, socket_address, transport_socket, Address, DataSource, HeaderValue,
     HeaderValueOption, Http1ProtocolOptions, Http2ProtocolOptions, SocketAddress, TransportSocket,
@@ -28,6 +29,10 @@ use envoy_types::pb::envoy::config::route::v3::{
     header_matcher, query_parameter_matcher, route, route_action, route_match, weighted_cluster,
     DirectResponseAction, HeaderMatcher, QueryParameterMatcher, RetryPolicy, Route, RouteAction,
     RouteConfiguration, RouteMatch, VirtualHost, WeightedCluster,
+};
+use envoy_types::pb::envoy::extensions::filters::common::fault::v3::{fault_delay, FaultDelay};
+use envoy_types::pb::envoy::extensions::filters::http::fault::v3::{
+    fault_abort, FaultAbort, HttpFault,
 };
 use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::Rbac as HttpRbac;
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
@@ -48,6 +53,7 @@ use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
 use envoy_types::pb::envoy::r#type::matcher::v3::{
     path_matcher, string_matcher, PathMatcher, RegexMatcher, StringMatcher,
 };
+use envoy_types::pb::envoy::r#type::v3::{fractional_percent::DenominatorType, FractionalPercent};
 use envoy_types::pb::google::protobuf::{Any, BoolValue, Duration, UInt32Value};
 use flatmesh_config::{Admin, AdminAddress, Config};
 use prost::Name;
@@ -461,6 +467,8 @@ fn typed_config(v: Value, path: &str) -> Result<Any> {
         pack(&Router::default())
     } else if type_name == HttpProtocolOptions::type_url() {
         pack(&http_protocol_options_of(&mut o)?)
+    } else if type_name == HttpFault::type_url() {
+        pack(&http_fault_of(&mut o)?)
     } else if type_name == HttpRbac::type_url() {
         let rules = o.obj("rules")?.map(rbac_rules_of).transpose()?;
         match rules {
@@ -793,8 +801,92 @@ fn route_of(v: Value, path: &str) -> Result<Route> {
     )?;
     r.request_headers_to_remove
         .extend(o.strings("request_headers_to_remove")?);
+    if let Some(per_filter) = o.obj("typed_per_filter_config")? {
+        let at = per_filter.path.clone();
+        for (name, v) in per_filter.map {
+            let config = typed_config(v, &format!("{at}[\"{name}\"]"))?;
+            r.typed_per_filter_config.insert(name, config);
+        }
+    }
     o.finish()?;
     Ok(r)
+}
+
+// Fault injection and mirroring (`crate::fault` maps them onto flatmesh's routes).
+
+/// The fault filter's config (an `HTTPFault`): an abort and a delay, each with its share.
+fn http_fault_of(o: &mut Obj) -> Result<HttpFault> {
+    let mut f = HttpFault::default();
+    if let Some(mut a) = o.obj("abort")? {
+        let error_type = if let Some(s) = a.u32("http_status")? {
+            Some(fault_abort::ErrorType::HttpStatus(s))
+        } else if let Some(code) = a.u32("grpc_status")? {
+            Some(fault_abort::ErrorType::GrpcStatus(code))
+        } else {
+            a.obj("header_abort")?
+                .map(|_| fault_abort::ErrorType::HeaderAbort(Default::default()))
+        };
+        f.abort = Some(FaultAbort {
+            percentage: a.obj("percentage")?.map(fractional_of).transpose()?,
+            error_type,
+            ..Default::default()
+        });
+        a.finish()?;
+    }
+    if let Some(mut d) = o.obj("delay")? {
+        let specifier = match d.duration("fixed_delay")? {
+            Some(t) => Some(fault_delay::FaultDelaySecifier::FixedDelay(t)),
+            None => d
+                .obj("header_delay")?
+                .map(|_| fault_delay::FaultDelaySecifier::HeaderDelay(Default::default())),
+        };
+        f.delay = Some(FaultDelay {
+            percentage: d.obj("percentage")?.map(fractional_of).transpose()?,
+            fault_delay_secifier: specifier,
+        });
+        d.finish()?;
+    }
+    Ok(f)
+}
+
+/// `{ numerator, denominator: HUNDRED | TEN_THOUSAND | MILLION }` (HUNDRED when left out).
+fn fractional_of(mut o: Obj) -> Result<FractionalPercent> {
+    let numerator = o.u32("numerator")?.unwrap_or(0);
+    let at = o.at("denominator");
+    let denominator = match o.string("denominator")?.as_deref() {
+        None | Some("HUNDRED") => DenominatorType::Hundred,
+        Some("TEN_THOUSAND") => DenominatorType::TenThousand,
+        Some("MILLION") => DenominatorType::Million,
+        Some(other) => {
+            return Err(XdsError::resource(
+                at,
+                format!("`{other}` is not HUNDRED, TEN_THOUSAND or MILLION"),
+            ))
+        }
+    };
+    o.finish()?;
+    Ok(FractionalPercent {
+        numerator,
+        denominator: denominator as i32,
+    })
+}
+
+/// A route action's `request_mirror_policies[i]`: the cluster and the share mirrored.
+fn mirror_policy_of(v: Value, path: &str) -> Result<route_action::RequestMirrorPolicy> {
+    let mut o = Obj::new(v, path)?;
+    let mut p = route_action::RequestMirrorPolicy {
+        cluster: o.string("cluster")?.unwrap_or_default(),
+        ..Default::default()
+    };
+    if let Some(mut f) = o.obj("runtime_fraction")? {
+        p.runtime_fraction = Some(RuntimeFractionalPercent {
+            default_value: f.obj("default_value")?.map(fractional_of).transpose()?,
+            runtime_key: f.string("runtime_key")?.unwrap_or_default(),
+        });
+        f.finish()?;
+    }
+    o.finish()?;
+    Ok(p)
 }
 
 fn header_options(list: Vec<Value>, path: &str) -> Result<Vec<HeaderValueOption>> {
@@ -960,6 +1052,10 @@ fn route_action_of(o: &mut Obj) -> Result<RouteAction> {
             ..Default::default()
         });
         r.finish()?;
+    }
+    for (i, v) in o.list("request_mirror_policies")?.into_iter().enumerate() {
+        let here = o.at(&format!("request_mirror_policies[{i}]"));
+        a.request_mirror_policies.push(mirror_policy_of(v, &here)?);
     }
     for (i, v) in o.list("hash_policy")?.into_iter().enumerate() {
         let mut h = Obj::new(v, &o.at(&format!("hash_policy[{i}]")))?;

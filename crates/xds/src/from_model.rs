@@ -270,11 +270,13 @@ fn listener(l: &model::Listener) -> Listener {
                         config_source: Some(ads()),
                         route_config_name: l.name.clone(),
                     })),
-                    // The authorization's RBAC layers, then the router.
+                    // The authorization's RBAC layers, the fault filter (whose config
+                    // is per route), then the router.
                     http_filters: authorization
                         .map(rbac::http_filters)
                         .unwrap_or_default()
                         .into_iter()
+                        .chain(crate::fault::filter_for(l))
                         .chain([HttpFilter {
                             name: ROUTER_NAME.into(),
                             config_type: Some(http_filter::ConfigType::TypedConfig(pack(
@@ -514,6 +516,9 @@ fn route(r: &model::Route, config: &model::Config) -> Route {
             a.cluster_specifier = Some(route_action::ClusterSpecifier::Cluster(c));
             r.cluster.iter().map(String::as_str).collect()
         };
+        if let Some(mirror) = &r.mirror {
+            a.request_mirror_policies = vec![crate::fault::mirror_policy(mirror)];
+        }
         if let Some(retry) = &r.retries {
             a.retry_policy = Some(RetryPolicy {
                 retry_on: retry
@@ -572,6 +577,16 @@ fn route(r: &model::Route, config: &model::Config) -> Route {
         request_headers_to_add: headers_to_add(&r.request_headers_to_add),
         request_headers_to_remove: r.request_headers_to_remove.clone(),
         response_headers_to_add: headers_to_add(&r.response_headers_to_add),
+        typed_per_filter_config: r
+            .fault
+            .iter()
+            .map(|f| {
+                (
+                    crate::fault::FAULT_FILTER_NAME.to_string(),
+                    pack(&crate::fault::http_fault(f)),
+                )
+            })
+            .collect(),
         ..Default::default()
     }
 }

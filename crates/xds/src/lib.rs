@@ -25,6 +25,7 @@ pub mod bootstrap;
 pub mod certificates;
 pub mod client;
 pub mod error;
+pub mod fault;
 pub mod feed;
 pub mod from_model;
 pub mod identities;

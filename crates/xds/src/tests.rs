@@ -1699,3 +1699,251 @@ clusters:
         "{e}"
     );
 }
+
+/// The `web` listener's served connection manager, edited by `change`.
+fn edit_hcm(
+    resources: &mut crate::resources::Resources,
+    change: &dyn Fn(
+        &mut envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager,
+    ),
+) {
+    use envoy_types::pb::envoy::config::listener::v3::filter::ConfigType;
+    use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager;
+    use prost::Message;
+    let chain = &mut resources.listeners.get_mut("web").unwrap().filter_chains[0];
+    let Some(ConfigType::TypedConfig(any)) = &mut chain.filters[0].config_type else {
+        panic!("no typed_config")
+    };
+    let mut hcm = HttpConnectionManager::decode(any.value.as_slice()).unwrap();
+    change(&mut hcm);
+    any.value = hcm.encode_to_vec();
+}
+
+#[test]
+fn faults_and_mirrors_map_over_xds() {
+    use envoy_types::pb::envoy::config::route::v3::route;
+    use envoy_types::pb::envoy::extensions::filters::http::fault::v3::{
+        fault_abort, FaultAbort, HttpFault,
+    };
+    use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_filter;
+    use envoy_types::pb::envoy::r#type::v3::FractionalPercent;
+    use prost::Name as _;
+    let config = model::parse(
+        r#"
+listeners:
+  - name: web
+    address: 127.0.0.1:8080
+    protocol: http
+    routes:
+      - match: { path: { prefix: /f } }
+        cluster: api
+        fault: { abort: { status: 503, percent: 12.5 }, delay: { duration: 1500ms, percent: 0.01 } }
+      - match: { path: { prefix: /g } }
+        cluster: api
+        fault: { abort: { grpc_status: 14, percent: 100 } }
+        mirror: { cluster: shadow, percent: 30 }
+      - match: { path: { prefix: / } }
+        cluster: api
+        mirror: { cluster: shadow }
+      - direct_response: { status: 404 }
+clusters:
+  - { name: api, endpoints: [ 127.0.0.1:1 ] }
+  - { name: shadow, endpoints: [ 127.0.0.1:2 ] }
+"#,
+        "t.yaml",
+    )
+    .unwrap();
+    let resources = crate::from_model::resources(&config);
+    // Envoy's shape: the fault filter before the router, each route's fault its own config.
+    let mut served = resources.clone();
+    edit_hcm(&mut served, &|hcm| {
+        let names: Vec<&str> = hcm.http_filters.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                crate::fault::FAULT_FILTER_NAME,
+                crate::to_model::ROUTER_NAME
+            ]
+        );
+    });
+    let routes = &resources.routes["web"].virtual_hosts[0].routes;
+    assert!(routes[0]
+        .typed_per_filter_config
+        .contains_key(crate::fault::FAULT_FILTER_NAME));
+    let Some(route::Action::Route(a)) = &routes[1].action else {
+        panic!("not a route action")
+    };
+    assert_eq!(a.request_mirror_policies[0].cluster, "shadow");
+    let back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
+    let routes = |c: &model::Config| -> Vec<(Option<model::Fault>, Option<model::Mirror>)> {
+        c.listeners[0]
+            .routes
+            .iter()
+            .map(|r| (r.fault.clone(), r.mirror.clone()))
+            .collect()
+    };
+    assert_eq!(routes(&back), routes(&config));
+
+    // The filter's own config is every route's fault unless the route has its own; a direct
+    // response is answered before any fault.
+    let mut with_default = resources.clone();
+    edit_hcm(&mut with_default, &|hcm| {
+        let http_filter::ConfigType::TypedConfig(any) =
+            hcm.http_filters[0].config_type.as_mut().unwrap()
+        else {
+            panic!("no typed_config")
+        };
+        *any = crate::resources::pack(&HttpFault {
+            abort: Some(FaultAbort {
+                percentage: Some(FractionalPercent {
+                    numerator: 25,
+                    denominator: 0,
+                }),
+                error_type: Some(fault_abort::ErrorType::HttpStatus(500)),
+                ..Default::default()
+            }),
+            abort_percent_runtime: "fault.http.abort.abort_percent".into(),
+            ..Default::default()
+        });
+    });
+    let back = crate::to_model::translate(&with_default, &bootstrap::empty_config()).unwrap();
+    let faults: Vec<Option<(Option<u16>, f64)>> = back.listeners[0]
+        .routes
+        .iter()
+        .map(|r| {
+            r.fault
+                .as_ref()
+                .map(|f| f.abort.as_ref().map(|a| (a.status, a.percent)).unwrap())
+        })
+        .collect();
+    assert_eq!(
+        faults,
+        [
+            Some((Some(503), 12.5)),
+            Some((None, 100.0)),
+            Some((Some(500), 25.0)),
+            None
+        ]
+    );
+
+    // What flatmesh cannot run is NACKed by name.
+    let nack = |change: &dyn Fn(&mut crate::resources::Resources)| {
+        let mut r = resources.clone();
+        change(&mut r);
+        crate::to_model::translate(&r, &bootstrap::empty_config())
+            .unwrap_err()
+            .to_string()
+    };
+    let e = nack(&|r| {
+        let route = &mut r.routes.get_mut("web").unwrap().virtual_hosts[0].routes[0];
+        route.typed_per_filter_config.insert(
+            crate::fault::FAULT_FILTER_NAME.into(),
+            crate::resources::pack(&HttpFault {
+                abort: Some(FaultAbort {
+                    error_type: Some(fault_abort::ErrorType::HeaderAbort(Default::default())),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        );
+    });
+    assert!(
+        e.contains("abort.header_abort") && e.contains("not supported"),
+        "{e}"
+    );
+    let e = nack(&|r| {
+        let route = &mut r.routes.get_mut("web").unwrap().virtual_hosts[0].routes[2];
+        let Some(route::Action::Route(a)) = &mut route.action else {
+            panic!()
+        };
+        a.request_mirror_policies
+            .push(a.request_mirror_policies[0].clone());
+    });
+    assert!(
+        e.contains("request_mirror_policies") && e.contains("one cluster"),
+        "{e}"
+    );
+    let e = nack(&|r| {
+        let route = &mut r.routes.get_mut("web").unwrap().virtual_hosts[0].routes[2];
+        route.typed_per_filter_config.insert(
+            "envoy.filters.http.cors".into(),
+            envoy_types::pb::google::protobuf::Any {
+                type_url: HttpFault::type_url(),
+                value: Vec::new(),
+            },
+        );
+    });
+    assert!(
+        e.contains("typed_per_filter_config[\"envoy.filters.http.cors\"]"),
+        "{e}"
+    );
+    let e = nack(&|r| {
+        edit_hcm(r, &|hcm| {
+            let f = hcm.http_filters.remove(0);
+            hcm.http_filters.push(f);
+        })
+    });
+    assert!(e.contains("before envoy.filters.http.router"), "{e}");
+}
+
+#[test]
+fn faults_and_mirrors_import_from_envoy() {
+    let text = example()
+        .replace(
+            "          http_filters:\n",
+            "          http_filters:\n          - name: envoy.filters.http.fault\n            typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault\n              delay: { fixed_delay: 0.25s, percentage: { numerator: 5 } }\n",
+        )
+        .replace(
+            "                route: { cluster: api-v1, timeout: 2s,",
+            "                typed_per_filter_config:\n                  envoy.filters.http.fault:\n                    \"@type\": type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault\n                    abort: { grpc_status: 14, percentage: { numerator: 2500, denominator: TEN_THOUSAND } }\n                route: { cluster: api-v1, request_mirror_policies: [ { cluster: api-v2, runtime_fraction: { default_value: { numerator: 50 }, runtime_key: mirror.v2 } } ], timeout: 2s,",
+        );
+    let config = bootstrap::parse(&text, "envoy.yaml").unwrap();
+    let web = config.listeners.iter().find(|l| l.name == "web").unwrap();
+    let fallback = &web.routes[1];
+    let abort = fallback.fault.as_ref().unwrap().abort.as_ref().unwrap();
+    assert_eq!(
+        (abort.status, abort.grpc_status, abort.percent),
+        (None, Some(14), 25.0)
+    );
+    assert!(
+        fallback.fault.as_ref().unwrap().delay.is_none(),
+        "the route's own config wins"
+    );
+    let mirror = fallback.mirror.as_ref().unwrap();
+    assert_eq!((mirror.cluster.as_str(), mirror.percent), ("api-v2", 50.0));
+    // Every other forwarding route gets the filter's delay; the direct responses none.
+    let delay = model::FaultDelay {
+        duration: std::time::Duration::from_millis(250),
+        percent: 5.0,
+    };
+    for r in web
+        .routes
+        .iter()
+        .filter(|r| r.cluster.is_some() || r.split.is_some())
+    {
+        if r.mirror.is_none() {
+            assert_eq!(r.fault.as_ref().unwrap().delay.as_ref(), Some(&delay));
+        }
+    }
+    assert!(web
+        .routes
+        .iter()
+        .filter(|r| r.direct_response.is_some())
+        .all(|r| r.fault.is_none()));
+
+    let e = import_error(&text.replace("abort: { grpc_status: 14,", "abort: { header_abort: {},"));
+    assert!(
+        e.contains("header_abort") && e.contains("not supported"),
+        "{e}"
+    );
+    let e = import_error(&text.replace(
+        "fixed_delay: 0.25s,",
+        "fixed_delay: 0.25s, max_active_faults: 3,",
+    ));
+    assert!(e.contains("max_active_faults"), "{e}");
+    let e = import_error(&text.replace(
+        "{ numerator: 50 }",
+        "{ numerator: 50, denominator: THOUSAND }",
+    ));
+    assert!(e.contains("THOUSAND"), "{e}");
+}

@@ -513,7 +513,12 @@ fn listener(
         let Some((config, mut options)) = http_routes(hcm, routes, &at_filter)? else {
             return Ok(None);
         };
-        let routes = flatten(&config, &options.upgrades, hash_headers)?;
+        let routes = flatten(
+            &config,
+            &options.upgrades,
+            options.fault.as_ref(),
+            hash_headers,
+        )?;
         Ok(Some(model::Listener {
             name,
             address,
@@ -624,6 +629,8 @@ struct HcmOptions {
     upgrades: Vec<(String, bool)>,
     /// The RBAC filters before the router.
     authorization: Option<model::Authorization>,
+    /// The fault filter before the router (`crate::fault`).
+    fault: Option<crate::fault::FaultFilter>,
 }
 
 /// The HTTP connection manager's options and route configuration (inline, or by RDS name).
@@ -694,6 +701,19 @@ fn http_routes(
             envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_filter::ConfigType::TypedConfig(any),
         ) = &f.config_type
         {
+            if any.type_url == envoy_types::pb::envoy::extensions::filters::http::fault::v3::HttpFault::type_url() {
+                if router_seen || options.fault.is_some() {
+                    return Err(XdsError::resource(
+                        here,
+                        format!("the fault filter must come once, before {ROUTER_NAME}"),
+                    ));
+                }
+                options.fault = Some(crate::fault::FaultFilter {
+                    name: f.name.clone(),
+                    default: crate::fault::fault_of(any, &format!("{here}.typed_config"))?,
+                });
+                continue;
+            }
             if any.type_url == HttpRbac::type_url() {
                 if router_seen {
                     return Err(XdsError::resource(
@@ -780,6 +800,7 @@ fn domain(d: &str, at: &str) -> Result<Domain> {
 fn flatten(
     rc: &RouteConfiguration,
     upgrades: &[(String, bool)],
+    fault: Option<&crate::fault::FaultFilter>,
     hash_headers: &mut Vec<HashUse>,
 ) -> Result<Vec<model::Route>> {
     let at = format!("RouteConfiguration \"{}\"", rc.name);
@@ -802,6 +823,7 @@ fn flatten(
                 route,
                 &format!("{at_vh}.routes[{r}]"),
                 upgrades,
+                fault,
                 hash_headers,
             )?);
         }
@@ -864,6 +886,8 @@ fn not_found(host: Option<String>) -> model::Route {
         request_headers_to_remove: Vec::new(),
         response_headers_to_add: BTreeMap::new(),
         retries: None,
+        fault: None,
+        mirror: None,
         upgrades: Vec::new(),
     }
 }
@@ -872,6 +896,7 @@ fn route(
     r: &envoy_types::pb::envoy::config::route::v3::Route,
     at: &str,
     upgrades: &[(String, bool)],
+    fault: Option<&crate::fault::FaultFilter>,
     hash_headers: &mut Vec<HashUse>,
 ) -> Result<model::Route> {
     let mut rest = r.clone();
@@ -919,8 +944,45 @@ fn route(
             ))
         }
     }
+    route_fault(
+        &mut out,
+        take(&mut rest.typed_per_filter_config),
+        fault,
+        &format!("{at}.typed_per_filter_config"),
+    )?;
     reject_rest(&rest, at)?;
     Ok(out)
+}
+
+/// A route's fault: its own config for the connection manager's fault filter, else the
+/// filter's. A direct response is answered before any fault, as flatmesh runs them.
+fn route_fault(
+    out: &mut model::Route,
+    per_filter: HashMap<String, Any>,
+    filter: Option<&crate::fault::FaultFilter>,
+    at: &str,
+) -> Result<()> {
+    let mut own = None;
+    for (name, any) in per_filter {
+        let here = format!("{at}[\"{name}\"]");
+        match filter {
+            Some(f) if f.name == name => own = Some(crate::fault::fault_of(&any, &here)?),
+            _ => {
+                return Err(XdsError::resource(
+                    here,
+                    "only the fault filter of the connection manager's http_filters takes a per-route config",
+                ))
+            }
+        }
+    }
+    let fault = match own {
+        Some(own) => own,
+        None => filter.and_then(|f| f.default.clone()),
+    };
+    if out.direct_response.is_none() {
+        out.fault = fault;
+    }
+    Ok(())
 }
 
 fn data_source_text(ds: &DataSource, at: &str) -> Result<String> {
@@ -1236,6 +1298,10 @@ fn route_action(
             });
         }
     }
+    out.mirror = crate::fault::mirror_of(
+        take(&mut a.request_mirror_policies),
+        &format!("{at}.request_mirror_policies"),
+    )?;
     a.cluster_not_found_response_code = 0; // flatmesh answers 503, Envoy's default
     reject_rest(&a, at)
 }

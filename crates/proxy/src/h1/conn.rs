@@ -30,6 +30,7 @@ use crate::context::{ConnContext, WorkerView};
 use crate::l7::body::ResponseBody;
 use crate::l7::decide::{decide, hash_key, Decision};
 use crate::l7::error::{Kind, Source, UpstreamError};
+use crate::l7::fault::Delayed;
 use crate::l7::log::Outcome;
 use crate::l7::reply::{listener_removed, text_response, upstream_failure, CLIENT_CLOSED_REQUEST};
 use crate::l7::retry::{Answer, Answered, Attempt, Retry, Try};
@@ -79,11 +80,13 @@ enum Action<'v> {
         head: Vec<u8>,
         key: u64,
     },
-    /// Forward to an HTTP/2 cluster through hyper's client.
+    /// Forward through the L7 layer's general path (`crate::l7::forward`): to an HTTP/2
+    /// cluster through hyper's client, or for a route's fault delay or mirror.
     Bridge {
         route: &'v CompiledRoute,
         cluster: ClusterId,
         parts: http::request::Parts,
+        delayed: Option<Delayed>,
     },
 }
 
@@ -182,9 +185,10 @@ where
                 route,
                 cluster,
                 parts,
+                delayed,
             } => {
-                let done =
-                    bridge(&ctx, &mut client, &exchange, route, cluster, parts, limits).await;
+                let target = (route, cluster, delayed);
+                let done = bridge(&ctx, &mut client, &exchange, target, parts, limits).await;
                 finish(
                     &ctx,
                     &exchange,
@@ -401,7 +405,7 @@ fn prepare<'v>(
     let caller = (ctx.peer(), ctx.worker);
     let action = match decide(snap, lid, &meta, caller, false, || info.target()) {
         Decision::Reply(route, resp) => Action::Reply(route, resp),
-        Decision::Forward(route, _, _)
+        Decision::Forward(route, ..)
             if info
                 .upgrade
                 .is_some_and(|p| !route.allows_upgrade(p.as_bytes())) =>
@@ -412,13 +416,16 @@ fn prepare<'v>(
             exchange.upgrade = false;
             Action::Reply(Some(route), upgrade_refused(route, info.upgrade))
         }
-        Decision::Forward(route, cluster, path) => {
+        Decision::Forward(route, cluster, path, delayed) => {
             if let Some(path) = path {
                 info.path = path.into();
             }
             let plan = &snap.clusters[cluster];
+            // A fault's delay and a mirror's copy are made on the general path; an upgrade
+            // stays on the byte path (it is neither delayed nor mirrored).
+            let general = (delayed.is_some() || route.mirror.is_some()) && info.upgrade.is_none();
             match &view.upstreams.by_cluster[cluster].pool {
-                Pool::Http1(pool) => {
+                Pool::Http1(pool) if !general => {
                     let mut out = Vec::with_capacity(head_len + 128);
                     let endpoint = plan.authorities.first().map_or("", |a| a.as_str());
                     head::write_request_head(
@@ -437,11 +444,12 @@ fn prepare<'v>(
                         key: hash_key(headers, plan.hash_header.as_ref(), ctx.peer),
                     }
                 }
-                Pool::Http2(_) => match bridge_parts(&req, &info) {
+                Pool::Http1(_) | Pool::Http2(_) => match bridge_parts(&req, &info) {
                     Ok(parts) => Action::Bridge {
                         route,
                         cluster,
                         parts,
+                        delayed,
                     },
                     Err(refusal) => Action::Refuse(refusal),
                 },
@@ -956,14 +964,14 @@ impl http_body::Body for ChannelBody {
     }
 }
 
-/// Forwards a request to an HTTP/2 cluster: hyper's client sends it, the body is pumped
-/// from the client connection into it, and the answer is written back as HTTP/1.
+/// Forwards a request through the L7 layer's general path (an HTTP/2 cluster, or a route's
+/// fault delay or mirror): the request in `http` types, the body pumped from the client
+/// connection into it, and the answer written back as HTTP/1.
 async fn bridge<S: AsyncRead + AsyncWrite + Unpin + Send>(
     ctx: &ConnContext,
     client: &mut Client<S>,
     exchange: &Exchange<'_>,
-    route: &CompiledRoute,
-    cluster: ClusterId,
+    (route, cluster, delayed): (&CompiledRoute, ClusterId, Option<Delayed>),
     parts: http::request::Parts,
     limits: &Limits,
 ) -> Done {
@@ -1008,8 +1016,9 @@ async fn bridge<S: AsyncRead + AsyncWrite + Unpin + Send>(
         }
     };
     let view = exchange.view;
-    let forwarded =
-        crate::l7::forward::forward(ctx, view, route, cluster, parts, body, replayable, &failed);
+    let forwarded = crate::l7::forward::forward(
+        ctx, view, route, cluster, parts, body, replayable, &failed, delayed,
+    );
     let ((resp, upstream), body_complete) = tokio::join!(forwarded, pumped);
     let close = !body_complete || !exchange.keep_alive;
     let (status, close) = answer(&mut client.io, exchange, resp, close).await;

@@ -414,7 +414,7 @@ async fn handle(
             };
             (resp, outcome, None)
         }
-        Decision::Forward(route, cluster, path) => {
+        Decision::Forward(route, cluster, path, delayed) => {
             let limits = &snap.config.limits;
             let timeout = route.timeout.unwrap_or(limits.request_timeout);
             // An HTTP/1.1 cluster gives each stream a connection of its own; an HTTP/2
@@ -465,8 +465,10 @@ async fn handle(
                 data_done: false,
             }
             .boxed_unsync();
-            let (resp, upstream) =
-                forward(ctx, &view, route, cluster, parts, body, replayable, &failed).await;
+            let (resp, upstream) = forward(
+                ctx, &view, route, cluster, parts, body, replayable, &failed, delayed,
+            )
+            .await;
             let outcome = Outcome {
                 route: Some(route),
                 cluster: Some(cluster),

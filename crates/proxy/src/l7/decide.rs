@@ -16,6 +16,7 @@ use http::{Response, StatusCode, Uri};
 use http_body_util::Full;
 
 use super::body::ResponseBody;
+use super::fault::{self, Delayed, Drawn};
 use super::headers::add_headers;
 use super::reply::local_reply;
 use crate::lb::{hash64, hash_client};
@@ -35,7 +36,13 @@ pub(crate) enum Decision<'v> {
     Reply(Option<&'v CompiledRoute>, Response<ResponseBody>),
     /// Forward to this cluster (a split has already picked it). The path is the normalised
     /// one when normalising changed it: the upstream gets that path, not the one received.
-    Forward(&'v CompiledRoute, ClusterId, Option<String>),
+    /// A route's fault may first delay the request (and then abort it, `super::fault`).
+    Forward(
+        &'v CompiledRoute,
+        ClusterId,
+        Option<String>,
+        Option<Delayed>,
+    ),
 }
 
 /// Runs the listener's match-action table on a request. `target` is the request target for
@@ -133,18 +140,29 @@ pub(crate) fn decide<'v>(
             ),
         );
     };
-    match &route.action {
+    let cluster = match &route.action {
         RouteAction::DirectResponse { status, body } => {
             let mut resp = Response::new(ResponseBody::Local(Full::new(body.clone())));
             *resp.status_mut() = *status;
             add_headers(resp.headers_mut(), &route.response_headers_to_add);
-            Decision::Reply(Some(route), resp)
+            return Decision::Reply(Some(route), resp);
         }
-        RouteAction::Forward(c) => Decision::Forward(route, *c, changed(path)),
-        RouteAction::Split(split) => {
-            Decision::Forward(route, split.pick(rand::random::<u32>()), changed(path))
+        RouteAction::Forward(c) => *c,
+        RouteAction::Split(split) => split.pick(rand::random::<u32>()),
+    };
+    let delayed = match route.fault.as_ref().map_or(Drawn::None, fault::roll) {
+        Drawn::None => None,
+        Drawn::Abort(status) => {
+            snap.faults.aborts.add(caller.1, 1);
+            let resp = fault::abort_reply(status, &route.name, grpc);
+            return Decision::Reply(Some(route), resp);
         }
-    }
+        Drawn::Delay(delayed) => {
+            snap.faults.delays.add(caller.1, 1);
+            Some(delayed)
+        }
+    };
+    Decision::Forward(route, cluster, changed(path), delayed)
 }
 
 /// The normalised path, if normalising changed it.

@@ -5,15 +5,18 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
+use std::time::Duration;
 
 use flatmesh_config::Limits;
 use flatmesh_rules::{ClusterId, CompiledRoute};
+use http::header::HeaderValue;
 use http::Response;
 use http_body_util::BodyExt as _;
 
 use super::body::ResponseBody;
 use super::decide::hash_key;
 use super::error::UpstreamError;
+use super::fault::{abort_reply, Delayed, FAULT_HEADER};
 use super::headers::{edit_request, edit_response};
 use super::reply::{is_grpc, upstream_failure};
 use super::retry::{Answer, Attempt, Retry, Try};
@@ -29,17 +32,18 @@ impl Answer for Response<ResponseBody> {
     }
 }
 
-/// One request held in `http` types, tried on the cluster's pool.
-struct MessageTry<'a> {
-    ctx: &'a ConnContext,
-    plan: &'a ClusterPlan,
-    pool: &'a Pool,
-    parts: &'a mut http::request::Parts,
+/// One request held in `http` types, tried on the cluster's pool (a mirror's copy too,
+/// `super::mirror`).
+pub(crate) struct MessageTry<'a> {
+    pub ctx: &'a ConnContext,
+    pub plan: &'a ClusterPlan,
+    pub pool: &'a Pool,
+    pub parts: &'a mut http::request::Parts,
     /// The client's body, until the one try that may send it takes it.
-    body: Option<UpstreamBody>,
-    replayable: bool,
-    limits: &'a Limits,
-    downstream_failed: &'a AtomicBool,
+    pub body: Option<UpstreamBody>,
+    pub replayable: bool,
+    pub limits: &'a Limits,
+    pub downstream_failed: &'a AtomicBool,
 }
 
 impl Attempt for MessageTry<'_> {
@@ -90,7 +94,9 @@ impl Attempt for MessageTry<'_> {
 /// answer for the client (the upstream's, or the proxy's own on failure) and the endpoint
 /// that gave it. `replayable` says the body is empty, so the request may be sent again;
 /// `downstream_failed` is raised by the body when the client's framing broke, which makes
-/// the answer a 400 rather than an upstream error.
+/// the answer a 400 rather than an upstream error. `delayed`: the route's fault holds the
+/// request first (`super::fault`), within the route's timeout. The route's mirror, if it
+/// draws the request, gets its copy on the way (`super::mirror`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn forward(
     ctx: &ConnContext,
@@ -101,12 +107,31 @@ pub(crate) async fn forward(
     body: UpstreamBody,
     replayable: bool,
     downstream_failed: &AtomicBool,
+    delayed: Option<Delayed>,
 ) -> (Response<ResponseBody>, Option<SocketAddr>) {
     let snap = &view.snapshot;
     let plan = &snap.clusters[cluster];
     let upstream = &view.upstreams.by_cluster[cluster];
     let limits = &snap.config.limits;
     let grpc = is_grpc(&parts.headers);
+    let timeout = route.timeout.unwrap_or(limits.request_timeout);
+    let mut waited = Duration::ZERO;
+    if let Some(delayed) = delayed {
+        if delayed.duration >= timeout {
+            tokio::time::sleep(timeout).await;
+            let mut resp = upstream_failure(&UpstreamError::timeout(), &plan.name, timeout, grpc);
+            resp.headers_mut()
+                .insert(FAULT_HEADER, HeaderValue::from_static("delay"));
+            return (resp, None);
+        }
+        tokio::time::sleep(delayed.duration).await;
+        if let Some(status) = delayed.abort {
+            snap.faults.aborts.add(ctx.worker, 1);
+            return (abort_reply(status, &route.name, grpc), None);
+        }
+        waited = delayed.duration;
+    }
+    let body = super::mirror::start(ctx, view, route, &parts, body, replayable);
     let key = hash_key((&parts.headers).into(), plan.hash_header.as_ref(), ctx.peer);
     edit_request(&mut parts, route, plan.protocol, &ctx.peer_ip);
     let mut retry = Retry::new(
@@ -118,6 +143,7 @@ pub(crate) async fn forward(
         replayable,
         limits.request_timeout,
     );
+    retry.timeout -= waited;
     // A body still arriving: the route's timeout starts once it is complete.
     let body = if replayable {
         body

@@ -10,6 +10,8 @@
 //! - [`reply`]: the answers the proxy makes itself, failures included;
 //! - [`headers`]: header edits on requests and responses held in `http` types;
 //! - [`forward`]: a request held in `http` types sent to either kind of cluster;
+//! - [`fault`]: a route's injected faults (abort, delay);
+//! - [`mirror`]: a copy of a request sent fire-and-forget to a route's mirror cluster;
 //! - [`log`]: the stats and the access log line of a finished request;
 //! - [`body`]: the body of a response sent downstream;
 //! - [`upload`]: the body of a request sent upstream (when it is complete, trailers checked).
@@ -17,9 +19,11 @@
 pub(crate) mod body;
 pub(crate) mod decide;
 pub(crate) mod error;
+pub(crate) mod fault;
 pub(crate) mod forward;
 pub(crate) mod headers;
 pub(crate) mod log;
+pub(crate) mod mirror;
 pub(crate) mod reply;
 pub(crate) mod retry;
 pub(crate) mod upload;

@@ -12,7 +12,7 @@
 //!
 //! A route is decided in the kernel when everything it does can be done by splicing the
 //! connection to one cluster: a match of at most a method (≤ 8 bytes) and an exact or prefix
-//! path (≤ 64 bytes), a plain `cluster` action with no rewrite, retry or per-request timeout,
+//! path (≤ 64 bytes), a plain `cluster` action with no rewrite, retry, per-request timeout, fault or mirror,
 //! and a cluster that picks its endpoint without reading the request (no `hash_on`). Any other
 //! route becomes a punt entry whose match is a superset of the route's: its method (or any
 //! method), its path cut to 64 bytes, a regex's literal prefix, or every path. An entry that an
@@ -284,6 +284,12 @@ pub fn check(
     }
     if route.timeout.is_some() {
         return Err(Reason::Timeout);
+    }
+    if route.fault.is_some() {
+        return Err(Reason::Fault);
+    }
+    if route.mirror.is_some() {
+        return Err(Reason::Mirror);
     }
     // Cluster ids come from compile(), so the lookup cannot miss.
     let info = clusters.get(cluster);
