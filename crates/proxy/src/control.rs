@@ -202,6 +202,7 @@ impl Shared {
         }
         warn_if_everything_goes(&state.snapshot, &snapshot);
         self.metrics.retain(&snapshot.series);
+        self.metrics.rate_limits.retain(&snapshot.config);
         state.snapshot = snapshot;
         if let Some(k) = &self.kernel {
             k.install(&kernel_plan(&state));

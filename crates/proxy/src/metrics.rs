@@ -357,6 +357,8 @@ pub struct Metrics {
     pub admin_refused: AdminRefused,
     /// Circuit breakers and outlier detection of every cluster (`crate::resilience`).
     pub resilience: crate::resilience::Registry,
+    /// Rate limits of every listener and route (`crate::resilience::rate_limit`).
+    pub rate_limits: crate::resilience::rate_limit::Registry,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -385,6 +387,7 @@ impl Metrics {
                 busy: WorkerCounter::new(1),
             },
             resilience: crate::resilience::Registry::default(),
+            rate_limits: crate::resilience::rate_limit::Registry::default(),
         })
     }
 
@@ -681,6 +684,7 @@ impl Collector for Scrape {
             &retries,
         )?;
         m.resilience.encode(&mut enc)?;
+        m.rate_limits.encode(&mut enc)?;
         tls_families(
             &mut enc,
             "flatmesh_upstream_tls_",

@@ -527,6 +527,8 @@ fn listener(
             tls,
             authorization: options.authorization.take(),
             hbone: None,
+            rate_limit: None,
+            connection_rate_limit: None,
         }))
     } else if any.type_url == TcpProxy::type_url() {
         let mut tcp: TcpProxy = unpack(any, &at_filter)?;
@@ -572,6 +574,8 @@ fn listener(
             tls,
             authorization: network_rbac,
             hbone: None,
+            rate_limit: None,
+            connection_rate_limit: None,
         }))
     } else {
         Err(XdsError::resource(
@@ -865,6 +869,7 @@ fn not_found(host: Option<String>) -> model::Route {
         response_headers_to_add: BTreeMap::new(),
         retries: None,
         upgrades: Vec::new(),
+        rate_limit: None,
     }
 }
 
