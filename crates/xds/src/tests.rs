@@ -1811,3 +1811,65 @@ fn envoy_s_token_buckets_map_to_whole_rates_only() {
         "{e}"
     );
 }
+
+#[test]
+fn local_rate_limits_import_from_an_envoy_bootstrap() {
+    const LRL: &str =
+        "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit";
+    let all = "{ default_value: { numerator: 100, denominator: HUNDRED } }";
+    let text = example()
+        .replace(
+            "          http_filters:\n",
+            &format!("          http_filters:\n          - name: envoy.filters.http.local_ratelimit\n            typed_config: {{ \"@type\": {LRL}, stat_prefix: web, token_bucket: {{ max_tokens: 40, tokens_per_fill: 20, fill_interval: 1s }}, filter_enabled: {all}, filter_enforced: {all} }}\n"),
+        )
+        .replace(
+            "              - match: { prefix: /v2 }\n",
+            &format!("              - match: {{ prefix: /v2 }}\n                typed_per_filter_config:\n                  envoy.filters.http.local_ratelimit: {{ \"@type\": {LRL}, stat_prefix: v2, token_bucket: {{ max_tokens: 3, fill_interval: 0.5s }}, filter_enabled: {all}, filter_enforced: {all} }}\n"),
+        )
+        .replace(
+            "    - filters:\n      - name: envoy.filters.network.tcp_proxy\n",
+            "    - filters:\n      - name: envoy.filters.network.local_ratelimit\n        typed_config: { \"@type\": type.googleapis.com/envoy.extensions.filters.network.local_ratelimit.v3.LocalRateLimit, stat_prefix: echo, token_bucket: { max_tokens: 9, tokens_per_fill: 3, fill_interval: 1s } }\n      - name: envoy.filters.network.tcp_proxy\n",
+        );
+    let config = bootstrap::parse(&text, "envoy.yaml").unwrap();
+    let web = config.listeners.iter().find(|l| l.name == "web").unwrap();
+    assert_eq!(
+        web.rate_limit,
+        Some(model::RateLimit {
+            requests_per_s: 20,
+            burst: Some(40),
+            key: None
+        })
+    );
+    assert_eq!(
+        web.routes[0].rate_limit,
+        Some(model::RateLimit {
+            requests_per_s: 2,
+            burst: Some(3),
+            key: None
+        })
+    );
+    assert!(web.routes[1..].iter().all(|r| r.rate_limit.is_none()));
+    let echo = config.listeners.iter().find(|l| l.name == "echo").unwrap();
+    assert_eq!(
+        echo.connection_rate_limit,
+        Some(model::ConnectionRateLimit {
+            connections_per_s: 3,
+            burst: Some(9)
+        })
+    );
+    // Envoy's default share is 0%: a filter that does not say 100% enforces nothing.
+    let counting = text.replace("filter_enforced: { default_value: { numerator: 100, denominator: HUNDRED } } }\n          - name: envoy.filters.http.router", "filter_enforced: { default_value: { numerator: 0 } } }\n          - name: envoy.filters.http.router");
+    let config = bootstrap::parse(&counting, "envoy.yaml").unwrap();
+    let web = config.listeners.iter().find(|l| l.name == "web").unwrap();
+    assert_eq!(web.rate_limit, None);
+    assert!(
+        web.routes[0].rate_limit.is_some(),
+        "the route's own still applies"
+    );
+    // Descriptors have no flatmesh counterpart: refused by name.
+    let e = import_error(&text.replace(
+        "stat_prefix: web, token_bucket",
+        "stat_prefix: web, descriptors: [ {} ], token_bucket",
+    ));
+    assert!(e.contains("descriptors"), "{e}");
+}
