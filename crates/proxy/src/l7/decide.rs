@@ -53,7 +53,7 @@ pub(crate) fn decide<'v>(
     // The listener's rate limit, before anything else is looked at.
     if let Some(limiter) = &plan.rate_limit {
         let key = plan.limit_keys.first();
-        if let Err(resp) = limit(
+        if let Some(resp) = over_limit(
             limiter,
             key,
             &plan.name,
@@ -152,7 +152,7 @@ pub(crate) fn decide<'v>(
     // The route's rate limit, once it matched.
     if let Some(Some(limiter)) = plan.route_limits.get(route.id) {
         let key = plan.limit_keys.get(1 + route.id);
-        if let Err(resp) = limit(
+        if let Some(resp) = over_limit(
             limiter,
             key,
             &route.name,
@@ -178,9 +178,9 @@ pub(crate) fn decide<'v>(
     }
 }
 
-/// Takes a token from `limiter` for the request (keyed as `key` says), or the 429 that
-/// names the listener or route `name`.
-fn limit(
+/// Takes a token from `limiter` for the request (keyed as `key` says); without one, the 429
+/// that names the listener or route `name`.
+fn over_limit(
     limiter: &RateLimiter,
     key: Option<&LimitKey>,
     name: &str,
@@ -188,7 +188,7 @@ fn limit(
     client: SocketAddr,
     scope: Scope,
     grpc: bool,
-) -> Result<(), Response<ResponseBody>> {
+) -> Option<Response<ResponseBody>> {
     let ip = match client.ip() {
         std::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
         std::net::IpAddr::V6(v6) => v6.octets(),
@@ -202,7 +202,8 @@ fn limit(
     };
     limiter
         .admit(tokio::time::Instant::now(), key)
-        .map_err(|wait| rate_limited(scope, name, wait, grpc))
+        .err()
+        .map(|wait| rate_limited(scope, name, wait, grpc))
 }
 
 /// The normalised path, if normalising changed it.
