@@ -248,6 +248,13 @@ pub struct Listener {
     /// `hbone` listeners: where their CONNECT streams may go (docs/security.md, "HBONE").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hbone: Option<HboneListener>,
+    /// HTTP listeners: requests per second the listener admits, before any route is matched
+    /// (docs/resilience.md, "Rate limits").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<RateLimit>,
+    /// TCP listeners: connections per second the listener admits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connection_rate_limit: Option<ConnectionRateLimit>,
 }
 
 /// An `hbone` listener's `hbone:`: the destinations its tunnels may reach. Without it (or
@@ -538,6 +545,75 @@ pub struct Route {
     /// upgrade gets 403. After a `101` the connection is a byte tunnel, out of the rules' reach.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub upgrades: Vec<String>,
+    /// Requests per second this route admits, after it matched (docs/resilience.md,
+    /// "Rate limits").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<RateLimit>,
+}
+
+/// A request rate limit (a route's or an http listener's `rate_limit`), exact for the node as
+/// a whole: one token bucket shared by every worker, or one per key value.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimit {
+    /// The rate the bucket refills at: requests admitted per second, sustained.
+    pub requests_per_s: u32,
+    /// The bucket's size: requests admitted at once after a quiet spell. Default: one
+    /// second's worth (`requests_per_s`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
+    /// One bucket per client address or per value of a header, instead of one for all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<RateLimitKey>,
+}
+
+impl RateLimit {
+    /// The bucket's size in force.
+    pub fn burst(&self) -> u32 {
+        self.burst.unwrap_or(self.requests_per_s)
+    }
+}
+
+/// What a keyed rate limit tells its buckets apart by: `key: client_address` or
+/// `key: { header: x-user }` (a request without the header shares one bucket with the others
+/// that lack it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum RateLimitKey {
+    Named(RateLimitKeyName),
+    Header { header: String },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RateLimitKeyName {
+    ClientAddress,
+}
+
+/// The most key values a keyed rate limit keeps a bucket for; past it a new value takes the
+/// place of the fullest bucket of its set (docs/resilience.md, "Rate limits").
+pub const RATE_LIMIT_MAX_KEYS: usize = 4096;
+
+/// A tcp listener's `connection_rate_limit`: new connections per second, for the node as a
+/// whole.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectionRateLimit {
+    pub connections_per_s: u32,
+    /// Connections admitted at once after a quiet spell. Default: `connections_per_s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
+}
+
+impl ConnectionRateLimit {
+    /// The same limit as a [`RateLimit`] without a key: both run on one kind of bucket.
+    pub fn as_rate_limit(&self) -> RateLimit {
+        RateLimit {
+            requests_per_s: self.connections_per_s,
+            burst: self.burst,
+            key: None,
+        }
+    }
 }
 
 /// All conditions must hold for a route to match. An empty match matches everything.

@@ -1639,3 +1639,73 @@ fn drain_timeout_defaults_to_five_seconds_and_reads_a_duration() {
         "duration",
     );
 }
+
+#[test]
+fn rate_limits_parse_with_their_defaults() {
+    let yaml = "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    rate_limit: { requests_per_s: 5, key: client_address }\n    routes:\n      - cluster: api\n        rate_limit: { requests_per_s: 10, burst: 20, key: { header: x-user } }\n  - name: t\n    address: 127.0.0.1:8081\n    protocol: tcp\n    cluster: db\n    connection_rate_limit: { connections_per_s: 100 }\n";
+    let config = parse(&format!("{yaml}{CLUSTERS}"), "t.yaml").unwrap();
+    let web = &config.listeners[0];
+    let listener_limit = web.rate_limit.as_ref().unwrap();
+    assert_eq!(listener_limit.burst(), 5, "one second's worth by default");
+    assert_eq!(
+        listener_limit.key,
+        Some(RateLimitKey::Named(RateLimitKeyName::ClientAddress))
+    );
+    assert_eq!(
+        web.routes[0].rate_limit,
+        Some(RateLimit {
+            requests_per_s: 10,
+            burst: Some(20),
+            key: Some(RateLimitKey::Header {
+                header: "x-user".into()
+            }),
+        })
+    );
+    let conns = config.listeners[1].connection_rate_limit.as_ref().unwrap();
+    assert_eq!(conns.as_rate_limit().burst(), 100);
+}
+
+#[test]
+fn rate_limits_are_validated_by_line() {
+    let d = only(
+        &http("      - cluster: api\n        rate_limit: { requests_per_s: 0 }\n"),
+        7,
+        39,
+        "requests_per_s is 0",
+    );
+    assert!(d.hint.contains("positive rate"), "{}", d.hint);
+    only(
+        &http("      - cluster: api\n        rate_limit: { requests_per_s: 5, burst: 0 }\n"),
+        7,
+        49,
+        "burst is 0",
+    );
+    only(
+        &http("      - cluster: api\n        rate_limit: { requests_per_s: 5, key: { header: \"x user\" } }\n"),
+        7,
+        57,
+        "not a valid HTTP header name",
+    );
+    let d = only(
+        &http("      - cluster: api\n        rate_limit: { request_per_s: 5 }\n"),
+        7,
+        23,
+        "request_per_s",
+    );
+    assert!(d.hint.contains("requests_per_s"), "{}", d.hint);
+    only(
+        &format!("listeners:\n  - name: t\n    address: 127.0.0.1:8081\n    protocol: tcp\n    cluster: db\n    rate_limit: {{ requests_per_s: 5 }}\n{CLUSTERS}"),
+        6,
+        5,
+        "only http listeners use",
+    );
+    only(
+        &http("      - cluster: api\n").replace(
+            "    routes:",
+            "    connection_rate_limit: { connections_per_s: 5 }\n    routes:",
+        ),
+        5,
+        5,
+        "only tcp listeners use",
+    );
+}

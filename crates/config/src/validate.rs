@@ -339,6 +339,7 @@ impl Checker<'_> {
                 ListenerProtocol::Tcp => self.tcp_listener(i, listener),
                 ListenerProtocol::Hbone => self.hbone_listener(i, listener),
             }
+            self.listener_rate_limits(&at, listener);
             if listener.hbone.is_some() && listener.protocol != ListenerProtocol::Hbone {
                 self.report(
                     format!("{at}.hbone"),
@@ -751,6 +752,9 @@ impl Checker<'_> {
     }
 
     fn route(&mut self, at: &str, route: &Route) {
+        if let Some(limit) = &route.rate_limit {
+            self.rate_limit(&format!("{at}.rate_limit"), limit);
+        }
         let actions: Vec<&str> = [
             route.cluster.as_ref().map(|_| "cluster"),
             route.split.as_ref().map(|_| "split"),
@@ -1222,6 +1226,69 @@ impl Checker<'_> {
         }
     }
 
+    /// A listener's `rate_limit` (http only) and `connection_rate_limit` (tcp only).
+    fn listener_rate_limits(&mut self, at: &str, listener: &Listener) {
+        let name = &listener.name;
+        if let Some(limit) = &listener.rate_limit {
+            if listener.protocol == ListenerProtocol::Http {
+                self.rate_limit(&format!("{at}.rate_limit"), limit);
+            } else {
+                self.report(
+                    format!("{at}.rate_limit"),
+                    Target::Key,
+                    format!("listener `{name}` sets `rate_limit`, which only http listeners use"),
+                    "a tcp listener limits new connections with `connection_rate_limit: { connections_per_s, burst }`".into(),
+                );
+            }
+        }
+        if let Some(limit) = &listener.connection_rate_limit {
+            if listener.protocol == ListenerProtocol::Tcp {
+                let at = format!("{at}.connection_rate_limit");
+                self.rate_numbers(
+                    &at,
+                    "connections_per_s",
+                    limit.connections_per_s,
+                    limit.burst,
+                );
+            } else {
+                self.report(
+                    format!("{at}.connection_rate_limit"),
+                    Target::Key,
+                    format!("listener `{name}` sets `connection_rate_limit`, which only tcp listeners use"),
+                    "an http listener limits requests with `rate_limit: { requests_per_s, burst }`".into(),
+                );
+            }
+        }
+    }
+
+    /// A `rate_limit`: a positive rate and burst, and a key header that is a header name.
+    fn rate_limit(&mut self, at: &str, limit: &crate::RateLimit) {
+        self.rate_numbers(at, "requests_per_s", limit.requests_per_s, limit.burst);
+        if let Some(crate::RateLimitKey::Header { header }) = &limit.key {
+            self.header_name(&format!("{at}.key.header"), Target::Value, header, false);
+        }
+    }
+
+    /// A rate of 0 (or a burst of 0) would refuse everything: say so rather than do it.
+    fn rate_numbers(&mut self, at: &str, rate_key: &str, rate: u32, burst: Option<u32>) {
+        if rate == 0 {
+            self.report(
+                format!("{at}.{rate_key}"),
+                Target::Value,
+                format!("{at}.{rate_key} is 0: every request would be refused"),
+                "set a positive rate, or remove the limit".into(),
+            );
+        }
+        if burst == Some(0) {
+            self.report(
+                format!("{at}.burst"),
+                Target::Value,
+                format!("{at}.burst is 0: every request would be refused"),
+                format!("set at least 1 (the default is `{rate_key}`, one second's worth)"),
+            );
+        }
+    }
+
     /// A limit of 0 would answer every request with an overflow; `max_retries: 0` is a
     /// meaningful "no retries".
     fn circuit_breaker(&mut self, at: &str, breaker: &crate::CircuitBreaker) {
@@ -1688,6 +1755,8 @@ mod tests {
                 tls: None,
                 authorization: None,
                 hbone: None,
+                rate_limit: None,
+                connection_rate_limit: None,
             }],
             clusters: vec![],
             kernel: None,

@@ -220,6 +220,7 @@ impl Shared {
         self.metrics.retain(&snapshot.series);
         self.metrics
             .set_certificates(snapshot.presented_certificates());
+        self.metrics.rate_limits.retain(&snapshot.config);
         state.snapshot = snapshot;
         if let Some(k) = &self.kernel {
             k.install(&kernel_plan(&state));

@@ -22,6 +22,23 @@ pub(crate) async fn serve(ctx: Arc<ConnContext>, stream: TcpStream) {
         .snapshot
         .listener_at(ctx.listener_address, ctx.protocol)
         .map(|l| &current.snapshot.listeners[l]);
+    // A tcp listener's connection_rate_limit, in user space: the connection is accepted,
+    // then reset at once (tier K, when attached, refuses it before it is accepted).
+    if let Some(limiter) = plan
+        .filter(|_| ctx.protocol == ListenerProtocol::Tcp)
+        .and_then(|l| l.rate_limit.as_ref())
+    {
+        if limiter
+            .admit(
+                tokio::time::Instant::now(),
+                crate::resilience::rate_limit::Key::None,
+            )
+            .is_err()
+        {
+            crate::relay::reset_on_close(&stream);
+            return;
+        }
+    }
     let stats = plan.map(|l| l.stats.clone());
     let worker = ctx.worker;
     if let Some(s) = &stats {

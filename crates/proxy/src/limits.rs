@@ -486,6 +486,8 @@ mod tests {
             tls: None,
             authorization: None,
             hbone: None,
+            rate_limit: None,
+            connection_rate_limit: None,
         }
     }
 

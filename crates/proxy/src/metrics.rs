@@ -363,6 +363,8 @@ pub struct Metrics {
     pub faults: Arc<crate::l7::fault::FaultCounts>,
     /// Mirror copies: the node's cap on those in flight, and their counts (`crate::l7::mirror`).
     pub mirrors: Arc<crate::l7::mirror::MirrorGate>,
+    /// Rate limits of every listener and route (`crate::resilience::rate_limit`).
+    pub rate_limits: crate::resilience::rate_limit::Registry,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -394,6 +396,7 @@ impl Metrics {
             resilience: crate::resilience::Registry::default(),
             faults: Arc::new(crate::l7::fault::FaultCounts::new(workers)),
             mirrors: Arc::new(crate::l7::mirror::MirrorGate::new(workers)),
+            rate_limits: crate::resilience::rate_limit::Registry::default(),
         })
     }
 
@@ -692,6 +695,7 @@ impl Collector for Scrape {
         m.resilience.encode(&mut enc)?;
         m.faults.encode(&mut enc)?;
         m.mirrors.encode(&mut enc)?;
+        m.rate_limits.encode(&mut enc)?;
         tls_families(
             &mut enc,
             "flatmesh_upstream_tls_",

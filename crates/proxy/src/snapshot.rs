@@ -13,6 +13,7 @@ use http::HeaderName;
 use crate::error::ProxyError;
 use crate::lb::HashTable;
 use crate::metrics::{ClusterStats, ListenerStats, Metrics, RequestStats, Series, WorkerCounter};
+use crate::resilience::rate_limit::{RateLimiter, Scope};
 use crate::resilience::ClusterGuard;
 use crate::tls::{ClusterTlsPlan, ListenerTlsPlan};
 
@@ -52,6 +53,39 @@ pub struct ListenerPlan {
     pub authz_stats: Vec<[Arc<WorkerCounter>; 2]>,
     /// hbone listeners: where tunnels may go (`hbone.destinations`; empty: loopback only).
     pub destinations: Vec<flatmesh_config::destination::Destination>,
+    /// The listener's `rate_limit` (http) or `connection_rate_limit` (tcp), shared by every
+    /// worker and kept across reloads that leave it alone.
+    pub rate_limit: Option<Arc<RateLimiter>>,
+    /// Per route, in order: its `rate_limit`.
+    pub route_limits: Vec<Option<Arc<RateLimiter>>>,
+    /// What a keyed `rate_limit` of the listener (index 0) and of each route (1 + index)
+    /// reads from the request.
+    pub limit_keys: Vec<LimitKey>,
+}
+
+/// What a rate limit's buckets are told apart by, ready for the request path.
+#[derive(Clone)]
+pub enum LimitKey {
+    None,
+    ClientAddress,
+    Header(HeaderName),
+}
+
+impl LimitKey {
+    fn of(limit: Option<&flatmesh_config::RateLimit>, at: &str) -> Result<LimitKey, ProxyError> {
+        use flatmesh_config::RateLimitKey;
+        Ok(match limit.and_then(|l| l.key.as_ref()) {
+            None => LimitKey::None,
+            Some(RateLimitKey::Named(_)) => LimitKey::ClientAddress,
+            Some(RateLimitKey::Header { header }) => {
+                LimitKey::Header(HeaderName::try_from(header.as_str()).map_err(|_| {
+                    ProxyError::Config(format!(
+                        "{at}: rate_limit.key.header `{header}` is not a valid header name"
+                    ))
+                })?)
+            }
+        })
+    }
 }
 
 impl ListenerPlan {
@@ -168,8 +202,22 @@ impl Snapshot {
                 })
                 .collect::<Result<_, _>>()?;
             let mut route_stats = Vec::with_capacity(l.routes.len());
+            let mut route_limits = Vec::with_capacity(l.routes.len());
+            let mut limit_keys = vec![LimitKey::of(
+                l.rate_limit.as_ref(),
+                &format!("listener `{}`", l.name),
+            )?];
             for (rid, route) in l.routes.iter().enumerate() {
                 let name = route.display_name(&l.name, rid);
+                route_limits.push(route.rate_limit.as_ref().map(|limit| {
+                    metrics
+                        .rate_limits
+                        .limiter(&l.name, &name, Scope::Route, limit)
+                }));
+                limit_keys.push(LimitKey::of(
+                    route.rate_limit.as_ref(),
+                    &format!("route `{name}`"),
+                )?);
                 let targets: Vec<Option<ClusterId>> = match (&route.cluster, &route.split) {
                     (Some(c), _) => vec![program.cluster_id(c)],
                     (None, Some(split)) => split
@@ -196,7 +244,25 @@ impl Snapshot {
                     .collect(),
                 None => Vec::new(),
             };
+            let rate_limit = match (&l.rate_limit, &l.connection_rate_limit) {
+                (Some(limit), _) => Some(metrics.rate_limits.limiter(
+                    &l.name,
+                    "",
+                    Scope::Listener,
+                    limit,
+                )),
+                (None, Some(limit)) => Some(metrics.rate_limits.limiter(
+                    &l.name,
+                    "",
+                    Scope::Connections,
+                    &limit.as_rate_limit(),
+                )),
+                (None, None) => None,
+            };
             listeners.push(ListenerPlan {
+                rate_limit,
+                route_limits,
+                limit_keys,
                 authz_stats,
                 destinations,
                 name: l.name.clone(),

@@ -65,6 +65,7 @@ impl RuleProgram {
                     ];
                     table(&mut out, &header, &[row]);
                     explain_authz(&mut out, l);
+                    explain_listener_rate_limit(&mut out, l);
                 }
                 TableKind::Hbone(rule) => {
                     let _ = writeln!(
@@ -86,6 +87,7 @@ impl RuleProgram {
                     ];
                     table(&mut out, &header, &[row]);
                     explain_authz(&mut out, l);
+                    explain_listener_rate_limit(&mut out, l);
                 }
                 TableKind::Http(t) => {
                     let s = t.index_stats();
@@ -122,6 +124,7 @@ impl RuleProgram {
                     table(&mut out, &header, &rows);
                     let _ = writeln!(out, "  (no match: 404)");
                     explain_authz(&mut out, l);
+                    explain_listener_rate_limit(&mut out, l);
                     self.explain_kernel_table(&mut out, lid);
                     self.explain_image(&mut out, lid);
                 }
@@ -302,6 +305,9 @@ impl RuleProgram {
                 m.share.percent
             );
         }
+        if let Some(limit) = &r.rate_limit {
+            let _ = write!(text, "; {}", describe_rate_limit(limit, "requests"));
+        }
         text
     }
 
@@ -334,6 +340,7 @@ impl RuleProgram {
                         },
                         "tls": l.tls,
                         "authorization": l.authz.as_ref().map(|a| a.summary()),
+                        "rate_limit": l.rate_limit,
                     })
                 }
                 TableKind::Hbone(rule) => {
@@ -352,6 +359,7 @@ impl RuleProgram {
                         },
                         "tls": l.tls,
                         "authorization": l.authz.as_ref().map(|a| a.summary()),
+                        "rate_limit": l.rate_limit,
                     })
                 }
                 TableKind::Http(t) => {
@@ -372,6 +380,7 @@ impl RuleProgram {
                         "routes": t.routes.iter().map(|r| self.route_json(id, r, node)).collect::<Vec<_>>(),
                         "tls": l.tls,
                         "authorization": l.authz.as_ref().map(|a| a.summary()),
+                        "rate_limit": l.rate_limit,
                     })
                 }
             })
@@ -436,6 +445,7 @@ impl RuleProgram {
                 "cluster": self.cluster_name(m.cluster),
                 "percent": m.share.percent,
             })),
+            "rate_limit": r.rate_limit,
             "eligible": r.placement.eligible,
             "tier": tier,
             "reason": reason,
@@ -580,6 +590,44 @@ fn explain_authz(out: &mut String, l: &crate::ListenerTable) {
     if !rows.is_empty() {
         table(out, &["#", "policy", "action", "when"], &rows);
     }
+}
+
+/// A rate limit in a line: `rate limit 100 requests/s, burst 10, per header x-user`.
+fn describe_rate_limit(limit: &flatmesh_config::RateLimit, what: &str) -> String {
+    let key = match &limit.key {
+        None => String::new(),
+        Some(flatmesh_config::RateLimitKey::Named(_)) => ", per client address".into(),
+        Some(flatmesh_config::RateLimitKey::Header { header }) => format!(", per header {header}"),
+    };
+    format!(
+        "rate limit {} {what}/s, burst {}{key}",
+        limit.requests_per_s,
+        limit.burst()
+    )
+}
+
+/// A listener's own rate limit, as a line under its table.
+fn explain_listener_rate_limit(out: &mut String, l: &crate::ListenerTable) {
+    let Some(limit) = &l.rate_limit else {
+        return;
+    };
+    let (what, before) = match l.kind {
+        TableKind::Tcp(_) => (
+            "connections",
+            "each new connection, in user space (accepted, then reset when over)",
+        ),
+        _ => ("requests", "every request before routing, in the user tier"),
+    };
+    let _ = writeln!(
+        out,
+        "  {} (node-wide; {before}; over it: {})",
+        describe_rate_limit(limit, what),
+        if what == "connections" {
+            "closed"
+        } else {
+            "429 with retry-after, gRPC RESOURCE_EXHAUSTED"
+        }
+    );
 }
 
 /// A circuit breaker in a table cell: `connections 1024, pending 1024, requests 1024, retries 3`.

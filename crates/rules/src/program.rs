@@ -70,6 +70,9 @@ pub struct ListenerTable {
     /// The listener's authorization policies, run by the user tier on every request (http)
     /// or connection (tcp).
     pub authz: Option<ListenerAuthz>,
+    /// An http listener's `rate_limit`, or a tcp listener's `connection_rate_limit` (as a
+    /// rate limit without a key), counted by the user tier.
+    pub rate_limit: Option<flatmesh_config::RateLimit>,
 }
 
 #[derive(Debug, Clone)]
@@ -137,6 +140,8 @@ pub struct CompiledRoute {
     pub mirror: Option<MirrorAction>,
     /// Protocol upgrades the route lets through, lower case (`websocket`).
     pub upgrades: Vec<String>,
+    /// The route's `rate_limit`, counted by the user tier.
+    pub rate_limit: Option<flatmesh_config::RateLimit>,
     /// Where the rule runs as the config asks (same as `placement.tier`).
     pub tier: Tier,
     /// The match half of the rule, for lowerings, explain and the reference executor.
@@ -297,6 +302,11 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
                 .as_ref()
                 .map(|a| ListenerAuthz::compile(&l.name, a))
                 .transpose()?,
+            rate_limit: l.rate_limit.clone().or_else(|| {
+                l.connection_rate_limit
+                    .as_ref()
+                    .map(flatmesh_config::ConnectionRateLimit::as_rate_limit)
+            }),
         });
     }
     // Every lowering runs on the compiled tables; each rule's placement is read from them.
@@ -421,6 +431,7 @@ fn compile_route(
             )),
         },
         upgrades: r.upgrades.iter().map(|u| u.to_ascii_lowercase()).collect(),
+        rate_limit: r.rate_limit.clone(),
         tier: UNPLACED.tier,
         matches,
         placement: UNPLACED,

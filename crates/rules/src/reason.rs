@@ -62,6 +62,10 @@ pub enum Reason {
     HboneListener,
     /// The listener has authorization policies, which the user tier runs.
     Authorization,
+    /// The listener has a `rate_limit`, which the user tier counts on every request.
+    ListenerRateLimit,
+    /// The route has a `rate_limit`, which the user tier counts on every request.
+    RateLimit,
 
     // What the config asks for.
     NoKernelSection,
@@ -110,6 +114,7 @@ impl Reason {
                 | Reason::ListenerTls
                 | Reason::HboneListener
                 | Reason::Authorization
+                | Reason::ListenerRateLimit
                 | Reason::Shadowed { .. }
                 | Reason::KernelTableFull { .. }
                 | Reason::ImageFull { .. }
@@ -180,6 +185,10 @@ impl std::fmt::Display for Reason {
             Reason::Authorization => f.write_str(
                 "the listener has authorization policies, which only the user tier runs",
             ),
+            Reason::ListenerRateLimit => f.write_str(
+                "the listener has a rate_limit, which only the user tier counts",
+            ),
+            Reason::RateLimit => f.write_str("the route has a rate_limit, which only the user tier counts"),
             Reason::NoKernelSection => f.write_str("the config has no `kernel:` section"),
             Reason::NoL7Dispatch => f.write_str("kernel.l7_dispatch is off"),
             Reason::OtherL7Listener => {

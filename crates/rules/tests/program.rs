@@ -842,3 +842,62 @@ fn fault_and_mirror_routes_run_in_the_user_tier_and_say_why() {
         Err(RulesError::UnknownCluster { cluster, .. }) if cluster == "nope"
     ));
 }
+
+#[test]
+fn rate_limited_routes_and_listeners_stay_in_the_user_tier_and_explain_shows_the_limits() {
+    let placed = |listener_limit: &str| {
+        let config = cfg(&format!(
+            "listeners:\n  - name: web\n    address: 127.0.0.1:1\n    protocol: http\n{listener_limit}    routes:\n\
+             \x20     - match: {{ path: {{ prefix: /limited }} }}\n        cluster: a\n        rate_limit: {{ requests_per_s: 10, burst: 20, key: {{ header: x-user }} }}\n\
+             \x20     - match: {{ path: {{ prefix: /ok }} }}\n        cluster: a\n\
+             \x20 - name: db\n    address: 127.0.0.1:3\n    protocol: tcp\n    cluster: a\n    connection_rate_limit: {{ connections_per_s: 50 }}\n\
+             clusters:\n  - {{ name: a, endpoints: [127.0.0.1:2] }}\n\
+             kernel: {{ l7_dispatch: true }}\n"
+        ));
+        let p = compile(&config).unwrap();
+        let tiers: Vec<_> = match &p.listeners()[0].kind {
+            flatmesh_rules::TableKind::Http(t) => t
+                .routes
+                .iter()
+                .map(|r| (r.tier, r.placement.reason))
+                .collect(),
+            other => panic!("unexpected {other:?}"),
+        };
+        (p, tiers)
+    };
+    let (p, tiers) = placed("");
+    assert_eq!(
+        tiers,
+        [
+            (Tier::UserL7, Reason::RateLimit),
+            (Tier::Kernel, Reason::KernelDecides),
+        ]
+    );
+    let text = p.explain();
+    assert!(
+        text.contains("forward a; rate limit 10 requests/s, burst 20, per header x-user"),
+        "{text}"
+    );
+    assert!(
+        text.contains("rate limit 50 connections/s, burst 50 (node-wide;"),
+        "{text}"
+    );
+    assert_eq!(
+        p.to_json()["listeners"][0]["routes"][0]["rate_limit"]["requests_per_s"],
+        10
+    );
+    // A listener-wide limit counts every request: no route of it is decided below.
+    let (p, tiers) = placed("    rate_limit: { requests_per_s: 100, key: client_address }\n");
+    assert!(
+        tiers
+            .iter()
+            .all(|t| *t == (Tier::UserL7, Reason::ListenerRateLimit)),
+        "{tiers:?}"
+    );
+    assert!(
+        p.explain()
+            .contains("rate limit 100 requests/s, burst 100, per client address (node-wide; every request before routing"),
+        "{}",
+        p.explain()
+    );
+}

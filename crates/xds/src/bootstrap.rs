@@ -475,6 +475,16 @@ fn typed_config(v: Value, path: &str) -> Result<Any> {
             Some(rules) => crate::rbac::pack_with_rules(&HttpRbac::default(), &rules),
             None => pack(&HttpRbac::default()),
         }
+    } else if crate::local_ratelimit::is_http(&Any {
+        type_url: type_name.clone(),
+        value: Vec::new(),
+    }) {
+        pack(&http_local_ratelimit_of(&mut o)?)
+    } else if crate::local_ratelimit::is_network(&Any {
+        type_url: type_name.clone(),
+        value: Vec::new(),
+    }) {
+        pack(&network_local_ratelimit_of(&mut o)?)
     } else if type_name == NetworkRbac::type_url() {
         let filter = NetworkRbac {
             stat_prefix: o.string("stat_prefix")?.unwrap_or_default(),
@@ -487,7 +497,7 @@ fn typed_config(v: Value, path: &str) -> Result<Any> {
     } else {
         return Err(XdsError::resource(
             o.at("@type"),
-            format!("`{type_name}` is not supported; flatmesh runs the HTTP connection manager (with the RBAC and router filters), tcp_proxy and network RBAC"),
+            format!("`{type_name}` is not supported; flatmesh runs the HTTP connection manager (with the RBAC, local rate limit and router filters), tcp_proxy, network RBAC and the network local rate limit"),
         ));
     };
     o.finish()?;
@@ -878,15 +888,74 @@ fn mirror_policy_of(v: Value, path: &str) -> Result<route_action::RequestMirrorP
         cluster: o.string("cluster")?.unwrap_or_default(),
         ..Default::default()
     };
-    if let Some(mut f) = o.obj("runtime_fraction")? {
-        p.runtime_fraction = Some(RuntimeFractionalPercent {
-            default_value: f.obj("default_value")?.map(fractional_of).transpose()?,
-            runtime_key: f.string("runtime_key")?.unwrap_or_default(),
-        });
-        f.finish()?;
-    }
+    p.runtime_fraction = o
+        .obj("runtime_fraction")?
+        .map(runtime_percent_of)
+        .transpose()?;
     o.finish()?;
     Ok(p)
+}
+
+/// Envoy's `token_bucket`.
+fn token_bucket_of(mut o: Obj) -> Result<envoy_types::pb::envoy::r#type::v3::TokenBucket> {
+    let tb = envoy_types::pb::envoy::r#type::v3::TokenBucket {
+        max_tokens: o.u32("max_tokens")?.unwrap_or(0),
+        tokens_per_fill: o.u32("tokens_per_fill")?.map(|value| UInt32Value { value }),
+        fill_interval: o.duration("fill_interval")?,
+    };
+    o.finish()?;
+    Ok(tb)
+}
+
+/// A `RuntimeFractionalPercent` (`{ default_value: { numerator, denominator }, runtime_key }`).
+fn runtime_percent_of(mut o: Obj) -> Result<RuntimeFractionalPercent> {
+    let mut out = RuntimeFractionalPercent {
+        runtime_key: o.string("runtime_key")?.unwrap_or_default(),
+        ..Default::default()
+    };
+    out.default_value = o.obj("default_value")?.map(fractional_of).transpose()?;
+    o.finish()?;
+    Ok(out)
+}
+
+/// `envoy.filters.http.local_ratelimit`'s config: what `crate::local_ratelimit` maps.
+fn http_local_ratelimit_of(
+    o: &mut Obj,
+) -> Result<envoy_types::pb::envoy::extensions::filters::http::local_ratelimit::v3::LocalRateLimit>
+{
+    Ok(
+        envoy_types::pb::envoy::extensions::filters::http::local_ratelimit::v3::LocalRateLimit {
+            stat_prefix: o.string("stat_prefix")?.unwrap_or_default(),
+            token_bucket: o.obj("token_bucket")?.map(token_bucket_of).transpose()?,
+            filter_enabled: o
+                .obj("filter_enabled")?
+                .map(runtime_percent_of)
+                .transpose()?,
+            filter_enforced: o
+                .obj("filter_enforced")?
+                .map(runtime_percent_of)
+                .transpose()?,
+            rate_limited_as_resource_exhausted: o
+                .bool("rate_limited_as_resource_exhausted")?
+                .unwrap_or(false),
+            enable_retry_after_header: o.bool("enable_retry_after_header")?.unwrap_or(false),
+            ..Default::default()
+        },
+    )
+}
+
+/// `envoy.filters.network.local_ratelimit`'s config.
+fn network_local_ratelimit_of(
+    o: &mut Obj,
+) -> Result<envoy_types::pb::envoy::extensions::filters::network::local_ratelimit::v3::LocalRateLimit>
+{
+    Ok(
+        envoy_types::pb::envoy::extensions::filters::network::local_ratelimit::v3::LocalRateLimit {
+            stat_prefix: o.string("stat_prefix")?.unwrap_or_default(),
+            token_bucket: o.obj("token_bucket")?.map(token_bucket_of).transpose()?,
+            ..Default::default()
+        },
+    )
 }
 
 fn header_options(list: Vec<Value>, path: &str) -> Result<Vec<HeaderValueOption>> {

@@ -42,6 +42,7 @@ use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, RegexMatcher, 
 use envoy_types::pb::google::protobuf::{self as pbuf, UInt32Value};
 use flatmesh_config as model;
 
+use crate::local_ratelimit;
 use crate::rbac;
 use crate::resources::{pack, Resources};
 use crate::tls;
@@ -256,6 +257,26 @@ fn listener(l: &model::Listener) -> Listener {
         (model::ListenerProtocol::Tcp, Some(a)) => rbac::network_filters(a, &l.name),
         _ => Vec::new(),
     };
+    // A connection_rate_limit is the network local rate limit, before tcp_proxy.
+    if let Some(limit) = &l.connection_rate_limit {
+        filters.push(Filter {
+            name: local_ratelimit::NETWORK_NAME.into(),
+            config_type: Some(filter::ConfigType::TypedConfig(pack(
+                &local_ratelimit::network_config(&l.name, limit),
+            ))),
+        });
+    }
+    // The HTTP local rate limit, before the router: with the listener's bucket, or without
+    // one so that the routes' own limits apply.
+    let http_rate_limit = (l.rate_limit.is_some()
+        || l.routes.iter().any(|r| r.rate_limit.is_some()))
+    .then(|| local_ratelimit::http_config(&l.name, l.rate_limit.as_ref()))
+    .flatten()
+    .map(|c| HttpFilter {
+        name: local_ratelimit::HTTP_NAME.into(),
+        config_type: Some(http_filter::ConfigType::TypedConfig(pack(&c))),
+        ..Default::default()
+    });
     let filter = match l.protocol {
         model::ListenerProtocol::Http => Filter {
             name: HCM_NAME.into(),
@@ -276,6 +297,7 @@ fn listener(l: &model::Listener) -> Listener {
                         .map(rbac::http_filters)
                         .unwrap_or_default()
                         .into_iter()
+                        .chain(http_rate_limit)
                         .chain(crate::fault::filter_for(l))
                         .chain([HttpFilter {
                             name: ROUTER_NAME.into(),
@@ -586,6 +608,17 @@ fn route(r: &model::Route, config: &model::Config) -> Route {
                     pack(&crate::fault::http_fault(f)),
                 )
             })
+            .chain(
+                r.rate_limit
+                    .as_ref()
+                    .and_then(|limit| {
+                        local_ratelimit::http_config(
+                            r.name.as_deref().unwrap_or("route"),
+                            Some(limit),
+                        )
+                    })
+                    .map(|c| (local_ratelimit::HTTP_NAME.to_owned(), pack(&c))),
+            )
             .collect(),
         ..Default::default()
     }

@@ -29,6 +29,7 @@ pub mod fault;
 pub mod feed;
 pub mod from_model;
 pub mod identities;
+pub mod local_ratelimit;
 pub mod rbac;
 pub mod resources;
 pub mod secure;

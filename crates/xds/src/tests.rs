@@ -1947,3 +1947,177 @@ fn faults_and_mirrors_import_from_envoy() {
     ));
     assert!(e.contains("THOUSAND"), "{e}");
 }
+
+#[test]
+fn rate_limits_map_over_xds_as_envoy_s_local_rate_limits() {
+    use envoy_types::pb::envoy::config::listener::v3::filter;
+    let config = model::parse(
+        r#"
+listeners:
+  - name: web
+    address: 127.0.0.1:8080
+    protocol: http
+    rate_limit: { requests_per_s: 100, burst: 50 }
+    routes:
+      - { name: slow, match: { path: { prefix: /slow } }, cluster: api, rate_limit: { requests_per_s: 2 } }
+      - { match: { path: { prefix: / } }, cluster: api }
+  - name: free
+    address: 127.0.0.1:8081
+    protocol: http
+    routes:
+      - { name: one, match: { path: { prefix: / } }, cluster: api, rate_limit: { requests_per_s: 5, burst: 1 } }
+  - { name: db, address: 127.0.0.1:9000, protocol: tcp, cluster: api, connection_rate_limit: { connections_per_s: 10, burst: 20 } }
+clusters:
+  - { name: api, endpoints: [ 127.0.0.1:1 ] }
+"#,
+        "t.yaml",
+    )
+    .unwrap();
+    let mut resources = crate::from_model::resources(&config);
+    // The tcp listener's limit is the network filter before tcp_proxy.
+    let db = &resources.listeners["db"].filter_chains[0].filters;
+    assert_eq!(db[0].name, crate::local_ratelimit::NETWORK_NAME);
+    let back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
+    for name in ["web", "free", "db"] {
+        let find = |c: &model::Config| c.listeners.iter().find(|l| l.name == name).cloned();
+        let (a, b) = (&find(&back).unwrap(), &find(&config).unwrap());
+        assert_eq!(a.rate_limit, b.rate_limit, "{name}");
+        assert_eq!(a.connection_rate_limit, b.connection_rate_limit, "{name}");
+        let limits = |l: &model::Listener| -> Vec<_> {
+            // Envoy states the burst: the default one comes back written out.
+            l.routes
+                .iter()
+                .map(|r| {
+                    r.rate_limit
+                        .as_ref()
+                        .map(|r| (r.requests_per_s, r.burst(), r.key.clone()))
+                })
+                .collect()
+        };
+        assert_eq!(limits(a)[..b.routes.len()], limits(b)[..], "{name}");
+    }
+    // A share other than all or nothing is NACKed, not rounded.
+    let web = resources.listeners.get_mut("web").unwrap();
+    let Some(filter::ConfigType::TypedConfig(any)) =
+        &mut web.filter_chains[0].filters[0].config_type
+    else {
+        panic!("an inline connection manager")
+    };
+    let mut hcm: envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager =
+        prost::Message::decode(any.value.as_slice()).unwrap();
+    let envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_filter::ConfigType::TypedConfig(limit_any) =
+        hcm.http_filters[0].config_type.clone().unwrap()
+    else {
+        panic!("a typed config")
+    };
+    let mut limit: envoy_types::pb::envoy::extensions::filters::http::local_ratelimit::v3::LocalRateLimit =
+        prost::Message::decode(limit_any.value.as_slice()).unwrap();
+    limit
+        .filter_enforced
+        .as_mut()
+        .unwrap()
+        .default_value
+        .as_mut()
+        .unwrap()
+        .numerator = 50;
+    limit.token_bucket.as_mut().unwrap().fill_interval =
+        Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: 3,
+            nanos: 0,
+        });
+    hcm.http_filters[0].config_type = Some(envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::http_filter::ConfigType::TypedConfig(crate::resources::pack(&limit)));
+    *any = crate::resources::pack(&hcm);
+    let e = crate::to_model::translate(&resources, &bootstrap::empty_config())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("filter_enforced") && e.contains("100%"), "{e}");
+}
+
+#[test]
+fn envoy_s_token_buckets_map_to_whole_rates_only() {
+    use envoy_types::pb::envoy::extensions::filters::network::local_ratelimit::v3::LocalRateLimit;
+    use envoy_types::pb::envoy::r#type::v3::TokenBucket;
+    use envoy_types::pb::google::protobuf::{Duration, UInt32Value};
+    let of = |per_fill: u32, seconds: i64, nanos: i32| {
+        let any = crate::resources::pack(&LocalRateLimit {
+            stat_prefix: "db".into(),
+            token_bucket: Some(TokenBucket {
+                max_tokens: 7,
+                tokens_per_fill: Some(UInt32Value { value: per_fill }),
+                fill_interval: Some(Duration { seconds, nanos }),
+            }),
+            ..Default::default()
+        });
+        crate::local_ratelimit::network(&any, "f")
+    };
+    let five = of(1, 0, 200_000_000).unwrap();
+    assert_eq!((five.connections_per_s, five.burst), (5, Some(7)));
+    assert_eq!(of(60, 60, 0).unwrap().connections_per_s, 1);
+    let e = of(1, 2, 0).unwrap_err().to_string();
+    assert!(
+        e.contains("not a whole number of requests per second"),
+        "{e}"
+    );
+}
+
+#[test]
+fn local_rate_limits_import_from_an_envoy_bootstrap() {
+    const LRL: &str =
+        "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit";
+    let all = "{ default_value: { numerator: 100, denominator: HUNDRED } }";
+    let text = example()
+        .replace(
+            "          http_filters:\n",
+            &format!("          http_filters:\n          - name: envoy.filters.http.local_ratelimit\n            typed_config: {{ \"@type\": {LRL}, stat_prefix: web, token_bucket: {{ max_tokens: 40, tokens_per_fill: 20, fill_interval: 1s }}, filter_enabled: {all}, filter_enforced: {all} }}\n"),
+        )
+        .replace(
+            "              - match: { prefix: /v2 }\n",
+            &format!("              - match: {{ prefix: /v2 }}\n                typed_per_filter_config:\n                  envoy.filters.http.local_ratelimit: {{ \"@type\": {LRL}, stat_prefix: v2, token_bucket: {{ max_tokens: 3, fill_interval: 0.5s }}, filter_enabled: {all}, filter_enforced: {all} }}\n"),
+        )
+        .replace(
+            "    - filters:\n      - name: envoy.filters.network.tcp_proxy\n",
+            "    - filters:\n      - name: envoy.filters.network.local_ratelimit\n        typed_config: { \"@type\": type.googleapis.com/envoy.extensions.filters.network.local_ratelimit.v3.LocalRateLimit, stat_prefix: echo, token_bucket: { max_tokens: 9, tokens_per_fill: 3, fill_interval: 1s } }\n      - name: envoy.filters.network.tcp_proxy\n",
+        );
+    let config = bootstrap::parse(&text, "envoy.yaml").unwrap();
+    let web = config.listeners.iter().find(|l| l.name == "web").unwrap();
+    assert_eq!(
+        web.rate_limit,
+        Some(model::RateLimit {
+            requests_per_s: 20,
+            burst: Some(40),
+            key: None
+        })
+    );
+    assert_eq!(
+        web.routes[0].rate_limit,
+        Some(model::RateLimit {
+            requests_per_s: 2,
+            burst: Some(3),
+            key: None
+        })
+    );
+    assert!(web.routes[1..].iter().all(|r| r.rate_limit.is_none()));
+    let echo = config.listeners.iter().find(|l| l.name == "echo").unwrap();
+    assert_eq!(
+        echo.connection_rate_limit,
+        Some(model::ConnectionRateLimit {
+            connections_per_s: 3,
+            burst: Some(9)
+        })
+    );
+    // Envoy's default share is 0%: a filter that does not say 100% enforces nothing.
+    let counting = text.replace("filter_enforced: { default_value: { numerator: 100, denominator: HUNDRED } } }\n          - name: envoy.filters.http.router", "filter_enforced: { default_value: { numerator: 0 } } }\n          - name: envoy.filters.http.router");
+    let config = bootstrap::parse(&counting, "envoy.yaml").unwrap();
+    let web = config.listeners.iter().find(|l| l.name == "web").unwrap();
+    assert_eq!(web.rate_limit, None);
+    assert!(
+        web.routes[0].rate_limit.is_some(),
+        "the route's own still applies"
+    );
+    // Descriptors have no flatmesh counterpart: refused by name.
+    let e = import_error(&text.replace(
+        "stat_prefix: web, token_bucket",
+        "stat_prefix: web, descriptors: [ {} ], token_bucket",
+    ));
+    assert!(e.contains("descriptors"), "{e}");
+}

@@ -463,11 +463,15 @@ fn listener(
     };
     // Before the last filter only RBAC may come (a tcp listener's authorization).
     let mut network_rbac = crate::rbac::Layers::default();
+    let mut connection_rate_limit = None;
     for (i, f) in filters.iter().enumerate() {
         let here = format!("{at}: filter_chains[0].filters[{i}].typed_config");
         match &f.config_type {
             Some(filter::ConfigType::TypedConfig(any)) if any.type_url == NetworkRbac::type_url() => {
                 network_rbac.network(any, &here)?
+            }
+            Some(filter::ConfigType::TypedConfig(any)) if crate::local_ratelimit::is_network(any) => {
+                connection_rate_limit = Some(crate::local_ratelimit::network(any, &here)?);
             }
             _ => {
                 return Err(XdsError::resource(
@@ -499,6 +503,16 @@ fn listener(
                 &format!("{at_filter}.http2_protocol_options"),
             )?;
         }
+        if connection_rate_limit.is_some() {
+            return Err(XdsError::resource(
+                format!("{at}: filter_chains[0].filters"),
+                format!(
+                    "{} on an http listener is not supported: flatmesh limits requests there; write {} in the connection manager's http_filters",
+                    crate::local_ratelimit::NETWORK_NAME,
+                    crate::local_ratelimit::HTTP_NAME
+                ),
+            ));
+        }
         if network_rbac.is_some() {
             return Err(XdsError::resource(
                 format!("{at}: filter_chains[0].filters[0]"),
@@ -513,12 +527,19 @@ fn listener(
         let Some((config, mut options)) = http_routes(hcm, routes, &at_filter)? else {
             return Ok(None);
         };
-        let routes = flatten(
+        let mut routes = flatten(
             &config,
             &options.upgrades,
             options.fault.as_ref(),
             hash_headers,
         )?;
+        // As in Envoy, a route's local rate limit applies only where the connection manager
+        // runs the filter.
+        if !options.local_ratelimit {
+            for r in &mut routes {
+                r.rate_limit = None;
+            }
+        }
         Ok(Some(model::Listener {
             name,
             address,
@@ -532,6 +553,8 @@ fn listener(
             tls,
             authorization: options.authorization.take(),
             hbone: None,
+            rate_limit: options.rate_limit.take(),
+            connection_rate_limit: None,
         }))
     } else if any.type_url == TcpProxy::type_url() {
         let mut tcp: TcpProxy = unpack(any, &at_filter)?;
@@ -577,6 +600,8 @@ fn listener(
             tls,
             authorization: network_rbac,
             hbone: None,
+            rate_limit: None,
+            connection_rate_limit,
         }))
     } else {
         Err(XdsError::resource(
@@ -631,6 +656,10 @@ struct HcmOptions {
     authorization: Option<model::Authorization>,
     /// The fault filter before the router (`crate::fault`).
     fault: Option<crate::fault::FaultFilter>,
+    /// The connection manager runs the local rate limit filter (routes' own limits apply).
+    local_ratelimit: bool,
+    /// Its token bucket: the listener's `rate_limit`.
+    rate_limit: Option<model::RateLimit>,
 }
 
 /// The HTTP connection manager's options and route configuration (inline, or by RDS name).
@@ -724,6 +753,12 @@ fn http_routes(
                 rbac.http(any, &format!("{here}.typed_config"))?;
                 continue;
             }
+            if crate::local_ratelimit::is_http(any) && !router_seen {
+                options.rate_limit =
+                    crate::local_ratelimit::http(any, &format!("{here}.typed_config"))?;
+                options.local_ratelimit = true;
+                continue;
+            }
         }
         let is_router = match &f.config_type {
             Some(
@@ -740,9 +775,10 @@ fn http_routes(
             return Err(XdsError::resource(
                 here,
                 format!(
-                    "HTTP filter `{}` is not supported; flatmesh runs only {} (a listener's authorization) and {ROUTER_NAME} (its routes do the rest)",
+                    "HTTP filter `{}` is not supported; flatmesh runs only {} (a listener's authorization), {} (rate limits) and {ROUTER_NAME} (its routes do the rest)",
                     f.name,
-                    crate::rbac::HTTP_RBAC_NAME
+                    crate::rbac::HTTP_RBAC_NAME,
+                    crate::local_ratelimit::HTTP_NAME
                 ),
             ));
         }
@@ -889,6 +925,7 @@ fn not_found(host: Option<String>) -> model::Route {
         fault: None,
         mirror: None,
         upgrades: Vec::new(),
+        rate_limit: None,
     }
 }
 
@@ -915,6 +952,7 @@ fn route(
         &format!("{at}.response_headers_to_add"),
     )?;
     out.request_headers_to_remove = take(&mut rest.request_headers_to_remove);
+    out.rate_limit = crate::local_ratelimit::route_config(&mut rest.typed_per_filter_config, at)?;
     match rest.action.take() {
         Some(route::Action::Route(action)) => route_action(
             action,

@@ -402,7 +402,7 @@ fn prepare<'v>(
         query: info.query,
         headers,
     };
-    let caller = (ctx.peer(), ctx.worker);
+    let caller = (ctx.peer(), ctx.worker, ctx.peer);
     let action = match decide(snap, lid, &meta, caller, false, || info.target()) {
         Decision::Reply(route, resp) => Action::Reply(route, resp),
         Decision::Forward(route, ..)

@@ -399,7 +399,7 @@ async fn handle(
             snap,
             lid,
             &meta,
-            (ctx.peer(), ctx.worker),
+            (ctx.peer(), ctx.worker, ctx.peer),
             grpc,
             path_and_query,
         )

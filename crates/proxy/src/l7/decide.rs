@@ -18,9 +18,10 @@ use http_body_util::Full;
 use super::body::ResponseBody;
 use super::fault::{self, Delayed, Drawn};
 use super::headers::add_headers;
-use super::reply::local_reply;
+use super::reply::{local_reply, rate_limited};
 use crate::lb::{hash64, hash_client};
-use crate::snapshot::Snapshot;
+use crate::resilience::rate_limit::{Key, RateLimiter, Scope};
+use crate::snapshot::{LimitKey, Snapshot};
 
 /// The host of a request held in `http` types: the target's authority, else Host.
 pub(crate) fn authority<'a>(uri: &'a Uri, headers: &'a HeaderMap) -> Option<&'a str> {
@@ -51,10 +52,26 @@ pub(crate) fn decide<'v>(
     snap: &'v Snapshot,
     listener: ListenerId,
     meta: &flatmesh_rules::Request<'_>,
-    caller: (Peer<'_>, usize),
+    caller: (Peer<'_>, usize, SocketAddr),
     grpc: bool,
     target: impl FnOnce() -> String,
 ) -> Decision<'v> {
+    let plan = &snap.listeners[listener];
+    // The listener's rate limit, before anything else is looked at.
+    if let Some(limiter) = &plan.rate_limit {
+        let key = plan.limit_keys.first();
+        if let Some(resp) = over_limit(
+            limiter,
+            key,
+            &plan.name,
+            meta,
+            caller.2,
+            Scope::Listener,
+            grpc,
+        ) {
+            return Decision::Reply(None, resp);
+        }
+    }
     let refuse = |why: String| {
         Decision::Reply(
             None,
@@ -102,7 +119,7 @@ pub(crate) fn decide<'v>(
     };
     // Authorization, on the normalised path: no spelling of a path walks around a policy.
     if let Some(authz) = snap.program.authz(listener) {
-        let (peer, worker) = caller;
+        let (peer, worker, _) = caller;
         let d = authz.check_request(meta, peer);
         snap.listeners[listener].count_authz(worker, d);
         if !d.allowed {
@@ -123,7 +140,6 @@ pub(crate) fn decide<'v>(
         }
     }
     let Some(route) = snap.program.route(listener, meta) else {
-        let plan = &snap.listeners[listener];
         return Decision::Reply(
             None,
             local_reply(
@@ -140,6 +156,21 @@ pub(crate) fn decide<'v>(
             ),
         );
     };
+    // The route's rate limit, once it matched.
+    if let Some(Some(limiter)) = plan.route_limits.get(route.id) {
+        let key = plan.limit_keys.get(1 + route.id);
+        if let Some(resp) = over_limit(
+            limiter,
+            key,
+            &route.name,
+            meta,
+            caller.2,
+            Scope::Route,
+            grpc,
+        ) {
+            return Decision::Reply(Some(route), resp);
+        }
+    }
     let cluster = match &route.action {
         RouteAction::DirectResponse { status, body } => {
             let mut resp = Response::new(ResponseBody::Local(Full::new(body.clone())));
@@ -163,6 +194,34 @@ pub(crate) fn decide<'v>(
         }
     };
     Decision::Forward(route, cluster, changed(path), delayed)
+}
+
+/// Takes a token from `limiter` for the request (keyed as `key` says); without one, the 429
+/// that names the listener or route `name`.
+fn over_limit(
+    limiter: &RateLimiter,
+    key: Option<&LimitKey>,
+    name: &str,
+    meta: &flatmesh_rules::Request<'_>,
+    client: SocketAddr,
+    scope: Scope,
+    grpc: bool,
+) -> Option<Response<ResponseBody>> {
+    let ip = match client.ip() {
+        std::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+        std::net::IpAddr::V6(v6) => v6.octets(),
+    };
+    let key = match key {
+        Some(LimitKey::ClientAddress) => Key::Bytes(&ip),
+        Some(LimitKey::Header(header)) => {
+            Key::Bytes(meta.headers.first(header).unwrap_or_default())
+        }
+        Some(LimitKey::None) | None => Key::None,
+    };
+    limiter
+        .admit(tokio::time::Instant::now(), key)
+        .err()
+        .map(|wait| rate_limited(scope, name, wait, grpc))
 }
 
 /// The normalised path, if normalising changed it.

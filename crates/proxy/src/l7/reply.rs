@@ -187,6 +187,41 @@ pub(crate) fn upstream_failure(
 /// Names the circuit-breaker limit that refused a request (Envoy's `x-envoy-overloaded`).
 pub(crate) const OVERFLOW_HEADER: &str = "x-flatmesh-overflow";
 
+/// Names the rate limit that refused a request: `listener` or `route` (Envoy's
+/// `x-envoy-ratelimited`).
+pub(crate) const RATE_LIMITED_HEADER: &str = "x-flatmesh-ratelimited";
+
+/// The answer to a request over a rate limit: 429 with `retry-after` (the wait in seconds,
+/// rounded up), or for a gRPC client `grpc-status: 8` (RESOURCE_EXHAUSTED), as Envoy's
+/// local rate limit answers.
+pub(crate) fn rate_limited(
+    scope: crate::resilience::rate_limit::Scope,
+    name: &str,
+    wait: Duration,
+    grpc: bool,
+) -> Response<ResponseBody> {
+    let secs = crate::resilience::rate_limit::retry_after_secs(wait);
+    let mut resp = local_reply(
+        StatusCode::TOO_MANY_REQUESTS,
+        format!(
+            "too many requests: {} `{name}` is at its rate_limit; retry after {secs}s\n",
+            scope.as_str()
+        ),
+        false,
+        grpc,
+    );
+    let h = resp.headers_mut();
+    if grpc {
+        h.insert("grpc-status", HeaderValue::from_static("8"));
+    }
+    h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    h.insert(
+        RATE_LIMITED_HEADER,
+        HeaderValue::from_static(scope.as_str()),
+    );
+    resp
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -241,6 +276,22 @@ mod tests {
         assert_eq!(grpc.headers()[OVERFLOW_HEADER], "pending");
         let message = grpc.headers()["grpc-message"].to_str().unwrap();
         assert!(message.contains("max_pending"), "{message}");
+    }
+
+    #[test]
+    fn a_rate_limited_request_gets_429_or_resource_exhausted() {
+        use crate::resilience::rate_limit::Scope;
+        let wait = Duration::from_millis(1500);
+        let plain = rate_limited(Scope::Route, "web/0", wait, false);
+        assert_eq!(plain.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(plain.headers()[header::RETRY_AFTER], "2");
+        assert_eq!(plain.headers()[RATE_LIMITED_HEADER], "route");
+        let grpc = rate_limited(Scope::Listener, "web", wait, true);
+        assert_eq!(grpc.status(), StatusCode::OK);
+        assert_eq!(grpc.headers()["grpc-status"], "8", "RESOURCE_EXHAUSTED");
+        assert_eq!(grpc.headers()[RATE_LIMITED_HEADER], "listener");
+        let message = grpc.headers()["grpc-message"].to_str().unwrap();
+        assert!(message.contains("rate_limit"), "{message}");
     }
 
     #[test]

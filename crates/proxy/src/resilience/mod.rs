@@ -8,6 +8,7 @@
 pub mod breaker;
 pub mod health;
 pub mod outlier;
+pub mod rate_limit;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;

@@ -291,6 +291,9 @@ pub fn check(
     if route.mirror.is_some() {
         return Err(Reason::Mirror);
     }
+    if route.rate_limit.is_some() {
+        return Err(Reason::RateLimit);
+    }
     // Cluster ids come from compile(), so the lookup cannot miss.
     let info = clusters.get(cluster);
     if info.is_some_and(|c| c.hash_on.is_some()) {
@@ -424,6 +427,11 @@ impl KernelLowering {
                 // Every request must pass the policies, and only the user tier runs them.
                 TableKind::Http(t) if l.authz.is_some() => ListenerVerdicts::Http(vec![
                     Verdict::Host(Reason::Authorization);
+                    t.routes.len()
+                ]),
+                // Every request must be counted against the limit, in the user tier.
+                TableKind::Http(t) if l.rate_limit.is_some() => ListenerVerdicts::Http(vec![
+                    Verdict::Host(Reason::ListenerRateLimit);
                     t.routes.len()
                 ]),
                 TableKind::Http(t) if target.l7_listener == Ok(id) => {

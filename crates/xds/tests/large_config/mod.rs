@@ -47,6 +47,8 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
         tls: None,
         authorization: None,
         hbone: None,
+        rate_limit: None,
+        connection_rate_limit: None,
         merge_slashes: None,
         path_with_escaped_slashes_action: None,
     });
