@@ -357,6 +357,8 @@ pub struct Metrics {
     pub admin_refused: AdminRefused,
     /// Circuit breakers and outlier detection of every cluster (`crate::resilience`).
     pub resilience: crate::resilience::Registry,
+    /// Every cluster's load-balancing tables: priority levels and slow start (`crate::lb`).
+    pub lb: crate::lb::Registry,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -385,6 +387,7 @@ impl Metrics {
                 busy: WorkerCounter::new(1),
             },
             resilience: crate::resilience::Registry::default(),
+            lb: crate::lb::Registry::default(),
         })
     }
 
@@ -448,6 +451,7 @@ impl Metrics {
             .lock()
             .retain(|k, _| keep.clusters.contains(k));
         self.resilience.retain(&keep.clusters);
+        self.lb.retain(&keep.clusters);
         self.authz.lock().retain(|k, _| keep.authz.contains(k));
     }
 
@@ -681,6 +685,7 @@ impl Collector for Scrape {
             &retries,
         )?;
         m.resilience.encode(&mut enc)?;
+        m.lb.encode(&mut enc)?;
         tls_families(
             &mut enc,
             "flatmesh_upstream_tls_",

@@ -257,7 +257,7 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
             name: c.name.clone(),
             lb: c.lb,
             protocol: c.protocol,
-            endpoints: c.endpoints.clone(),
+            endpoints: c.endpoints.to_vec(),
             hash_on: c.hash_on.as_ref().map(|h| h.header.clone()),
             tls: c.tls.is_some(),
             tunnel: c.tunnel.is_some(),
