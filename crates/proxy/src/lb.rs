@@ -213,15 +213,16 @@ impl Balancer {
             return None;
         }
         let out = &self.out;
-        let slow = tables.slow_start.as_deref();
-        let slow_now = slow.map(|s| s.now());
-        let slow = slow.zip(slow_now).filter(|(s, now)| s.active(*now));
+        // Slow start, when configured, is told what the balancer sees; it weighs the picks
+        // only while active (an endpoint ramps, or one seen out may come back).
+        let slow = tables.slow_start.as_deref().map(|s| (s, s.now()));
+        let ramping = slow.filter(|(s, now)| s.active(*now));
         // A load or two while nothing is out and nothing ramps: the first level, no checks.
-        let index = if !out.any() && slow.is_none() {
+        let index = if !out.any() && ramping.is_none() {
             self.choose(&tables.levels[0], hash, attempt)
         } else {
             let now = out.now();
-            let (level, panic) = if out.any() || slow.is_some_and(|(s, _)| s.watching()) {
+            let (level, panic) = if out.any() || ramping.is_some_and(|(s, _)| s.watching()) {
                 let health = tables.health(out, now, |i, is_out| {
                     if let Some((s, at)) = slow {
                         s.seen(i, is_out, at);
@@ -249,7 +250,7 @@ impl Balancer {
             let level = &tables.levels[level];
             let usable = |i: usize| {
                 (panic || !out.is_out(i, now))
-                    && slow.is_none_or(|(s, at)| {
+                    && ramping.is_none_or(|(s, at)| {
                         let f = s.factor(i, at);
                         f >= 1.0 || rand::random::<f64>() < f
                     })
@@ -615,5 +616,62 @@ mod tests {
         // Without a node locality, localities are labels only.
         let plain = balancer(LbPolicy::RoundRobin, &entries, None, Out::default());
         assert_eq!(counts(&plain, 3, 300), vec![100, 100, 100]);
+    }
+
+    /// An endpoint back from a failed health check gets a share that grows over the window.
+    #[tokio::test(start_paused = true)]
+    async fn slow_start_ramps_an_endpoint_back_from_its_health_check() {
+        use crate::resilience::{ClusterHealth, ProbeResult};
+        use std::time::Duration;
+        let entries = [entry(9000, 1, 0, None), entry(9001, 1, 0, None)];
+        let addrs: Vec<SocketAddr> = entries.iter().map(|e| e.address).collect();
+        let check = flatmesh_config::HealthCheck {
+            unhealthy_threshold: 1,
+            healthy_threshold: 1,
+            ..flatmesh_config::HealthCheck::new(flatmesh_config::HealthCheckKind::Tcp)
+        };
+        let health = ClusterHealth::new("c", &check, &addrs, Arc::default());
+        let config = flatmesh_config::SlowStart {
+            window: Duration::from_secs(10),
+            aggression: 1.0,
+            min_weight_percent: 10,
+        };
+        let slow = Arc::new(slow_start::SlowStart::new(&config, 2));
+        for policy in [
+            LbPolicy::RoundRobin,
+            LbPolicy::Random,
+            LbPolicy::LeastRequest,
+        ] {
+            let tables = Tables::from_entries(policy, &entries, None, 140, Some(slow.clone()));
+            let b =
+                Balancer::new(policy, addrs.clone().into(), &Arc::new(tables), 0).with_out(Out {
+                    outlier: None,
+                    health: Some(health.clone()),
+                });
+            let start = counts(&b, 2, 1000)[1];
+            assert!(
+                (420..580).contains(&start),
+                "{policy:?}: no ramp at the start: {start}"
+            );
+            health.record(1, ProbeResult::Fail);
+            assert_eq!(counts(&b, 2, 100)[1], 0, "{policy:?}");
+            health.record(1, ProbeResult::Pass);
+            // Share of endpoint 1 at 0, 25%, 50% and 75% of the window, then after it:
+            // weight f against 1 is f / (1 + f).
+            let mut shares = Vec::new();
+            for _ in 0..4 {
+                shares.push(counts(&b, 2, 4000)[1] as f64 / 4000.0);
+                tokio::time::advance(Duration::from_millis(2500)).await;
+            }
+            tokio::time::advance(Duration::from_millis(100)).await;
+            shares.push(counts(&b, 2, 4000)[1] as f64 / 4000.0);
+            let expected = [0.1 / 1.1, 0.25 / 1.25, 0.5 / 1.5, 0.75 / 1.75, 0.5];
+            for (got, want) in shares.iter().zip(expected) {
+                assert!(
+                    (got - want).abs() < 0.05,
+                    "{policy:?}: shares {shares:?}, expected {expected:?}"
+                );
+            }
+        }
     }
 }

@@ -107,8 +107,6 @@ pub struct Level {
 /// A cluster's levels, weights and slow start, for one snapshot.
 pub struct Tables {
     pub levels: Box<[Level]>,
-    /// By endpoint.
-    pub weights: Box<[u32]>,
     /// In percent (140: Envoy's 1.4).
     pub overprovisioning: u32,
     pub slow_start: Option<Arc<SlowStart>>,
@@ -187,7 +185,6 @@ impl Tables {
             .collect();
         Tables {
             levels,
-            weights,
             overprovisioning: overprovisioning.max(1),
             slow_start,
         }
