@@ -1198,7 +1198,7 @@ impl Checker<'_> {
             }
             if matches!(cluster.lb, LbPolicy::RingHash | LbPolicy::Maglev) {
                 self.report(
-                    format!("{here}"),
+                    here.clone(),
                     Target::Key,
                     format!("cluster `{}` sets `slow_start` but its lb policy hashes", cluster.name),
                     "slow start works with round_robin, random and least_request (as in Envoy); a hash keeps a key on its endpoint".into(),
