@@ -207,6 +207,18 @@ impl Balancer {
     /// `attempt` > 0 on retries, which move to a different endpoint where there is one.
     /// Returns the endpoint's index in the cluster's endpoint list.
     pub fn pick(&self, hash: u64, attempt: usize) -> Option<(usize, InFlight)> {
+        self.pick_excluding(hash, attempt, &[])
+    }
+
+    /// As [`Balancer::pick`], avoiding the endpoints in `exclude` (say, those a request's
+    /// earlier tries failed on) while its level has another one that is in; only when none
+    /// is does it take an excluded one.
+    pub fn pick_excluding(
+        &self,
+        hash: u64,
+        attempt: usize,
+        exclude: &[usize],
+    ) -> Option<(usize, InFlight)> {
         let n = self.endpoints.len();
         let tables = &*self.tables;
         if n == 0 || tables.levels.is_empty() {
@@ -218,8 +230,11 @@ impl Balancer {
         let slow = tables.slow_start.as_deref().map(|s| (s, s.now()));
         let ramping = slow.filter(|(s, now)| s.active(*now));
         // A load or two while nothing is out and nothing ramps: the first level, no checks.
-        let index = if !out.any() && ramping.is_none() {
-            self.choose(&tables.levels[0], hash, attempt)
+        let fast = (!out.any() && ramping.is_none())
+            .then(|| self.choose(&tables.levels[0], hash, attempt))
+            .filter(|i| !exclude.contains(i));
+        let index = if let Some(index) = fast {
+            index
         } else {
             let now = out.now();
             let (level, panic) = if out.any() || ramping.is_some_and(|(s, _)| s.watching()) {
@@ -250,6 +265,7 @@ impl Balancer {
             let level = &tables.levels[level];
             let usable = |i: usize| {
                 (panic || !out.is_out(i, now))
+                    && !exclude.contains(&i)
                     && ramping.is_none_or(|(s, at)| {
                         let f = s.factor(i, at);
                         f >= 1.0 || rand::random::<f64>() < f
@@ -257,18 +273,15 @@ impl Balancer {
             };
             let first = self.choose(level, hash, attempt);
             // The policy's own next choices first (a round-robin cursor moves on, a random
-            // pick draws again, a hash walks the ring), then any member that is in; none:
-            // the policy's first choice.
+            // pick draws again, a hash walks the ring), then any member that is in and not
+            // excluded, then any that is in; none: the policy's first choice.
+            let members = || level.members.iter().map(|&i| i as usize);
+            let is_in = |i: usize| panic || !out.is_out(i, now);
             std::iter::once(first)
                 .chain((1..TRIES).map(|k| self.choose(level, hash, attempt + k)))
                 .find(|&i| usable(i))
-                .or_else(|| {
-                    level
-                        .members
-                        .iter()
-                        .map(|&i| i as usize)
-                        .find(|&i| panic || !out.is_out(i, now))
-                })
+                .or_else(|| members().find(|&i| is_in(i) && !exclude.contains(&i)))
+                .or_else(|| members().find(|&i| is_in(i)))
                 .unwrap_or(first)
         };
         self.in_flight[index].fetch_add(1, Ordering::Relaxed);
@@ -672,6 +685,33 @@ mod tests {
                     "{policy:?}: shares {shares:?}, expected {expected:?}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn pick_excluding_avoids_the_endpoints_a_request_failed_on() {
+        let entries = [
+            entry(9000, 1, 0, None),
+            entry(9001, 1, 0, None),
+            entry(9002, 5, 0, None),
+        ];
+        for policy in [
+            LbPolicy::RoundRobin,
+            LbPolicy::Random,
+            LbPolicy::LeastRequest,
+            LbPolicy::RingHash,
+            LbPolicy::Maglev,
+        ] {
+            let b = balancer(policy, &entries, None, Out::default());
+            for i in 0..300u64 {
+                let key = hash64(&i.to_le_bytes());
+                let (index, _) = b.pick_excluding(key, 1, &[2]).unwrap();
+                assert_ne!(index, 2, "{policy:?}");
+                let (index, _) = b.pick_excluding(key, 2, &[2, 0]).unwrap();
+                assert_eq!(index, 1, "{policy:?}");
+            }
+            // All excluded: one is still given.
+            assert!(b.pick_excluding(0, 3, &[0, 1, 2]).is_some());
         }
     }
 }
