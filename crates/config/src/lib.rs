@@ -10,6 +10,7 @@ pub mod admin;
 mod decode;
 pub mod destination;
 pub mod duration;
+pub mod endpoints;
 pub mod error;
 pub mod locate;
 pub mod model;
@@ -18,6 +19,7 @@ pub mod validate;
 
 use std::path::Path;
 
+pub use endpoints::{Endpoint, Endpoints};
 pub use error::{ConfigError, Diagnostic};
 pub use model::*;
 

@@ -41,6 +41,9 @@ pub struct Config {
     /// "Graceful drain").
     #[serde(default = "default_drain_timeout", with = "crate::duration")]
     pub drain_timeout: Duration,
+    /// What the node knows about itself (its locality, for locality-aware load balancing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<Node>,
 }
 
 /// ztunnel's default grace period; Kubernetes gives a pod 30 s between SIGTERM and SIGKILL.
@@ -48,6 +51,16 @@ pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn default_drain_timeout() -> Duration {
     DEFAULT_DRAIN_TIMEOUT
+}
+
+/// The `node:` section.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Node {
+    /// `region/zone/subzone` (or its leading parts): within a priority, the endpoints whose
+    /// locality matches it most closely take the traffic while enough of them are healthy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub locality: Option<String>,
 }
 
 /// The `kernel:` section: which eBPF mechanisms the node attaches (docs/kernel.md).
@@ -796,7 +809,8 @@ pub struct Cluster {
     pub name: String,
     #[serde(default)]
     pub lb: LbPolicy,
-    pub endpoints: Vec<SocketAddr>,
+    /// Addresses, or `{ address, weight, priority, locality }` mappings.
+    pub endpoints: crate::endpoints::Endpoints,
     /// Upstream protocol for HTTP traffic; default http1.
     #[serde(default)]
     pub protocol: UpstreamProtocol,
@@ -826,9 +840,50 @@ pub struct Cluster {
     /// `health_checks`); absent: off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health_check: Option<HealthCheck>,
+    /// Ramps up the share of an endpoint that just came back (Envoy's `slow_start_config`);
+    /// absent: off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slow_start: Option<SlowStart>,
+    /// How much headroom a priority level is assumed to have, in percent (Envoy's
+    /// `overprovisioning_factor`): a level takes all its share while healthy/total ×
+    /// this ≥ 100%. Default 140.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overprovisioning_factor: Option<u32>,
+}
+
+/// Envoy's default overprovisioning factor, in percent.
+pub const DEFAULT_OVERPROVISIONING: u32 = 140;
+
+/// A cluster's slow start (Envoy's `slow_start_config`): for `window` after an endpoint comes
+/// back (passes its health check again, ends its ejection, or is new in a config update),
+/// its weight is scaled by max(min_weight_percent, (time since / window)^(1/aggression)).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlowStart {
+    #[serde(with = "crate::duration")]
+    pub window: Duration,
+    /// 1.0 (the default) ramps linearly; higher ramps faster at first.
+    #[serde(default = "default_aggression")]
+    pub aggression: f64,
+    /// The least share of its weight a ramping endpoint gets, in percent (default 10).
+    #[serde(default = "default_min_weight_percent")]
+    pub min_weight_percent: u32,
+}
+
+fn default_aggression() -> f64 {
+    1.0
+}
+fn default_min_weight_percent() -> u32 {
+    10
 }
 
 impl Cluster {
+    /// The overprovisioning factor in force, in percent.
+    pub fn overprovisioning(&self) -> u32 {
+        self.overprovisioning_factor
+            .unwrap_or(DEFAULT_OVERPROVISIONING)
+    }
+
     /// The circuit breaker in force: the configured one, else the defaults.
     pub fn breaker(&self) -> CircuitBreaker {
         self.circuit_breaker.clone().unwrap_or_default()

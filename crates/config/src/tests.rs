@@ -1709,3 +1709,179 @@ fn rate_limits_are_validated_by_line() {
         "only tcp listeners use",
     );
 }
+
+/// A tcp listener on cluster `c` whose lines from line 7 on are `cluster` (its `endpoints:`
+/// and anything else), then `tail` at the top level.
+fn weighted(cluster: &str, tail: &str) -> String {
+    format!(
+        "listeners:\n  - name: t\n    address: 127.0.0.1:7000\n    protocol: tcp\n    cluster: c\nclusters:\n  - name: c\n{cluster}{tail}"
+    )
+}
+
+#[test]
+fn endpoint_weights_priorities_and_localities_parse_beside_plain_addresses() {
+    let config = parse(
+        &weighted(
+            "    endpoints: [ 127.0.0.1:9001, { address: 127.0.0.1:9002, weight: 3, priority: 1, locality: us-east1/b } ]\n    overprovisioning_factor: 120\n    slow_start: { window: 30s }\n",
+            "node: { locality: us-east1/b/r7 }\n",
+        ),
+        "t.yaml",
+    )
+    .unwrap();
+    let c = config.cluster("c").unwrap();
+    // The addresses, as every reader that needs only those sees them.
+    let addresses: Vec<std::net::SocketAddr> = c.endpoints.to_vec();
+    assert_eq!(
+        addresses,
+        vec![
+            "127.0.0.1:9001".parse().unwrap(),
+            "127.0.0.1:9002".parse().unwrap()
+        ]
+    );
+    assert_eq!(c.endpoints.entries()[0], crate::Endpoint::new(addresses[0]));
+    assert_eq!(
+        c.endpoints.entries()[1],
+        crate::Endpoint {
+            address: addresses[1],
+            weight: 3,
+            priority: 1,
+            locality: Some("us-east1/b".into()),
+        }
+    );
+    assert_eq!(c.overprovisioning(), 120);
+    assert_eq!(
+        c.slow_start,
+        Some(crate::SlowStart {
+            window: std::time::Duration::from_secs(30),
+            aggression: 1.0,
+            min_weight_percent: 10,
+        })
+    );
+    assert_eq!(
+        config.node.as_ref().and_then(|n| n.locality.as_deref()),
+        Some("us-east1/b/r7")
+    );
+    // Plain entries are written back as addresses, the others as mappings; it reads back equal.
+    let json = config.to_json();
+    assert!(json.contains("\"127.0.0.1:9001\""), "{json}");
+    let back: Config = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, config);
+    // Without any of it: weight 1, priority 0, the default factor.
+    let plain = parse(&weighted("    endpoints: [127.0.0.1:9001]\n", ""), "t.yaml").unwrap();
+    let c = plain.cluster("c").unwrap();
+    assert!(!c.endpoints.has_attributes());
+    assert_eq!(c.overprovisioning(), 140);
+}
+
+#[test]
+fn endpoint_weights_are_validated_by_line() {
+    only(
+        &weighted(
+            "    endpoints: [ { address: 127.0.0.1:9001, weight: 0 } ]\n",
+            "",
+        ),
+        8,
+        53,
+        "endpoint weight 0 is out of range",
+    );
+    only(
+        &weighted(
+            "    endpoints: [ { address: 127.0.0.1:9001, weight: 129 } ]\n",
+            "",
+        ),
+        8,
+        53,
+        "out of range",
+    );
+    only(
+        &weighted(
+            "    endpoints: [ { address: 127.0.0.1:9001, priority: 128 } ]\n",
+            "",
+        ),
+        8,
+        55,
+        "endpoint priority 128 is out of range",
+    );
+    only(
+        &weighted(
+            "    endpoints: [ { address: 127.0.0.1:9001, locality: a//b } ]\n",
+            "",
+        ),
+        8,
+        55,
+        "is not region/zone/subzone",
+    );
+    only(
+        &weighted(
+            "    endpoints: [ 127.0.0.1:9001 ]\n",
+            "node: { locality: a/b/c/d }\n",
+        ),
+        9,
+        19,
+        "is not region/zone/subzone",
+    );
+    only(
+        &weighted(
+            "    endpoints: [ 127.0.0.1:9001 ]\n    overprovisioning_factor: 0\n",
+            "",
+        ),
+        9,
+        30,
+        "overprovisioning_factor 0",
+    );
+    only(
+        &weighted(
+            "    endpoints: [ 127.0.0.1:9001 ]\n    slow_start: { window: 10s, aggression: 0 }\n",
+            "",
+        ),
+        9,
+        44,
+        "aggression 0 is out of range",
+    );
+    only(
+        &weighted(
+            "    endpoints: [ 127.0.0.1:9001 ]\n    slow_start: { window: 10s, min_weight_percent: 101 }\n",
+            "",
+        ),
+        9,
+        52,
+        "over 100",
+    );
+    only(
+        &weighted(
+            "    endpoints: [ 127.0.0.1:9001 ]\n    lb: maglev\n    slow_start: { window: 10s }\n",
+            "",
+        ),
+        10,
+        5,
+        "its lb policy hashes",
+    );
+    only(
+        &weighted(
+            "    endpoints: [ 127.0.0.1:9001 ]\n    slow_start: {}\n",
+            "",
+        ),
+        9,
+        17,
+        "window",
+    );
+    // An unknown key in an endpoint mapping: named, with a suggestion.
+    let d = only(
+        &weighted(
+            "    endpoints: [ { address: 127.0.0.1:9001, wieght: 2 } ]\n",
+            "",
+        ),
+        8,
+        45,
+        "wieght",
+    );
+    assert!(d.hint.starts_with("did you mean `weight`?"), "{}", d.hint);
+    // A bad plain address still reads as one.
+    let d = only(
+        &weighted("    endpoints: [ 127.0.0.1:9001, localhost:80 ]\n", ""),
+        8,
+        34,
+        "invalid socket address",
+    );
+    assert!(d.hint.contains("IP:PORT"), "{}", d.hint);
+}

@@ -14,6 +14,10 @@ pub const MIN_HEADER_BYTES: usize = 1024;
 pub const MAX_HEADER_BYTES: usize = 1024 * 1024;
 pub const MAX_TOTAL_WEIGHT: u64 = 1_000_000;
 pub const MAX_RETRY_ATTEMPTS: u32 = 10;
+/// The lowest endpoint priority (0 is the highest); Envoy has no bound but 128 levels is plenty.
+pub const MAX_PRIORITY: u32 = 127;
+/// The largest `overprovisioning_factor`, in percent.
+pub const MAX_OVERPROVISIONING: u32 = 1000;
 /// Upper bound of connection counts (`limits.max_connections` and the like).
 pub const MAX_CONNECTIONS: usize = 10_000_000;
 /// The fewest file descriptors the data plane must leave to the admin port and the process.
@@ -1223,6 +1227,94 @@ impl Checker<'_> {
             if let Some(check) = &cluster.health_check {
                 self.health_check(&format!("{at}.health_check"), check, cluster.tls.is_some());
             }
+            self.endpoint_weights(&at, cluster);
+        }
+        if let Some(locality) = self.config.node.as_ref().and_then(|n| n.locality.as_ref()) {
+            self.locality("node.locality", locality);
+        }
+    }
+
+    /// Endpoint weights, priorities and localities, slow start and the overprovisioning
+    /// factor (docs/resilience.md, "Weights, priorities and locality").
+    fn endpoint_weights(&mut self, at: &str, cluster: &Cluster) {
+        for (k, e) in cluster.endpoints.entries().iter().enumerate() {
+            if !(1..=crate::endpoints::MAX_ENDPOINT_WEIGHT).contains(&e.weight) {
+                self.report(
+                    format!("{at}.endpoints[{k}].weight"),
+                    Target::Value,
+                    format!("endpoint weight {} is out of range", e.weight),
+                    format!(
+                        "write a weight from 1 to {} (as Envoy's load_balancing_weight); remove the endpoint to send it nothing",
+                        crate::endpoints::MAX_ENDPOINT_WEIGHT
+                    ),
+                );
+            }
+            if e.priority > MAX_PRIORITY {
+                self.report(
+                    format!("{at}.endpoints[{k}].priority"),
+                    Target::Value,
+                    format!("endpoint priority {} is out of range", e.priority),
+                    format!("write a priority from 0 (the highest) to {MAX_PRIORITY}"),
+                );
+            }
+            if let Some(locality) = &e.locality {
+                self.locality(&format!("{at}.endpoints[{k}].locality"), locality);
+            }
+        }
+        if let Some(factor) = cluster.overprovisioning_factor {
+            if !(1..=MAX_OVERPROVISIONING).contains(&factor) {
+                self.report(
+                    format!("{at}.overprovisioning_factor"),
+                    Target::Value,
+                    format!("overprovisioning_factor {factor} is out of range"),
+                    format!("write a percentage from 1 to {MAX_OVERPROVISIONING}; the default, as in Envoy, is 140"),
+                );
+            }
+        }
+        if let Some(slow) = &cluster.slow_start {
+            let here = format!("{at}.slow_start");
+            self.positive_duration(&format!("{here}.window"), slow.window);
+            if !(slow.aggression.is_finite() && slow.aggression > 0.0 && slow.aggression <= 100.0) {
+                self.report(
+                    format!("{here}.aggression"),
+                    Target::Value,
+                    format!("slow_start.aggression {} is out of range", slow.aggression),
+                    "write a number above 0 and at most 100; 1.0 (the default) ramps linearly"
+                        .into(),
+                );
+            }
+            if slow.min_weight_percent > 100 {
+                self.report(
+                    format!("{here}.min_weight_percent"),
+                    Target::Value,
+                    format!(
+                        "slow_start.min_weight_percent {} is over 100",
+                        slow.min_weight_percent
+                    ),
+                    "write a percentage from 0 to 100 (the default is 10)".into(),
+                );
+            }
+            if matches!(cluster.lb, LbPolicy::RingHash | LbPolicy::Maglev) {
+                self.report(
+                    here.clone(),
+                    Target::Key,
+                    format!("cluster `{}` sets `slow_start` but its lb policy hashes", cluster.name),
+                    "slow start works with round_robin, random and least_request (as in Envoy); a hash keeps a key on its endpoint".into(),
+                );
+            }
+        }
+    }
+
+    /// `region/zone/subzone`, or its leading parts.
+    fn locality(&mut self, path: &str, locality: &str) {
+        let parts: Vec<&str> = locality.split('/').collect();
+        if parts.len() > 3 || parts.iter().any(|p| p.is_empty() || p.trim() != *p) {
+            self.report(
+                path,
+                Target::Value,
+                format!("locality `{locality}` is not region/zone/subzone"),
+                "write up to three non-empty parts separated by `/`, e.g. `us-east1`, `us-east1/us-east1-b` or `us-east1/us-east1-b/rack7`".into(),
+            );
         }
     }
 
@@ -1760,6 +1852,7 @@ mod tests {
             }],
             clusters: vec![],
             kernel: None,
+            node: None,
         };
         let problems = validate(&config);
         assert_eq!(problems.len(), 1, "{problems:?}");

@@ -84,7 +84,7 @@ impl Recorder {
 fn endpoints(config: &Config) -> Vec<SocketAddr> {
     config
         .cluster("shop/kvs")
-        .map(|c| c.endpoints.clone())
+        .map(|c| c.endpoints.to_vec())
         .unwrap_or_default()
 }
 

@@ -365,6 +365,8 @@ pub struct Metrics {
     pub mirrors: Arc<crate::l7::mirror::MirrorGate>,
     /// Rate limits of every listener and route (`crate::resilience::rate_limit`).
     pub rate_limits: crate::resilience::rate_limit::Registry,
+    /// Every cluster's load-balancing tables: priority levels and slow start (`crate::lb`).
+    pub lb: crate::lb::Registry,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -397,6 +399,7 @@ impl Metrics {
             faults: Arc::new(crate::l7::fault::FaultCounts::new(workers)),
             mirrors: Arc::new(crate::l7::mirror::MirrorGate::new(workers)),
             rate_limits: crate::resilience::rate_limit::Registry::default(),
+            lb: crate::lb::Registry::default(),
         })
     }
 
@@ -460,6 +463,7 @@ impl Metrics {
             .lock()
             .retain(|k, _| keep.clusters.contains(k));
         self.resilience.retain(&keep.clusters);
+        self.lb.retain(&keep.clusters);
         self.authz.lock().retain(|k, _| keep.authz.contains(k));
     }
 
@@ -696,6 +700,7 @@ impl Collector for Scrape {
         m.faults.encode(&mut enc)?;
         m.mirrors.encode(&mut enc)?;
         m.rate_limits.encode(&mut enc)?;
+        m.lb.encode(&mut enc)?;
         tls_families(
             &mut enc,
             "flatmesh_upstream_tls_",

@@ -11,7 +11,7 @@ use flatmesh_rules::{ClusterId, ListenerId, RuleProgram};
 use http::HeaderName;
 
 use crate::error::ProxyError;
-use crate::lb::HashTable;
+use crate::lb::Tables;
 use crate::metrics::{ClusterStats, ListenerStats, Metrics, RequestStats, Series, WorkerCounter};
 use crate::resilience::rate_limit::{RateLimiter, Scope};
 use crate::resilience::ClusterGuard;
@@ -106,7 +106,9 @@ pub struct ClusterPlan {
     pub policy: LbPolicy,
     pub protocol: UpstreamProtocol,
     pub hash_header: Option<HeaderName>,
-    pub table: HashTable,
+    /// Priority levels, weighted schedules, hash tables and slow start (`crate::lb`),
+    /// shared by every worker.
+    pub table: Arc<Tables>,
     pub connect_timeout: Duration,
     pub stats: Arc<ClusterStats>,
     /// The node originates TLS to the endpoints (`tls:`).
@@ -134,6 +136,7 @@ impl Snapshot {
             (None, None) => None,
         };
         let mut series = Series::default();
+        let node_locality = config.node.as_ref().and_then(|n| n.locality.as_deref());
         let clusters = config
             .clusters
             .iter()
@@ -164,6 +167,7 @@ impl Snapshot {
                     Some(t) => Some(Arc::new(ClusterTlsPlan::load(c, t, connect_timeout)?)),
                     None => None,
                 };
+                let guard = metrics.resilience.guard(c);
                 Ok(ClusterPlan {
                     tls,
                     tunnel_port: c
@@ -171,14 +175,14 @@ impl Snapshot {
                         .map(|_| c.tunnel_port.unwrap_or(flatmesh_config::HBONE_PORT)),
                     name: c.name.clone(),
                     authorities,
-                    table: HashTable::build(c.lb, &endpoints),
+                    table: metrics.lb.tables(c, node_locality, guard.out()),
                     endpoints,
                     policy: c.lb,
                     protocol: c.protocol,
                     hash_header,
                     connect_timeout,
                     stats: series.cluster(metrics, &c.name),
-                    guard: metrics.resilience.guard(c),
+                    guard,
                 })
             })
             .collect::<Result<Vec<_>, ProxyError>>()?;

@@ -151,6 +151,7 @@ impl RuleProgram {
                     c.health_check
                         .as_ref()
                         .map_or_else(|| "off".into(), describe_health_check),
+                    describe_weights(&c.weights),
                 ]
             })
             .collect();
@@ -165,6 +166,7 @@ impl RuleProgram {
                 "circuit breaker",
                 "outlier detection",
                 "health check",
+                "weights, priorities, locality",
             ],
             &rows,
         );
@@ -399,6 +401,10 @@ impl RuleProgram {
                     "circuit_breaker": c.breaker,
                     "outlier_detection": c.outlier,
                     "health_check": c.health_check,
+                    "endpoint_weights": c.weights.entries,
+                    "node_locality": c.weights.node_locality,
+                    "overprovisioning_factor": c.weights.overprovisioning,
+                    "slow_start": c.weights.slow_start,
                 })
             })
             .collect();
@@ -657,6 +663,55 @@ fn describe_health_check(h: &flatmesh_config::HealthCheck) -> String {
         h.unhealthy_threshold,
         h.healthy_threshold
     )
+}
+
+/// Weights, priorities and localities in a table cell: each priority level (a priority, and
+/// within it the endpoints' locality against the node's), its endpoints with their weights,
+/// then the overprovisioning factor and slow start. `equal` when every endpoint is plain.
+fn describe_weights(w: &crate::program::Weights) -> String {
+    let plain = w.entries.iter().all(flatmesh_config::Endpoint::is_plain);
+    let mut parts = Vec::new();
+    if plain {
+        parts.push("equal".to_owned());
+    } else {
+        let mut priorities: Vec<u32> = w.entries.iter().map(|e| e.priority).collect();
+        priorities.sort_unstable();
+        priorities.dedup();
+        for p in priorities {
+            let endpoints: Vec<String> = w
+                .entries
+                .iter()
+                .filter(|e| e.priority == p)
+                .map(|e| {
+                    let mut s = format!("{} w{}", e.address, e.weight);
+                    if let Some(l) = &e.locality {
+                        let _ = write!(s, " {l}");
+                        if w.node_locality.as_deref() == Some(l.as_str()) {
+                            s.push_str(" (local)");
+                        }
+                    }
+                    s
+                })
+                .collect();
+            parts.push(format!("P{p}: {}", endpoints.join(", ")));
+        }
+        parts.push(format!(
+            "failover at healthy x {}% < 100%",
+            w.overprovisioning
+        ));
+        if let Some(l) = &w.node_locality {
+            parts.push(format!("node locality {l} first"));
+        }
+    }
+    if let Some(s) = &w.slow_start {
+        parts.push(format!(
+            "slow start {} (aggression {}, min {}%)",
+            duration::format(&s.window),
+            s.aggression,
+            s.min_weight_percent
+        ));
+    }
+    parts.join("; ")
 }
 
 /// Outlier detection in a table cell: the kinds that eject, then the timing and the cap.

@@ -57,6 +57,19 @@ pub struct ClusterInfo {
     pub outlier: Option<flatmesh_config::OutlierDetection>,
     /// The active health check, if on (the proxy's checker runs it; shown by `--explain`).
     pub health_check: Option<flatmesh_config::HealthCheck>,
+    /// Each endpoint's weight, priority and locality (the proxy's balancer; `--explain`).
+    pub weights: Weights,
+}
+
+/// A cluster's endpoint weights, priorities and localities, slow start and overprovisioning
+/// factor, and the node's locality they are judged against.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Weights {
+    pub entries: Vec<flatmesh_config::Endpoint>,
+    pub node_locality: Option<String>,
+    /// In percent.
+    pub overprovisioning: u32,
+    pub slow_start: Option<flatmesh_config::SlowStart>,
 }
 
 /// One listener's table.
@@ -267,13 +280,19 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
             name: c.name.clone(),
             lb: c.lb,
             protocol: c.protocol,
-            endpoints: c.endpoints.clone(),
+            endpoints: c.endpoints.to_vec(),
             hash_on: c.hash_on.as_ref().map(|h| h.header.clone()),
             tls: c.tls.is_some(),
             tunnel: c.tunnel.is_some(),
             breaker: c.breaker(),
             outlier: c.outlier_detection.clone(),
             health_check: c.health_check.clone(),
+            weights: Weights {
+                entries: c.endpoints.entries().to_vec(),
+                node_locality: cfg.node.as_ref().and_then(|n| n.locality.clone()),
+                overprovisioning: c.overprovisioning(),
+                slow_start: c.slow_start.clone(),
+            },
         });
     }
     let mut listener_ids = HashMap::new();

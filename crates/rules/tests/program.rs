@@ -713,6 +713,10 @@ clusters:
     outlier_detection: { consecutive_5xx: 3, consecutive_connect_failures: 0, base_ejection_time: 10s, max_ejection_percent: 50 }
     health_check: { http: { path: /healthz, expect: [200, "300-302"] }, interval: 2s }
   - { name: plain, endpoints: [ 127.0.0.1:9002 ] }
+  - name: weighted
+    endpoints: [ 127.0.0.1:9003, { address: 127.0.0.1:9004, weight: 3, locality: us/a }, { address: 127.0.0.1:9005, priority: 1 } ]
+    slow_start: { window: 30s }
+node: { locality: us/a }
 "#;
     let program = compile(&cfg(yaml)).unwrap();
     let text = program.explain();
@@ -743,9 +747,22 @@ clusters:
         "{api}"
     );
     let plain = row("127.0.0.1:9002");
+    // Outlier detection and health check off, plain endpoints weighed equally.
     assert!(
-        plain.contains("retries 3") && plain.trim_end().ends_with("off"),
+        plain.contains("retries 3")
+            && plain.matches("off").count() == 2
+            && plain.trim_end().ends_with("equal"),
         "{plain}"
+    );
+    assert!(header.contains("weights, priorities, locality"), "{header}");
+    let weighted = row("127.0.0.1:9004 w3");
+    assert!(
+        weighted.contains("P0: 127.0.0.1:9003 w1, 127.0.0.1:9004 w3 us/a (local); P1: 127.0.0.1:9005 w1; failover at healthy x 140% < 100%; node locality us/a first; slow start 30s (aggression 1, min 10%)"),
+        "{weighted}"
+    );
+    assert_eq!(
+        program.to_json()["clusters"][2]["endpoint_weights"][1]["weight"],
+        3
     );
     let json = program.to_json();
     assert_eq!(json["clusters"][0]["circuit_breaker"]["max_requests"], 50);

@@ -18,8 +18,10 @@ use envoy_types::pb::envoy::config::core::v3::{
     address, data_source, socket_address, transport_socket, Address, DataSource, HeaderValue,
     HeaderValueOption, Http1ProtocolOptions, Http2ProtocolOptions, SocketAddress, TransportSocket,
 };
+use envoy_types::pb::envoy::config::core::v3::{Locality, RuntimeDouble};
 use envoy_types::pb::envoy::config::endpoint::v3::{
-    lb_endpoint, ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
+    cluster_load_assignment, lb_endpoint, ClusterLoadAssignment, Endpoint, LbEndpoint,
+    LocalityLbEndpoints,
 };
 use envoy_types::pb::envoy::config::listener::v3::{filter, Filter, FilterChain, Listener};
 use envoy_types::pb::envoy::config::rbac::v3::{
@@ -53,6 +55,7 @@ use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
 use envoy_types::pb::envoy::r#type::matcher::v3::{
     path_matcher, string_matcher, PathMatcher, RegexMatcher, StringMatcher,
 };
+use envoy_types::pb::envoy::r#type::v3::Percent;
 use envoy_types::pb::envoy::r#type::v3::{fractional_percent::DenominatorType, FractionalPercent};
 use envoy_types::pb::google::protobuf::{Any, BoolValue, Duration, UInt32Value};
 use flatmesh_config::{Admin, AdminAddress, Config};
@@ -91,6 +94,11 @@ pub fn parse(text: &str, origin: &str) -> Result<Config> {
     if let Some(max) = node.max_connections {
         base.limits.max_connections = max;
     }
+    if let Some(locality) = node.locality {
+        base.node = Some(flatmesh_config::Node {
+            locality: Some(locality),
+        });
+    }
     crate::to_model::translate(&resources, &base).map_err(|e| match e {
         XdsError::Resource { at, why } => XdsError::Resource {
             at: format!("{origin}: {at}"),
@@ -113,6 +121,8 @@ pub struct NodeSettings {
     pub admin: Option<Admin>,
     /// The overload manager's `global_downstream_max_connections`: `limits.max_connections`.
     pub max_connections: Option<usize>,
+    /// `node.locality` as `region/zone/subzone`: the config's `node.locality`.
+    pub locality: Option<String>,
 }
 
 /// The overload manager's resource monitor that caps the node's client connections.
@@ -179,7 +189,27 @@ pub fn bootstrap(value: Value) -> Result<(Resources, NodeSettings)> {
         }
         a.finish()?;
     }
-    root.take("node"); // the node's identity matters only to a control plane
+    // The node's identity matters only to a control plane; its locality to load balancing.
+    let mut locality = None;
+    if let Some(mut node) = root.obj("node")? {
+        if let Some(mut l) = node.obj("locality")? {
+            let at = l.path.clone();
+            let parts = [
+                l.string("region")?.unwrap_or_default(),
+                l.string("zone")?.unwrap_or_default(),
+                l.string("sub_zone")?.unwrap_or_default(),
+            ];
+            l.finish()?;
+            locality = crate::to_model::locality(
+                &Locality {
+                    region: parts[0].clone(),
+                    zone: parts[1].clone(),
+                    sub_zone: parts[2].clone(),
+                },
+                &at,
+            )?;
+        }
+    }
     if let Some(v) = root.take("static_resources") {
         let mut s = Obj::new(v, "static_resources")?;
         for (i, v) in s.list("listeners")?.into_iter().enumerate() {
@@ -198,6 +228,7 @@ pub fn bootstrap(value: Value) -> Result<(Resources, NodeSettings)> {
         NodeSettings {
             admin,
             max_connections,
+            locality,
         },
     ))
 }
@@ -1202,6 +1233,21 @@ fn cluster(v: Value, path: &str) -> Result<Cluster> {
     if let Some(la) = o.obj("load_assignment")? {
         c.load_assignment = Some(load_assignment(la)?);
     }
+    if let Some(rr) = o.obj("round_robin_lb_config")? {
+        c.lb_config = Some(cluster::LbConfig::RoundRobinLbConfig(
+            cluster::RoundRobinLbConfig {
+                slow_start_config: slow_start_config(rr)?,
+            },
+        ));
+    }
+    if let Some(lr) = o.obj("least_request_lb_config")? {
+        c.lb_config = Some(cluster::LbConfig::LeastRequestLbConfig(
+            cluster::LeastRequestLbConfig {
+                slow_start_config: slow_start_config(lr)?,
+                ..Default::default()
+            },
+        ));
+    }
     if let Some(ts) = o.take("transport_socket") {
         c.transport_socket = Some(transport_socket(ts, &o.at("transport_socket"))?);
     }
@@ -1377,9 +1423,17 @@ fn load_assignment(mut o: Obj) -> Result<ClusterLoadAssignment> {
         let mut g = Obj::new(v, &o.at(&format!("endpoints[{i}]")))?;
         let mut group = LocalityLbEndpoints {
             priority: g.u32("priority")?.unwrap_or(0),
+            load_balancing_weight: wrapped_u32(&mut g, "load_balancing_weight")?,
             ..Default::default()
         };
-        g.take("locality"); // a label only
+        if let Some(mut l) = g.obj("locality")? {
+            group.locality = Some(Locality {
+                region: l.string("region")?.unwrap_or_default(),
+                zone: l.string("zone")?.unwrap_or_default(),
+                sub_zone: l.string("sub_zone")?.unwrap_or_default(),
+            });
+            l.finish()?;
+        }
         for (k, v) in g.list("lb_endpoints")?.into_iter().enumerate() {
             let mut e = Obj::new(v, &g.at(&format!("lb_endpoints[{k}]")))?;
             let mut ep = Obj::new(
@@ -1406,8 +1460,53 @@ fn load_assignment(mut o: Obj) -> Result<ClusterLoadAssignment> {
         g.finish()?;
         cla.endpoints.push(group);
     }
+    if let Some(mut p) = o.obj("policy")? {
+        cla.policy = Some(cluster_load_assignment::Policy {
+            overprovisioning_factor: wrapped_u32(&mut p, "overprovisioning_factor")?,
+            ..Default::default()
+        });
+        p.finish()?;
+    }
     o.finish()?;
     Ok(cla)
+}
+
+/// A cluster's `round_robin_lb_config` / `least_request_lb_config`: their slow start (the
+/// other knobs are left for [`Obj::finish`] to refuse, or for the translation to judge).
+fn slow_start_config(mut o: Obj) -> Result<Option<cluster::SlowStartConfig>> {
+    let Some(mut s) = o.obj("slow_start_config")? else {
+        o.finish()?;
+        return Ok(None);
+    };
+    let mut config = cluster::SlowStartConfig {
+        slow_start_window: s.duration("slow_start_window")?,
+        ..Default::default()
+    };
+    let float = |v: Option<Value>, at: String| -> Result<Option<f64>> {
+        v.map(|v| {
+            v.as_f64()
+                .ok_or_else(|| XdsError::resource(at, "must be a number"))
+        })
+        .transpose()
+    };
+    if let Some(mut a) = s.obj("aggression")? {
+        let at = a.at("default_value");
+        config.aggression = Some(RuntimeDouble {
+            default_value: float(a.take("default_value"), at)?.unwrap_or(1.0),
+            runtime_key: a.string("runtime_key")?.unwrap_or_default(),
+        });
+        a.finish()?;
+    }
+    if let Some(mut p) = s.obj("min_weight_percent")? {
+        let at = p.at("value");
+        config.min_weight_percent = Some(Percent {
+            value: float(p.take("value"), at)?.unwrap_or(0.0),
+        });
+        p.finish()?;
+    }
+    s.finish()?;
+    o.finish()?;
+    Ok(Some(config))
 }
 
 /// A listener's or a cluster's `transport_socket`: TLS (its context walked into the message, which

@@ -81,11 +81,11 @@ pub fn merge(config: &model::Config, placed: &BTreeMap<String, Vec<SocketAddr>>)
     let mut out = config.clone();
     for (service, endpoints) in placed {
         match out.clusters.iter_mut().find(|c| &c.name == service) {
-            Some(c) => c.endpoints = endpoints.clone(),
+            Some(c) => c.endpoints = endpoints.clone().into(),
             None => out.clusters.push(model::Cluster {
                 name: service.clone(),
                 lb: model::LbPolicy::RoundRobin,
-                endpoints: endpoints.clone(),
+                endpoints: endpoints.clone().into(),
                 protocol: model::UpstreamProtocol::Http1,
                 hash_on: None,
                 connect_timeout: None,
@@ -95,6 +95,8 @@ pub fn merge(config: &model::Config, placed: &BTreeMap<String, Vec<SocketAddr>>)
                 circuit_breaker: None,
                 outlier_detection: None,
                 health_check: None,
+                slow_start: None,
+                overprovisioning_factor: None,
             }),
         }
     }

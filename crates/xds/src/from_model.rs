@@ -21,8 +21,10 @@ use envoy_types::pb::envoy::config::core::v3::{
     ApiVersion, ConfigSource, DataSource, HeaderValue, HeaderValueOption, Http2ProtocolOptions,
     SocketAddress,
 };
+use envoy_types::pb::envoy::config::core::v3::{Locality, RuntimeDouble};
 use envoy_types::pb::envoy::config::endpoint::v3::{
-    lb_endpoint, ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
+    cluster_load_assignment, lb_endpoint, ClusterLoadAssignment, Endpoint, LbEndpoint,
+    LocalityLbEndpoints,
 };
 use envoy_types::pb::envoy::config::listener::v3::{filter, Filter, FilterChain, Listener};
 use envoy_types::pb::envoy::config::route::v3::{
@@ -39,6 +41,7 @@ use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
     http_protocol_options, HttpProtocolOptions,
 };
 use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, RegexMatcher, StringMatcher};
+use envoy_types::pb::envoy::r#type::v3::Percent;
 use envoy_types::pb::google::protobuf::{self as pbuf, UInt32Value};
 use flatmesh_config as model;
 
@@ -53,8 +56,10 @@ pub fn resources(config: &model::Config) -> Resources {
     let mut out = Resources::default();
     for c in &config.clusters {
         out.clusters.insert(c.name.clone(), cluster(c, config));
-        out.endpoints
-            .insert(c.name.clone(), assignment(&c.name, &c.endpoints));
+        out.endpoints.insert(
+            c.name.clone(),
+            weighted_assignment(&c.name, c.endpoints.entries(), c.overprovisioning_factor),
+        );
     }
     for l in &config.listeners {
         // HBONE tunnels in are flatmesh's own; Envoy is not sent a listener for them.
@@ -146,6 +151,7 @@ fn cluster(c: &model::Cluster, config: &model::Config) -> Cluster {
         circuit_breakers: c.circuit_breaker.as_ref().map(circuit_breakers),
         outlier_detection: c.outlier_detection.as_ref().map(outlier_detection),
         health_checks: c.health_check.iter().map(health_check).collect(),
+        lb_config: lb_config(c),
         ..Default::default()
     }
 }
@@ -231,22 +237,97 @@ fn health_check(h: &model::HealthCheck) -> envoy_types::pb::envoy::config::core:
 }
 
 pub fn assignment(name: &str, endpoints: &[SocketAddr]) -> ClusterLoadAssignment {
+    let entries: Vec<model::Endpoint> = endpoints
+        .iter()
+        .copied()
+        .map(model::Endpoint::new)
+        .collect();
+    weighted_assignment(name, &entries, None)
+}
+
+/// A cluster's endpoints as Envoy's: one LocalityLbEndpoints per (priority, locality) in
+/// the order they first appear, endpoint weights as `load_balancing_weight` (left out when
+/// 1), and the overprovisioning factor as the policy's.
+pub fn weighted_assignment(
+    name: &str,
+    endpoints: &[model::Endpoint],
+    overprovisioning_factor: Option<u32>,
+) -> ClusterLoadAssignment {
+    let mut groups: Vec<LocalityLbEndpoints> = Vec::new();
+    for e in endpoints {
+        let locality = e.locality.as_deref().map(|l| {
+            let mut parts = l.split('/').map(str::to_owned);
+            Locality {
+                region: parts.next().unwrap_or_default(),
+                zone: parts.next().unwrap_or_default(),
+                sub_zone: parts.next().unwrap_or_default(),
+            }
+        });
+        let at = match groups
+            .iter()
+            .position(|g| g.priority == e.priority && g.locality == locality)
+        {
+            Some(at) => at,
+            None => {
+                groups.push(LocalityLbEndpoints {
+                    priority: e.priority,
+                    locality,
+                    ..Default::default()
+                });
+                groups.len() - 1
+            }
+        };
+        groups[at].lb_endpoints.push(LbEndpoint {
+            host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
+                address: Some(socket_address(e.address)),
+                ..Default::default()
+            })),
+            load_balancing_weight: (e.weight != 1).then_some(UInt32Value { value: e.weight }),
+            ..Default::default()
+        });
+    }
+    if groups.is_empty() {
+        groups.push(LocalityLbEndpoints::default());
+    }
     ClusterLoadAssignment {
         cluster_name: name.to_string(),
-        endpoints: vec![LocalityLbEndpoints {
-            lb_endpoints: endpoints
-                .iter()
-                .map(|e| LbEndpoint {
-                    host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
-                        address: Some(socket_address(*e)),
-                        ..Default::default()
-                    })),
-                    ..Default::default()
-                })
-                .collect(),
+        endpoints: groups,
+        policy: overprovisioning_factor.map(|value| cluster_load_assignment::Policy {
+            overprovisioning_factor: Some(UInt32Value { value }),
             ..Default::default()
-        }],
+        }),
         ..Default::default()
+    }
+}
+
+/// Slow start as Envoy's `slow_start_config` in the policy's lb_config.
+fn lb_config(c: &model::Cluster) -> Option<cluster::LbConfig> {
+    let slow = c.slow_start.as_ref()?;
+    let config = Some(cluster::SlowStartConfig {
+        slow_start_window: Some(duration(slow.window)),
+        aggression: Some(RuntimeDouble {
+            default_value: slow.aggression,
+            runtime_key: String::new(),
+        }),
+        min_weight_percent: Some(Percent {
+            value: f64::from(slow.min_weight_percent),
+        }),
+    });
+    match c.lb {
+        model::LbPolicy::LeastRequest => Some(cluster::LbConfig::LeastRequestLbConfig(
+            cluster::LeastRequestLbConfig {
+                slow_start_config: config,
+                ..Default::default()
+            },
+        )),
+        // Envoy has slow start for round robin and least request; validation keeps it off
+        // the hashing policies, and random is sent as round robin's config (Envoy's random
+        // has no slow start and ignores it).
+        _ => Some(cluster::LbConfig::RoundRobinLbConfig(
+            cluster::RoundRobinLbConfig {
+                slow_start_config: config,
+            },
+        )),
     }
 }
 

@@ -13,7 +13,6 @@
 //! in steps every `fill_interval`; flatmesh's refills continuously at the same average rate.
 //! A keyed flatmesh limit has no such Envoy filter and is not served (docs/resilience.md).
 
-
 use envoy_types::pb::envoy::config::core::v3::RuntimeFractionalPercent;
 use envoy_types::pb::envoy::extensions::filters::http::local_ratelimit::v3::LocalRateLimit as HttpLocalRateLimit;
 use envoy_types::pb::envoy::extensions::filters::network::local_ratelimit::v3::LocalRateLimit as NetworkLocalRateLimit;

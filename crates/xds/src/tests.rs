@@ -347,6 +347,12 @@ clusters:
     circuit_breaker: {}
     outlier_detection: { consecutive_connect_failures: 0 }
     health_check: { tcp: {} }
+  - name: weighted
+    lb: least_request
+    endpoints: [ 127.0.0.1:8, { address: 127.0.0.1:9, weight: 3, locality: us/a }, { address: 127.0.0.1:10, priority: 1, locality: us/b/r1 } ]
+    slow_start: { window: 30s, aggression: 2.0, min_weight_percent: 5 }
+    overprovisioning_factor: 120
+  - { name: weighted-rr, endpoints: [ { address: 127.0.0.1:11, weight: 2 } ], slow_start: { window: 1s } }
 "#;
     let config = model::parse(text, "t.yaml").unwrap();
     // Every TLS shape is in it: http and tcp listeners with and without client certificates,
@@ -375,7 +381,15 @@ clusters:
     let mut back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
     // The server states every cluster's connect timeout explicitly.
     for c in &mut back.clusters {
-        if ["two", "guarded", "guarded-defaults"].contains(&c.name.as_str()) {
+        if [
+            "two",
+            "guarded",
+            "guarded-defaults",
+            "weighted",
+            "weighted-rr",
+        ]
+        .contains(&c.name.as_str())
+        {
             assert_eq!(c.connect_timeout, Some(config.limits.connect_timeout));
             c.connect_timeout = None;
         }
@@ -1440,6 +1454,71 @@ fn the_resources_fuzz_seed_holds_every_rbac_shape() {
             l.name
         );
     }
+}
+
+#[test]
+fn weights_priorities_localities_and_slow_start_import_from_envoy() {
+    let text = example()
+        .replace(
+            "    lb_policy: MAGLEV\n",
+            "    lb_policy: ROUND_ROBIN\n    round_robin_lb_config: { slow_start_config: { slow_start_window: 20s, aggression: { default_value: 1.5, runtime_key: \"\" }, min_weight_percent: { value: 25 } } }\n",
+        )
+        .replace(
+            "      cluster_name: sticky\n      endpoints:\n      - lb_endpoints:\n        - endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: 9101 } } }\n        - endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: 9102 } } }\n",
+            "      cluster_name: sticky\n      policy: { overprovisioning_factor: 150 }\n      endpoints:\n      - locality: { region: us, zone: a }\n        load_balancing_weight: 7\n        lb_endpoints:\n        - endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: 9101 } } }\n          load_balancing_weight: 3\n      - priority: 1\n        lb_endpoints:\n        - endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: 9102 } } }\n",
+        )
+        .replace(
+            "admin:\n",
+            "node: { id: n1, cluster: c, locality: { region: us, zone: a } }\nadmin:\n",
+        );
+    let config = bootstrap::parse(&text, "envoy.yaml").unwrap();
+    assert_eq!(
+        config.node.as_ref().and_then(|n| n.locality.as_deref()),
+        Some("us/a")
+    );
+    let sticky = config.cluster("sticky").unwrap();
+    assert_eq!(
+        sticky.endpoints.entries(),
+        &[
+            model::Endpoint {
+                address: "127.0.0.1:9101".parse().unwrap(),
+                weight: 3,
+                priority: 0,
+                locality: Some("us/a".into()),
+            },
+            model::Endpoint {
+                address: "127.0.0.1:9102".parse().unwrap(),
+                weight: 1,
+                priority: 1,
+                locality: None,
+            },
+        ]
+    );
+    assert_eq!(sticky.overprovisioning_factor, Some(150));
+    assert_eq!(
+        sticky.slow_start,
+        Some(model::SlowStart {
+            window: std::time::Duration::from_secs(20),
+            aggression: 1.5,
+            min_weight_percent: 25,
+        })
+    );
+    // Out of flatmesh's bounds: named.
+    let e = import_error(&text.replace("load_balancing_weight: 3", "load_balancing_weight: 500"));
+    assert!(
+        e.contains("lb_endpoints[0].load_balancing_weight") && e.contains("from 1 to 128"),
+        "{e}"
+    );
+    let e = import_error(&text.replace(
+        "{ region: us, zone: a }\n        load",
+        "{ zone: a }\n        load",
+    ));
+    assert!(
+        e.contains("endpoints[0].locality") && e.contains("region first"),
+        "{e}"
+    );
+    let e = import_error(&text.replace("runtime_key: \"\"", "runtime_key: k"));
+    assert!(e.contains("aggression.runtime_key"), "{e}");
 }
 
 #[test]

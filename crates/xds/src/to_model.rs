@@ -274,7 +274,7 @@ fn add_missing_clusters(config: &mut model::Config) {
         config.clusters.push(model::Cluster {
             name: name.clone(),
             lb: model::LbPolicy::RoundRobin,
-            endpoints: Vec::new(),
+            endpoints: Default::default(),
             protocol: model::UpstreamProtocol::Http1,
             hash_on: None,
             connect_timeout: None,
@@ -284,6 +284,8 @@ fn add_missing_clusters(config: &mut model::Config) {
             circuit_breaker: None,
             outlier_detection: None,
             health_check: None,
+            slow_start: None,
+            overprovisioning_factor: None,
         });
     }
 }
@@ -1352,7 +1354,7 @@ fn cluster(
     let mut rest = c.clone();
     let name = take(&mut rest.name);
     let eds = eds_name(c);
-    let endpoints = match rest.cluster_discovery_type.take() {
+    let (endpoints, overprovisioning_factor) = match rest.cluster_discovery_type.take() {
         None | Some(cluster::ClusterDiscoveryType::Type(0)) => {
             let cla = rest.load_assignment.take().unwrap_or_default();
             endpoints(&cla, &format!("{at}: load_assignment"))?
@@ -1366,7 +1368,7 @@ fn cluster(
                     cla,
                     &format!("ClusterLoadAssignment \"{}\"", cla.cluster_name),
                 )?,
-                None => Vec::new(), // not arrived yet: 503 until it does
+                None => Default::default(), // not arrived yet: 503 until it does
             }
         }
         // Envoy resolves a DNS cluster's addresses; an IP address resolves to itself, and that
@@ -1377,7 +1379,7 @@ fn cluster(
             rest.respect_dns_ttl = false;
             let cla = rest.load_assignment.take().unwrap_or_default();
             let found = endpoints(&cla, &format!("{at}: load_assignment"))?;
-            if t == 2 && found.len() > 1 {
+            if t == 2 && found.0.len() > 1 {
                 return Err(XdsError::resource(
                     format!("{at}: load_assignment"),
                     "a LOGICAL_DNS cluster has exactly one endpoint; list several under STATIC or STRICT_DNS",
@@ -1424,7 +1426,17 @@ fn cluster(
             "is not a known policy; use ROUND_ROBIN, LEAST_REQUEST, RING_HASH, MAGLEV or RANDOM",
         )),
     };
-    if let Some(lb_config) = rest.lb_config.take() {
+    let mut slow = None;
+    if let Some(mut lb_config) = rest.lb_config.take() {
+        // Slow start maps onto the cluster's `slow_start`.
+        let config = match &mut lb_config {
+            cluster::LbConfig::LeastRequestLbConfig(x) => x.slow_start_config.take(),
+            cluster::LbConfig::RoundRobinLbConfig(x) => x.slow_start_config.take(),
+            _ => None,
+        };
+        if let Some(config) = config {
+            slow = slow_start(&config, &format!("{at}: lb_config.slow_start_config"))?;
+        }
         // Tuning knobs (ring sizes, choice counts) have flatmesh's fixed values; only their
         // defaults are accepted so a config never silently behaves differently.
         let set = match &lb_config {
@@ -1527,6 +1539,8 @@ fn cluster(
         circuit_breaker,
         outlier_detection,
         health_check,
+        slow_start: slow,
+        overprovisioning_factor,
     })
 }
 
@@ -1750,34 +1764,62 @@ fn outlier_detection(
     })
 }
 
-/// The endpoints of an assignment that take traffic (Envoy skips unhealthy and draining hosts).
-fn endpoints(cla: &ClusterLoadAssignment, at: &str) -> Result<Vec<SocketAddr>> {
+/// The endpoints of an assignment that take traffic (Envoy skips unhealthy and draining
+/// hosts), each with its weight, its group's priority and locality; and the policy's
+/// overprovisioning factor. A group's own `load_balancing_weight` is accepted and, as in
+/// Envoy without `locality_weighted_lb_config`, has no effect.
+fn endpoints(cla: &ClusterLoadAssignment, at: &str) -> Result<(model::Endpoints, Option<u32>)> {
     let mut rest = cla.clone();
     rest.cluster_name.clear();
-    rest.policy = None; // overprovisioning and drop policies have no meaning with one priority
+    let mut overprovisioning = None;
+    if let Some(mut policy) = rest.policy.take() {
+        let here = format!("{at}.policy");
+        overprovisioning = policy.overprovisioning_factor.take().map(|f| f.value);
+        if overprovisioning == Some(0) {
+            return Err(XdsError::resource(
+                format!("{here}.overprovisioning_factor"),
+                "is 0: no priority level would ever take traffic; leave it out for Envoy's 140",
+            ));
+        }
+        policy.endpoint_stale_after = None; // flatmesh keeps the last assignment until a new one
+        reject_rest(&policy, &here)?;
+    }
     let mut out = Vec::new();
-    let mut weights = BTreeSet::new();
     for (i, group) in take(&mut rest.endpoints).into_iter().enumerate() {
         let here = format!("{at}.endpoints[{i}]");
         let mut group_rest = group.clone();
-        if group_rest.priority != 0 {
+        let priority = take(&mut group_rest.priority);
+        if priority > model::validate::MAX_PRIORITY {
             return Err(XdsError::resource(
                 format!("{here}.priority"),
-                "priorities other than 0 are not supported (no failover between priorities)",
+                format!(
+                    "is {priority}; flatmesh takes priorities 0 to {}",
+                    model::validate::MAX_PRIORITY
+                ),
             ));
         }
-        group_rest.locality = None; // localities are labels only
+        let locality = match group_rest.locality.take() {
+            Some(l) => locality(&l, &format!("{here}.locality"))?,
+            None => None,
+        };
         group_rest.load_balancing_weight = None;
         for (k, lb) in take(&mut group_rest.lb_endpoints).into_iter().enumerate() {
             let here = format!("{here}.lb_endpoints[{k}]");
             let mut lb_rest = lb.clone();
-            weights.insert(
-                lb_rest
-                    .load_balancing_weight
-                    .take()
-                    .map(|w| w.value)
-                    .unwrap_or(1),
-            );
+            let weight = lb_rest
+                .load_balancing_weight
+                .take()
+                .map(|w| w.value)
+                .unwrap_or(1);
+            if !(1..=model::endpoints::MAX_ENDPOINT_WEIGHT).contains(&weight) {
+                return Err(XdsError::resource(
+                    format!("{here}.load_balancing_weight"),
+                    format!(
+                        "is {weight}; flatmesh takes endpoint weights from 1 to {}",
+                        model::endpoints::MAX_ENDPOINT_WEIGHT
+                    ),
+                ));
+            }
             // UNKNOWN (0) and HEALTHY (1) take traffic, as in Envoy; DEGRADED (5) too.
             let healthy = matches!(lb_rest.health_status, 0 | 1 | 5);
             lb_rest.health_status = 0;
@@ -1798,17 +1840,82 @@ fn endpoints(cla: &ClusterLoadAssignment, at: &str) -> Result<Vec<SocketAddr>> {
             reject_rest(&endpoint, &format!("{here}.endpoint"))?;
             reject_rest(&lb_rest, &here)?;
             if healthy {
-                out.push(address);
+                out.push(model::Endpoint {
+                    address,
+                    weight,
+                    priority,
+                    locality: locality.clone(),
+                });
             }
         }
         reject_rest(&group_rest, &here)?;
     }
-    if weights.len() > 1 {
+    reject_rest(&rest, at)?;
+    Ok((out.into(), overprovisioning))
+}
+
+/// Envoy's locality as flatmesh's `region/zone/subzone` (its leading parts that are set).
+pub(crate) fn locality(
+    l: &envoy_types::pb::envoy::config::core::v3::Locality,
+    at: &str,
+) -> Result<Option<String>> {
+    let parts = [&l.region, &l.zone, &l.sub_zone];
+    let set = parts.iter().take_while(|p| !p.is_empty()).count();
+    if parts[set..].iter().any(|p| !p.is_empty()) {
         return Err(XdsError::resource(
             at,
-            "endpoints have different load_balancing_weight values; flatmesh weighs endpoints equally",
+            "sets a zone or sub_zone without the parts before it; flatmesh matches localities region first",
         ));
     }
+    if parts.iter().any(|p| p.contains('/')) {
+        return Err(XdsError::resource(
+            at,
+            "has a `/` in a part; flatmesh writes localities as region/zone/subzone",
+        ));
+    }
+    Ok((set > 0).then(|| {
+        parts[..set]
+            .iter()
+            .map(|p| p.as_str())
+            .collect::<Vec<_>>()
+            .join("/")
+    }))
+}
+
+/// Envoy's `slow_start_config` as the cluster's `slow_start`.
+fn slow_start(config: &cluster::SlowStartConfig, at: &str) -> Result<Option<model::SlowStart>> {
+    let mut rest = config.clone();
+    let Some(window) = rest.slow_start_window.take() else {
+        // Envoy: no window, no slow start.
+        return Ok(None);
+    };
+    let window = duration(&window, &format!("{at}.slow_start_window"))?;
+    let aggression = match rest.aggression.take() {
+        Some(a) => {
+            if !a.runtime_key.is_empty() {
+                return Err(XdsError::resource(
+                    format!("{at}.aggression.runtime_key"),
+                    "runtime keys are not supported; give default_value alone",
+                ));
+            }
+            a.default_value
+        }
+        None => 1.0,
+    };
+    let min_weight_percent = match rest.min_weight_percent.take() {
+        Some(p) if (0.0..=100.0).contains(&p.value) => p.value.round() as u32,
+        Some(p) => {
+            return Err(XdsError::resource(
+                format!("{at}.min_weight_percent"),
+                format!("is {}; write a percentage from 0 to 100", p.value),
+            ))
+        }
+        None => 10,
+    };
     reject_rest(&rest, at)?;
-    Ok(out)
+    Ok(Some(model::SlowStart {
+        window,
+        aggression,
+        min_weight_percent,
+    }))
 }

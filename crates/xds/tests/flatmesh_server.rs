@@ -110,8 +110,8 @@ fn scenario(protocol: Protocol) {
     refused(&store, &client, &node_id, bad, "Cluster \"b\": lb_policy: CLUSTER_PROVIDED is not supported; use ROUND_ROBIN, LEAST_REQUEST, RING_HASH, MAGLEV or RANDOM", v1);
 
     let mut bad = good_resources.clone();
-    bad.endpoints.get_mut("a").unwrap().endpoints[0].priority = 1;
-    refused(&store, &client, &node_id, bad, "ClusterLoadAssignment \"a\".endpoints[0].priority: priorities other than 0 are not supported (no failover between priorities)", v1);
+    bad.endpoints.get_mut("a").unwrap().endpoints[0].priority = 1000;
+    refused(&store, &client, &node_id, bad, "ClusterLoadAssignment \"a\".endpoints[0].priority: is 1000; flatmesh takes priorities 0 to 127", v1);
 
     let mut bad = good_resources.clone();
     let vh = &mut bad.routes.get_mut("web").unwrap().virtual_hosts[0];

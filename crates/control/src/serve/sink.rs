@@ -108,7 +108,7 @@ mod tests {
             "the file's settings stay"
         );
         assert_eq!(
-            kvs.endpoints,
+            *kvs.endpoints,
             [
                 "127.0.0.2:9100".parse().unwrap(),
                 "127.0.0.3:9101".parse().unwrap()

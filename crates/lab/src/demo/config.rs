@@ -169,7 +169,7 @@ mod tests {
         let names: Vec<_> = config.listeners.iter().map(|l| l.name.as_str()).collect();
         assert_eq!(names, [WEB_LISTENER, ECHO_LISTENER]);
         assert!(config.listeners.iter().all(|l| l.address.port() == 0));
-        let api = config.cluster("api").map(|c| c.endpoints.clone());
+        let api = config.cluster("api").map(|c| c.endpoints.to_vec());
         assert_eq!(api, Some(vec![backends().api_1, backends().api_2]));
         Ok(())
     }

@@ -64,11 +64,6 @@ impl Out {
         self.outlier.as_ref().map_or(0, |o| o.now())
     }
 
-    /// At least as many endpoints as are out (one both ejected and down counts twice).
-    pub fn count(&self) -> usize {
-        self.outlier.as_ref().map_or(0, |o| o.out()) + self.health.as_ref().map_or(0, |h| h.down())
-    }
-
     /// Whether endpoint `index` is out at `now`.
     pub fn is_out(&self, index: usize, now: u64) -> bool {
         self.health.as_ref().is_some_and(|h| h.is_down(index))
@@ -144,7 +139,7 @@ impl Registry {
             }
             (Some(config), _) => Some((
                 config.clone(),
-                cluster.endpoints.clone(),
+                cluster.endpoints.to_vec(),
                 Outlier::new(
                     &cluster.name,
                     config,
@@ -170,7 +165,7 @@ impl Registry {
                     );
                     // The checker lives as long as the node; after it, nothing probes.
                     let _ = self.checks.send(health.clone());
-                    (config.clone(), cluster.endpoints.clone(), health)
+                    (config.clone(), cluster.endpoints.to_vec(), health)
                 })
             }
         };

@@ -171,11 +171,6 @@ impl Outlier {
         self.out.load(Ordering::Relaxed) > 0
     }
 
-    /// Ejections that may still be in force (some may have ended unseen).
-    pub fn out(&self) -> usize {
-        self.out.load(Ordering::Relaxed) as usize
-    }
-
     /// Whether endpoint `index` is ejected at `now`. An ejection found expired is ended here.
     pub fn is_out(&self, index: usize, now: u64) -> bool {
         let Some(h) = self.endpoints.get(index) else {

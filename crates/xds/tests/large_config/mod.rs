@@ -18,7 +18,7 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
         c.clusters.push(model::Cluster {
             name: name.clone(),
             lb: model::LbPolicy::RoundRobin,
-            endpoints: endpoints(i),
+            endpoints: endpoints(i).into(),
             protocol: model::UpstreamProtocol::Http1,
             hash_on: None,
             connect_timeout: None,
@@ -28,6 +28,8 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
             circuit_breaker: None,
             outlier_detection: None,
             health_check: None,
+            slow_start: None,
+            overprovisioning_factor: None,
         });
         let mut r: model::Route = serde_json::from_value(serde_json::json!({
             "match": { "path": { "prefix": format!("/svc-{i}/") } }, "cluster": name
