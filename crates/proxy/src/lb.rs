@@ -243,6 +243,49 @@ impl Balancer {
         ))
     }
 
+    /// Like [`Balancer::pick`], but not one of `excluded` (the endpoints that failed this
+    /// request already) while another endpoint is in: the retry driver's way to move off
+    /// them. The policy's own next choices come first; when they keep landing on excluded
+    /// endpoints (a random draw can), the first other endpoint that is in.
+    pub fn pick_other(
+        &self,
+        hash: u64,
+        attempt: usize,
+        excluded: &[usize],
+    ) -> Option<(usize, InFlight)> {
+        let n = self.endpoints.len();
+        let mut picked = self.pick(hash, attempt)?;
+        if excluded.is_empty() {
+            return Some(picked);
+        }
+        for k in 1..n {
+            if !excluded.contains(&picked.0) {
+                return Some(picked);
+            }
+            picked = self.pick(hash, attempt + k)?;
+        }
+        if !excluded.contains(&picked.0) {
+            return Some(picked);
+        }
+        let now = self.out.now();
+        match (0..n).find(|i| !excluded.contains(i) && !self.out.is_out(*i, now)) {
+            Some(index) => {
+                drop(picked);
+                self.in_flight[index].fetch_add(1, Ordering::Relaxed);
+                Some((
+                    index,
+                    InFlight {
+                        counts: self.in_flight.clone(),
+                        index,
+                        permit: None,
+                    },
+                ))
+            }
+            // Every endpoint that is in failed already: the policy's choice.
+            None => Some(picked),
+        }
+    }
+
     /// The policy's choice among all `n` endpoints for the `attempt`th try.
     fn choose(&self, hash: u64, attempt: usize, n: usize) -> usize {
         match self.policy {

@@ -27,6 +27,13 @@ impl Answer for Response<ResponseBody> {
     fn status(&self) -> u16 {
         Response::status(self).as_u16()
     }
+
+    fn grpc_status(&self) -> Option<u32> {
+        self.headers()
+            .get("grpc-status")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse().ok())
+    }
 }
 
 /// One request held in `http` types, tried on the cluster's pool.

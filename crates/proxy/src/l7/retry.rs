@@ -3,26 +3,33 @@
 //! (the codec's part, an [`Attempt`]), and judges the outcome with the route's policy:
 //! - a pooled connection that the endpoint had closed while it sat idle gets one more try on
 //!   a fresh connection, for free (not a retry by policy, not counted);
-//! - a failure is tried again while attempts are left and the route's `retry_on` names it
-//!   (`connect-failure`, `reset`, `gateway-error`);
-//! - an answer is thrown away and tried again while attempts are left and `retry_on` names
-//!   its status (`5xx`, `gateway-error`);
-//! - the route's timeout bounds all tries together. It starts once the client's request is
-//!   complete (Envoy's route timeout): a slow but live upload is not cut short by it, while
-//!   an upload that stalls is cut by the idle timeout of the body's relay.
+//! - a failure is tried again while attempts are left and the route's `retries.on` names it
+//!   (`connect-failure`, `reset`, `gateway-error`); a try that runs out of the route's
+//!   `per_try_timeout` is always tried again;
+//! - an answer is thrown away and tried again while attempts are left and `retries.on` names
+//!   its status (`5xx`, `gateway-error`) or the gRPC status in its headers (`unavailable`,
+//!   `resource-exhausted`, `cancelled`, `deadline-exceeded`: a trailers-only answer);
+//! - a retry goes to an endpoint that has not failed this request yet, when the cluster has
+//!   one that is in, after a backoff: a random wait below `base × 2^(n-1)`, capped at `max`
+//!   (Envoy's exponential backoff with full jitter);
+//! - the route's timeout bounds all tries and waits together. It starts once the client's
+//!   request is complete (Envoy's route timeout): a slow but live upload is not cut short by
+//!   it, while an upload that stalls is cut by the idle timeout of the body's relay.
 //!
-//! Only a request without a body is ever sent twice: a body can be read only once.
+//! Only a request the codec can send again is retried: one without a body, or one whose body
+//! the codec keeps while it sends it (up to `retries.max_replay_body`).
 //!
 //! The cluster's circuit breaker (`crate::resilience`) bounds it: the request takes a place
 //! under `max_requests` before its first try (none left: answered 503 at once), and a retry
-//! takes one under `max_retries` (none left: the answer or failure in hand goes back). Each
-//! try's outcome goes to the cluster's outlier detection, which may eject the endpoint.
+//! takes one under `max_retries`. Each retry also takes one from the cluster's retry budget
+//! (`crate::resilience::budget`). Either refuses: the answer or failure in hand goes back.
+//! Each try's outcome goes to the cluster's outlier detection, which may eject the endpoint.
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use flatmesh_config::RetryOn;
+use flatmesh_config::{RetryBackoff, RetryBudget, RetryOn};
 use flatmesh_rules::CompiledRoute;
 use tokio::sync::watch;
 
@@ -42,9 +49,15 @@ pub(crate) struct Try {
     pub last: bool,
 }
 
-/// What a successful try gives back: an answer whose status the policy may look at.
+/// What a successful try gives back: an answer whose head the policy may look at.
 pub(crate) trait Answer {
     fn status(&self) -> u16;
+
+    /// The `grpc-status` in the answer's headers: only a trailers-only gRPC answer has one
+    /// there. `None` without one (the codec's default: HTTP/1 answers carry no gRPC).
+    fn grpc_status(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// A codec's way of making one try at an endpoint.
@@ -76,6 +89,9 @@ pub(crate) struct Retry<'a> {
     pub timeout: Duration,
     attempts: usize,
     on: &'a [RetryOn],
+    per_try_timeout: Option<Duration>,
+    backoff: RetryBackoff,
+    budget: RetryBudget,
     replayable: bool,
     /// The client's request body while it is on its way (`None`: there is none, the request
     /// is complete), and the idle timeout that bounds a stall of it.
@@ -83,8 +99,8 @@ pub(crate) struct Retry<'a> {
 }
 
 impl<'a> Retry<'a> {
-    /// `replayable`: the request has no body, so it may be sent again. `default_timeout`
-    /// applies when the route sets none.
+    /// `replayable`: the codec can send the request again (it has no body, or the codec
+    /// keeps it). `default_timeout` applies when the route sets none.
     pub fn new(
         route: &'a CompiledRoute,
         plan: &'a ClusterPlan,
@@ -94,17 +110,21 @@ impl<'a> Retry<'a> {
         replayable: bool,
         default_timeout: Duration,
     ) -> Self {
+        let policy = route.retries.as_ref();
         Retry {
             plan,
             upstream,
             worker,
             key,
             timeout: route.timeout.unwrap_or(default_timeout),
-            attempts: match (&route.retries, replayable) {
+            attempts: match (policy, replayable) {
                 (Some(r), true) => 1 + r.attempts as usize,
                 _ => 1,
             },
-            on: route.retries.as_ref().map_or(&[], |r| &r.on),
+            on: policy.map_or(&[], |r| &r.on),
+            per_try_timeout: policy.and_then(|r| r.per_try_timeout),
+            backoff: policy.map(|r| r.backoff()).unwrap_or_default(),
+            budget: policy.map(|r| r.budget()).unwrap_or_default(),
             replayable,
             uploaded: None,
         }
@@ -143,33 +163,48 @@ impl<'a> Retry<'a> {
             UpstreamError::timeout()
         };
         tokio::pin!(timer);
-        let breaker = &self.plan.guard.breaker;
+        let guard = &self.plan.guard;
         let mut request = Some(
-            breaker
+            guard
+                .breaker
                 .acquire(Overflow::Requests)
                 .map_err(UpstreamError::overflow)?,
         );
-        // One place under `max_retries` for all of this request's retries, taken at its first.
+        // Every request to the cluster adds to its retry budget (Linkerd's deposit).
+        guard.budget.request();
+        // One place under `max_retries` for all of this request's retries, taken at its
+        // first; then one retry of the budget for each.
         let mut retrying: Option<Permit> = None;
         let mut may_retry = || {
-            retrying.is_some() || {
-                retrying = breaker.acquire(Overflow::Retries).ok();
+            let permitted = retrying.is_some() || {
+                retrying = guard.breaker.acquire(Overflow::Retries).ok();
                 retrying.is_some()
+            };
+            permitted && {
+                let budgeted = guard.budget.try_retry(&self.budget);
+                if !budgeted {
+                    self.plan.stats.retries_over_budget.add(self.worker, 1);
+                }
+                budgeted
             }
         };
+        // The endpoints that failed this request: a retry goes elsewhere when it can.
+        let mut failed: Vec<usize> = Vec::new();
         let mut tries = 0;
         let mut stale_retried = false;
         loop {
-            let Some((index, mut in_flight)) = self.upstream.balancer.pick(self.key, tries) else {
+            let Some((index, mut in_flight)) =
+                self.upstream.balancer.pick_other(self.key, tries, &failed)
+            else {
                 return Err(UpstreamError::no_endpoint());
             };
             let endpoint = self.plan.endpoints[index];
             let last = tries + 1 >= self.attempts;
-            let attempt = codec.attempt(Try {
+            let attempt = self.bounded(codec.attempt(Try {
                 index,
                 endpoint,
                 last,
-            });
+            }));
             let tried = tokio::select! {
                 biased;
                 tried = attempt => tried,
@@ -177,7 +212,7 @@ impl<'a> Retry<'a> {
             };
             self.observe(index, &tried);
             match tried {
-                Ok(answer) if !last && self.retries_status(answer.status()) && may_retry() => {}
+                Ok(answer) if !last && self.retries_answer(&answer) && may_retry() => {}
                 Ok(answer) => {
                     in_flight.hold(request.take());
                     return Ok(Answered {
@@ -198,9 +233,49 @@ impl<'a> Retry<'a> {
                     }
                 }
             }
+            if !failed.contains(&index) {
+                failed.push(index);
+            }
             tries += 1;
             self.plan.stats.retries.add(self.worker, 1);
+            // The backoff, inside the route's timeout too.
+            let wait = self.backoff_before(tries, rand::random::<f64>());
+            tokio::select! {
+                biased;
+                () = tokio::time::sleep(wait) => {}
+                mut err = &mut timer => {
+                    err.endpoint = Some(endpoint);
+                    return Err(err);
+                }
+            }
         }
+    }
+
+    /// A try, bounded by the route's per-try timeout when it has one.
+    async fn bounded<T>(
+        &self,
+        attempt: impl Future<Output = Result<T, UpstreamError>>,
+    ) -> Result<T, UpstreamError> {
+        let Some(per_try) = self.per_try_timeout else {
+            return attempt.await;
+        };
+        match tokio::time::timeout(per_try, attempt).await {
+            Ok(tried) => tried,
+            Err(_) => {
+                self.plan.stats.per_try_timeouts.add(self.worker, 1);
+                Err(UpstreamError::per_try_timeout(per_try))
+            }
+        }
+    }
+
+    /// The wait before retry `retry` (from 1): `jitter` (in [0, 1)) of
+    /// `min(max, base × 2^(retry-1))`.
+    fn backoff_before(&self, retry: usize, jitter: f64) -> Duration {
+        let doubled = self
+            .backoff
+            .base
+            .saturating_mul(1u32 << (retry - 1).min(31));
+        doubled.min(self.backoff.max()).mul_f64(jitter.clamp(0.0, 1.0))
     }
 
     /// Tells the cluster's outlier detection what the try at endpoint `index` came to.
@@ -214,7 +289,9 @@ impl<'a> Retry<'a> {
             Err(err) if err.is_stale_connection() => return,
             Err(err) => match err.kind {
                 Kind::ConnectFailed => Outcome::ConnectFailed,
-                Kind::Closed | Kind::Timeout | Kind::InvalidResponse => Outcome::Failed,
+                Kind::Closed | Kind::Timeout | Kind::PerTryTimeout | Kind::InvalidResponse => {
+                    Outcome::Failed
+                }
                 // The client's doing, or the proxy's own refusal: not the endpoint's.
                 _ => return,
             },
@@ -223,21 +300,25 @@ impl<'a> Retry<'a> {
     }
 
     fn retries_failure(&self, kind: Kind) -> bool {
-        self.on.iter().any(|r| {
-            matches!(
-                (r, kind),
-                (RetryOn::ConnectFailure, Kind::ConnectFailed)
-                    | (RetryOn::Reset, Kind::Closed)
-                    | (RetryOn::GatewayError, Kind::ConnectFailed | Kind::Closed)
-            )
-        })
+        // A per-try timeout is retried whatever `on` says: that is what it is for.
+        kind == Kind::PerTryTimeout
+            || self.on.iter().any(|r| {
+                matches!(
+                    (r, kind),
+                    (RetryOn::ConnectFailure, Kind::ConnectFailed)
+                        | (RetryOn::Reset, Kind::Closed)
+                        | (RetryOn::GatewayError, Kind::ConnectFailed | Kind::Closed)
+                )
+            })
     }
 
-    fn retries_status(&self, status: u16) -> bool {
+    fn retries_answer<A: Answer>(&self, answer: &A) -> bool {
+        let status = answer.status();
+        let grpc = answer.grpc_status();
         self.on.iter().any(|r| match r {
             RetryOn::Status5xx => (500..600).contains(&status),
             RetryOn::GatewayError => matches!(status, 502..=504),
-            _ => false,
+            r => r.grpc_status().is_some_and(|code| grpc == Some(code)),
         })
     }
 }
