@@ -336,6 +336,8 @@ mod tests {
     /// What a scripted try does.
     enum Step {
         Answer(u16),
+        /// A 200 with this `grpc-status` in its headers (a trailers-only gRPC answer).
+        Grpc(u32),
         Fail(UpstreamError),
         /// Never answers: only the route's timeout ends it.
         Hang,
@@ -347,10 +349,13 @@ mod tests {
         tried: Vec<(SocketAddr, bool)>,
     }
 
-    struct Status(u16);
+    struct Status(u16, Option<u32>);
     impl Answer for Status {
         fn status(&self) -> u16 {
             self.0
+        }
+        fn grpc_status(&self) -> Option<u32> {
+            self.1
         }
     }
 
@@ -359,7 +364,8 @@ mod tests {
         async fn attempt(&mut self, to: Try) -> Result<Status, UpstreamError> {
             self.tried.push((to.endpoint, to.last));
             match self.steps.pop_front().expect("a step for every try") {
-                Step::Answer(status) => Ok(Status(status)),
+                Step::Answer(status) => Ok(Status(status, None)),
+                Step::Grpc(code) => Ok(Status(200, Some(code))),
                 Step::Fail(err) => Err(err),
                 Step::Hang => std::future::pending().await,
             }
@@ -367,6 +373,10 @@ mod tests {
     }
 
     fn config(retries: &str) -> String {
+        config_lb(retries, "round_robin")
+    }
+
+    fn config_lb(retries: &str, lb: &str) -> String {
         format!(
             r#"
 listeners:
@@ -380,6 +390,7 @@ listeners:
 {retries}
 clusters:
   - name: c
+    lb: {lb}
     endpoints: [ 127.0.0.1:10, 127.0.0.1:11, 127.0.0.1:12 ]
 "#
         )
@@ -629,5 +640,140 @@ clusters:
             (Kind::NoEndpoint, super::super::error::Source::Internal)
         );
         assert!(codec.tried.is_empty() && err.endpoint.is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn grpc_statuses_in_the_answer_s_headers_are_retried_when_named() {
+        let policy = "        retries: { attempts: 2, on: [ unavailable, resource-exhausted ] }";
+        let steps = vec![Step::Grpc(14), Step::Grpc(8), Step::Grpc(0)];
+        let (outcome, tried, retries) = run(policy, true, steps).await;
+        assert_eq!(outcome.unwrap(), 200);
+        assert_eq!((tried.len(), retries), (3, 2));
+        // A status the policy does not name is the answer, and so is a 503 under it.
+        let (_, tried, retries) = run(policy, true, vec![Step::Grpc(4)]).await;
+        assert_eq!((tried.len(), retries), (1, 0));
+        let (outcome, tried, _) = run(policy, true, vec![Step::Answer(503)]).await;
+        assert_eq!((outcome.unwrap(), tried.len()), (503, 1));
+        let policy = "        retries: { attempts: 1, on: [ cancelled, deadline-exceeded ] }";
+        let (_, tried, _) = run(policy, true, vec![Step::Grpc(1), Step::Grpc(0)]).await;
+        assert_eq!(tried.len(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_try_past_the_per_try_timeout_is_retried_inside_the_route_timeout() {
+        let policy = "        retries: { attempts: 2, per_try_timeout: 1s, backoff: { base: 100ms } }";
+        let started = Instant::now();
+        let view = testing::view(&config(policy));
+        let view = view.load();
+        let retry = driver(&view, true);
+        let mut codec = Scripted {
+            steps: vec![Step::Hang, Step::Answer(200)].into(),
+            tried: Vec::new(),
+        };
+        let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
+        assert_eq!(outcome.unwrap(), 200);
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_secs(1) && took < Duration::from_millis(1100),
+            "1 s per try, then a backoff below 100 ms: {took:?}"
+        );
+        let stats = &view.snapshot.clusters[0].stats;
+        assert_eq!((stats.per_try_timeouts.sum(), stats.retries.sum()), (1, 1));
+        // Every try hangs: 3 tries of 1 s, under the route's 3 s; the last one is cut by
+        // the route's timeout or its own, whichever comes first, and answers a timeout.
+        let (outcome, tried, _) =
+            run(policy, true, vec![Step::Hang, Step::Hang, Step::Hang]).await;
+        let err = outcome.unwrap_err();
+        assert!(matches!(err.kind, Kind::Timeout | Kind::PerTryTimeout), "{err}");
+        assert_eq!(tried.len(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn backoff_waits_grow_exponentially_with_full_jitter_up_to_max() {
+        let view = testing::view(&config(
+            "        retries: { attempts: 4, on: [ 5xx ], backoff: { base: 100ms, max: 300ms }, budget: { min_per_s: 1000 } }",
+        ));
+        let view = view.load();
+        let retry = driver(&view, true);
+        let ms = |d: Duration| d.as_millis();
+        // The cap doubles from base to max; the jitter takes a share of it.
+        assert_eq!(ms(retry.backoff_before(1, 0.999_999)), 99);
+        assert_eq!(ms(retry.backoff_before(2, 0.999_999)), 199);
+        assert_eq!(ms(retry.backoff_before(3, 0.999_999)), 299);
+        assert_eq!(ms(retry.backoff_before(9, 0.5)), 150);
+        assert_eq!(retry.backoff_before(1, 0.0), Duration::ZERO);
+        // On the clock: 4 retries wait at most 100 + 200 + 300 + 300 ms, and the waits are
+        // random, so over 100 requests they add up to about half of that.
+        let mut total = Duration::ZERO;
+        for _ in 0..100 {
+            let started = Instant::now();
+            let mut codec = Scripted {
+                steps: (0..5).map(|_| Step::Answer(503)).collect(),
+                tried: Vec::new(),
+            };
+            let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
+            assert_eq!(outcome.unwrap(), 503);
+            let took = started.elapsed();
+            assert!(took <= Duration::from_millis(900), "{took:?}");
+            total += took;
+        }
+        let mean = total / 100;
+        assert!(
+            mean > Duration::from_millis(300) && mean < Duration::from_millis(600),
+            "the mean wait of 4 retries is about 450 ms: {mean:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_never_goes_back_to_an_endpoint_that_failed_while_others_are_in() {
+        for lb in ["random", "least_request", "ring_hash", "round_robin"] {
+            let view = testing::view(&config_lb(
+                "        retries: { attempts: 2, on: [ 5xx, connect-failure ], budget: { min_per_s: 1000 } }",
+                lb,
+            ));
+            let view = view.load();
+            for _ in 0..200 {
+                let retry = driver(&view, true);
+                let mut codec = Scripted {
+                    steps: vec![
+                        Step::Answer(503),
+                        Step::Fail(UpstreamError::connect("refused")),
+                        Step::Answer(200),
+                    ]
+                    .into(),
+                    tried: Vec::new(),
+                };
+                let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
+                assert_eq!(outcome.unwrap(), 200);
+                let mut ports: Vec<u16> = codec.tried.iter().map(|(e, _)| e.port()).collect();
+                ports.sort_unstable();
+                assert_eq!(ports, [10, 11, 12], "{lb}: three tries, three endpoints");
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn over_the_budget_the_answer_in_hand_goes_back() {
+        // No reserve, 10% of requests: the first request has 0.1 retries of budget.
+        let policy = "        retries: { attempts: 3, on: [ 5xx ], budget: { ratio: 0.1, min_per_s: 0 } }";
+        let view = testing::view(&config(policy));
+        let view = view.load();
+        let mut answered = Vec::new();
+        for _ in 0..100 {
+            let retry = driver(&view, true);
+            let mut codec = Scripted {
+                steps: (0..4).map(|_| Step::Answer(503)).collect(),
+                tried: Vec::new(),
+            };
+            let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
+            assert_eq!(outcome.unwrap(), 503);
+            answered.push(codec.tried.len());
+        }
+        let stats = &view.snapshot.clusters[0].stats;
+        let retries = stats.retries.sum();
+        // 100 requests: at most 10 retries; each refusal is counted.
+        assert_eq!(retries, 10);
+        assert_eq!(answered.iter().sum::<usize>(), 110);
+        assert!(stats.retries_over_budget.sum() >= 90);
     }
 }
