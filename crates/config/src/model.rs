@@ -638,14 +638,7 @@ pub struct RetryPolicy {
     /// [`RetryBudget`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<RetryBudget>,
-    /// Request bodies up to this many bytes are kept while they are sent, and sent again on
-    /// a retry; a longer body is sent once. Default [`DEFAULT_MAX_REPLAY_BODY`].
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_replay_body: Option<usize>,
 }
-
-/// What `retries.max_replay_body` is when the route leaves it out: 64 KiB.
-pub const DEFAULT_MAX_REPLAY_BODY: usize = 64 * 1024;
 
 impl RetryPolicy {
     /// The backoff in force: the configured one, else the defaults.
@@ -656,11 +649,6 @@ impl RetryPolicy {
     /// The budget in force: the configured one, else the defaults.
     pub fn budget(&self) -> RetryBudget {
         self.budget.clone().unwrap_or_default()
-    }
-
-    /// The longest body a retry may send again.
-    pub fn max_replay_body(&self) -> usize {
-        self.max_replay_body.unwrap_or(DEFAULT_MAX_REPLAY_BODY)
     }
 }
 

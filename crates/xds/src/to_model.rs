@@ -1544,7 +1544,6 @@ fn retry_policy(
         per_try_timeout,
         backoff,
         budget: None,
-        max_replay_body: None,
     }))
 }
 

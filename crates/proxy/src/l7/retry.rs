@@ -16,8 +16,7 @@
 //!   request is complete (Envoy's route timeout): a slow but live upload is not cut short by
 //!   it, while an upload that stalls is cut by the idle timeout of the body's relay.
 //!
-//! Only a request the codec can send again is retried: one without a body, or one whose body
-//! the codec keeps while it sends it (up to `retries.max_replay_body`).
+//! Only a request without a body is ever sent twice: a body can be read only once.
 //!
 //! The cluster's circuit breaker (`crate::resilience`) bounds it: the request takes a place
 //! under `max_requests` before its first try (none left: answered 503 at once), and a retry
@@ -99,8 +98,8 @@ pub(crate) struct Retry<'a> {
 }
 
 impl<'a> Retry<'a> {
-    /// `replayable`: the codec can send the request again (it has no body, or the codec
-    /// keeps it). `default_timeout` applies when the route sets none.
+    /// `replayable`: the request has no body, so it may be sent again. `default_timeout`
+    /// applies when the route sets none.
     pub fn new(
         route: &'a CompiledRoute,
         plan: &'a ClusterPlan,
