@@ -638,7 +638,15 @@ pub struct RetryPolicy {
     /// [`RetryBudget`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<RetryBudget>,
+    /// A request body of a declared length up to this many bytes is kept while it is sent,
+    /// and sent again on a retry; a longer (or chunked) body is sent once, never retried.
+    /// Default [`DEFAULT_MAX_REPLAY_BODY`], at most `validate::MAX_REPLAY_BODY`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_replay_body: Option<u64>,
 }
+
+/// What `retries.max_replay_body` is when the route leaves it out: 64 KiB.
+pub const DEFAULT_MAX_REPLAY_BODY: u64 = 64 * 1024;
 
 impl RetryPolicy {
     /// The backoff in force: the configured one, else the defaults.
@@ -649,6 +657,11 @@ impl RetryPolicy {
     /// The budget in force: the configured one, else the defaults.
     pub fn budget(&self) -> RetryBudget {
         self.budget.clone().unwrap_or_default()
+    }
+
+    /// The longest request body a retry may send again.
+    pub fn max_replay_body(&self) -> u64 {
+        self.max_replay_body.unwrap_or(DEFAULT_MAX_REPLAY_BODY)
     }
 }
 

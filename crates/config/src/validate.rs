@@ -18,6 +18,8 @@ pub const MAX_RETRY_ATTEMPTS: u32 = 10;
 pub const MAX_RETRY_BUDGET_RATIO: f64 = 1.0;
 /// `retries.budget.min_per_s`.
 pub const MAX_RETRY_BUDGET_MIN_PER_S: u32 = 100_000;
+/// `retries.max_replay_body`: the hard bound on a body kept for a retry (1 MiB).
+pub const MAX_REPLAY_BODY: u64 = 1024 * 1024;
 /// Upper bound of connection counts (`limits.max_connections` and the like).
 pub const MAX_CONNECTIONS: usize = 10_000_000;
 /// The fewest file descriptors the data plane must leave to the admin port and the process.
@@ -841,7 +843,7 @@ impl Checker<'_> {
         }
     }
 
-    /// `retries`' per-try timeout, backoff and budget.
+    /// `retries`' per-try timeout, backoff, budget and replay size.
     fn retry_policy(&mut self, at: &str, retries: &crate::RetryPolicy) {
         if let Some(per_try) = retries.per_try_timeout {
             self.positive_duration(&format!("{at}.per_try_timeout"), per_try);
@@ -885,6 +887,18 @@ impl Checker<'_> {
                         budget.min_per_s
                     ),
                     "a few retries per second (the default is 10) keep low-traffic clusters retried".into(),
+                );
+            }
+        }
+        if let Some(size) = retries.max_replay_body {
+            if size > MAX_REPLAY_BODY {
+                self.report(
+                    format!("{at}.max_replay_body"),
+                    Target::Value,
+                    format!(
+                        "{at}.max_replay_body is {size}: at most {MAX_REPLAY_BODY} bytes (1 MiB) of a body are kept for a retry"
+                    ),
+                    "keep it small (the default is 65536): every request in flight to the route may hold this much".into(),
                 );
             }
         }

@@ -22,8 +22,9 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-/// A backend that answers 503 to `sick_per_10` of every 10 requests it gets (the first ones
-/// of each ten: deterministic), 200 to the rest, naming itself in `x-backend`.
+/// A backend that reads each request whole, then answers 503 to `sick_per_10` of every 10
+/// requests it gets (the first ones of each ten: deterministic) and 200 to the rest, naming
+/// itself in `x-backend`.
 struct Flaky {
     addr: SocketAddr,
     hits: Arc<AtomicU64>,
@@ -43,10 +44,12 @@ impl Flaky {
                     continue;
                 };
                 let hits = counted.clone();
-                let service = service_fn(move |_req| {
+                let service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
                     let n = hits.fetch_add(1, Ordering::Relaxed);
                     let status = if n % 10 < sick_per_10 { 503 } else { 200 };
                     async move {
+                        // The whole request first, as most servers do.
+                        let _ = http_body_util::BodyExt::collect(req.into_body()).await;
                         Ok::<_, Infallible>(
                             Response::builder()
                                 .status(status)
@@ -209,4 +212,90 @@ async fn when_every_endpoint_fails_retries_are_capped_by_the_budget() {
         refused >= sent as f64 - retries / 3.0,
         "each request over the budget counted: {refused}"
     );
+}
+
+/// POSTs of `len` pattern bytes, `n` of them one after the other, from `client`; each
+/// answer's status, the backend that gave it, and the body length and CRC it got.
+async fn posts(client: &Client, web: SocketAddr, n: usize, len: usize) -> Vec<(u16, String, u64, u64)> {
+    let data = backends::pattern(len, 7);
+    let mut out = Vec::new();
+    for i in 0..n {
+        let req = http::Request::post(format!("http://{web}/up/{i}"))
+            .header("content-length", len.to_string())
+            .body(http_body_util::Full::new(Bytes::from(data.clone())))
+            .unwrap();
+        let resp = send(client, req).await.unwrap();
+        let (len, crc) = if resp.status == 200 {
+            let echo = resp.echo();
+            (echo["body_len"].as_u64().unwrap(), echo["body_crc"].as_u64().unwrap())
+        } else {
+            (0, 0)
+        };
+        out.push((resp.status.as_u16(), resp.backend().unwrap_or("").to_owned(), len, crc));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_post_s_body_is_replayed_whole_to_the_next_endpoint() {
+    let sick = Flaky::start("sick", 10).await;
+    let good = backends::HttpBackend::start("good", backends::Proto::H1).await;
+    let (admin, web) = (free_addr(), free_addr());
+    let node = TestNode::start(&config(
+        admin,
+        web,
+        &[sick.addr, good.addr],
+        "{ attempts: 1, on: [ 5xx ] }",
+    ));
+    let len = 40 * 1024;
+    let crc = u64::from(crc32fast::hash(&backends::pattern(len, 7)));
+    // HTTP/1.1 to the HTTP/1.1 cluster (the codec's own relay), and HTTP/2 (bodies held in
+    // `http` types).
+    for (client, proto) in [(h1_client(), "h1"), (h2c_client(), "h2c")] {
+        let before = sick.hits();
+        for (status, backend, got, got_crc) in posts(&client, web, 6, len).await {
+            assert_eq!(status, 200, "{proto}: every POST ends at the good endpoint");
+            assert_eq!(backend, "good", "{proto}");
+            assert_eq!((got, got_crc), (len as u64, crc), "{proto}: the body arrived whole");
+        }
+        assert!(sick.hits() > before, "{proto}: some POSTs went to the sick endpoint first");
+    }
+    let retries = metric(&node, "flatmesh_upstream_retries_total").await;
+    assert_eq!(retries, sick.hits() as f64, "each 503 was retried");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_body_over_max_replay_body_is_sent_once() {
+    let sick = Flaky::start("sick", 10).await;
+    let good = backends::HttpBackend::start("good", backends::Proto::H1).await;
+    let (admin, web) = (free_addr(), free_addr());
+    let node = TestNode::start(&config(
+        admin,
+        web,
+        &[sick.addr, good.addr],
+        "{ attempts: 1, on: [ 5xx ], max_replay_body: 1024 }",
+    ));
+    for client in [h1_client(), h2c_client()] {
+        let answers = posts(&client, web, 6, 4096).await;
+        let sick_answers = answers.iter().filter(|a| a.1 == "sick").count();
+        assert!(sick_answers > 0, "{answers:?}");
+        for (status, backend, got, _) in answers {
+            match backend.as_str() {
+                "sick" => assert_eq!(status, 503, "not retried: the 503 goes back"),
+                _ => assert_eq!((status, got), (200, 4096)),
+            }
+        }
+    }
+    assert_eq!(metric(&node, "flatmesh_upstream_retries_total").await, 0.0);
+    // A bodyless request on the same route is still retried.
+    let client = h1_client();
+    let statuses: Vec<u16> = {
+        let mut s = Vec::new();
+        for i in 0..4 {
+            s.push(get(&client, &format!("http://{web}/g/{i}"), &[]).await.status.as_u16());
+        }
+        s
+    };
+    assert_eq!(statuses, [200; 4]);
+    assert!(metric(&node, "flatmesh_upstream_retries_total").await >= 1.0);
 }

@@ -1544,6 +1544,7 @@ fn retry_policy(
         per_try_timeout,
         backoff,
         budget: None,
+        max_replay_body: None,
     }))
 }
 

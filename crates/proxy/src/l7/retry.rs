@@ -16,7 +16,10 @@
 //!   request is complete (Envoy's route timeout): a slow but live upload is not cut short by
 //!   it, while an upload that stalls is cut by the idle timeout of the body's relay.
 //!
-//! Only a request without a body is ever sent twice: a body can be read only once.
+//! Only a request the codec can send again is retried (`replayable`): one without a body, or
+//! one whose body of a declared length fits the route's `retries.max_replay_body`, which the
+//! codec keeps while it sends it and sends again from there. A try that failed with part of
+//! such a body sent ([`Attempt::can_resend`]) ends the retries: the rest was lost with it.
 //!
 //! The cluster's circuit breaker (`crate::resilience`) bounds it: the request takes a place
 //! under `max_requests` before its first try (none left: answered 503 at once), and a retry
@@ -67,6 +70,12 @@ pub(crate) trait Attempt {
         &mut self,
         to: Try,
     ) -> impl Future<Output = Result<Self::Answer, UpstreamError>> + Send;
+
+    /// Whether the request can be sent again after the tries so far: false once part of a
+    /// kept body went out and the rest was lost with the try (the codec's default: true).
+    fn can_resend(&self) -> bool {
+        true
+    }
 }
 
 /// The answer a try got, the endpoint that gave it, and that endpoint's in-flight count
@@ -97,9 +106,18 @@ pub(crate) struct Retry<'a> {
     uploaded: Option<(watch::Receiver<bool>, Duration)>,
 }
 
+/// Whether a request body of `length` bytes (`None`: not declared up front, chunked) is kept
+/// for a retry on `route`: it has a retry policy and the body fits its `max_replay_body`.
+pub(crate) fn replayable_body(route: &CompiledRoute, length: Option<u64>) -> bool {
+    match (&route.retries, length) {
+        (Some(policy), Some(length)) => length <= policy.max_replay_body(),
+        _ => false,
+    }
+}
+
 impl<'a> Retry<'a> {
-    /// `replayable`: the request has no body, so it may be sent again. `default_timeout`
-    /// applies when the route sets none.
+    /// `replayable`: the codec can send the request again (no body, or one it keeps, see
+    /// [`replayable_body`]). `default_timeout` applies when the route sets none.
     pub fn new(
         route: &'a CompiledRoute,
         plan: &'a ClusterPlan,
@@ -211,7 +229,11 @@ impl<'a> Retry<'a> {
             };
             self.observe(index, &tried);
             match tried {
-                Ok(answer) if !last && self.retries_answer(&answer) && may_retry() => {}
+                Ok(answer)
+                    if !last
+                        && self.retries_answer(&answer)
+                        && codec.can_resend()
+                        && may_retry() => {}
                 Ok(answer) => {
                     in_flight.hold(request.take());
                     return Ok(Answered {
@@ -220,13 +242,22 @@ impl<'a> Retry<'a> {
                         in_flight,
                     });
                 }
-                Err(err) if err.is_stale_connection() && self.replayable && !stale_retried => {
+                Err(err)
+                    if err.is_stale_connection()
+                        && self.replayable
+                        && codec.can_resend()
+                        && !stale_retried =>
+                {
                     tracing::debug!(%endpoint, error = %err.detail, "pooled connection was closed; retrying on a new one");
                     stale_retried = true;
                     continue;
                 }
                 Err(mut err) => {
-                    if last || !self.retries_failure(err.kind) || !may_retry() {
+                    if last
+                        || !self.retries_failure(err.kind)
+                        || !codec.can_resend()
+                        || !may_retry()
+                    {
                         err.endpoint = Some(endpoint);
                         return Err(err);
                     }
