@@ -1274,9 +1274,10 @@ clusters:
     #[tokio::test(start_paused = true)]
     async fn a_request_with_a_body_is_sent_once_and_its_failure_closes_the_connection() {
         let app = Endpoint::start(|_, _, _| Script::Answer(Duration::ZERO, ok("live"))).await;
+        // A body over `max_replay_body` is not kept for a retry.
         let yaml = config(
             &[dead_endpoint(), app.addr],
-            "        retries: { attempts: 1, on: [ connect-failure ] }",
+            "        retries: { attempts: 1, on: [ connect-failure ], max_replay_body: 4 }",
         );
         let (mut client, view) = connect(&yaml);
         let reply = exchange(
@@ -1289,6 +1290,25 @@ clusters:
         assert_eq!(reply.header("connection"), Some("close"));
         assert!(closed(&mut client).await);
         assert_eq!(retries(&view), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_with_a_body_that_fits_max_replay_body_is_retried_whole() {
+        let app = Endpoint::start(|_, _, _| Script::Answer(Duration::ZERO, ok("live"))).await;
+        let yaml = config(
+            &[dead_endpoint(), app.addr],
+            "        retries: { attempts: 1, on: [ connect-failure ], max_replay_body: 5 }",
+        );
+        let (mut client, view) = connect(&yaml);
+        let reply = exchange(
+            &mut client,
+            "POST /app HTTP/1.1\r\nhost: t\r\ncontent-length: 5\r\n\r\nhello",
+        )
+        .await
+        .unwrap();
+        assert_eq!((reply.status, reply.body.as_str()), (200, "live"), "{reply:?}");
+        assert_eq!(reply.header("connection"), None, "the body was read whole");
+        assert_eq!(retries(&view), 1);
     }
 
     #[tokio::test(start_paused = true)]
