@@ -730,18 +730,34 @@ fn retries_grown_up_bounded() {
     let retries = config.listeners[0].routes[0].retries.clone().unwrap();
     assert_eq!(retries.on.len(), 5);
     assert_eq!(retries.on[1].grpc_status(), Some(14));
-    assert_eq!(retries.per_try_timeout, Some(std::time::Duration::from_millis(250)));
-    assert_eq!(retries.backoff().max(), std::time::Duration::from_millis(100), "10 × base");
-    assert_eq!((retries.budget().ratio, retries.budget().min_per_s), (0.5, 10));
+    assert_eq!(
+        retries.per_try_timeout,
+        Some(std::time::Duration::from_millis(250))
+    );
+    assert_eq!(
+        retries.backoff().max(),
+        std::time::Duration::from_millis(100),
+        "10 × base"
+    );
+    assert_eq!(
+        (retries.budget().ratio, retries.budget().min_per_s),
+        (0.5, 10)
+    );
     assert_eq!(retries.max_replay_body(), 1024);
     // The defaults: Envoy's backoff, Linkerd's budget, 64 KiB of body.
     let config = parse(&http("      - cluster: api\n        retries: {}\n"), "t").unwrap();
     let retries = config.listeners[0].routes[0].retries.clone().unwrap();
     assert_eq!(
         (retries.backoff().base, retries.backoff().max()),
-        (std::time::Duration::from_millis(25), std::time::Duration::from_millis(250))
+        (
+            std::time::Duration::from_millis(25),
+            std::time::Duration::from_millis(250)
+        )
     );
-    assert_eq!((retries.budget().ratio, retries.budget().min_per_s), (0.2, 10));
+    assert_eq!(
+        (retries.budget().ratio, retries.budget().min_per_s),
+        (0.2, 10)
+    );
     assert_eq!(retries.max_replay_body(), 64 * 1024);
     assert_eq!(retries.per_try_timeout, None);
 }

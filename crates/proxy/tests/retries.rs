@@ -167,7 +167,10 @@ async fn one_endpoint_answering_503_to_30_percent_is_survived_inside_the_budget(
     );
     // The default budget: 20% of the requests plus 10/s over the (at least 10 s) window.
     let cap = 0.2 * sent as f64 + 10.0 * (10.0 + elapsed.ceil());
-    assert!(retries <= cap, "{retries} retries, over the budget of {cap}");
+    assert!(
+        retries <= cap,
+        "{retries} retries, over the budget of {cap}"
+    );
     assert_eq!(
         metric(&node, "flatmesh_upstream_retries_over_budget_total").await,
         0.0,
@@ -205,8 +208,15 @@ async fn when_every_endpoint_fails_retries_are_capped_by_the_budget() {
         retries <= cap,
         "{retries} retries, over the budget of {cap}"
     );
-    assert!(retries >= 0.2 * sent as f64, "the budget's share was used: {retries}");
-    assert_eq!(hits as f64, sent as f64 + retries, "every try reached a backend");
+    assert!(
+        retries >= 0.2 * sent as f64,
+        "the budget's share was used: {retries}"
+    );
+    assert_eq!(
+        hits as f64,
+        sent as f64 + retries,
+        "every try reached a backend"
+    );
     // A request that made fewer than 3 retries was refused one: it is counted.
     assert!(
         refused >= sent as f64 - retries / 3.0,
@@ -216,7 +226,12 @@ async fn when_every_endpoint_fails_retries_are_capped_by_the_budget() {
 
 /// POSTs of `len` pattern bytes, `n` of them one after the other, from `client`; each
 /// answer's status, the backend that gave it, and the body length and CRC it got.
-async fn posts(client: &Client, web: SocketAddr, n: usize, len: usize) -> Vec<(u16, String, u64, u64)> {
+async fn posts(
+    client: &Client,
+    web: SocketAddr,
+    n: usize,
+    len: usize,
+) -> Vec<(u16, String, u64, u64)> {
     let data = backends::pattern(len, 7);
     let mut out = Vec::new();
     for i in 0..n {
@@ -227,11 +242,19 @@ async fn posts(client: &Client, web: SocketAddr, n: usize, len: usize) -> Vec<(u
         let resp = send(client, req).await.unwrap();
         let (len, crc) = if resp.status == 200 {
             let echo = resp.echo();
-            (echo["body_len"].as_u64().unwrap(), echo["body_crc"].as_u64().unwrap())
+            (
+                echo["body_len"].as_u64().unwrap(),
+                echo["body_crc"].as_u64().unwrap(),
+            )
         } else {
             (0, 0)
         };
-        out.push((resp.status.as_u16(), resp.backend().unwrap_or("").to_owned(), len, crc));
+        out.push((
+            resp.status.as_u16(),
+            resp.backend().unwrap_or("").to_owned(),
+            len,
+            crc,
+        ));
     }
     out
 }
@@ -256,9 +279,16 @@ async fn a_post_s_body_is_replayed_whole_to_the_next_endpoint() {
         for (status, backend, got, got_crc) in posts(&client, web, 6, len).await {
             assert_eq!(status, 200, "{proto}: every POST ends at the good endpoint");
             assert_eq!(backend, "good", "{proto}");
-            assert_eq!((got, got_crc), (len as u64, crc), "{proto}: the body arrived whole");
+            assert_eq!(
+                (got, got_crc),
+                (len as u64, crc),
+                "{proto}: the body arrived whole"
+            );
         }
-        assert!(sick.hits() > before, "{proto}: some POSTs went to the sick endpoint first");
+        assert!(
+            sick.hits() > before,
+            "{proto}: some POSTs went to the sick endpoint first"
+        );
     }
     let retries = metric(&node, "flatmesh_upstream_retries_total").await;
     assert_eq!(retries, sick.hits() as f64, "each 503 was retried");
@@ -292,7 +322,12 @@ async fn a_body_over_max_replay_body_is_sent_once() {
     let statuses: Vec<u16> = {
         let mut s = Vec::new();
         for i in 0..4 {
-            s.push(get(&client, &format!("http://{web}/g/{i}"), &[]).await.status.as_u16());
+            s.push(
+                get(&client, &format!("http://{web}/g/{i}"), &[])
+                    .await
+                    .status
+                    .as_u16(),
+            );
         }
         s
     };

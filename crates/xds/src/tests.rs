@@ -1751,7 +1751,11 @@ fn retry_policies_import_from_envoy() {
         r#"retry_policy: { retry_on: "connect-failure,5xx", num_retries: 2 }"#,
         r#"retry_policy: { retry_on: "5xx", retry_back_off: { max_interval: 1s } }"#,
     );
-    assert!(import_error(&no_base).contains("base_interval"), "{}", import_error(&no_base));
+    assert!(
+        import_error(&no_base).contains("base_interval"),
+        "{}",
+        import_error(&no_base)
+    );
     let unknown = example().replace(
         r#"retry_policy: { retry_on: "connect-failure,5xx", num_retries: 2 }"#,
         r#"retry_policy: { retry_on: "5xx,retriable-4xx" }"#,

@@ -1306,7 +1306,11 @@ clusters:
         )
         .await
         .unwrap();
-        assert_eq!((reply.status, reply.body.as_str()), (200, "live"), "{reply:?}");
+        assert_eq!(
+            (reply.status, reply.body.as_str()),
+            (200, "live"),
+            "{reply:?}"
+        );
         assert_eq!(reply.header("connection"), None, "the body was read whole");
         assert_eq!(retries(&view), 1);
     }

@@ -191,7 +191,11 @@ struct Kept {
 impl Kept {
     /// Reads `body`, declared `length` bytes long: a body that moves nothing for `idle`
     /// stalled (408), one that breaks off or runs past its length is the client's fault (400).
-    async fn read(mut body: UpstreamBody, length: u64, idle: Duration) -> Result<Kept, UpstreamError> {
+    async fn read(
+        mut body: UpstreamBody,
+        length: u64,
+        idle: Duration,
+    ) -> Result<Kept, UpstreamError> {
         let mut data = BytesMut::with_capacity(length as usize);
         let mut trailers = None;
         loop {

@@ -305,7 +305,9 @@ impl<'a> Retry<'a> {
             .backoff
             .base
             .saturating_mul(1u32 << (retry - 1).min(31));
-        doubled.min(self.backoff.max()).mul_f64(jitter.clamp(0.0, 1.0))
+        doubled
+            .min(self.backoff.max())
+            .mul_f64(jitter.clamp(0.0, 1.0))
     }
 
     /// Tells the cluster's outlier detection what the try at endpoint `index` came to.
@@ -691,7 +693,8 @@ clusters:
 
     #[tokio::test(start_paused = true)]
     async fn a_try_past_the_per_try_timeout_is_retried_inside_the_route_timeout() {
-        let policy = "        retries: { attempts: 2, per_try_timeout: 1s, backoff: { base: 100ms } }";
+        let policy =
+            "        retries: { attempts: 2, per_try_timeout: 1s, backoff: { base: 100ms } }";
         let started = Instant::now();
         let view = testing::view(&config(policy));
         let view = view.load();
@@ -711,10 +714,12 @@ clusters:
         assert_eq!((stats.per_try_timeouts.sum(), stats.retries.sum()), (1, 1));
         // Every try hangs: 3 tries of 1 s, under the route's 3 s; the last one is cut by
         // the route's timeout or its own, whichever comes first, and answers a timeout.
-        let (outcome, tried, _) =
-            run(policy, true, vec![Step::Hang, Step::Hang, Step::Hang]).await;
+        let (outcome, tried, _) = run(policy, true, vec![Step::Hang, Step::Hang, Step::Hang]).await;
         let err = outcome.unwrap_err();
-        assert!(matches!(err.kind, Kind::Timeout | Kind::PerTryTimeout), "{err}");
+        assert!(
+            matches!(err.kind, Kind::Timeout | Kind::PerTryTimeout),
+            "{err}"
+        );
         assert_eq!(tried.len(), 3);
     }
 
@@ -785,7 +790,8 @@ clusters:
     #[tokio::test(start_paused = true)]
     async fn over_the_budget_the_answer_in_hand_goes_back() {
         // No reserve, 10% of requests: the first request has 0.1 retries of budget.
-        let policy = "        retries: { attempts: 3, on: [ 5xx ], budget: { ratio: 0.1, min_per_s: 0 } }";
+        let policy =
+            "        retries: { attempts: 3, on: [ 5xx ], budget: { ratio: 0.1, min_per_s: 0 } }";
         let view = testing::view(&config(policy));
         let view = view.load();
         let mut answered = Vec::new();
