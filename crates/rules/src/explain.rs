@@ -555,7 +555,7 @@ fn explain_authz(out: &mut String, l: &crate::ListenerTable) {
 }
 
 /// A route's retry policy with the defaults in force: `retries 2 on 5xx,unavailable, per try
-/// 1s, backoff 25ms..250ms, budget 20% + 10/s`.
+/// 1s, backoff 25ms..250ms, budget 20% + 10/s, bodies kept to 65536 bytes`.
 fn retry_text(r: &flatmesh_config::RetryPolicy) -> String {
     let on: Vec<&str> = r.on.iter().map(|o| o.as_str()).collect();
     let (backoff, budget) = (r.backoff(), r.budget());
@@ -565,11 +565,12 @@ fn retry_text(r: &flatmesh_config::RetryPolicy) -> String {
     }
     let _ = write!(
         text,
-        ", backoff {}..{}, budget {}% + {}/s",
+        ", backoff {}..{}, budget {}% + {}/s, bodies kept to {} bytes",
         duration::format(&backoff.base),
         duration::format(&backoff.max()),
         budget.ratio * 100.0,
-        budget.min_per_s
+        budget.min_per_s,
+        r.max_replay_body()
     );
     text
 }
