@@ -781,9 +781,117 @@ pub struct RetryPolicy {
     /// Extra attempts after the first (default 1).
     #[serde(default = "default_retry_attempts")]
     pub attempts: u32,
-    /// When to retry: `connect-failure`, `reset`, `5xx`, `gateway-error` (502/503/504).
+    /// When to retry: `connect-failure`, `reset`, `5xx`, `gateway-error` (502/503/504), and
+    /// the gRPC statuses `unavailable`, `resource-exhausted`, `cancelled`, `deadline-exceeded`.
     #[serde(default = "default_retry_on")]
     pub on: Vec<RetryOn>,
+    /// Bounds each try; absent: only the route's timeout bounds the tries (all together).
+    /// A try that runs out of it is a failure that is retried.
+    #[serde(
+        default,
+        with = "crate::duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub per_try_timeout: Option<Duration>,
+    /// The wait between tries; absent: the defaults of [`RetryBackoff`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backoff: Option<RetryBackoff>,
+    /// The share of requests the cluster's retries may be; absent: the defaults of
+    /// [`RetryBudget`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<RetryBudget>,
+    /// A request body of a declared length up to this many bytes is kept while it is sent,
+    /// and sent again on a retry; a longer (or chunked) body is sent once, never retried.
+    /// Default [`DEFAULT_MAX_REPLAY_BODY`], at most `validate::MAX_REPLAY_BODY`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_replay_body: Option<u64>,
+}
+
+/// What `retries.max_replay_body` is when the route leaves it out: 64 KiB.
+pub const DEFAULT_MAX_REPLAY_BODY: u64 = 64 * 1024;
+
+impl RetryPolicy {
+    /// The backoff in force: the configured one, else the defaults.
+    pub fn backoff(&self) -> RetryBackoff {
+        self.backoff.clone().unwrap_or_default()
+    }
+
+    /// The budget in force: the configured one, else the defaults.
+    pub fn budget(&self) -> RetryBudget {
+        self.budget.clone().unwrap_or_default()
+    }
+
+    /// The longest request body a retry may send again.
+    pub fn max_replay_body(&self) -> u64 {
+        self.max_replay_body.unwrap_or(DEFAULT_MAX_REPLAY_BODY)
+    }
+}
+
+/// Exponential backoff with full jitter between tries (Envoy's `retry_back_off`): before
+/// retry n (from 1) the driver waits a random time in `[0, min(max, base × 2^(n-1)))`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryBackoff {
+    /// Default 25ms (Envoy's).
+    #[serde(default = "default_backoff_base", with = "crate::duration")]
+    pub base: Duration,
+    /// Default 10 × `base` (Envoy's).
+    #[serde(
+        default,
+        with = "crate::duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub max: Option<Duration>,
+}
+
+fn default_backoff_base() -> Duration {
+    Duration::from_millis(25)
+}
+
+impl Default for RetryBackoff {
+    fn default() -> Self {
+        RetryBackoff {
+            base: default_backoff_base(),
+            max: None,
+        }
+    }
+}
+
+impl RetryBackoff {
+    /// The longest wait: `max`, else 10 × `base`.
+    pub fn max(&self) -> Duration {
+        self.max.unwrap_or(self.base.saturating_mul(10))
+    }
+}
+
+/// Linkerd's retry budget, per cluster and node: over a sliding window of 10 s, the
+/// cluster's retries may be at most `ratio` × its requests, plus `min_per_s` per second.
+/// A retry over it is not made: the answer or failure in hand goes back.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryBudget {
+    /// Default 0.2.
+    #[serde(default = "default_budget_ratio")]
+    pub ratio: f64,
+    /// Default 10.
+    #[serde(default = "default_budget_min_per_s")]
+    pub min_per_s: u32,
+}
+
+fn default_budget_ratio() -> f64 {
+    0.2
+}
+fn default_budget_min_per_s() -> u32 {
+    10
+}
+
+impl Default for RetryBudget {
+    fn default() -> Self {
+        RetryBudget {
+            ratio: default_budget_ratio(),
+            min_per_s: default_budget_min_per_s(),
+        }
+    }
 }
 
 fn default_retry_attempts() -> u32 {
@@ -801,6 +909,41 @@ pub enum RetryOn {
     #[serde(rename = "5xx")]
     Status5xx,
     GatewayError,
+    /// gRPC status 14 in the answer's headers (a trailers-only answer).
+    Unavailable,
+    /// gRPC status 8.
+    ResourceExhausted,
+    /// gRPC status 1.
+    Cancelled,
+    /// gRPC status 4.
+    DeadlineExceeded,
+}
+
+impl RetryOn {
+    /// The gRPC status code this names, for the gRPC ones.
+    pub fn grpc_status(self) -> Option<u32> {
+        match self {
+            RetryOn::Cancelled => Some(1),
+            RetryOn::DeadlineExceeded => Some(4),
+            RetryOn::ResourceExhausted => Some(8),
+            RetryOn::Unavailable => Some(14),
+            _ => None,
+        }
+    }
+
+    /// The name the config (and Envoy's `retry_on`) spells it with.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RetryOn::ConnectFailure => "connect-failure",
+            RetryOn::Reset => "reset",
+            RetryOn::Status5xx => "5xx",
+            RetryOn::GatewayError => "gateway-error",
+            RetryOn::Unavailable => "unavailable",
+            RetryOn::ResourceExhausted => "resource-exhausted",
+            RetryOn::Cancelled => "cancelled",
+            RetryOn::DeadlineExceeded => "deadline-exceeded",
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -685,6 +685,84 @@ fn retries_bounded() {
 }
 
 #[test]
+fn retries_grown_up_bounded() {
+    only(
+        &http("      - cluster: api\n        retries: { per_try_timeout: 0s }\n"),
+        7,
+        37,
+        "retries.per_try_timeout is zero",
+    );
+    only(
+        &http("      - cluster: api\n        retries: { backoff: { base: 1s, max: 10ms } }\n"),
+        7,
+        46,
+        "backoff.max (10ms) is shorter than backoff.base (1s)",
+    );
+    only(
+        &http("      - cluster: api\n        retries: { budget: { ratio: 1.5 } }\n"),
+        7,
+        37,
+        "retries.budget.ratio is 1.5",
+    );
+    only(
+        &http("      - cluster: api\n        retries: { budget: { min_per_s: 100001 } }\n"),
+        7,
+        41,
+        "retries.budget.min_per_s is 100001",
+    );
+    only(
+        &http("      - cluster: api\n        retries: { max_replay_body: 2000000 }\n"),
+        7,
+        37,
+        "retries.max_replay_body is 2000000",
+    );
+    only(
+        &http("      - cluster: api\n        retries: { on: [unavailable, retriable] }\n"),
+        7,
+        38,
+        "unknown value `retriable`",
+    );
+    let config = parse(
+        &http("      - cluster: api\n        retries: { attempts: 2, on: [5xx, unavailable, resource-exhausted, cancelled, deadline-exceeded], per_try_timeout: 250ms, backoff: { base: 10ms }, budget: { ratio: 0.5 }, max_replay_body: 1024 }\n"),
+        "t",
+    )
+    .unwrap();
+    let retries = config.listeners[0].routes[0].retries.clone().unwrap();
+    assert_eq!(retries.on.len(), 5);
+    assert_eq!(retries.on[1].grpc_status(), Some(14));
+    assert_eq!(
+        retries.per_try_timeout,
+        Some(std::time::Duration::from_millis(250))
+    );
+    assert_eq!(
+        retries.backoff().max(),
+        std::time::Duration::from_millis(100),
+        "10 × base"
+    );
+    assert_eq!(
+        (retries.budget().ratio, retries.budget().min_per_s),
+        (0.5, 10)
+    );
+    assert_eq!(retries.max_replay_body(), 1024);
+    // The defaults: Envoy's backoff, Linkerd's budget, 64 KiB of body.
+    let config = parse(&http("      - cluster: api\n        retries: {}\n"), "t").unwrap();
+    let retries = config.listeners[0].routes[0].retries.clone().unwrap();
+    assert_eq!(
+        (retries.backoff().base, retries.backoff().max()),
+        (
+            std::time::Duration::from_millis(25),
+            std::time::Duration::from_millis(250)
+        )
+    );
+    assert_eq!(
+        (retries.budget().ratio, retries.budget().min_per_s),
+        (0.2, 10)
+    );
+    assert_eq!(retries.max_replay_body(), 64 * 1024);
+    assert_eq!(retries.per_try_timeout, None);
+}
+
+#[test]
 fn no_listeners() {
     only(CLUSTERS, 1, 1, "config has no listeners");
     only(

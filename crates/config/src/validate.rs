@@ -18,6 +18,12 @@ pub const MAX_RETRY_ATTEMPTS: u32 = 10;
 pub const MAX_PRIORITY: u32 = 127;
 /// The largest `overprovisioning_factor`, in percent.
 pub const MAX_OVERPROVISIONING: u32 = 1000;
+/// `retries.budget.ratio`: retries may at most double the load.
+pub const MAX_RETRY_BUDGET_RATIO: f64 = 1.0;
+/// `retries.budget.min_per_s`.
+pub const MAX_RETRY_BUDGET_MIN_PER_S: u32 = 100_000;
+/// `retries.max_replay_body`: the hard bound on a body kept for a retry (1 MiB).
+pub const MAX_REPLAY_BODY: u64 = 1024 * 1024;
 /// Upper bound of connection counts (`limits.max_connections` and the like).
 pub const MAX_CONNECTIONS: usize = 10_000_000;
 /// The fewest file descriptors the data plane must leave to the admin port and the process.
@@ -842,7 +848,69 @@ impl Checker<'_> {
                     format!("{at}.retries.on"),
                     Target::Value,
                     "retries.on is empty, so nothing would be retried".into(),
-                    "list at least one of connect-failure, reset, 5xx, gateway-error, or remove `retries`".into(),
+                    "list at least one of connect-failure, reset, 5xx, gateway-error, unavailable, resource-exhausted, cancelled, deadline-exceeded, or remove `retries`".into(),
+                );
+            }
+            self.retry_policy(&format!("{at}.retries"), retries);
+        }
+    }
+
+    /// `retries`' per-try timeout, backoff, budget and replay size.
+    fn retry_policy(&mut self, at: &str, retries: &crate::RetryPolicy) {
+        if let Some(per_try) = retries.per_try_timeout {
+            self.positive_duration(&format!("{at}.per_try_timeout"), per_try);
+        }
+        if let Some(backoff) = &retries.backoff {
+            self.positive_duration(&format!("{at}.backoff.base"), backoff.base);
+            if let Some(max) = backoff.max {
+                self.positive_duration(&format!("{at}.backoff.max"), max);
+                if max < backoff.base {
+                    self.report(
+                        format!("{at}.backoff.max"),
+                        Target::Value,
+                        format!(
+                            "{at}.backoff.max ({}) is shorter than backoff.base ({})",
+                            crate::duration::format(&max),
+                            crate::duration::format(&backoff.base)
+                        ),
+                        "make `max` at least `base` (the default is 10 × base)".into(),
+                    );
+                }
+            }
+        }
+        if let Some(budget) = &retries.budget {
+            if !(0.0..=MAX_RETRY_BUDGET_RATIO).contains(&budget.ratio) {
+                self.report(
+                    format!("{at}.budget.ratio"),
+                    Target::Value,
+                    format!(
+                        "{at}.budget.ratio is {}: it must be between 0 and {MAX_RETRY_BUDGET_RATIO}",
+                        budget.ratio
+                    ),
+                    "write a share of the requests, such as 0.2 (the default: retries add at most 20% load)".into(),
+                );
+            }
+            if budget.min_per_s > MAX_RETRY_BUDGET_MIN_PER_S {
+                self.report(
+                    format!("{at}.budget.min_per_s"),
+                    Target::Value,
+                    format!(
+                        "{at}.budget.min_per_s is {}: at most {MAX_RETRY_BUDGET_MIN_PER_S} are allowed",
+                        budget.min_per_s
+                    ),
+                    "a few retries per second (the default is 10) keep low-traffic clusters retried".into(),
+                );
+            }
+        }
+        if let Some(size) = retries.max_replay_body {
+            if size > MAX_REPLAY_BODY {
+                self.report(
+                    format!("{at}.max_replay_body"),
+                    Target::Value,
+                    format!(
+                        "{at}.max_replay_body is {size}: at most {MAX_REPLAY_BODY} bytes (1 MiB) of a body are kept for a retry"
+                    ),
+                    "keep it small (the default is 65536): every request in flight to the route may hold this much".into(),
                 );
             }
         }

@@ -210,6 +210,10 @@ pub struct ClusterStats {
     pub connections: WorkerCounter,
     pub connect_failures: WorkerCounter,
     pub retries: WorkerCounter,
+    /// Retries the policy asked for and the cluster's retry budget refused.
+    pub retries_over_budget: WorkerCounter,
+    /// Tries cut short by the route's `retries.per_try_timeout`.
+    pub per_try_timeouts: WorkerCounter,
     /// TLS clusters: handshakes with endpoints.
     pub tls: TlsCounts,
     /// Tunnel clusters: CONNECT streams opened to the peers, and refused by reason.
@@ -443,6 +447,8 @@ impl Metrics {
                     connections: WorkerCounter::new(w),
                     connect_failures: WorkerCounter::new(w),
                     retries: WorkerCounter::new(w),
+                    retries_over_budget: WorkerCounter::new(w),
+                    per_try_timeouts: WorkerCounter::new(w),
                     tls: TlsCounts::new(w),
                     tunnel: StreamCounts::new(w),
                 })
@@ -695,6 +701,26 @@ impl Collector for Scrape {
             "flatmesh_upstream_retries",
             "Requests retried on another attempt",
             &retries,
+        )?;
+        let over_budget: Vec<_> = clusters
+            .iter()
+            .map(|(n, s)| ([("cluster", n.as_str())], s.retries_over_budget.sum()))
+            .collect();
+        counter(
+            &mut enc,
+            "flatmesh_upstream_retries_over_budget",
+            "Retries the retry policy asked for and the cluster's retry budget refused",
+            &over_budget,
+        )?;
+        let per_try: Vec<_> = clusters
+            .iter()
+            .map(|(n, s)| ([("cluster", n.as_str())], s.per_try_timeouts.sum()))
+            .collect();
+        counter(
+            &mut enc,
+            "flatmesh_upstream_per_try_timeouts",
+            "Tries cut short by the route's per-try timeout",
+            &per_try,
         )?;
         m.resilience.encode(&mut enc)?;
         m.faults.encode(&mut enc)?;

@@ -294,7 +294,7 @@ impl RuleProgram {
             let _ = write!(text, "; timeout {}", duration::format(t));
         }
         if let Some(retry) = &r.retries {
-            let _ = write!(text, "; retries {}", retry.attempts);
+            let _ = write!(text, "; {}", retry_text(retry));
         }
         if let Some(fault) = &r.fault {
             let _ = write!(text, "; fault {}", fault.describe());
@@ -634,6 +634,27 @@ fn explain_listener_rate_limit(out: &mut String, l: &crate::ListenerTable) {
             "429 with retry-after, gRPC RESOURCE_EXHAUSTED"
         }
     );
+}
+
+/// A route's retry policy with the defaults in force: `retries 2 on 5xx,unavailable, per try
+/// 1s, backoff 25ms..250ms, budget 20% + 10/s, bodies kept to 65536 bytes`.
+fn retry_text(r: &flatmesh_config::RetryPolicy) -> String {
+    let on: Vec<&str> = r.on.iter().map(|o| o.as_str()).collect();
+    let (backoff, budget) = (r.backoff(), r.budget());
+    let mut text = format!("retries {} on {}", r.attempts, on.join(","));
+    if let Some(t) = &r.per_try_timeout {
+        let _ = write!(text, ", per try {}", duration::format(t));
+    }
+    let _ = write!(
+        text,
+        ", backoff {}..{}, budget {}% + {}/s, bodies kept to {} bytes",
+        duration::format(&backoff.base),
+        duration::format(&backoff.max()),
+        budget.ratio * 100.0,
+        budget.min_per_s,
+        r.max_replay_body()
+    );
+    text
 }
 
 /// A circuit breaker in a table cell: `connections 1024, pending 1024, requests 1024, retries 3`.

@@ -1149,6 +1149,19 @@ fn route_action_of(o: &mut Obj) -> Result<RouteAction> {
         a.retry_policy = Some(RetryPolicy {
             retry_on: r.string("retry_on")?.unwrap_or_default(),
             num_retries: r.u32("num_retries")?.map(|value| UInt32Value { value }),
+            per_try_timeout: r.duration("per_try_timeout")?,
+            retry_back_off: match r.obj("retry_back_off")? {
+                Some(mut b) => {
+                    let back_off =
+                        envoy_types::pb::envoy::config::route::v3::retry_policy::RetryBackOff {
+                            base_interval: b.duration("base_interval")?,
+                            max_interval: b.duration("max_interval")?,
+                        };
+                    b.finish()?;
+                    Some(back_off)
+                }
+                None => None,
+            },
             ..Default::default()
         });
         r.finish()?;

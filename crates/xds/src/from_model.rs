@@ -627,16 +627,18 @@ fn route(r: &model::Route, config: &model::Config) -> Route {
                 retry_on: retry
                     .on
                     .iter()
-                    .map(|on| match on {
-                        model::RetryOn::ConnectFailure => "connect-failure",
-                        model::RetryOn::Reset => "reset",
-                        model::RetryOn::Status5xx => "5xx",
-                        model::RetryOn::GatewayError => "gateway-error",
-                    })
+                    .map(|on| on.as_str())
                     .collect::<Vec<_>>()
                     .join(","),
                 num_retries: Some(UInt32Value {
                     value: retry.attempts,
+                }),
+                per_try_timeout: retry.per_try_timeout.map(duration),
+                retry_back_off: retry.backoff.as_ref().map(|b| {
+                    envoy_types::pb::envoy::config::route::v3::retry_policy::RetryBackOff {
+                        base_interval: Some(duration(b.base)),
+                        max_interval: b.max.map(duration),
+                    }
                 }),
                 ..Default::default()
             });

@@ -275,7 +275,7 @@ listeners:
         cluster: one
         timeout: 3s
         upgrades: [ websocket ]
-        retries: { attempts: 3, on: [ reset, gateway-error ] }
+        retries: { attempts: 3, on: [ reset, gateway-error, unavailable, deadline-exceeded ], per_try_timeout: 1s, backoff: { base: 10ms, max: 1s } }
         request_headers_to_add: { x-added: "1" }
         request_headers_to_remove: [ x-secret ]
         response_headers_to_add: { x-served-by: flatmesh }
@@ -2199,4 +2199,67 @@ fn local_rate_limits_import_from_an_envoy_bootstrap() {
         "stat_prefix: web, descriptors: [ {} ], token_bucket",
     ));
     assert!(e.contains("descriptors"), "{e}");
+}
+
+#[test]
+fn retry_policies_import_from_envoy() {
+    let text = example().replace(
+        r#"retry_policy: { retry_on: "connect-failure,5xx", num_retries: 2 }"#,
+        r#"retry_policy: { retry_on: "connect-failure,5xx,unavailable,resource-exhausted,cancelled,deadline-exceeded", num_retries: 2, per_try_timeout: 0.5s, retry_back_off: { base_interval: 0.1s, max_interval: 2s } }"#,
+    );
+    let config = bootstrap::parse(&text, "envoy.yaml").unwrap();
+    let retries = config
+        .listeners
+        .iter()
+        .flat_map(|l| &l.routes)
+        .find_map(|r| r.retries.clone())
+        .unwrap();
+    assert_eq!(
+        retries,
+        model::RetryPolicy {
+            attempts: 2,
+            on: vec![
+                model::RetryOn::ConnectFailure,
+                model::RetryOn::Status5xx,
+                model::RetryOn::Unavailable,
+                model::RetryOn::ResourceExhausted,
+                model::RetryOn::Cancelled,
+                model::RetryOn::DeadlineExceeded,
+            ],
+            per_try_timeout: Some(std::time::Duration::from_millis(500)),
+            backoff: Some(model::RetryBackoff {
+                base: std::time::Duration::from_millis(100),
+                max: Some(std::time::Duration::from_secs(2)),
+            }),
+            budget: None,
+            max_replay_body: None,
+        }
+    );
+    // Envoy's 0s per-try timeout is none; a backoff needs its base (Envoy's rule too).
+    let zero = example().replace(
+        r#"retry_policy: { retry_on: "connect-failure,5xx", num_retries: 2 }"#,
+        r#"retry_policy: { retry_on: "5xx", per_try_timeout: 0s }"#,
+    );
+    let config = bootstrap::parse(&zero, "envoy.yaml").unwrap();
+    let retries = config
+        .listeners
+        .iter()
+        .flat_map(|l| &l.routes)
+        .find_map(|r| r.retries.clone())
+        .unwrap();
+    assert_eq!(retries.per_try_timeout, None);
+    let no_base = example().replace(
+        r#"retry_policy: { retry_on: "connect-failure,5xx", num_retries: 2 }"#,
+        r#"retry_policy: { retry_on: "5xx", retry_back_off: { max_interval: 1s } }"#,
+    );
+    assert!(
+        import_error(&no_base).contains("base_interval"),
+        "{}",
+        import_error(&no_base)
+    );
+    let unknown = example().replace(
+        r#"retry_policy: { retry_on: "connect-failure,5xx", num_retries: 2 }"#,
+        r#"retry_policy: { retry_on: "5xx,retriable-4xx" }"#,
+    );
+    assert!(import_error(&unknown).contains("`retriable-4xx` is not supported"));
 }

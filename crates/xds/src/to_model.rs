@@ -1261,29 +1261,8 @@ fn route_action(
         // Envoy's 0s means "no timeout"; flatmesh always has one, so keep the node's default.
         out.timeout = (!t.is_zero()).then_some(t);
     }
-    if let Some(mut retry) = a.retry_policy.take() {
-        let here = format!("{at}.retry_policy");
-        let mut on = Vec::new();
-        for cause in take(&mut retry.retry_on).split(',').map(str::trim) {
-            on.push(match cause {
-                "connect-failure" => model::RetryOn::ConnectFailure,
-                "reset" => model::RetryOn::Reset,
-                "5xx" => model::RetryOn::Status5xx,
-                "gateway-error" => model::RetryOn::GatewayError,
-                "" => continue,
-                other => {
-                    return Err(XdsError::resource(
-                        format!("{here}.retry_on"),
-                        format!("`{other}` is not supported; use connect-failure, reset, 5xx or gateway-error"),
-                    ))
-                }
-            });
-        }
-        let attempts = retry.num_retries.take().map(|n| n.value).unwrap_or(1);
-        reject_rest(&retry, &here)?;
-        if !on.is_empty() {
-            out.retries = Some(model::RetryPolicy { attempts, on });
-        }
+    if let Some(retry) = a.retry_policy.take() {
+        out.retries = retry_policy(retry, &format!("{at}.retry_policy"))?;
     }
     for (i, h) in take(&mut a.hash_policy).into_iter().enumerate() {
         let here = format!("{at}.hash_policy[{i}]");
@@ -1618,6 +1597,73 @@ fn health_check(
     }
     reject_rest(&rest, at)?;
     Ok(out)
+}
+
+/// Envoy's `retry_policy` as the route's retries: `retry_on` (the causes flatmesh knows),
+/// `num_retries`, `per_try_timeout` and `retry_back_off`. `None` when it names no cause.
+fn retry_policy(
+    mut retry: envoy_types::pb::envoy::config::route::v3::RetryPolicy,
+    here: &str,
+) -> Result<Option<model::RetryPolicy>> {
+    let mut on = Vec::new();
+    for cause in take(&mut retry.retry_on).split(',').map(str::trim) {
+        on.push(match cause {
+            "connect-failure" => model::RetryOn::ConnectFailure,
+            "reset" => model::RetryOn::Reset,
+            "5xx" => model::RetryOn::Status5xx,
+            "gateway-error" => model::RetryOn::GatewayError,
+            "unavailable" => model::RetryOn::Unavailable,
+            "resource-exhausted" => model::RetryOn::ResourceExhausted,
+            "cancelled" => model::RetryOn::Cancelled,
+            "deadline-exceeded" => model::RetryOn::DeadlineExceeded,
+            "" => continue,
+            other => {
+                return Err(XdsError::resource(
+                    format!("{here}.retry_on"),
+                    format!("`{other}` is not supported; use connect-failure, reset, 5xx, gateway-error, unavailable, resource-exhausted, cancelled or deadline-exceeded"),
+                ))
+            }
+        });
+    }
+    let attempts = retry.num_retries.take().map(|n| n.value).unwrap_or(1);
+    let per_try_timeout = match retry.per_try_timeout.take() {
+        Some(t) => {
+            let t = duration(&t, &format!("{here}.per_try_timeout"))?;
+            // Envoy's 0s: no per-try timeout.
+            (!t.is_zero()).then_some(t)
+        }
+        None => None,
+    };
+    let backoff = match retry.retry_back_off.take() {
+        Some(mut b) => {
+            let at = format!("{here}.retry_back_off");
+            let base = match b.base_interval.take() {
+                Some(d) => duration(&d, &format!("{at}.base_interval"))?,
+                None => {
+                    return Err(XdsError::resource(
+                        format!("{at}.base_interval"),
+                        "is required (Envoy's too); write one such as 25ms",
+                    ))
+                }
+            };
+            let max = match b.max_interval.take() {
+                Some(d) => Some(duration(&d, &format!("{at}.max_interval"))?),
+                None => None,
+            };
+            reject_rest(&b, &at)?;
+            Some(model::RetryBackoff { base, max })
+        }
+        None => None,
+    };
+    reject_rest(&retry, here)?;
+    Ok((!on.is_empty()).then_some(model::RetryPolicy {
+        attempts,
+        on,
+        per_try_timeout,
+        backoff,
+        budget: None,
+        max_replay_body: None,
+    }))
 }
 
 /// Envoy's thresholds of the default priority as the cluster's circuit breaker; Envoy's

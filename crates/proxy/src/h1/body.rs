@@ -70,6 +70,23 @@ impl<S: Sink + Send> Sink for Watched<'_, S> {
     }
 }
 
+/// A sink that keeps a copy of what it passes on in `kept` (when there is one): a request
+/// body kept for a retry (`crate::l7::retry`), bounded by the route's `max_replay_body`. It
+/// keeps a piece before it sends it, so a piece the sink failed to send is kept too.
+pub struct Kept<'k, S> {
+    pub sink: S,
+    pub kept: Option<&'k mut Vec<u8>>,
+}
+
+impl<S: Sink + Send> Sink for Kept<'_, S> {
+    async fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
+        if let Some(kept) = self.kept.as_deref_mut() {
+            kept.extend_from_slice(bytes);
+        }
+        self.sink.send(bytes).await
+    }
+}
+
 /// The body channel of a request handed to hyper's client (an HTTP/2 upstream).
 pub struct ChannelSink(pub mpsc::Sender<Result<Bytes, BoxError>>);
 

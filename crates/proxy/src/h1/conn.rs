@@ -22,7 +22,7 @@ use http_body_util::BodyExt;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
 
-use super::body::{self, ChannelSink, DiscardSink, Encode, RelayError, Watched, WriteSink};
+use super::body::{self, ChannelSink, DiscardSink, Encode, Kept, RelayError, Watched, WriteSink};
 use super::head::{self, Framing, Refusal, MAX_HEADERS};
 use super::pool::{self, H1Pool, HeadState, UpstreamConn};
 use crate::body::{empty, BoxError, UpstreamBody};
@@ -33,7 +33,7 @@ use crate::l7::error::{Kind, Source, UpstreamError};
 use crate::l7::fault::Delayed;
 use crate::l7::log::Outcome;
 use crate::l7::reply::{listener_removed, text_response, upstream_failure, CLIENT_CLOSED_REQUEST};
-use crate::l7::retry::{Answer, Answered, Attempt, Retry, Try};
+use crate::l7::retry::{replayable_body, Answer, Answered, Attempt, Retry, Try};
 use crate::snapshot::ClusterPlan;
 use crate::upstream::Pool;
 
@@ -698,8 +698,16 @@ async fn forward<S: AsyncRead + AsyncWrite + Unpin + Send>(
     let view = exchange.view;
     let plan = &view.snapshot.clusters[cluster];
     let upstream = &view.upstreams.by_cluster[cluster];
-    // A body can be sent only once; requests without one may be sent again.
-    let replayable = exchange.framing == Framing::Empty;
+    // A body is kept for a retry when its declared length fits the route's
+    // `retries.max_replay_body`; any other can be sent only once.
+    let kept = match exchange.framing {
+        Framing::Length(n) if replayable_body(route, Some(n)) => {
+            Some(Vec::with_capacity(head.len() + n as usize))
+        }
+        _ => None,
+    };
+    let has_body = exchange.framing != Framing::Empty;
+    let replayable = !has_body || kept.is_some();
     let mut retry = Retry::new(
         route,
         plan,
@@ -711,7 +719,7 @@ async fn forward<S: AsyncRead + AsyncWrite + Unpin + Send>(
     );
     // A body still to relay: the route's timeout starts once it is through.
     let mut uploaded = None;
-    if !replayable {
+    if has_body {
         let (sender, watched) = watch::channel(false);
         retry = retry.timed_from_upload(watched, limits.idle_timeout);
         uploaded = Some(sender);
@@ -726,8 +734,13 @@ async fn forward<S: AsyncRead + AsyncWrite + Unpin + Send>(
         head: &head,
         limits,
         uploaded: uploaded.as_ref(),
+        kept,
+        body_sent: BodySent::Nothing,
     };
     let sent = retry.drive(&mut codec).await;
+    // The client's body is read whole (its framing is intact) once a try sent all of it.
+    let body_read = !has_body || codec.body_sent == BodySent::Whole;
+    drop(codec);
     let done = |status: u16, upstream, close| Done {
         status,
         cluster: Some(cluster),
@@ -750,7 +763,7 @@ async fn forward<S: AsyncRead + AsyncWrite + Unpin + Send>(
         Err(err) => {
             let resp = upstream_failure(&err, &plan.name, retry.timeout, false);
             // After a failure mid-body the client's framing is unknown: close.
-            let close = !replayable || err.source == Source::Downstream;
+            let close = !body_read || err.source == Source::Downstream;
             let (status, close) = answer(&mut client.io, exchange, resp, close).await;
             done(status, err.endpoint, close)
         }
@@ -770,6 +783,21 @@ struct H1Try<'a, 'v, S> {
     limits: &'a Limits,
     /// Where the relay of the request body reports its progress (`l7::retry`).
     uploaded: Option<&'a watch::Sender<bool>>,
+    /// The request as the first try that relays it sends it (head and body), kept for the
+    /// tries after it: `Some` when the body fits `retries.max_replay_body`. Freed with the
+    /// request.
+    kept: Option<Vec<u8>>,
+    /// How much of the client's body a try has sent.
+    body_sent: BodySent,
+}
+
+/// How much of the client's request body the tries have read and sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BodySent {
+    Nothing,
+    /// A try failed partway: the rest of the body is lost, no other try can send it.
+    Part,
+    Whole,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin + Send> Attempt for H1Try<'_, '_, S> {
@@ -779,6 +807,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Attempt for H1Try<'_, '_, S> {
         let conn = self.exchange_with(to.endpoint).await?;
         read_answer(conn, self.exchange, self.route)
     }
+
+    fn can_resend(&self) -> bool {
+        self.body_sent != BodySent::Part
+    }
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin + Send> H1Try<'_, '_, S> {
@@ -786,13 +818,54 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> H1Try<'_, '_, S> {
     /// complete final response head is buffered. Informational (1xx) answers are passed to
     /// the client on the way.
     async fn exchange_with(&mut self, endpoint: SocketAddr) -> Result<UpstreamConn, UpstreamError> {
-        let (client, exchange, limits) = (&mut *self.client, self.exchange, self.limits);
+        let (exchange, limits) = (self.exchange, self.limits);
         let mut conn = pool::acquire(self.pool, endpoint, self.plan, self.ctx.worker).await?;
+        match (&self.kept, self.body_sent) {
+            // A retry: the request as the first try sent it, head and body.
+            (Some(kept), BodySent::Whole) => {
+                conn.stream
+                    .write_all(kept)
+                    .await
+                    .map_err(|e| conn.failed(e))?;
+            }
+            _ => self.relay_request(&mut conn).await?,
+        }
+        loop {
+            match conn.response_head(limits.max_header_bytes, exchange.upgrade) {
+                HeadState::Final => return Ok(conn),
+                HeadState::Invalid(why) => return Err(UpstreamError::invalid(why)),
+                // Pass an informational answer on (HTTP/1.1 clients only); the final one
+                // follows.
+                HeadState::Informational { len, head } => {
+                    conn.buf.advance(len);
+                    if !exchange.http10 {
+                        self.client
+                            .io
+                            .write_all(&head)
+                            .await
+                            .map_err(UpstreamError::client_gone)?;
+                    }
+                }
+                HeadState::Incomplete => conn.read_more().await?,
+            }
+        }
+    }
+
+    /// Sends the request head and relays the client's body to `conn`, keeping what it sends
+    /// when the body is kept for a retry.
+    async fn relay_request(&mut self, conn: &mut UpstreamConn) -> Result<(), UpstreamError> {
+        let (client, exchange, limits) = (&mut *self.client, self.exchange, self.limits);
         go_ahead(client, exchange)
             .await
             .map_err(UpstreamError::client_gone)?;
+        if exchange.framing != Framing::Empty {
+            self.body_sent = BodySent::Part;
+        }
         let mut sink = Watched {
-            sink: WriteSink(&mut conn.stream),
+            sink: Kept {
+                sink: WriteSink(&mut conn.stream),
+                kept: self.kept.as_mut(),
+            },
             progress: self.uploaded,
         };
         let relayed = body::relay(
@@ -805,31 +878,52 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> H1Try<'_, '_, S> {
             limits.idle_timeout,
         )
         .await;
-        relayed.map_err(|e| match e {
-            RelayError::Sink(e) => conn.failed(e),
-            RelayError::Framing(e) => UpstreamError::request_body(e.describe()),
-            RelayError::Source(e) => UpstreamError::client_gone(e),
-        })?;
+        match relayed {
+            Ok(()) => {}
+            Err(RelayError::Sink(e)) => {
+                let err = conn.failed(e);
+                self.keep_the_rest().await;
+                return Err(err);
+            }
+            Err(RelayError::Framing(e)) => return Err(UpstreamError::request_body(e.describe())),
+            Err(RelayError::Source(e)) => return Err(UpstreamError::client_gone(e)),
+        }
+        self.body_sent = BodySent::Whole;
         if let Some(uploaded) = self.uploaded {
             uploaded.send_replace(true);
         }
-        loop {
-            match conn.response_head(limits.max_header_bytes, exchange.upgrade) {
-                HeadState::Final => return Ok(conn),
-                HeadState::Invalid(why) => return Err(UpstreamError::invalid(why)),
-                // Pass an informational answer on (HTTP/1.1 clients only); the final one
-                // follows.
-                HeadState::Informational { len, head } => {
-                    conn.buf.advance(len);
-                    if !exchange.http10 {
-                        client
-                            .io
-                            .write_all(&head)
-                            .await
-                            .map_err(UpstreamError::client_gone)?;
-                    }
-                }
-                HeadState::Incomplete => conn.read_more().await?,
+        Ok(())
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin + Send> H1Try<'_, '_, S> {
+    /// After the endpoint stopped taking a kept body partway: reads the rest of it from the
+    /// client into the keep, so that another try can send it whole.
+    async fn keep_the_rest(&mut self) {
+        let (Some(kept), Framing::Length(length)) = (self.kept.as_mut(), self.exchange.framing)
+        else {
+            return;
+        };
+        // The keep holds the head, then the body as far as it was taken from the client.
+        let taken = kept.len().saturating_sub(self.head.len()) as u64;
+        let mut sink = Kept {
+            sink: DiscardSink { left: u64::MAX },
+            kept: Some(kept),
+        };
+        let rest = body::relay(
+            &mut self.client.io,
+            &mut self.client.buf,
+            &mut sink,
+            Vec::new(),
+            Framing::Length(length.saturating_sub(taken)),
+            Encode::AsIs,
+            self.limits.idle_timeout,
+        )
+        .await;
+        if rest.is_ok() {
+            self.body_sent = BodySent::Whole;
+            if let Some(uploaded) = self.uploaded {
+                uploaded.send_replace(true);
             }
         }
     }
@@ -1201,9 +1295,10 @@ clusters:
     #[tokio::test(start_paused = true)]
     async fn a_request_with_a_body_is_sent_once_and_its_failure_closes_the_connection() {
         let app = Endpoint::start(|_, _, _| Script::Answer(Duration::ZERO, ok("live"))).await;
+        // A body over `max_replay_body` is not kept for a retry.
         let yaml = config(
             &[dead_endpoint(), app.addr],
-            "        retries: { attempts: 1, on: [ connect-failure ] }",
+            "        retries: { attempts: 1, on: [ connect-failure ], max_replay_body: 4 }",
         );
         let (mut client, view) = connect(&yaml);
         let reply = exchange(
@@ -1216,6 +1311,29 @@ clusters:
         assert_eq!(reply.header("connection"), Some("close"));
         assert!(closed(&mut client).await);
         assert_eq!(retries(&view), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_with_a_body_that_fits_max_replay_body_is_retried_whole() {
+        let app = Endpoint::start(|_, _, _| Script::Answer(Duration::ZERO, ok("live"))).await;
+        let yaml = config(
+            &[dead_endpoint(), app.addr],
+            "        retries: { attempts: 1, on: [ connect-failure ], max_replay_body: 5 }",
+        );
+        let (mut client, view) = connect(&yaml);
+        let reply = exchange(
+            &mut client,
+            "POST /app HTTP/1.1\r\nhost: t\r\ncontent-length: 5\r\n\r\nhello",
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            (reply.status, reply.body.as_str()),
+            (200, "live"),
+            "{reply:?}"
+        );
+        assert_eq!(reply.header("connection"), None, "the body was read whole");
+        assert_eq!(retries(&view), 1);
     }
 
     #[tokio::test(start_paused = true)]

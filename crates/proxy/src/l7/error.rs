@@ -32,6 +32,8 @@ pub enum Kind {
     Closed,
     /// The route's timeout passed before an answer.
     Timeout,
+    /// The route's `retries.per_try_timeout` passed before this try's answer.
+    PerTryTimeout,
     /// The endpoint's answer is not valid HTTP.
     InvalidResponse,
     /// The client's request body broke off or is malformed (a bad chunk size, say).
@@ -104,6 +106,18 @@ impl UpstreamError {
     /// The route's timeout passed.
     pub fn timeout() -> Self {
         Self::new(Source::Upstream, Kind::Timeout, String::new())
+    }
+
+    /// The route's per-try timeout, `per_try`, passed.
+    pub fn per_try_timeout(per_try: std::time::Duration) -> Self {
+        Self::new(
+            Source::Upstream,
+            Kind::PerTryTimeout,
+            format!(
+                "no answer within the per-try timeout of {} (retries.per_try_timeout)",
+                flatmesh_config::duration::format(&per_try)
+            ),
+        )
     }
 
     /// The client's body broke off or is malformed.

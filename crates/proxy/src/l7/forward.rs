@@ -7,6 +7,8 @@ use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
+use bytes::{Bytes, BytesMut};
+
 use flatmesh_config::Limits;
 use flatmesh_rules::{ClusterId, CompiledRoute};
 use http::header::HeaderValue;
@@ -19,7 +21,7 @@ use super::error::UpstreamError;
 use super::fault::{abort_reply, Delayed, FAULT_HEADER};
 use super::headers::{edit_request, edit_response};
 use super::reply::{is_grpc, upstream_failure};
-use super::retry::{Answer, Attempt, Retry, Try};
+use super::retry::{replayable_body, Answer, Attempt, Retry, Try};
 use super::upload::Upload;
 use crate::body::{empty, UpstreamBody};
 use crate::context::{ConnContext, WorkerView};
@@ -29,6 +31,13 @@ use crate::upstream::Pool;
 impl Answer for Response<ResponseBody> {
     fn status(&self) -> u16 {
         Response::status(self).as_u16()
+    }
+
+    fn grpc_status(&self) -> Option<u32> {
+        self.headers()
+            .get("grpc-status")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse().ok())
     }
 }
 
@@ -41,6 +50,8 @@ pub(crate) struct MessageTry<'a> {
     pub parts: &'a mut http::request::Parts,
     /// The client's body, until the one try that may send it takes it.
     pub body: Option<UpstreamBody>,
+    /// The client's body read whole and kept for every try (`retries.max_replay_body`).
+    pub kept: Option<Kept>,
     pub replayable: bool,
     pub limits: &'a Limits,
     pub downstream_failed: &'a AtomicBool,
@@ -51,8 +62,9 @@ impl Attempt for MessageTry<'_> {
 
     async fn attempt(&mut self, to: Try) -> Result<Response<ResponseBody>, UpstreamError> {
         // A body can be sent only once; the driver sends a request twice only without one.
-        let body = match self.body.take() {
-            Some(b) if !self.replayable => b,
+        let body = match (&self.kept, self.body.take()) {
+            (Some(kept), _) => kept.body(),
+            (None, Some(b)) if !self.replayable => b,
             _ => empty(),
         };
         match self.pool {
@@ -134,6 +146,25 @@ pub(crate) async fn forward(
     let body = super::mirror::start(ctx, view, route, &parts, body, replayable);
     let key = hash_key((&parts.headers).into(), plan.hash_header.as_ref(), ctx.peer);
     edit_request(&mut parts, route, plan.protocol, &ctx.peer_ip);
+    // A body of a declared length that fits the route's `retries.max_replay_body` is read
+    // whole first and kept for every try; any other is streamed, and sent once.
+    let declared = parts
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let (body, kept) = match (replayable, declared) {
+        (false, Some(length)) if replayable_body(route, Some(length)) => {
+            match Kept::read(body, length, limits.idle_timeout).await {
+                Ok(kept) => (empty(), Some(kept)),
+                Err(err) => {
+                    let timeout = route.timeout.unwrap_or(limits.request_timeout);
+                    return (upstream_failure(&err, &plan.name, timeout, grpc), None);
+                }
+            }
+        }
+        _ => (body, None),
+    };
+    let replayable = replayable || kept.is_some();
     let mut retry = Retry::new(
         route,
         plan,
@@ -158,6 +189,7 @@ pub(crate) async fn forward(
         pool: &upstream.pool,
         parts: &mut parts,
         body: Some(body),
+        kept,
         replayable,
         limits,
         downstream_failed,
@@ -172,6 +204,88 @@ pub(crate) async fn forward(
             upstream_failure(&err, &plan.name, retry.timeout, grpc),
             err.endpoint,
         ),
+    }
+}
+
+/// A request body read whole, kept for every try of the request; freed with it.
+pub(crate) struct Kept {
+    data: Bytes,
+    trailers: Option<http::HeaderMap>,
+}
+
+impl Kept {
+    /// Reads `body`, declared `length` bytes long: a body that moves nothing for `idle`
+    /// stalled (408), one that breaks off or runs past its length is the client's fault (400).
+    async fn read(
+        mut body: UpstreamBody,
+        length: u64,
+        idle: Duration,
+    ) -> Result<Kept, UpstreamError> {
+        let mut data = BytesMut::with_capacity(length as usize);
+        let mut trailers = None;
+        loop {
+            let frame = match tokio::time::timeout(idle, body.frame()).await {
+                Err(_) => return Err(UpstreamError::upload_stalled(idle)),
+                Ok(None) => break,
+                Ok(Some(Err(e))) => return Err(UpstreamError::request_body(e)),
+                Ok(Some(Ok(frame))) => crate::trailers::filter_frame(frame),
+            };
+            match frame.into_data() {
+                Ok(piece) if data.len() as u64 + piece.len() as u64 > length => {
+                    return Err(UpstreamError::request_body(
+                        "the body is longer than its content-length",
+                    ))
+                }
+                Ok(piece) => data.extend_from_slice(&piece),
+                Err(frame) => trailers = frame.into_trailers().ok(),
+            }
+        }
+        Ok(Kept {
+            data: data.freeze(),
+            trailers,
+        })
+    }
+
+    /// The body for one try: the kept bytes (shared, not copied) and trailers.
+    fn body(&self) -> UpstreamBody {
+        KeptBody {
+            data: Some(self.data.clone()).filter(|d| !d.is_empty()),
+            trailers: self.trailers.clone(),
+        }
+        .boxed_unsync()
+    }
+}
+
+/// A [`Kept`] body as one try sends it: the data in one frame, then the trailers.
+struct KeptBody {
+    data: Option<Bytes>,
+    trailers: Option<http::HeaderMap>,
+}
+
+impl http_body::Body for KeptBody {
+    type Data = Bytes;
+    type Error = crate::body::BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        let frame = match self.data.take() {
+            Some(data) => http_body::Frame::data(data),
+            None => match self.trailers.take() {
+                Some(trailers) => http_body::Frame::trailers(trailers),
+                None => return std::task::Poll::Ready(None),
+            },
+        };
+        std::task::Poll::Ready(Some(Ok(frame)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.data.is_none() && self.trailers.is_none()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.data.as_ref().map_or(0, |d| d.len() as u64))
     }
 }
 

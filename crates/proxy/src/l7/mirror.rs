@@ -253,6 +253,7 @@ impl Copy {
             pool: &upstream.pool,
             parts: &mut self.parts,
             body: Some(body),
+            kept: None,
             replayable: false,
             limits,
             downstream_failed: &failed,

@@ -157,6 +157,12 @@ pub(crate) fn upstream_failure(
             false,
             grpc,
         ),
+        Kind::PerTryTimeout => local_reply(
+            StatusCode::GATEWAY_TIMEOUT,
+            format!("upstream timeout: cluster `{cluster}`, {detail}\n"),
+            false,
+            grpc,
+        ),
         Kind::NoEndpoint => local_reply(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("no healthy upstream: cluster `{cluster}` has no endpoints\n"),

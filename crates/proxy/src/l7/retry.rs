@@ -3,26 +3,35 @@
 //! (the codec's part, an [`Attempt`]), and judges the outcome with the route's policy:
 //! - a pooled connection that the endpoint had closed while it sat idle gets one more try on
 //!   a fresh connection, for free (not a retry by policy, not counted);
-//! - a failure is tried again while attempts are left and the route's `retry_on` names it
-//!   (`connect-failure`, `reset`, `gateway-error`);
-//! - an answer is thrown away and tried again while attempts are left and `retry_on` names
-//!   its status (`5xx`, `gateway-error`);
-//! - the route's timeout bounds all tries together. It starts once the client's request is
-//!   complete (Envoy's route timeout): a slow but live upload is not cut short by it, while
-//!   an upload that stalls is cut by the idle timeout of the body's relay.
+//! - a failure is tried again while attempts are left and the route's `retries.on` names it
+//!   (`connect-failure`, `reset`, `gateway-error`); a try that runs out of the route's
+//!   `per_try_timeout` is always tried again;
+//! - an answer is thrown away and tried again while attempts are left and `retries.on` names
+//!   its status (`5xx`, `gateway-error`) or the gRPC status in its headers (`unavailable`,
+//!   `resource-exhausted`, `cancelled`, `deadline-exceeded`: a trailers-only answer);
+//! - a retry goes to an endpoint that has not failed this request yet, when the cluster has
+//!   one that is in, after a backoff: a random wait below `base × 2^(n-1)`, capped at `max`
+//!   (Envoy's exponential backoff with full jitter);
+//! - the route's timeout bounds all tries and waits together. It starts once the client's
+//!   request is complete (Envoy's route timeout): a slow but live upload is not cut short by
+//!   it, while an upload that stalls is cut by the idle timeout of the body's relay.
 //!
-//! Only a request without a body is ever sent twice: a body can be read only once.
+//! Only a request the codec can send again is retried (`replayable`): one without a body, or
+//! one whose body of a declared length fits the route's `retries.max_replay_body`, which the
+//! codec keeps while it sends it and sends again from there. A try that failed with part of
+//! such a body sent ([`Attempt::can_resend`]) ends the retries: the rest was lost with it.
 //!
 //! The cluster's circuit breaker (`crate::resilience`) bounds it: the request takes a place
 //! under `max_requests` before its first try (none left: answered 503 at once), and a retry
-//! takes one under `max_retries` (none left: the answer or failure in hand goes back). Each
-//! try's outcome goes to the cluster's outlier detection, which may eject the endpoint.
+//! takes one under `max_retries`. Each retry also takes one from the cluster's retry budget
+//! (`crate::resilience::budget`). Either refuses: the answer or failure in hand goes back.
+//! Each try's outcome goes to the cluster's outlier detection, which may eject the endpoint.
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use flatmesh_config::RetryOn;
+use flatmesh_config::{RetryBackoff, RetryBudget, RetryOn};
 use flatmesh_rules::CompiledRoute;
 use tokio::sync::watch;
 
@@ -42,9 +51,15 @@ pub(crate) struct Try {
     pub last: bool,
 }
 
-/// What a successful try gives back: an answer whose status the policy may look at.
+/// What a successful try gives back: an answer whose head the policy may look at.
 pub(crate) trait Answer {
     fn status(&self) -> u16;
+
+    /// The `grpc-status` in the answer's headers: only a trailers-only gRPC answer has one
+    /// there. `None` without one (the codec's default: HTTP/1 answers carry no gRPC).
+    fn grpc_status(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// A codec's way of making one try at an endpoint.
@@ -55,6 +70,12 @@ pub(crate) trait Attempt {
         &mut self,
         to: Try,
     ) -> impl Future<Output = Result<Self::Answer, UpstreamError>> + Send;
+
+    /// Whether the request can be sent again after the tries so far: false once part of a
+    /// kept body went out and the rest was lost with the try (the codec's default: true).
+    fn can_resend(&self) -> bool {
+        true
+    }
 }
 
 /// The answer a try got, the endpoint that gave it, and that endpoint's in-flight count
@@ -76,15 +97,27 @@ pub(crate) struct Retry<'a> {
     pub timeout: Duration,
     attempts: usize,
     on: &'a [RetryOn],
+    per_try_timeout: Option<Duration>,
+    backoff: RetryBackoff,
+    budget: RetryBudget,
     replayable: bool,
     /// The client's request body while it is on its way (`None`: there is none, the request
     /// is complete), and the idle timeout that bounds a stall of it.
     uploaded: Option<(watch::Receiver<bool>, Duration)>,
 }
 
+/// Whether a request body of `length` bytes (`None`: not declared up front, chunked) is kept
+/// for a retry on `route`: it has a retry policy and the body fits its `max_replay_body`.
+pub(crate) fn replayable_body(route: &CompiledRoute, length: Option<u64>) -> bool {
+    match (&route.retries, length) {
+        (Some(policy), Some(length)) => length <= policy.max_replay_body(),
+        _ => false,
+    }
+}
+
 impl<'a> Retry<'a> {
-    /// `replayable`: the request has no body, so it may be sent again. `default_timeout`
-    /// applies when the route sets none.
+    /// `replayable`: the codec can send the request again (no body, or one it keeps, see
+    /// [`replayable_body`]). `default_timeout` applies when the route sets none.
     pub fn new(
         route: &'a CompiledRoute,
         plan: &'a ClusterPlan,
@@ -94,17 +127,21 @@ impl<'a> Retry<'a> {
         replayable: bool,
         default_timeout: Duration,
     ) -> Self {
+        let policy = route.retries.as_ref();
         Retry {
             plan,
             upstream,
             worker,
             key,
             timeout: route.timeout.unwrap_or(default_timeout),
-            attempts: match (&route.retries, replayable) {
+            attempts: match (policy, replayable) {
                 (Some(r), true) => 1 + r.attempts as usize,
                 _ => 1,
             },
-            on: route.retries.as_ref().map_or(&[], |r| &r.on),
+            on: policy.map_or(&[], |r| &r.on),
+            per_try_timeout: policy.and_then(|r| r.per_try_timeout),
+            backoff: policy.map(|r| r.backoff()).unwrap_or_default(),
+            budget: policy.map(|r| r.budget()).unwrap_or_default(),
             replayable,
             uploaded: None,
         }
@@ -143,33 +180,50 @@ impl<'a> Retry<'a> {
             UpstreamError::timeout()
         };
         tokio::pin!(timer);
-        let breaker = &self.plan.guard.breaker;
+        let guard = &self.plan.guard;
         let mut request = Some(
-            breaker
+            guard
+                .breaker
                 .acquire(Overflow::Requests)
                 .map_err(UpstreamError::overflow)?,
         );
-        // One place under `max_retries` for all of this request's retries, taken at its first.
+        // Every request to the cluster adds to its retry budget (Linkerd's deposit).
+        guard.budget.request();
+        // One place under `max_retries` for all of this request's retries, taken at its
+        // first; then one retry of the budget for each.
         let mut retrying: Option<Permit> = None;
         let mut may_retry = || {
-            retrying.is_some() || {
-                retrying = breaker.acquire(Overflow::Retries).ok();
+            let permitted = retrying.is_some() || {
+                retrying = guard.breaker.acquire(Overflow::Retries).ok();
                 retrying.is_some()
+            };
+            permitted && {
+                let budgeted = guard.budget.try_retry(&self.budget);
+                if !budgeted {
+                    self.plan.stats.retries_over_budget.add(self.worker, 1);
+                }
+                budgeted
             }
         };
+        // The endpoints that failed this request: a retry goes elsewhere when it can.
+        let mut failed: Vec<usize> = Vec::new();
         let mut tries = 0;
         let mut stale_retried = false;
         loop {
-            let Some((index, mut in_flight)) = self.upstream.balancer.pick(self.key, tries) else {
+            let Some((index, mut in_flight)) = self
+                .upstream
+                .balancer
+                .pick_excluding(self.key, tries, &failed)
+            else {
                 return Err(UpstreamError::no_endpoint());
             };
             let endpoint = self.plan.endpoints[index];
             let last = tries + 1 >= self.attempts;
-            let attempt = codec.attempt(Try {
+            let attempt = self.bounded(codec.attempt(Try {
                 index,
                 endpoint,
                 last,
-            });
+            }));
             let tried = tokio::select! {
                 biased;
                 tried = attempt => tried,
@@ -177,7 +231,11 @@ impl<'a> Retry<'a> {
             };
             self.observe(index, &tried);
             match tried {
-                Ok(answer) if !last && self.retries_status(answer.status()) && may_retry() => {}
+                Ok(answer)
+                    if !last
+                        && self.retries_answer(&answer)
+                        && codec.can_resend()
+                        && may_retry() => {}
                 Ok(answer) => {
                     in_flight.hold(request.take());
                     return Ok(Answered {
@@ -186,21 +244,72 @@ impl<'a> Retry<'a> {
                         in_flight,
                     });
                 }
-                Err(err) if err.is_stale_connection() && self.replayable && !stale_retried => {
+                Err(err)
+                    if err.is_stale_connection()
+                        && self.replayable
+                        && codec.can_resend()
+                        && !stale_retried =>
+                {
                     tracing::debug!(%endpoint, error = %err.detail, "pooled connection was closed; retrying on a new one");
                     stale_retried = true;
                     continue;
                 }
                 Err(mut err) => {
-                    if last || !self.retries_failure(err.kind) || !may_retry() {
+                    if last
+                        || !self.retries_failure(err.kind)
+                        || !codec.can_resend()
+                        || !may_retry()
+                    {
                         err.endpoint = Some(endpoint);
                         return Err(err);
                     }
                 }
             }
+            if !failed.contains(&index) {
+                failed.push(index);
+            }
             tries += 1;
             self.plan.stats.retries.add(self.worker, 1);
+            // The backoff, inside the route's timeout too.
+            let wait = self.backoff_before(tries, rand::random::<f64>());
+            tokio::select! {
+                biased;
+                () = tokio::time::sleep(wait) => {}
+                mut err = &mut timer => {
+                    err.endpoint = Some(endpoint);
+                    return Err(err);
+                }
+            }
         }
+    }
+
+    /// A try, bounded by the route's per-try timeout when it has one.
+    async fn bounded<T>(
+        &self,
+        attempt: impl Future<Output = Result<T, UpstreamError>>,
+    ) -> Result<T, UpstreamError> {
+        let Some(per_try) = self.per_try_timeout else {
+            return attempt.await;
+        };
+        match tokio::time::timeout(per_try, attempt).await {
+            Ok(tried) => tried,
+            Err(_) => {
+                self.plan.stats.per_try_timeouts.add(self.worker, 1);
+                Err(UpstreamError::per_try_timeout(per_try))
+            }
+        }
+    }
+
+    /// The wait before retry `retry` (from 1): `jitter` (in [0, 1)) of
+    /// `min(max, base × 2^(retry-1))`.
+    fn backoff_before(&self, retry: usize, jitter: f64) -> Duration {
+        let doubled = self
+            .backoff
+            .base
+            .saturating_mul(1u32 << (retry - 1).min(31));
+        doubled
+            .min(self.backoff.max())
+            .mul_f64(jitter.clamp(0.0, 1.0))
     }
 
     /// Tells the cluster's outlier detection what the try at endpoint `index` came to.
@@ -214,7 +323,9 @@ impl<'a> Retry<'a> {
             Err(err) if err.is_stale_connection() => return,
             Err(err) => match err.kind {
                 Kind::ConnectFailed => Outcome::ConnectFailed,
-                Kind::Closed | Kind::Timeout | Kind::InvalidResponse => Outcome::Failed,
+                Kind::Closed | Kind::Timeout | Kind::PerTryTimeout | Kind::InvalidResponse => {
+                    Outcome::Failed
+                }
                 // The client's doing, or the proxy's own refusal: not the endpoint's.
                 _ => return,
             },
@@ -223,21 +334,25 @@ impl<'a> Retry<'a> {
     }
 
     fn retries_failure(&self, kind: Kind) -> bool {
-        self.on.iter().any(|r| {
-            matches!(
-                (r, kind),
-                (RetryOn::ConnectFailure, Kind::ConnectFailed)
-                    | (RetryOn::Reset, Kind::Closed)
-                    | (RetryOn::GatewayError, Kind::ConnectFailed | Kind::Closed)
-            )
-        })
+        // A per-try timeout is retried whatever `on` says: that is what it is for.
+        kind == Kind::PerTryTimeout
+            || self.on.iter().any(|r| {
+                matches!(
+                    (r, kind),
+                    (RetryOn::ConnectFailure, Kind::ConnectFailed)
+                        | (RetryOn::Reset, Kind::Closed)
+                        | (RetryOn::GatewayError, Kind::ConnectFailed | Kind::Closed)
+                )
+            })
     }
 
-    fn retries_status(&self, status: u16) -> bool {
+    fn retries_answer<A: Answer>(&self, answer: &A) -> bool {
+        let status = answer.status();
+        let grpc = answer.grpc_status();
         self.on.iter().any(|r| match r {
             RetryOn::Status5xx => (500..600).contains(&status),
             RetryOn::GatewayError => matches!(status, 502..=504),
-            _ => false,
+            r => r.grpc_status().is_some_and(|code| grpc == Some(code)),
         })
     }
 }
@@ -255,6 +370,8 @@ mod tests {
     /// What a scripted try does.
     enum Step {
         Answer(u16),
+        /// A 200 with this `grpc-status` in its headers (a trailers-only gRPC answer).
+        Grpc(u32),
         Fail(UpstreamError),
         /// Never answers: only the route's timeout ends it.
         Hang,
@@ -266,10 +383,13 @@ mod tests {
         tried: Vec<(SocketAddr, bool)>,
     }
 
-    struct Status(u16);
+    struct Status(u16, Option<u32>);
     impl Answer for Status {
         fn status(&self) -> u16 {
             self.0
+        }
+        fn grpc_status(&self) -> Option<u32> {
+            self.1
         }
     }
 
@@ -278,7 +398,8 @@ mod tests {
         async fn attempt(&mut self, to: Try) -> Result<Status, UpstreamError> {
             self.tried.push((to.endpoint, to.last));
             match self.steps.pop_front().expect("a step for every try") {
-                Step::Answer(status) => Ok(Status(status)),
+                Step::Answer(status) => Ok(Status(status, None)),
+                Step::Grpc(code) => Ok(Status(200, Some(code))),
                 Step::Fail(err) => Err(err),
                 Step::Hang => std::future::pending().await,
             }
@@ -286,6 +407,10 @@ mod tests {
     }
 
     fn config(retries: &str) -> String {
+        config_lb(retries, "round_robin")
+    }
+
+    fn config_lb(retries: &str, lb: &str) -> String {
         format!(
             r#"
 listeners:
@@ -299,6 +424,7 @@ listeners:
 {retries}
 clusters:
   - name: c
+    lb: {lb}
     endpoints: [ 127.0.0.1:10, 127.0.0.1:11, 127.0.0.1:12 ]
 "#
         )
@@ -548,5 +674,144 @@ clusters:
             (Kind::NoEndpoint, super::super::error::Source::Internal)
         );
         assert!(codec.tried.is_empty() && err.endpoint.is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn grpc_statuses_in_the_answer_s_headers_are_retried_when_named() {
+        let policy = "        retries: { attempts: 2, on: [ unavailable, resource-exhausted ] }";
+        let steps = vec![Step::Grpc(14), Step::Grpc(8), Step::Grpc(0)];
+        let (outcome, tried, retries) = run(policy, true, steps).await;
+        assert_eq!(outcome.unwrap(), 200);
+        assert_eq!((tried.len(), retries), (3, 2));
+        // A status the policy does not name is the answer, and so is a 503 under it.
+        let (_, tried, retries) = run(policy, true, vec![Step::Grpc(4)]).await;
+        assert_eq!((tried.len(), retries), (1, 0));
+        let (outcome, tried, _) = run(policy, true, vec![Step::Answer(503)]).await;
+        assert_eq!((outcome.unwrap(), tried.len()), (503, 1));
+        let policy = "        retries: { attempts: 1, on: [ cancelled, deadline-exceeded ] }";
+        let (_, tried, _) = run(policy, true, vec![Step::Grpc(1), Step::Grpc(0)]).await;
+        assert_eq!(tried.len(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_try_past_the_per_try_timeout_is_retried_inside_the_route_timeout() {
+        let policy =
+            "        retries: { attempts: 2, per_try_timeout: 1s, backoff: { base: 100ms } }";
+        let started = Instant::now();
+        let view = testing::view(&config(policy));
+        let view = view.load();
+        let retry = driver(&view, true);
+        let mut codec = Scripted {
+            steps: vec![Step::Hang, Step::Answer(200)].into(),
+            tried: Vec::new(),
+        };
+        let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
+        assert_eq!(outcome.unwrap(), 200);
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_secs(1) && took < Duration::from_millis(1100),
+            "1 s per try, then a backoff below 100 ms: {took:?}"
+        );
+        let stats = &view.snapshot.clusters[0].stats;
+        assert_eq!((stats.per_try_timeouts.sum(), stats.retries.sum()), (1, 1));
+        // Every try hangs: 3 tries of 1 s, under the route's 3 s; the last one is cut by
+        // the route's timeout or its own, whichever comes first, and answers a timeout.
+        let (outcome, tried, _) = run(policy, true, vec![Step::Hang, Step::Hang, Step::Hang]).await;
+        let err = outcome.unwrap_err();
+        assert!(
+            matches!(err.kind, Kind::Timeout | Kind::PerTryTimeout),
+            "{err}"
+        );
+        assert_eq!(tried.len(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn backoff_waits_grow_exponentially_with_full_jitter_up_to_max() {
+        let view = testing::view(&config(
+            "        retries: { attempts: 4, on: [ 5xx ], backoff: { base: 100ms, max: 300ms }, budget: { min_per_s: 1000 } }",
+        ));
+        let view = view.load();
+        let retry = driver(&view, true);
+        let ms = |d: Duration| d.as_millis();
+        // The cap doubles from base to max; the jitter takes a share of it.
+        assert_eq!(ms(retry.backoff_before(1, 0.999_999)), 99);
+        assert_eq!(ms(retry.backoff_before(2, 0.999_999)), 199);
+        assert_eq!(ms(retry.backoff_before(3, 0.999_999)), 299);
+        assert_eq!(ms(retry.backoff_before(9, 0.5)), 150);
+        assert_eq!(retry.backoff_before(1, 0.0), Duration::ZERO);
+        // On the clock: 4 retries wait at most 100 + 200 + 300 + 300 ms, and the waits are
+        // random, so over 100 requests they add up to about half of that.
+        let mut total = Duration::ZERO;
+        for _ in 0..100 {
+            let started = Instant::now();
+            let mut codec = Scripted {
+                steps: (0..5).map(|_| Step::Answer(503)).collect(),
+                tried: Vec::new(),
+            };
+            let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
+            assert_eq!(outcome.unwrap(), 503);
+            let took = started.elapsed();
+            assert!(took <= Duration::from_millis(900), "{took:?}");
+            total += took;
+        }
+        let mean = total / 100;
+        assert!(
+            mean > Duration::from_millis(300) && mean < Duration::from_millis(600),
+            "the mean wait of 4 retries is about 450 ms: {mean:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_never_goes_back_to_an_endpoint_that_failed_while_others_are_in() {
+        for lb in ["random", "least_request", "ring_hash", "round_robin"] {
+            let view = testing::view(&config_lb(
+                "        retries: { attempts: 2, on: [ 5xx, connect-failure ], budget: { min_per_s: 1000 } }",
+                lb,
+            ));
+            let view = view.load();
+            for _ in 0..200 {
+                let retry = driver(&view, true);
+                let mut codec = Scripted {
+                    steps: vec![
+                        Step::Answer(503),
+                        Step::Fail(UpstreamError::connect("refused")),
+                        Step::Answer(200),
+                    ]
+                    .into(),
+                    tried: Vec::new(),
+                };
+                let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
+                assert_eq!(outcome.unwrap(), 200);
+                let mut ports: Vec<u16> = codec.tried.iter().map(|(e, _)| e.port()).collect();
+                ports.sort_unstable();
+                assert_eq!(ports, [10, 11, 12], "{lb}: three tries, three endpoints");
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn over_the_budget_the_answer_in_hand_goes_back() {
+        // No reserve, 10% of requests: the first request has 0.1 retries of budget.
+        let policy =
+            "        retries: { attempts: 3, on: [ 5xx ], budget: { ratio: 0.1, min_per_s: 0 } }";
+        let view = testing::view(&config(policy));
+        let view = view.load();
+        let mut answered = Vec::new();
+        for _ in 0..100 {
+            let retry = driver(&view, true);
+            let mut codec = Scripted {
+                steps: (0..4).map(|_| Step::Answer(503)).collect(),
+                tried: Vec::new(),
+            };
+            let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
+            assert_eq!(outcome.unwrap(), 503);
+            answered.push(codec.tried.len());
+        }
+        let stats = &view.snapshot.clusters[0].stats;
+        let retries = stats.retries.sum();
+        // 100 requests: at most 10 retries; each refusal is counted.
+        assert_eq!(retries, 10);
+        assert_eq!(answered.iter().sum::<usize>(), 110);
+        assert!(stats.retries_over_budget.sum() >= 90);
     }
 }

@@ -6,6 +6,7 @@
 //! balancing the same way: [`Out`].
 
 pub mod breaker;
+pub mod budget;
 pub mod health;
 pub mod outlier;
 pub mod rate_limit;
@@ -30,6 +31,8 @@ pub struct ClusterGuard {
     pub outlier: Option<Arc<Outlier>>,
     /// `None`: the cluster has no `health_check`.
     pub health: Option<Arc<ClusterHealth>>,
+    /// What the cluster's retries have taken of their budget.
+    pub budget: Arc<budget::Budget>,
 }
 
 impl ClusterGuard {
@@ -79,6 +82,8 @@ struct Entry {
     ejections: Arc<EjectionCounts>,
     health: Option<(HealthCheck, Vec<SocketAddr>, Arc<ClusterHealth>)>,
     probes: Arc<ProbeCounts>,
+    /// Counts the routes' retry budgets draw on; no settings of its own, so it is kept.
+    budget: Arc<budget::Budget>,
 }
 
 /// Every cluster's guard, by name; lives as long as the node.
@@ -124,6 +129,7 @@ impl Registry {
                 ejections: Arc::default(),
                 health: None,
                 probes: Arc::default(),
+                budget: Arc::default(),
             }
         });
         if entry.breaker.0 != breaker_config {
@@ -173,6 +179,7 @@ impl Registry {
             breaker: entry.breaker.1.clone(),
             outlier: entry.outlier.as_ref().map(|o| o.2.clone()),
             health: entry.health.as_ref().map(|h| h.2.clone()),
+            budget: entry.budget.clone(),
         }
     }
 
