@@ -150,6 +150,9 @@ async fn a_drain_closes_idle_connections_finishes_the_request_in_flight_and_stop
         took < Duration::from_secs(10),
         "shutdown waited {took:?}: a connection was left open (drain_timeout is 30 s)"
     );
+    println!(
+        "FAULT-SURVIVED | graceful drain (POST /drain) with a request in flight and an idle keep-alive connection | sent 2 | failed 0"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
