@@ -1656,7 +1656,7 @@ clusters:
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("circuit_breakers.thresholds[0]") && e.contains("retry_budget"),
+        e.contains("circuit_breakers.thresholds[0].retry_budget") && e.contains("retries.budget"),
         "{e}"
     );
 }

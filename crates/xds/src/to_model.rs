@@ -1694,6 +1694,15 @@ fn circuit_breaker(
             ));
         }
         let mut t = t;
+        if t.retry_budget.is_some() {
+            // Not a field-for-field match: Envoy's budget caps retries in flight against
+            // requests in flight, per cluster; flatmesh's caps retries per second against
+            // requests per second, set on the route (counted per cluster).
+            return Err(XdsError::resource(
+                format!("{here}.retry_budget"),
+                "has no flatmesh equivalent field: flatmesh budgets retries per second against requests per second (Linkerd's model), set per route; remove it and give the routes `retries.budget: { ratio, min_per_s }` (the default is 20% + 10/s)",
+            ));
+        }
         let defaults = model::CircuitBreaker::default();
         let limit = |v: Option<envoy_types::pb::google::protobuf::UInt32Value>, default| {
             v.map_or(default, |v| v.value)
