@@ -429,4 +429,30 @@ clusters:
         later += u64::from(echoed_within(db, wait).await);
     }
     assert_eq!(later, 3, "the bucket refilled");
+
+    // A reload that changes the limit rewrites the kernel's bucket: a full one of 6.
+    node.write_config(&yaml.replace("burst: 3", "burst: 6"));
+    let (status, body) = node.reload().await;
+    assert!(status.is_success(), "reload: {status} {body}");
+    let attempts: Vec<_> = (0..10)
+        .map(|_| tokio::spawn(echoed_within(db, wait)))
+        .collect();
+    let mut relayed = 0u64;
+    for a in attempts {
+        relayed += u64::from(a.await.unwrap());
+    }
+    assert!(
+        (6..=7).contains(&relayed),
+        "relayed {relayed} after the reload"
+    );
+    let limited_in_user_space = metric(
+        &node,
+        "flatmesh_rate_limited_connections_total",
+        &[r#"listener="db""#],
+    )
+    .await as u64;
+    assert_eq!(
+        limited_in_user_space, 0,
+        "still the kernel's after the reload"
+    );
 }
