@@ -9,7 +9,14 @@ use std::env;
 use std::path::{Path, PathBuf};
 use std::process::{exit, Command};
 
-const PROGRAMS: [&str; 3] = ["capture", "redirect", "dispatch"];
+/// Each object with the BPF instruction set it is built for: `conn_limit` takes a token with
+/// a compare-and-swap (BPF_CMPXCHG), which needs v3; the others keep the compiler's default.
+const PROGRAMS: [(&str, Option<&str>); 4] = [
+    ("capture", None),
+    ("redirect", None),
+    ("dispatch", None),
+    ("conn_limit", Some("v3")),
+];
 
 fn fail(msg: &str) -> ! {
     eprintln!("error: flatmesh-kernel build: {msg}");
@@ -88,7 +95,7 @@ fn main() {
         )),
         Err(_) => fail("CARGO_CFG_TARGET_ARCH is not set; run this through cargo."),
     };
-    for name in PROGRAMS {
+    for (name, cpu) in PROGRAMS {
         let src = bpf_dir.join(format!("{name}.bpf.c"));
         println!("cargo:rerun-if-changed={}", src.display());
         let obj = out_dir.join(format!("{name}.bpf.o"));
@@ -99,6 +106,7 @@ fn main() {
                 .arg("-Wall")
                 .arg("-Werror")
                 .args(["-target", "bpf"])
+                .args(cpu.map(|cpu| format!("-mcpu={cpu}")))
                 .arg(format!("-D__TARGET_ARCH_{arch}"))
                 .arg("-I")
                 .arg(&out_dir)

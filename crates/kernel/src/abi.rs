@@ -164,6 +164,18 @@ pub(crate) struct FmDirect {
 // SAFETY: two u64.
 unsafe impl aya::Pod for FmDirect {}
 
+/// struct fm_conn_limit (conn_limit.bpf.c)
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct FmConnLimit {
+    pub tat: u64,
+    pub interval: u64,
+    pub tolerance: u64,
+}
+
+// SAFETY: three u64.
+unsafe impl aya::Pod for FmConnLimit {}
+
 /// Values of `fm_redirect_ports`.
 pub(crate) const PORT_BOTH: u8 = 1;
 pub(crate) const PORT_CLIENT: u8 = 2;

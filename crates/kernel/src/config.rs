@@ -28,6 +28,9 @@ pub struct KernelConfig {
     /// L7 sockhashes (the node's namespace), so nodes in other namespaces on the same host,
     /// with the same addresses and ports, are never touched.
     pub own_netns_only: bool,
+    /// Load the socket filter that enforces tcp listeners' `connection_rate_limit` on their
+    /// listening sockets ([`KernelTier::limit_connections`](crate::KernelTier::limit_connections)).
+    pub conn_limit: bool,
 }
 
 /// Which workloads are captured.
@@ -47,6 +50,7 @@ impl Default for KernelConfig {
             l7_dispatch: true,
             l7_stream_parser: false,
             own_netns_only: true,
+            conn_limit: false,
         }
     }
 }

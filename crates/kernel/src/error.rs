@@ -66,7 +66,7 @@ pub enum KernelError {
     },
     #[error("the tier-K route table holds {max} entries but {given} were given; install what the tier-K lowering gives (`RuleProgram::kernel().entries`), which ends an overlong table with a catch-all punt")]
     TooManyRoutes { given: usize, max: usize },
-    #[error("the kernel config enables nothing (capture, redirect and l7_dispatch are all off); leave `kernel:` out of the config instead")]
+    #[error("the kernel config enables nothing (capture, redirect, l7_dispatch and conn_limit are all off); leave `kernel:` out of the config instead")]
     NothingEnabled,
     #[error("tier K has been detached; attach it again before using it")]
     Detached,

@@ -8,6 +8,8 @@
 //! - **dispatch** (`bpf/dispatch.bpf.c`): the sk_skb verdict decides a connection's first
 //!   HTTP/1.1 or gRPC request from the tier-K route table and splice it in the kernel. The
 //!   table's entries come from the tier-K lowering in flatmesh-rules; this crate encodes them.
+//! - **conn_limit** (`bpf/conn_limit.bpf.c`): a socket filter on tcp listeners' listening
+//!   sockets drops SYNs over the listener's `connection_rate_limit` before the proxy sees them.
 //!
 //! [`KernelTier::attach`] loads and pins everything under [`KernelConfig::pin_dir`];
 //! [`KernelTier::detach`] removes it; [`cleanup_stale`] clears a crashed node's pins.
@@ -15,6 +17,7 @@
 mod abi;
 mod capture;
 mod config;
+mod conn_limit;
 mod dispatch;
 mod error;
 pub mod huffman;
@@ -26,6 +29,7 @@ mod tier;
 
 pub use abi::FmStat;
 pub use config::{default_cgroup_root, CaptureConfig, KernelConfig, DEFAULT_PIN_DIR};
+pub use conn_limit::ConnLimit;
 pub use dispatch::{FallbackReason, L7Decision};
 pub use error::KernelError;
 /// The route table's entries, as the tier-K lowering in flatmesh-rules makes them.

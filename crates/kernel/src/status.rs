@@ -8,8 +8,8 @@ use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, SockHash};
 use aya::programs::ProgramInfo;
 
 use crate::abi::{
-    FmAddr, FmDirect, FmL7Conn, FmL7Hold, FmRoute, FmShortcut, FmSockKey, FmStat, DERIVED_STATS,
-    MATCH_END, STAT_NAMES, WHY_BASE, WHY_HELD, WHY_NAMES,
+    FmAddr, FmConnLimit, FmDirect, FmL7Conn, FmL7Hold, FmRoute, FmShortcut, FmSockKey, FmStat,
+    DERIVED_STATS, MATCH_END, STAT_NAMES, WHY_BASE, WHY_HELD, WHY_NAMES,
 };
 use crate::error::KernelError;
 use crate::tier::{pinned_owner, KernelTier};
@@ -162,6 +162,7 @@ pub fn status(pin_dir: &Path) -> Result<KernelStatus, KernelError> {
             "fm_shortcuts" => count::<FmSockKey, FmShortcut>(data, false),
             "fm_direct_bytes" => count::<FmSockKey, FmDirect>(data, false),
             "fm_l7_socks" => count_sock::<u64>(data),
+            "fm_conn_limits" => count::<u16, FmConnLimit>(data, false),
             "fm_routes" => Array::<MapData, FmRoute>::try_from(Map::Array(data))
                 .map(|a| {
                     a.iter()

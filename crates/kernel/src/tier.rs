@@ -14,13 +14,15 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 
-use aya::maps::{Array, HashMap, MapData, SockHash};
-use aya::programs::{CgroupAttachMode, CgroupSockAddr, CgroupSockopt, SkMsg, SkSkb, SockOps};
+use aya::maps::{Array, HashMap, MapData, PerCpuHashMap, SockHash};
+use aya::programs::{
+    CgroupAttachMode, CgroupSockAddr, CgroupSockopt, SkMsg, SkSkb, SockOps, SocketFilter,
+};
 use aya::{Ebpf, EbpfLoader};
 use parking_lot::Mutex;
 
 use crate::abi::{
-    FmAddr, FmDirect, FmL7Conn, FmL7Hold, FmRoute, FmSettings, FmShortcut, FmSockKey,
+    FmAddr, FmConnLimit, FmDirect, FmL7Conn, FmL7Hold, FmRoute, FmSettings, FmShortcut, FmSockKey,
 };
 use crate::config::KernelConfig;
 use crate::error::KernelError;
@@ -30,6 +32,8 @@ static REDIRECT_OBJ: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/redirect.bpf.o"));
 static DISPATCH_OBJ: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/dispatch.bpf.o"));
+static CONN_LIMIT_OBJ: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/conn_limit.bpf.o"));
 
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
@@ -60,6 +64,8 @@ pub(crate) struct Maps {
     pub l7_hold: Option<HashMap<MapData, u64, FmL7Hold>>,
     pub routes: Option<Array<MapData, FmRoute>>,
     pub l7_ports: Option<HashMap<MapData, u16, u8>>,
+    pub conn_limits: Option<HashMap<MapData, u16, FmConnLimit>>,
+    pub conn_drops: Option<PerCpuHashMap<MapData, u16, u64>>,
 }
 
 pub(crate) struct Loaded {
@@ -67,6 +73,26 @@ pub(crate) struct Loaded {
     objects: Vec<Ebpf>,
     pub(crate) maps: Maps,
     pub(crate) program_ids: Vec<(String, u32)>,
+    /// Which of `objects` holds the `fm_conn_limit` socket filter, when it is loaded.
+    pub(crate) conn_limit_object: Option<usize>,
+}
+
+impl Loaded {
+    /// The loaded `fm_conn_limit` socket filter.
+    pub(crate) fn conn_limit_filter(&self) -> Result<&SocketFilter, KernelError> {
+        const NAME: &str = "fm_conn_limit";
+        let object = self
+            .conn_limit_object
+            .and_then(|i| self.objects.get(i))
+            .ok_or(KernelError::MissingProgram {
+                program: "fm_conn_limit (conn_limit is off in the config)",
+            })?;
+        object
+            .program(NAME)
+            .ok_or(KernelError::MissingProgram { program: NAME })?
+            .try_into()
+            .map_err(|e| KernelError::program(NAME, "be used as a socket filter", e))
+    }
 }
 
 impl std::fmt::Debug for KernelTier {
@@ -133,7 +159,8 @@ impl KernelTier {
         });
         registry.push((cfg.pin_dir.clone(), Arc::downgrade(&inner)));
         tracing::info!(pin_dir = %cfg.pin_dir.display(), capture = cfg.capture.is_some(),
-            redirect = cfg.redirect, l7_dispatch = cfg.l7_dispatch, "tier K attached");
+            redirect = cfg.redirect, l7_dispatch = cfg.l7_dispatch,
+            conn_limit = cfg.conn_limit, "tier K attached");
         Ok(KernelTier { inner })
     }
 
@@ -368,6 +395,9 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
     let mut l7_hold = None;
     let mut routes = None;
     let mut l7_ports = None;
+    let mut conn_limits = None;
+    let mut conn_drops = None;
+    let mut conn_limit_object = None;
 
     if let Some(capture) = &cfg.capture {
         let workloads = open_cgroup(&capture.cgroup)?;
@@ -452,6 +482,16 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
         objects.push(obj);
     }
 
+    if cfg.conn_limit {
+        let mut obj = load("conn_limit", CONN_LIMIT_OBJ, dir)?;
+        // Attached to listening sockets one by one (`KernelTier::limit_connections`).
+        load_pin!(&mut obj, SocketFilter, "fm_conn_limit", dir, ids);
+        conn_limits = Some(typed(&mut obj, "fm_conn_limits")?);
+        conn_drops = Some(typed(&mut obj, "fm_conn_drops")?);
+        conn_limit_object = Some(objects.len());
+        objects.push(obj);
+    }
+
     let Some(first) = objects.first_mut() else {
         return Err(KernelError::NothingEnabled);
     };
@@ -489,8 +529,11 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
             l7_hold,
             routes,
             l7_ports,
+            conn_limits,
+            conn_drops,
         },
         program_ids: ids,
+        conn_limit_object,
     })
 }
 

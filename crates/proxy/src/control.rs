@@ -75,7 +75,14 @@ impl Shared {
             (Some(k), _) => k.runtime(),
             (None, why) => flatmesh_rules::KernelRuntime::Off(why.clone().unwrap_or_default()),
         };
-        flatmesh_rules::NodeTiers { kernel }
+        flatmesh_rules::NodeTiers {
+            kernel,
+            kernel_conn_limits: self
+                .kernel
+                .as_ref()
+                .map(|k| k.conn_limited_listeners())
+                .unwrap_or_default(),
+        }
     }
 
     pub fn status(&self) -> ReloadStatus {
@@ -184,6 +191,9 @@ impl Shared {
             }));
         }
         for (key, name, actual, sockets) in new_sockets {
+            if let Some(k) = &self.kernel {
+                k.guard_listener(&snapshot.config, &name, actual, &sockets);
+            }
             for (w, socket) in self.workers.iter().zip(sockets) {
                 w.send(Command::Listen { key, socket });
             }

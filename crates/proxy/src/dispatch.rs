@@ -23,10 +23,16 @@ pub(crate) async fn serve(ctx: Arc<ConnContext>, stream: TcpStream) {
         .listener_at(ctx.listener_address, ctx.protocol)
         .map(|l| &current.snapshot.listeners[l]);
     // A tcp listener's connection_rate_limit, in user space: the connection is accepted,
-    // then reset at once (tier K, when attached, refuses it before it is accepted).
+    // then reset at once. Where tier K enforces it, the kernel dropped the SYNs over the
+    // limit before this connection existed, and it is not counted twice.
     if let Some(limiter) = plan
         .filter(|_| ctx.protocol == ListenerProtocol::Tcp)
         .and_then(|l| l.rate_limit.as_ref())
+        .filter(|_| {
+            !ctx.kernel
+                .as_ref()
+                .is_some_and(|k| k.limits_connections(ctx.listener_address))
+        })
     {
         if limiter
             .admit(

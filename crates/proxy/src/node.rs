@@ -73,6 +73,21 @@ impl Node {
             Ok(k) => (Some(Arc::new(k)), None),
             Err(why) => (None, Some(why)),
         };
+        if let Some(k) = &kernel {
+            // The SYN filter goes on before any worker accepts (and before the maps below
+            // say which limits the kernel holds).
+            for (key, group) in &sockets {
+                if let Some(b) = bound.get(key) {
+                    k.guard_listener(&snapshot.config, &b.name, b.actual, group);
+                }
+            }
+            if k.conn_limit_on() {
+                let k = k.clone();
+                metrics
+                    .rate_limits
+                    .count_kernel_drops(Box::new(move || k.conn_limit_drops()));
+            }
+        }
         let drain = DrainSignal::new();
         let mut handles = Vec::with_capacity(workers);
         for id in 0..workers {

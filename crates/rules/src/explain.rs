@@ -65,7 +65,7 @@ impl RuleProgram {
                     ];
                     table(&mut out, &header, &[row]);
                     explain_authz(&mut out, l);
-                    explain_listener_rate_limit(&mut out, l);
+                    self.explain_listener_rate_limit(&mut out, l, node);
                 }
                 TableKind::Hbone(rule) => {
                     let _ = writeln!(
@@ -87,7 +87,7 @@ impl RuleProgram {
                     ];
                     table(&mut out, &header, &[row]);
                     explain_authz(&mut out, l);
-                    explain_listener_rate_limit(&mut out, l);
+                    self.explain_listener_rate_limit(&mut out, l, node);
                 }
                 TableKind::Http(t) => {
                     let s = t.index_stats();
@@ -124,7 +124,7 @@ impl RuleProgram {
                     table(&mut out, &header, &rows);
                     let _ = writeln!(out, "  (no match: 404)");
                     explain_authz(&mut out, l);
-                    explain_listener_rate_limit(&mut out, l);
+                    self.explain_listener_rate_limit(&mut out, l, node);
                     self.explain_kernel_table(&mut out, lid);
                     self.explain_image(&mut out, lid);
                 }
@@ -343,6 +343,7 @@ impl RuleProgram {
                         "tls": l.tls,
                         "authorization": l.authz.as_ref().map(|a| a.summary()),
                         "rate_limit": l.rate_limit,
+                        "rate_limit_tier": l.rate_limit.as_ref().map(|_| self.conn_limit_tier(l, node).as_str()),
                     })
                 }
                 TableKind::Hbone(rule) => {
@@ -612,28 +613,77 @@ fn describe_rate_limit(limit: &flatmesh_config::RateLimit, what: &str) -> String
     )
 }
 
-/// A listener's own rate limit, as a line under its table.
-fn explain_listener_rate_limit(out: &mut String, l: &crate::ListenerTable) {
-    let Some(limit) = &l.rate_limit else {
-        return;
-    };
-    let (what, before) = match l.kind {
-        TableKind::Tcp(_) => (
-            "connections",
-            "each new connection, in user space (accepted, then reset when over)",
-        ),
-        _ => ("requests", "every request before routing, in the user tier"),
-    };
-    let _ = writeln!(
-        out,
-        "  {} (node-wide; {before}; over it: {})",
-        describe_rate_limit(limit, what),
-        if what == "connections" {
-            "closed"
-        } else {
-            "429 with retry-after, gRPC RESOURCE_EXHAUSTED"
+/// Which tier counts a tcp listener's `connection_rate_limit`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ConnLimitTier {
+    /// This node's tier K: a socket filter on the listening sockets.
+    Kernel,
+    /// No running node consulted, and the config has a `kernel:` section.
+    KernelWhenAttached,
+    User,
+}
+
+impl ConnLimitTier {
+    fn as_str(self) -> &'static str {
+        match self {
+            ConnLimitTier::Kernel => "kernel",
+            ConnLimitTier::KernelWhenAttached => "kernel when tier K is attached, else user",
+            ConnLimitTier::User => "user",
         }
-    );
+    }
+}
+
+impl RuleProgram {
+    fn conn_limit_tier(&self, l: &crate::ListenerTable, node: &NodeTiers) -> ConnLimitTier {
+        if node.kernel_conn_limits.contains(&l.name) {
+            ConnLimitTier::Kernel
+        } else if node.kernel == crate::KernelRuntime::AsConfigured && self.kernel_configured {
+            ConnLimitTier::KernelWhenAttached
+        } else {
+            ConnLimitTier::User
+        }
+    }
+
+    /// A listener's own rate limit, as a line under its table.
+    fn explain_listener_rate_limit(
+        &self,
+        out: &mut String,
+        l: &crate::ListenerTable,
+        node: &NodeTiers,
+    ) {
+        let Some(limit) = &l.rate_limit else {
+            return;
+        };
+        const KERNEL: &str = "in the kernel (socket filter on the listening sockets: a SYN over the limit is dropped unanswered, before the proxy sees a connection; the client retries it)";
+        const USER: &str = "in user space (accepted, then reset when over)";
+        let (what, before, over) = match (&l.kind, self.conn_limit_tier(l, node)) {
+            (TableKind::Tcp(_), ConnLimitTier::Kernel) => (
+                "connections",
+                format!("each new connection, {KERNEL}"),
+                "SYN dropped",
+            ),
+            (TableKind::Tcp(_), ConnLimitTier::KernelWhenAttached) => (
+                "connections",
+                format!("each new connection, {KERNEL} when tier K is attached, else {USER}"),
+                "SYN dropped (kernel) or closed (user space)",
+            ),
+            (TableKind::Tcp(_), ConnLimitTier::User) => (
+                "connections",
+                format!("each new connection, {USER}"),
+                "closed",
+            ),
+            _ => (
+                "requests",
+                "every request before routing, in the user tier".to_string(),
+                "429 with retry-after, gRPC RESOURCE_EXHAUSTED",
+            ),
+        };
+        let _ = writeln!(
+            out,
+            "  {} (node-wide; {before}; over it: {over})",
+            describe_rate_limit(limit, what),
+        );
+    }
 }
 
 /// A route's retry policy with the defaults in force: `retries 2 on 5xx,unavailable, per try

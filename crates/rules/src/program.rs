@@ -35,6 +35,8 @@ pub struct RuleProgram {
     kernel: KernelLowering,
     /// Tier N's lowering: the NIC image of every http listener.
     nic: NicLowering,
+    /// The config has a `kernel:` section: tier K runs where the host allows it.
+    pub(crate) kernel_configured: bool,
 }
 
 /// What the program keeps about a cluster (endpoints and LB live in the proxy).
@@ -339,6 +341,7 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
         cluster_ids,
         kernel,
         nic,
+        kernel_configured: cfg.kernel.is_some(),
     })
 }
 

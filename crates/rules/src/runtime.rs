@@ -3,6 +3,7 @@
 //! what it attached; `/rules` and `flatmesh check --explain --admin` report through it.
 
 use std::borrow::Cow;
+use std::collections::BTreeSet;
 
 use serde::Serialize;
 
@@ -29,6 +30,9 @@ pub enum KernelRuntime {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeTiers {
     pub kernel: KernelRuntime,
+    /// The tcp listeners (by name) whose `connection_rate_limit` tier K enforces on this
+    /// node: a socket filter on their listening sockets drops SYNs over the limit.
+    pub kernel_conn_limits: BTreeSet<String>,
 }
 
 impl NodeTiers {

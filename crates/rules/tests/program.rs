@@ -899,6 +899,45 @@ fn rate_limited_routes_and_listeners_stay_in_the_user_tier_and_explain_shows_the
         text.contains("rate limit 50 connections/s, burst 50 (node-wide;"),
         "{text}"
     );
+    // The config has `kernel:`: the kernel enforces the connection limit where tier K
+    // attaches; a running node says which tier does.
+    assert!(
+        text.contains("each new connection, in the kernel (socket filter on the listening sockets: a SYN over the limit is dropped unanswered")
+            && text.contains("when tier K is attached, else in user space (accepted, then reset when over)"),
+        "{text}"
+    );
+    let on_node = |kernel_conn_limits: &[&str], kernel| flatmesh_rules::NodeTiers {
+        kernel,
+        kernel_conn_limits: kernel_conn_limits.iter().map(|s| s.to_string()).collect(),
+    };
+    let attached = on_node(
+        &["db"],
+        flatmesh_rules::KernelRuntime::Attached {
+            verdict: true,
+            table_error: None,
+        },
+    );
+    let text = p.explain_on(&attached);
+    assert!(
+        text.contains("each new connection, in the kernel (socket filter on the listening sockets")
+            && !text.contains("reset when over"),
+        "{text}"
+    );
+    assert_eq!(
+        p.to_json_on(&attached)["listeners"][1]["rate_limit_tier"],
+        "kernel"
+    );
+    let off = on_node(&[], flatmesh_rules::KernelRuntime::Off("not root".into()));
+    let text = p.explain_on(&off);
+    assert!(
+        text.contains("each new connection, in user space (accepted, then reset when over)")
+            && !text.contains("socket filter"),
+        "{text}"
+    );
+    assert_eq!(
+        p.to_json_on(&off)["listeners"][1]["rate_limit_tier"],
+        "user"
+    );
     assert_eq!(
         p.to_json()["listeners"][0]["routes"][0]["rate_limit"]["requests_per_s"],
         10

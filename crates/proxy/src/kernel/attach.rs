@@ -5,11 +5,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use flatmesh_config::Config;
+use flatmesh_config::{Config, ListenerProtocol};
 use flatmesh_kernel::{CaptureConfig, HopPort, KernelConfig, KernelEntry, KernelTier};
 use flatmesh_rules::TableKind;
 use parking_lot::Mutex;
 
+use super::conn_limit::{self, ConnLimitPlan};
 use super::KernelBinding;
 use crate::snapshot::Snapshot;
 
@@ -34,6 +35,8 @@ pub struct KernelPlan {
     pub l7_ports: BTreeSet<u16>,
     /// The L7 listener's route table, as the tier-K lowering made it.
     pub routes: Vec<KernelEntry>,
+    /// tcp listeners' `connection_rate_limit`, by bound port.
+    pub conn_limits: BTreeMap<u16, ConnLimitPlan>,
 }
 
 /// Attaches tier K if the config has a `kernel:` section and the host can run it. Without
@@ -65,8 +68,13 @@ pub fn attach(config: &Config) -> Result<KernelBinding, String> {
         l7_dispatch: k.l7_dispatch || k.tcp_splice,
         l7_stream_parser: k.l7_stream_parser,
         own_netns_only: true,
+        // The connection rate-limit filter, when a tcp listener has a limit at start.
+        conn_limit: config
+            .listeners
+            .iter()
+            .any(|l| l.protocol == ListenerProtocol::Tcp && l.connection_rate_limit.is_some()),
     };
-    if cfg.capture.is_none() && !cfg.redirect && !cfg.l7_dispatch {
+    if cfg.capture.is_none() && !cfg.redirect && !cfg.l7_dispatch && !cfg.conn_limit {
         tracing::info!("the kernel section enables nothing; tier K stays off");
         return Err("the kernel section enables nothing".into());
     }
@@ -91,11 +99,13 @@ pub fn attach(config: &Config) -> Result<KernelBinding, String> {
         redirect = cfg.redirect,
         l7_dispatch = k.l7_dispatch,
         tcp_splice = k.tcp_splice,
+        conn_limit = cfg.conn_limit,
         "tier K (eBPF) attached"
     );
     Ok(KernelBinding {
         tier,
         installed: Mutex::new(Installed::default()),
+        conn: Default::default(),
     })
 }
 
@@ -138,6 +148,7 @@ pub fn plan(snapshot: &Snapshot, bound: &dyn Fn(&str) -> Option<SocketAddr>) -> 
             _ => {}
         }
     }
+    plan.conn_limits = conn_limit::plan(config, bound);
     if k.redirect {
         // Local backends: the proxy's upstream hop to them is shortened, and with the client
         // end they make socket direct possible.
@@ -216,5 +227,7 @@ impl KernelBinding {
         installed.services = plan.services.clone();
         installed.redirect_ports = plan.redirect_ports.clone();
         installed.l7_ports = plan.l7_ports.clone();
+        drop(installed);
+        self.install_conn_limits(&plan.conn_limits);
     }
 }

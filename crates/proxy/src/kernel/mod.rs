@@ -17,9 +17,12 @@
 //!   backend are both on this host, [`KernelBinding::direct`] arms sk_msg shortcuts so the
 //!   client's sendmsg lands in the backend's socket and back, without TCP and without the
 //!   proxy; the proxy keeps both connections open, carries FIN, RST and whatever the kernel
-//!   does not, and accounts for the bytes each way.
+//!   does not, and accounts for the bytes each way;
+//! - [`conn_limit`]: a tcp listener's `connection_rate_limit`, enforced by a socket filter
+//!   on its listening sockets that drops SYNs over the limit before the proxy sees them.
 
 mod attach;
+mod conn_limit;
 mod direct;
 mod handoff;
 mod path;
@@ -46,6 +49,7 @@ const FIRST_REQUEST_MAX: usize = 16 * 1024;
 pub struct KernelBinding {
     tier: KernelTier,
     installed: Mutex<Installed>,
+    conn: conn_limit::ConnLimits,
 }
 
 impl KernelBinding {

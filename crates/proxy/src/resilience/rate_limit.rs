@@ -100,8 +100,7 @@ pub enum Key<'a> {
 impl RateLimiter {
     /// A limiter for `config` whose clock starts at `epoch`, counting refusals into `limited`.
     pub fn new(config: &RateLimit, epoch: Instant, limited: Arc<AtomicU64>) -> RateLimiter {
-        let rate = u64::from(config.requests_per_s.max(1));
-        let interval = (1_000_000_000 / rate).max(1);
+        let (interval, tolerance) = gcra(config);
         let buckets = match config.key {
             None => Buckets::One(AtomicU64::new(0)),
             Some(_) => Buckets::Keyed {
@@ -114,7 +113,7 @@ impl RateLimiter {
         };
         RateLimiter {
             interval,
-            tolerance: interval.saturating_mul(u64::from(config.burst().max(1))),
+            tolerance,
             epoch,
             buckets,
             limited,
@@ -220,6 +219,18 @@ impl RateLimiter {
     }
 }
 
+/// GCRA's parameters of `config` in nanoseconds: the interval between two admissions at the
+/// sustained rate, and the tolerance, `burst × interval`. Tier K's connection filter
+/// (`crate::kernel`) takes the same two numbers.
+pub fn gcra(config: &RateLimit) -> (u64, u64) {
+    let rate = u64::from(config.requests_per_s.max(1));
+    let interval = (1_000_000_000 / rate).max(1);
+    (
+        interval,
+        interval.saturating_mul(u64::from(config.burst().max(1))),
+    )
+}
+
 /// The seconds a `retry-after` says: the wait rounded up, at least 1.
 pub fn retry_after_secs(wait: Duration) -> u64 {
     wait.as_nanos().div_ceil(1_000_000_000).max(1) as u64
@@ -234,11 +245,16 @@ struct Entry {
     limited: Arc<AtomicU64>,
 }
 
+/// Reads the SYNs tier K dropped over each listener's `connection_rate_limit`, by listener.
+pub type KernelDrops = Box<dyn Fn() -> Vec<(String, u64)> + Send + Sync>;
+
 /// Every configured limit, by where it is; lives as long as the node, so a reload that
 /// leaves a limit alone keeps its buckets (and its count).
 #[derive(Default)]
 pub struct Registry {
     limits: Mutex<HashMap<Place, Entry>>,
+    /// Set when tier K enforces connection rate limits (`crate::kernel`).
+    kernel_drops: Mutex<Option<KernelDrops>>,
 }
 
 impl Registry {
@@ -287,6 +303,11 @@ impl Registry {
             }
         }
         self.limits.lock().retain(|place, _| keep.contains(place));
+    }
+
+    /// Where `/metrics` reads tier K's dropped SYNs from.
+    pub fn count_kernel_drops(&self, read: KernelDrops) {
+        *self.kernel_drops.lock() = Some(read);
     }
 
     /// The rate-limit families of `/metrics`.
@@ -339,9 +360,22 @@ impl Registry {
         crate::metrics::counter(
             enc,
             "flatmesh_rate_limited_connections",
-            "Connections of a tcp listener closed at once by its connection_rate_limit",
+            "Connections of a tcp listener closed at once by its connection_rate_limit, in user space",
             &rows,
         )?;
+        if let Some(read) = &*self.kernel_drops.lock() {
+            let dropped = read();
+            let rows: Vec<_> = dropped
+                .iter()
+                .map(|(l, v)| ([("listener", l.as_str())], *v))
+                .collect();
+            crate::metrics::counter(
+                enc,
+                "flatmesh_kernel_rate_limited_syns",
+                "SYNs to a tcp listener dropped in the kernel (socket filter on its listening sockets) by its connection_rate_limit; a client retransmits an unanswered SYN, so one refused connection may count more than once",
+                &rows,
+            )?;
+        }
         let rows: Vec<_> = evicted
             .iter()
             .map(|(l, r, v)| ([("listener", l.as_str()), ("route", r.as_str())], *v))
