@@ -56,14 +56,6 @@ clusters:
     )
 }
 
-/// One metric sample's value (0 when the series is absent).
-async fn metric(node: &TestNode, name: &str, labels: &[&str]) -> f64 {
-    let text = node.metrics().await;
-    metric_samples(&text, name, labels)
-        .first()
-        .map_or(0.0, |(_, v)| *v)
-}
-
 /// A mirror backend: reports each request's host and body, then answers only after `hold`
 /// (or never, if the test ends first).
 struct Recorder {

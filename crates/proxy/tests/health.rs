@@ -118,13 +118,6 @@ clusters:
     )
 }
 
-async fn metric(node: &TestNode, name: &str, labels: &[&str]) -> f64 {
-    let text = node.metrics().await;
-    metric_samples(&text, name, labels)
-        .first()
-        .map_or(0.0, |(_, v)| *v)
-}
-
 async fn unhealthy(node: &TestNode) -> f64 {
     metric(
         node,

@@ -138,13 +138,6 @@ clusters:
 const CHECK: &str =
     "health_check: { tcp: {}, interval: 100ms, timeout: 500ms, unhealthy_threshold: 2, healthy_threshold: 2 }";
 
-async fn metric(node: &TestNode, name: &str, labels: &[&str]) -> f64 {
-    let text = node.metrics().await;
-    metric_samples(&text, name, labels)
-        .first()
-        .map_or(0.0, |(_, v)| *v)
-}
-
 /// The share of `pool`'s traffic priority `p` takes now, per `/metrics`.
 async fn load(node: &TestNode, p: u32) -> f64 {
     let label = format!("priority=\"{p}\"");

@@ -51,14 +51,6 @@ clusters:
     )
 }
 
-/// One metric sample's value (0 when the series is absent).
-async fn metric(node: &TestNode, name: &str, labels: &[&str]) -> f64 {
-    let text = node.metrics().await;
-    metric_samples(&text, name, labels)
-        .first()
-        .map_or(0.0, |(_, v)| *v)
-}
-
 /// Offers GETs of `url` at `per_s` for `secs` seconds, each on its own task (so a slow answer
 /// never slows the offered load). Returns (sent, admitted, failed, how long the load lasted):
 /// `failed` counts answers other than 200 and the limit's 429.

@@ -92,14 +92,6 @@ clusters:
     )
 }
 
-/// One metric sample's value (0 when the series is absent).
-async fn metric(node: &TestNode, name: &str, labels: &[&str]) -> f64 {
-    let text = node.metrics().await;
-    metric_samples(&text, name, labels)
-        .first()
-        .map_or(0.0, |(_, v)| *v)
-}
-
 /// `n` sequential GETs; who answered each and with what status.
 async fn tally_of(web: SocketAddr, n: usize) -> BTreeMap<(String, u16), usize> {
     let client = h1_client();

@@ -139,3 +139,11 @@ impl Drop for TestNode {
         }
     }
 }
+
+/// One sample's value from the node's `/metrics` (0 when the series is absent).
+pub async fn metric(node: &TestNode, name: &str, labels: &[&str]) -> f64 {
+    let text = node.metrics().await;
+    metric_samples(&text, name, labels)
+        .first()
+        .map_or(0.0, |(_, v)| *v)
+}
