@@ -248,7 +248,14 @@ mod octal_mode {
 
 /// The read-only endpoints, answered to GET. `POST /reload` and `POST /drain` are the ones
 /// that change the node.
-pub const READ_PATHS: &[&str] = &["/metrics", "/ready", "/config", "/rules", "/listeners"];
+pub const READ_PATHS: &[&str] = &[
+    "/metrics",
+    "/ready",
+    "/config",
+    "/rules",
+    "/listeners",
+    "/stats/routes",
+];
 
 /// Longest Unix socket path the kernel takes (`sun_path` is 108 bytes with its NUL).
 const MAX_UNIX_PATH: usize = 107;

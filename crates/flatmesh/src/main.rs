@@ -23,6 +23,8 @@ enum Command {
     Node(cmd::node::Args),
     /// Drain a running node (POST /drain) and wait until it has stopped: a preStop hook.
     Drain(cmd::drain::Args),
+    /// A live table of a node's routes: req/s, success rate, p50/p99 and tier (like `linkerd viz top`).
+    Top(cmd::top::Args),
     /// The mesh CA: `ca init`, `ca issue` (X.509 SVIDs), `ca rotate`, `ca retire`.
     Ca(cmd::ca::Args),
     /// Validate a config; --explain prints the rule program and where each rule runs,
@@ -69,12 +71,14 @@ fn main() -> std::process::ExitCode {
             | Command::Simulate(_)
             | Command::Kernel(_)
             | Command::Qnp(_)
+            | Command::Top(_)
     ) {
         end_quietly_on_closed_stdout();
     }
     let result = match cli.command {
         Command::Node(args) => cmd::node::run(args),
         Command::Drain(args) => cmd::drain::run(args),
+        Command::Top(args) => cmd::top::run(args),
         Command::Ca(args) => cmd::ca::run(args),
         Command::Check(args) => cmd::check::run(args),
         Command::Demo(args) => cmd::demo::run(args),

@@ -365,3 +365,89 @@ async fn check_admin_sends_the_token_and_reaches_a_unix_socket() {
     assert!(out.stdout.contains("web"), "{}", out.stdout);
     let _ = child.kill().await;
 }
+
+/// `flatmesh top` shows each route with traffic in the window: its rate, its success rate
+/// (a route that answers 503 is at 0%) and the tier it runs in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flatmesh_top_shows_each_route_with_its_traffic() {
+    let (admin, web) = (free_addr(), free_addr());
+    let config = format!(
+        r#"
+admin: {admin}
+workers: 1
+listeners:
+  - name: web
+    address: {web}
+    protocol: http
+    routes:
+      - name: good
+        match: {{ path: {{ prefix: /good }} }}
+        direct_response: {{ status: 200, body: "ok" }}
+      - name: broken
+        match: {{ path: {{ prefix: /broken }} }}
+        direct_response: {{ status: 503, body: "no" }}
+"#
+    );
+    let proxy = Proxy::start(admin, &config).await;
+    // Traffic for the whole run of `top`, bounded in count and time.
+    let load = tokio::spawn(async move {
+        let client = h1_client();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        for i in 0..20_000u32 {
+            if tokio::time::Instant::now() > deadline {
+                break;
+            }
+            let path = if i % 2 == 0 { "good" } else { "broken" };
+            let _ = send(&client, get_req(&format!("http://{web}/{path}"))).await;
+        }
+    });
+    let out = run_flatmesh(
+        &[
+            "top",
+            "--admin",
+            &admin.to_string(),
+            "--interval",
+            "500ms",
+            "--samples",
+            "2",
+            "--sort",
+            "route",
+        ],
+        Duration::from_secs(30),
+    )
+    .await;
+    load.abort();
+    assert_eq!(
+        out.code,
+        Some(0),
+        "{}\n{}",
+        out.all_output(),
+        proxy.output()
+    );
+    let last = out
+        .stdout
+        .rsplit("flatmesh top:")
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    let line = |route: &str| {
+        last.lines()
+            .find(|l| l.contains(&format!(" {route} ")))
+            .unwrap_or_else(|| panic!("no row for {route}:\n{}", out.stdout))
+            .to_string()
+    };
+    assert!(line("good").contains("100.00%"), "{last}");
+    assert!(line("broken").contains("0.00%"), "{last}");
+    assert!(line("good").contains("U7"), "{last}");
+    assert!(last.contains("2 routes with traffic"), "{last}");
+
+    // A node that is not there: an error that names the address, not a panic.
+    let nobody = free_addr().to_string();
+    let out = run_flatmesh(
+        &["top", "--admin", &nobody, "--samples", "1"],
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(out.code, Some(1), "{}", out.all_output());
+    assert!(out.stderr.contains(&nobody), "{}", out.stderr);
+}

@@ -488,6 +488,39 @@ impl Metrics {
         }
         out
     }
+
+    /// The request counters of every (listener, route, cluster) as JSON, for `GET
+    /// /stats/routes` and `flatmesh top`: the same numbers as `flatmesh_requests_total` and
+    /// `flatmesh_request_duration_seconds`, cumulative, without a Prometheus parser on the
+    /// reading side.
+    pub fn route_stats(&self) -> serde_json::Value {
+        let mut requests: Vec<_> = self
+            .requests
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        requests.sort_by(|a, b| a.0.cmp(&b.0));
+        let routes: Vec<serde_json::Value> = requests
+            .iter()
+            .map(|((listener, route, cluster), stats)| {
+                let (buckets, micros) = stats.histogram();
+                serde_json::json!({
+                    "listener": listener,
+                    "route": route,
+                    "cluster": cluster,
+                    "status_classes": stats.class_totals(),
+                    "duration_buckets": buckets,
+                    "duration_micros": micros,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "status_classes": CLASSES,
+            "bucket_bounds_seconds": DURATION_BUCKETS,
+            "routes": routes,
+        })
+    }
 }
 
 const CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];

@@ -12,6 +12,8 @@ use flatmesh_config::AdminAddress;
 
 /// How long one exchange may take.
 const TIMEOUT: Duration = Duration::from_secs(5);
+/// The largest answer read: `/config` and `/rules` of a 10,000-route node fit many times over.
+const MAX_ANSWER_BYTES: u64 = 64 << 20;
 
 /// An admin endpoint's answer.
 pub struct Answer {
@@ -81,7 +83,15 @@ pub fn request(
     )
     .with_context(what)?;
     let mut response = Vec::new();
-    conn.read_to_end(&mut response).with_context(what)?;
+    conn.take(MAX_ANSWER_BYTES + 1)
+        .read_to_end(&mut response)
+        .with_context(what)?;
+    if response.len() as u64 > MAX_ANSWER_BYTES {
+        anyhow::bail!(
+            "{admin} sent more than {} MiB for {path}; is that the node's admin address?",
+            MAX_ANSWER_BYTES >> 20
+        );
+    }
     let response = String::from_utf8_lossy(&response);
     let (head, body) = response.split_once("\r\n\r\n").with_context(|| {
         format!("{admin} sent no HTTP response; is that the node's admin address?")

@@ -14,6 +14,7 @@ pub mod pu;
 pub mod qnp;
 pub mod shm;
 pub mod simulate;
+pub mod top;
 
 /// The process log, once a command has set it up.
 static PROCESS_LOG: std::sync::OnceLock<flatmesh_proxy::logging::ProcessLog> =

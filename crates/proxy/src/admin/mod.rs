@@ -410,6 +410,8 @@ fn handle(shared: &Shared, req: Request<Incoming>, conn: ConnInfo) -> Response<F
                 _ => json(&program.to_json_on(&tiers)),
             }
         }
+        // Cumulative per-route request counters as JSON: what `flatmesh top` samples.
+        "/stats/routes" => json(&shared.metrics.route_stats()),
         "/listeners" => {
             let map: serde_json::Map<String, serde_json::Value> = shared
                 .listener_addresses()
