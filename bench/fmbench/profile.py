@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -49,8 +50,6 @@ def start(pids: list[int], out: Path) -> subprocess.Popen:
 
 def stop(p: subprocess.Popen, out: Path) -> str:
     """Ends the recording (SIGINT, as Ctrl-C would) and returns `perf report`'s text."""
-    import signal
-
     if p.poll() is None:
         p.send_signal(signal.SIGINT)
     try:

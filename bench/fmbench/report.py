@@ -7,7 +7,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from . import profile, svg
+from . import profile, svg, wire
 from .scenarios import Scenario
 from .systems import REFERENCE
 
@@ -91,16 +91,6 @@ def median_profile(profiles: list[dict | None]) -> dict | None:
     return out
 
 
-def f_hop(h: dict | None) -> str:
-    """"591 handshakes, 97% resumed, TLS_AES_128_GCM_SHA256" (or why it was not read)."""
-    if not h:
-        return "not read"
-    if "error" in h:
-        return f"not read: {h['error']}"
-    if not h["handshakes"]:
-        return "no handshake seen"
-    suites = ", ".join(k if len(h["suites"]) == 1 else f"{k} ×{v}" for k, v in h["suites"].items())
-    return f"{h['handshakes']} handshakes, {100 * h['resumed'] / h['handshakes']:.0f}% resumed, {suites}"
 
 
 # ---------------------------------------------------------------- formatting
@@ -350,7 +340,7 @@ def mtls_targets(rows: list[dict]) -> list[dict]:
     fm, env = pair("mtls_new_conn")
     if fm and env and len(out) > n and out[-1]["status"] != "n/a":
         # Neither side can be kept from resuming sessions (BENCHMARKS.md): say how often each did.
-        out[-1]["measured"] += f" (between the nodes: flatmesh {f_hop(fm.get('hop_tls'))}; Envoy {f_hop(env.get('hop_tls'))})"
+        out[-1]["measured"] += f" (between the nodes: flatmesh {wire.describe(fm.get('hop_tls'))}; Envoy {wire.describe(env.get('hop_tls'))})"
 
     fm, env = pair("mtls_bulk")
     name = "mTLS bulk: TLS share of the pair's CPU (perf), beside the relay's"
@@ -475,7 +465,7 @@ def mtls_section(scenarios: list[Scenario], rows: list[dict], systems: list[str]
     out += ["", "| scenario | system | handshakes between the nodes | CPU of both nodes (perf) |", "|---|---|---|---|"]
     for r in found:
         prof = profile.describe(r.get("profile")) if r.get("profile") else "–"
-        out.append(f"| {r['scenario']} | {r['system']} | {f_hop(r.get('hop_tls'))} | {prof} |")
+        out.append(f"| {r['scenario']} | {r['system']} | {wire.describe(r.get('hop_tls'))} | {prof} |")
     return out
 
 

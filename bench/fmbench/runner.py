@@ -102,7 +102,7 @@ def measure_system(
                 loadgen.run(scenario, replace(load, duration=WARMUP_S), port, system.client_env, workdir)
             if i == 0 and isinstance(sniffer, wire.HelloSniffer):
                 hop = sniffer.stop()
-                _log(f"  {system.name}: between the nodes (start-up, checks, warm-up): {describe_hop(hop)}")
+                _log(f"  {system.name}: between the nodes (start-up, checks, warm-up): {wire.describe(hop)}")
             meter = procs.Meter([p.pid for p in started])
             res = loadgen.run(scenario, load, port, system.client_env, workdir)
             usage = meter.finish()
@@ -142,13 +142,6 @@ def hop_sniffer(scenario: Scenario, system: System):
         return wire.HelloSniffer(HOP_PORT)
     except wire.WireError as e:
         return {"error": str(e)}
-
-
-def describe_hop(hop: dict) -> str:
-    if "error" in hop:
-        return f"not read: {hop['error']}"
-    suites = ", ".join(f"{k} x{v}" for k, v in hop["suites"].items()) or "none"
-    return f"{hop['handshakes']} TLS handshakes ({hop['resumed']} resumed), {suites}"
 
 
 def profile_run(scenario: Scenario, port: int, system: System, started: list, workdir: Path) -> dict:

@@ -81,6 +81,19 @@ def summarize(hellos: list[dict]) -> dict:
     return out
 
 
+def describe(summary: dict | None) -> str:
+    """"591 handshakes, 97% resumed, TLS_AES_128_GCM_SHA256" (or why they were not read)."""
+    if not summary:
+        return "not read"
+    if "error" in summary:
+        return f"not read: {summary['error']}"
+    if not summary["handshakes"]:
+        return "no handshake seen"
+    suites = summary["suites"]
+    names = ", ".join(k if len(suites) == 1 else f"{k} ×{v}" for k, v in suites.items())
+    return f"{summary['handshakes']} handshakes, {100 * summary['resumed'] / summary['handshakes']:.0f}% resumed, {names}"
+
+
 class HelloSniffer:
     """Collects the ServerHellos sent from `port` on the loopback interface until `stop()`."""
 

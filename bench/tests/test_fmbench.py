@@ -545,6 +545,15 @@ class WireTests(unittest.TestCase):
         self.assertIsNone(wire.parse_frame(frame(hello, 19100), 19200))
         self.assertIsNone(wire.parse_frame(b"\0" * 12 + b"\x86\xdd" + b"\0" * 60, 19200))  # IPv6
 
+    def test_describe(self):
+        hellos = [wire.parse_server_hello(server_hello(s, p)) for s, p in ((0x1301, False), (0x1302, True))]
+        self.assertEqual(
+            wire.describe(wire.summarize(hellos)),
+            "2 handshakes, 50% resumed, TLS_AES_128_GCM_SHA256 ×1, TLS_AES_256_GCM_SHA384 ×1",
+        )
+        self.assertEqual(wire.describe({"error": "needs root"}), "not read: needs root")
+        self.assertEqual(wire.describe(wire.summarize([])), "no handshake seen")
+
     def test_summary_counts(self):
         hellos = [wire.parse_server_hello(server_hello(0x1301, p)) for p in (False, True, True)]
         self.assertEqual(
