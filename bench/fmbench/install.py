@@ -25,6 +25,7 @@ APT_PACKAGES = {
     "sockperf": "sockperf",
     "iperf3": "iperf3",
     "libnginx-mod-stream": None,  # nginx as a TCP proxy; checked by module file below
+    "linux-perf": "perf",  # the TLS share of CPU in the mTLS scenarios (profile.py)
     # Real programs the shared-memory socket tests (crates/shm/tests/programs.rs) run.
     "redis-server": "redis-server",
     "redis-tools": "redis-benchmark",

@@ -208,14 +208,15 @@ def host_cpu_seconds() -> float:
 
 
 class Meter:
-    """CPU and peak memory of a system's process tree across one measurement, and the busy
-    time of the whole host: a system whose work the kernel does in other processes' context
-    (tier K) shows little CPU of its own, so the host figure is the fair comparison."""
+    """CPU and peak memory of a system's process trees (one per node) across one measurement,
+    and the busy time of the whole host: a system whose work the kernel does in other
+    processes' context (tier K) shows little CPU of its own, so the host figure is the fair
+    comparison."""
 
-    def __init__(self, root: int | None):
-        self.root = root
-        self.pids: list[int] = tree(root) if root else []
-        self.cpu0 = cpu_seconds(self.pids) if root else 0.0
+    def __init__(self, roots: list[int]):
+        self.roots = list(roots)
+        self.pids: list[int] = [pid for root in self.roots for pid in tree(root)]
+        self.cpu0 = cpu_seconds(self.pids)
         self.host0 = host_cpu_seconds()
 
     def host_cpu_s(self) -> float:
@@ -223,8 +224,8 @@ class Meter:
         return host_cpu_seconds() - self.host0
 
     def finish(self) -> Usage | None:
-        if not self.root:
+        if not self.roots:
             return None
-        # Re-walk the tree: a system may have forked helpers during the run.
-        pids = sorted(set(self.pids) | set(tree(self.root)))
+        # Re-walk the trees: a system may have forked helpers during the run.
+        pids = sorted(set(self.pids) | {pid for root in self.roots for pid in tree(root)})
         return Usage(cpu_seconds(pids) - self.cpu0, peak_rss_kb(pids))

@@ -7,7 +7,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from . import svg
+from . import profile, svg, wire
 from .scenarios import Scenario
 from .systems import REFERENCE
 
@@ -41,6 +41,8 @@ def summarize(records: list[dict]) -> list[dict]:
                 "idle_rss_kb": _median([r["idle_rss_kb"] for r in rs]),
                 "errors": sum(r["errors"] for r in rs),
                 "ops": sum(r["ops"] for r in rs),
+                "hop_tls": merge_hop([r.get("hop_tls") for r in rs]),
+                "profile": median_profile([r.get("profile") for r in rs]),
             }
         )
     ref = {(r["scenario"], r["x"]): r for r in rows if r["system"] == REFERENCE}
@@ -58,6 +60,37 @@ def summarize(records: list[dict]) -> list[dict]:
 
 def _ratio(a, b):
     return a / b if (a is not None and b) else None
+
+
+def merge_hop(hops: list[dict | None]) -> dict | None:
+    """The handshakes between two nodes over every repeat (wire.summarize's shape), or the
+    reason they were not read."""
+    seen = [h for h in hops if h and "error" not in h]
+    if not seen:
+        return next((h for h in hops if h), None)
+    out: dict = {"handshakes": 0, "resumed": 0, "suites": {}, "versions": {}}
+    for h in seen:
+        out["handshakes"] += h["handshakes"]
+        out["resumed"] += h["resumed"]
+        for key in ("suites", "versions"):
+            for k, v in h[key].items():
+                out[key][k] = out[key].get(k, 0) + v
+    return out
+
+
+SHARES = ("tls", "kernel", "relay", "unresolved")
+
+
+def median_profile(profiles: list[dict | None]) -> dict | None:
+    """Median of each CPU share over the repeats (profile.shares), or why there is none."""
+    seen = [p for p in profiles if p and "error" not in p]
+    if not seen:
+        return next((p for p in profiles if p), None)
+    out = {k: _median([p.get(k, 0.0) for p in seen]) for k in SHARES}
+    out["top_tls"] = seen[0].get("top_tls", [])
+    return out
+
+
 
 
 # ---------------------------------------------------------------- formatting
@@ -90,7 +123,7 @@ def f_cpu(v) -> str:
 
 
 def rate_header(s: Scenario) -> str:
-    return {"byte": "throughput", "round trip": "round trips/s", "stream": "streams/s"}.get(s.unit, "req/s")
+    return {"byte": "throughput", "round trip": "round trips/s", "stream": "streams/s", "connection": "connections/s"}.get(s.unit, "req/s")
 
 
 def cpu_header(s: Scenario) -> str:
@@ -249,6 +282,76 @@ def targets(rows: list[dict]) -> list[dict]:
             add(name, ok, f"{f_lat(a)} vs {f_lat(b)} = {100 * (1 - a / b):.0f}% lower{note}")
         elif scenario == "grpc_latency":
             add(name, None, "flatmesh+kernel or nginx not measured")
+    out += mtls_targets(rows)
+    return out
+
+
+MTLS_SUITE = "TLS_AES_128_GCM_SHA256"
+MTLS_LIKE_FOR_LIKE = ("mtls_bulk", "mtls_http1", "mtls_new_conn")  # mtls_hbone_bulk is flatmesh only
+
+
+def mtls_targets(rows: list[dict]) -> list[dict]:
+    """Issue 16's "Speed" targets: two nodes over mTLS, flatmesh's pair against Envoy's."""
+    out = []
+
+    def add(name, ok, measured):
+        status = "n/a" if ok is None else ("info" if ok == "info" else ("pass" if ok else "FAIL"))
+        out.append({"target": name, "status": status, "measured": measured})
+
+    def pair(scn):
+        fm = next((r for r in rows if r["scenario"] == scn and r["system"] == "flatmesh" and r["x"] is None), None)
+        env = next((r for r in rows if r["scenario"] == scn and r["system"] == "envoy" and r["x"] is None), None)
+        return fm, env
+
+    # The same cipher on both pairs, as read off the wire.
+    name = f"mTLS: both pairs negotiate TLS 1.3 {MTLS_SUITE}"
+    suites = {}
+    for scn in MTLS_LIKE_FOR_LIKE:
+        for r in pair(scn):
+            h = r and r.get("hop_tls")
+            if h and "error" not in h:
+                for k, v in h["suites"].items():
+                    suites.setdefault(r["system"], {}).setdefault(k, 0)
+                    suites[r["system"]][k] += v
+    if "flatmesh" in suites and "envoy" in suites:
+        ok = all(set(suites[s]) == {MTLS_SUITE} for s in ("flatmesh", "envoy"))
+        add(name, ok, "; ".join(f"{s}: " + ", ".join(f"{k} ×{v}" for k, v in suites[s].items()) for s in ("flatmesh", "envoy")))
+    else:
+        add(name, None, "the handshakes between the nodes were not read for both systems")
+
+    def ratio_target(name, scn, key, want, fmt):
+        fm, env = pair(scn)
+        a = fm and (fm["lat_us"]["p99"] if key == "p99" else fm[key])
+        b = env and (env["lat_us"]["p99"] if key == "p99" else env[key])
+        if not a or not b:
+            add(name, None, f"flatmesh or Envoy not measured on {scn}")
+            return
+        x = a / b
+        ok = x >= want if key == "rate" else x <= want
+        add(name, ok, f"{fmt(a)} vs {fmt(b)} = {x:.2f}×")
+
+    gbit = lambda v: f"{v / 1e9:.2f} Gbit/s"  # noqa: E731
+    ratio_target("mTLS bulk throughput ≥ 1.5× Envoy's pair (iperf3)", "mtls_bulk", "rate", 1.5, gbit)
+    ratio_target("mTLS CPU per GB ≤ 0.7× Envoy's (both nodes)", "mtls_bulk", "cpu_per_unit", 0.7, lambda v: f"{v:.3f} s/GB")
+    ratio_target("mTLS HTTP/1.1 keep-alive req/s ≥ 2× Envoy's", "mtls_http1", "rate", 2.0, lambda v: f"{v:,.0f} req/s")
+    ratio_target("mTLS HTTP/1.1 keep-alive p99 ≤ ½ Envoy's", "mtls_http1", "p99", 0.5, f_lat)
+    n = len(out)
+    ratio_target("mTLS new connections/s ≥ Envoy's", "mtls_new_conn", "rate", 1.0, lambda v: f"{v:,.0f}/s")
+    fm, env = pair("mtls_new_conn")
+    if fm and env and len(out) > n and out[-1]["status"] != "n/a":
+        # Neither side can be kept from resuming sessions (BENCHMARKS.md): say how often each did.
+        out[-1]["measured"] += f" (between the nodes: flatmesh {wire.describe(fm.get('hop_tls'))}; Envoy {wire.describe(env.get('hop_tls'))})"
+
+    fm, env = pair("mtls_bulk")
+    name = "mTLS bulk: TLS share of the pair's CPU (perf), beside the relay's"
+    if fm and fm.get("profile"):
+        ok = None if "error" in fm["profile"] else "info"
+        text = f"flatmesh: {profile.describe(fm['profile'])}"
+        if env and env.get("profile"):
+            text += f"; Envoy: {profile.describe(env['profile'])}"
+        add(name, ok, text)
+    else:
+        add(name, None, "flatmesh not measured on mtls_bulk")
     return out
 
 
@@ -316,7 +419,7 @@ def markdown(meta: dict, scenarios: list[Scenario], rows: list[dict], systems: l
         f"- idle CPUs: {meta.get('idle', 'halt when idle (kernel default)')}",
         "- versions: " + "; ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         "",
-        "## issue-2 targets",
+        "## targets",
         "",
         "| target | measured | status |",
         "|---|---|---|",
@@ -327,6 +430,7 @@ def markdown(meta: dict, scenarios: list[Scenario], rows: list[dict], systems: l
         table = scenario_table(s, rows, systems)
         if table:
             out += ["", f"## {s.name}: {s.title}", ""] + table
+    out += mtls_section(scenarios, rows, systems)
     if plot_files:
         out += ["", "## plots", ""] + [f"![{p}]({p})" for p in plot_files]
     if outcome.failures:
@@ -334,6 +438,35 @@ def markdown(meta: dict, scenarios: list[Scenario], rows: list[dict], systems: l
     if outcome.skipped:
         out += ["", "## skipped", ""] + [f"- {s['system']} / {s['scenario']}: {s['why']}" for s in outcome.skipped]
     return "\n".join(out) + "\n"
+
+
+MTLS_NOTES = [
+    "Two nodes of each system in a row, both on CPU 1; the certificates are flatmesh's (`flatmesh ca init` "
+    "and `ca issue`, ECDSA P-256), the same files for both systems. CPU is the sum of both nodes.",
+    "Handshakes are read off the wire (the server node's TLS 1.3 ServerHellos on loopback) from start-up "
+    "through the checks and the warm-up, not during the timed run.",
+    "Session resumption is on for both: flatmesh has no setting to turn it off (rustls's defaults), so Envoy "
+    "keeps it on too, with `max_session_keys: 256` (rustls's client cache size).",
+    "Envoy's TLS 1.3 suite cannot be configured (BoringSSL); `tls_params` pins TLS 1.3. flatmesh has no "
+    "cipher setting: rustls offers TLS_AES_256_GCM_SHA384 first, so its pair negotiates that.",
+    "ztunnel and Linkerd's proxy are not in this comparison: neither is on crates.io, PyPI or Debian, and "
+    "prebuilt binaries cannot be downloaded here.",
+]
+
+
+def mtls_section(scenarios: list[Scenario], rows: list[dict], systems: list[str]) -> list[str]:
+    """The handshakes between the nodes and the CPU profile, per mTLS scenario and system."""
+    names = [s.name for s in scenarios if s.topology.mtls]
+    found = [r for n in names for name in systems for r in rows if r["scenario"] == n and r["system"] == name and r["x"] is None]
+    found = [r for r in found if r["system"] != "direct"]
+    if not found:
+        return []
+    out = ["", "## mTLS between the nodes (issue 16)", ""] + [f"- {n}" for n in MTLS_NOTES]
+    out += ["", "| scenario | system | handshakes between the nodes | CPU of both nodes (perf) |", "|---|---|---|---|"]
+    for r in found:
+        prof = profile.describe(r.get("profile")) if r.get("profile") else "–"
+        out.append(f"| {r['scenario']} | {r['system']} | {wire.describe(r.get('hop_tls'))} | {prof} |")
+    return out
 
 
 def terminal(scenarios: list[Scenario], rows: list[dict], systems: list[str]) -> str:

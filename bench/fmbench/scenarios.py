@@ -12,12 +12,14 @@ Port plan (all on 127.0.0.1):
   18110     iperf3 server
   19080     system under test: HTTP listener
   19100     system under test: TCP listener
-  19000/1   admin ports of flatmesh / Envoy
+  19200     the mTLS scenarios' server node (the client node listens on 19080/19100)
+  19000/1   admin ports of flatmesh / Envoy (the client node's in the mTLS scenarios)
+  19002/3   admin ports of the server node of flatmesh / Envoy in the mTLS scenarios
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 HOST = "127.0.0.1"
 N_SERVICES = 10
@@ -28,6 +30,8 @@ SOCKPERF_PORT = 18100
 IPERF_PORT = 18110
 SUT_HTTP_PORT = 19080
 SUT_TCP_PORT = 19100
+HOP_PORT = 19200  # the server node of a two-node (mTLS) pair
+HOP_CLUSTER = "server-node"  # the client node's cluster of the server node
 NO_ROUTE_PATH = "/no-such-route/x"
 
 
@@ -48,18 +52,27 @@ class Cluster:
     name: str
     port: int
     protocol: str = "http1"  # upstream protocol: "http1" | "http2" | "tcp"
+    # Originate mutual TLS to the endpoint (the client node's certificate, the server node's
+    # SPIFFE ID checked); the systems take the certificates from certs.py.
+    tls: bool = False
+    # HBONE: carry each connection as an HTTP/2 CONNECT to this port of the endpoint's node,
+    # `:authority` the endpoint (flatmesh's `tunnel: hbone`, `tunnel_port`).
+    tunnel_port: int | None = None
 
 
 @dataclass(frozen=True)
 class Listener:
     name: str
     port: int
-    protocol: str  # "http" | "tcp"
+    protocol: str  # "http" | "tcp" | "hbone"
     routes: tuple[Route, ...] = ()
     cluster: str | None = None  # tcp listeners only
     # Downstream speaks HTTP/2 (h2c prior knowledge). flatmesh and Envoy detect it
     # on their own; nginx 1.22 needs an h2-only port, so its generator reads this.
     h2: bool = False
+    # Terminate mutual TLS: a client certificate is required and its SPIFFE ID must be the
+    # client node's.
+    tls: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,10 @@ class Topology:
     # triggered (systems.py writes each system's equivalent); only systems with all of them
     # take part.
     policies: bool = False
+    # Two proxies in a row over mutual TLS (issue 16): "tls" (the client node's cluster
+    # originates mTLS to the server node's listener) or "hbone" (an HBONE tunnel). The
+    # listeners and clusters above are then the logical path; `mtls_pair` splits it in two.
+    mtls: str | None = None
 
     def cluster(self, name: str) -> Cluster:
         for c in self.clusters:
@@ -117,6 +134,9 @@ class Scenario:
     unit: str = "req"  # what one "request" is: req, round trip, stream; "byte" for iperf3
     sweep: str | None = None  # axis name for sweep scenarios
     quick: bool = False  # part of --quick
+    # After the timed points, one more run of the first point under `perf record` on the
+    # system's processes, for the share of CPU in TLS (profile.py); not part of the timings.
+    profile: bool = False
 
     def listener_port(self) -> int:
         for lst in self.topology.listeners:
@@ -161,6 +181,35 @@ def grpc_topology() -> Topology:
 
 def tcp_topology(name: str, port: int) -> Topology:
     return Topology((Listener(name, SUT_TCP_PORT, "tcp", cluster=name),), (Cluster(name, port, "tcp"),))
+
+
+def mtls_pair(topo: Topology) -> tuple[Topology, Topology]:
+    """The two nodes of an mTLS topology: (client node, server node).
+
+    "tls": the client node keeps the listener's port and protocol and sends everything to the
+    server node over mutual TLS; the server node serves the topology's own listener (its
+    routes or its cluster) on HOP_PORT, requiring the client node's certificate.
+    "hbone": the client node's tcp listener carries each connection through an HBONE tunnel
+    to the server node's hbone listener, which delivers it to the backend the tunnel names.
+    """
+    if topo.mtls not in ("tls", "hbone") or len(topo.listeners) != 1:
+        raise ValueError(f"mtls_pair needs one listener and mtls 'tls' or 'hbone', not {topo.mtls!r}")
+    lst = topo.listeners[0]
+    if topo.mtls == "hbone":
+        backend = topo.cluster(lst.cluster)
+        client = Topology(
+            (Listener(lst.name, lst.port, "tcp", cluster=HOP_CLUSTER),),
+            (Cluster(HOP_CLUSTER, backend.port, "tcp", tls=True, tunnel_port=HOP_PORT),),
+        )
+        return client, Topology((Listener(f"{lst.name}-in", HOP_PORT, "hbone", tls=True),), ())
+    if lst.protocol == "tcp":
+        front = Listener(lst.name, lst.port, "tcp", cluster=HOP_CLUSTER)
+        hop = Cluster(HOP_CLUSTER, HOP_PORT, "tcp", tls=True)
+    else:
+        front = Listener(lst.name, lst.port, "http", (Route("prefix", "/", HOP_CLUSTER),), h2=lst.h2)
+        hop = Cluster(HOP_CLUSTER, HOP_PORT, "http1", tls=True)
+    server = Topology((replace(lst, port=HOP_PORT, tls=True),), topo.clusters, topo.policies)
+    return Topology((front,), (hop,)), server
 
 
 # ---------------------------------------------------------------- scenarios
@@ -334,6 +383,59 @@ def all_scenarios(scale: float = 1.0) -> list[Scenario]:
             name="tcp_throughput",
             title="TCP bulk throughput, one stream (iperf3)",
             topology=tcp_topology("iperf3", IPERF_PORT),
+            listener="iperf3",
+            path="",
+            direct_port=IPERF_PORT,
+            points=(Load("iperf3", d(6), {}),),
+            checks=(Check("tcp"),),
+            backends=frozenset({"iperf3"}),
+            unit="byte",
+        ),
+        # Issue 16, "Speed": two proxies in a row (client node -> server node) over mutual TLS,
+        # TLS 1.3 with the certificates of certs.py; both nodes on CPU 1.
+        Scenario(
+            name="mtls_bulk",
+            title="mTLS between two nodes: bulk throughput, one stream (iperf3 -> client node -> mTLS -> server node -> iperf3)",
+            topology=replace(tcp_topology("iperf3", IPERF_PORT), mtls="tls"),
+            listener="iperf3",
+            path="",
+            direct_port=IPERF_PORT,
+            points=(Load("iperf3", d(6), {}),),
+            checks=(Check("tcp"),),
+            backends=frozenset({"iperf3"}),
+            unit="byte",
+            profile=True,
+        ),
+        Scenario(
+            name="mtls_http1",
+            title="mTLS between two nodes: HTTP/1.1 keep-alive, 10 routes on the server node (wrk, 32 connections)",
+            topology=replace(ten_routes(), mtls="tls"),
+            listener="web",
+            path=TEN_PATH,
+            direct_port=HTTP_BACKEND_BASE + TARGET,
+            points=(Load("wrk", d(10), {"connections": WRK_CONNS}),),
+            checks=TEN_CHECKS,
+            backends=frozenset({"http"}),
+        ),
+        Scenario(
+            # tcp listeners: each client connection (wrk, Connection: close) is relayed over
+            # its own new connection between the nodes, so every request is one new mTLS
+            # handshake (an http listener would pool its connections to the server node).
+            name="mtls_new_conn",
+            title="mTLS between two nodes: a new mTLS connection per request (wrk, Connection: close, 16 connections, tcp relays)",
+            topology=replace(tcp_topology("web", HTTP_BACKEND_BASE + TARGET), mtls="tls"),
+            listener="web",
+            path=TEN_PATH,
+            direct_port=HTTP_BACKEND_BASE + TARGET,
+            points=(Load("wrk", d(6), {"connections": 16, "close": True}),),
+            checks=(Check("http", TEN_PATH, 200, svc_body(TARGET)),),
+            backends=frozenset({"http"}),
+            unit="connection",
+        ),
+        Scenario(
+            name="mtls_hbone_bulk",
+            title="HBONE between two nodes: bulk throughput, one stream, HTTP/2 CONNECT inside mTLS (iperf3; flatmesh only)",
+            topology=replace(tcp_topology("iperf3", IPERF_PORT), mtls="hbone"),
             listener="iperf3",
             path="",
             direct_port=IPERF_PORT,

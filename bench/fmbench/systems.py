@@ -15,10 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import paths
-from .scenarios import HOST, Listener, Scenario, Topology
+from .certs import CLIENT_ID, SERVER_ID, Certs
+from .scenarios import HOP_PORT, HOST, Listener, Scenario, Topology, mtls_pair
 
 FLATMESH_ADMIN = 19000
 ENVOY_ADMIN = 19001
+# The server node's admin ports in the mTLS scenarios (the client node keeps the ones above).
+FLATMESH_SERVER_ADMIN = 19002
+ENVOY_SERVER_ADMIN = 19003
 NGINX_STREAM_MODULE = "/usr/lib/nginx/modules/ngx_stream_module.so"
 
 
@@ -28,11 +32,15 @@ class SystemError_(RuntimeError):
 
 @dataclass
 class Launch:
-    """How to start a system: argv (without taskset), an optional readiness URL, env additions."""
+    """How to start one process of a system: argv (without taskset), an optional readiness
+    URL, env additions; `name` (its log file) and `ports` (where it listens) are filled in by
+    `System.launches` when left empty."""
 
     argv: list[str]
     ready_url: str | None = None
     env: dict = field(default_factory=dict)
+    name: str = ""
+    ports: list[int] = field(default_factory=list)
 
 
 class System:
@@ -40,6 +48,8 @@ class System:
     is_proxy: bool = True  # "direct" is the only non-proxy
     # Environment for the load generator (e.g. LD_PRELOAD of a shared-memory shim).
     client_env: dict = {}
+    # The mTLS scenarios' certificates; the runner issues them once per run (certs.py).
+    certs: Certs | None = None
 
     def supports(self, scenario: Scenario) -> tuple[bool, str]:
         return True, ""
@@ -52,6 +62,20 @@ class System:
 
     def launch(self, scenario: Scenario, workdir: Path) -> Launch | None:
         raise NotImplementedError
+
+    def launches(self, scenario: Scenario, workdir: Path) -> list[Launch]:
+        """Every process of the system, in start order (two nodes in the mTLS scenarios)."""
+        launch = self.launch(scenario, workdir)
+        if launch is None:
+            return []
+        launch.name = launch.name or self.name
+        launch.ports = launch.ports or [lst.port for lst in scenario.topology.listeners]
+        return [launch]
+
+    def pair_certs(self) -> Certs:
+        if self.certs is None:
+            raise SystemError_(f"{self.name}: the mTLS scenarios need certificates; the runner issues them (certs.issue)")
+        return self.certs
 
     def after_ready(self, workdir: Path) -> None:
         """Checks run once the system is ready, before its correctness checks (raise
@@ -236,11 +260,41 @@ def envoy_cluster_policies() -> dict:
     }
 
 
-def flatmesh_config(topo: Topology, extra: dict | None = None) -> dict:
+def flatmesh_listener_tls(certs: Certs) -> dict:
+    """The server node's listener: its SVID; the client node's certificate required."""
+    return {
+        "cert": str(certs.cert("server")),
+        "key": str(certs.key("server")),
+        "client_ca": str(certs.ca),
+        "allow": [CLIENT_ID],
+    }
+
+
+def flatmesh_cluster_tls(certs: Certs) -> dict:
+    """The client node's cluster of the server node: the server node's ID checked, the
+    client node's SVID presented."""
+    return {
+        "ca": str(certs.ca),
+        "cert": str(certs.cert("client")),
+        "key": str(certs.key("client")),
+        "server_ids": [SERVER_ID],
+    }
+
+
+def flatmesh_config(
+    topo: Topology, extra: dict | None = None, admin: int = FLATMESH_ADMIN, certs: Certs | None = None
+) -> dict:
+    needs_tls = any(lst.tls for lst in topo.listeners) or any(c.tls for c in topo.clusters)
+    if needs_tls and certs is None:
+        raise SystemError_("this topology speaks mTLS: flatmesh_config needs the certificates")
     listeners = []
     for lst in topo.listeners:
         entry: dict = {"name": lst.name, "address": f"{HOST}:{lst.port}", "protocol": lst.protocol}
-        if lst.protocol == "tcp":
+        if lst.tls:
+            entry["tls"] = flatmesh_listener_tls(certs)
+        if lst.protocol == "hbone":
+            pass  # tunnels name their destination; the default allows loopback only
+        elif lst.protocol == "tcp":
             entry["cluster"] = lst.cluster
         else:
             entry["routes"] = [{"match": {"path": {r.kind: r.value}}, "cluster": r.cluster} for r in lst.routes]
@@ -253,11 +307,16 @@ def flatmesh_config(topo: Topology, extra: dict | None = None) -> dict:
         entry = {"name": c.name, "endpoints": [f"{HOST}:{c.port}"]}
         if c.protocol == "http2":
             entry["protocol"] = "http2"
+        if c.tunnel_port is not None:
+            entry["tunnel"] = "hbone"
+            entry["tunnel_port"] = c.tunnel_port
+        if c.tls:
+            entry["tls"] = flatmesh_cluster_tls(certs)
         if topo.policies:
             entry["endpoints"] = [{"address": f"{HOST}:{c.port}", "weight": 1}]
             entry.update(flatmesh_cluster_policies())
         clusters.append(entry)
-    cfg: dict = {"admin": f"{HOST}:{FLATMESH_ADMIN}", "workers": 1}
+    cfg: dict = {"admin": f"{HOST}:{admin}", "workers": 1}
     cfg.update(extra or {})
     kernel = cfg.get("kernel")
     if kernel and kernel.get("l7_dispatch") and not any(lst.protocol == "http" for lst in topo.listeners):
@@ -300,12 +359,34 @@ class Flatmesh(System):
             )
         return True, str(self.binary)
 
+    def supports(self, scenario: Scenario) -> tuple[bool, str]:
+        if scenario.topology.mtls and self.name != "flatmesh":
+            return False, "the mTLS scenarios compare the plain user-space nodes (tier K never decides a TLS listener)"
+        return True, ""
+
+    def _write(self, scenario: Scenario, workdir: Path, suffix: str, cfg: dict) -> Path:
+        path = workdir / f"{self.name.replace('+', '-')}{suffix}.yaml"
+        path.write_text(f"# generated by bench/run for scenario {scenario.name}\n" + to_yaml(cfg) + "\n")
+        return path
+
+    def _node(self, path: Path, admin: int, name: str, ports: list[int]) -> Launch:
+        return Launch([str(self.binary), "node", "--config", str(path)], f"http://{HOST}:{admin}/ready", name=name, ports=ports)
+
     def launch(self, scenario: Scenario, workdir: Path) -> Launch:
-        cfg = workdir / f"{self.name.replace('+', '-')}.yaml"
-        cfg.write_text(
-            f"# generated by bench/run for scenario {scenario.name}\n" + to_yaml(flatmesh_config(scenario.topology, self.extra)) + "\n"
-        )
+        cfg = self._write(scenario, workdir, "", flatmesh_config(scenario.topology, self.extra))
         return Launch([str(self.binary), "node", "--config", str(cfg)], f"http://{HOST}:{FLATMESH_ADMIN}/ready")
+
+    def launches(self, scenario: Scenario, workdir: Path) -> list[Launch]:
+        if not scenario.topology.mtls:
+            return super().launches(scenario, workdir)
+        certs = self.pair_certs()
+        client, server = mtls_pair(scenario.topology)
+        s = self._write(scenario, workdir, "-server-node", flatmesh_config(server, None, FLATMESH_SERVER_ADMIN, certs))
+        c = self._write(scenario, workdir, "-client-node", flatmesh_config(client, None, FLATMESH_ADMIN, certs))
+        return [
+            self._node(s, FLATMESH_SERVER_ADMIN, f"{self.name}-server-node", [HOP_PORT]),
+            self._node(c, FLATMESH_ADMIN, f"{self.name}-client-node", [lst.port for lst in client.listeners]),
+        ]
 
 
 # ---------------------------------------------------------------- Envoy
@@ -324,7 +405,65 @@ def _envoy_route(r, policies: bool = False) -> dict:
     return {"match": m, "route": action}
 
 
-def _envoy_listener(lst: Listener, policies: bool = False) -> dict:
+# The mTLS scenarios' TLS for Envoy: TLS 1.3 only. BoringSSL has no setting for the TLS 1.3
+# suites (`cipher_suites` applies to TLS 1.2 and below, so it names the AES-128-GCM ones only
+# to keep the intent plain); with AES instructions it picks TLS_AES_128_GCM_SHA256. The run
+# reads the suite and the resumptions of every handshake between the nodes off the wire
+# (wire.py), for both systems.
+#
+# Session resumption: flatmesh has no setting to turn it off (rustls's defaults: the client
+# node keeps up to 256 sessions, the server node sends two TLS 1.3 tickets per connection), so
+# Envoy keeps it on too, with as many sessions kept as rustls keeps (its default of 1 would
+# make most of its new connections full handshakes where flatmesh's are resumed).
+ENVOY_MAX_SESSION_KEYS = 256
+ENVOY_TLS_PARAMS = {
+    "tls_minimum_protocol_version": "TLSv1_3",
+    "tls_maximum_protocol_version": "TLSv1_3",
+    "cipher_suites": ["ECDHE-ECDSA-AES128-GCM-SHA256", "ECDHE-RSA-AES128-GCM-SHA256"],
+}
+
+
+def _envoy_common_tls(certs: Certs, node: str, peer_id: str, alpn: list[str]) -> dict:
+    ctx = {
+        "tls_params": dict(ENVOY_TLS_PARAMS),
+        "tls_certificates": [
+            {"certificate_chain": {"filename": str(certs.cert(node))}, "private_key": {"filename": str(certs.key(node))}}
+        ],
+        "validation_context": {
+            "trusted_ca": {"filename": str(certs.ca)},
+            "match_typed_subject_alt_names": [{"san_type": "URI", "matcher": {"exact": peer_id}}],
+        },
+    }
+    if alpn:
+        ctx["alpn_protocols"] = alpn
+    return ctx
+
+
+def envoy_downstream_tls(certs: Certs, http: bool) -> dict:
+    """The server node's listener: its SVID; the client node's certificate required, by SPIFFE ID."""
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+            "require_client_certificate": True,
+            "common_tls_context": _envoy_common_tls(certs, "server", CLIENT_ID, ["h2", "http/1.1"] if http else []),
+        },
+    }
+
+
+def envoy_upstream_tls(certs: Certs, http: bool) -> dict:
+    """The client node's cluster of the server node: the server node's SPIFFE ID checked."""
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "common_tls_context": _envoy_common_tls(certs, "client", SERVER_ID, ["http/1.1"] if http else []),
+            "max_session_keys": ENVOY_MAX_SESSION_KEYS,
+        },
+    }
+
+
+def _envoy_listener(lst: Listener, policies: bool = False, certs: Certs | None = None) -> dict:
     addr = {"socket_address": {"address": HOST, "port_value": lst.port}}
     if lst.protocol == "tcp":
         flt = {
@@ -356,10 +495,18 @@ def _envoy_listener(lst: Listener, policies: bool = False) -> dict:
                 ],
             },
         }
-    return {"name": lst.name, "address": addr, "filter_chains": [{"filters": [flt]}]}
+    chain: dict = {"filters": [flt]}
+    if lst.tls:
+        chain["transport_socket"] = envoy_downstream_tls(certs, http=lst.protocol == "http")
+    return {"name": lst.name, "address": addr, "filter_chains": [chain]}
 
 
-def envoy_config(topo: Topology) -> dict:
+def envoy_config(topo: Topology, admin: int = ENVOY_ADMIN, certs: Certs | None = None) -> dict:
+    if topo.mtls == "hbone" or any(lst.protocol == "hbone" for lst in topo.listeners):
+        raise SystemError_(NO_ENVOY_HBONE)
+    needs_tls = any(lst.tls for lst in topo.listeners) or any(c.tls for c in topo.clusters)
+    if needs_tls and certs is None:
+        raise SystemError_("this topology speaks mTLS: envoy_config needs the certificates")
     clusters = []
     for c in topo.clusters:
         entry = {
@@ -376,6 +523,8 @@ def envoy_config(topo: Topology) -> dict:
         if topo.policies:
             entry["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["load_balancing_weight"] = 1
             entry.update(envoy_cluster_policies())
+        if c.tls:
+            entry["transport_socket"] = envoy_upstream_tls(certs, http=c.protocol != "tcp")
         if c.protocol == "http2":
             entry["typed_extension_protocol_options"] = {
                 "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -385,32 +534,60 @@ def envoy_config(topo: Topology) -> dict:
             }
         clusters.append(entry)
     return {
-        "admin": {"address": {"socket_address": {"address": HOST, "port_value": ENVOY_ADMIN}}},
+        "admin": {"address": {"socket_address": {"address": HOST, "port_value": admin}}},
         "static_resources": {
-            "listeners": [_envoy_listener(lst, topo.policies) for lst in topo.listeners],
+            "listeners": [_envoy_listener(lst, topo.policies, certs) for lst in topo.listeners],
             "clusters": clusters,
         },
     }
 
 
+NO_ENVOY_HBONE = (
+    "not configured for Envoy: its HBONE client is tcp_proxy tunneling_config (crates/xds/tests/envoy_hbone.rs), "
+    "but the server side (CONNECT termination into an internal listener) is not set up here, so this is flatmesh "
+    "only and not like for like"
+)
+
+
 class Envoy(System):
     name = "envoy"
+
+    def supports(self, scenario: Scenario) -> tuple[bool, str]:
+        return (False, NO_ENVOY_HBONE) if scenario.topology.mtls == "hbone" else (True, "")
 
     def available(self) -> tuple[bool, str]:
         b = paths.envoy_bin()
         return (b.exists(), str(b) if b.exists() else "envoy not installed; run bench/run without --no-install")
 
-    def launch(self, scenario: Scenario, workdir: Path) -> Launch:
-        cfg = workdir / "envoy.json"
-        cfg.write_text(json.dumps(envoy_config(scenario.topology), indent=1))
+    def _launch(self, cfg: dict, path: Path, admin: int) -> Launch:
+        path.write_text(json.dumps(cfg, indent=1))
         argv = [
             str(paths.envoy_bin()),
-            "-c", str(cfg),
+            "-c", str(path),
             "--concurrency", "1",
             "--disable-hot-restart",
             "--log-level", "warning",
         ]
-        return Launch(argv, f"http://{HOST}:{ENVOY_ADMIN}/ready")
+        return Launch(argv, f"http://{HOST}:{admin}/ready")
+
+    def launch(self, scenario: Scenario, workdir: Path) -> Launch:
+        return self._launch(envoy_config(scenario.topology), workdir / "envoy.json", ENVOY_ADMIN)
+
+    def launches(self, scenario: Scenario, workdir: Path) -> list[Launch]:
+        if not scenario.topology.mtls:
+            return super().launches(scenario, workdir)
+        certs = self.pair_certs()
+        client, server = mtls_pair(scenario.topology)
+        s = self._launch(envoy_config(server, ENVOY_SERVER_ADMIN, certs), workdir / "envoy-server-node.json", ENVOY_SERVER_ADMIN)
+        s.name, s.ports = "envoy-server-node", [HOP_PORT]
+        c = self._launch(envoy_config(client, ENVOY_ADMIN, certs), workdir / "envoy-client-node.json", ENVOY_ADMIN)
+        c.name, c.ports = "envoy-client-node", [lst.port for lst in client.listeners]
+        return [s, c]
+
+    def stats_urls(self, scenario: Scenario) -> list[str]:
+        """The admin stats of every node, for the TLS counters of the mTLS scenarios."""
+        admins = [ENVOY_SERVER_ADMIN, ENVOY_ADMIN] if scenario.topology.mtls else [ENVOY_ADMIN]
+        return [f"http://{HOST}:{a}/stats?filter=ssl" for a in admins]
 
 
 # ---------------------------------------------------------------- HAProxy
@@ -456,12 +633,15 @@ def haproxy_config(topo: Topology) -> str:
 
 
 NO_POLICIES = "no like-for-like config for every resilience policy (rate limit, fault injection, mirroring, retry budget)"
+NO_MTLS = "the mTLS pair scenarios (issue 16) compare flatmesh with Envoy only"
 
 
 class Haproxy(System):
     name = "haproxy"
 
     def supports(self, scenario: Scenario) -> tuple[bool, str]:
+        if scenario.topology.mtls:
+            return False, NO_MTLS
         return (False, NO_POLICIES) if scenario.topology.policies else (True, "")
 
     def available(self) -> tuple[bool, str]:
@@ -549,6 +729,8 @@ class Nginx(System):
         return (b is not None, b or "nginx not installed (apt-get install nginx)")
 
     def supports(self, scenario: Scenario) -> tuple[bool, str]:
+        if scenario.topology.mtls:
+            return False, NO_MTLS
         if scenario.topology.policies:
             return False, NO_POLICIES
         tcp = any(lst.protocol == "tcp" for lst in scenario.topology.listeners)

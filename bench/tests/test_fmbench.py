@@ -5,7 +5,9 @@ They need no tools installed; tool outputs are captured fixtures from real runs.
 """
 
 import json
+import struct
 import sys
+import tempfile
 import unittest
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from fmbench import loadgen, report, scenarios, svg, systems
+from fmbench import certs, loadgen, profile, report, scenarios, svg, systems, wire
 
 FX = HERE / "fixtures"
 
@@ -374,6 +376,292 @@ class SvgTests(unittest.TestCase):
     def test_nice_ticks(self):
         self.assertEqual(svg.nice_ticks(0, 100), [0, 20, 40, 60, 80, 100])
         self.assertEqual(svg.log_ticks(0.1, 10), [0.1, 0.2, 0.5, 1, 2, 5, 10])
+
+
+# ---------------------------------------------------------------- issue 16: two nodes over mTLS
+
+
+def fake_certs() -> certs.Certs:
+    return certs.Certs(Path("/certs"))
+
+
+class MtlsConfigTests(unittest.TestCase):
+    def test_pair_splits_a_tcp_relay_at_the_hop_port(self):
+        client, server = scenarios.mtls_pair(scenario("mtls_bulk").topology)
+        self.assertEqual(client.listeners[0].port, scenarios.SUT_TCP_PORT)
+        self.assertEqual(client.listeners[0].cluster, scenarios.HOP_CLUSTER)
+        self.assertEqual(client.clusters, (scenarios.Cluster(scenarios.HOP_CLUSTER, scenarios.HOP_PORT, "tcp", tls=True),))
+        self.assertEqual((server.listeners[0].port, server.listeners[0].tls), (scenarios.HOP_PORT, True))
+        self.assertEqual(server.clusters, (scenarios.Cluster("iperf3", scenarios.IPERF_PORT, "tcp"),))
+
+    def test_pair_keeps_the_routes_on_the_server_node(self):
+        client, server = scenarios.mtls_pair(scenario("mtls_http1").topology)
+        self.assertEqual(client.listeners[0].routes, (scenarios.Route("prefix", "/", scenarios.HOP_CLUSTER),))
+        self.assertEqual(client.clusters[0].protocol, "http1")
+        self.assertEqual(server.listeners[0].routes, scenarios.ten_routes().listeners[0].routes)
+        self.assertEqual(len(server.clusters), scenarios.N_SERVICES)
+
+    def test_hbone_pair_tunnels_to_the_backend_through_the_hop_port(self):
+        client, server = scenarios.mtls_pair(scenario("mtls_hbone_bulk").topology)
+        self.assertEqual(client.clusters[0].port, scenarios.IPERF_PORT)
+        self.assertEqual(client.clusters[0].tunnel_port, scenarios.HOP_PORT)
+        self.assertEqual(server.listeners[0].protocol, "hbone")
+        self.assertEqual(server.clusters, ())
+
+    def test_pair_refuses_a_plain_topology(self):
+        with self.assertRaises(ValueError):
+            scenarios.mtls_pair(scenarios.ten_routes())
+
+    def test_new_conn_relays_over_tcp_so_every_connection_is_a_handshake(self):
+        client, _ = scenarios.mtls_pair(scenario("mtls_new_conn").topology)
+        self.assertEqual(client.listeners[0].protocol, "tcp")
+        self.assertTrue(scenario("mtls_new_conn").points[0].params["close"])
+
+    def test_flatmesh_nodes_present_and_require_the_spiffe_ids(self):
+        c = fake_certs()
+        client, server = scenarios.mtls_pair(scenario("mtls_http1").topology)
+        srv = systems.flatmesh_config(server, None, systems.FLATMESH_SERVER_ADMIN, c)
+        cli = systems.flatmesh_config(client, None, systems.FLATMESH_ADMIN, c)
+        self.assertEqual(srv["admin"], "127.0.0.1:19002")
+        self.assertEqual(
+            srv["listeners"][0]["tls"],
+            {"cert": "/certs/server.pem", "key": "/certs/server.key", "client_ca": "/certs/ca.pem", "allow": [certs.CLIENT_ID]},
+        )
+        self.assertEqual(
+            cli["clusters"][0]["tls"],
+            {"ca": "/certs/ca.pem", "cert": "/certs/client.pem", "key": "/certs/client.key", "server_ids": [certs.SERVER_ID]},
+        )
+        self.assertEqual(cli["clusters"][0]["endpoints"], ["127.0.0.1:19200"])
+        self.assertNotIn("tls", srv["clusters"][0])  # the server node to its backends: plaintext
+
+    def test_flatmesh_hbone_nodes(self):
+        client, server = scenarios.mtls_pair(scenario("mtls_hbone_bulk").topology)
+        cli = systems.flatmesh_config(client, None, systems.FLATMESH_ADMIN, fake_certs())
+        srv = systems.flatmesh_config(server, None, systems.FLATMESH_SERVER_ADMIN, fake_certs())
+        self.assertEqual((cli["clusters"][0]["tunnel"], cli["clusters"][0]["tunnel_port"]), ("hbone", 19200))
+        self.assertEqual(srv["listeners"][0]["protocol"], "hbone")
+        self.assertNotIn("cluster", srv["listeners"][0])
+
+    def test_tls_topology_without_certificates_is_refused(self):
+        _, server = scenarios.mtls_pair(scenario("mtls_bulk").topology)
+        with self.assertRaises(systems.SystemError_):
+            systems.flatmesh_config(server)
+        with self.assertRaises(systems.SystemError_):
+            systems.envoy_config(server)
+
+    def test_envoy_nodes_pin_tls13_and_match_the_spiffe_san(self):
+        c = fake_certs()
+        client, server = scenarios.mtls_pair(scenario("mtls_http1").topology)
+        srv = systems.envoy_config(server, systems.ENVOY_SERVER_ADMIN, c)
+        cli = systems.envoy_config(client, systems.ENVOY_ADMIN, c)
+        down = srv["static_resources"]["listeners"][0]["filter_chains"][0]["transport_socket"]["typed_config"]
+        self.assertTrue(down["require_client_certificate"])
+        common = down["common_tls_context"]
+        self.assertEqual(common["tls_params"]["tls_minimum_protocol_version"], "TLSv1_3")
+        self.assertEqual(common["tls_params"]["tls_maximum_protocol_version"], "TLSv1_3")
+        self.assertEqual(common["validation_context"]["match_typed_subject_alt_names"][0]["matcher"], {"exact": certs.CLIENT_ID})
+        self.assertEqual(common["tls_certificates"][0]["certificate_chain"]["filename"], "/certs/server.pem")
+        up = cli["static_resources"]["clusters"][0]["transport_socket"]["typed_config"]
+        self.assertEqual(up["max_session_keys"], systems.ENVOY_MAX_SESSION_KEYS)
+        self.assertEqual(up["common_tls_context"]["alpn_protocols"], ["http/1.1"])
+        self.assertEqual(
+            up["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"][0]["matcher"], {"exact": certs.SERVER_ID}
+        )
+        self.assertEqual(srv["admin"]["address"]["socket_address"]["port_value"], 19003)
+
+    def test_who_takes_part(self):
+        reg = systems.registry()
+        for name in ("haproxy", "nginx", "flatmesh+kernel", "flatmesh+shm"):
+            self.assertFalse(reg[name].supports(scenario("mtls_bulk"))[0], name)
+        self.assertTrue(reg["flatmesh"].supports(scenario("mtls_hbone_bulk"))[0])
+        self.assertFalse(reg["envoy"].supports(scenario("mtls_hbone_bulk"))[0])
+        self.assertTrue(reg["envoy"].supports(scenario("mtls_new_conn"))[0])
+
+    def test_flatmesh_starts_the_server_node_first(self):
+        fm = systems.Flatmesh()
+        fm.binary = Path("/bin/flatmesh")
+        fm.certs = fake_certs()
+        with tempfile.TemporaryDirectory() as d:
+            launches = fm.launches(scenario("mtls_bulk"), Path(d))
+            self.assertEqual([l.name for l in launches], ["flatmesh-server-node", "flatmesh-client-node"])
+            self.assertEqual([l.ports for l in launches], [[19200], [19100]])
+            self.assertEqual(launches[0].ready_url, "http://127.0.0.1:19002/ready")
+            self.assertTrue(all(Path(l.argv[-1]).is_file() for l in launches))
+        fm.certs = None
+        with self.assertRaises(systems.SystemError_):
+            fm.launches(scenario("mtls_bulk"), Path("/nonexistent"))
+
+    def test_plain_scenarios_stay_one_process(self):
+        env = systems.Envoy()
+        with tempfile.TemporaryDirectory() as d:
+            launches = env.launches(scenario("http1_keepalive"), Path(d))
+        self.assertEqual([(l.name, l.ports) for l in launches], [("envoy", [19080])])
+
+    def test_certificates_from_a_failing_ca_are_an_error(self):
+        with tempfile.TemporaryDirectory() as d:
+            with self.assertRaises(certs.CertError):
+                certs.issue(Path(d), Path("/bin/false"))
+
+
+def server_hello(suite: int, psk: bool, tls13: bool = True, random: bytes = b"\x11" * 32) -> bytes:
+    ext = b""
+    if tls13:
+        ext += struct.pack("!HHH", wire.EXT_SUPPORTED_VERSIONS, 2, 0x0304)
+    ext += struct.pack("!HHH", 0x0033, 2, 0x001D)  # key_share (truncated; skipped)
+    if psk:
+        ext += struct.pack("!HHH", wire.EXT_PRE_SHARED_KEY, 2, 0)
+    body = b"\x03\x03" + random + b"\x20" + b"\x00" * 32 + struct.pack("!HB", suite, 0) + struct.pack("!H", len(ext)) + ext
+    hs = b"\x02" + len(body).to_bytes(3, "big") + body
+    return b"\x16\x03\x03" + struct.pack("!H", len(hs)) + hs
+
+
+def frame(payload: bytes, sport: int) -> bytes:
+    tcp = struct.pack("!HHIIBBHHH", sport, 40000, 0, 0, 5 << 4, 0x18, 65535, 0, 0)
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp) + len(payload), 0, 0, 64, 6, 0, b"\x7f\0\0\1", b"\x7f\0\0\1")
+    return b"\0" * 12 + b"\x08\x00" + ip + tcp + payload
+
+
+class WireTests(unittest.TestCase):
+    def test_server_hello_suite_and_resumption(self):
+        self.assertEqual(
+            wire.parse_server_hello(server_hello(0x1301, psk=False)),
+            {"suite": "TLS_AES_128_GCM_SHA256", "version": "TLSv1.3", "resumed": False},
+        )
+        self.assertEqual(
+            wire.parse_server_hello(server_hello(0x1302, psk=True)),
+            {"suite": "TLS_AES_256_GCM_SHA384", "version": "TLSv1.3", "resumed": True},
+        )
+        self.assertEqual(wire.parse_server_hello(server_hello(0xC02B, psk=False, tls13=False))["version"], "TLSv1.2")
+
+    def test_hello_retry_request_and_other_records_are_not_handshakes(self):
+        self.assertIsNone(wire.parse_server_hello(server_hello(0x1301, False, random=wire.HRR_RANDOM)))
+        self.assertIsNone(wire.parse_server_hello(b"\x17\x03\x03\x00\x10" + b"\x00" * 16))  # application data
+        self.assertIsNone(wire.parse_server_hello(b"GET / HTTP/1.1\r\n"))
+        self.assertIsNone(wire.parse_server_hello(server_hello(0x1301, False)[:40]))  # cut short
+
+    def test_frames_from_the_server_port_only(self):
+        hello = server_hello(0x1301, psk=True)
+        self.assertEqual(wire.parse_frame(frame(hello, 19200), 19200)["resumed"], True)
+        self.assertIsNone(wire.parse_frame(frame(hello, 19100), 19200))
+        self.assertIsNone(wire.parse_frame(b"\0" * 12 + b"\x86\xdd" + b"\0" * 60, 19200))  # IPv6
+
+    def test_describe(self):
+        hellos = [wire.parse_server_hello(server_hello(s, p)) for s, p in ((0x1301, False), (0x1302, True))]
+        self.assertEqual(
+            wire.describe(wire.summarize(hellos)),
+            "2 handshakes, 50% resumed, TLS_AES_128_GCM_SHA256 ×1, TLS_AES_256_GCM_SHA384 ×1",
+        )
+        self.assertEqual(wire.describe({"error": "needs root"}), "not read: needs root")
+        self.assertEqual(wire.describe(wire.summarize([])), "no handshake seen")
+
+    def test_summary_counts(self):
+        hellos = [wire.parse_server_hello(server_hello(0x1301, p)) for p in (False, True, True)]
+        self.assertEqual(
+            wire.summarize(hellos),
+            {"handshakes": 3, "resumed": 2, "suites": {"TLS_AES_128_GCM_SHA256": 3}, "versions": {"TLSv1.3": 3}},
+        )
+
+
+class ProfileTests(unittest.TestCase):
+    def test_flatmesh_profile_groups_ring_and_rustls_as_tls(self):
+        p = profile.shares((FX / "perf-report-flatmesh.txt").read_text())
+        self.assertGreater(p["tls"], 15)
+        self.assertGreater(p["kernel"], 50)
+        self.assertEqual(p["unresolved"], 0.0)
+        self.assertIn("aes_gcm", p["top_tls"][0])
+        self.assertAlmostEqual(p["tls"] + p["kernel"] + p["relay"], 100.0, delta=0.2)
+
+    def test_stripped_envoy_says_its_tls_share_is_not_separable(self):
+        p = profile.shares((FX / "perf-report-envoy.txt").read_text())
+        self.assertGreater(p["unresolved"], 0)
+        p["unresolved"] = profile.UNRESOLVED_LIMIT + 1
+        self.assertIn("not separable", profile.describe(p))
+
+    def test_exact_shares(self):
+        text = "\n".join(
+            [
+                "# Samples: 10",
+                "    50.00%  [kernel.kallsyms]  [k] _copy_to_iter",
+                "    20.00%  flatmesh           [.] ring_core_0_17_14__aes_gcm_enc_update_vaes_avx2",
+                "    10.00%  flatmesh           [.] rustls::conn::ConnectionCore<Data>::process_new_packets",
+                "    15.00%  flatmesh           [.] flatmesh_proxy::relay::copy",
+                "     5.00%  envoy              [.] 0x0000000005cdd63d",
+            ]
+        )
+        p = profile.shares(text)
+        self.assertEqual({k: p[k] for k in ("tls", "kernel", "relay", "unresolved")}, {"tls": 30.0, "kernel": 50.0, "relay": 15.0, "unresolved": 5.0})
+        self.assertEqual(profile.describe(p), "TLS 30.0%, kernel 50.0%, relay 15.0%")
+
+    def test_empty_report_is_an_error(self):
+        with self.assertRaises(profile.ProfileError):
+            profile.shares("# nothing\n")
+
+    def test_missing_perf_is_said(self):
+        self.assertEqual(profile.describe({"error": profile.MISSING}), f"not measured: {profile.MISSING}")
+
+
+def hop(suite, handshakes, resumed):
+    return {"handshakes": handshakes, "resumed": resumed, "suites": {suite: handshakes}, "versions": {"TLSv1.3": handshakes}}
+
+
+class MtlsReportTests(unittest.TestCase):
+    def recs(self, fm_suite="TLS_AES_128_GCM_SHA256", fm_profile=None):
+        aes128 = "TLS_AES_128_GCM_SHA256"
+        return [
+            dict(rec("flatmesh", "mtls_bulk", 16e9, None, None, cpu=0.30), hop_tls=hop(fm_suite, 2, 1), profile=fm_profile),
+            dict(rec("envoy", "mtls_bulk", 10e9, None, None, cpu=0.50), hop_tls=hop(aes128, 2, 1)),
+            dict(rec("flatmesh", "mtls_http1", 50_000, 500, 1000, cpu=0.1), hop_tls=hop(fm_suite, 1, 0)),
+            dict(rec("envoy", "mtls_http1", 20_000, 1500, 3000, cpu=0.3), hop_tls=hop(aes128, 1, 0)),
+            dict(rec("flatmesh", "mtls_new_conn", 900, 1, 1, cpu=5), hop_tls=hop(fm_suite, 500, 300)),
+            dict(rec("envoy", "mtls_new_conn", 1000, 1, 1, cpu=6), hop_tls=hop(aes128, 600, 590)),
+        ]
+
+    def targets(self, recs):
+        return {t["target"]: t for t in report.mtls_targets(report.summarize(recs))}
+
+    def test_targets(self):
+        t = self.targets(self.recs(fm_profile={"tls": 30.0, "kernel": 60.0, "relay": 10.0, "unresolved": 0.0}))
+        self.assertEqual(t["mTLS: both pairs negotiate TLS 1.3 TLS_AES_128_GCM_SHA256"]["status"], "pass")
+        self.assertEqual(t["mTLS bulk throughput ≥ 1.5× Envoy's pair (iperf3)"]["status"], "pass")  # 1.6x
+        self.assertEqual(t["mTLS CPU per GB ≤ 0.7× Envoy's (both nodes)"]["status"], "pass")  # 0.6x
+        self.assertEqual(t["mTLS HTTP/1.1 keep-alive req/s ≥ 2× Envoy's"]["status"], "pass")  # 2.5x
+        self.assertEqual(t["mTLS HTTP/1.1 keep-alive p99 ≤ ½ Envoy's"]["status"], "pass")  # 0.33x
+        new = t["mTLS new connections/s ≥ Envoy's"]
+        self.assertEqual(new["status"], "FAIL")  # 0.9x
+        self.assertIn("60% resumed", new["measured"])
+        self.assertIn("98% resumed", new["measured"])
+        share = t["mTLS bulk: TLS share of the pair's CPU (perf), beside the relay's"]
+        self.assertEqual((share["status"], share["measured"]), ("info", "flatmesh: TLS 30.0%, kernel 60.0%, relay 10.0%"))
+
+    def test_a_different_suite_fails_and_is_named(self):
+        t = self.targets(self.recs(fm_suite="TLS_AES_256_GCM_SHA384"))
+        same = t["mTLS: both pairs negotiate TLS 1.3 TLS_AES_128_GCM_SHA256"]
+        self.assertEqual(same["status"], "FAIL")
+        self.assertIn("flatmesh: TLS_AES_256_GCM_SHA384 ×503", same["measured"])  # 2 + 1 + 500
+
+    def test_missing_perf_is_not_a_silent_pass(self):
+        t = self.targets(self.recs(fm_profile={"error": profile.MISSING}))
+        share = t["mTLS bulk: TLS share of the pair's CPU (perf), beside the relay's"]
+        self.assertEqual(share["status"], "n/a")
+        self.assertIn("perf is not installed", share["measured"])
+
+    def test_nothing_measured_is_not_applicable(self):
+        self.assertTrue(all(t["status"] == "n/a" for t in report.mtls_targets([])))
+
+    def test_handshakes_add_up_over_repeats_and_profiles_take_the_median(self):
+        self.assertEqual(report.merge_hop([hop("A", 2, 1), None, hop("A", 3, 3)]), hop("A", 5, 4))
+        self.assertEqual(report.merge_hop([{"error": "no root"}, None]), {"error": "no root"})
+        self.assertIsNone(report.merge_hop([None]))
+        p = report.median_profile([{"tls": 10.0, "kernel": 80.0, "relay": 10.0}, {"error": "x"}, {"tls": 30.0, "kernel": 60.0, "relay": 10.0}])
+        self.assertEqual((p["tls"], p["kernel"], p["relay"]), (20.0, 70.0, 10.0))
+
+    def test_markdown_section_and_connection_unit(self):
+        rows = report.summarize(self.recs())
+        md = "\n".join(report.mtls_section([scenario("mtls_bulk"), scenario("mtls_new_conn")], rows, ["flatmesh", "envoy"]))
+        self.assertIn("ztunnel and Linkerd", md)
+        self.assertIn("| mtls_new_conn | envoy | 600 handshakes, 98% resumed, TLS_AES_128_GCM_SHA256 | – |", md)
+        self.assertEqual(report.rate_header(scenario("mtls_new_conn")), "connections/s")
+        self.assertEqual(report.cpu_header(scenario("mtls_new_conn")), "CPU s / 10k connections")
 
 
 if __name__ == "__main__":
