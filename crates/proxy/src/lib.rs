@@ -12,7 +12,7 @@
 //! an endpoint and `upstream.rs` a pooled connection → the response streams back.
 //!
 //! Files depend on each other in one direction only: base pieces (`snapshot`, `metrics`,
-//! `lb`, `tap`, `relay`, `sniff`, `body`, `trailers`, the HTTP/1 framing in `h1/head`, `h1/chunked`, `h1/body`)
+//! `lb`, `tap`, `relay`, `read_ahead` (under TLS), `sniff`, `body`, `trailers`, the HTTP/1 framing in `h1/head`, `h1/chunked`, `h1/body`)
 //! → upstream pools and clients (`h1/pool`, `h1/client`, `h2/client`, `upstream`) and tier K
 //! (`kernel/`) → `context` → the L7 layer (`l7/`) and the L4 relay (`tcp`, `hbone`) → the codecs'
 //! server sides (`h1/conn`, `h2`) → `dispatch` → `worker` → `control` → `admin`, `node`.
@@ -40,6 +40,7 @@ mod listener;
 pub mod logging;
 mod metrics;
 mod node;
+mod read_ahead;
 mod relay;
 mod resilience;
 mod snapshot;

@@ -21,6 +21,7 @@ use tokio::net::TcpStream;
 
 use crate::error::ProxyError;
 use crate::metrics::ClusterStats;
+use crate::read_ahead::ReadAhead;
 
 /// A listener's TLS: what it presents and whom it admits.
 pub struct ListenerTlsPlan {
@@ -113,11 +114,11 @@ impl ListenerTlsPlan {
         &self,
         stream: S,
         timeout: Duration,
-    ) -> Result<tokio_rustls::server::TlsStream<S>, HandshakeError>
+    ) -> Result<tokio_rustls::server::TlsStream<ReadAhead<S>>, HandshakeError>
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
-        handshake(self.acceptor.accept(stream), timeout).await
+        handshake(self.acceptor.accept(ReadAhead::new(stream)), timeout).await
     }
 }
 
@@ -206,7 +207,7 @@ impl ClusterTlsPlan {
         worker: usize,
     ) -> Result<Stream, HandshakeError> {
         let endpoint = stream.peer_addr().ok();
-        let pending = connector.connect(self.server_name.clone(), stream);
+        let pending = connector.connect(self.server_name.clone(), ReadAhead::new(stream));
         match handshake(pending, self.timeout).await {
             Ok(tls) => {
                 stats.tls.handshakes.add_shared(worker, 1);
@@ -300,7 +301,7 @@ const READ_ROOM: usize = 16 * 1024;
 /// A connection in the clear or inside TLS (either side of the handshake).
 pub enum Stream {
     Plain(TcpStream),
-    Tls(Box<tokio_rustls::TlsStream<TcpStream>>),
+    Tls(Box<tokio_rustls::TlsStream<ReadAhead<TcpStream>>>),
 }
 
 impl Stream {
@@ -308,7 +309,7 @@ impl Stream {
     pub fn tcp(&self) -> &TcpStream {
         match self {
             Stream::Plain(s) => s,
-            Stream::Tls(s) => s.get_ref().0,
+            Stream::Tls(s) => s.get_ref().0.get_ref(),
         }
     }
 
@@ -378,7 +379,30 @@ impl AsyncRead for Stream {
     ) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            Stream::Tls(s) => poll_read_records(s.as_mut(), cx, buf),
+        }
+    }
+}
+
+/// Reads as many decrypted records as are at hand, up to `buf`'s room. The record layer hands
+/// out one record (at most 16 KiB) per read, so a relay with a 64 KiB buffer would otherwise
+/// write each record to the other side with a system call of its own.
+fn poll_read_records<S: AsyncRead + Unpin>(
+    tls: &mut S,
+    cx: &mut Context<'_>,
+    buf: &mut ReadBuf<'_>,
+) -> Poll<io::Result<()>> {
+    let start = buf.filled().len();
+    loop {
+        let before = buf.filled().len();
+        match Pin::new(&mut *tls).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) if buf.filled().len() > before && buf.remaining() > 0 => {}
+            // Whatever came before a wait, an end or an error goes out first; the end or the
+            // error shows again on the next read.
+            Poll::Pending | Poll::Ready(Err(_)) if buf.filled().len() > start => {
+                return Poll::Ready(Ok(()))
+            }
+            other => return other,
         }
     }
 }
