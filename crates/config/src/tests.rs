@@ -1520,7 +1520,7 @@ fn hbone_listeners_and_tunnel_clusters() {
 }
 
 #[test]
-fn a_tunnel_cluster_needs_tls_and_only_tcp_listeners_use_it() {
+fn a_tunnel_cluster_needs_tls_and_serves_tcp_and_http_listeners() {
     let tcp = |cluster: &str| {
         format!(
             "listeners:\n  - name: app\n    address: 127.0.0.1:9000\n    protocol: tcp\n    cluster: remote\nclusters:\n{cluster}"
@@ -1575,16 +1575,17 @@ fn a_tunnel_cluster_needs_tls_and_only_tcp_listeners_use_it() {
         5,
         "runs no circuit breaker, outlier detection or health check yet",
     );
-    // An http route to a tunnel cluster: refused with the way out.
-    let d = only(
-        &format!(
-            "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    routes:\n      - cluster: remote\nclusters:\n  - {{ name: remote, endpoints: [ 10.0.0.7:80 ], tunnel: hbone, {tls} }}\n"
-        ),
-        6,
-        18,
-        "only tcp listeners can use a tunnel cluster",
-    );
-    assert!(d.hint.contains("tcp listener"));
+    // An http route to a tunnel cluster, HTTP/1.1 or HTTP/2: its requests ride the tunnel.
+    for protocol in ["http1", "http2"] {
+        let ok = parse(
+            &format!(
+                "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    routes:\n      - cluster: remote\nclusters:\n  - {{ name: remote, endpoints: [ 10.0.0.7:80 ], protocol: {protocol}, tunnel: hbone, {tls} }}\n"
+            ),
+            "t.yaml",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(ok.clusters[0].tunnel, Some(Tunnel::Hbone));
+    }
 }
 
 #[test]

@@ -727,15 +727,7 @@ impl Checker<'_> {
 
     fn cluster_ref(&mut self, path: &str, name: &str) {
         let clusters = &self.config.clusters;
-        if let Some(c) = clusters.iter().find(|c| c.name == name) {
-            if c.tunnel.is_some() && path.contains(".routes[") {
-                self.report(
-                    path,
-                    Target::Value,
-                    format!("route sends HTTP requests to cluster `{name}`, which tunnels (`tunnel: hbone`); only tcp listeners can use a tunnel cluster"),
-                    format!("route to a cluster without `tunnel`, or put a tcp listener with `cluster: {name}` in front of it"),
-                );
-            }
+        if clusters.iter().any(|c| c.name == name) {
             return;
         }
         let hint = if clusters.is_empty() {

@@ -1,13 +1,14 @@
 //! One HTTP/2 CONNECT stream as a byte stream ([`AsyncRead`] + [`AsyncWrite`]), so the
 //! relay that copies between two sockets (`crate::tcp::copy_until_idle`) copies between a
-//! socket and a tunnelled stream alike. Flow control is HTTP/2's: what is read releases
+//! socket and a tunnelled stream alike, and an HTTP connection to an endpoint may ride on it
+//! (`crate::upstream::transport`). Flow control is HTTP/2's: what is read releases
 //! window to the peer, and a write waits for window the peer granted.
 
 use std::io;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
-use bytes::{Buf, Bytes};
+use bytes::{Buf, Bytes, BytesMut};
 use h2::{RecvStream, SendStream};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
@@ -50,6 +51,48 @@ fn io_error(err: h2::Error) -> io::Error {
     io::Error::new(io::ErrorKind::ConnectionReset, err)
 }
 
+impl H2Stream {
+    /// Waits until some received data is pending. Ready(Ok(false)): the peer ended the
+    /// stream and nothing is left.
+    fn poll_pending(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<bool>> {
+        while self.pending.is_empty() {
+            match ready!(self.recv.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    // The bytes are ours now: the peer may send as much again.
+                    let _ = self.recv.flow_control().release_capacity(data.len());
+                    self.pending = data;
+                }
+                Some(Err(err)) => return Poll::Ready(Err(io_error(err))),
+                None => return Poll::Ready(Ok(false)),
+            }
+        }
+        Poll::Ready(Ok(true))
+    }
+
+    /// Moves what has arrived into `buf` (an upstream HTTP connection's read buffer);
+    /// Ready(Ok(0)) at the end of the stream.
+    pub fn poll_read_buf(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut BytesMut,
+    ) -> Poll<io::Result<usize>> {
+        if !ready!(self.poll_pending(cx))? {
+            return Poll::Ready(Ok(0));
+        }
+        let n = self.pending.len();
+        buf.extend_from_slice(&self.pending);
+        self.pending.clear();
+        Poll::Ready(Ok(n))
+    }
+
+    /// True if an idle stream is known to be unusable: the peer ended or reset it, its
+    /// tunnel connection is gone, or it holds bytes nobody asked for. Never blocks.
+    pub fn is_stale(&mut self) -> bool {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        !self.pending.is_empty() || self.poll_pending(&mut cx).is_ready()
+    }
+}
+
 impl AsyncRead for H2Stream {
     fn poll_read(
         self: Pin<&mut Self>,
@@ -57,16 +100,8 @@ impl AsyncRead for H2Stream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        while this.pending.is_empty() {
-            match ready!(this.recv.poll_data(cx)) {
-                Some(Ok(data)) => {
-                    // The bytes are ours now: the peer may send as much again.
-                    let _ = this.recv.flow_control().release_capacity(data.len());
-                    this.pending = data;
-                }
-                Some(Err(err)) => return Poll::Ready(Err(io_error(err))),
-                None => return Poll::Ready(Ok(())),
-            }
+        if !ready!(this.poll_pending(cx))? {
+            return Poll::Ready(Ok(()));
         }
         let n = this.pending.len().min(buf.remaining());
         buf.put_slice(&this.pending[..n]);
