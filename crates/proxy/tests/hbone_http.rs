@@ -27,14 +27,15 @@ async fn total(node: &TestNode, name: &str, labels: &[&str]) -> f64 {
 
 /// Node A: an http listener `web` whose one route goes to cluster `remote` (of `protocol`,
 /// with `endpoints`), tunnelled through node B's `tunnel_port`, expecting `server_id` there.
-/// `route` is more YAML for the route (its `retries`).
+/// `route` is more YAML for the route (its `retries`), `cluster` for the cluster (its
+/// `outlier_detection`).
 fn node_a(
     pki: &Pki,
     endpoints: &[SocketAddr],
     protocol: &str,
     tunnel_port: u16,
     server_id: &str,
-    route: &str,
+    (route, cluster): (&str, &str),
 ) -> TestNode {
     let id = pki.issue("node-a", WEB);
     let ca = pki.ca_file();
@@ -57,6 +58,7 @@ clusters:
     tunnel: hbone
     tunnel_port: {tunnel_port}
     tls: {{ ca: {ca}, cert: {id}.pem, key: {id}.key, server_ids: [ {server_id} ] }}
+{cluster}
 "#,
         admin = free_addr(),
         listen = free_addr(),
@@ -70,7 +72,14 @@ async fn keep_alive_requests_reuse_their_tunnelled_connections() {
     let backend = HttpBackend::start("far", Proto::H1).await;
     let b_listen = free_addr();
     let b = node_b(&pki, b_listen, WEB, "");
-    let a = node_a(&pki, &[backend.addr], "http1", b_listen.port(), NODE, "");
+    let a = node_a(
+        &pki,
+        &[backend.addr],
+        "http1",
+        b_listen.port(),
+        NODE,
+        ("", ""),
+    );
     let url = format!("http://{}/tunnelled", a.listener("web"));
     // One request first, so the tunnel connection is open before the crowd comes (streams
     // opened at once on a worker without one would each open their own).
@@ -158,7 +167,14 @@ async fn an_http2_cluster_multiplexes_over_one_tunnelled_stream() {
     let backend = HttpBackend::start("h2", Proto::H2c).await;
     let b_listen = free_addr();
     let b = node_b(&pki, b_listen, WEB, "");
-    let a = node_a(&pki, &[backend.addr], "http2", b_listen.port(), NODE, "");
+    let a = node_a(
+        &pki,
+        &[backend.addr],
+        "http2",
+        b_listen.port(),
+        NODE,
+        ("", ""),
+    );
     let url = format!("http://{}/multiplexed", a.listener("web"));
     // One request first, so the stream is open before the crowd comes.
     let resp = get(&h2c_client(), &url, &[]).await;
@@ -212,7 +228,7 @@ async fn a_refused_stream_is_a_connect_failure_that_a_retry_moves_past() {
         &format!("    hbone: {{ destinations: [ {} ] }}", good.addr),
     );
     let refused = free_addr();
-    let a = node_a(&pki, &[refused], "http1", b_listen.port(), NODE, "");
+    let a = node_a(&pki, &[refused], "http1", b_listen.port(), NODE, ("", ""));
     let url = format!("http://{}/", a.listener("web"));
     let resp = get(&h1_client(), &url, &[]).await;
     assert_eq!(resp.status, StatusCode::SERVICE_UNAVAILABLE, "{resp:?}");
@@ -250,7 +266,10 @@ async fn a_refused_stream_is_a_connect_failure_that_a_retry_moves_past() {
         "http1",
         b_listen.port(),
         NODE,
-        "        retries: { attempts: 1, on: [ connect-failure ] }",
+        (
+            "        retries: { attempts: 1, on: [ connect-failure ] }",
+            "",
+        ),
     );
     let url = format!("http://{}/", a.listener("web"));
     let client = h1_client();
@@ -289,7 +308,14 @@ async fn a_peer_outside_server_ids_gets_no_request() {
     let b_listen = free_addr();
     let b = node_b(&pki, b_listen, WEB, "");
     // Node B presents the node identity; node A expects the cart service's.
-    let a = node_a(&pki, &[backend.addr], "http1", b_listen.port(), CART, "");
+    let a = node_a(
+        &pki,
+        &[backend.addr],
+        "http1",
+        b_listen.port(),
+        CART,
+        ("", ""),
+    );
     let resp = get(&h1_client(), &format!("http://{}/", a.listener("web")), &[]).await;
     assert_eq!(resp.status, StatusCode::SERVICE_UNAVAILABLE, "{resp:?}");
     assert!(resp.body.contains("(tls,"), "{}", resp.body);
@@ -315,5 +341,76 @@ async fn a_peer_outside_server_ids_gets_no_request() {
     assert_eq!(
         total(&b, "flatmesh_hbone_streams_total", &["listener=\"tunnel\""]).await,
         0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_streams_eject_their_endpoint() {
+    let pki = Pki::new();
+    let good = HttpBackend::start("good", Proto::H1).await;
+    let b_listen = free_addr();
+    let _b = node_b(
+        &pki,
+        b_listen,
+        WEB,
+        &format!("    hbone: {{ destinations: [ {} ] }}", good.addr),
+    );
+    let refused = free_addr();
+    let a = node_a(
+        &pki,
+        &[good.addr, refused],
+        "http1",
+        b_listen.port(),
+        NODE,
+        (
+            "",
+            "    outlier_detection: { consecutive_connect_failures: 2, consecutive_5xx: 0, base_ejection_time: 60s, max_ejection_percent: 50 }",
+        ),
+    );
+    let url = format!("http://{}/", a.listener("web"));
+    let client = h1_client();
+    // Round robin: every other request meets the refused endpoint until its second refusal
+    // in a row ejects it.
+    let mut failed = 0;
+    for i in 0..20 {
+        let resp = get(&client, &url, &[]).await;
+        if resp.status == StatusCode::SERVICE_UNAVAILABLE {
+            failed += 1;
+            if failed == 2 {
+                break;
+            }
+        } else {
+            assert_eq!(resp.status, StatusCode::OK, "request {i}: {resp:?}");
+        }
+    }
+    assert_eq!(failed, 2);
+    for i in 0..20 {
+        let resp = get(&client, &url, &[]).await;
+        assert_eq!(
+            resp.status,
+            StatusCode::OK,
+            "after the ejection, request {i}: {resp:?}"
+        );
+    }
+    assert_eq!(
+        total(
+            &a,
+            "flatmesh_outlier_ejections_total",
+            &[
+                "cluster=\"remote\"",
+                "reason=\"consecutive_connect_failures\""
+            ]
+        )
+        .await,
+        1.0
+    );
+    assert_eq!(
+        total(
+            &a,
+            "flatmesh_upstream_hbone_streams_refused_total",
+            &["reason=\"peer_403\""]
+        )
+        .await,
+        2.0
     );
 }
