@@ -414,3 +414,43 @@ async fn refused_streams_eject_their_endpoint() {
         2.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_and_their_trailers_ride_the_tunnel() {
+    use common::grpc::{self, GrpcBackend};
+    let pki = Pki::new();
+    let backend = GrpcBackend::start("g1").await;
+    let b_listen = free_addr();
+    let b = node_b(&pki, b_listen, WEB, "");
+    let a = node_a(
+        &pki,
+        &[backend.addr],
+        "http2",
+        b_listen.port(),
+        NODE,
+        ("", ""),
+    );
+    let mut client = grpc::connect(a.listener("web")).await;
+    for i in 0..10 {
+        let resp = grpc::unary(&mut client, &format!("hello{i}"))
+            .await
+            .unwrap_or_else(|s| panic!("unary {i} failed through the tunnel: {s:?}"));
+        assert_eq!(resp.into_inner().message, format!("g1:hello{i}"));
+    }
+    // A status in the trailers comes back as the backend sent it.
+    let status = grpc::unary(&mut client, "fail").await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+    // A server stream, message by message.
+    let mut replies = grpc::server_stream(&mut client, "s", 50).await.unwrap();
+    let mut got = 0;
+    while let Some(reply) = replies.message().await.unwrap() {
+        assert_eq!(reply.index, got);
+        got += 1;
+    }
+    assert_eq!(got, 50);
+    // Every call on one tunnelled stream.
+    assert_eq!(
+        total(&b, "flatmesh_hbone_streams_total", &["listener=\"tunnel\""]).await,
+        1.0
+    );
+}
