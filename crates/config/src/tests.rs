@@ -1520,7 +1520,7 @@ fn hbone_listeners_and_tunnel_clusters() {
 }
 
 #[test]
-fn a_tunnel_cluster_needs_tls_and_only_tcp_listeners_use_it() {
+fn a_tunnel_cluster_needs_tls_and_serves_tcp_and_http_listeners() {
     let tcp = |cluster: &str| {
         format!(
             "listeners:\n  - name: app\n    address: 127.0.0.1:9000\n    protocol: tcp\n    cluster: remote\nclusters:\n{cluster}"
@@ -1558,14 +1558,14 @@ fn a_tunnel_cluster_needs_tls_and_only_tcp_listeners_use_it() {
         18,
         "tunnel_port 0",
     );
-    // Not applied to tunnels yet, so refused rather than ignored.
+    // Not applied to a tcp listener's tunnels yet, so refused rather than ignored.
     only(
         &tcp(&format!(
             "  - name: remote\n    endpoints: [ 10.0.0.7:80 ]\n    {tls}\n    tunnel: hbone\n    outlier_detection: {{ consecutive_5xx: 3 }}\n"
         )),
         10,
         5,
-        "runs no circuit breaker, outlier detection or health check yet",
+        "tunnels for tcp listener `app`, whose tunnelled relay runs no circuit breaker or outlier detection yet",
     );
     only(
         &tcp(&format!(
@@ -1573,18 +1573,37 @@ fn a_tunnel_cluster_needs_tls_and_only_tcp_listeners_use_it() {
         )),
         10,
         5,
-        "runs no circuit breaker, outlier detection or health check yet",
+        "runs no health check yet",
     );
-    // An http route to a tunnel cluster: refused with the way out.
-    let d = only(
-        &format!(
-            "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    routes:\n      - cluster: remote\nclusters:\n  - {{ name: remote, endpoints: [ 10.0.0.7:80 ], tunnel: hbone, {tls} }}\n"
-        ),
-        6,
-        18,
-        "only tcp listeners can use a tunnel cluster",
+    // An http route to a tunnel cluster, HTTP/1.1 or HTTP/2: its requests ride the tunnel.
+    for protocol in ["http1", "http2"] {
+        let ok = parse(
+            &format!(
+                "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    routes:\n      - cluster: remote\nclusters:\n  - {{ name: remote, endpoints: [ 10.0.0.7:80 ], protocol: {protocol}, tunnel: hbone, {tls} }}\n"
+            ),
+            "t.yaml",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(ok.clusters[0].tunnel, Some(Tunnel::Hbone));
+    }
+    // The http path runs a circuit breaker and outlier detection on tunnelled connections;
+    // health probes would go past the tunnel, so they stay refused.
+    let http = |guards: &str| {
+        format!(
+            "listeners:\n  - name: web\n    address: 127.0.0.1:8080\n    protocol: http\n    routes:\n      - cluster: remote\nclusters:\n  - name: remote\n    endpoints: [ 10.0.0.7:80 ]\n    {tls}\n    tunnel: hbone\n{guards}"
+        )
+    };
+    parse(
+        &http("    circuit_breaker: { max_connections: 8 }\n    outlier_detection: { consecutive_connect_failures: 2 }\n"),
+        "t.yaml",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    only(
+        &http("    health_check: { tcp: {} }\n"),
+        11,
+        5,
+        "runs no health check yet",
     );
-    assert!(d.hint.contains("tcp listener"));
 }
 
 #[test]

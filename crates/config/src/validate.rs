@@ -727,15 +727,7 @@ impl Checker<'_> {
 
     fn cluster_ref(&mut self, path: &str, name: &str) {
         let clusters = &self.config.clusters;
-        if let Some(c) = clusters.iter().find(|c| c.name == name) {
-            if c.tunnel.is_some() && path.contains(".routes[") {
-                self.report(
-                    path,
-                    Target::Value,
-                    format!("route sends HTTP requests to cluster `{name}`, which tunnels (`tunnel: hbone`); only tcp listeners can use a tunnel cluster"),
-                    format!("route to a cluster without `tunnel`, or put a tcp listener with `cluster: {name}` in front of it"),
-                );
-            }
+        if clusters.iter().any(|c| c.name == name) {
             return;
         }
         let hint = if clusters.is_empty() {
@@ -1613,17 +1605,29 @@ impl Checker<'_> {
                 format!("cluster `{name}` sets `tunnel_port` but does not tunnel"),
                 "add `tunnel: hbone`, or remove `tunnel_port`".into(),
             ),
+            // Probes would go straight to the endpoints, past the tunnel.
+            (Some(_), _) if cluster.health_check.is_some() => self.report(
+                format!("{at}.tunnel"),
+                Target::Key,
+                format!("cluster `{name}` tunnels, and a tunnel cluster runs no health check yet"),
+                "remove `health_check` from this cluster, or `tunnel`".into(),
+            ),
+            // The http path runs them on tunnelled connections as on direct ones; a tcp
+            // listener's tunnelled relay does not yet.
             (Some(_), _)
-                if cluster.circuit_breaker.is_some()
-                    || cluster.outlier_detection.is_some()
-                    || cluster.health_check.is_some() =>
+                if cluster.circuit_breaker.is_some() || cluster.outlier_detection.is_some() =>
             {
-                self.report(
-                    format!("{at}.tunnel"),
-                    Target::Key,
-                    format!("cluster `{name}` tunnels, and a tunnel cluster runs no circuit breaker, outlier detection or health check yet"),
-                    "remove `circuit_breaker`, `outlier_detection` and `health_check` from this cluster, or `tunnel`".into(),
-                )
+                let tcp = self.config.listeners.iter().find(|l| {
+                    l.protocol == ListenerProtocol::Tcp && l.cluster.as_deref() == Some(name)
+                });
+                if let Some(listener) = tcp {
+                    self.report(
+                        format!("{at}.tunnel"),
+                        Target::Key,
+                        format!("cluster `{name}` tunnels for tcp listener `{}`, whose tunnelled relay runs no circuit breaker or outlier detection yet", listener.name),
+                        "remove `circuit_breaker` and `outlier_detection` from this cluster, or give the tcp listener a cluster of its own".into(),
+                    )
+                }
             }
             (Some(_), Some(0)) => self.report(
                 format!("{at}.tunnel_port"),

@@ -1,8 +1,13 @@
 //! Upstream side of a worker: per-cluster balancers and connection pools.
 //!
 //! HTTP/1.1 clusters get a keep-alive pool; `protocol: http2` clusters get one multiplexed
-//! HTTP/2 connection per endpoint. Pools belong to one worker (shared-nothing) and survive
-//! config reloads when the cluster's connection settings did not change.
+//! HTTP/2 connection per endpoint. Either kind of connection is a [`transport::Transport`]:
+//! a socket to the endpoint, or for a `tunnel: hbone` cluster a CONNECT stream through the
+//! endpoint's node on the worker's tunnel connections. Pools belong to one worker
+//! (shared-nothing) and survive config reloads when the cluster's connection settings did
+//! not change.
+
+pub mod transport;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -11,7 +16,7 @@ use std::time::Duration;
 use flatmesh_config::UpstreamProtocol;
 
 use crate::h1::pool::H1Pool;
-use crate::h2::client::{build_client, HttpClient};
+use crate::h2::client::{build_client, HttpClient, Tunnels};
 use crate::hbone::pool::TunnelPool;
 use crate::lb::Balancer;
 use crate::snapshot::Snapshot;
@@ -49,20 +54,35 @@ pub enum Pool {
 pub struct Upstreams {
     pub by_cluster: Vec<Upstream>,
     pub pools: HashMap<PoolKey, Pool>,
-    /// Per cluster, `tunnel: hbone` ones only: this worker's tunnel connections. Never carried
-    /// over a reload (the cluster's TLS is not).
+    /// Per cluster, `tunnel: hbone` ones only: this worker's tunnel connections, which the
+    /// cluster's pool opens its connections through too. Never carried over a reload (the
+    /// cluster's TLS is not, and with it the pool).
     pub tunnels: Vec<Option<Arc<TunnelPool>>>,
 }
 
 impl Upstreams {
     /// Build this worker's balancers and pools for `snapshot`, reusing the pools of `previous`
     /// whose settings are unchanged (so keep-alive connections survive a reload).
-    pub fn build(snapshot: &Snapshot, worker: usize, previous: Option<&Upstreams>) -> Upstreams {
+    pub fn build(
+        snapshot: &Arc<Snapshot>,
+        worker: usize,
+        previous: Option<&Upstreams>,
+    ) -> Upstreams {
+        let tunnels: Vec<Option<Arc<TunnelPool>>> = snapshot
+            .clusters
+            .iter()
+            .map(|plan| {
+                let port = plan.tunnel_port?;
+                Some(Arc::new(TunnelPool::new(port, &snapshot.config.limits)))
+            })
+            .collect();
         let mut pools = HashMap::new();
         let by_cluster = snapshot
             .clusters
             .iter()
-            .map(|plan| {
+            .zip(&tunnels)
+            .enumerate()
+            .map(|(cluster, (plan, tunnel))| {
                 let key = PoolKey {
                     cluster: plan.name.clone(),
                     protocol: plan.protocol,
@@ -73,9 +93,19 @@ impl Upstreams {
                 let pool = previous
                     .and_then(|p| p.pools.get(&key).cloned())
                     .unwrap_or_else(|| match plan.protocol {
-                        UpstreamProtocol::Http1 => Pool::Http1(H1Pool::new()),
+                        UpstreamProtocol::Http1 => Pool::Http1(H1Pool::new(tunnel.clone())),
                         UpstreamProtocol::Http2 => {
-                            Pool::Http2(Box::new(build_client(plan, worker, key.send_buffer)))
+                            let tunnels = tunnel.as_ref().map(|pool| Tunnels {
+                                pool: pool.clone(),
+                                snapshot: snapshot.clone(),
+                                cluster,
+                            });
+                            Pool::Http2(Box::new(build_client(
+                                plan,
+                                worker,
+                                key.send_buffer,
+                                tunnels,
+                            )))
                         }
                     });
                 pools.insert(key, pool.clone());
@@ -89,14 +119,6 @@ impl Upstreams {
                     .with_out(plan.guard.out()),
                     pool,
                 }
-            })
-            .collect();
-        let tunnels = snapshot
-            .clusters
-            .iter()
-            .map(|plan| {
-                let port = plan.tunnel_port?;
-                Some(Arc::new(TunnelPool::new(port, &snapshot.config.limits)))
             })
             .collect();
         Upstreams {

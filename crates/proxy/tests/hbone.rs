@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::backends::{pattern, TcpBackend, TcpMode};
+use common::hbone::node_b;
 use common::pki::*;
 use common::*;
 use http::{Method, Request, StatusCode};
@@ -25,27 +26,6 @@ async fn metric(node: &TestNode, name: &str, labels: &[&str]) -> f64 {
         .iter()
         .map(|(_, v)| v)
         .sum()
-}
-
-/// Node B: an hbone listener `tunnel` that admits nodes with `allow` (SPIFFE patterns), with
-/// `extra` YAML under the listener (its `hbone:` or `authorization:`).
-fn node_b(pki: &Pki, listen: SocketAddr, allow: &str, extra: &str) -> TestNode {
-    let id = pki.issue("node-b", NODE);
-    let ca = pki.ca_file();
-    TestNode::start(&format!(
-        r#"
-admin: {admin}
-workers: 2
-limits: {{ header_read_timeout: 2s, connect_timeout: 1s }}
-listeners:
-  - name: tunnel
-    address: {listen}
-    protocol: hbone
-    tls: {{ cert: {id}.pem, key: {id}.key, client_ca: {ca}, allow: [ {allow} ] }}
-{extra}
-"#,
-        admin = free_addr()
-    ))
 }
 
 /// Node A: a tcp listener `app` whose cluster tunnels to `endpoint` through node B at

@@ -536,14 +536,26 @@ fn hbone_listeners_and_tunnel_clusters_stay_in_the_user_tier_and_say_why() {
         "listeners:\n\
          \x20 - {{ name: in, address: 127.0.0.1:15008, protocol: hbone, {tls} }}\n\
          \x20 - {{ name: app, address: 127.0.0.1:2, protocol: tcp, cluster: remote }}\n\
+         \x20 - {{ name: web, address: 127.0.0.1:3, protocol: http, routes: [ {{ match: {{ path: {{ exact: /a }} }}, cluster: remote }}, {{ cluster: plain }} ] }}\n\
          clusters:\n\
          \x20 - {{ name: remote, endpoints: [10.0.0.7:80], tunnel: hbone, {upstream} }}\n\
-         kernel: {{ tcp_splice: true }}\n"
+         \x20 - {{ name: plain, endpoints: [127.0.0.1:9] }}\n\
+         kernel: {{ tcp_splice: true, l7_dispatch: true, l7_listener: web }}\n"
     ));
     let p = compile(&config).unwrap();
     let k = p.kernel();
     assert_eq!(k.tcp_verdict(0), Some(Verdict::Host(Reason::HboneListener)));
     assert_eq!(k.tcp_verdict(1), Some(Verdict::Host(Reason::Tunnel)));
+    // An http route to the tunnel cluster: the kernel hands its requests to the user tier,
+    // which alone speaks CONNECT inside TLS; the route after it is the kernel's.
+    assert_eq!(k.verdict(2, 0), Some(Verdict::Host(Reason::Tunnel)));
+    assert_eq!(k.verdict(2, 1), Some(Verdict::Decides));
+    assert_eq!(
+        k.first_match("GET", "/a")
+            .map(|e| (e.route, e.cluster_for(Protocols::HTTP1))),
+        Some((0, None)),
+        "the tunnel route's entry punts"
+    );
     assert_eq!(p.tcp_cluster(0), None);
     let text = p.explain();
     assert!(
@@ -551,6 +563,11 @@ fn hbone_listeners_and_tunnel_clusters_stay_in_the_user_tier_and_say_why() {
         "{text}"
     );
     assert!(text.contains("its cluster tunnels (HBONE"), "{text}");
+    assert_eq!(
+        text.matches("its cluster tunnels (HBONE").count(),
+        2,
+        "the tcp listener's row and the http route's: {text}"
+    );
     assert!(
         text.contains("an hbone listener: its CONNECT streams"),
         "{text}"

@@ -5,6 +5,9 @@
 //! channel, which together cost more user-space CPU per request than the rest of the
 //! proxy's HTTP/1 path. Here a request takes a socket out of a per-endpoint stack, uses it
 //! directly from its own task, and puts it back.
+//!
+//! A `tunnel: hbone` cluster's connections are CONNECT streams through the endpoints' nodes
+//! (`crate::upstream::transport`), pooled and reused the same way.
 
 use std::collections::HashMap;
 use std::io;
@@ -17,12 +20,14 @@ use parking_lot::Mutex;
 use tokio::net::TcpStream;
 
 use super::head::{self, Framing, MAX_HEADERS};
+use crate::hbone::pool::TunnelPool;
 use crate::l7::error::UpstreamError;
-use crate::limits::{upstream_socket, SocketSlot};
+use crate::limits::upstream_socket;
 use crate::metrics::ClusterStats;
 use crate::resilience::{Overflow, Permit};
 use crate::snapshot::ClusterPlan;
 use crate::tls::{ClusterTlsPlan, Stream};
+use crate::upstream::transport::{self, Transport};
 
 /// Idle connections kept per endpoint and how long one may stay idle. hyper-util's defaults
 /// for the pool this replaces.
@@ -33,20 +38,28 @@ const READ_BUFFER: usize = 16 * 1024;
 
 /// One connection to an endpoint, with the bytes read from it and not yet used.
 pub struct UpstreamConn {
-    /// In the clear, or inside the cluster's TLS.
-    pub stream: Stream,
+    /// In the clear, inside the cluster's TLS, or through the endpoint's node's tunnel.
+    pub stream: Transport,
     pub buf: BytesMut,
     /// Taken from the pool rather than freshly connected: the endpoint may have closed it
     /// while it was idle, so a request that fails on it before any answer is retried.
     pub reused: bool,
     idle_since: Instant,
-    /// Counts the socket against the node's fd budget while it is open.
-    _slot: SocketSlot,
     /// Its place under the cluster's `circuit_breaker.max_connections` while it is open.
     counted: Option<Permit>,
 }
 
 impl UpstreamConn {
+    fn new(stream: Transport) -> UpstreamConn {
+        UpstreamConn {
+            stream,
+            buf: BytesMut::with_capacity(READ_BUFFER),
+            reused: false,
+            idle_since: Instant::now(),
+            counted: None,
+        }
+    }
+
     /// True if the idle socket is known to be unusable: the endpoint closed it (EOF or
     /// reset) or sent bytes nobody asked for. Costs no system call unless the reactor has
     /// seen the socket become readable.
@@ -61,11 +74,18 @@ impl UpstreamConn {
         tls: &ClusterTlsPlan,
         worker: usize,
     ) -> io::Result<UpstreamConn> {
-        let Stream::Plain(tcp) = self.stream else {
+        let Transport::Direct {
+            stream: Stream::Plain(tcp),
+            _slot: slot,
+        } = self.stream
+        else {
             return Ok(self);
         };
         match tls.originate(tcp, &plan.stats, worker).await {
-            Ok(stream) => Ok(UpstreamConn { stream, ..self }),
+            Ok(stream) => Ok(UpstreamConn {
+                stream: Transport::direct(stream, slot),
+                ..self
+            }),
             Err(err) => Err(io::Error::new(
                 io::ErrorKind::ConnectionRefused,
                 format!("TLS handshake with the endpoint failed: {err}"),
@@ -75,14 +95,20 @@ impl UpstreamConn {
 }
 
 /// The idle connections of one cluster, per endpoint.
-#[derive(Default)]
 pub struct H1Pool {
     idle: Mutex<HashMap<SocketAddr, Vec<UpstreamConn>>>,
+    /// A `tunnel: hbone` cluster's: this worker's tunnel connections, which new connections
+    /// are opened through.
+    tunnels: Option<Arc<TunnelPool>>,
 }
 
 impl H1Pool {
-    pub fn new() -> Arc<H1Pool> {
-        Arc::new(H1Pool::default())
+    /// A pool whose new connections are opened directly, or through `tunnels`.
+    pub fn new(tunnels: Option<Arc<TunnelPool>>) -> Arc<H1Pool> {
+        Arc::new(H1Pool {
+            idle: Mutex::default(),
+            tunnels,
+        })
     }
 
     /// The most recently used live connection to `endpoint`, if any.
@@ -224,17 +250,27 @@ pub async fn acquire(
     let counted = breaker
         .acquire(Overflow::Connections)
         .map_err(UpstreamError::overflow)?;
-    let mut conn = connect(endpoint, plan.connect_timeout, &plan.stats, worker)
-        .await
-        .map_err(UpstreamError::connect)?;
+    let mut conn = match &pool.tunnels {
+        Some(tunnels) => UpstreamConn::new(
+            transport::tunnel(tunnels, plan, worker, endpoint)
+                .await
+                .map_err(UpstreamError::connect)?,
+        ),
+        None => {
+            let conn = connect(endpoint, plan.connect_timeout, &plan.stats, worker)
+                .await
+                .map_err(UpstreamError::connect)?;
+            match &plan.tls {
+                None => conn,
+                Some(tls) => conn
+                    .secure(plan, tls, worker)
+                    .await
+                    .map_err(UpstreamError::connect)?,
+            }
+        }
+    };
     conn.counted = Some(counted);
-    match &plan.tls {
-        None => Ok(conn),
-        Some(tls) => conn
-            .secure(plan, tls, worker)
-            .await
-            .map_err(UpstreamError::connect),
-    }
+    Ok(conn)
 }
 
 /// Opens a connection to `endpoint` within `timeout`, counting it (or its failure) for the
@@ -267,14 +303,10 @@ pub async fn connect(
             // Connect outcomes are rare next to requests and may race a scrape.
             stats.connections.add_shared(worker, 1);
             let _ = stream.set_nodelay(true);
-            Ok(UpstreamConn {
-                stream: Stream::Plain(stream),
-                buf: BytesMut::with_capacity(READ_BUFFER),
-                reused: false,
-                idle_since: Instant::now(),
-                _slot: slot,
-                counted: None,
-            })
+            Ok(UpstreamConn::new(Transport::direct(
+                Stream::Plain(stream),
+                slot,
+            )))
         }
         Err(err) => {
             stats.connect_failures.add_shared(worker, 1);
@@ -293,7 +325,7 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let stats = crate::metrics::Metrics::new(1).cluster("c");
-        let pool = H1Pool::new();
+        let pool = H1Pool::new(None);
 
         let quiet = connect(addr, Duration::from_secs(1), &stats, 0)
             .await

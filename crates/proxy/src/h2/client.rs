@@ -1,6 +1,8 @@
 //! hyper's HTTP/2 client, for `protocol: http2` clusters: one multiplexed connection per
 //! endpoint and worker, connections and connect failures counted per cluster, and one try of
-//! a request on it as the retry driver asks for it.
+//! a request on it as the retry driver asks for it. A `tunnel: hbone` cluster's connection to
+//! an endpoint is one CONNECT stream through the endpoint's node
+//! (`crate::upstream::transport`), on which every request of the worker to it is multiplexed.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -17,12 +19,14 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::body::{BoxError, UpstreamBody};
+use crate::hbone::pool::TunnelPool;
 use crate::l7::error::UpstreamError;
-use crate::limits::{upstream_socket, SocketSlot};
+use crate::limits::upstream_socket;
 use crate::metrics::ClusterStats;
 use crate::resilience::{Breaker, Overflow, Overflowed, Permit};
-use crate::snapshot::ClusterPlan;
+use crate::snapshot::{ClusterPlan, Snapshot};
 use crate::tls::{ClusterTlsPlan, Stream};
+use crate::upstream::transport::{self, Transport};
 
 pub type HttpClient = Client<CountingConnector, UpstreamBody>;
 
@@ -38,12 +42,23 @@ pub struct CountingConnector {
     /// The cluster's circuit breaker: a connection takes a place under `max_connections`
     /// (and under `max_pending` while it opens).
     breaker: Arc<Breaker>,
+    /// A `tunnel: hbone` cluster's way to its endpoints: connections open through it.
+    tunnels: Option<Tunnels>,
 }
 
-/// An upstream connection of hyper's client, counted against the fd budget while it is open.
+/// A tunnel cluster's tunnel connections on one worker, and the snapshot whose cluster they
+/// serve (a connect may outlive the request that started it, so it holds its own).
+#[derive(Clone)]
+pub struct Tunnels {
+    pub pool: Arc<TunnelPool>,
+    pub snapshot: Arc<Snapshot>,
+    pub cluster: usize,
+}
+
+/// An upstream connection of hyper's client, holding its place under the cluster's
+/// `max_connections` (and its socket or tunnel stream slot) while it is open.
 pub struct CountedStream {
-    inner: Stream,
-    _slot: SocketSlot,
+    inner: Transport,
     _counted: Permit,
 }
 
@@ -58,11 +73,29 @@ impl tower_service::Service<Uri> for CountingConnector {
 
     fn call(&mut self, dst: Uri) -> Self::Future {
         let (stats, worker, tls) = (self.stats.clone(), self.worker, self.tls.clone());
-        let slot = upstream_socket();
         let permits = self
             .breaker
             .acquire(Overflow::Pending)
             .and_then(|pending| Ok((pending, self.breaker.acquire(Overflow::Connections)?)));
+        if let Some(tunnels) = self.tunnels.clone() {
+            return Box::pin(async move {
+                let (pending, counted) =
+                    permits.map_err(|kind| BoxError::from(Overflowed(kind)))?;
+                // The target is built from the endpoint's `IP:PORT` (`request` below).
+                let endpoint = dst
+                    .authority()
+                    .ok_or_else(|| "upstream request without an authority".to_string())
+                    .and_then(|a| crate::hbone::authority::parse(a.as_str()))?;
+                let plan = &tunnels.snapshot.clusters[tunnels.cluster];
+                let inner = transport::tunnel(&tunnels.pool, plan, worker, endpoint).await?;
+                drop(pending);
+                Ok(TokioIo::new(CountedStream {
+                    inner,
+                    _counted: counted,
+                }))
+            });
+        }
+        let slot = upstream_socket();
         let connecting = self.inner.call(dst);
         Box::pin(async move {
             let (pending, counted) = permits.map_err(|kind| BoxError::from(Overflowed(kind)))?;
@@ -81,8 +114,7 @@ impl tower_service::Service<Uri> for CountingConnector {
                     };
                     drop(pending);
                     Ok(TokioIo::new(CountedStream {
-                        inner,
-                        _slot: slot,
+                        inner: Transport::direct(inner, slot),
                         _counted: counted,
                     }))
                 }
@@ -97,7 +129,10 @@ impl tower_service::Service<Uri> for CountingConnector {
 
 impl Connection for CountedStream {
     fn connected(&self) -> Connected {
-        self.inner.tcp().connected()
+        match self.inner.tcp() {
+            Some(tcp) => tcp.connected(),
+            None => Connected::new(),
+        }
     }
 }
 
@@ -141,9 +176,15 @@ impl AsyncWrite for CountedStream {
     }
 }
 
-/// hyper's client for an HTTP/2 cluster. `send_buffer`: the most request bytes it queues per
-/// stream (`limits.http2_stream_window`), so a slow endpoint holds little of the node's memory.
-pub fn build_client(plan: &ClusterPlan, worker: usize, send_buffer: u32) -> HttpClient {
+/// hyper's client for an HTTP/2 cluster, connecting directly or through `tunnels`.
+/// `send_buffer`: the most request bytes it queues per stream (`limits.http2_stream_window`),
+/// so a slow endpoint holds little of the node's memory.
+pub fn build_client(
+    plan: &ClusterPlan,
+    worker: usize,
+    send_buffer: u32,
+    tunnels: Option<Tunnels>,
+) -> HttpClient {
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
     http.set_connect_timeout(Some(plan.connect_timeout));
@@ -154,6 +195,7 @@ pub fn build_client(plan: &ClusterPlan, worker: usize, send_buffer: u32) -> Http
         worker,
         tls: plan.tls.clone(),
         breaker: plan.guard.breaker.clone(),
+        tunnels,
     };
     let mut builder = Client::builder(TokioExecutor::new());
     // One connection carries every stream of this worker, so its windows are large.

@@ -5,9 +5,10 @@
 //! `server` accepts tunnels on an `hbone` listener and delivers each stream to its
 //! destination (only within the listener's `hbone.destinations`: never an open relay);
 //! `client` carries a `tcp` listener's connections to a `tunnel: hbone` cluster's peers over
-//! the worker's tunnel connections (`pool`, kept with the worker's other upstream pools).
-//! `stream` makes one CONNECT stream a byte stream for the relay; `authority` reads a
-//! destination out of `:authority`.
+//! the worker's tunnel connections (`pool`, kept with the worker's other upstream pools); an
+//! `http` listener's upstream connections to such a cluster take their streams from the same
+//! pool (`crate::upstream::transport`). `stream` makes one CONNECT stream a byte stream for
+//! the relay and the HTTP pools; `authority` reads a destination out of `:authority`.
 
 pub mod authority;
 pub mod client;

@@ -9,6 +9,7 @@
 pub mod backends;
 mod client;
 pub mod grpc;
+pub mod hbone;
 pub mod hostile;
 pub mod pki;
 
