@@ -1975,11 +1975,17 @@ fn captured(cluster: &str, service: &str, workloads: &str) -> String {
     )
 }
 
-const TUNNEL: &str = ", tunnel: hbone, tls: { ca: ca.pem, server_ids: [ spiffe://td/ns/mesh/sa/node ] }";
+const TUNNEL: &str =
+    ", tunnel: hbone, tls: { ca: ca.pem, server_ids: [ spiffe://td/ns/mesh/sa/node ] }";
 
 #[test]
 fn captured_traffic_into_the_mesh_must_tunnel() {
-    let d = only(&captured("", "", ""), 7, 46, "would leave the node in the clear");
+    let d = only(
+        &captured("", "", ""),
+        7,
+        46,
+        "would leave the node in the clear",
+    );
     assert!(d.message.contains("cluster `remote`") && d.message.contains("10.0.0.7:80"));
     assert!(d.hint.contains("tunnel: hbone") && d.hint.contains("plaintext_ok"));
     for ok in [

@@ -797,10 +797,16 @@ impl Checker<'_> {
                             format!("{at}.match.cgroup"),
                             Target::Value,
                             format!("cgroup `{}` is not an absolute path", cgroup.display()),
-                            "use a cgroup v2 directory, e.g. /sys/fs/cgroup/unified/workloads/cart".into(),
+                            "use a cgroup v2 directory, e.g. /sys/fs/cgroup/unified/workloads/cart"
+                                .into(),
                         );
                     }
-                    if config.kernel.as_ref().and_then(|k| k.capture.as_ref()).is_none() {
+                    if config
+                        .kernel
+                        .as_ref()
+                        .and_then(|k| k.capture.as_ref())
+                        .is_none()
+                    {
                         self.report(
                             format!("{at}.match.cgroup"),
                             Target::Value,
@@ -828,7 +834,10 @@ impl Checker<'_> {
                 self.report_duplicate(
                     format!("{at}.match"),
                     format!("workloads[{first}].match"),
-                    format!("{key} already names workload `{}`", config.workloads[*first].name),
+                    format!(
+                        "{key} already names workload `{}`",
+                        config.workloads[*first].name
+                    ),
                     "match each workload differently: a connection must name one workload".into(),
                 );
             } else {

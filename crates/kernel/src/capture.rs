@@ -112,9 +112,13 @@ impl KernelTier {
             server: FmAddr::from_socket_addr_normalized(local),
         };
         self.with(|l| {
-            let m = l.maps.src_by_tuple.as_ref().ok_or(KernelError::MissingMap {
-                map: "fm_src_by_tuple (capture is off in the config)",
-            })?;
+            let m = l
+                .maps
+                .src_by_tuple
+                .as_ref()
+                .ok_or(KernelError::MissingMap {
+                    map: "fm_src_by_tuple (capture is off in the config)",
+                })?;
             match m.get(&key, 0) {
                 Ok(s) => Ok(Some(SourceProcess {
                     cgroup_id: s.cgroup_id,

@@ -22,7 +22,8 @@ use aya::{Ebpf, EbpfLoader};
 use parking_lot::Mutex;
 
 use crate::abi::{
-    FmAddr, FmSource, FmTuple, FmConnLimit, FmDirect, FmL7Conn, FmL7Hold, FmRoute, FmSettings, FmShortcut, FmSockKey,
+    FmAddr, FmConnLimit, FmDirect, FmL7Conn, FmL7Hold, FmRoute, FmSettings, FmShortcut, FmSockKey,
+    FmSource, FmTuple,
 };
 use crate::config::KernelConfig;
 use crate::error::KernelError;

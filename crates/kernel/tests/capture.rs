@@ -28,7 +28,12 @@ fn child_connect() {
         let uid: u32 = uid.parse().unwrap_or_else(|e| panic!("FM_UID {uid}: {e}"));
         // SAFETY: no pointers; the whole process becomes `uid` (glibc applies it to every thread).
         let rc = unsafe { libc::setresuid(uid, uid, uid) };
-        assert_eq!(rc, 0, "setresuid({uid}): {}", std::io::Error::last_os_error());
+        assert_eq!(
+            rc,
+            0,
+            "setresuid({uid}): {}",
+            std::io::Error::last_os_error()
+        );
     }
     println!("ready");
     let _ = std::io::stdout().flush();
@@ -250,7 +255,10 @@ fn each_captured_connection_names_the_process_that_made_it() {
     let s = TcpStream::connect(("127.0.0.1", proxy_port)).unwrap_or_else(|e| panic!("{e}"));
     let (accepted, peer) = proxy.accept().unwrap_or_else(|e| panic!("{e}"));
     let local = accepted.local_addr().unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(tier.source(peer, local).unwrap_or_else(|e| panic!("{e}")), None);
+    assert_eq!(
+        tier.source(peer, local).unwrap_or_else(|e| panic!("{e}")),
+        None
+    );
     drop((s, accepted));
     tier.detach().unwrap_or_else(|e| panic!("{e}"));
 }

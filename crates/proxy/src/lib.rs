@@ -52,6 +52,7 @@ mod tls;
 mod trailers;
 mod upstream;
 mod worker;
+mod workload;
 
 pub use drain::Draining;
 pub use error::ProxyError;
