@@ -351,8 +351,8 @@ impl Snapshot {
         })
     }
 
-    /// The certificates this snapshot presents, for the expiry gauge: (`listener` or
-    /// `cluster`, its name, the SPIFFE ID), and when the certificate expires (Unix seconds).
+    /// The certificates this snapshot presents, for the expiry gauge: (`listener`,
+    /// `cluster` or `workload`, its name, the SPIFFE ID), and when the certificate expires (Unix seconds).
     /// Set by whoever puts the snapshot in force, never by a build that may yet be refused.
     pub fn presented_certificates(&self) -> Vec<([String; 3], i64)> {
         let unix = |t: std::time::SystemTime| {
@@ -367,8 +367,18 @@ impl Snapshot {
             .clusters
             .iter()
             .filter_map(|c| Some(("cluster", &c.name, c.tls.as_ref()?.presents.as_ref()?)));
+        // Each workload's certificate, as the first tunnel cluster presents it (every tunnel
+        // cluster presents the same file).
+        let workloads = self
+            .clusters
+            .iter()
+            .find(|c| !c.workload_tls.is_empty())
+            .into_iter()
+            .flat_map(|c| c.workload_tls.iter().zip(&self.config.workloads))
+            .filter_map(|(t, w)| Some(("workload", &w.name, t.as_ref()?.presents.as_ref()?)));
         listeners
             .chain(clusters)
+            .chain(workloads)
             .map(|(kind, name, p)| {
                 (
                     [kind.to_owned(), name.clone(), p.id.clone()],

@@ -255,6 +255,19 @@ async fn workloads_known_by_uid_present_their_own_identity() {
         .await,
         1.0
     );
+    // Each workload's certificate is watched for expiry like the node's own.
+    for id in [WEB, CART] {
+        assert_eq!(
+            metric_samples(
+                &a.metrics().await,
+                "flatmesh_tls_certificate_expiry_timestamp_seconds",
+                &[&format!("identity=\"{id}\"")]
+            )
+            .len(),
+            1,
+            "expiry of {id}"
+        );
+    }
     a.assert_alive("after refusing").await;
     b.assert_alive("after refusing").await;
 }
