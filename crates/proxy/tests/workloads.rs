@@ -31,8 +31,9 @@ fn require_root() {
 }
 
 /// Node B: an hbone listener `tunnel` whose TLS admits the mesh and the shop namespace, and
-/// whose policies allow web and node A only (cart is refused, 403).
-fn node_b(pki: &Pki, listen: SocketAddr) -> TestNode {
+/// whose policies allow web and node A only (cart is refused, 403). Its local workload `echo`
+/// is known by the port it listens on.
+fn node_b(pki: &Pki, listen: SocketAddr, echo: SocketAddr) -> TestNode {
     let id = pki.issue("node-b", NODE);
     let ca = pki.ca_file();
     TestNode::start(&format!(
@@ -49,8 +50,11 @@ listeners:
       policies:
         - {{ name: web, action: allow, from: {{ principals: [ {WEB} ] }} }}
         - {{ name: node-a, action: allow, from: {{ principals: [ {NODE_A} ] }} }}
+workloads:
+  - {{ name: echo, identity: "{TD}/ns/shop/sa/echo", match: {{ port: {port} }} }}
 "#,
-        admin = free_addr()
+        admin = free_addr(),
+        port = echo.port(),
     ))
 }
 
@@ -201,6 +205,16 @@ async fn each_tunnel_presented_its_workload(a: &TestNode, b: &TestNode) {
         .await,
         1.0
     );
+    // B names the local workload each delivered stream was for, by its port.
+    assert_eq!(
+        count(
+            b,
+            "flatmesh_workload_connections_total",
+            &["listener=\"tunnel\"", "workload=\"echo\""]
+        )
+        .await,
+        3.0
+    );
 }
 
 /// Without tier K: web and cart are users 4201 and 4202; the node reads the owner of each
@@ -211,7 +225,7 @@ async fn workloads_known_by_uid_present_their_own_identity() {
     let pki = Pki::new();
     let echo = TcpBackend::start(TcpMode::Echo).await;
     let b_listen = free_addr();
-    let b = node_b(&pki, b_listen);
+    let b = node_b(&pki, b_listen, echo.addr);
     let a = TestNode::start(&node_a(
         &pki,
         echo.addr,
@@ -315,7 +329,7 @@ async fn captured_workloads_known_by_cgroup_present_their_own_identity() {
     let pki = Pki::new();
     let echo = TcpBackend::start(TcpMode::Echo).await;
     let b_listen = free_addr();
-    let b = node_b(&pki, b_listen);
+    let b = node_b(&pki, b_listen, echo.addr);
     let vip: SocketAddr = "10.251.7.1:80".parse().unwrap();
     let kernel = format!(
         "kernel:\n  pin_dir: {pins}\n  redirect: false\n  tcp_splice: false\n  capture: {{ cgroup: {}, services: [ {{ address: \"{vip}\", listener: app }} ] }}\n",
