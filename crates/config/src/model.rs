@@ -44,6 +44,56 @@ pub struct Config {
     /// What the node knows about itself (its locality, for locality-aware load balancing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<Node>,
+    /// The workloads on this node: which local processes' connections the node carries on
+    /// their behalf, and the identity it presents for each (docs/security.md, "Workloads").
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub workloads: Vec<Workload>,
+}
+
+/// One workload on this node (ztunnel's "workload" of a node): its SPIFFE identity, the
+/// certificate the node presents for it in HBONE tunnels, and how the node recognises it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    /// Labels the workload in metrics and logs.
+    pub name: String,
+    /// `spiffe://TRUST_DOMAIN/ns/NAMESPACE/sa/SERVICE_ACCOUNT`: what the node presents for it.
+    pub identity: String,
+    /// PEM: the workload's certificate (an SVID of `identity`), then its chain. Needed to
+    /// present the identity, so by `cgroup` and `uid` workloads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cert: Option<std::path::PathBuf>,
+    /// PEM: the certificate's private key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<std::path::PathBuf>,
+    /// How the node knows the workload: exactly one of the keys.
+    #[serde(rename = "match")]
+    pub matches: WorkloadMatch,
+}
+
+/// `match:` of a workload. `cgroup` and `uid` name the client of a connection the node
+/// accepts (a captured or direct connection to a node listener); `port` names the local
+/// workload that listens on it (the destination of an HBONE stream the node delivers).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadMatch {
+    /// cgroup v2 directory the client process is in (needs tier K with `kernel.capture`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<std::path::PathBuf>,
+    /// The client process's user id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// The port the workload listens on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+}
+
+impl Workload {
+    /// Whether the workload is known as the client of connections (by `cgroup` or `uid`),
+    /// so the node presents its identity.
+    pub fn is_client(&self) -> bool {
+        self.matches.cgroup.is_some() || self.matches.uid.is_some()
+    }
 }
 
 /// ztunnel's default grace period; Kubernetes gives a pod 30 s between SIGTERM and SIGKILL.
@@ -116,6 +166,11 @@ pub struct CapturedService {
     pub address: SocketAddr,
     /// The node listener that takes those connections.
     pub listener: String,
+    /// Let captured connections leave the node in the clear: without it, every cluster the
+    /// listener sends to must tunnel (`tunnel: hbone`) or have only loopback endpoints, so
+    /// captured traffic into the mesh leaves the node only inside HBONE.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub plaintext_ok: bool,
 }
 
 /// The default admin settings: `127.0.0.1:15000`, no token.

@@ -1982,3 +1982,100 @@ fn endpoint_weights_are_validated_by_line() {
     );
     assert!(d.hint.contains("IP:PORT"), "{}", d.hint);
 }
+
+/// A tcp listener `app` to cluster `remote` ({cluster} its extra keys), captured from a VIP
+/// ({service} the service's extra keys), then `workloads` from line 13 on.
+fn captured(cluster: &str, service: &str, workloads: &str) -> String {
+    format!(
+        "listeners:\n  - {{ name: app, address: 127.0.0.1:9000, protocol: tcp, cluster: remote }}\n\
+         kernel:\n  capture:\n    cgroup: /sys/fs/cgroup/unified/w\n    services:\n      - {{ address: \"10.96.0.1:80\", listener: app{service} }}\n\
+         clusters:\n  - {{ name: remote, endpoints: [ 10.0.0.7:80 ]{cluster} }}\n\
+         # comment\n# comment\n{workloads}"
+    )
+}
+
+const TUNNEL: &str =
+    ", tunnel: hbone, tls: { ca: ca.pem, server_ids: [ spiffe://td/ns/mesh/sa/node ] }";
+
+#[test]
+fn captured_traffic_into_the_mesh_must_tunnel() {
+    let d = only(
+        &captured("", "", ""),
+        7,
+        46,
+        "would leave the node in the clear",
+    );
+    assert!(d.message.contains("cluster `remote`") && d.message.contains("10.0.0.7:80"));
+    assert!(d.hint.contains("tunnel: hbone") && d.hint.contains("plaintext_ok"));
+    for ok in [
+        captured(TUNNEL, "", ""),
+        captured("", ", plaintext_ok: true", ""),
+    ] {
+        parse(&ok, "t.yaml").unwrap_or_else(|e| panic!("{e}"));
+    }
+    // Loopback endpoints are services on this host: nothing leaves the node.
+    let local = captured("", "", "").replace("10.0.0.7:80", "127.0.0.1:80");
+    parse(&local, "t.yaml").unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn workloads_parse_and_say_how_they_are_matched() {
+    let text = captured(
+        TUNNEL,
+        "",
+        "workloads:\n  - { name: cart, identity: spiffe://td/ns/shop/sa/cart, cert: c.pem, key: c.key, match: { uid: 1001 } }\n  - { name: web, identity: spiffe://td/ns/shop/sa/web, cert: w.pem, key: w.key, match: { cgroup: /sys/fs/cgroup/unified/w/web } }\n  - { name: db, identity: spiffe://td/ns/shop/sa/db, match: { port: 5432 } }\n",
+    );
+    let config = parse(&text, "t.yaml").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(config.workloads.len(), 3);
+    assert_eq!(config.workloads[0].matches.uid, Some(1001));
+    assert!(config.workloads[1].is_client() && !config.workloads[2].is_client());
+}
+
+#[test]
+fn workload_rules() {
+    let w = |line: &str| captured(TUNNEL, "", &format!("workloads:\n  - {line}\n"));
+    only(
+        &w("{ name: a, identity: spiffe://td/ns/x/sa/a, cert: a.pem, key: a.key, match: { uid: 1, port: 80 } }"),
+        13,
+        81,
+        "exactly one of `cgroup`, `uid` and `port`",
+    );
+    only(
+        &w("{ name: a, identity: spiffe://td/ns/x/sa/a, cert: a.pem, match: { uid: 1 } }"),
+        13,
+        5,
+        "needs both `cert` and `key`",
+    );
+    only(
+        &w("{ name: a, identity: td/ns/x/sa/a, cert: a.pem, key: a.key, match: { uid: 1 } }"),
+        13,
+        26,
+        "is not a SPIFFE ID",
+    );
+    only(
+        &w("{ name: a, identity: spiffe://td/ns/x/*, cert: a.pem, key: a.key, match: { uid: 1 } }"),
+        13,
+        26,
+        "not a pattern",
+    );
+    only(
+        &w("{ name: a, identity: spiffe://td/ns/x/sa/a, match: { port: 0 } }"),
+        13,
+        64,
+        "port 0",
+    );
+    let two = captured(
+        TUNNEL,
+        "",
+        "workloads:\n  - { name: a, identity: spiffe://td/ns/x/sa/a, cert: a.pem, key: a.key, match: { uid: 7 } }\n  - { name: a, identity: spiffe://td/ns/x/sa/b, cert: b.pem, key: b.key, match: { uid: 7 } }\n",
+    );
+    let all = errors(&two);
+    assert_eq!(all.len(), 2, "{all:#?}");
+    assert!(all[0].message.contains("workload name `a` is used twice"));
+    assert!(all[1].message.contains("uid 7 already names workload `a`"));
+    assert!(all.iter().all(|d| d.line == 14));
+    // Matching by cgroup needs the kernel's record of each connection's cgroup.
+    let no_kernel = "listeners:\n  - { name: app, address: 127.0.0.1:9000, protocol: tcp, cluster: remote }\nclusters:\n  - { name: remote, endpoints: [ 127.0.0.1:80 ] }\nworkloads:\n  - { name: a, identity: spiffe://td/ns/x/sa/a, cert: a.pem, key: a.key, match: { cgroup: /sys/fs/cgroup/unified/a } }\n";
+    let d = only(no_kernel, 6, 91, "only tier K can see");
+    assert!(d.hint.contains("uid"));
+}

@@ -85,6 +85,7 @@ pub fn validate(config: &Config) -> Vec<Problem> {
     check.listeners();
     check.clusters();
     check.kernel();
+    check.workloads();
     check.problems
 }
 
@@ -658,6 +659,9 @@ impl Checker<'_> {
                     &service.listener,
                     None,
                 );
+                if !service.plaintext_ok {
+                    self.captured_leaves_in_a_tunnel(i, service);
+                }
             }
         }
         let http: Vec<&str> = config
@@ -694,6 +698,164 @@ impl Checker<'_> {
                 format!("add `l7_listener: NAME` to the kernel section (one of: {})", http.join(", ")),
             ),
             None => {}
+        }
+    }
+
+    /// Captured traffic leaves the node only inside a tunnel: every cluster the service's
+    /// listener sends to either tunnels or has only loopback endpoints (services on this
+    /// host), unless the service says `plaintext_ok`.
+    fn captured_leaves_in_a_tunnel(&mut self, i: usize, service: &CapturedService) {
+        let config = self.config;
+        let Some(listener) = config.listeners.iter().find(|l| l.name == service.listener) else {
+            return;
+        };
+        let mut targets: Vec<&str> = listener.cluster.iter().map(String::as_str).collect();
+        for route in &listener.routes {
+            targets.extend(route.cluster.as_deref());
+            targets.extend(route.split.iter().flatten().map(|w| w.cluster.as_str()));
+            targets.extend(route.mirror.as_ref().map(|m| m.cluster.as_str()));
+        }
+        targets.sort_unstable();
+        targets.dedup();
+        for name in targets {
+            let Some(cluster) = config.clusters.iter().find(|c| c.name == name) else {
+                continue;
+            };
+            if cluster.tunnel.is_some() {
+                continue;
+            }
+            if let Some(remote) = cluster.endpoints.iter().find(|e| !e.ip().is_loopback()) {
+                self.report(
+                    format!("kernel.capture.services[{i}].listener"),
+                    Target::Value,
+                    format!(
+                        "captured connections to {} would leave the node in the clear: listener `{}` sends them to cluster `{name}`, whose endpoint {remote} is not on this host's loopback",
+                        service.address, listener.name
+                    ),
+                    format!("give cluster `{name}` `tunnel: hbone` (with `tls`) so they leave inside HBONE, or add `plaintext_ok: true` to this service if its destination is outside the mesh"),
+                );
+            }
+        }
+    }
+
+    /// `workloads:`: unique names, a SPIFFE ID each, exactly one way to match, and the
+    /// certificate of each workload whose identity the node presents.
+    fn workloads(&mut self) {
+        let config = self.config;
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        let mut matches: HashMap<String, usize> = HashMap::new();
+        for (i, w) in config.workloads.iter().enumerate() {
+            let at = format!("workloads[{i}]");
+            let name = w.name.as_str();
+            if name.trim().is_empty() {
+                self.report(
+                    format!("{at}.name"),
+                    Target::Value,
+                    "workload name is empty".into(),
+                    "give the workload a short name such as `cart`; it labels metrics and logs"
+                        .into(),
+                );
+            } else if let Some(first) = names.get(name) {
+                self.report_duplicate(
+                    format!("{at}.name"),
+                    format!("workloads[{first}].name"),
+                    format!("workload name `{name}` is used twice"),
+                    "rename one of them: workload names must be unique".into(),
+                );
+            } else {
+                names.insert(name, i);
+            }
+            if let Err(hint) = principal_pattern(&w.identity).and_then(|()| {
+                if w.identity.ends_with("/*") {
+                    Err("a workload has one identity, not a pattern".into())
+                } else {
+                    Ok(())
+                }
+            }) {
+                self.report(
+                    format!("{at}.identity"),
+                    Target::Value,
+                    format!("`{}` is not a SPIFFE ID: {hint}", w.identity),
+                    "write spiffe://TRUST_DOMAIN/ns/NAMESPACE/sa/SERVICE_ACCOUNT".into(),
+                );
+            }
+            let m = &w.matches;
+            let kinds = [m.cgroup.is_some(), m.uid.is_some(), m.port.is_some()];
+            if kinds.iter().filter(|k| **k).count() != 1 {
+                self.report(
+                    format!("{at}.match"),
+                    Target::Value,
+                    format!("workload `{name}` must be matched by exactly one of `cgroup`, `uid` and `port`"),
+                    "write one, e.g. `match: { uid: 1001 }`; declare the workload twice (two names) to match it two ways".into(),
+                );
+                continue;
+            }
+            let key = match (&m.cgroup, m.uid, m.port) {
+                (Some(cgroup), _, _) => {
+                    if !cgroup.is_absolute() {
+                        self.report(
+                            format!("{at}.match.cgroup"),
+                            Target::Value,
+                            format!("cgroup `{}` is not an absolute path", cgroup.display()),
+                            "use a cgroup v2 directory, e.g. /sys/fs/cgroup/unified/workloads/cart"
+                                .into(),
+                        );
+                    }
+                    if config
+                        .kernel
+                        .as_ref()
+                        .and_then(|k| k.capture.as_ref())
+                        .is_none()
+                    {
+                        self.report(
+                            format!("{at}.match.cgroup"),
+                            Target::Value,
+                            format!("workload `{name}` is matched by cgroup, which only tier K can see (the kernel records each captured connection's cgroup)"),
+                            "add `kernel: { capture: ... }` with a capture cgroup that holds this one, or match the workload by `uid`".into(),
+                        );
+                    }
+                    format!("cgroup {}", cgroup.display())
+                }
+                (None, Some(uid), _) => format!("uid {uid}"),
+                (None, None, Some(port)) => {
+                    if port == 0 {
+                        self.report(
+                            format!("{at}.match.port"),
+                            Target::Value,
+                            "port 0 is no port a workload listens on".into(),
+                            "write the port the workload listens on".into(),
+                        );
+                    }
+                    format!("port {port}")
+                }
+                (None, None, None) => unreachable!("one kind is set: checked above"),
+            };
+            if let Some(first) = matches.get(&key) {
+                self.report_duplicate(
+                    format!("{at}.match"),
+                    format!("workloads[{first}].match"),
+                    format!(
+                        "{key} already names workload `{}`",
+                        config.workloads[*first].name
+                    ),
+                    "match each workload differently: a connection must name one workload".into(),
+                );
+            } else {
+                matches.insert(key, i);
+            }
+            match (&w.cert, &w.key) {
+                (Some(cert), Some(key)) => {
+                    self.file_path(&format!("{at}.cert"), cert);
+                    self.file_path(&format!("{at}.key"), key);
+                }
+                (None, None) if !w.is_client() => {}
+                (cert, _) => self.report(
+                    format!("{at}.{}", if cert.is_none() { "cert" } else { "key" }),
+                    Target::Key,
+                    format!("workload `{name}` needs both `cert` and `key`: the node presents its identity for the connections it makes"),
+                    format!("issue one, e.g. `flatmesh ca issue --dir ca/ --id {} --out certs/{name}`, and give `cert: certs/{name}.pem` and `key: certs/{name}.key`", w.identity),
+                ),
+            }
         }
     }
 
@@ -1925,6 +2087,7 @@ mod tests {
             clusters: vec![],
             kernel: None,
             node: None,
+            workloads: vec![],
         };
         let problems = validate(&config);
         assert_eq!(problems.len(), 1, "{problems:?}");

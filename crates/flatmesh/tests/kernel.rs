@@ -952,7 +952,7 @@ kernel:
   pin_dir: {pins}
   redirect: false
   tcp_splice: false
-  capture: {{ cgroup: {cg}, services: [ {{ address: "{vip}", listener: svc }} ] }}
+  capture: {{ cgroup: {cg}, services: [ {{ address: "{vip}", listener: svc, plaintext_ok: true }} ] }}
 listeners:
   - {{ name: svc, address: {listen}, protocol: tcp, cluster: svc }}
 clusters:

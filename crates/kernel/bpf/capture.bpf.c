@@ -1,6 +1,9 @@
 /* Capture: cgroup/connect4+6 send connections to configured service addresses to the node
  * proxy, and remember where they were going so the proxy can recover it, by socket cookie
- * or with getsockopt(SO_ORIGINAL_DST) answered by cgroup/getsockopt. */
+ * or with getsockopt(SO_ORIGINAL_DST) answered by cgroup/getsockopt. They also remember who
+ * made each captured connection (the client process's cgroup and uid, read in its own
+ * context, so nothing the client sends can change them): the node names the connection's
+ * workload from it (fm_src_by_tuple). */
 #include "common.h"
 
 #define FM_SO_ORIGINAL_DST 80
@@ -44,6 +47,42 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } fm_orig_by_tuple SEC(".maps");
 
+/* Who made a captured connection. */
+struct fm_source {
+	__u64 cgroup_id; /* the client process's cgroup v2 id (the cgroup directory's inode) */
+	__u32 uid;       /* its real user id */
+	__u32 pad;
+};
+
+/* client socket cookie -> source, from connect4/6 until the client's sockops re-keys it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, __u64);
+	__type(value, struct fm_source);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} fm_src_by_cookie SEC(".maps");
+
+/* (client, proxy) -> source: how the node finds who made a connection it accepted. LRU, and
+ * removed when the proxy's end closes, so a later connection on the same 4-tuple never
+ * inherits an old source. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct fm_tuple);
+	__type(value, struct fm_source);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} fm_src_by_tuple SEC(".maps");
+
+/* Records the calling process as the source of the socket `cookie` is connecting. */
+static __always_inline void fm_record_source(__u64 cookie)
+{
+	struct fm_source src = {};
+	src.cgroup_id = bpf_get_current_cgroup_id();
+	src.uid = (__u32)bpf_get_current_uid_gid();
+	bpf_map_update_elem(&fm_src_by_cookie, &cookie, &src, BPF_ANY);
+}
+
 static __always_inline int fm_bypassed(void)
 {
 	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
@@ -68,6 +107,7 @@ int fm_connect4(struct bpf_sock_addr *ctx)
 	}
 	__u64 cookie = bpf_get_socket_cookie(ctx);
 	bpf_map_update_elem(&fm_orig_by_cookie, &cookie, &key, BPF_ANY);
+	fm_record_source(cookie);
 	ctx->user_ip4 = proxy->ip[0];
 	ctx->user_port = bpf_htons(proxy->port);
 	fm_count(FM_ST_CONNECT4, 1, 0, 1, 0);
@@ -93,6 +133,7 @@ int fm_connect6(struct bpf_sock_addr *ctx)
 	}
 	__u64 cookie = bpf_get_socket_cookie(ctx);
 	bpf_map_update_elem(&fm_orig_by_cookie, &cookie, &key, BPF_ANY);
+	fm_record_source(cookie);
 	if (proxy->family == FM_AF_INET) {
 		ctx->user_ip6[0] = 0;
 		ctx->user_ip6[1] = 0;
@@ -148,6 +189,14 @@ int fm_sockops_capture(struct bpf_sock_ops *skops)
 		struct fm_addr o = *orig;
 		fm_sockops_ends(skops, &t.client, &t.server);
 		bpf_map_update_elem(&fm_orig_by_tuple, &t, &o, BPF_ANY);
+		/* The source moves to the tuple the node sees (its peer, its own address), and
+		 * before the client's ACK, so it is there when the node accepts. */
+		struct fm_source *src = bpf_map_lookup_elem(&fm_src_by_cookie, &cookie);
+		if (src) {
+			struct fm_source s = *src;
+			bpf_map_update_elem(&fm_src_by_tuple, &t, &s, BPF_ANY);
+			bpf_map_delete_elem(&fm_src_by_cookie, &cookie);
+		}
 		bpf_sock_ops_cb_flags_set(skops, BPF_SOCK_OPS_STATE_CB_FLAG);
 		fm_count(FM_ST_SOCKOPS_CAPTURE, 1, 0, 1, 0);
 	} else if (op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB) {
@@ -167,8 +216,10 @@ int fm_sockops_capture(struct bpf_sock_ops *skops)
 		 * side, which may still ask for it after the client has gone. */
 		if (bpf_map_lookup_elem(&fm_orig_by_cookie, &cookie)) {
 			bpf_map_delete_elem(&fm_orig_by_cookie, &cookie);
+			bpf_map_delete_elem(&fm_src_by_cookie, &cookie);
 			fm_sockops_ends(skops, &t.server, &t.client);
 			bpf_map_delete_elem(&fm_orig_by_tuple, &t);
+			bpf_map_delete_elem(&fm_src_by_tuple, &t);
 		}
 		fm_count(FM_ST_SOCKOPS_CAPTURE, 1, 0, 0, 0);
 	}

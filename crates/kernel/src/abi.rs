@@ -129,6 +129,29 @@ impl FmAddr {
     }
 }
 
+/// struct fm_tuple (common.h): a captured connection as the node sees it, (its peer, itself).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub(crate) struct FmTuple {
+    pub client: FmAddr,
+    pub server: FmAddr,
+}
+
+// SAFETY: two FmAddr, no padding.
+unsafe impl aya::Pod for FmTuple {}
+
+/// struct fm_source (capture.bpf.c): who made a captured connection.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct FmSource {
+    pub cgroup_id: u64,
+    pub uid: u32,
+    pub pad: u32,
+}
+
+// SAFETY: plain integers, no padding holes beyond the explicit `pad`.
+unsafe impl aya::Pod for FmSource {}
+
 /// struct fm_sock_key (redirect.bpf.c): a socket's own (local, remote) ends, with the netns
 /// cookie when the local end is loopback.
 #[repr(C)]
@@ -299,6 +322,8 @@ mod tests {
         assert_eq!(std::mem::size_of::<FmL7Hold>(), HOLD + 16);
         assert_eq!(WHY_NAMES[WHY_HELD], "held");
         assert_eq!(std::mem::size_of::<FmSockKey>(), 48);
+        assert_eq!(std::mem::size_of::<FmTuple>(), 40);
+        assert_eq!(std::mem::size_of::<FmSource>(), 16);
         assert_eq!(std::mem::size_of::<FmShortcut>(), 56);
         assert_eq!(std::mem::size_of::<FmDirect>(), 16);
     }

@@ -1,13 +1,32 @@
 //! Capture: which service addresses are sent to the proxy, which processes are never
-//! captured, and where a captured connection was going.
+//! captured, where a captured connection was going, and who made it.
 
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
 
-use crate::abi::FmAddr;
+use crate::abi::{FmAddr, FmTuple};
 use crate::error::KernelError;
 use crate::sockopt::socket_cookie;
 use crate::tier::KernelTier;
+
+/// Who made a captured connection, as the kernel saw it in the client's own `connect()`:
+/// nothing the client sends can change it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SourceProcess {
+    /// The client process's cgroup v2 id: the inode number of its cgroup directory.
+    pub cgroup_id: u64,
+    /// The client process's (real) user id.
+    pub uid: u32,
+}
+
+/// The cgroup v2 id of the cgroup directory `path`, as `bpf_get_current_cgroup_id()` gives it
+/// for a process in that cgroup (its inode number).
+pub fn cgroup_id(path: &std::path::Path) -> Result<u64, KernelError> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path)
+        .map(|m| m.ino())
+        .map_err(|e| KernelError::io(format!("reading cgroup {}", path.display()), e))
+}
 
 impl KernelTier {
     /// Sends TCP connections from the capture cgroup to `service` to `proxy` instead.
@@ -76,6 +95,37 @@ impl KernelTier {
                 Ok(a) => Ok(a.to_socket_addr()),
                 Err(aya::maps::MapError::KeyNotFound) => Ok(None),
                 Err(e) => Err(KernelError::map("fm_orig_by_cookie", "lookup", e)),
+            }
+        })
+    }
+
+    /// Who made the captured connection the node accepted from `peer` on `local` (the
+    /// accepted socket's two ends). `None` if it was not captured (the kernel only records
+    /// connections whose `connect()` the capture programs redirected).
+    pub fn source(
+        &self,
+        peer: SocketAddr,
+        local: SocketAddr,
+    ) -> Result<Option<SourceProcess>, KernelError> {
+        let key = FmTuple {
+            client: FmAddr::from_socket_addr_normalized(peer),
+            server: FmAddr::from_socket_addr_normalized(local),
+        };
+        self.with(|l| {
+            let m = l
+                .maps
+                .src_by_tuple
+                .as_ref()
+                .ok_or(KernelError::MissingMap {
+                    map: "fm_src_by_tuple (capture is off in the config)",
+                })?;
+            match m.get(&key, 0) {
+                Ok(s) => Ok(Some(SourceProcess {
+                    cgroup_id: s.cgroup_id,
+                    uid: s.uid,
+                })),
+                Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+                Err(e) => Err(KernelError::map("fm_src_by_tuple", "lookup", e)),
             }
         })
     }

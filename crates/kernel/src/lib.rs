@@ -28,6 +28,7 @@ mod status;
 mod tier;
 
 pub use abi::FmStat;
+pub use capture::{cgroup_id, SourceProcess};
 pub use config::{default_cgroup_root, CaptureConfig, KernelConfig, DEFAULT_PIN_DIR};
 pub use conn_limit::ConnLimit;
 pub use dispatch::{FallbackReason, L7Decision};

@@ -23,6 +23,7 @@ use parking_lot::Mutex;
 
 use crate::abi::{
     FmAddr, FmConnLimit, FmDirect, FmL7Conn, FmL7Hold, FmRoute, FmSettings, FmShortcut, FmSockKey,
+    FmSource, FmTuple,
 };
 use crate::config::KernelConfig;
 use crate::error::KernelError;
@@ -56,6 +57,7 @@ pub(crate) struct Maps {
     pub services: Option<HashMap<MapData, FmAddr, FmAddr>>,
     pub bypass_pids: Option<HashMap<MapData, u32, u8>>,
     pub orig_by_cookie: Option<HashMap<MapData, u64, FmAddr>>,
+    pub src_by_tuple: Option<HashMap<MapData, FmTuple, FmSource>>,
     pub redirect_ports: Option<HashMap<MapData, u16, u8>>,
     pub shortcuts: Option<HashMap<MapData, FmSockKey, FmShortcut>>,
     pub direct_bytes: Option<HashMap<MapData, FmSockKey, FmDirect>>,
@@ -387,6 +389,7 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
     let mut services = None;
     let mut bypass_pids = None;
     let mut orig_by_cookie = None;
+    let mut src_by_tuple = None;
     let mut redirect_ports = None;
     let mut shortcuts = None;
     let mut direct_bytes = None;
@@ -424,6 +427,7 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
         services = Some(typed(&mut obj, "fm_services")?);
         bypass_pids = Some(typed(&mut obj, "fm_bypass_pids")?);
         orig_by_cookie = Some(typed(&mut obj, "fm_orig_by_cookie")?);
+        src_by_tuple = Some(typed(&mut obj, "fm_src_by_tuple")?);
         objects.push(obj);
     }
 
@@ -521,6 +525,7 @@ fn load_and_attach(cfg: &KernelConfig) -> Result<Loaded, KernelError> {
             services,
             bypass_pids,
             orig_by_cookie,
+            src_by_tuple,
             redirect_ports,
             shortcuts,
             direct_bytes,

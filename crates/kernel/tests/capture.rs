@@ -24,6 +24,17 @@ fn child_connect() {
         std::process::id().to_string(),
     )
     .unwrap_or_else(|e| panic!("joining {cgroup}: {e}"));
+    if let Ok(uid) = std::env::var("FM_UID") {
+        let uid: u32 = uid.parse().unwrap_or_else(|e| panic!("FM_UID {uid}: {e}"));
+        // SAFETY: no pointers; the whole process becomes `uid` (glibc applies it to every thread).
+        let rc = unsafe { libc::setresuid(uid, uid, uid) };
+        assert_eq!(
+            rc,
+            0,
+            "setresuid({uid}): {}",
+            std::io::Error::last_os_error()
+        );
+    }
     println!("ready");
     let _ = std::io::stdout().flush();
     let mut go = String::new();
@@ -68,13 +79,22 @@ fn serve_one(
 /// Runs the child in `cgroup` against `addr`; `before_go` runs with the child's pid once it
 /// is in the cgroup. Returns its reply line.
 fn run_child(cgroup: &TestCgroup, addr: SocketAddr, before_go: impl FnOnce(u32)) -> String {
-    let mut kid = child(
-        "child_connect",
-        &[
-            ("FM_CGROUP", cgroup.path.display().to_string()),
-            ("FM_CONNECT", addr.to_string()),
-        ],
-    );
+    run_child_as(&cgroup.path, None, addr, before_go)
+}
+
+/// As `run_child`, in cgroup directory `cgroup` and, with `uid`, as that user.
+fn run_child_as(
+    cgroup: &std::path::Path,
+    uid: Option<u32>,
+    addr: SocketAddr,
+    before_go: impl FnOnce(u32),
+) -> String {
+    let mut env = vec![
+        ("FM_CGROUP", cgroup.display().to_string()),
+        ("FM_CONNECT", addr.to_string()),
+    ];
+    env.extend(uid.map(|u| ("FM_UID", u.to_string())));
+    let mut kid = child("child_connect", &env);
     let mut out = BufReader::new(
         kid.stdout
             .take()
@@ -182,5 +202,63 @@ fn the_proxy_and_other_cgroups_are_never_captured() {
         "connection outside the cgroup was captured: {line}"
     );
     drop(proxy);
+    tier.detach().unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn each_captured_connection_names_the_process_that_made_it() {
+    let cgroup = TestCgroup::new("capture-source");
+    let tier = tier("capture-source", &cgroup);
+    let (proxy, proxy_port) = listener();
+    let vip: SocketAddr = "10.254.7.2:8080".parse().unwrap_or_else(|e| panic!("{e}"));
+    tier.add_service(vip, SocketAddr::from(([127, 0, 0, 1], proxy_port)))
+        .unwrap_or_else(|e| panic!("{e}"));
+    // Two workloads: sub-cgroups of the capture cgroup (connect4 applies to them too), each
+    // under a user of its own.
+    let workloads = [("a", 4101u32), ("b", 4102u32)];
+    for (name, uid) in workloads {
+        let dir = cgroup.path.join(name);
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let t = tier.clone();
+        let listener = proxy.try_clone().unwrap_or_else(|e| panic!("{e}"));
+        let server = std::thread::spawn(move || {
+            let (mut s, peer) = listener.accept().unwrap_or_else(|e| panic!("accept: {e}"));
+            let local = s.local_addr().unwrap_or_else(|e| panic!("{e}"));
+            let source = t.source(peer, local).unwrap_or_else(|e| panic!("{e}"));
+            let mut buf = [0u8; 6];
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            let _ = s.read_exact(&mut buf);
+            let _ = writeln!(s, "ok");
+            source
+        });
+        let reply = run_child_as(&dir, Some(uid), vip, |_| {});
+        assert_eq!(reply, "ok");
+        let source = server
+            .join()
+            .unwrap_or_else(|_| panic!("server thread"))
+            .unwrap_or_else(|| panic!("no source recorded for workload {name}"));
+        let id = flatmesh_kernel::cgroup_id(&dir).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            source,
+            flatmesh_kernel::SourceProcess { cgroup_id: id, uid },
+            "workload {name}"
+        );
+        // The child has exited; the kernel may take a moment to let its cgroup go.
+        for _ in 0..50 {
+            if std::fs::remove_dir(&dir).is_ok() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    // A connection the kernel did not capture (this process is outside the cgroup) has none.
+    let s = TcpStream::connect(("127.0.0.1", proxy_port)).unwrap_or_else(|e| panic!("{e}"));
+    let (accepted, peer) = proxy.accept().unwrap_or_else(|e| panic!("{e}"));
+    let local = accepted.local_addr().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        tier.source(peer, local).unwrap_or_else(|e| panic!("{e}")),
+        None
+    );
+    drop((s, accepted));
     tier.detach().unwrap_or_else(|e| panic!("{e}"));
 }

@@ -5,7 +5,8 @@
 //! Follow one request (the README's "Architecture" walks it with file names):
 //! `node.rs` binds and swaps config snapshots (`control.rs`, `snapshot.rs`) → `worker.rs`
 //! accepts on a SO_REUSEPORT socket → `dispatch.rs` picks the path: the L4 relay (`tcp.rs`,
-//! which hands a tunnel cluster's connections to `hbone/client.rs`), HBONE tunnels in
+//! which hands a tunnel cluster's connections to `hbone/client.rs`, presenting the identity of
+//! the workload `workload/` found for the client), HBONE tunnels in
 //! (`hbone/server.rs`), tier K's first-request hand-off (`kernel/`), or the protocol sniff (`sniff.rs`) → the
 //! HTTP/1 codec (`h1/`) or the HTTP/2 codec (`h2/`, on hyper), thin adapters over the
 //! codec-neutral L7 layer (`l7/`: decide, retry driver, error type, replies) → `lb.rs` picks
@@ -16,7 +17,7 @@
 //! `lb`, `tap`, `relay`, `read_ahead` (under TLS), `sniff`, `body`, `trailers`, the HTTP/1 framing in `h1/head`, `h1/chunked`, `h1/body`)
 //! → HBONE's stream and tunnel pool (`hbone/stream`, `hbone/pool`) → the upstream transport
 //! (`upstream/transport`) → upstream pools and clients (`h1/pool`, `h1/client`, `h2/client`, `upstream`) and tier K
-//! (`kernel/`) → `context` → the L7 layer (`l7/`) and the L4 relay (`tcp`, `hbone/client`, `hbone/server`) → the codecs'
+//! (`kernel/`) → `workload` → `context` → the L7 layer (`l7/`) and the L4 relay (`tcp`, `hbone/client`, `hbone/server`) → the codecs'
 //! server sides (`h1/conn`, `h2`) → `dispatch` → `worker` → `control` → `admin`, `node`.
 // One exception, with its SAFETY note: `limits::release_free_heap` (glibc's malloc_trim).
 #![deny(unsafe_code)]
@@ -55,6 +56,7 @@ mod tls;
 mod trailers;
 mod upstream;
 mod worker;
+mod workload;
 
 pub use drain::Draining;
 pub use error::ProxyError;

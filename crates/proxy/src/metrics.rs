@@ -298,7 +298,11 @@ pub struct Series {
     listeners: HashSet<String>,
     clusters: HashSet<String>,
     authz: HashSet<AuthzKey>,
+    workloads: HashSet<WorkloadKey>,
 }
+
+/// (listener, workload): connections or streams of one workload on one listener.
+type WorkloadKey = (String, String);
 
 /// (listener, policy, decision): an authorization decision's series.
 type AuthzKey = (String, String, &'static str);
@@ -344,6 +348,19 @@ impl Series {
     }
 }
 
+impl Series {
+    /// The counter of `workload`'s connections (or streams) on `listener`.
+    pub fn workload(&mut self, m: &Metrics, listener: &str, workload: &str) -> Arc<WorkerCounter> {
+        let key = (listener.to_owned(), workload.to_owned());
+        self.workloads.insert(key.clone());
+        m.workloads
+            .lock()
+            .entry(key)
+            .or_insert_with(|| Arc::new(WorkerCounter::new(m.workers)))
+            .clone()
+    }
+}
+
 /// Every counter family of the node, keyed by label set; lives as long as the node.
 pub struct Metrics {
     workers: usize,
@@ -351,6 +368,7 @@ pub struct Metrics {
     listeners: Mutex<HashMap<String, Arc<ListenerStats>>>,
     clusters: Mutex<HashMap<String, Arc<ClusterStats>>>,
     authz: Mutex<HashMap<AuthzKey, Arc<WorkerCounter>>>,
+    workloads: Mutex<HashMap<WorkloadKey, Arc<WorkerCounter>>>,
     /// (`listener` or `cluster`, its name, the SPIFFE ID it presents, expiry in Unix seconds):
     /// the certificates of the snapshot in force.
     certificates: Mutex<Vec<([String; 3], i64)>>,
@@ -389,6 +407,7 @@ impl Metrics {
             listeners: Mutex::default(),
             clusters: Mutex::default(),
             authz: Mutex::default(),
+            workloads: Mutex::default(),
             certificates: Mutex::default(),
             reloads_ok: WorkerCounter::new(1),
             reloads_failed: WorkerCounter::new(1),
@@ -471,6 +490,9 @@ impl Metrics {
         self.resilience.retain(&keep.clusters);
         self.lb.retain(&keep.clusters);
         self.authz.lock().retain(|k, _| keep.authz.contains(k));
+        self.workloads
+            .lock()
+            .retain(|k, _| keep.workloads.contains(k));
     }
 
     /// The certificates the node presents from now on (a snapshot came into force).
@@ -799,6 +821,25 @@ impl Collector for Scrape {
             &mut enc,
             "flatmesh_authz_decisions",
             "Authorization decisions by listener, deciding policy (`(none)`: no policy matched) and decision",
+            &rows,
+        )?;
+
+        let mut workloads: Vec<_> = m
+            .workloads
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.sum()))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        workloads.sort();
+        let rows: Vec<_> = workloads
+            .iter()
+            .map(|((l, w), n)| ([("listener", l.as_str()), ("workload", w.as_str())], *n))
+            .collect();
+        counter(
+            &mut enc,
+            "flatmesh_workload_connections",
+            "Tunnelled connections by the workload that made them, and HBONE streams by the workload they were delivered to (`(none)`: no declared workload), by listener",
             &rows,
         )?;
 

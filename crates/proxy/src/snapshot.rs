@@ -16,6 +16,7 @@ use crate::metrics::{ClusterStats, ListenerStats, Metrics, RequestStats, Series,
 use crate::resilience::rate_limit::{RateLimiter, Scope};
 use crate::resilience::ClusterGuard;
 use crate::tls::{ClusterTlsPlan, ListenerTlsPlan};
+use crate::workload::{WorkloadId, Workloads};
 
 pub struct Snapshot {
     pub generation: u64,
@@ -31,6 +32,8 @@ pub struct Snapshot {
     /// node's own, shared by every snapshot.
     pub faults: Arc<crate::l7::fault::FaultCounts>,
     pub mirrors: Arc<crate::l7::mirror::MirrorGate>,
+    /// The workloads on this node (`workloads:`).
+    pub workloads: Workloads,
 }
 
 pub struct ListenerPlan {
@@ -61,6 +64,10 @@ pub struct ListenerPlan {
     /// What a keyed `rate_limit` of the listener (index 0) and of each route (1 + index)
     /// reads from the request.
     pub limit_keys: Vec<LimitKey>,
+    /// tcp listeners whose cluster tunnels (connections by source workload) and hbone
+    /// listeners (streams by destination workload): per workload, then for none. Empty
+    /// without `workloads:`.
+    pub workload_stats: Vec<Arc<WorkerCounter>>,
 }
 
 /// What a rate limit's buckets are told apart by, ready for the request path.
@@ -89,6 +96,14 @@ impl LimitKey {
 }
 
 impl ListenerPlan {
+    /// Counts a connection or stream of workload `w` (`None`: of no declared workload).
+    pub fn count_workload(&self, worker: usize, w: Option<WorkloadId>) {
+        let index = w.unwrap_or(self.workload_stats.len().saturating_sub(1));
+        if let Some(counter) = self.workload_stats.get(index) {
+            counter.add_shared(worker, 1);
+        }
+    }
+
     /// Counts an authorization decision.
     pub fn count_authz(&self, worker: usize, d: flatmesh_rules::AuthzDecision) {
         let index = d.policy.unwrap_or(self.authz_stats.len().saturating_sub(1));
@@ -118,6 +133,9 @@ pub struct ClusterPlan {
     pub tunnel_port: Option<u16>,
     /// The cluster's circuit breaker and outlier detection, shared by every worker.
     pub guard: ClusterGuard,
+    /// Tunnel clusters: the TLS that presents each workload's identity instead of the
+    /// cluster's own, by [`WorkloadId`] (`None` for a workload known only by its port).
+    pub workload_tls: Vec<Option<Arc<ClusterTlsPlan>>>,
 }
 
 impl Snapshot {
@@ -136,6 +154,7 @@ impl Snapshot {
             (None, None) => None,
         };
         let mut series = Series::default();
+        let workloads = Workloads::load(&config)?;
         let node_locality = config.node.as_ref().and_then(|n| n.locality.as_deref());
         let clusters = config
             .clusters
@@ -167,9 +186,23 @@ impl Snapshot {
                     Some(t) => Some(Arc::new(ClusterTlsPlan::load(c, t, connect_timeout)?)),
                     None => None,
                 };
+                let workload_tls = match (&c.tls, c.tunnel) {
+                    (Some(t), Some(_)) => config
+                        .workloads
+                        .iter()
+                        .map(|w| {
+                            w.is_client()
+                                .then(|| ClusterTlsPlan::load_as(c, t, w, connect_timeout))
+                                .transpose()
+                                .map(|plan| plan.map(Arc::new))
+                        })
+                        .collect::<Result<_, _>>()?,
+                    _ => Vec::new(),
+                };
                 let guard = metrics.resilience.guard(c);
                 Ok(ClusterPlan {
                     tls,
+                    workload_tls,
                     tunnel_port: c
                         .tunnel
                         .map(|_| c.tunnel_port.unwrap_or(flatmesh_config::HBONE_PORT)),
@@ -263,7 +296,26 @@ impl Snapshot {
                 )),
                 (None, None) => None,
             };
+            // Tunnelled connections are counted by source workload, hbone streams by the
+            // workload they are delivered to.
+            let by_workload = match l.protocol {
+                ListenerProtocol::Tcp => program
+                    .tcp_cluster(lid)
+                    .is_some_and(|c| clusters[c].tunnel_port.is_some()),
+                ListenerProtocol::Hbone => true,
+                ListenerProtocol::Http => false,
+            };
+            let workload_stats = if by_workload && !workloads.is_empty() {
+                workloads
+                    .names()
+                    .chain([crate::workload::NONE])
+                    .map(|w| series.workload(metrics, &l.name, w))
+                    .collect()
+            } else {
+                Vec::new()
+            };
             listeners.push(ListenerPlan {
+                workload_stats,
                 rate_limit,
                 route_limits,
                 limit_keys,
@@ -295,11 +347,12 @@ impl Snapshot {
             admin_token,
             faults: metrics.faults.clone(),
             mirrors: metrics.mirrors.clone(),
+            workloads,
         })
     }
 
-    /// The certificates this snapshot presents, for the expiry gauge: (`listener` or
-    /// `cluster`, its name, the SPIFFE ID), and when the certificate expires (Unix seconds).
+    /// The certificates this snapshot presents, for the expiry gauge: (`listener`,
+    /// `cluster` or `workload`, its name, the SPIFFE ID), and when the certificate expires (Unix seconds).
     /// Set by whoever puts the snapshot in force, never by a build that may yet be refused.
     pub fn presented_certificates(&self) -> Vec<([String; 3], i64)> {
         let unix = |t: std::time::SystemTime| {
@@ -314,8 +367,18 @@ impl Snapshot {
             .clusters
             .iter()
             .filter_map(|c| Some(("cluster", &c.name, c.tls.as_ref()?.presents.as_ref()?)));
+        // Each workload's certificate, as the first tunnel cluster presents it (every tunnel
+        // cluster presents the same file).
+        let workloads = self
+            .clusters
+            .iter()
+            .find(|c| !c.workload_tls.is_empty())
+            .into_iter()
+            .flat_map(|c| c.workload_tls.iter().zip(&self.config.workloads))
+            .filter_map(|(t, w)| Some(("workload", &w.name, t.as_ref()?.presents.as_ref()?)));
         listeners
             .chain(clusters)
+            .chain(workloads)
             .map(|(kind, name, p)| {
                 (
                     [kind.to_owned(), name.clone(), p.id.clone()],

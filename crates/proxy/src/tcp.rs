@@ -44,8 +44,18 @@ pub async fn relay(ctx: Arc<ConnContext>, downstream: Stream) {
         }
     }
     // A tunnel cluster carries the connection as a CONNECT stream (crate::hbone).
+    // It presents the identity of the workload that made it (`crate::workload`).
     if snap.clusters[cid].tunnel_port.is_some() {
-        return crate::hbone::client::relay(&ctx, &view, lid, cid, downstream).await;
+        let who = match downstream.tcp().local_addr() {
+            Ok(local) => {
+                snap.workloads
+                    .client_of(ctx.kernel.as_deref(), ctx.peer, local)
+                    .await
+            }
+            Err(_) => None,
+        };
+        listener.count_workload(ctx.worker, who);
+        return crate::hbone::client::relay(&ctx, &view, lid, cid, downstream, who).await;
     }
     // The in-flight guard lives as long as the connection: least_request counts connections.
     let Some((up, _in_flight)) = connect_upstream(&ctx, &view, &listener.name, cid).await else {

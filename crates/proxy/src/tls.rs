@@ -176,6 +176,40 @@ impl ClusterTlsPlan {
         })
     }
 
+    /// The cluster's TLS presenting workload `w`'s certificate instead of the cluster's own
+    /// (a tunnel cluster carrying `w`'s connections). The certificate must name the
+    /// workload's declared identity.
+    pub fn load_as(
+        cluster: &flatmesh_config::Cluster,
+        tls: &ClusterTls,
+        w: &flatmesh_config::Workload,
+        timeout: Duration,
+    ) -> Result<ClusterTlsPlan, ProxyError> {
+        let at = format!("workload `{}`", w.name);
+        let (Some(cert), Some(key)) = (&w.cert, &w.key) else {
+            return Err(ProxyError::Config(format!(
+                "{at}: no `cert` and `key` to present its identity with"
+            )));
+        };
+        let declared = flatmesh_identity::SpiffeId::parse(&w.identity)
+            .map_err(identity_error(&format!("{at}.identity")))?;
+        let as_workload = ClusterTls {
+            cert: Some(cert.clone()),
+            key: Some(key.clone()),
+            ..tls.clone()
+        };
+        let plan = ClusterTlsPlan::load(cluster, &as_workload, timeout)
+            .map_err(|e| ProxyError::Config(format!("{at}: {e}")))?;
+        match &plan.presents {
+            Some(p) if p.id == declared.as_str() => Ok(plan),
+            presented => Err(ProxyError::Config(format!(
+                "{at}: its certificate {} names `{}`, not its identity `{declared}`; issue one for it (`flatmesh ca issue --id {declared}`)",
+                cert.display(),
+                presented.as_ref().map_or("nothing", |p| p.id.as_str()),
+            ))),
+        }
+    }
+
     /// The client side of the handshake over a freshly connected `stream` for HTTP (with
     /// the cluster's ALPN), counted in `stats` and logged when it fails.
     pub async fn originate(
@@ -237,6 +271,17 @@ pub fn check_files(config: &flatmesh_config::Config) -> Result<usize, ProxyError
     for c in &config.clusters {
         if let Some(tls) = &c.tls {
             ClusterTlsPlan::load(c, tls, Duration::from_secs(1))?;
+            loaded += 1;
+        }
+    }
+    // Each workload's certificate, as a tunnel presents it.
+    let tunnel = config
+        .clusters
+        .iter()
+        .find_map(|c| Some((c, c.tls.as_ref().filter(|_| c.tunnel.is_some())?)));
+    if let Some((c, tls)) = tunnel {
+        for w in config.workloads.iter().filter(|w| w.is_client()) {
+            ClusterTlsPlan::load_as(c, tls, w, Duration::from_secs(1))?;
             loaded += 1;
         }
     }

@@ -1,6 +1,8 @@
 //! A `tcp` listener's connection to a `tunnel: hbone` cluster: one HTTP/2 CONNECT stream to
 //! `ENDPOINT_IP:tunnel_port`, `:authority` the endpoint's `IP:PORT`, on one of the worker's
-//! pooled tunnel connections ([`super::pool`]), relayed until both sides are done.
+//! pooled tunnel connections ([`super::pool`]), relayed until both sides are done. The tunnel
+//! presents the identity of the workload that made the connection (`crate::workload`), or
+//! the cluster's own when it came from no declared workload.
 
 use crate::context::{ConnContext, WorkerView};
 use crate::lb::hash_client;
@@ -9,13 +11,15 @@ use crate::tap::Tapped;
 use crate::tls::Stream;
 
 /// Relays a tcp listener's connection through a tunnel to an endpoint of cluster `cid`,
-/// trying up to 3 endpoints as the plain relay does. The listener counts the bytes.
+/// trying up to 3 endpoints as the plain relay does, presenting `who`'s identity. The
+/// listener counts the bytes.
 pub async fn relay(
     ctx: &ConnContext,
     view: &WorkerView,
     listener: usize,
     cid: flatmesh_rules::ClusterId,
     downstream: Stream,
+    who: super::pool::Presenting,
 ) {
     let snap = &view.snapshot;
     let plan = &snap.listeners[listener];
@@ -31,7 +35,7 @@ pub async fn relay(
             break;
         };
         let endpoint = cluster.endpoints[index];
-        match tunnel.open(ctx.worker, cluster, endpoint).await {
+        match tunnel.open(ctx.worker, cluster, endpoint, who).await {
             Ok((stream, slot)) => {
                 opened = Some((stream, slot, in_flight));
                 break;
@@ -39,7 +43,11 @@ pub async fn relay(
             Err(reason) => {
                 cluster.stats.tunnel.refused(reason);
                 tracing::warn!(listener = %plan.name, cluster = %cluster.name, %endpoint, reason,
-                    "HBONE stream to the endpoint was not opened");
+                    workload = snap.workloads.name(who), "HBONE stream to the endpoint was not opened");
+                if reason == "no_identity" {
+                    // No endpoint would fare better: the connection has nothing to present.
+                    break;
+                }
             }
         }
     }

@@ -1,5 +1,7 @@
 //! A `tunnel: hbone` cluster's tunnel connections on one worker: HTTP/2 over the cluster's
-//! mutual TLS to `ENDPOINT_IP:tunnel_port`, pooled per peer node, each carrying at most
+//! mutual TLS to `ENDPOINT_IP:tunnel_port`, pooled per peer node and presented identity
+//! (the cluster's own or a workload's: streams of two workloads never share a connection,
+//! so the peer sees each workload's own identity), each carrying at most
 //! `limits.http2_max_concurrent_streams` CONNECT streams; when all are full, another is
 //! opened. [`TunnelPool::open`] gives one stream to an endpoint, `:authority` its `IP:PORT`.
 
@@ -18,7 +20,7 @@ use tokio::net::TcpStream;
 use super::stream::H2Stream;
 use super::Refusal;
 use crate::snapshot::ClusterPlan;
-use crate::tls::Stream;
+use crate::tls::{ClusterTlsPlan, Stream};
 
 /// One worker's tunnel connections of one tunnel cluster.
 pub struct TunnelPool {
@@ -29,9 +31,14 @@ pub struct TunnelPool {
     /// HTTP/2 windows the node grants the peer on a tunnel connection.
     stream_window: u32,
     connection_window: u32,
-    /// Per peer node: its open tunnel connections (whose tasks run on this worker).
-    pool: Mutex<HashMap<SocketAddr, Vec<Pooled>>>,
+    /// Per peer node and presented identity: its open tunnel connections (whose tasks run
+    /// on this worker).
+    pool: Mutex<HashMap<(SocketAddr, Presenting), Vec<Pooled>>>,
 }
+
+/// Whose identity a tunnel connection presents: the cluster's own certificate (`None`) or a
+/// workload's.
+pub type Presenting = Option<crate::workload::WorkloadId>;
 
 #[derive(Clone)]
 struct Pooled {
@@ -67,10 +74,11 @@ impl TunnelPool {
         }
     }
 
-    /// A pooled connection to `peer` with room for one more stream, its room taken.
-    fn pooled(&self, peer: SocketAddr) -> Option<(Pooled, Slot)> {
+    /// A pooled connection to `peer` presenting `who`, with room for one more stream, its
+    /// room taken.
+    fn pooled(&self, peer: SocketAddr, who: Presenting) -> Option<(Pooled, Slot)> {
         let mut pool = self.pool.lock();
-        let conns = pool.get_mut(&peer)?;
+        let conns = pool.get_mut(&(peer, who))?;
         conns.retain(|c| !c.closed.load(Ordering::Relaxed));
         let conn = conns
             .iter()
@@ -79,18 +87,16 @@ impl TunnelPool {
         Some((conn.clone(), Slot(conn.streams.clone())))
     }
 
-    /// Opens a tunnel connection to `peer` (TCP, the cluster's TLS, HTTP/2), pools it with
-    /// one stream's room taken, and spawns its task on this worker.
+    /// Opens a tunnel connection to `peer` (TCP, `tls`: the cluster's, presenting `who`,
+    /// HTTP/2), pools it with one stream's room taken, and spawns its task on this worker.
     async fn connect(
         &self,
         worker: usize,
         cluster: &ClusterPlan,
+        tls: &ClusterTlsPlan,
         peer: SocketAddr,
+        who: Presenting,
     ) -> Result<(Pooled, Slot), Refusal> {
-        let Some(tls) = &cluster.tls else {
-            // Validation refuses a tunnel without `tls`; never tunnel in the clear.
-            return Err("no_tls");
-        };
         let socket_slot = crate::limits::upstream_socket().map_err(|err| {
             tracing::warn!(cluster = %cluster.name, %peer, error = %err, "HBONE tunnel connection refused");
             "fd_limit"
@@ -154,28 +160,43 @@ impl TunnelPool {
             }
             closed.store(true, Ordering::Relaxed);
         });
-        self.pool.lock().entry(peer).or_default().push(conn.clone());
+        self.pool
+            .lock()
+            .entry((peer, who))
+            .or_default()
+            .push(conn.clone());
         Ok((conn, Slot(streams)))
     }
 
-    /// A CONNECT stream to `endpoint` through its node: on a pooled connection with room,
-    /// else on a new one (also when the pooled one turns out to be gone). `worker` is the
-    /// worker this pool belongs to, for the counters.
+    /// A CONNECT stream to `endpoint` through its node, presenting `who`'s identity: on a
+    /// pooled connection with room, else on a new one (also when the pooled one turns out
+    /// to be gone). `worker` is the worker this pool belongs to, for the counters.
     pub async fn open(
         &self,
         worker: usize,
         cluster: &ClusterPlan,
         endpoint: SocketAddr,
+        who: Presenting,
     ) -> Result<(H2Stream, Slot), Refusal> {
+        let tls = match who {
+            Some(w) => cluster.workload_tls.get(w).and_then(Option::as_ref),
+            None => cluster.tls.as_ref().filter(|t| t.presents.is_some()),
+        };
+        let Some(tls) = tls else {
+            // Validation refuses a tunnel without `tls`, so never in the clear; and a
+            // connection of no declared workload has no identity when the cluster has no
+            // certificate of its own.
+            return Err("no_identity");
+        };
         let peer = SocketAddr::new(endpoint.ip(), self.port);
-        if let Some((conn, slot)) = self.pooled(peer) {
+        if let Some((conn, slot)) = self.pooled(peer, who) {
             match connect_stream(conn.send.clone(), endpoint, cluster.connect_timeout).await {
                 Ok(stream) => return Ok((stream, slot)),
                 Err(Failed::Refused(reason)) => return Err(reason),
                 Err(Failed::Connection) => conn.closed.store(true, Ordering::Relaxed),
             }
         }
-        let (conn, slot) = self.connect(worker, cluster, peer).await?;
+        let (conn, slot) = self.connect(worker, cluster, tls, peer, who).await?;
         match connect_stream(conn.send.clone(), endpoint, cluster.connect_timeout).await {
             Ok(stream) => Ok((stream, slot)),
             Err(Failed::Refused(reason)) => Err(reason),

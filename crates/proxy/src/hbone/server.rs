@@ -133,8 +133,12 @@ async fn stream_task(
         Ok(admitted) => admitted,
         Err((status, reason, detail)) => {
             plan.stats.hbone.refused(reason);
+            // The local workload the stream was for, when its port names one.
+            let workload = super::authority::parse(&authority)
+                .ok()
+                .and_then(|d| tunnel.snapshot.workloads.serving(d.port()));
             tracing::info!(listener = %plan.name, peer = %tunnel.ctx.peer, principal = ?tunnel.ctx.principal,
-                %authority, status = status.as_u16(), reason, "{detail}");
+                %authority, workload = tunnel.snapshot.workloads.name(workload), status = status.as_u16(), reason, "{detail}");
             let _ = respond.send_response(reply(status), true);
             return;
         }
@@ -147,6 +151,10 @@ async fn stream_task(
         }
     };
     plan.stats.hbone.opened.add_shared(worker, 1);
+    let workload = tunnel.snapshot.workloads.serving(destination.port());
+    plan.count_workload(worker, workload);
+    tracing::debug!(listener = %plan.name, principal = ?tunnel.ctx.principal, %destination,
+        workload = tunnel.snapshot.workloads.name(workload), "HBONE stream delivered");
     let _ = up.set_nodelay(true);
     let mut from_peer = Tapped {
         inner: H2Stream::new(send, request.into_body()),

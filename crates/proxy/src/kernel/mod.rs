@@ -66,6 +66,23 @@ impl KernelBinding {
         self.tier.config().redirect
     }
 
+    /// Who made the connection the node accepted from `peer` on `local`, when tier K
+    /// captured it (`crate::workload`).
+    pub fn source(
+        &self,
+        peer: std::net::SocketAddr,
+        local: std::net::SocketAddr,
+    ) -> Option<flatmesh_kernel::SourceProcess> {
+        self.tier.config().capture.as_ref()?;
+        match self.tier.source(peer, local) {
+            Ok(source) => source,
+            Err(err) => {
+                tracing::debug!(%peer, error = %err, "tier K: no source for the connection");
+                None
+            }
+        }
+    }
+
     /// Drops the kernel's state of finished connections (their sockhash entries go when the
     /// sockets close).
     pub fn forget(&self, cookies: &[u64]) {

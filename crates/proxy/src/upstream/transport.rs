@@ -42,7 +42,9 @@ pub async fn tunnel(
     worker: usize,
     endpoint: SocketAddr,
 ) -> Result<Transport, String> {
-    match tunnels.open(worker, plan, endpoint).await {
+    // The pooled connections of an http route are shared by every client, so they present
+    // the cluster's own certificate, never one workload's.
+    match tunnels.open(worker, plan, endpoint, None).await {
         Ok((stream, slot)) => {
             plan.stats.tunnel.opened.add_shared(worker, 1);
             Ok(Transport::Tunnel {
