@@ -336,7 +336,7 @@ impl Ads {
         let token = crate::certificates::bearer_token(request.metadata())?;
         Some(NodeSecrets {
             source: source.clone(),
-            node: tokens.node_of(&token)?,
+            node: tokens.node_of(token)?,
         })
     }
 }
