@@ -2512,3 +2512,42 @@ fn bad_pushed_secrets_are_refused_by_name() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A secret carries a private key: the server will not serve SDS in plaintext or to callers it
+/// cannot name.
+#[test]
+fn sds_secrets_are_served_only_over_tls_to_token_holders() {
+    struct Nothing(tokio::sync::watch::Sender<u64>);
+    impl crate::sds::SecretSource for Nothing {
+        fn secret(&self, _: &str, _: &str) -> std::result::Result<crate::sds::Secret, String> {
+            Err("none".into())
+        }
+        fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+            self.0.subscribe()
+        }
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let options = crate::server::ServeOptions {
+        secrets: Some(std::sync::Arc::new(Nothing(
+            tokio::sync::watch::channel(0).0,
+        ))),
+        ..Default::default()
+    };
+    let e = rt
+        .block_on(crate::server::serve_with(
+            "127.0.0.1:0".parse().unwrap(),
+            crate::server::Store::new(),
+            options,
+            None,
+            std::future::pending(),
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("SDS serves private keys, so only over TLS"),
+        "{e}"
+    );
+}
