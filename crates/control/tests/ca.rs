@@ -292,6 +292,7 @@ fn nodes_get_certificates_only_for_the_identities_they_hold_over_an_authenticate
                     node_cluster: "r0-s0/nic0".into(),
                     protocol: Protocol::Sotw,
                     security,
+                    sds_dir: None,
                 },
                 flatmesh_xds::bootstrap::empty_config(),
                 node,
@@ -366,4 +367,267 @@ fn after_a_root_rotation_new_certificates_come_from_the_new_root_with_both_roots
     assert_eq!(bundle[1], old_roots[0]);
 
     running.stop();
+}
+
+// ---- SDS ---------------------------------------------------------------------------------------
+
+/// A TCP echo server on a loopback port.
+fn echo_server() -> std::net::SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            std::thread::spawn(move || {
+                let mut reader = conn.try_clone().unwrap();
+                let _ = std::io::copy(&mut reader, &mut conn);
+            });
+        }
+    });
+    addr
+}
+
+/// What the control center serves besides its state: a tcp listener on `port`, relaying to
+/// `echo`, that presents `KVS_ID` and checks clients against `ROOTCA`, both by SDS over ADS
+/// (Istio's shape: the certificate by SPIFFE ID, the roots in a combined validation context).
+fn sds_listener(store: &flatmesh_xds::server::Store, port: u16, echo: std::net::SocketAddr) {
+    use envoy_types_reexport::*;
+    let text = format!(
+        "listeners:\n  - name: mtls\n    address: 127.0.0.1:{port}\n    protocol: tcp\n    cluster: echo\n    tls: {{ cert: /unused.pem, key: /unused.key, client_ca: /unused-ca.pem, allow: [ \"spiffe://mesh.test/ns/shop/*\" ] }}\nclusters:\n  - {{ name: echo, endpoints: [ {echo} ] }}\n"
+    );
+    let config = flatmesh_config::parse(&text, "sds.yaml").unwrap();
+    let mut extra = flatmesh_xds::from_model::resources(&config);
+    let socket = extra.listeners.get_mut("mtls").unwrap().filter_chains[0]
+        .transport_socket
+        .as_mut()
+        .unwrap();
+    let Some(ConfigType::TypedConfig(any)) = &mut socket.config_type else {
+        panic!("no typed_config")
+    };
+    let mut context = DownstreamTlsContext::decode(any.value.as_slice()).unwrap();
+    let common = context.common_tls_context.as_mut().unwrap();
+    let ads = || {
+        Some(ConfigSource {
+            config_source_specifier: Some(ConfigSourceSpecifier::Ads(Default::default())),
+            ..Default::default()
+        })
+    };
+    common.tls_certificates.clear();
+    common.tls_certificate_sds_secret_configs = vec![SdsSecretConfig {
+        name: KVS_ID.into(),
+        sds_config: ads(),
+    }];
+    let Some(ValidationContextType::ValidationContext(mut ids)) =
+        common.validation_context_type.take()
+    else {
+        panic!("no validation context")
+    };
+    ids.trusted_ca = None;
+    common.validation_context_type = Some(ValidationContextType::CombinedValidationContext(
+        CombinedCertificateValidationContext {
+            default_validation_context: Some(ids),
+            validation_context_sds_secret_config: Some(SdsSecretConfig {
+                name: flatmesh_xds::sds::ROOTCA.into(),
+                sds_config: ads(),
+            }),
+            ..Default::default()
+        },
+    ));
+    any.value = context.encode_to_vec();
+    let mut all = store.resources();
+    // Only this listener: every node is served it, and the state's `web` port is one per host.
+    all.listeners = extra.listeners;
+    all.clusters.extend(extra.clusters);
+    all.endpoints.extend(extra.endpoints);
+    store.publish(all);
+}
+
+/// The envoy-types pieces the SDS test writes (the control crate reaches them through xds).
+mod envoy_types_reexport {
+    pub use flatmesh_xds::sds::envoy::{
+        common_tls_context::{CombinedCertificateValidationContext, ValidationContextType},
+        config_source::ConfigSourceSpecifier,
+        transport_socket::ConfigType,
+        ConfigSource, DownstreamTlsContext, Message, SdsSecretConfig,
+    };
+}
+
+/// A TLS client of the node's mTLS listener, presenting `front`'s certificate and accepting only
+/// a server that presents `KVS_ID`; returns the stream and the server's leaf.
+fn connect_mtls(
+    port: u16,
+    client: &flatmesh_identity::Svid,
+    bundle: &TrustBundle,
+) -> (
+    rustls::StreamOwned<rustls::ClientConnection, std::net::TcpStream>,
+    Vec<u8>,
+) {
+    use std::io::Write as _;
+    let config = flatmesh_identity::tls::client_config(
+        Some(client),
+        bundle,
+        vec![IdPattern::parse(KVS_ID).unwrap()],
+        &[],
+    )
+    .unwrap();
+    let tcp = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let name = rustls::pki_types::ServerName::try_from("kvs.mesh.test").unwrap();
+    let mut tls =
+        rustls::StreamOwned::new(rustls::ClientConnection::new(config, name).unwrap(), tcp);
+    tls.write_all(b"hello").unwrap(); // drives the handshake
+    let peer = flatmesh_identity::tls::peer_identity(&tls.conn).unwrap();
+    assert_eq!(
+        peer.as_str(),
+        KVS_ID,
+        "the listener presents the SDS certificate"
+    );
+    let leaf = tls.conn.peer_certificates().unwrap()[0].to_vec();
+    echo(&mut tls, b"hello");
+    (tls, leaf)
+}
+
+/// Reads back `sent` (already written) from an echoing stream.
+fn echo(stream: &mut impl std::io::Read, sent: &[u8]) {
+    let mut back = vec![0u8; sent.len()];
+    stream.read_exact(&mut back).unwrap();
+    assert_eq!(back, sent);
+}
+
+#[test]
+fn sds_gives_a_node_its_placed_identity_refuses_another_and_rotates_without_a_drop() {
+    use std::io::Write as _;
+    let dir = Scratch::new("sds");
+    let (center, ca_dir) = control_center(&dir);
+    let stats = center.ca_stats().unwrap();
+    let store = center.feed().store().clone();
+    let running = Running::start(center);
+    let (rt, server) = (&running.rt, running.server.clone());
+    until("the placement's endpoints", Duration::from_secs(10), || {
+        store.resources().endpoints.contains_key("shop/kvs")
+    });
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    sds_listener(&store, port, echo_server());
+    let ca_pem = ca_dir.join("ca.pem");
+    let node = |id: &str, sds: &Path| {
+        let mut base = flatmesh_xds::bootstrap::empty_config();
+        base.admin = "127.0.0.1:0".parse().unwrap();
+        base.workers = Some(1);
+        let (apply, _node) = flatmesh_xds::apply::StartThenReload::new(
+            |config| {
+                flatmesh_proxy::Node::start(config, flatmesh_proxy::ConfigSource::Inline)
+                    .map_err(|e| e.to_string())
+            },
+            |node: &flatmesh_proxy::Node, config| node.reload(config).map_err(|e| e.to_string()),
+        );
+        rt.block_on(async {
+            Client::spawn(
+                flatmesh_xds::client::Options {
+                    server: server.clone(),
+                    node_id: id.into(),
+                    node_cluster: id.into(),
+                    protocol: Protocol::Sotw,
+                    security: security(&ca_pem, Some(&token_of(id))),
+                    sds_dir: Some(sds.to_path_buf()),
+                },
+                base,
+                apply,
+            )
+        })
+    };
+    // The node KVS is placed on gets its certificate and the roots, and its listener serves.
+    let kvs = node(KVS_NODE, &dir.0.join("sds-nic0"));
+    let authority = Authority::load(&ca_dir).unwrap();
+    let front = authority
+        .issue(
+            &SpiffeId::parse(FRONT_ID).unwrap(),
+            Duration::from_secs(3600),
+        )
+        .unwrap();
+    let front =
+        flatmesh_identity::Svid::from_pem(&front.chain_pem, front.key_pem.as_deref().unwrap())
+            .unwrap();
+    let bundle = TrustBundle::load(&ca_pem).unwrap();
+    until(
+        "the listener with its SDS certificate",
+        Duration::from_secs(20),
+        || {
+            kvs.status().waiting_secrets.is_empty()
+                && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        },
+    );
+    let (mut open, first_leaf) = connect_mtls(port, &front, &bundle);
+    assert_eq!(
+        stats.not_placed.load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+
+    // Another node is served the same listener but is refused KVS's identity: it waits for the
+    // secret (so it does not serve the listener at all), and the refusal is counted.
+    let host_dir = dir.0.join("sds-host");
+    let host = node("r0-s1/host", &host_dir);
+    until("the refusal", Duration::from_secs(20), || {
+        host.status().waiting_secrets.contains_key(KVS_ID)
+            && stats.not_placed.load(std::sync::atomic::Ordering::Relaxed) >= 1
+    });
+    let keys = std::fs::read_dir(&host_dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| e.path().extension().is_some_and(|x| x == "key"))
+                .count()
+        })
+        .unwrap_or(0);
+    assert_eq!(keys, 0, "no key of another node's identity is written");
+
+    // `flatmesh ca rotate`: a new certificate (from the new root) and the new bundle are pushed;
+    // new connections present it while the open one carries on.
+    let mut rotating = Authority::load(&ca_dir).unwrap();
+    rotating.rotate(Some(&ca_dir)).unwrap();
+    let new_root = rotating.bundle()[0].to_vec();
+    let both = TrustBundle::load(&ca_pem).unwrap();
+    until(
+        "a new certificate on new connections",
+        Duration::from_secs(30),
+        || {
+            let (_, leaf) = connect_mtls(port, &front, &both);
+            leaf != first_leaf
+        },
+    );
+    let (_, leaf) = connect_mtls(port, &front, &both);
+    let chain = kvs_chain(&dir.0.join("sds-nic0"));
+    assert_eq!(
+        chain[0].to_vec(),
+        leaf,
+        "the file holds what the listener presents"
+    );
+    assert_eq!(
+        chain.last().unwrap().to_vec(),
+        new_root,
+        "signed by the new root"
+    );
+    open.write_all(b"still here").unwrap();
+    echo(&mut open, b"still here");
+
+    rt.block_on(async {
+        kvs.stop().await;
+        host.stop().await;
+    });
+    running.stop();
+}
+
+/// The certificate chain the node wrote for `KVS_ID` in `dir`.
+fn kvs_chain(dir: &Path) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+    let file = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().to_string();
+            name.starts_with("spiffe___mesh.test_ns_shop_sa_kvs") && name.ends_with(".pem")
+        })
+        .unwrap();
+    flatmesh_identity::ca::load_certificates(&file).unwrap()
 }

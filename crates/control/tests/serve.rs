@@ -169,6 +169,7 @@ fn control_center_serves_the_placement_and_the_orchestrator_moves_it() {
                 node_cluster: "node-1".into(),
                 protocol: Protocol::Sotw,
                 security: Default::default(),
+                sds_dir: None,
             },
             flatmesh_xds::bootstrap::empty_config(),
             node.clone(),

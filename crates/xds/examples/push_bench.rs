@@ -101,6 +101,7 @@ fn main() {
                 node_cluster: "bench".into(),
                 protocol,
                 security: Default::default(),
+                sds_dir: None,
             };
             let mut base = flatmesh_xds::bootstrap::empty_config();
             base.admin = "127.0.0.1:0".parse().unwrap();

@@ -15,8 +15,9 @@ use envoy_types::pb::envoy::config::cluster::v3::{
 };
 use envoy_types::pb::envoy::config::core::v3::RuntimeFractionalPercent;
 use envoy_types::pb::envoy::config::core::v3::{
-    address, data_source, socket_address, transport_socket, Address, DataSource, HeaderValue,
-    HeaderValueOption, Http1ProtocolOptions, Http2ProtocolOptions, SocketAddress, TransportSocket,
+    address, config_source, data_source, socket_address, transport_socket, Address, ConfigSource,
+    DataSource, HeaderValue, HeaderValueOption, Http1ProtocolOptions, Http2ProtocolOptions,
+    SocketAddress, TransportSocket,
 };
 use envoy_types::pb::envoy::config::core::v3::{Locality, RuntimeDouble};
 use envoy_types::pb::envoy::config::endpoint::v3::{
@@ -99,13 +100,15 @@ pub fn parse(text: &str, origin: &str) -> Result<Config> {
             locality: Some(locality),
         });
     }
-    crate::to_model::translate(&resources, &base).map_err(|e| match e {
-        XdsError::Resource { at, why } => XdsError::Resource {
-            at: format!("{origin}: {at}"),
-            why,
-        },
-        other => other,
-    })
+    crate::to_model::Translator::default()
+        .translate_resolved(&resources, &base, &node.secrets)
+        .map_err(|e| match e {
+            XdsError::Resource { at, why } => XdsError::Resource {
+                at: format!("{origin}: {at}"),
+                why,
+            },
+            other => other,
+        })
 }
 
 /// A config with flatmesh's defaults and nothing to serve yet. Built through serde so that every
@@ -123,6 +126,8 @@ pub struct NodeSettings {
     pub max_connections: Option<usize>,
     /// `node.locality` as `region/zone/subzone`: the config's `node.locality`.
     pub locality: Option<String>,
+    /// `static_resources.secrets`, which SDS references in the TLS contexts name.
+    pub secrets: StaticSecrets,
 }
 
 /// The overload manager's resource monitor that caps the node's client connections.
@@ -174,6 +179,7 @@ fn overload_manager(v: Value) -> Result<Option<usize>> {
 pub fn bootstrap(value: Value) -> Result<(Resources, NodeSettings)> {
     let mut root = Obj::new(value, "")?;
     let mut resources = Resources::default();
+    let mut secrets = StaticSecrets::default();
     let mut admin = None;
     let max_connections = match root.take("overload_manager") {
         Some(v) => overload_manager(v)?,
@@ -220,6 +226,7 @@ pub fn bootstrap(value: Value) -> Result<(Resources, NodeSettings)> {
             let c = cluster(v, &format!("static_resources.clusters[{i}]"))?;
             resources.clusters.insert(c.name.clone(), c);
         }
+        secrets = static_secrets(s.list("secrets")?, "static_resources.secrets")?;
         s.finish()?;
     }
     root.finish()?;
@@ -229,6 +236,7 @@ pub fn bootstrap(value: Value) -> Result<(Resources, NodeSettings)> {
             admin,
             max_connections,
             locality,
+            secrets,
         },
     ))
 }
@@ -1596,7 +1604,7 @@ fn common_tls_context_of(mut o: Obj) -> Result<CommonTlsContext> {
         });
         t.finish()?;
     }
-    // Secret discovery is walked just far enough for the translation to refuse it by name.
+    // Secrets by name: over ADS, or from static_resources.secrets.
     for (i, v) in o
         .list("tls_certificate_sds_secret_configs")?
         .into_iter()
@@ -1615,40 +1623,30 @@ fn common_tls_context_of(mut o: Obj) -> Result<CommonTlsContext> {
             ),
         );
     }
-    if let Some(mut v) = o.obj("validation_context")? {
-        let mut vc = CertificateValidationContext {
-            trusted_ca: v
-                .take("trusted_ca")
-                .map(|d| data_source_of(d, &v.at("trusted_ca")))
-                .transpose()?,
-            ..Default::default()
-        };
-        for (i, m) in v
-            .list("match_typed_subject_alt_names")?
-            .into_iter()
-            .enumerate()
-        {
-            let mut m = Obj::new(m, &v.at(&format!("match_typed_subject_alt_names[{i}]")))?;
-            let mut matcher = SubjectAltNameMatcher::default();
-            if let Some(t) = m.string("san_type")? {
-                matcher.san_type =
-                    subject_alt_name_matcher::SanType::from_str_name(&t).ok_or_else(|| {
-                        XdsError::resource(
-                            m.at("san_type"),
-                            format!("`{t}` is not a SAN type; write URI (a SPIFFE ID)"),
-                        )
-                    })? as i32;
-            }
-            matcher.matcher = m
-                .take("matcher")
-                .map(|s| string_matcher_of(s, &m.at("matcher")))
-                .transpose()?;
-            m.finish()?;
-            vc.match_typed_subject_alt_names.push(matcher);
-        }
-        v.finish()?;
-        c.validation_context_type =
-            Some(common_tls_context::ValidationContextType::ValidationContext(vc));
+    if let Some(mut combined) = o.obj("combined_validation_context")? {
+        let default_validation_context = combined
+            .obj("default_validation_context")?
+            .map(validation_context_of)
+            .transpose()?;
+        let validation_context_sds_secret_config = combined
+            .take("validation_context_sds_secret_config")
+            .map(|v| sds_secret_config_of(v, &combined.at("validation_context_sds_secret_config")))
+            .transpose()?;
+        combined.finish()?;
+        c.validation_context_type = Some(
+            common_tls_context::ValidationContextType::CombinedValidationContext(
+                common_tls_context::CombinedCertificateValidationContext {
+                    default_validation_context,
+                    validation_context_sds_secret_config,
+                    ..Default::default()
+                },
+            ),
+        );
+    }
+    if let Some(v) = o.obj("validation_context")? {
+        c.validation_context_type = Some(
+            common_tls_context::ValidationContextType::ValidationContext(validation_context_of(v)?),
+        );
     }
     c.alpn_protocols.extend(o.strings("alpn_protocols")?);
     if let Some(mut p) = o.obj("tls_params")? {
@@ -1680,16 +1678,150 @@ fn common_tls_context_of(mut o: Obj) -> Result<CommonTlsContext> {
     Ok(c)
 }
 
-/// An SDS secret config, by name only: the translation refuses SDS whatever its source says.
+/// A `validation_context`: the roots and the URI SAN matchers.
+fn validation_context_of(mut v: Obj) -> Result<CertificateValidationContext> {
+    let mut vc = CertificateValidationContext {
+        trusted_ca: v
+            .take("trusted_ca")
+            .map(|d| data_source_of(d, &v.at("trusted_ca")))
+            .transpose()?,
+        ..Default::default()
+    };
+    for (i, m) in v
+        .list("match_typed_subject_alt_names")?
+        .into_iter()
+        .enumerate()
+    {
+        let mut m = Obj::new(m, &v.at(&format!("match_typed_subject_alt_names[{i}]")))?;
+        let mut matcher = SubjectAltNameMatcher::default();
+        if let Some(t) = m.string("san_type")? {
+            matcher.san_type =
+                subject_alt_name_matcher::SanType::from_str_name(&t).ok_or_else(|| {
+                    XdsError::resource(
+                        m.at("san_type"),
+                        format!("`{t}` is not a SAN type; write URI (a SPIFFE ID)"),
+                    )
+                })? as i32;
+        }
+        matcher.matcher = m
+            .take("matcher")
+            .map(|s| string_matcher_of(s, &m.at("matcher")))
+            .transpose()?;
+        m.finish()?;
+        vc.match_typed_subject_alt_names.push(matcher);
+    }
+    v.finish()?;
+    Ok(vc)
+}
+
+/// An SDS secret config: its name, and `sds_config: { ads: {} }` if given (any other source is
+/// refused here, by its key).
 fn sds_secret_config_of(v: Value, path: &str) -> Result<SdsSecretConfig> {
     let mut o = Obj::new(v, path)?;
     let name = o.string("name")?.unwrap_or_default();
-    o.take("sds_config");
+    let sds_config = match o.obj("sds_config")? {
+        Some(mut source) => {
+            let ads = source.obj("ads")?;
+            if let Some(v) = source.string("resource_api_version")? {
+                if v != "V3" {
+                    return Err(XdsError::resource(
+                        source.at("resource_api_version"),
+                        format!("`{v}` is not supported; write V3 or leave it out"),
+                    ));
+                }
+            }
+            let Some(ads) = ads else {
+                return Err(XdsError::resource(
+                    source.path.clone(),
+                    "only `ads: {}` is supported (the secret comes on the node's ADS stream); for files, put the secret in static_resources.secrets and leave sds_config out",
+                ));
+            };
+            ads.finish()?;
+            source.finish()?;
+            Some(ConfigSource {
+                config_source_specifier: Some(config_source::ConfigSourceSpecifier::Ads(
+                    Default::default(),
+                )),
+                ..Default::default()
+            })
+        }
+        None => None,
+    };
     o.finish()?;
-    Ok(SdsSecretConfig {
-        name,
-        ..Default::default()
-    })
+    Ok(SdsSecretConfig { name, sds_config })
+}
+
+/// `static_resources.secrets`: each a `tls_certificate` (certificate_chain, private_key) or a
+/// `validation_context` (trusted_ca) given as files, which SDS references in the listeners and
+/// clusters name.
+fn static_secrets(list: Vec<Value>, path: &str) -> Result<StaticSecrets> {
+    let mut secrets = StaticSecrets::default();
+    for (i, v) in list.into_iter().enumerate() {
+        let mut o = Obj::new(v, &format!("{path}[{i}]"))?;
+        let name = o.string("name")?.unwrap_or_default();
+        if name.is_empty() {
+            return Err(XdsError::resource(
+                o.at("name"),
+                "is missing; SDS references name the secret",
+            ));
+        }
+        let file = |d: Option<Value>, at: String| -> Result<std::path::PathBuf> {
+            let d =
+                d.ok_or_else(|| XdsError::resource(&at, "is missing; give { filename: PATH }"))?;
+            match data_source_of(d, &at)?.specifier {
+                Some(data_source::Specifier::Filename(f)) if !f.is_empty() => Ok(f.into()),
+                _ => Err(XdsError::resource(
+                    at,
+                    "only { filename: PATH } is supported in a static secret: write the PEM to a file",
+                )),
+            }
+        };
+        if secrets.certificates.contains_key(&name) || secrets.roots.contains_key(&name) {
+            return Err(XdsError::resource(
+                o.at("name"),
+                format!("`{name}` is given twice"),
+            ));
+        }
+        if let Some(mut t) = o.obj("tls_certificate")? {
+            let cert = file(t.take("certificate_chain"), t.at("certificate_chain"))?;
+            let key = file(t.take("private_key"), t.at("private_key"))?;
+            t.finish()?;
+            secrets.certificates.insert(name, (cert, key));
+        } else if let Some(mut v) = o.obj("validation_context")? {
+            let ca = file(v.take("trusted_ca"), v.at("trusted_ca"))?;
+            if v.take("match_typed_subject_alt_names").is_some() {
+                return Err(XdsError::resource(
+                    v.at("match_typed_subject_alt_names"),
+                    "is not taken from a secret: flatmesh takes the SPIFFE IDs from the TLS context; put them in combined_validation_context.default_validation_context",
+                ));
+            }
+            v.finish()?;
+            secrets.roots.insert(name, ca);
+        } else {
+            return Err(XdsError::resource(
+                o.path.clone(),
+                "has neither tls_certificate nor validation_context; those are the secrets flatmesh takes",
+            ));
+        }
+        o.finish()?;
+    }
+    Ok(secrets)
+}
+
+/// The bootstrap's static secrets, by name.
+#[derive(Debug, Default)]
+pub struct StaticSecrets {
+    certificates: HashMap<String, (std::path::PathBuf, std::path::PathBuf)>,
+    roots: HashMap<String, std::path::PathBuf>,
+}
+
+impl crate::tls::SecretFiles for StaticSecrets {
+    fn certificate(&self, name: &str) -> Option<(std::path::PathBuf, std::path::PathBuf)> {
+        self.certificates.get(name).cloned()
+    }
+    fn trusted_ca(&self, name: &str) -> Option<std::path::PathBuf> {
+        self.roots.get(name).cloned()
+    }
 }
 
 /// A DataSource. Only `filename` translates; the others are kept for the translation to refuse

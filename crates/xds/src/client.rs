@@ -24,7 +24,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::error::{Result, XdsError};
-use crate::resources::{self, Resource, Resources, CLUSTER, ENDPOINT, LISTENER, ROUTE};
+use crate::resources::{self, Resource, Resources, CLUSTER, ENDPOINT, LISTENER, ROUTE, SECRET};
+use crate::sds::SecretDir;
 use crate::to_model::Translator;
 
 /// Responses up to this size are accepted (10,000 endpoints take well under 1 MB).
@@ -52,6 +53,8 @@ pub struct Options {
     pub protocol: Protocol,
     /// TLS and the bootstrap token, when the control center asks for them.
     pub security: crate::secure::ChannelSecurity,
+    /// Where SDS secrets are written (`--sds-dir`); without it a pushed secret is NACKed.
+    pub sds_dir: Option<std::path::PathBuf>,
 }
 
 /// Where translated configs go: the node proxy in production, anything in tests.
@@ -75,6 +78,9 @@ pub struct Status {
     pub nacks: Vec<String>,
     /// Configs handed to the node.
     pub applied: u64,
+    /// SDS secrets named by held listeners or clusters but not received yet, with who waits
+    /// (those listeners are not served, those clusters answer 503, until the secret arrives).
+    pub waiting_secrets: BTreeMap<String, Vec<String>>,
 }
 
 /// A running client; dropping it stops it.
@@ -89,7 +95,10 @@ impl Client {
     pub fn spawn(options: Options, base: Config, apply: impl Apply) -> Client {
         let status = Arc::new(Mutex::new(Status::default()));
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+        let secrets = options.sds_dir.clone().map(SecretDir::new);
         let session = Session {
+            secrets,
+            written: BTreeMap::new(),
             options,
             base,
             apply: Box::new(apply),
@@ -134,6 +143,11 @@ impl Drop for Client {
 
 struct Session {
     options: Options,
+    /// Where received secrets are written, if the node takes SDS.
+    secrets: Option<SecretDir>,
+    /// The secrets written to `secrets`, as they were written.
+    written:
+        BTreeMap<String, envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret>,
     base: Config,
     apply: Box<dyn Apply>,
     status: Arc<Mutex<Status>>,
@@ -236,9 +250,12 @@ impl Session {
         )
     }
 
-    /// The names to ask for per type: wildcard (empty) for LDS/CDS, what the others reference for RDS/EDS.
-    fn subscriptions(state: &Resources) -> [(&'static str, Vec<String>); 4] {
+    /// The names to ask for per type: wildcard (empty) for LDS/CDS, what the others reference
+    /// for RDS/EDS/SDS. SDS comes first: a secret is written before the listener that names it
+    /// is translated.
+    fn subscriptions(state: &Resources) -> [(&'static str, Vec<String>); 5] {
         [
+            (SECRET, state.wanted_secrets().into_iter().collect()),
             (CLUSTER, Vec::new()),
             (ENDPOINT, state.wanted_endpoints().into_iter().collect()),
             (LISTENER, Vec::new()),
@@ -246,15 +263,71 @@ impl Session {
         ]
     }
 
-    /// Translate the held resources and hand the config to the node (if it changed).
+    /// The types whose subscriptions follow what the others reference.
+    fn referenced(type_url: &str) -> bool {
+        type_url == ROUTE || type_url == ENDPOINT || type_url == SECRET
+    }
+
+    /// Translate the held resources and hand the config to the node (if it changed, or if a
+    /// secret's files did: the reload re-reads them).
     fn apply_state(&mut self) -> Result<()> {
-        let config = self.translator.translate(&self.state, &self.base)?;
-        if self.applied.as_ref() != Some(&config) {
+        let rewritten = self.write_secrets()?;
+        let files: &dyn crate::tls::SecretFiles = match &self.secrets {
+            Some(dir) => dir,
+            None => &crate::tls::NoSecrets,
+        };
+        let (config, waiting) = self
+            .translator
+            .translate_with(&self.state, &self.base, files)?;
+        let waiting: BTreeMap<String, Vec<String>> = waiting
+            .into_iter()
+            .map(|(secret, who)| (secret, who.into_iter().collect()))
+            .collect();
+        if waiting != self.status.lock().waiting_secrets {
+            for (secret, who) in &waiting {
+                tracing::warn!(secret, waiting = ?who, "SDS: waiting for a secret; those listeners are not served and those clusters answer 503 until it arrives (is the identity placed on this node?)");
+            }
+            self.status.lock().waiting_secrets = waiting;
+        }
+        if rewritten || self.applied.as_ref() != Some(&config) {
             self.apply.apply(config.clone()).map_err(XdsError::Apply)?;
             self.applied = Some(config);
             self.status.lock().applied += 1;
         }
         Ok(())
+    }
+
+    /// Writes the held secrets that are new or changed to their files; says whether any was.
+    fn write_secrets(&mut self) -> Result<bool> {
+        let mut rewritten = false;
+        for (name, secret) in &self.state.secrets {
+            if self.written.get(name) == Some(secret) {
+                continue;
+            }
+            let Some(dir) = self.secrets.as_mut() else {
+                return Err(XdsError::resource(
+                    format!("Secret \"{name}\""),
+                    "arrived, but this node keeps no secrets: start it with --sds-dir DIR",
+                ));
+            };
+            dir.write(secret)?;
+            tracing::info!(secret = %name, "SDS: secret written; the node reloads (new connections present it, open ones keep theirs)");
+            self.written.insert(name.clone(), secret.clone());
+            rewritten = true;
+        }
+        let gone: Vec<String> = self
+            .written
+            .keys()
+            .filter(|name| !self.state.secrets.contains_key(*name))
+            .cloned()
+            .collect();
+        for name in gone {
+            self.written.remove(&name);
+            if let Some(dir) = self.secrets.as_mut() {
+                dir.forget(&name);
+            }
+        }
+        Ok(rewritten)
     }
 
     /// Apply one response's `changes` (already made to the held resources): drop what nobody
@@ -299,6 +372,12 @@ impl Session {
         for name in self.state.names(ENDPOINT) {
             if !endpoints.contains(&name) {
                 self.take(changes, ENDPOINT, &name);
+            }
+        }
+        let secrets = self.state.wanted_secrets();
+        for name in self.state.names(SECRET) {
+            if !secrets.contains(&name) {
+                self.take(changes, SECRET, &name);
             }
         }
     }
@@ -373,7 +452,7 @@ impl Session {
             }
             // New listeners or clusters may reference route configs or assignments not asked for yet.
             for (type_url, names) in Self::subscriptions(&self.state) {
-                if type_url == ROUTE || type_url == ENDPOINT {
+                if Self::referenced(type_url) {
                     let previous = sent.get(type_url).cloned().unwrap_or_default();
                     if previous != names {
                         let _ = tx
@@ -437,6 +516,7 @@ impl Session {
         let wanted = match type_url {
             ROUTE => Some(self.state.wanted_routes()),
             ENDPOINT => Some(self.state.wanted_endpoints()),
+            SECRET => Some(self.state.wanted_secrets()),
             _ => None,
         };
         for resource in decoded {
@@ -523,7 +603,7 @@ impl Session {
                 return Ok(progress);
             }
             for (type_url, names) in Self::subscriptions(&self.state) {
-                if type_url != ROUTE && type_url != ENDPOINT {
+                if !Self::referenced(type_url) {
                     continue;
                 }
                 let names: BTreeSet<String> = names.into_iter().collect();
@@ -569,8 +649,8 @@ impl Session {
         }
         self.commit(changes)?;
         self.versions.insert(type_url.to_string(), versions);
-        // Drop versions of resources pruned away (unsubscribed route configs / assignments).
-        for t in [ROUTE, ENDPOINT] {
+        // Drop versions of resources pruned away (unsubscribed route configs, assignments, secrets).
+        for t in [ROUTE, ENDPOINT, SECRET] {
             let held: BTreeSet<String> = self.state.names(t).into_iter().collect();
             if let Some(v) = self.versions.get_mut(t) {
                 v.retain(|name, _| held.contains(name));
@@ -646,6 +726,7 @@ fn static_type(type_url: &str) -> &'static str {
         ROUTE => ROUTE,
         CLUSTER => CLUSTER,
         ENDPOINT => ENDPOINT,
+        SECRET => SECRET,
         _ => "",
     }
 }

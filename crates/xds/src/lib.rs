@@ -32,6 +32,7 @@ pub mod identities;
 pub mod local_ratelimit;
 pub mod rbac;
 pub mod resources;
+pub mod sds;
 pub mod secure;
 pub mod server;
 pub mod tls;

@@ -6,6 +6,7 @@ use envoy_types::pb::envoy::config::cluster::v3::Cluster;
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::config::listener::v3::Listener;
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
 use envoy_types::pb::google::protobuf::Any;
 use prost::{Message, Name};
 
@@ -15,6 +16,8 @@ pub const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listene
 pub const ROUTE: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
 pub const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
 pub const ENDPOINT: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+/// SDS: certificates, keys and trust bundles, per node (docs/security.md, "SDS").
+pub const SECRET: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
 
 /// The four resource types, in the order a server should send them (CDS, EDS, LDS, RDS), so a
 /// cluster exists before the endpoints and routes that use it.
@@ -27,6 +30,7 @@ pub fn short(type_url: &str) -> &'static str {
         ROUTE => "RDS",
         CLUSTER => "CDS",
         ENDPOINT => "EDS",
+        SECRET => "SDS",
         _ => "unknown",
     }
 }
@@ -39,6 +43,8 @@ pub struct Resources {
     pub clusters: BTreeMap<String, Cluster>,
     /// Keyed by `cluster_name` (the EDS service name).
     pub endpoints: BTreeMap<String, ClusterLoadAssignment>,
+    /// SDS secrets the node holds (the xDS client only; the server makes them per node).
+    pub secrets: BTreeMap<String, Secret>,
 }
 
 /// One decoded resource of any supported type. (Short-lived, one per decoded Any: the size
@@ -50,6 +56,7 @@ pub enum Resource {
     Route(RouteConfiguration),
     Cluster(Cluster),
     Endpoint(ClusterLoadAssignment),
+    Secret(Secret),
 }
 
 impl Resource {
@@ -59,6 +66,7 @@ impl Resource {
             Resource::Route(r) => &r.name,
             Resource::Cluster(r) => &r.name,
             Resource::Endpoint(r) => &r.cluster_name,
+            Resource::Secret(r) => &r.name,
         }
     }
 
@@ -85,11 +93,12 @@ impl Resource {
             ROUTE => Resource::Route(RouteConfiguration::decode(value).map_err(bad)?),
             CLUSTER => Resource::Cluster(Cluster::decode(value).map_err(bad)?),
             ENDPOINT => Resource::Endpoint(ClusterLoadAssignment::decode(value).map_err(bad)?),
+            SECRET => Resource::Secret(Secret::decode(value).map_err(bad)?),
             other => {
                 return Err(XdsError::resource(
                     "response",
                     format!(
-                        "type `{other}` is not one flatmesh subscribes to (LDS, RDS, CDS, EDS)"
+                        "type `{other}` is not one flatmesh subscribes to (LDS, RDS, CDS, EDS, SDS)"
                     ),
                 ))
             }
@@ -102,6 +111,7 @@ impl Resource {
             Resource::Route(_) => ROUTE,
             Resource::Cluster(_) => CLUSTER,
             Resource::Endpoint(_) => ENDPOINT,
+            Resource::Secret(_) => SECRET,
         }
     }
 
@@ -111,6 +121,7 @@ impl Resource {
             Resource::Route(r) => pack(r),
             Resource::Cluster(r) => pack(r),
             Resource::Endpoint(r) => pack(r),
+            Resource::Secret(r) => pack(r),
         }
     }
 }
@@ -145,6 +156,12 @@ impl Resources {
                 .cloned()
                 .map(Resource::Endpoint)
                 .collect(),
+            SECRET => self
+                .secrets
+                .values()
+                .cloned()
+                .map(Resource::Secret)
+                .collect(),
             _ => Vec::new(),
         }
     }
@@ -162,6 +179,9 @@ impl Resources {
             }
             Resource::Endpoint(r) => {
                 self.endpoints.insert(r.cluster_name.clone(), r);
+            }
+            Resource::Secret(r) => {
+                self.secrets.insert(r.name.clone(), r);
             }
         }
     }
@@ -182,6 +202,7 @@ impl Resources {
                 .endpoints
                 .insert(r.cluster_name.clone(), r)
                 .map(Resource::Endpoint),
+            Resource::Secret(r) => self.secrets.insert(r.name.clone(), r).map(Resource::Secret),
         }
     }
 
@@ -192,6 +213,7 @@ impl Resources {
             ROUTE => self.routes.remove(name).map(Resource::Route),
             CLUSTER => self.clusters.remove(name).map(Resource::Cluster),
             ENDPOINT => self.endpoints.remove(name).map(Resource::Endpoint),
+            SECRET => self.secrets.remove(name).map(Resource::Secret),
             _ => None,
         }
     }
@@ -202,6 +224,7 @@ impl Resources {
             ROUTE => drop(self.routes.remove(name)),
             CLUSTER => drop(self.clusters.remove(name)),
             ENDPOINT => drop(self.endpoints.remove(name)),
+            SECRET => drop(self.secrets.remove(name)),
             _ => {}
         }
     }
@@ -213,6 +236,7 @@ impl Resources {
             ROUTE => self.routes.clear(),
             CLUSTER => self.clusters.clear(),
             ENDPOINT => self.endpoints.clear(),
+            SECRET => self.secrets.clear(),
             _ => {}
         }
     }
@@ -235,6 +259,23 @@ impl Resources {
             .collect()
     }
 
+    /// Names of the SDS secrets the listeners' and clusters' TLS contexts refer to.
+    pub fn wanted_secrets(&self) -> std::collections::BTreeSet<String> {
+        let listeners = self
+            .listeners
+            .values()
+            .flat_map(|l| l.filter_chains.iter())
+            .filter_map(|c| c.transport_socket.as_ref());
+        let clusters = self
+            .clusters
+            .values()
+            .filter_map(|c| c.transport_socket.as_ref());
+        listeners
+            .chain(clusters)
+            .flat_map(crate::tls::secret_names)
+            .collect()
+    }
+
     /// Names of the resources of `type_url` held now.
     pub fn names(&self, type_url: &str) -> Vec<String> {
         match type_url {
@@ -242,6 +283,7 @@ impl Resources {
             ROUTE => self.routes.keys().cloned().collect(),
             CLUSTER => self.clusters.keys().cloned().collect(),
             ENDPOINT => self.endpoints.keys().cloned().collect(),
+            SECRET => self.secrets.keys().cloned().collect(),
             _ => Vec::new(),
         }
     }

@@ -26,7 +26,8 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::error::{Result, XdsError};
-use crate::resources::{self, Resources, ORDER};
+use crate::resources::{self, Resources, ORDER, SECRET};
+use crate::sds::SecretSource;
 
 const MAX_MESSAGE: usize = 64 * 1024 * 1024;
 
@@ -217,6 +218,8 @@ pub struct ServeOptions {
     pub tokens: Option<Arc<dyn crate::secure::Tokens>>,
     /// The certificate API ([`crate::certificates`]), when the control center is a CA.
     pub certificates: Option<crate::certificates::CertificateServer>,
+    /// SDS: each node's secrets. Needs `tls` and `tokens` (a secret may carry a private key).
+    pub secrets: Option<Arc<dyn crate::sds::SecretSource>>,
 }
 
 /// Serve ADS on `address`, plaintext and open to any caller, until `shutdown` resolves.
@@ -243,6 +246,11 @@ pub async fn serve_with(
         address: address.to_string(),
         why,
     };
+    if options.secrets.is_some() && (options.tls.is_none() || options.tokens.is_none()) {
+        return Err(err(
+            "SDS serves private keys, so only over TLS to nodes known by their bootstrap token; give the control center --ca-dir and --node-tokens".into(),
+        ));
+    }
     let listener = tokio::net::TcpListener::bind(address)
         .await
         .map_err(|e| err(e.to_string()))?;
@@ -252,6 +260,7 @@ pub async fn serve_with(
         tls = options.tls.is_some(),
         tokens = options.tokens.is_some(),
         certificates = options.certificates.is_some(),
+        sds = options.secrets.is_some(),
         "serving xDS (ADS: state of the world and delta)"
     );
     if let Some(bound) = bound {
@@ -264,6 +273,7 @@ pub async fn serve_with(
     let ads = AggregatedDiscoveryServiceServer::new(Ads {
         store,
         closing: fired_rx.clone(),
+        secrets: options.secrets.clone().zip(options.tokens.clone()),
     })
     .max_decoding_message_size(MAX_MESSAGE)
     .max_encoding_message_size(MAX_MESSAGE);
@@ -314,6 +324,55 @@ struct Ads {
     store: Store,
     /// Becomes true when the server shuts down.
     closing: watch::Receiver<bool>,
+    /// SDS, and the tokens that say which node a stream is.
+    secrets: Option<(Arc<dyn SecretSource>, Arc<dyn crate::secure::Tokens>)>,
+}
+
+impl Ads {
+    /// The secret source and the node it answers for, known by the stream's bootstrap token
+    /// (never by the node id the client claims in its requests).
+    fn secrets_for<T>(&self, request: &tonic::Request<T>) -> Option<NodeSecrets> {
+        let (source, tokens) = self.secrets.as_ref()?;
+        let token = crate::certificates::bearer_token(request.metadata())?;
+        Some(NodeSecrets {
+            source: source.clone(),
+            node: tokens.node_of(token)?,
+        })
+    }
+}
+
+/// What one stream's node may be given over SDS.
+#[derive(Clone)]
+struct NodeSecrets {
+    source: Arc<dyn SecretSource>,
+    node: String,
+}
+
+impl NodeSecrets {
+    /// Secrets `names`, packed, each with its content hash as version; those refused are left
+    /// out (the source logged and counted the refusal).
+    fn get(&self, names: &BTreeSet<String>) -> (BTreeMap<String, (Any, String)>, String) {
+        let mut all = std::collections::hash_map::DefaultHasher::new();
+        let mut out = BTreeMap::new();
+        for name in names {
+            if let Ok(secret) = self.source.secret(&self.node, name) {
+                let any = crate::resources::pack(&secret);
+                let version = hash_hex(&any.value);
+                name.hash(&mut all);
+                version.hash(&mut all);
+                out.insert(name.clone(), (any, version));
+            }
+        }
+        (out, format!("{:016x}", all.finish()))
+    }
+}
+
+/// Resolves when `changes` moves (never without a source).
+async fn secrets_changed(changes: &mut Option<watch::Receiver<u64>>) -> bool {
+    match changes {
+        Some(rx) => rx.changed().await.is_ok(),
+        None => std::future::pending().await,
+    }
 }
 
 /// Resolves when the server shuts down (at once if it already has).
@@ -337,6 +396,7 @@ impl AggregatedDiscoveryService for Ads {
         request: tonic::Request<tonic::Streaming<DiscoveryRequest>>,
     ) -> std::result::Result<tonic::Response<Self::StreamAggregatedResourcesStream>, tonic::Status>
     {
+        let secrets = self.secrets_for(&request);
         let requests = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(sotw_stream(
@@ -344,6 +404,7 @@ impl AggregatedDiscoveryService for Ads {
             requests,
             tx,
             self.closing.clone(),
+            secrets,
         ));
         Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -353,6 +414,7 @@ impl AggregatedDiscoveryService for Ads {
         request: tonic::Request<tonic::Streaming<DeltaDiscoveryRequest>>,
     ) -> std::result::Result<tonic::Response<Self::DeltaAggregatedResourcesStream>, tonic::Status>
     {
+        let secrets = self.secrets_for(&request);
         let requests = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(delta_stream(
@@ -360,6 +422,7 @@ impl AggregatedDiscoveryService for Ads {
             requests,
             tx,
             self.closing.clone(),
+            secrets,
         ));
         Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -391,14 +454,33 @@ async fn sotw_stream(
     mut requests: tonic::Streaming<DiscoveryRequest>,
     tx: mpsc::Sender<std::result::Result<DiscoveryResponse, tonic::Status>>,
     closing: watch::Receiver<bool>,
+    secrets: Option<NodeSecrets>,
 ) {
     let mut watch = store.tx.subscribe();
     let mut types: BTreeMap<String, SotwType> = BTreeMap::new();
     let mut node = String::new();
     let mut nonce = 0u64;
+    let mut secret_changes = secrets.as_ref().map(|s| s.source.changes());
+    let mut secrets_stale = false;
     loop {
         let published = watch.borrow_and_update().clone();
-        // Push what changed, in CDS, EDS, LDS, RDS order.
+        // Secrets first (a listener's secret before the listener), then CDS, EDS, LDS, RDS.
+        if let (Some(source), Some(t)) = (&secrets, types.get_mut(SECRET)) {
+            if secrets_stale || t.sent_version.is_none() {
+                secrets_stale = false;
+                let names = t.names.clone().unwrap_or_default();
+                let (all, version) = source.get(&names);
+                if t.sent_version.as_deref() != Some(&version) {
+                    nonce += 1;
+                    let response = sotw_response_of(Some(&all), version, SECRET, &None, nonce);
+                    t.sent_version = Some(response.version_info.clone());
+                    t.nonce = response.nonce.clone();
+                    if tx.send(Ok(response)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
         for type_url in ORDER {
             if let Some(t) = types.get_mut(type_url) {
                 if t.sent_version.as_deref() != Some(&published.version(type_url)) {
@@ -418,6 +500,7 @@ async fn sotw_stream(
                 return;
             }
             changed = watch.changed() => if changed.is_err() { return },
+            true = secrets_changed(&mut secret_changes) => secrets_stale = true,
             request = requests.message() => {
                 let request = match request {
                     Ok(Some(r)) => r,
@@ -427,7 +510,7 @@ async fn sotw_stream(
                     node = n.id.clone();
                 }
                 let type_url = request.type_url.clone();
-                if !ORDER.contains(&type_url.as_str()) {
+                if !served(&type_url, secrets.is_some()) {
                     tracing::debug!(type_url, "request for a type flatmesh does not serve; ignored");
                     continue;
                 }
@@ -452,14 +535,35 @@ async fn sotw_stream(
     }
 }
 
+/// Whether this server answers `type_url` (SDS only with a secret source).
+fn served(type_url: &str, sds: bool) -> bool {
+    ORDER.contains(&type_url) || (sds && type_url == SECRET)
+}
+
 fn sotw_response(
     published: &Published,
     type_url: &str,
     names: &Names,
     nonce: u64,
 ) -> DiscoveryResponse {
-    let resources = published
-        .resources(type_url)
+    sotw_response_of(
+        published.resources(type_url),
+        published.version(type_url),
+        type_url,
+        names,
+        nonce,
+    )
+}
+
+/// A SotW response of the resources in `all` that `names` subscribes to.
+fn sotw_response_of(
+    all: Option<&BTreeMap<String, (Any, String)>>,
+    version: String,
+    type_url: &str,
+    names: &Names,
+    nonce: u64,
+) -> DiscoveryResponse {
+    let resources = all
         .map(|all| {
             all.iter()
                 .filter(|(name, _)| names.as_ref().is_none_or(|n| n.contains(*name)))
@@ -468,7 +572,7 @@ fn sotw_response(
         })
         .unwrap_or_default();
     DiscoveryResponse {
-        version_info: published.version(type_url),
+        version_info: version,
         resources,
         type_url: type_url.to_string(),
         nonce: nonce.to_string(),
@@ -491,13 +595,26 @@ async fn delta_stream(
     mut requests: tonic::Streaming<DeltaDiscoveryRequest>,
     tx: mpsc::Sender<std::result::Result<DeltaDiscoveryResponse, tonic::Status>>,
     closing: watch::Receiver<bool>,
+    secrets: Option<NodeSecrets>,
 ) {
     let mut watch = store.tx.subscribe();
     let mut types: BTreeMap<String, DeltaType> = BTreeMap::new();
     let mut node = String::new();
     let mut nonce = 0u64;
+    let mut secret_changes = secrets.as_ref().map(|s| s.source.changes());
+    let mut secrets_stale = true;
     loop {
         let published = watch.borrow_and_update().clone();
+        if let (Some(source), Some(t)) = (&secrets, types.get_mut(SECRET)) {
+            if std::mem::take(&mut secrets_stale) || !t.answered {
+                let (all, version) = source.get(&t.names);
+                if let Some(response) = delta_response_of(&all, version, SECRET, t, &mut nonce) {
+                    if tx.send(Ok(response)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
         for type_url in ORDER {
             if let Some(t) = types.get_mut(type_url) {
                 if let Some(response) = delta_response(&published, type_url, t, &mut nonce) {
@@ -513,6 +630,7 @@ async fn delta_stream(
                 return;
             }
             changed = watch.changed() => if changed.is_err() { return },
+            true = secrets_changed(&mut secret_changes) => secrets_stale = true,
             request = requests.message() => {
                 let request = match request {
                     Ok(Some(r)) => r,
@@ -522,9 +640,11 @@ async fn delta_stream(
                     node = n.id.clone();
                 }
                 let type_url = request.type_url.clone();
-                if !ORDER.contains(&type_url.as_str()) {
+                if !served(&type_url, secrets.is_some()) {
                     continue;
                 }
+                // A changed SDS subscription is answered from fresh secrets.
+                secrets_stale |= type_url == SECRET;
                 if let Some(error) = &request.error_detail {
                     store.record_nack(&node, &type_url, &error.message);
                 }
@@ -569,6 +689,18 @@ fn delta_response(
     nonce: &mut u64,
 ) -> Option<DeltaDiscoveryResponse> {
     let all = published.resources(type_url)?;
+    delta_response_of(all, published.version(type_url), type_url, t, nonce)
+}
+
+/// A delta response of what in `all` the client wants and does not hold, and of what it holds
+/// that is gone; `None` if there is nothing to say.
+fn delta_response_of(
+    all: &BTreeMap<String, (Any, String)>,
+    system_version: String,
+    type_url: &str,
+    t: &mut DeltaType,
+    nonce: &mut u64,
+) -> Option<DeltaDiscoveryResponse> {
     let wanted = |name: &str| t.wildcard || t.names.contains(name);
     let mut resources = Vec::new();
     for (name, (any, version)) in all {
@@ -599,7 +731,7 @@ fn delta_response(
     }
     *nonce += 1;
     Some(DeltaDiscoveryResponse {
-        system_version_info: published.version(type_url),
+        system_version_info: system_version,
         resources,
         type_url: type_url.to_string(),
         removed_resources: removed,

@@ -693,14 +693,38 @@ fn unsupported_tls_is_refused_by_name() {
         (
             "            tls_certificates:\n            - certificate_chain: { filename: /pki/node.pem }\n              private_key: { filename: /pki/node.key }\n            validation_context:",
             "            tls_certificate_sds_secret_configs: [ { name: node, sds_config: { ads: {} } } ]\n            validation_context:",
-            l("common_tls_context.tls_certificate_sds_secret_configs"),
-            "SDS and certificate providers are not supported yet: give the files",
+            "Listener \"mtls\"".to_string(),
+            "names the SDS secret `node`, which is not given: add it to static_resources.secrets",
+        ),
+        (
+            "            tls_certificates:\n            - certificate_chain: { filename: /pki/node.pem }\n              private_key: { filename: /pki/node.key }\n            validation_context:",
+            "            tls_certificate_sds_secret_configs: [ { name: node, sds_config: { path_config_source: { path: /sds.yaml } } } ]\n            validation_context:",
+            "static_resources.listeners[0] (\"mtls\").filter_chains[0].transport_socket.typed_config.common_tls_context.tls_certificate_sds_secret_configs[0].sds_config".to_string(),
+            "only `ads: {}` is supported",
+        ),
+        (
+            "            tls_certificates:\n            - certificate_chain: { filename: /pki/node.pem }\n              private_key: { filename: /pki/node.key }\n            validation_context:",
+            "            tls_certificate_sds_secret_configs: [ { name: a }, { name: b } ]\n            validation_context:",
+            l("common_tls_context.tls_certificates"),
+            "flatmesh presents one",
         ),
         (
             "            validation_context:\n              trusted_ca: { filename: /pki/ca.pem }\n              match_typed_subject_alt_names:\n              - san_type: URI\n                matcher: { exact: \"spiffe://td/ns/shop/sa/web\" }\n              - san_type: URI\n                matcher: { prefix: \"spiffe://td/ns/ops/\" }\n",
             "            validation_context_sds_secret_config: { name: bundle, sds_config: { ads: {} } }\n",
             l("common_tls_context.validation_context_sds_secret_config"),
-            "SDS and certificate providers are not supported yet",
+            "is not supported alone: flatmesh takes the SPIFFE IDs a peer must present from the config",
+        ),
+        (
+            "            validation_context:\n              trusted_ca: { filename: /pki/ca.pem }\n              match_typed_subject_alt_names:\n              - san_type: URI\n                matcher: { exact: \"spiffe://td/ns/shop/sa/web\" }\n              - san_type: URI\n                matcher: { prefix: \"spiffe://td/ns/ops/\" }\n",
+            "            combined_validation_context:\n              default_validation_context: { match_typed_subject_alt_names: [ { san_type: URI, matcher: { exact: \"spiffe://td/ns/shop/sa/web\" } } ] }\n",
+            l("common_tls_context.combined_validation_context.validation_context_sds_secret_config"),
+            "is missing; it names the secret holding the roots",
+        ),
+        (
+            "            validation_context:\n              trusted_ca: { filename: /pki/ca.pem }\n              match_typed_subject_alt_names:\n              - san_type: URI\n                matcher: { exact: \"spiffe://td/ns/shop/sa/web\" }\n              - san_type: URI\n                matcher: { prefix: \"spiffe://td/ns/ops/\" }\n",
+            "            combined_validation_context:\n              default_validation_context: { trusted_ca: { filename: /pki/ca.pem }, match_typed_subject_alt_names: [ { san_type: URI, matcher: { exact: \"spiffe://td/ns/shop/sa/web\" } } ] }\n              validation_context_sds_secret_config: { name: ROOTCA, sds_config: { ads: {} } }\n",
+            l("common_tls_context.combined_validation_context.default_validation_context.trusted_ca"),
+            "is given besides the roots secret",
         ),
         (
             "- san_type: URI\n                matcher: { exact: \"spiffe://td/ns/shop/sa/web\" }",
@@ -889,7 +913,17 @@ fn unsupported_tls_over_xds_is_refused_by_name() {
         ))
     });
     assert!(
-        e.contains("combined_validation_context") && e.contains("not supported yet"),
+        e.contains("combined_validation_context.validation_context_sds_secret_config: is missing"),
+        "{e}"
+    );
+    let e = edit(&|c| {
+        c.common_tls_context
+            .as_mut()
+            .unwrap()
+            .tls_certificate_provider_instance = Some(Default::default())
+    });
+    assert!(
+        e.contains("tls_certificate_provider_instance: certificate providers are not supported"),
         "{e}"
     );
     let e = edit(&|c| {
@@ -2262,4 +2296,258 @@ fn retry_policies_import_from_envoy() {
         r#"retry_policy: { retry_on: "5xx,retriable-4xx" }"#,
     );
     assert!(import_error(&unknown).contains("`retriable-4xx` is not supported"));
+}
+
+// ---- SDS -------------------------------------------------------------------------------------
+
+/// [`TLS_BOOTSTRAP`] with the mtls listener's certificate and roots and the api cluster's
+/// certificate named as SDS secrets, the roots through a combined validation context (Istio's
+/// shape), and the secrets given as files in `static_resources.secrets`.
+fn sds_bootstrap() -> String {
+    let listener_files = "            tls_certificates:\n            - certificate_chain: { filename: /pki/node.pem }\n              private_key: { filename: /pki/node.key }\n            validation_context:\n              trusted_ca: { filename: /pki/ca.pem }\n              match_typed_subject_alt_names:\n              - san_type: URI\n                matcher: { exact: \"spiffe://td/ns/shop/sa/web\" }\n              - san_type: URI\n                matcher: { prefix: \"spiffe://td/ns/ops/\" }\n";
+    let listener_sds = "            tls_certificate_sds_secret_configs: [ { name: \"spiffe://td/ns/shop/sa/api\" } ]\n            combined_validation_context:\n              validation_context_sds_secret_config: { name: ROOTCA }\n              default_validation_context:\n                match_typed_subject_alt_names:\n                - san_type: URI\n                  matcher: { exact: \"spiffe://td/ns/shop/sa/web\" }\n                - san_type: URI\n                  matcher: { prefix: \"spiffe://td/ns/ops/\" }\n";
+    let cluster_files = "          tls_certificates:\n          - certificate_chain: { filename: /pki/node.pem }\n            private_key: { filename: /pki/node.key }\n          validation_context:\n            trusted_ca: { filename: /pki/ca.pem }\n            match_typed_subject_alt_names:\n            - { san_type: URI, matcher: { prefix: \"spiffe://td/ns/api/\" } }";
+    let cluster_sds = "          tls_certificate_sds_secret_configs: [ { name: \"spiffe://td/ns/shop/sa/api\", sds_config: { ads: {}, resource_api_version: V3 } } ]\n          combined_validation_context:\n            default_validation_context: { match_typed_subject_alt_names: [ { san_type: URI, matcher: { prefix: \"spiffe://td/ns/api/\" } } ] }\n            validation_context_sds_secret_config: { name: ROOTCA, sds_config: { ads: {} } }";
+    assert!(TLS_BOOTSTRAP.contains(listener_files) && TLS_BOOTSTRAP.contains(cluster_files));
+    let secrets = "  secrets:\n  - name: \"spiffe://td/ns/shop/sa/api\"\n    tls_certificate: { certificate_chain: { filename: /sds/api.pem }, private_key: { filename: /sds/api.key } }\n  - name: ROOTCA\n    validation_context: { trusted_ca: { filename: /sds/roots.pem } }\n";
+    TLS_BOOTSTRAP
+        .replacen(listener_files, listener_sds, 1)
+        .replacen(cluster_files, cluster_sds, 1)
+        .replacen("  clusters:\n", &format!("{secrets}  clusters:\n"), 1)
+}
+
+#[test]
+fn sds_secrets_import_from_a_bootstrap() {
+    let config = bootstrap::parse(&sds_bootstrap(), "envoy.yaml").unwrap();
+    let mtls = config.listeners.iter().find(|l| l.name == "mtls").unwrap();
+    assert_eq!(
+        mtls.tls,
+        Some(model::ListenerTls {
+            cert: "/sds/api.pem".into(),
+            key: "/sds/api.key".into(),
+            client_ca: Some("/sds/roots.pem".into()),
+            allow: vec![
+                "spiffe://td/ns/shop/sa/web".into(),
+                "spiffe://td/ns/ops/*".into()
+            ],
+        })
+    );
+    assert_eq!(
+        config.cluster("api").unwrap().tls,
+        Some(model::ClusterTls {
+            ca: "/sds/roots.pem".into(),
+            cert: Some("/sds/api.pem".into()),
+            key: Some("/sds/api.key".into()),
+            server_ids: vec!["spiffe://td/ns/api/*".into()],
+            sni: Some("api.shop.svc".into()),
+        })
+    );
+}
+
+#[test]
+fn bad_static_secrets_are_refused_by_name() {
+    let text = sds_bootstrap();
+    let cases = [
+        (
+            "private_key: { filename: /sds/api.key }",
+            "private_key: { inline_string: KEY }",
+            "static_resources.secrets[0].tls_certificate.private_key: only { filename: PATH } is supported",
+        ),
+        (
+            "validation_context: { trusted_ca: { filename: /sds/roots.pem } }",
+            "validation_context: { trusted_ca: { filename: /sds/roots.pem }, match_typed_subject_alt_names: [] }",
+            "static_resources.secrets[1].validation_context.match_typed_subject_alt_names: is not taken from a secret",
+        ),
+        (
+            "  - name: ROOTCA\n",
+            "  - name: \"spiffe://td/ns/shop/sa/api\"\n",
+            "static_resources.secrets[1].name: `spiffe://td/ns/shop/sa/api` is given twice",
+        ),
+        (
+            "    validation_context: { trusted_ca: { filename: /sds/roots.pem } }",
+            "    generic_secret: { secret: { filename: /sds/x } }",
+            "static_resources.secrets[1]: has neither tls_certificate nor validation_context",
+        ),
+        (
+            "  - name: ROOTCA\n",
+            "  - name: OTHER\n",
+            "Cluster \"api\": names the SDS secret `ROOTCA`, which is not given",
+        ),
+    ];
+    for (from, to, why) in cases {
+        assert!(text.contains(from), "the case does not apply: {from}");
+        let e = import_error(&text.replacen(from, to, 1));
+        assert!(e.contains(why), "{to}: the error does not say `{why}`: {e}");
+    }
+}
+
+/// Over xDS a secret comes on the stream: a listener that names one not held yet is left out and
+/// a cluster answers 503 (no endpoints, no half-configured TLS) until it is written; then both
+/// read its files, the key with mode 0600.
+#[test]
+fn sds_secrets_over_xds_wait_then_resolve() {
+    use crate::sds::{certificate_secret, roots_secret, SecretDir};
+    use std::os::unix::fs::PermissionsExt;
+    let config = bootstrap::parse(&sds_bootstrap(), "envoy.yaml").unwrap();
+    // The pushed form of the bootstrap: its listeners and clusters name the secrets.
+    let value: serde_json::Value = serde_norway::from_str(&sds_bootstrap()).unwrap();
+    let (resources, _) = bootstrap::bootstrap(value).unwrap();
+    assert_eq!(
+        resources.wanted_secrets().into_iter().collect::<Vec<_>>(),
+        ["ROOTCA", "spiffe://td/ns/shop/sa/api"]
+    );
+    let dir = std::env::temp_dir().join(format!("flatmesh-sds-unit-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut secrets = SecretDir::new(dir.clone());
+    let mut translator = crate::to_model::Translator::default();
+    let base = bootstrap::empty_config();
+    let (waiting_config, waiting) = translator
+        .translate_with(&resources, &base, &secrets)
+        .unwrap();
+    assert!(waiting_config.listeners.iter().all(|l| l.name != "mtls"));
+    let api = waiting_config.cluster("api").unwrap();
+    assert_eq!((api.tls.as_ref(), api.endpoints.len()), (None, 0));
+    assert_eq!(
+        waiting["ROOTCA"].iter().cloned().collect::<Vec<_>>(),
+        ["Cluster \"api\"", "Listener \"mtls\""]
+    );
+    // The one-off translation has no secrets at all: it refuses instead of waiting.
+    let e = crate::to_model::translate(&resources, &base).unwrap_err();
+    assert!(e.to_string().contains("names the SDS secret"), "{e}");
+
+    let pem = "-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n";
+    secrets
+        .write(&certificate_secret(
+            "spiffe://td/ns/shop/sa/api",
+            pem,
+            "-----BEGIN PRIVATE KEY-----\nAA==\n-----END PRIVATE KEY-----\n",
+        ))
+        .unwrap();
+    secrets.write(&roots_secret("ROOTCA", pem)).unwrap();
+    let (resolved, waiting) = translator
+        .translate_with(&resources, &base, &secrets)
+        .unwrap();
+    assert!(waiting.is_empty(), "{waiting:?}");
+    let mtls = resolved
+        .listeners
+        .iter()
+        .find(|l| l.name == "mtls")
+        .unwrap();
+    let tls = mtls.tls.as_ref().unwrap();
+    assert!(tls.cert.starts_with(&dir) && tls.key.starts_with(&dir));
+    assert_eq!(
+        std::fs::metadata(&tls.key).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    assert_eq!(
+        std::fs::read_to_string(tls.client_ca.as_ref().unwrap()).unwrap(),
+        pem
+    );
+    let api = resolved.cluster("api").unwrap();
+    assert_eq!(
+        api.tls.as_ref().unwrap().ca,
+        *tls.client_ca.as_ref().unwrap()
+    );
+    assert_eq!(api.endpoints.len(), 1);
+    // Beside the files, the same as the bootstrap's static secrets give.
+    assert_eq!(
+        tls.allow,
+        config
+            .listeners
+            .iter()
+            .find(|l| l.name == "mtls")
+            .unwrap()
+            .tls
+            .as_ref()
+            .unwrap()
+            .allow
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_pushed_secrets_are_refused_by_name() {
+    use crate::sds::{certificate_secret, roots_secret, SecretDir};
+    use envoy_types::pb::envoy::config::core::v3::{data_source, DataSource};
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::secret;
+    let dir = std::env::temp_dir().join(format!("flatmesh-sds-bad-{}", std::process::id()));
+    let mut secrets = SecretDir::new(dir.clone());
+    let pem = "-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n";
+    let mut by_file = certificate_secret("s", pem, pem);
+    if let Some(secret::Type::TlsCertificate(t)) = &mut by_file.r#type {
+        t.private_key = Some(DataSource {
+            specifier: Some(data_source::Specifier::Filename("/etc/key".into())),
+            ..Default::default()
+        });
+    }
+    let e = secrets.write(&by_file).unwrap_err().to_string();
+    assert!(
+        e.contains("Secret \"s\": private_key: must be inline"),
+        "{e}"
+    );
+    let mut with_ids = roots_secret("r", pem);
+    if let Some(secret::Type::ValidationContext(v)) = &mut with_ids.r#type {
+        v.allow_expired_certificate = true;
+    }
+    let e = secrets.write(&with_ids).unwrap_err().to_string();
+    assert!(
+        e.contains("allow_expired_certificate is not supported"),
+        "{e}"
+    );
+    let e = secrets
+        .write(&roots_secret("r", "not pem"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("trusted_ca: holds no PEM block"), "{e}");
+    let e = secrets
+        .write(&crate::sds::Secret {
+            name: "g".into(),
+            r#type: Some(secret::Type::GenericSecret(Default::default())),
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("is neither a tls_certificate nor a validation_context"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A secret carries a private key: the server will not serve SDS in plaintext or to callers it
+/// cannot name.
+#[test]
+fn sds_secrets_are_served_only_over_tls_to_token_holders() {
+    struct Nothing(tokio::sync::watch::Sender<u64>);
+    impl crate::sds::SecretSource for Nothing {
+        fn secret(&self, _: &str, _: &str) -> std::result::Result<crate::sds::Secret, String> {
+            Err("none".into())
+        }
+        fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+            self.0.subscribe()
+        }
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let options = crate::server::ServeOptions {
+        secrets: Some(std::sync::Arc::new(Nothing(
+            tokio::sync::watch::channel(0).0,
+        ))),
+        ..Default::default()
+    };
+    let e = rt
+        .block_on(crate::server::serve_with(
+            "127.0.0.1:0".parse().unwrap(),
+            crate::server::Store::new(),
+            options,
+            None,
+            std::future::pending(),
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("SDS serves private keys, so only over TLS"),
+        "{e}"
+    );
 }

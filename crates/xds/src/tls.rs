@@ -7,16 +7,25 @@
 //! CAs as file names, peers matched by URI SAN (a SPIFFE ID exactly, or a `/`-ending prefix for a
 //! `/*` pattern), ALPN the codecs flatmesh speaks. Anything else in the contexts is an error that
 //! names the field, so a secure Envoy listener never turns into a flatmesh listener that checks
-//! less. SDS is not served yet: secrets must be files.
+//! less.
+//!
+//! Secrets may also come by name (SDS): `tls_certificate_sds_secret_configs` and a
+//! `combined_validation_context` whose roots are a secret, over ADS (`sds_config: { ads: {} }`)
+//! or from a bootstrap's `static_resources.secrets`. Translation writes such a reference as a
+//! stand-in path ([`SecretRef`]) that [`resolve_secrets`] replaces with the files the secret was
+//! written to (the xDS client, [`crate::sds`]) or names (a bootstrap's static secrets).
 
-use std::path::PathBuf;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
 
 use envoy_types::pb::envoy::config::core::v3::TransportSocket;
-use envoy_types::pb::envoy::config::core::v3::{data_source, transport_socket, DataSource};
+use envoy_types::pb::envoy::config::core::v3::{
+    config_source, data_source, transport_socket, ApiVersion, DataSource,
+};
 use envoy_types::pb::envoy::extensions::transport_sockets::raw_buffer::v3::RawBuffer;
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
     common_tls_context, subject_alt_name_matcher, tls_parameters, CertificateValidationContext,
-    CommonTlsContext, DownstreamTlsContext, SubjectAltNameMatcher, TlsCertificate,
+    CommonTlsContext, DownstreamTlsContext, SdsSecretConfig, SubjectAltNameMatcher, TlsCertificate,
     UpstreamTlsContext,
 };
 use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, StringMatcher};
@@ -202,7 +211,7 @@ pub(crate) fn listener_tls(
     })?;
     reject_rest(&ctx, &at)?;
     let at_common = format!("{at}.common_tls_context");
-    no_secret_discovery(&common, &at_common)?;
+    no_certificate_provider(&common, &at_common)?;
     let (cert, key) = match take_certificates(&mut common, &at_common)? {
         Some(pair) => pair,
         None => {
@@ -274,7 +283,7 @@ pub(crate) fn cluster_tls(
     })?;
     reject_rest(&ctx, &at)?;
     let at_common = format!("{at}.common_tls_context");
-    no_secret_discovery(&common, &at_common)?;
+    no_certificate_provider(&common, &at_common)?;
     let certificate = take_certificates(&mut common, &at_common)?;
     let Some((ca, server_ids)) = take_validation(&mut common, &at_common)? else {
         return Err(XdsError::resource(
@@ -301,59 +310,63 @@ pub(crate) fn cluster_tls(
     }))
 }
 
-/// Secrets from SDS or a certificate provider: not served yet, so refused with what to write.
-fn no_secret_discovery(common: &CommonTlsContext, at: &str) -> Result<()> {
-    let sds = |field: &str| {
+/// Certificate providers (Envoy's plugin mechanism): refused with what to write instead.
+fn no_certificate_provider(common: &CommonTlsContext, at: &str) -> Result<()> {
+    let provider = |field: &str| {
         XdsError::resource(
             format!("{at}.{field}"),
-            "SDS and certificate providers are not supported yet: give the files instead (tls_certificates with certificate_chain and private_key, validation_context with trusted_ca, each as `filename`)",
+            "certificate providers are not supported: give the files (tls_certificates, validation_context.trusted_ca as `filename`) or an SDS secret (sds_config: { ads: {} })",
         )
     };
-    if !common.tls_certificate_sds_secret_configs.is_empty() {
-        return Err(sds("tls_certificate_sds_secret_configs"));
-    }
     if common.tls_certificate_provider_instance.is_some() {
-        return Err(sds("tls_certificate_provider_instance"));
+        return Err(provider("tls_certificate_provider_instance"));
     }
     if common.tls_certificate_certificate_provider.is_some() {
-        return Err(sds("tls_certificate_certificate_provider"));
+        return Err(provider("tls_certificate_certificate_provider"));
     }
     if common
         .tls_certificate_certificate_provider_instance
         .is_some()
     {
-        return Err(sds("tls_certificate_certificate_provider_instance"));
+        return Err(provider("tls_certificate_certificate_provider_instance"));
     }
     use common_tls_context::ValidationContextType as V;
     match &common.validation_context_type {
-        Some(V::ValidationContextSdsSecretConfig(_)) => {
-            Err(sds("validation_context_sds_secret_config"))
-        }
-        Some(V::CombinedValidationContext(_)) => Err(sds("combined_validation_context")),
         Some(V::ValidationContextCertificateProvider(_)) => {
-            Err(sds("validation_context_certificate_provider"))
+            Err(provider("validation_context_certificate_provider"))
         }
         Some(V::ValidationContextCertificateProviderInstance(_)) => {
-            Err(sds("validation_context_certificate_provider_instance"))
+            Err(provider("validation_context_certificate_provider_instance"))
         }
-        Some(V::ValidationContext(_)) | None => Ok(()),
+        _ => Ok(()),
     }
 }
 
-/// The one certificate and key, if any, as file names.
+/// The one certificate and key, if any, as file names, or as an SDS secret's stand-ins.
 fn take_certificates(
     common: &mut CommonTlsContext,
     at: &str,
 ) -> Result<Option<(PathBuf, PathBuf)>> {
+    let mut secrets = std::mem::take(&mut common.tls_certificate_sds_secret_configs);
     let mut certificates = std::mem::take(&mut common.tls_certificates);
-    if certificates.len() > 1 {
+    let count = secrets.len() + certificates.len();
+    if count > 1 {
         return Err(XdsError::resource(
             format!("{at}.tls_certificates"),
             format!(
-                "has {} certificates; flatmesh presents one (no selection by SNI or key type)",
-                certificates.len()
+                "has {count} certificates (tls_certificates and tls_certificate_sds_secret_configs together); flatmesh presents one (no selection by SNI or key type)"
             ),
         ));
+    }
+    if let Some(secret) = secrets.pop() {
+        let name = sds_name(
+            secret,
+            &format!("{at}.tls_certificate_sds_secret_configs[0]"),
+        )?;
+        return Ok(Some((
+            SecretRef::path(&name, SecretPart::Cert),
+            SecretRef::path(&name, SecretPart::Key),
+        )));
     }
     let Some(mut c) = certificates.pop() else {
         return Ok(None);
@@ -368,18 +381,220 @@ fn take_certificates(
     Ok(Some((cert, key)))
 }
 
-/// The validation context's CA file and the SPIFFE IDs or patterns it admits.
+/// The name of a secret to be had over ADS (`sds_config: { ads: {} }`) or from the bootstrap's
+/// `static_resources.secrets` (no `sds_config`); other sources are refused.
+fn sds_name(mut secret: SdsSecretConfig, at: &str) -> Result<String> {
+    let name = std::mem::take(&mut secret.name);
+    if name.is_empty() {
+        return Err(XdsError::resource(
+            format!("{at}.name"),
+            "is empty; name the secret (a SPIFFE ID for a certificate from flatmesh control, ROOTCA for its trust bundle)",
+        ));
+    }
+    if let Some(mut source) = secret.sds_config.take() {
+        let at = format!("{at}.sds_config");
+        if !matches!(
+            source.config_source_specifier.take(),
+            Some(config_source::ConfigSourceSpecifier::Ads(_))
+        ) {
+            return Err(XdsError::resource(
+                &at,
+                "only `ads: {}` is supported (the secret comes on the node's ADS stream), or no sds_config for a static secret of the bootstrap",
+            ));
+        }
+        source.initial_fetch_timeout = None; // flatmesh warms until the secret arrives
+        if source.resource_api_version == ApiVersion::V3 as i32 {
+            source.resource_api_version = 0;
+        }
+        reject_rest(&source, &at)?;
+    }
+    reject_rest(&secret, at)?;
+    Ok(name)
+}
+
+/// Which file of a secret a stand-in path is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SecretPart {
+    /// The certificate chain of a `tls_certificate` secret.
+    Cert,
+    /// Its private key.
+    Key,
+    /// The roots of a `validation_context` secret.
+    Ca,
+}
+
+impl SecretPart {
+    fn tag(self) -> &'static str {
+        match self {
+            SecretPart::Cert => "cert",
+            SecretPart::Key => "key",
+            SecretPart::Ca => "ca",
+        }
+    }
+}
+
+/// An SDS secret named where a file path goes, until [`resolve_secrets`] puts in the file.
+/// The stand-in starts with a NUL byte, which no file path can hold, so it never names a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SecretRef {
+    pub name: String,
+    pub part: SecretPart,
+}
+
+const SECRET_MARK: &str = "\0sds\0";
+
+impl SecretRef {
+    fn path(name: &str, part: SecretPart) -> PathBuf {
+        PathBuf::from(format!("{SECRET_MARK}{}\0{name}", part.tag()))
+    }
+
+    /// The secret a path stands in for, if it does.
+    pub fn of(path: &Path) -> Option<SecretRef> {
+        let rest = path.to_str()?.strip_prefix(SECRET_MARK)?;
+        let (tag, name) = rest.split_once('\0')?;
+        let part = [SecretPart::Cert, SecretPart::Key, SecretPart::Ca]
+            .into_iter()
+            .find(|p| p.tag() == tag)?;
+        Some(SecretRef {
+            name: name.to_string(),
+            part,
+        })
+    }
+}
+
+/// Where the secrets' files are.
+pub trait SecretFiles {
+    /// The certificate chain and key files of `tls_certificate` secret `name`, if held.
+    fn certificate(&self, name: &str) -> Option<(PathBuf, PathBuf)>;
+    /// The roots file of `validation_context` secret `name`, if held.
+    fn trusted_ca(&self, name: &str) -> Option<PathBuf>;
+}
+
+/// No secrets at all: every SDS reference waits.
+pub struct NoSecrets;
+
+impl SecretFiles for NoSecrets {
+    fn certificate(&self, _: &str) -> Option<(PathBuf, PathBuf)> {
+        None
+    }
+    fn trusted_ca(&self, _: &str) -> Option<PathBuf> {
+        None
+    }
+}
+
+/// Listeners and clusters that wait for secrets not held yet: secret name -> who waits.
+pub type Waiting = BTreeMap<String, BTreeSet<String>>;
+
+/// Puts the secrets' files in for their stand-ins in every listener's and cluster's `tls`.
+/// A listener that names a secret not held is left out, and a cluster that does is left
+/// without endpoints and TLS (it answers 503), until the secret arrives: neither is ever served
+/// with part of its TLS. Returns who waits for what.
+pub fn resolve_secrets(config: &mut model::Config, files: &dyn SecretFiles) -> Waiting {
+    let mut waiting = Waiting::new();
+    let mut resolve = |path: &mut PathBuf, who: &str| -> bool {
+        let Some(secret) = SecretRef::of(path) else {
+            return true;
+        };
+        let found = match secret.part {
+            SecretPart::Cert => files.certificate(&secret.name).map(|(cert, _)| cert),
+            SecretPart::Key => files.certificate(&secret.name).map(|(_, key)| key),
+            SecretPart::Ca => files.trusted_ca(&secret.name),
+        };
+        match found {
+            Some(file) => {
+                *path = file;
+                true
+            }
+            None => {
+                waiting
+                    .entry(secret.name)
+                    .or_default()
+                    .insert(who.to_string());
+                false
+            }
+        }
+    };
+    config.listeners.retain_mut(|l| {
+        let who = format!("Listener \"{}\"", l.name);
+        match &mut l.tls {
+            Some(tls) => {
+                let mut ok = resolve(&mut tls.cert, &who);
+                ok &= resolve(&mut tls.key, &who);
+                if let Some(ca) = &mut tls.client_ca {
+                    ok &= resolve(ca, &who);
+                }
+                ok
+            }
+            None => true,
+        }
+    });
+    for c in &mut config.clusters {
+        let who = format!("Cluster \"{}\"", c.name);
+        let Some(tls) = &mut c.tls else { continue };
+        let mut ok = resolve(&mut tls.ca, &who);
+        for path in [&mut tls.cert, &mut tls.key].into_iter().flatten() {
+            ok &= resolve(path, &who);
+        }
+        if !ok {
+            c.tls = None;
+            c.tunnel = None;
+            c.tunnel_port = None;
+            c.endpoints = Default::default();
+            c.health_check = None;
+        }
+    }
+    waiting
+}
+
+/// The validation context's CA file (or roots secret) and the SPIFFE IDs or patterns it
+/// admits. A `combined_validation_context` takes the IDs from its `default_validation_context`
+/// and the roots from its secret, as Istio writes it; a bare `validation_context_sds_secret_config`
+/// is refused, since the secret would carry the IDs too and flatmesh takes those from the config.
 fn take_validation(
     common: &mut CommonTlsContext,
     at: &str,
 ) -> Result<Option<(PathBuf, Vec<String>)>> {
-    let Some(common_tls_context::ValidationContextType::ValidationContext(mut v)) =
-        common.validation_context_type.take()
-    else {
-        return Ok(None); // the other kinds were refused by no_secret_discovery
+    use common_tls_context::ValidationContextType as V;
+    let (mut v, at, roots) = match common.validation_context_type.take() {
+        None => return Ok(None),
+        Some(V::ValidationContext(v)) => (v, format!("{at}.validation_context"), None),
+        Some(V::CombinedValidationContext(mut combined)) => {
+            let at = format!("{at}.combined_validation_context");
+            let Some(secret) = combined.validation_context_sds_secret_config.take() else {
+                return Err(XdsError::resource(
+                    format!("{at}.validation_context_sds_secret_config"),
+                    "is missing; it names the secret holding the roots (ROOTCA from flatmesh control)",
+                ));
+            };
+            let name = sds_name(secret, &format!("{at}.validation_context_sds_secret_config"))?;
+            let default = combined.default_validation_context.take().unwrap_or_default();
+            reject_rest(&combined, &at)?;
+            (
+                default,
+                format!("{at}.default_validation_context"),
+                Some(SecretRef::path(&name, SecretPart::Ca)),
+            )
+        }
+        Some(V::ValidationContextSdsSecretConfig(_)) => {
+            return Err(XdsError::resource(
+                format!("{at}.validation_context_sds_secret_config"),
+                "is not supported alone: flatmesh takes the SPIFFE IDs a peer must present from the config, not from a secret; write combined_validation_context { default_validation_context: { match_typed_subject_alt_names }, validation_context_sds_secret_config: { name: ROOTCA, sds_config: { ads: {} } } }",
+            ))
+        }
+        Some(_) => return Ok(None), // certificate providers: refused by no_certificate_provider
     };
-    let at = format!("{at}.validation_context");
-    let ca = file_name(v.trusted_ca.take(), &format!("{at}.trusted_ca"))?;
+    let ca = match roots {
+        Some(secret) => {
+            if v.trusted_ca.is_some() {
+                return Err(XdsError::resource(
+                    format!("{at}.trusted_ca"),
+                    "is given besides the roots secret; give the roots once",
+                ));
+            }
+            secret
+        }
+        None => file_name(v.trusted_ca.take(), &format!("{at}.trusted_ca"))?,
+    };
     if !v.match_subject_alt_names.is_empty() {
         return Err(XdsError::resource(
             format!("{at}.match_subject_alt_names"),
@@ -549,4 +764,43 @@ fn file_name(source: Option<DataSource>, at: &str) -> Result<PathBuf> {
     };
     reject_rest(&source, at)?;
     Ok(PathBuf::from(name))
+}
+
+/// The names of the SDS secrets a listener's or cluster's transport socket refers to (none for
+/// a socket that does not decode: translation reports that).
+pub(crate) fn secret_names(socket: &TransportSocket) -> Vec<String> {
+    let Some(transport_socket::ConfigType::TypedConfig(any)) = &socket.config_type else {
+        return Vec::new();
+    };
+    let common = if any.type_url == DownstreamTlsContext::type_url() {
+        <DownstreamTlsContext as prost::Message>::decode(any.value.as_slice())
+            .ok()
+            .and_then(|c| c.common_tls_context)
+    } else if any.type_url == UpstreamTlsContext::type_url() {
+        <UpstreamTlsContext as prost::Message>::decode(any.value.as_slice())
+            .ok()
+            .and_then(|c| c.common_tls_context)
+    } else {
+        None
+    };
+    let Some(common) = common else {
+        return Vec::new();
+    };
+    use common_tls_context::ValidationContextType as V;
+    let mut names: Vec<String> = common
+        .tls_certificate_sds_secret_configs
+        .iter()
+        .map(|s| s.name.clone())
+        .collect();
+    match &common.validation_context_type {
+        Some(V::CombinedValidationContext(c)) => names.extend(
+            c.validation_context_sds_secret_config
+                .iter()
+                .map(|s| s.name.clone()),
+        ),
+        Some(V::ValidationContextSdsSecretConfig(s)) => names.push(s.name.clone()),
+        _ => {}
+    }
+    names.retain(|n| !n.is_empty());
+    names
 }

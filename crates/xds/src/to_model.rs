@@ -99,12 +99,43 @@ struct HashUse {
 }
 
 impl Translator {
-    /// Like [`translate`], reusing what earlier calls translated.
+    /// Like [`translate`], reusing what earlier calls translated. A TLS context that names an
+    /// SDS secret is refused: nothing provides secrets here (see [`Translator::translate_with`]).
     pub fn translate(
         &mut self,
         resources: &Resources,
         base: &model::Config,
     ) -> Result<model::Config> {
+        self.translate_resolved(resources, base, &crate::tls::NoSecrets)
+    }
+
+    /// Like [`Translator::translate`], with the SDS secrets of `secrets`; one that is not there
+    /// is an error (a bootstrap's static secrets must all be given).
+    pub fn translate_resolved(
+        &mut self,
+        resources: &Resources,
+        base: &model::Config,
+        secrets: &dyn crate::tls::SecretFiles,
+    ) -> Result<model::Config> {
+        let (config, waiting) = self.translate_with(resources, base, secrets)?;
+        match waiting.into_iter().next() {
+            None => Ok(config),
+            Some((secret, who)) => Err(XdsError::resource(
+                who.into_iter().next().unwrap_or_default(),
+                format!("names the SDS secret `{secret}`, which is not given: add it to static_resources.secrets with its files, or take the secret over ADS (flatmesh node --xds --sds-dir DIR)"),
+            )),
+        }
+    }
+
+    /// Like [`Translator::translate`], with the SDS secrets whose files `secrets` has. A listener
+    /// or cluster waiting for a secret not held yet is left out (see
+    /// [`crate::tls::resolve_secrets`]); the second value says who waits for what.
+    pub fn translate_with(
+        &mut self,
+        resources: &Resources,
+        base: &model::Config,
+        secrets: &dyn crate::tls::SecretFiles,
+    ) -> Result<(model::Config, crate::tls::Waiting)> {
         let mut config = base.clone();
         // Names from the --config file, which pushed resources may not reuse.
         let static_listeners: BTreeSet<String> =
@@ -195,13 +226,14 @@ impl Translator {
             }
         }
         add_missing_clusters(&mut config);
+        let waiting = crate::tls::resolve_secrets(&mut config, secrets);
         check(&config)?;
         // Forget what is no longer held.
         self.listeners
             .retain(|name, _| resources.listeners.contains_key(name));
         self.clusters
             .retain(|name, _| resources.clusters.contains_key(name));
-        Ok(config)
+        Ok((config, waiting))
     }
 }
 

@@ -88,6 +88,7 @@ fn scenario(protocol: Protocol) {
         node_cluster: "test".into(),
         protocol,
         security: Default::default(),
+        sds_dir: None,
     };
     let client = rt.block_on(async { Client::spawn(options, base, apply) });
     let v1 = || {
@@ -275,6 +276,7 @@ fn unreachable_control_plane_is_retried_with_backoff() {
         node_cluster: "test".into(),
         protocol: Protocol::Sotw,
         security: Default::default(),
+        sds_dir: None,
     };
     let client = rt
         .block_on(async { Client::spawn(options, flatmesh_xds::bootstrap::empty_config(), apply) });

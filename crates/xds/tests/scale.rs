@@ -52,6 +52,7 @@ fn scenario(protocol: Protocol) {
         node_cluster: "test".into(),
         protocol,
         security: Default::default(),
+        sds_dir: None,
     };
     let client = rt.block_on(async { Client::spawn(options, base, apply) });
     wait_for("connected", || client.status().connected);

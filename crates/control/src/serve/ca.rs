@@ -260,6 +260,53 @@ impl NodeCa {
         Ok(())
     }
 
+    /// Whether `node` may hold `id`: granted to it in the tokens file, or placed on it. The one
+    /// rule for CSRs and for SDS.
+    pub fn may_hold(&self, node: &str, id: &SpiffeId) -> std::result::Result<(), IdentityError> {
+        let granted = self
+            .tokens
+            .granted
+            .get(node)
+            .is_some_and(|ids| ids.contains(id.as_str()));
+        if granted || self.placements.holds(node, id.as_str()) {
+            Ok(())
+        } else {
+            Err(IdentityError::NotPlaced {
+                id: id.to_string(),
+                node: node.to_string(),
+            })
+        }
+    }
+
+    /// Logs a refusal for an identity `node` does not hold; returns its text.
+    pub fn refused_identity(&self, node: &str, e: &IdentityError) -> String {
+        tracing::warn!(%node, error = %e, "CA: refused");
+        e.to_string()
+    }
+
+    /// A certificate and a fresh key for `id`, which `node` must hold (SDS, where the key
+    /// travels to the node over the channel); counted like a CSR's outcome.
+    pub fn issue_for(
+        &self,
+        node: &str,
+        id: &SpiffeId,
+    ) -> std::result::Result<flatmesh_identity::IssuedSvid, IdentityError> {
+        if let Err(e) = self.may_hold(node, id) {
+            self.refused_identity(node, &e);
+            self.stats.not_placed.fetch_add(1, Ordering::Relaxed);
+            return Err(e);
+        }
+        let issued = self.authority.read().issue(id, self.ttl)?;
+        self.stats.issued.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(%node, %id, ttl = ?self.ttl, "CA: issued (SDS)");
+        Ok(issued)
+    }
+
+    /// The trust bundle (every root), PEM.
+    pub fn bundle_pem(&self) -> String {
+        self.authority.read().bundle_pem()
+    }
+
     fn refuse(counter: &AtomicU64, status: tonic::Status) -> tonic::Status {
         counter.fetch_add(1, Ordering::Relaxed);
         status
@@ -303,27 +350,14 @@ impl Signer for NodeCa {
             0 => self.ttl,
             seconds => Duration::from_secs(seconds).clamp(flatmesh_identity::ca::MIN_TTL, self.ttl),
         };
-        let granted = self.tokens.granted.get(&node);
         let authority = self.authority.read();
-        let signed = authority.sign_csr(request.csr.as_bytes(), ttl, |id| {
-            let holds = granted.is_some_and(|ids| ids.contains(id.as_str()))
-                || self.placements.holds(&node, id.as_str());
-            if holds {
-                Ok(())
-            } else {
-                Err(IdentityError::NotPlaced {
-                    id: id.to_string(),
-                    node: node.clone(),
-                })
-            }
-        });
+        let signed = authority.sign_csr(request.csr.as_bytes(), ttl, |id| self.may_hold(&node, id));
         let issued = match signed {
             Ok(issued) => issued,
             Err(e @ IdentityError::NotPlaced { .. }) => {
-                tracing::warn!(%node, error = %e, "CA: refused");
                 return Err(Self::refuse(
                     &self.stats.not_placed,
-                    tonic::Status::permission_denied(e.to_string()),
+                    tonic::Status::permission_denied(self.refused_identity(&node, &e)),
                 ));
             }
             Err(e) => {

@@ -14,6 +14,7 @@
 pub mod addresses;
 pub mod ca;
 pub mod heartbeat_keys;
+pub mod sds;
 pub mod sink;
 pub mod step_command;
 
@@ -192,6 +193,7 @@ impl ControlCenter {
             .map(|state| tokio::spawn(watch(state, self.feed.clone())));
         let mut serve_options = ServeOptions::default();
         let mut fresh = None;
+        let mut renewals = None;
         if let Some(ca) = &self.ca {
             let (config, renew_at) = ca.control_tls()?;
             let tls = ServerTls::new(config);
@@ -200,10 +202,13 @@ impl ControlCenter {
                 tls.clone(),
                 renew_at,
             )));
+            let secrets = sds::NodeSecrets::new(ca.clone());
+            renewals = Some(tokio::spawn(secrets.clone().keep_current()));
             serve_options = ServeOptions {
                 tls: Some(tls),
                 tokens: Some(ca.clone()),
                 certificates: Some(CertificateServer::new(ca.clone())),
+                secrets: Some(secrets),
             };
         }
         let server = flatmesh_xds::server::serve_with(
@@ -221,7 +226,7 @@ impl ControlCenter {
             Some(placed) => placed.run(self.feed.clone(), grants, server).await,
             None => server.await.map_err(ControlError::from),
         };
-        for task in [watcher, fresh].into_iter().flatten() {
+        for task in [watcher, fresh, renewals].into_iter().flatten() {
             task.abort();
         }
         result

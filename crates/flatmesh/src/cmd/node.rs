@@ -48,6 +48,10 @@ pub struct Args {
     /// The certificate lifetime to ask for (the control center may give less).
     #[arg(long, default_value = "24h", requires = "identity")]
     identity_ttl: String,
+    /// Where SDS secrets pushed over xDS are written (certificates, keys mode 0600, trust
+    /// bundles); listeners and clusters that name a secret read it from there.
+    #[arg(long, value_name = "DIR", requires = "xds")]
+    sds_dir: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -132,6 +136,7 @@ fn run_xds(args: &Args, server: String) -> anyhow::Result<()> {
             Protocol::Sotw
         },
         security,
+        sds_dir: args.sds_dir.clone(),
     };
     let client = rt.block_on(async { Client::spawn(options, base, apply) });
     // The client runs on `rt`'s own worker thread while this one waits for a signal.

@@ -1,0 +1,122 @@
+//! SDS from the control center (`flatmesh control --ca-dir DIR --node-tokens FILE`): each node
+//! is given, over its ADS stream, the trust bundle as secret [`ROOTCA`] and a certificate with a
+//! fresh key for every workload identity it holds, named by the SPIFFE ID, under the one rule
+//! of the certificate API ([`NodeCa::may_hold`]). A node asking for another node's identity gets
+//! no secret; the refusal is logged and counted like a CSR's.
+//!
+//! A certificate is kept per node and identity until half its lifetime, then issued anew; a
+//! rotated root (the CA directory changed) re-issues every certificate from the new root and
+//! changes the bundle. Either way the streams are told ([`SecretSource::changes`]) and push the
+//! new versions.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use flatmesh_identity::svid::half_life;
+use flatmesh_identity::SpiffeId;
+use flatmesh_xds::sds::{certificate_secret, roots_secret, Secret, SecretSource, ROOTCA};
+use parking_lot::Mutex;
+use tokio::sync::watch;
+
+use super::ca::NodeCa;
+
+/// How often renewals and the root are checked.
+const POLL: Duration = Duration::from_secs(1);
+
+/// One issued certificate and when to issue the next.
+struct Held {
+    secret: Secret,
+    renew_at: SystemTime,
+}
+
+/// The control center's [`SecretSource`].
+pub struct NodeSecrets {
+    ca: Arc<NodeCa>,
+    /// (node, SPIFFE ID) -> its current certificate.
+    held: Mutex<HashMap<(String, String), Held>>,
+    /// The bundle the held certificates were issued under.
+    bundle: Mutex<String>,
+    changes: watch::Sender<u64>,
+}
+
+impl NodeSecrets {
+    pub fn new(ca: Arc<NodeCa>) -> Arc<NodeSecrets> {
+        let bundle = ca.bundle_pem();
+        Arc::new(NodeSecrets {
+            ca,
+            held: Mutex::default(),
+            bundle: Mutex::new(bundle),
+            changes: watch::channel(0).0,
+        })
+    }
+
+    /// Drops what is due (certificates past half their life; all of them after a rotation)
+    /// and tells the streams, which ask again and are given new versions.
+    pub fn refresh(&self) {
+        let bundle = self.ca.bundle_pem();
+        let rotated = {
+            let mut current = self.bundle.lock();
+            let rotated = *current != bundle;
+            *current = bundle;
+            rotated
+        };
+        let now = SystemTime::now();
+        let due = {
+            let mut held = self.held.lock();
+            let before = held.len();
+            held.retain(|_, h| !rotated && h.renew_at > now);
+            held.len() != before
+        };
+        if rotated || due {
+            tracing::info!(rotated, "SDS: pushing new secrets");
+            self.changes.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// Calls [`NodeSecrets::refresh`] every second, for as long as the control center runs.
+    pub async fn keep_current(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(POLL);
+        loop {
+            tick.tick().await;
+            self.refresh();
+        }
+    }
+}
+
+impl SecretSource for NodeSecrets {
+    fn secret(&self, node: &str, name: &str) -> Result<Secret, String> {
+        if name == ROOTCA {
+            return Ok(roots_secret(ROOTCA, &self.bundle.lock()));
+        }
+        let id = SpiffeId::parse(name).map_err(|e| {
+            tracing::warn!(%node, secret = name, error = %e, "SDS: a secret flatmesh control does not have (it serves ROOTCA and SPIFFE IDs)");
+            e.to_string()
+        })?;
+        let key = (node.to_string(), id.as_str().to_string());
+        if let Some(h) = self.held.lock().get(&key) {
+            // Still placed? A move takes the identity away at the next renewal at the latest;
+            // checking here stops serving it at once.
+            self.ca.may_hold(node, &id).map_err(|e| e.to_string())?;
+            return Ok(h.secret.clone());
+        }
+        let issued = self.ca.issue_for(node, &id).map_err(|e| e.to_string())?;
+        let secret = certificate_secret(
+            name,
+            &issued.chain_pem,
+            issued.key_pem.as_deref().unwrap_or_default(),
+        );
+        self.held.lock().insert(
+            key,
+            Held {
+                secret: secret.clone(),
+                renew_at: half_life(issued.not_before, issued.not_after),
+            },
+        );
+        Ok(secret)
+    }
+
+    fn changes(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+}
