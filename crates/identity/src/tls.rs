@@ -421,6 +421,125 @@ pub fn client_config(
     Ok(Arc::new(config))
 }
 
+/// A server verifier over the bundle in a file, re-read when the file changes (looked at once
+/// per handshake: one `stat`). So a node's `--xds-ca` follows a root rotation on disk without
+/// a restart: the next connection trusts the new `ca.pem`. A file that cannot be read or does
+/// not parse leaves the previous bundle in force.
+#[derive(Debug)]
+struct BundleFileVerifier {
+    path: std::path::PathBuf,
+    allow: Vec<IdPattern>,
+    /// The file's modification time and size when read, and the verifier built from it.
+    current: parking_lot::RwLock<(FileStamp, Arc<SpiffeServerVerifier>)>,
+}
+
+type FileStamp = Option<(std::time::SystemTime, u64)>;
+
+fn stamp(path: &std::path::Path) -> FileStamp {
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.modified().ok()?, meta.len()))
+}
+
+impl BundleFileVerifier {
+    fn verifier_for(bundle: &TrustBundle, allow: Vec<IdPattern>) -> SpiffeServerVerifier {
+        SpiffeServerVerifier {
+            roots: bundle.roots.clone(),
+            crls: bundle.parsed_crls.clone(),
+            allow,
+            algorithms: provider().signature_verification_algorithms,
+        }
+    }
+
+    /// The verifier of the file as it is now.
+    fn current(&self) -> Arc<SpiffeServerVerifier> {
+        let now = stamp(&self.path);
+        {
+            let current = self.current.read();
+            if current.0 == now {
+                return current.1.clone();
+            }
+        }
+        let mut current = self.current.write();
+        if let Ok(bundle) = TrustBundle::load(&self.path) {
+            current.1 = Arc::new(Self::verifier_for(&bundle, self.allow.clone()));
+        }
+        // A bad file is not retried on every handshake, only when it changes again.
+        current.0 = now;
+        current.1.clone()
+    }
+}
+
+impl ServerCertVerifier for BundleFileVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, Error> {
+        self.current().verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        )
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        self.current().verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        self.current().verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.current().supported_verify_schemes()
+    }
+}
+
+/// Like [`client_config`] without a client certificate, trusting the bundle in `bundle_file`
+/// as it is at each handshake (re-read when it changes): a root rotation on disk reaches
+/// the next connection. The file must be usable now.
+pub fn client_config_following(
+    bundle_file: &std::path::Path,
+    server_ids: Vec<IdPattern>,
+    alpn: &[&[u8]],
+) -> Result<Arc<ClientConfig>, IdentityError> {
+    let stamped = stamp(bundle_file);
+    let bundle = TrustBundle::load(bundle_file)?;
+    let verifier = Arc::new(BundleFileVerifier {
+        path: bundle_file.to_path_buf(),
+        current: parking_lot::RwLock::new((
+            stamped,
+            Arc::new(BundleFileVerifier::verifier_for(
+                &bundle,
+                server_ids.clone(),
+            )),
+        )),
+        allow: server_ids,
+    });
+    let mut config = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
+        .with_no_client_auth();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
+}
+
 /// The SPIFFE ID of the peer of a finished handshake (already verified by the config's
 /// verifier), if it presented a certificate.
 pub fn peer_identity(connection: &rustls::CommonState) -> Option<SpiffeId> {

@@ -319,3 +319,40 @@ async fn a_client_refuses_a_server_with_a_revoked_certificate() {
     assert_eq!(outcome.client, Ok(Some(SpiffeId::parse(SERVER).unwrap())));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A node's `--xds-ca`: the client re-reads the bundle file when it changes, so after a real
+/// rotation on disk (`rotate`, then `retire`) the next handshake trusts the new root and no
+/// longer the old one, with no new configuration.
+#[tokio::test]
+async fn a_client_following_a_bundle_file_picks_up_a_root_rotation() {
+    let (mut ca, dir) = revoking_ca("follow");
+    let ca_pem = dir.join(flatmesh_identity::ca::CERT_FILE);
+    let following =
+        tls::client_config_following(&ca_pem, patterns(&[SERVER]), &[tls::ALPN_HTTP11]).unwrap();
+    let old_server = svid(&ca, SERVER);
+    let serve = |me: &Svid| tls::server_config(me, None, &[tls::ALPN_HTTP11]).unwrap();
+    let outcome = handshake(serve(&old_server), following.clone()).await;
+    assert_eq!(outcome.client, Ok(Some(SpiffeId::parse(SERVER).unwrap())));
+
+    ca.rotate(Some(&dir)).unwrap();
+    let new_server = svid(&ca, SERVER);
+    // During the overlap both roots are trusted.
+    for me in [&old_server, &new_server] {
+        let outcome = handshake(serve(me), following.clone()).await;
+        assert_eq!(outcome.client, Ok(Some(SpiffeId::parse(SERVER).unwrap())));
+    }
+    ca.retire_old_roots(Some(&dir)).unwrap();
+    let outcome = handshake(serve(&new_server), following.clone()).await;
+    assert_eq!(outcome.client, Ok(Some(SpiffeId::parse(SERVER).unwrap())));
+    let outcome = handshake(serve(&old_server), following.clone()).await;
+    assert_eq!(
+        outcome.client,
+        Err("unknown_ca"),
+        "the retired root is no longer trusted"
+    );
+    // A file that stops parsing leaves the last good bundle in force.
+    std::fs::write(&ca_pem, "garbage").unwrap();
+    let outcome = handshake(serve(&new_server), following).await;
+    assert_eq!(outcome.client, Ok(Some(SpiffeId::parse(SERVER).unwrap())));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

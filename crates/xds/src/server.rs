@@ -133,6 +133,51 @@ pub struct Store {
     tx: Arc<watch::Sender<Arc<Published>>>,
     current: Arc<Mutex<Resources>>,
     nacks: Arc<Mutex<Vec<String>>>,
+    stats: Arc<StreamStats>,
+}
+
+/// What the streams of a [`Store`] did (the control center's `/metrics`).
+#[derive(Debug, Default)]
+pub struct StreamStats {
+    /// Streams open now (SotW and delta).
+    pub open: std::sync::atomic::AtomicU64,
+    /// Responses sent.
+    pub pushes: std::sync::atomic::AtomicU64,
+    /// Requests that acknowledged a response (its nonce, no error).
+    pub acks: std::sync::atomic::AtomicU64,
+    /// Requests that refused one (an error detail).
+    pub nacks: std::sync::atomic::AtomicU64,
+}
+
+impl StreamStats {
+    fn count(counter: &std::sync::atomic::AtomicU64) {
+        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Counts a stream open until the guard drops.
+    fn opened(self: &Arc<Self>) -> OpenStream {
+        Self::count(&self.open);
+        OpenStream(self.clone())
+    }
+
+    /// An ACK or a NACK, by the request's nonce and error detail.
+    fn reply(&self, nonce: &str, nacked: bool) {
+        if nacked {
+            Self::count(&self.nacks);
+        } else if !nonce.is_empty() {
+            Self::count(&self.acks);
+        }
+    }
+}
+
+struct OpenStream(Arc<StreamStats>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0
+            .open
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Default for Store {
@@ -148,7 +193,13 @@ impl Store {
             tx: Arc::new(tx),
             current: Arc::new(Mutex::new(Resources::default())),
             nacks: Arc::new(Mutex::new(Vec::new())),
+            stats: Arc::default(),
         }
+    }
+
+    /// What its streams did.
+    pub fn stream_stats(&self) -> Arc<StreamStats> {
+        self.stats.clone()
     }
 
     /// Serve exactly `resources` from now on.
@@ -264,6 +315,7 @@ pub async fn serve_with(
     let ads = AggregatedDiscoveryServiceServer::new(Ads {
         store,
         closing: fired_rx.clone(),
+        tokens: options.tokens.clone(),
     })
     .max_decoding_message_size(MAX_MESSAGE)
     .max_encoding_message_size(MAX_MESSAGE);
@@ -314,6 +366,20 @@ struct Ads {
     store: Store,
     /// Becomes true when the server shuts down.
     closing: watch::Receiver<bool>,
+    /// With tokens: a stream ends when its token is revoked.
+    tokens: Option<Arc<dyn crate::secure::Tokens>>,
+}
+
+/// Resolves when the token a stream was opened with is revoked (never without tokens).
+type CutOff = Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+impl Ads {
+    fn cut_off(&self, metadata: &tonic::metadata::MetadataMap) -> CutOff {
+        match (&self.tokens, crate::certificates::bearer_token(metadata)) {
+            (Some(tokens), Some(token)) => tokens.cut_off(token),
+            _ => Box::pin(std::future::pending()),
+        }
+    }
 }
 
 /// Resolves when the server shuts down (at once if it already has).
@@ -337,6 +403,7 @@ impl AggregatedDiscoveryService for Ads {
         request: tonic::Request<tonic::Streaming<DiscoveryRequest>>,
     ) -> std::result::Result<tonic::Response<Self::StreamAggregatedResourcesStream>, tonic::Status>
     {
+        let cut_off = self.cut_off(request.metadata());
         let requests = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(sotw_stream(
@@ -344,6 +411,7 @@ impl AggregatedDiscoveryService for Ads {
             requests,
             tx,
             self.closing.clone(),
+            cut_off,
         ));
         Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -353,6 +421,7 @@ impl AggregatedDiscoveryService for Ads {
         request: tonic::Request<tonic::Streaming<DeltaDiscoveryRequest>>,
     ) -> std::result::Result<tonic::Response<Self::DeltaAggregatedResourcesStream>, tonic::Status>
     {
+        let cut_off = self.cut_off(request.metadata());
         let requests = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(delta_stream(
@@ -360,6 +429,7 @@ impl AggregatedDiscoveryService for Ads {
             requests,
             tx,
             self.closing.clone(),
+            cut_off,
         ));
         Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -391,7 +461,9 @@ async fn sotw_stream(
     mut requests: tonic::Streaming<DiscoveryRequest>,
     tx: mpsc::Sender<std::result::Result<DiscoveryResponse, tonic::Status>>,
     closing: watch::Receiver<bool>,
+    mut cut_off: CutOff,
 ) {
+    let _open = store.stats.opened();
     let mut watch = store.tx.subscribe();
     let mut types: BTreeMap<String, SotwType> = BTreeMap::new();
     let mut node = String::new();
@@ -409,12 +481,18 @@ async fn sotw_stream(
                     if tx.send(Ok(response)).await.is_err() {
                         return;
                     }
+                    StreamStats::count(&store.stats.pushes);
                 }
             }
         }
         tokio::select! {
             _ = closed(closing.clone()) => {
                 let _ = tx.send(Err(shutting_down())).await;
+                return;
+            }
+            () = &mut cut_off => {
+                tracing::warn!(node, "xDS stream ended: its bootstrap token was revoked");
+                let _ = tx.send(Err(crate::secure::token_revoked())).await;
                 return;
             }
             changed = watch.changed() => if changed.is_err() { return },
@@ -439,6 +517,7 @@ async fn sotw_stream(
                 if !request.response_nonce.is_empty() && request.response_nonce != t.nonce {
                     continue; // a reply to an older response; the newer one is in flight
                 }
+                store.stats.reply(&request.response_nonce, request.error_detail.is_some());
                 if let Some(error) = &request.error_detail {
                     store.record_nack(&node, &type_url, &error.message);
                 }
@@ -491,7 +570,9 @@ async fn delta_stream(
     mut requests: tonic::Streaming<DeltaDiscoveryRequest>,
     tx: mpsc::Sender<std::result::Result<DeltaDiscoveryResponse, tonic::Status>>,
     closing: watch::Receiver<bool>,
+    mut cut_off: CutOff,
 ) {
+    let _open = store.stats.opened();
     let mut watch = store.tx.subscribe();
     let mut types: BTreeMap<String, DeltaType> = BTreeMap::new();
     let mut node = String::new();
@@ -504,12 +585,18 @@ async fn delta_stream(
                     if tx.send(Ok(response)).await.is_err() {
                         return;
                     }
+                    StreamStats::count(&store.stats.pushes);
                 }
             }
         }
         tokio::select! {
             _ = closed(closing.clone()) => {
                 let _ = tx.send(Err(shutting_down())).await;
+                return;
+            }
+            () = &mut cut_off => {
+                tracing::warn!(node, "xDS stream ended: its bootstrap token was revoked");
+                let _ = tx.send(Err(crate::secure::token_revoked())).await;
                 return;
             }
             changed = watch.changed() => if changed.is_err() { return },
@@ -525,6 +612,7 @@ async fn delta_stream(
                 if !ORDER.contains(&type_url.as_str()) {
                     continue;
                 }
+                store.stats.reply(&request.response_nonce, request.error_detail.is_some());
                 if let Some(error) = &request.error_detail {
                     store.record_nack(&node, &type_url, &error.message);
                 }

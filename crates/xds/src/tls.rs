@@ -47,7 +47,9 @@ pub fn downstream(tls: &model::ListenerTls, http: bool) -> TransportSocket {
             tls_certificates: vec![certificate(&tls.cert, &tls.key)],
             validation_context_type: tls.client_ca.as_ref().map(|ca| {
                 common_tls_context::ValidationContextType::ValidationContext(validation(
-                    ca, &tls.allow,
+                    ca,
+                    &tls.allow,
+                    tls.crl.as_deref(),
                 ))
             }),
             alpn_protocols: if http {
@@ -76,6 +78,7 @@ pub fn upstream(tls: &model::ClusterTls, protocol: model::UpstreamProtocol) -> T
                 common_tls_context::ValidationContextType::ValidationContext(validation(
                     &tls.ca,
                     &tls.server_ids,
+                    tls.crl.as_deref(),
                 )),
             ),
             alpn_protocols: vec![alpn_of(protocol).into()],
@@ -118,10 +121,16 @@ fn certificate(cert: &std::path::Path, key: &std::path::Path) -> TlsCertificate 
     }
 }
 
-/// The roots in `ca` and the SPIFFE IDs (or `/*` patterns) a peer must present.
-fn validation(ca: &std::path::Path, ids: &[String]) -> CertificateValidationContext {
+/// The roots in `ca`, the SPIFFE IDs (or `/*` patterns) a peer must present, and the
+/// revocation lists its certificate is checked against.
+fn validation(
+    ca: &std::path::Path,
+    ids: &[String],
+    crl: Option<&std::path::Path>,
+) -> CertificateValidationContext {
     CertificateValidationContext {
         trusted_ca: file(ca),
+        crl: crl.and_then(file),
         match_typed_subject_alt_names: ids.iter().map(|id| uri_matcher(id)).collect(),
         ..Default::default()
     }
@@ -230,8 +239,8 @@ pub(crate) fn listener_tls(
     )?;
     take_tls_params(&mut common, &at_common)?;
     reject_rest(&common, &at_common)?;
-    let (client_ca, allow) = match (validation, require) {
-        (Some((ca, ids)), Some(true)) => (Some(ca), ids),
+    let (client_ca, allow, crl) = match (validation, require) {
+        (Some((ca, ids, crl)), Some(true)) => (Some(ca), ids, crl),
         (Some(_), _) => {
             return Err(XdsError::resource(
                 format!("{at}.require_client_certificate"),
@@ -244,13 +253,14 @@ pub(crate) fn listener_tls(
                 "is missing: require_client_certificate needs the CA client certificates chain to (trusted_ca) and the SPIFFE IDs to admit (match_typed_subject_alt_names)",
             ))
         }
-        (None, _) => (None, Vec::new()),
+        (None, _) => (None, Vec::new(), None),
     };
     Ok(Some(model::ListenerTls {
         cert,
         key,
         client_ca,
         allow,
+        crl,
     }))
 }
 
@@ -276,7 +286,7 @@ pub(crate) fn cluster_tls(
     let at_common = format!("{at}.common_tls_context");
     no_secret_discovery(&common, &at_common)?;
     let certificate = take_certificates(&mut common, &at_common)?;
-    let Some((ca, server_ids)) = take_validation(&mut common, &at_common)? else {
+    let Some((ca, server_ids, crl)) = take_validation(&mut common, &at_common)? else {
         return Err(XdsError::resource(
             format!("{at_common}.validation_context"),
             "is missing: flatmesh verifies every TLS endpoint; give trusted_ca and the endpoints' SPIFFE IDs (match_typed_subject_alt_names)",
@@ -298,6 +308,7 @@ pub(crate) fn cluster_tls(
         key,
         server_ids,
         sni: (!sni.is_empty()).then_some(sni),
+        crl,
     }))
 }
 
@@ -368,11 +379,11 @@ fn take_certificates(
     Ok(Some((cert, key)))
 }
 
-/// The validation context's CA file and the SPIFFE IDs or patterns it admits.
+/// The validation context's CA file, the SPIFFE IDs or patterns it admits, and its CRL file.
 fn take_validation(
     common: &mut CommonTlsContext,
     at: &str,
-) -> Result<Option<(PathBuf, Vec<String>)>> {
+) -> Result<Option<(PathBuf, Vec<String>, Option<PathBuf>)>> {
     let Some(common_tls_context::ValidationContextType::ValidationContext(mut v)) =
         common.validation_context_type.take()
     else {
@@ -380,6 +391,11 @@ fn take_validation(
     };
     let at = format!("{at}.validation_context");
     let ca = file_name(v.trusted_ca.take(), &format!("{at}.trusted_ca"))?;
+    let crl = v
+        .crl
+        .take()
+        .map(|crl| file_name(Some(crl), &format!("{at}.crl")))
+        .transpose()?;
     if !v.match_subject_alt_names.is_empty() {
         return Err(XdsError::resource(
             format!("{at}.match_subject_alt_names"),
@@ -399,7 +415,7 @@ fn take_validation(
         .map(|(i, m)| spiffe_pattern(m, &format!("{at}.match_typed_subject_alt_names[{i}]")))
         .collect::<Result<Vec<_>>>()?;
     reject_rest(&v, &at)?;
-    Ok(Some((ca, ids)))
+    Ok(Some((ca, ids, crl)))
 }
 
 /// A URI SAN matcher as a SPIFFE ID (exact) or a `/*` pattern (a prefix that ends at `/`).
