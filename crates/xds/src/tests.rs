@@ -640,8 +640,25 @@ fn a_crl_maps_to_envoys_validation_context_crl() {
     let socket = crate::tls::upstream(&cluster, model::UpstreamProtocol::Http1);
     let back = crate::tls::cluster_tls(&socket, model::UpstreamProtocol::Http1, "c").unwrap();
     assert_eq!(back, Some(cluster));
-    let text = format!("{socket:?}");
-    assert!(text.contains("/pki/crl.pem"), "{text}");
+    // Written where Envoy reads it: `validation_context.crl` as a file name.
+    use envoy_types::pb::envoy::config::core::v3::{data_source, transport_socket};
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+        common_tls_context::ValidationContextType, UpstreamTlsContext,
+    };
+    use prost::Message;
+    let Some(transport_socket::ConfigType::TypedConfig(any)) = socket.config_type else {
+        panic!("no typed config")
+    };
+    let context = UpstreamTlsContext::decode(any.value.as_slice()).unwrap();
+    let Some(ValidationContextType::ValidationContext(validation)) =
+        context.common_tls_context.unwrap().validation_context_type
+    else {
+        panic!("no validation context")
+    };
+    assert_eq!(
+        validation.crl.unwrap().specifier,
+        Some(data_source::Specifier::Filename("/pki/crl.pem".into()))
+    );
 }
 
 /// What the server sends Envoy is the shape the import takes, field for field: the listener's
