@@ -155,6 +155,9 @@ pub fn run(args: Args) -> Result<()> {
                 serials.push(serial);
             }
             let done = authority.revoke(&dir, &serials)?;
+            for serial in &serials {
+                println!("serial {}", crl::serial_hex(serial));
+            }
             println!(
                 "{}: {} newly revoked, {} listed; next update in {} days (re-sign with `flatmesh ca revoke --dir {}` before then); nodes apply it at their next reload",
                 done.path.display(),
