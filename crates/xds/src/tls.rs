@@ -379,11 +379,11 @@ fn take_certificates(
     Ok(Some((cert, key)))
 }
 
+/// A validation context: the CA file, the SPIFFE IDs or patterns it admits, the CRL file.
+type Validation = (PathBuf, Vec<String>, Option<PathBuf>);
+
 /// The validation context's CA file, the SPIFFE IDs or patterns it admits, and its CRL file.
-fn take_validation(
-    common: &mut CommonTlsContext,
-    at: &str,
-) -> Result<Option<(PathBuf, Vec<String>, Option<PathBuf>)>> {
+fn take_validation(common: &mut CommonTlsContext, at: &str) -> Result<Option<Validation>> {
     let Some(common_tls_context::ValidationContextType::ValidationContext(mut v)) =
         common.validation_context_type.take()
     else {
