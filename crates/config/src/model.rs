@@ -446,6 +446,10 @@ pub struct ListenerTls {
     /// domain), that may connect. Required with `client_ca`: nobody is admitted by default.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allow: Vec<String>,
+    /// PEM: certificate revocation lists (`flatmesh ca revoke` writes `DIR/crl.pem`); a client
+    /// certificate one of them lists is refused. Needs `client_ca`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crl: Option<std::path::PathBuf>,
 }
 
 /// A cluster's `tls:`: the node originates TLS to the cluster's endpoints and checks who they are.
@@ -466,6 +470,9 @@ pub struct ClusterTls {
     /// ID, not by DNS name).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sni: Option<String>,
+    /// PEM: certificate revocation lists; an endpoint certificate one of them lists is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crl: Option<std::path::PathBuf>,
 }
 
 /// A listener's `limits:`: each key set here replaces the node's for this listener's

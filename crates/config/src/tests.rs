@@ -2079,3 +2079,43 @@ fn workload_rules() {
     let d = only(no_kernel, 6, 91, "only tier K can see");
     assert!(d.hint.contains("uid"));
 }
+
+#[test]
+fn a_crl_needs_client_certificates_on_a_listener() {
+    let listener = |tls: &str| {
+        format!(
+            "listeners:\n  - name: in\n    address: 127.0.0.1:8443\n    protocol: tcp\n    cluster: api\n    tls: {tls}\n{CLUSTERS}"
+        )
+    };
+    let ok = parse(
+        &listener("{ cert: n.pem, key: n.key, client_ca: ca.pem, allow: [ spiffe://td/* ], crl: crl.pem }"),
+        "t.yaml",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let tls = ok.listeners[0]
+        .tls
+        .as_ref()
+        .unwrap_or_else(|| unreachable!());
+    assert_eq!(tls.crl.as_deref(), Some(std::path::Path::new("crl.pem")));
+    let all = errors(&listener("{ cert: n.pem, key: n.key, crl: crl.pem }"));
+    assert_eq!(all.len(), 1, "{all:#?}");
+    assert!(all[0].message.contains("without `client_ca`"), "{}", all[0]);
+    assert!(all[0].hint.contains("client_ca"));
+    let all = errors(&listener(
+        "{ cert: n.pem, key: n.key, client_ca: ca.pem, allow: [ spiffe://td/* ], crl: \"\" }",
+    ));
+    assert!(
+        all.iter().any(|d| d.message.contains("file path is empty")),
+        "{all:#?}"
+    );
+    let cluster = parse(
+        "listeners:\n  - name: in\n    address: 127.0.0.1:8443\n    protocol: tcp\n    cluster: api\nclusters:\n  - name: api\n    endpoints: [127.0.0.1:9001]\n    tls: { ca: ca.pem, server_ids: [ spiffe://td/* ], crl: crl.pem }\n",
+        "t.yaml",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let tls = cluster.clusters[0]
+        .tls
+        .as_ref()
+        .unwrap_or_else(|| unreachable!());
+    assert_eq!(tls.crl.as_deref(), Some(std::path::Path::new("crl.pem")));
+}

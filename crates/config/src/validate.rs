@@ -1749,6 +1749,17 @@ impl Checker<'_> {
                 "add `client_ca: PATH` (the ca.pem of `flatmesh ca init`), or remove `allow`".into(),
             );
         }
+        if let Some(crl) = &tls.crl {
+            self.file_path(&format!("{at}.crl"), crl);
+            if tls.client_ca.is_none() {
+                self.report(
+                    format!("{at}.crl"),
+                    Target::Key,
+                    "`crl` revokes client certificates, but without `client_ca` no client certificate is asked for".into(),
+                    "add `client_ca: PATH` (the ca.pem of `flatmesh ca init`), or remove `crl`".into(),
+                );
+            }
+        }
     }
 
     /// `tunnel` needs the cluster's `tls` (the tunnel is mutual TLS), and `tunnel_port` a tunnel.
@@ -1803,6 +1814,9 @@ impl Checker<'_> {
 
     fn cluster_tls(&mut self, at: &str, tls: &crate::ClusterTls) {
         self.file_path(&format!("{at}.ca"), &tls.ca);
+        if let Some(crl) = &tls.crl {
+            self.file_path(&format!("{at}.crl"), crl);
+        }
         match (&tls.cert, &tls.key) {
             (Some(cert), Some(key)) => {
                 self.file_path(&format!("{at}.cert"), cert);

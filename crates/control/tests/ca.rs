@@ -69,6 +69,7 @@ fn control_center(dir: &Scratch) -> (ControlCenter, PathBuf) {
             node_tokens: tokens_path,
             ttl: Duration::from_secs(3600),
         }),
+        metrics: Some("127.0.0.1:0".parse().unwrap()),
     };
     (ControlCenter::new(&options).unwrap(), ca_dir)
 }
@@ -630,4 +631,245 @@ fn kvs_chain(dir: &Path) -> Vec<rustls::pki_types::CertificateDer<'static>> {
         })
         .unwrap();
     flatmesh_identity::ca::load_certificates(&file).unwrap()
+}
+
+/// `flatmesh ca token --revoke`: the running control center re-reads the tokens file, refuses
+/// the node's next CSR and xDS stream with UNAUTHENTICATED "token revoked", and ends the xDS
+/// stream the node had open; other nodes carry on.
+#[test]
+fn a_revoked_token_is_refused_and_its_open_stream_is_ended() {
+    let dir = Scratch::new("revoked-token");
+    let (center, ca_dir) = control_center(&dir);
+    let stats = center.ca_stats().unwrap();
+    let running = Running::start(center);
+    let (rt, server) = (&running.rt, running.server.clone());
+    let ca_pem = ca_dir.join("ca.pem");
+    let out = dir.0.join("identities");
+    let nic = security(&ca_pem, Some(&token_of(KVS_NODE)));
+    let fetch = |security: &ChannelSecurity, id: &str| {
+        rt.block_on(identities::fetch(
+            &identity_options(&server, security.clone(), &out, id),
+            &SpiffeId::parse(id).unwrap(),
+        ))
+    };
+    fetch(&nic, KVS_ID).unwrap();
+    let served = Recorder::default();
+    let client = rt.block_on(async {
+        Client::spawn(
+            flatmesh_xds::client::Options {
+                server: server.clone(),
+                node_id: KVS_NODE.into(),
+                node_cluster: KVS_NODE.into(),
+                protocol: Protocol::Sotw,
+                security: nic.clone(),
+                sds_dir: None,
+            },
+            flatmesh_xds::bootstrap::empty_config(),
+            served.clone(),
+        )
+    });
+    until(
+        "the xDS client to get a config",
+        Duration::from_secs(30),
+        || *served.0.lock() > 0 && client.status().connected,
+    );
+
+    let tokens = dir.0.join("node-tokens.yaml");
+    assert!(flatmesh_control::serve::ca::revoke_token(&tokens, KVS_NODE).unwrap());
+    assert!(
+        !flatmesh_control::serve::ca::revoke_token(&tokens, KVS_NODE).unwrap(),
+        "revoking twice changes nothing"
+    );
+    use std::sync::atomic::Ordering::Relaxed;
+    until(
+        "the open stream to be ended",
+        Duration::from_secs(30),
+        || {
+            stats.streams_cut.load(Relaxed) >= 1
+                && client
+                    .status()
+                    .last_error
+                    .is_some_and(|e| e.contains("token revoked"))
+        },
+    );
+    let refused = fetch(&nic, KVS_ID).unwrap_err().to_string();
+    assert!(
+        refused.contains("Unauthenticated") && refused.contains("token revoked"),
+        "{refused}"
+    );
+    assert!(stats.revoked.load(Relaxed) >= 1);
+    // Another node's token still works.
+    let host = security(&ca_pem, Some(&token_of("r0-s0/host")));
+    fetch(&host, FRONT_ID).unwrap();
+    // A revoked tokens file entry that is unknown says what the file names.
+    let e = flatmesh_control::serve::ca::revoke_token(&tokens, "nobody")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no node `nobody`") && e.contains("r0-s0/host"),
+        "{e}"
+    );
+
+    rt.block_on(client.stop());
+    running.stop();
+}
+
+/// A node's own identity (`spiffe://TD/ns/flatmesh-system/sa/node/NODE_ID`) is issued to that
+/// node's token alone, with no grant in the tokens file: another node asking for it is refused.
+#[test]
+fn only_its_own_node_gets_a_node_identity() {
+    let dir = Scratch::new("node-identity");
+    let (center, ca_dir) = control_center(&dir);
+    let running = Running::start(center);
+    let (rt, server) = (&running.rt, running.server.clone());
+    let ca_pem = ca_dir.join("ca.pem");
+    let out = dir.0.join("identities");
+    let nic_id = SpiffeId::node("mesh.test", KVS_NODE).unwrap();
+    assert_eq!(
+        nic_id.as_str(),
+        "spiffe://mesh.test/ns/flatmesh-system/sa/node/r0-s0/nic0"
+    );
+    let fetch = |token: &str, id: &SpiffeId| {
+        rt.block_on(identities::fetch(
+            &identity_options(
+                &server,
+                security(&ca_pem, Some(&token_of(token))),
+                &out,
+                id.as_str(),
+            ),
+            id,
+        ))
+    };
+    let held = fetch(KVS_NODE, &nic_id).unwrap();
+    assert_eq!(held.id, nic_id);
+    let (cert, key) = identities::files(&out, &nic_id);
+    assert!(cert.ends_with("ns.flatmesh-system.sa.node.r0-s0.nic0.pem"));
+    assert_eq!(
+        flatmesh_identity::Svid::load(&cert, &key).unwrap().id,
+        nic_id
+    );
+    let refused = fetch("r0-s0/host", &nic_id).unwrap_err().to_string();
+    assert!(
+        refused.contains("PermissionDenied")
+            && refused.contains("not an identity placed on node `r0-s0/host`"),
+        "{refused}"
+    );
+    // And its own is there for the host too.
+    fetch(
+        "r0-s0/host",
+        &SpiffeId::node("mesh.test", "r0-s0/host").unwrap(),
+    )
+    .unwrap();
+    running.stop();
+}
+
+/// One scrape of `GET /metrics`, over plain HTTP/1.1.
+fn scrape(at: std::net::SocketAddr) -> String {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect(at).unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nhost: control\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text}");
+    text
+}
+
+/// The value of the sample `name` (with its labels, as written) in a scrape.
+fn sample(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no sample {name} in:\n{text}"))
+}
+
+/// `flatmesh control --metrics`: the counters move with what the control center does.
+#[test]
+fn the_control_center_serves_its_metrics_over_http() {
+    let dir = Scratch::new("metrics");
+    let (center, ca_dir) = control_center(&dir);
+    let at = center.metrics_addr().unwrap();
+    let running = Running::start(center);
+    let (rt, server) = (&running.rt, running.server.clone());
+    let ca_pem = ca_dir.join("ca.pem");
+    let out = dir.0.join("identities");
+    let before = scrape(at);
+    assert_eq!(sample(&before, "flatmesh_control_ca_issued_total"), 0);
+    assert_eq!(sample(&before, "flatmesh_control_xds_connected_streams"), 0);
+    assert_eq!(sample(&before, "flatmesh_control_placed_instances"), 1);
+    let root = sample(
+        &before,
+        "flatmesh_control_certificate_expiry_timestamp_seconds{certificate=\"root\"}",
+    );
+    let control = sample(
+        &before,
+        "flatmesh_control_certificate_expiry_timestamp_seconds{certificate=\"control\"}",
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!(
+        control > now && control <= now + 24 * 3600 + 60,
+        "{control}"
+    );
+    assert!(root > now + 9 * 365 * 24 * 3600, "{root}");
+
+    let nic = security(&ca_pem, Some(&token_of(KVS_NODE)));
+    let fetch = |security: ChannelSecurity, id: &str| {
+        rt.block_on(identities::fetch(
+            &identity_options(&server, security, &out, id),
+            &SpiffeId::parse(id).unwrap(),
+        ))
+    };
+    fetch(nic.clone(), KVS_ID).unwrap();
+    fetch(security(&ca_pem, Some(&token_of("r0-s0/host"))), KVS_ID).unwrap_err();
+    fetch(security(&ca_pem, Some("guessed")), KVS_ID).unwrap_err();
+    let served = Recorder::default();
+    let client = rt.block_on(async {
+        Client::spawn(
+            flatmesh_xds::client::Options {
+                server: server.clone(),
+                node_id: KVS_NODE.into(),
+                node_cluster: KVS_NODE.into(),
+                protocol: Protocol::Sotw,
+                security: nic,
+                sds_dir: None,
+            },
+            flatmesh_xds::bootstrap::empty_config(),
+            served.clone(),
+        )
+    });
+    until(
+        "the node to ACK its config",
+        Duration::from_secs(30),
+        || {
+            let text = scrape(at);
+            sample(&text, "flatmesh_control_xds_acks_total") > 0
+                && sample(&text, "flatmesh_control_xds_connected_streams") == 1
+        },
+    );
+    let after = scrape(at);
+    assert_eq!(sample(&after, "flatmesh_control_ca_issued_total"), 1);
+    for (reason, count) in [
+        ("not_placed", 1),
+        ("unauthenticated", 1),
+        ("bad_request", 0),
+    ] {
+        assert_eq!(
+            sample(
+                &after,
+                &format!("flatmesh_control_ca_refusals_total{{reason=\"{reason}\"}}")
+            ),
+            count,
+            "{reason}"
+        );
+    }
+    assert!(sample(&after, "flatmesh_control_xds_pushes_total") > 0);
+    assert_eq!(sample(&after, "flatmesh_control_xds_nacks_total"), 0);
+    rt.block_on(client.stop());
+    until("the stream to close", Duration::from_secs(30), || {
+        sample(&scrape(at), "flatmesh_control_xds_connected_streams") == 0
+    });
+    running.stop();
 }

@@ -48,6 +48,7 @@ fn options(dir: &Scratch, addresses: &str, step_command: Option<PathBuf>) -> Opt
     Options {
         listen: "127.0.0.1:0".parse().unwrap(),
         ca: None,
+        metrics: None,
         state: Some(dir.write("state.yaml", &state("web"))),
         placement: Some(PlacementOptions {
             cluster: dir.write("cluster.yaml", CLUSTER).display().to_string(),

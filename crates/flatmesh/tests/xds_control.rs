@@ -611,3 +611,90 @@ fn a_node_presents_the_identity_the_control_center_placed_on_it() {
     );
     assert!(!dir.join("ids2/ns.shop.sa.payments.key").exists());
 }
+
+/// `flatmesh ca revoke` and `flatmesh ca token --revoke` from the command line: the CRL lists
+/// the certificate once however often it is revoked, bad serials are refused with the fix, and
+/// the node's entry in the tokens file is marked revoked.
+#[test]
+fn certificates_and_node_tokens_are_revoked_from_the_command_line() {
+    let dir = workdir_named("revoke");
+    let path = |name: &str| dir.join(name).display().to_string();
+    run_ok(&[
+        "ca",
+        "init",
+        "--trust-domain",
+        "mesh.test",
+        "--dir",
+        &path("ca"),
+    ]);
+    run_ok(&[
+        "ca",
+        "issue",
+        "--dir",
+        &path("ca"),
+        "--id",
+        "spiffe://mesh.test/ns/shop/sa/kvs",
+        "--out",
+        &path("kvs"),
+    ]);
+    let first = run_ok(&[
+        "ca",
+        "revoke",
+        "--dir",
+        &path("ca"),
+        "--cert",
+        &path("kvs.pem"),
+    ]);
+    assert!(first.contains("1 newly revoked, 1 listed"), "{first}");
+    let again = run_ok(&[
+        "ca",
+        "revoke",
+        "--dir",
+        &path("ca"),
+        "--cert",
+        &path("kvs.pem"),
+    ]);
+    assert!(again.contains("0 newly revoked, 1 listed"), "{again}");
+    let crls = flatmesh_identity::crl::load_crls(&dir.join("ca/crl.pem")).unwrap();
+    assert_eq!(crls.len(), 1);
+    let out = Command::new(env!("CARGO_BIN_EXE_flatmesh"))
+        .args(["ca", "revoke", "--dir", &path("ca"), "--serial", "xyz"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("not a certificate serial number"),
+        "{stderr}"
+    );
+
+    let printed = run_ok(&["ca", "token", "--node", "r0-s0/nic0"]);
+    let entry = printed
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .nth(1)
+        .unwrap();
+    std::fs::write(dir.join("node-tokens.yaml"), format!("{entry}\n")).unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(
+        dir.join("node-tokens.yaml"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    let revoked = run_ok(&[
+        "ca",
+        "token",
+        "--revoke",
+        "--node",
+        "r0-s0/nic0",
+        "--tokens",
+        &path("node-tokens.yaml"),
+    ]);
+    assert!(
+        revoked.contains("revoked the token of `r0-s0/nic0`"),
+        "{revoked}"
+    );
+    let tokens =
+        flatmesh_control::serve::ca::NodeTokens::load(&dir.join("node-tokens.yaml")).unwrap();
+    assert_eq!(tokens.revoked_nodes().collect::<Vec<_>>(), ["r0-s0/nic0"]);
+}

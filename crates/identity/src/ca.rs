@@ -257,6 +257,16 @@ impl Authority {
         &self.trust_domain
     }
 
+    /// When the signing root expires.
+    pub fn root_not_after(&self) -> SystemTime {
+        self.root_not_after
+    }
+
+    /// The signing root's issuer (for the CRL, crate::crl).
+    pub(crate) fn signer(&self) -> &Issuer<'static, KeyPair> {
+        &self.issuer
+    }
+
     /// Every root peers must trust, the signing one first.
     pub fn bundle(&self) -> &[CertificateDer<'static>] {
         &self.bundle

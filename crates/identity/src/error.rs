@@ -39,6 +39,12 @@ pub enum IdentityError {
     #[error("`{id}` is not an identity placed on node `{node}`: a node may only obtain the identities of workloads that run on it")]
     NotPlaced { id: String, node: String },
 
+    #[error("`{serial}` is not a certificate serial number: {why} (`flatmesh ca revoke --cert FILE` reads it from the certificate)")]
+    BadSerial { serial: String, why: String },
+
+    #[error("{path} would list more than {max} certificates: rotate the root (`flatmesh ca rotate`, then `retire` once the old leaves expired) instead of growing the list")]
+    CrlFull { max: usize, path: PathBuf },
+
     #[error("certificate generation failed: {0}")]
     Generate(#[from] rcgen::Error),
 

@@ -3,6 +3,7 @@
 //! - [`spiffe`]: SPIFFE IDs and the allow-list patterns that admit them;
 //! - [`ca`]: the mesh CA, a root per trust domain that issues X.509 SVIDs (from scratch or from
 //!   a node's CSR), with root rotation through an overlap of both bundles;
+//! - [`crl`]: the CA's certificate revocation list and reading CRL files;
 //! - [`svid`]: issued and loaded SVIDs, and reading the identity out of a certificate;
 //! - [`tls`]: rustls configurations (ring) that authenticate peers by SPIFFE ID, and the
 //!   bounded failure reasons the node counts.
@@ -11,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 pub mod ca;
+pub mod crl;
 mod error;
 pub mod spiffe;
 pub mod svid;

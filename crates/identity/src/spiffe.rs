@@ -74,6 +74,9 @@ fn check_segment(segment: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The namespace of flatmesh's own identities (the nodes').
+pub const SYSTEM_NAMESPACE: &str = "flatmesh-system";
+
 impl SpiffeId {
     /// Parses and checks `text`.
     pub fn parse(text: &str) -> Result<SpiffeId, IdentityError> {
@@ -116,6 +119,15 @@ impl SpiffeId {
     ) -> Result<SpiffeId, IdentityError> {
         SpiffeId::parse(&format!(
             "{SCHEME}{trust_domain}/ns/{namespace}/sa/{service_account}"
+        ))
+    }
+
+    /// The node's own identity, which its control center issues to it alone:
+    /// `spiffe://TD/ns/flatmesh-system/sa/node/NODE_ID` (a node id of several segments, like
+    /// `r0-s0/host`, keeps its `/`s). `spiffe://TD/ns/flatmesh-system/*` admits every node.
+    pub fn node(trust_domain: &str, node_id: &str) -> Result<SpiffeId, IdentityError> {
+        SpiffeId::parse(&format!(
+            "{SCHEME}{trust_domain}/ns/{SYSTEM_NAMESPACE}/sa/node/{node_id}"
         ))
     }
 

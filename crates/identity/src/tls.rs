@@ -20,7 +20,7 @@ use rustls::{
     CertificateError, ClientConfig, DigitallySignedStruct, DistinguishedName, Error, RootCertStore,
     ServerConfig, SignatureScheme,
 };
-use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls_pki_types::{CertificateDer, CertificateRevocationListDer, ServerName, UnixTime};
 use std::sync::Arc;
 
 /// ALPN of the codecs the node speaks over TLS.
@@ -64,10 +64,15 @@ fn suite_preference(suite: rustls::CipherSuite) -> u8 {
     }
 }
 
-/// The roots a node trusts, one or more per trust domain (more during a root rotation).
+/// The roots a node trusts, one or more per trust domain (more during a root rotation), and
+/// the revocation lists peers' certificates are checked against (`tls.crl`).
 #[derive(Clone, Debug)]
 pub struct TrustBundle {
     roots: Arc<RootCertStore>,
+    /// As read (for rustls's client verifier) and parsed (for the server verifier); empty: no
+    /// revocation check.
+    crls: Vec<CertificateRevocationListDer<'static>>,
+    parsed_crls: Arc<Vec<webpki::CertRevocationList<'static>>>,
 }
 
 impl TrustBundle {
@@ -85,11 +90,41 @@ impl TrustBundle {
         }
         Ok(TrustBundle {
             roots: Arc::new(roots),
+            crls: Vec::new(),
+            parsed_crls: Arc::default(),
         })
     }
 
     pub fn load(path: &std::path::Path) -> Result<TrustBundle, IdentityError> {
         TrustBundle::new(&crate::ca::load_certificates(path)?)
+    }
+
+    /// Checks peers' leaves against `crls` too: a leaf a CRL of its issuer lists is refused
+    /// (reason `revoked`); a leaf whose issuer has no CRL here is not.
+    pub fn with_crls(
+        mut self,
+        crls: Vec<CertificateRevocationListDer<'static>>,
+    ) -> Result<TrustBundle, IdentityError> {
+        let parsed = crls
+            .iter()
+            .map(|der| {
+                webpki::OwnedCertRevocationList::from_der(der)
+                    .map(webpki::CertRevocationList::from)
+                    .map_err(|e| IdentityError::Bundle(format!("a CRL does not parse: {e:?}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.crls = crls;
+        self.parsed_crls = Arc::new(parsed);
+        Ok(self)
+    }
+
+    /// [`with_crls`](Self::with_crls) with the CRLs of a PEM file (`flatmesh ca revoke` writes one).
+    pub fn with_crl_file(self, path: &std::path::Path) -> Result<TrustBundle, IdentityError> {
+        let crls = crate::crl::load_crls(path)?;
+        self.with_crls(crls).map_err(|e| IdentityError::BadPem {
+            path: path.to_path_buf(),
+            why: e.to_string(),
+        })
     }
 }
 
@@ -160,6 +195,10 @@ pub fn failure_reason(error: &Error) -> &'static str {
                 "not_yet_valid"
             }
             CertificateError::UnknownIssuer => "unknown_ca",
+            CertificateError::Revoked => "revoked",
+            CertificateError::UnknownRevocationStatus => "revocation_unknown",
+            CertificateError::ExpiredRevocationList
+            | CertificateError::ExpiredRevocationListContext { .. } => "crl_expired",
             CertificateError::BadSignature => "bad_signature",
             CertificateError::InvalidPurpose | CertificateError::InvalidPurposeContext { .. } => {
                 "wrong_usage"
@@ -233,8 +272,56 @@ impl ClientCertVerifier for SpiffeClientVerifier {
 #[derive(Debug)]
 struct SpiffeServerVerifier {
     roots: Arc<RootCertStore>,
+    crls: Arc<Vec<webpki::CertRevocationList<'static>>>,
     allow: Vec<IdPattern>,
     algorithms: WebPkiSupportedAlgorithms,
+}
+
+impl SpiffeServerVerifier {
+    /// The leaf against the CRLs of its issuer (rustls's own server verifier would also match
+    /// the server's DNS name, which SPIFFE peers do not carry). Only the leaf is checked, and
+    /// a leaf whose issuer has no CRL passes, as with the client verifier.
+    fn check_revocation(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<(), Error> {
+        let crls: Vec<&webpki::CertRevocationList<'_>> = self.crls.iter().collect();
+        let Ok(options) = webpki::RevocationOptionsBuilder::new(&crls) else {
+            return Ok(()); // no CRL configured
+        };
+        let options = options
+            .with_depth(webpki::RevocationCheckDepth::EndEntity)
+            .with_status_policy(webpki::UnknownStatusPolicy::Allow)
+            .build();
+        let leaf = webpki::EndEntityCert::try_from(end_entity)
+            .map_err(|_| Error::InvalidCertificate(CertificateError::BadEncoding))?;
+        leaf.verify_for_usage(
+            self.algorithms.all,
+            &self.roots.roots,
+            intermediates,
+            now,
+            webpki::KeyUsage::server_auth(),
+            Some(options),
+            None,
+        )
+        .map(|_| ())
+        .map_err(|e| match e {
+            webpki::Error::CertRevoked => Error::InvalidCertificate(CertificateError::Revoked),
+            webpki::Error::UnknownRevocationStatus => {
+                Error::InvalidCertificate(CertificateError::UnknownRevocationStatus)
+            }
+            webpki::Error::CrlExpired { .. } => {
+                Error::InvalidCertificate(CertificateError::ExpiredRevocationList)
+            }
+            other => refused(
+                None,
+                "bad_crl",
+                format!("the revocation check failed: {other}"),
+            ),
+        })
+    }
 }
 
 impl ServerCertVerifier for SpiffeServerVerifier {
@@ -254,6 +341,7 @@ impl ServerCertVerifier for SpiffeServerVerifier {
             now,
             self.algorithms.all,
         )?;
+        self.check_revocation(end_entity, intermediates, now)?;
         check_identity(end_entity, &self.allow)?;
         Ok(ServerCertVerified::assertion())
     }
@@ -301,7 +389,16 @@ pub fn server_config(
         .with_safe_default_protocol_versions()?;
     let builder = match client_auth {
         Some(auth) => {
-            let chain = WebPkiClientVerifier::builder_with_provider(auth.bundle.roots, provider)
+            let mut chain =
+                WebPkiClientVerifier::builder_with_provider(auth.bundle.roots, provider);
+            if !auth.bundle.crls.is_empty() {
+                // Only the leaf, and a leaf of a root without a CRL passes (see `crl`).
+                chain = chain
+                    .with_crls(auth.bundle.crls)
+                    .only_check_end_entity_revocation()
+                    .allow_unknown_revocation_status();
+            }
+            let chain = chain
                 .build()
                 .map_err(|e| IdentityError::Bundle(e.to_string()))?;
             builder.with_client_cert_verifier(Arc::new(SpiffeClientVerifier {
@@ -332,6 +429,7 @@ pub fn client_config(
     let provider = provider();
     let verifier = Arc::new(SpiffeServerVerifier {
         roots: bundle.roots.clone(),
+        crls: bundle.parsed_crls.clone(),
         allow: server_ids,
         algorithms: provider.signature_verification_algorithms,
     });
@@ -343,6 +441,125 @@ pub fn client_config(
         Some(svid) => builder.with_client_auth_cert(svid.chain.clone(), svid.key.clone_key())?,
         None => builder.with_no_client_auth(),
     };
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
+}
+
+/// A server verifier over the bundle in a file, re-read when the file changes (looked at once
+/// per handshake: one `stat`). So a node's `--xds-ca` follows a root rotation on disk without
+/// a restart: the next connection trusts the new `ca.pem`. A file that cannot be read or does
+/// not parse leaves the previous bundle in force.
+#[derive(Debug)]
+struct BundleFileVerifier {
+    path: std::path::PathBuf,
+    allow: Vec<IdPattern>,
+    /// The file's modification time and size when read, and the verifier built from it.
+    current: parking_lot::RwLock<(FileStamp, Arc<SpiffeServerVerifier>)>,
+}
+
+type FileStamp = Option<(std::time::SystemTime, u64)>;
+
+fn stamp(path: &std::path::Path) -> FileStamp {
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.modified().ok()?, meta.len()))
+}
+
+impl BundleFileVerifier {
+    fn verifier_for(bundle: &TrustBundle, allow: Vec<IdPattern>) -> SpiffeServerVerifier {
+        SpiffeServerVerifier {
+            roots: bundle.roots.clone(),
+            crls: bundle.parsed_crls.clone(),
+            allow,
+            algorithms: provider().signature_verification_algorithms,
+        }
+    }
+
+    /// The verifier of the file as it is now.
+    fn current(&self) -> Arc<SpiffeServerVerifier> {
+        let now = stamp(&self.path);
+        {
+            let current = self.current.read();
+            if current.0 == now {
+                return current.1.clone();
+            }
+        }
+        let mut current = self.current.write();
+        if let Ok(bundle) = TrustBundle::load(&self.path) {
+            current.1 = Arc::new(Self::verifier_for(&bundle, self.allow.clone()));
+        }
+        // A bad file is not retried on every handshake, only when it changes again.
+        current.0 = now;
+        current.1.clone()
+    }
+}
+
+impl ServerCertVerifier for BundleFileVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, Error> {
+        self.current().verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        )
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        self.current().verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        self.current().verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.current().supported_verify_schemes()
+    }
+}
+
+/// Like [`client_config`] without a client certificate, trusting the bundle in `bundle_file`
+/// as it is at each handshake (re-read when it changes): a root rotation on disk reaches
+/// the next connection. The file must be usable now.
+pub fn client_config_following(
+    bundle_file: &std::path::Path,
+    server_ids: Vec<IdPattern>,
+    alpn: &[&[u8]],
+) -> Result<Arc<ClientConfig>, IdentityError> {
+    let stamped = stamp(bundle_file);
+    let bundle = TrustBundle::load(bundle_file)?;
+    let verifier = Arc::new(BundleFileVerifier {
+        path: bundle_file.to_path_buf(),
+        current: parking_lot::RwLock::new((
+            stamped,
+            Arc::new(BundleFileVerifier::verifier_for(
+                &bundle,
+                server_ids.clone(),
+            )),
+        )),
+        allow: server_ids,
+    });
+    let mut config = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
+        .with_no_client_auth();
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(Arc::new(config))
 }

@@ -321,3 +321,118 @@ async fn nodes_agree_on_aes_128_gcm_and_resume_with_the_client_identity() {
         "a ticket of the old config was accepted by the new one"
     );
 }
+
+/// A CA on disk with the CRL `revoke` wrote after listing `revoked` (the serial of its leaf).
+fn revoking_ca(name: &str) -> (Authority, std::path::PathBuf) {
+    let dir =
+        std::env::temp_dir().join(format!("flatmesh-handshake-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    (Authority::init("td", &dir).unwrap(), dir)
+}
+
+fn revoke(ca: &Authority, dir: &std::path::Path, svid: &Svid) -> TrustBundle {
+    let (by_signer, serial) = ca.issued_by_signer(&svid.chain[0]).unwrap();
+    assert!(by_signer);
+    ca.revoke(dir, &[serial]).unwrap();
+    TrustBundle::new(ca.bundle())
+        .unwrap()
+        .with_crl_file(&dir.join(flatmesh_identity::crl::CRL_FILE))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_revoked_client_certificate_is_refused_and_a_fresh_one_passes() {
+    let (ca, dir) = revoking_ca("revoked-client");
+    let stolen = svid(&ca, CLIENT);
+    let bundle = revoke(&ca, &dir, &stolen);
+    let server = |bundle: &TrustBundle| {
+        tls::server_config(
+            &svid(&ca, SERVER),
+            Some(ClientAuth {
+                bundle: bundle.clone(),
+                allow: patterns(&["spiffe://td/*"]),
+            }),
+            &[tls::ALPN_HTTP11],
+        )
+        .unwrap()
+    };
+    let outcome = handshake(server(&bundle), client(&ca, Some(&stolen), &[SERVER])).await;
+    assert_eq!(outcome.server, Err("revoked"));
+    // The same identity, reissued (a new serial), passes the same CRL.
+    let fresh = svid(&ca, CLIENT);
+    let outcome = handshake(server(&bundle), client(&ca, Some(&fresh), &[SERVER])).await;
+    assert_eq!(outcome.server, Ok(Some(SpiffeId::parse(CLIENT).unwrap())));
+    // Without the CRL the revoked certificate would have passed: the CRL is what refused it.
+    let plain = TrustBundle::new(ca.bundle()).unwrap();
+    let outcome = handshake(server(&plain), client(&ca, Some(&stolen), &[SERVER])).await;
+    assert_eq!(outcome.server, Ok(Some(SpiffeId::parse(CLIENT).unwrap())));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test]
+async fn a_client_refuses_a_server_with_a_revoked_certificate() {
+    let (ca, dir) = revoking_ca("revoked-server");
+    let stolen = svid(&ca, SERVER);
+    let bundle = revoke(&ca, &dir, &stolen);
+    let server = tls::server_config(&stolen, None, &[tls::ALPN_HTTP11]).unwrap();
+    let client_config = |bundle: &TrustBundle| {
+        tls::client_config(None, bundle, patterns(&[SERVER]), &[tls::ALPN_HTTP11]).unwrap()
+    };
+    let outcome = handshake(server.clone(), client_config(&bundle)).await;
+    assert_eq!(outcome.client, Err("revoked"));
+    let fresh = tls::server_config(&svid(&ca, SERVER), None, &[tls::ALPN_HTTP11]).unwrap();
+    let outcome = handshake(fresh, client_config(&bundle)).await;
+    assert_eq!(outcome.client, Ok(Some(SpiffeId::parse(SERVER).unwrap())));
+    // Leaves of a root without a CRL here (the old root after a rotation) are not refused.
+    let other = Authority::generate("td").unwrap();
+    let mut both = ca.bundle().to_vec();
+    both.extend(other.bundle().iter().cloned());
+    let bundle = TrustBundle::new(&both)
+        .unwrap()
+        .with_crl_file(&dir.join(flatmesh_identity::crl::CRL_FILE))
+        .unwrap();
+    let outcome = handshake(
+        tls::server_config(&svid(&other, SERVER), None, &[tls::ALPN_HTTP11]).unwrap(),
+        client_config(&bundle),
+    )
+    .await;
+    assert_eq!(outcome.client, Ok(Some(SpiffeId::parse(SERVER).unwrap())));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A node's `--xds-ca`: the client re-reads the bundle file when it changes, so after a real
+/// rotation on disk (`rotate`, then `retire`) the next handshake trusts the new root and no
+/// longer the old one, with no new configuration.
+#[tokio::test]
+async fn a_client_following_a_bundle_file_picks_up_a_root_rotation() {
+    let (mut ca, dir) = revoking_ca("follow");
+    let ca_pem = dir.join(flatmesh_identity::ca::CERT_FILE);
+    let following =
+        tls::client_config_following(&ca_pem, patterns(&[SERVER]), &[tls::ALPN_HTTP11]).unwrap();
+    let old_server = svid(&ca, SERVER);
+    let serve = |me: &Svid| tls::server_config(me, None, &[tls::ALPN_HTTP11]).unwrap();
+    let outcome = handshake(serve(&old_server), following.clone()).await;
+    assert_eq!(outcome.client, Ok(Some(SpiffeId::parse(SERVER).unwrap())));
+
+    ca.rotate(Some(&dir)).unwrap();
+    let new_server = svid(&ca, SERVER);
+    // During the overlap both roots are trusted.
+    for me in [&old_server, &new_server] {
+        let outcome = handshake(serve(me), following.clone()).await;
+        assert_eq!(outcome.client, Ok(Some(SpiffeId::parse(SERVER).unwrap())));
+    }
+    ca.retire_old_roots(Some(&dir)).unwrap();
+    let outcome = handshake(serve(&new_server), following.clone()).await;
+    assert_eq!(outcome.client, Ok(Some(SpiffeId::parse(SERVER).unwrap())));
+    let outcome = handshake(serve(&old_server), following.clone()).await;
+    assert_eq!(
+        outcome.client,
+        Err("unknown_ca"),
+        "the retired root is no longer trusted"
+    );
+    // A file that stops parsing leaves the last good bundle in force.
+    std::fs::write(&ca_pem, "garbage").unwrap();
+    let outcome = handshake(serve(&new_server), following).await;
+    assert_eq!(outcome.client, Ok(Some(SpiffeId::parse(SERVER).unwrap())));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

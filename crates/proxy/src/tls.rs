@@ -75,6 +75,19 @@ fn patterns(at: &str, written: &[String]) -> Result<Vec<IdPattern>, ProxyError> 
         .collect()
 }
 
+/// The roots of `ca`, with the revocation lists of `crl` when given (read at every load, so
+/// a changed CRL applies to the connections after the next reload).
+fn trust_bundle(
+    ca: &std::path::Path,
+    crl: Option<&std::path::Path>,
+) -> Result<TrustBundle, flatmesh_identity::IdentityError> {
+    let bundle = TrustBundle::load(ca)?;
+    match crl {
+        Some(crl) => bundle.with_crl_file(crl),
+        None => Ok(bundle),
+    }
+}
+
 fn identity_error(at: &str) -> impl Fn(flatmesh_identity::IdentityError) -> ProxyError + '_ {
     move |e| ProxyError::Config(format!("{at}: {e}"))
 }
@@ -91,7 +104,7 @@ impl ListenerTlsPlan {
         let svid = Svid::load(&tls.cert, &tls.key).map_err(identity_error(&at))?;
         let client_auth = match &tls.client_ca {
             Some(ca) => Some(ClientAuth {
-                bundle: TrustBundle::load(ca).map_err(identity_error(&at))?,
+                bundle: trust_bundle(ca, tls.crl.as_deref()).map_err(identity_error(&at))?,
                 allow: patterns(&format!("{at}.allow"), &tls.allow)?,
             }),
             None => None,
@@ -138,7 +151,7 @@ impl ClusterTlsPlan {
             (None, flatmesh_config::UpstreamProtocol::Http1) => flatmesh_identity::tls::ALPN_HTTP11,
         };
         let at = format!("cluster `{name}` tls");
-        let bundle = TrustBundle::load(&tls.ca).map_err(identity_error(&at))?;
+        let bundle = trust_bundle(&tls.ca, tls.crl.as_deref()).map_err(identity_error(&at))?;
         let svid = match (&tls.cert, &tls.key) {
             (Some(cert), Some(key)) => Some(Svid::load(cert, key).map_err(identity_error(&at))?),
             _ => None,

@@ -259,6 +259,63 @@ async fn refused_and_stalled_clients_are_counted_by_reason_and_neighbours_do_not
     );
 }
 
+/// A listener's `crl` is read at every reload: after `flatmesh ca revoke` rewrote it, the
+/// revoked client's next connection is refused (reason `revoked`), the connection it already
+/// had carries on, and a certificate issued afresh for the same identity passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_crl_refuses_the_next_connection_and_spares_the_open_one() {
+    let pki = Pki::new();
+    let backend = HttpBackend::start("app", Proto::H1).await;
+    let (admin, listen) = (free_addr(), free_addr());
+    // An empty list to begin with.
+    let crl = pki.ca.revoke(&pki.dir.path, &[]).unwrap().path;
+    let config = mtls_listener_config(&pki, admin, listen, backend.addr)
+        .replace("allow: [", &format!("crl: {}, allow: [", crl.display()));
+    assert!(config.contains("crl: "));
+    let node = TestNode::start(&config);
+    let bundle = pki.bundle();
+    let stolen = pki.svid(WEB);
+    let connect = |me: Svid| {
+        tls_connect(
+            listen,
+            client_config(&bundle, Some(&me), NODE, tls::ALPN_HTTP11),
+        )
+    };
+    let mut open = connect(stolen.clone()).await.unwrap();
+    assert_eq!(h1_get(&mut open, "/before").await.unwrap().0, 200);
+
+    let (_, serial) = pki.ca.issued_by_signer(&stolen.chain[0]).unwrap();
+    pki.ca.revoke(&pki.dir.path, &[serial]).unwrap();
+    let (status, body) = node.reload().await;
+    assert_eq!(status, 200, "{body}");
+
+    match connect(stolen.clone()).await {
+        Err(_) => {}
+        Ok(mut s) => {
+            let got = tokio::time::timeout(Duration::from_secs(5), h1_get(&mut s, "/x")).await;
+            assert!(
+                !matches!(got, Ok(Ok((200, _)))),
+                "a revoked client got an answer"
+            );
+        }
+    }
+    assert_eq!(
+        metric(
+            &node,
+            "flatmesh_tls_handshake_failures_total",
+            &["listener=\"web\"", "reason=\"revoked\""]
+        )
+        .await,
+        1.0
+    );
+    // The connection made before the revocation was not cut.
+    assert_eq!(h1_get(&mut open, "/after").await.unwrap().0, 200);
+    // The same identity, reissued, is admitted.
+    let mut fresh = connect(pki.svid(WEB)).await.unwrap();
+    assert_eq!(h1_get(&mut fresh, "/fresh").await.unwrap().0, 200);
+    assert_eq!(backend.hits(), 3);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_megabyte_certificate_chain_is_refused_and_costs_the_node_nothing_lasting() {
     let MtlsWeb {

@@ -56,6 +56,26 @@ pub trait Tokens: Send + Sync + 'static {
     fn node_of(&self, token: &str) -> Option<String>;
     /// Called for each call refused for a missing or unknown token (to count them).
     fn refused(&self) {}
+    /// Whether `token` was revoked (its node cut off): refused as "token revoked" (and not
+    /// counted by `refused`).
+    fn revoked(&self, _token: &str) -> bool {
+        false
+    }
+    /// Resolves once `token` opens no calls any more (revoked, removed): the xDS streams it
+    /// opened are then ended. Never, by default.
+    fn cut_off(
+        &self,
+        _token: &str,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'static>> {
+        Box::pin(std::future::pending())
+    }
+}
+
+/// What a caller whose token was revoked is told.
+pub fn token_revoked() -> tonic::Status {
+    tonic::Status::unauthenticated(
+        "token revoked: this node was cut off by the control center's operator (flatmesh ca token --revoke); give it a new token",
+    )
 }
 
 /// Requires a known bootstrap token on every call (a tonic interceptor).
@@ -66,6 +86,9 @@ pub fn require_token(
         let token = crate::certificates::bearer_token(request.metadata());
         if token.is_some_and(|t| tokens.node_of(t).is_some()) {
             return Ok(request);
+        }
+        if token.is_some_and(|t| tokens.revoked(t)) {
+            return Err(token_revoked());
         }
         tokens.refused();
         match token {

@@ -134,6 +134,51 @@ pub struct Store {
     tx: Arc<watch::Sender<Arc<Published>>>,
     current: Arc<Mutex<Resources>>,
     nacks: Arc<Mutex<Vec<String>>>,
+    stats: Arc<StreamStats>,
+}
+
+/// What the streams of a [`Store`] did (the control center's `/metrics`).
+#[derive(Debug, Default)]
+pub struct StreamStats {
+    /// Streams open now (SotW and delta).
+    pub open: std::sync::atomic::AtomicU64,
+    /// Responses sent.
+    pub pushes: std::sync::atomic::AtomicU64,
+    /// Requests that acknowledged a response (its nonce, no error).
+    pub acks: std::sync::atomic::AtomicU64,
+    /// Requests that refused one (an error detail).
+    pub nacks: std::sync::atomic::AtomicU64,
+}
+
+impl StreamStats {
+    fn count(counter: &std::sync::atomic::AtomicU64) {
+        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Counts a stream open until the guard drops.
+    fn opened(self: &Arc<Self>) -> OpenStream {
+        Self::count(&self.open);
+        OpenStream(self.clone())
+    }
+
+    /// An ACK or a NACK, by the request's nonce and error detail.
+    fn reply(&self, nonce: &str, nacked: bool) {
+        if nacked {
+            Self::count(&self.nacks);
+        } else if !nonce.is_empty() {
+            Self::count(&self.acks);
+        }
+    }
+}
+
+struct OpenStream(Arc<StreamStats>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0
+            .open
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Default for Store {
@@ -149,7 +194,13 @@ impl Store {
             tx: Arc::new(tx),
             current: Arc::new(Mutex::new(Resources::default())),
             nacks: Arc::new(Mutex::new(Vec::new())),
+            stats: Arc::default(),
         }
+    }
+
+    /// What its streams did.
+    pub fn stream_stats(&self) -> Arc<StreamStats> {
+        self.stats.clone()
     }
 
     /// Serve exactly `resources` from now on.
@@ -273,7 +324,8 @@ pub async fn serve_with(
     let ads = AggregatedDiscoveryServiceServer::new(Ads {
         store,
         closing: fired_rx.clone(),
-        secrets: options.secrets.clone().zip(options.tokens.clone()),
+        secrets: options.secrets.clone(),
+        tokens: options.tokens.clone(),
     })
     .max_decoding_message_size(MAX_MESSAGE)
     .max_encoding_message_size(MAX_MESSAGE);
@@ -324,15 +376,17 @@ struct Ads {
     store: Store,
     /// Becomes true when the server shuts down.
     closing: watch::Receiver<bool>,
-    /// SDS, and the tokens that say which node a stream is.
-    secrets: Option<(Arc<dyn SecretSource>, Arc<dyn crate::secure::Tokens>)>,
+    /// SDS (served only with tokens, which say which node a stream is).
+    secrets: Option<Arc<dyn SecretSource>>,
+    /// With tokens: a stream ends when its token is revoked.
+    tokens: Option<Arc<dyn crate::secure::Tokens>>,
 }
 
 impl Ads {
     /// The secret source and the node it answers for, known by the stream's bootstrap token
     /// (never by the node id the client claims in its requests).
     fn secrets_for<T>(&self, request: &tonic::Request<T>) -> Option<NodeSecrets> {
-        let (source, tokens) = self.secrets.as_ref()?;
+        let (source, tokens) = (self.secrets.as_ref()?, self.tokens.as_ref()?);
         let token = crate::certificates::bearer_token(request.metadata())?;
         Some(NodeSecrets {
             source: source.clone(),
@@ -375,6 +429,18 @@ async fn secrets_changed(changes: &mut Option<watch::Receiver<u64>>) -> bool {
     }
 }
 
+/// Resolves when the token a stream was opened with is revoked (never without tokens).
+type CutOff = Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+impl Ads {
+    fn cut_off(&self, metadata: &tonic::metadata::MetadataMap) -> CutOff {
+        match (&self.tokens, crate::certificates::bearer_token(metadata)) {
+            (Some(tokens), Some(token)) => tokens.cut_off(token),
+            _ => Box::pin(std::future::pending()),
+        }
+    }
+}
+
 /// Resolves when the server shuts down (at once if it already has).
 async fn closed(mut closing: watch::Receiver<bool>) {
     let _ = closing.wait_for(|closing| *closing).await;
@@ -397,6 +463,7 @@ impl AggregatedDiscoveryService for Ads {
     ) -> std::result::Result<tonic::Response<Self::StreamAggregatedResourcesStream>, tonic::Status>
     {
         let secrets = self.secrets_for(&request);
+        let cut_off = self.cut_off(request.metadata());
         let requests = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(sotw_stream(
@@ -405,6 +472,7 @@ impl AggregatedDiscoveryService for Ads {
             tx,
             self.closing.clone(),
             secrets,
+            cut_off,
         ));
         Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -415,6 +483,7 @@ impl AggregatedDiscoveryService for Ads {
     ) -> std::result::Result<tonic::Response<Self::DeltaAggregatedResourcesStream>, tonic::Status>
     {
         let secrets = self.secrets_for(&request);
+        let cut_off = self.cut_off(request.metadata());
         let requests = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(delta_stream(
@@ -423,6 +492,7 @@ impl AggregatedDiscoveryService for Ads {
             tx,
             self.closing.clone(),
             secrets,
+            cut_off,
         ));
         Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -455,7 +525,9 @@ async fn sotw_stream(
     tx: mpsc::Sender<std::result::Result<DiscoveryResponse, tonic::Status>>,
     closing: watch::Receiver<bool>,
     secrets: Option<NodeSecrets>,
+    mut cut_off: CutOff,
 ) {
+    let _open = store.stats.opened();
     let mut watch = store.tx.subscribe();
     let mut types: BTreeMap<String, SotwType> = BTreeMap::new();
     let mut node = String::new();
@@ -491,12 +563,18 @@ async fn sotw_stream(
                     if tx.send(Ok(response)).await.is_err() {
                         return;
                     }
+                    StreamStats::count(&store.stats.pushes);
                 }
             }
         }
         tokio::select! {
             _ = closed(closing.clone()) => {
                 let _ = tx.send(Err(shutting_down())).await;
+                return;
+            }
+            () = &mut cut_off => {
+                tracing::warn!(node, "xDS stream ended: its bootstrap token was revoked");
+                let _ = tx.send(Err(crate::secure::token_revoked())).await;
                 return;
             }
             changed = watch.changed() => if changed.is_err() { return },
@@ -522,6 +600,7 @@ async fn sotw_stream(
                 if !request.response_nonce.is_empty() && request.response_nonce != t.nonce {
                     continue; // a reply to an older response; the newer one is in flight
                 }
+                store.stats.reply(&request.response_nonce, request.error_detail.is_some());
                 if let Some(error) = &request.error_detail {
                     store.record_nack(&node, &type_url, &error.message);
                 }
@@ -596,7 +675,9 @@ async fn delta_stream(
     tx: mpsc::Sender<std::result::Result<DeltaDiscoveryResponse, tonic::Status>>,
     closing: watch::Receiver<bool>,
     secrets: Option<NodeSecrets>,
+    mut cut_off: CutOff,
 ) {
+    let _open = store.stats.opened();
     let mut watch = store.tx.subscribe();
     let mut types: BTreeMap<String, DeltaType> = BTreeMap::new();
     let mut node = String::new();
@@ -621,12 +702,18 @@ async fn delta_stream(
                     if tx.send(Ok(response)).await.is_err() {
                         return;
                     }
+                    StreamStats::count(&store.stats.pushes);
                 }
             }
         }
         tokio::select! {
             _ = closed(closing.clone()) => {
                 let _ = tx.send(Err(shutting_down())).await;
+                return;
+            }
+            () = &mut cut_off => {
+                tracing::warn!(node, "xDS stream ended: its bootstrap token was revoked");
+                let _ = tx.send(Err(crate::secure::token_revoked())).await;
                 return;
             }
             changed = watch.changed() => if changed.is_err() { return },
@@ -645,6 +732,7 @@ async fn delta_stream(
                 }
                 // A changed SDS subscription is answered from fresh secrets.
                 secrets_stale |= type_url == SECRET;
+                store.stats.reply(&request.response_nonce, request.error_detail.is_some());
                 if let Some(error) = &request.error_detail {
                     store.record_nack(&node, &type_url, &error.message);
                 }

@@ -569,6 +569,7 @@ fn tls_contexts_import_from_envoy() {
                 "spiffe://td/ns/shop/sa/web".into(),
                 "spiffe://td/ns/ops/*".into()
             ],
+            crl: None,
         })
     );
     assert_eq!(
@@ -578,6 +579,7 @@ fn tls_contexts_import_from_envoy() {
             key: "/pki/node.key".into(),
             client_ca: None,
             allow: Vec::new(),
+            crl: None,
         })
     );
     assert_eq!(
@@ -588,6 +590,7 @@ fn tls_contexts_import_from_envoy() {
             key: Some("/pki/node.key".into()),
             server_ids: vec!["spiffe://td/ns/api/*".into()],
             sni: Some("api.shop.svc".into()),
+            crl: None,
         })
     );
     assert_eq!(
@@ -598,6 +601,7 @@ fn tls_contexts_import_from_envoy() {
             key: None,
             server_ids: vec!["spiffe://td/ns/data/sa/db".into()],
             sni: None,
+            crl: None,
         })
     );
     // Envoy's plaintext transport socket is no TLS at all.
@@ -610,6 +614,51 @@ fn tls_contexts_import_from_envoy() {
     let config = bootstrap::parse(&plain, "envoy.yaml").unwrap();
     let tls = config.listeners.iter().find(|l| l.name == "tls").unwrap();
     assert_eq!(tls.tls, None);
+}
+
+/// A `crl` is Envoy's `validation_context.crl` (a file name), both ways.
+#[test]
+fn a_crl_maps_to_envoys_validation_context_crl() {
+    let listener = model::ListenerTls {
+        cert: "/pki/node.pem".into(),
+        key: "/pki/node.key".into(),
+        client_ca: Some("/pki/ca.pem".into()),
+        allow: vec!["spiffe://td/*".into()],
+        crl: Some("/pki/crl.pem".into()),
+    };
+    let socket = crate::tls::downstream(&listener, true);
+    let back = crate::tls::listener_tls(&socket, true, "l").unwrap();
+    assert_eq!(back, Some(listener));
+    let cluster = model::ClusterTls {
+        ca: "/pki/ca.pem".into(),
+        cert: None,
+        key: None,
+        server_ids: vec!["spiffe://td/ns/api/*".into()],
+        sni: None,
+        crl: Some("/pki/crl.pem".into()),
+    };
+    let socket = crate::tls::upstream(&cluster, model::UpstreamProtocol::Http1);
+    let back = crate::tls::cluster_tls(&socket, model::UpstreamProtocol::Http1, "c").unwrap();
+    assert_eq!(back, Some(cluster));
+    // Written where Envoy reads it: `validation_context.crl` as a file name.
+    use envoy_types::pb::envoy::config::core::v3::{data_source, transport_socket};
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+        common_tls_context::ValidationContextType, UpstreamTlsContext,
+    };
+    use prost::Message;
+    let Some(transport_socket::ConfigType::TypedConfig(any)) = socket.config_type else {
+        panic!("no typed config")
+    };
+    let context = UpstreamTlsContext::decode(any.value.as_slice()).unwrap();
+    let Some(ValidationContextType::ValidationContext(validation)) =
+        context.common_tls_context.unwrap().validation_context_type
+    else {
+        panic!("no validation context")
+    };
+    assert_eq!(
+        validation.crl.unwrap().specifier,
+        Some(data_source::Specifier::Filename("/pki/crl.pem".into()))
+    );
 }
 
 /// What the server sends Envoy is the shape the import takes, field for field: the listener's
@@ -2330,6 +2379,7 @@ fn sds_secrets_import_from_a_bootstrap() {
                 "spiffe://td/ns/shop/sa/web".into(),
                 "spiffe://td/ns/ops/*".into()
             ],
+            crl: None,
         })
     );
     assert_eq!(
@@ -2340,6 +2390,7 @@ fn sds_secrets_import_from_a_bootstrap() {
             key: Some("/sds/api.key".into()),
             server_ids: vec!["spiffe://td/ns/api/*".into()],
             sni: Some("api.shop.svc".into()),
+            crl: None,
         })
     );
 }

@@ -56,7 +56,9 @@ pub fn downstream(tls: &model::ListenerTls, http: bool) -> TransportSocket {
             tls_certificates: vec![certificate(&tls.cert, &tls.key)],
             validation_context_type: tls.client_ca.as_ref().map(|ca| {
                 common_tls_context::ValidationContextType::ValidationContext(validation(
-                    ca, &tls.allow,
+                    ca,
+                    &tls.allow,
+                    tls.crl.as_deref(),
                 ))
             }),
             alpn_protocols: if http {
@@ -85,6 +87,7 @@ pub fn upstream(tls: &model::ClusterTls, protocol: model::UpstreamProtocol) -> T
                 common_tls_context::ValidationContextType::ValidationContext(validation(
                     &tls.ca,
                     &tls.server_ids,
+                    tls.crl.as_deref(),
                 )),
             ),
             alpn_protocols: vec![alpn_of(protocol).into()],
@@ -127,10 +130,16 @@ fn certificate(cert: &std::path::Path, key: &std::path::Path) -> TlsCertificate 
     }
 }
 
-/// The roots in `ca` and the SPIFFE IDs (or `/*` patterns) a peer must present.
-fn validation(ca: &std::path::Path, ids: &[String]) -> CertificateValidationContext {
+/// The roots in `ca`, the SPIFFE IDs (or `/*` patterns) a peer must present, and the
+/// revocation lists its certificate is checked against.
+fn validation(
+    ca: &std::path::Path,
+    ids: &[String],
+    crl: Option<&std::path::Path>,
+) -> CertificateValidationContext {
     CertificateValidationContext {
         trusted_ca: file(ca),
+        crl: crl.and_then(file),
         match_typed_subject_alt_names: ids.iter().map(|id| uri_matcher(id)).collect(),
         ..Default::default()
     }
@@ -239,8 +248,8 @@ pub(crate) fn listener_tls(
     )?;
     take_tls_params(&mut common, &at_common)?;
     reject_rest(&common, &at_common)?;
-    let (client_ca, allow) = match (validation, require) {
-        (Some((ca, ids)), Some(true)) => (Some(ca), ids),
+    let (client_ca, allow, crl) = match (validation, require) {
+        (Some((ca, ids, crl)), Some(true)) => (Some(ca), ids, crl),
         (Some(_), _) => {
             return Err(XdsError::resource(
                 format!("{at}.require_client_certificate"),
@@ -253,13 +262,14 @@ pub(crate) fn listener_tls(
                 "is missing: require_client_certificate needs the CA client certificates chain to (trusted_ca) and the SPIFFE IDs to admit (match_typed_subject_alt_names)",
             ))
         }
-        (None, _) => (None, Vec::new()),
+        (None, _) => (None, Vec::new(), None),
     };
     Ok(Some(model::ListenerTls {
         cert,
         key,
         client_ca,
         allow,
+        crl,
     }))
 }
 
@@ -285,7 +295,7 @@ pub(crate) fn cluster_tls(
     let at_common = format!("{at}.common_tls_context");
     no_certificate_provider(&common, &at_common)?;
     let certificate = take_certificates(&mut common, &at_common)?;
-    let Some((ca, server_ids)) = take_validation(&mut common, &at_common)? else {
+    let Some((ca, server_ids, crl)) = take_validation(&mut common, &at_common)? else {
         return Err(XdsError::resource(
             format!("{at_common}.validation_context"),
             "is missing: flatmesh verifies every TLS endpoint; give trusted_ca and the endpoints' SPIFFE IDs (match_typed_subject_alt_names)",
@@ -307,6 +317,7 @@ pub(crate) fn cluster_tls(
         key,
         server_ids,
         sni: (!sni.is_empty()).then_some(sni),
+        crl,
     }))
 }
 
@@ -546,14 +557,14 @@ pub fn resolve_secrets(config: &mut model::Config, files: &dyn SecretFiles) -> W
     waiting
 }
 
-/// The validation context's CA file (or roots secret) and the SPIFFE IDs or patterns it
-/// admits. A `combined_validation_context` takes the IDs from its `default_validation_context`
+/// A validation context: the CA file, the SPIFFE IDs or patterns it admits, the CRL file.
+type Validation = (PathBuf, Vec<String>, Option<PathBuf>);
+
+/// The validation context's CA file (or roots secret), the SPIFFE IDs or patterns it admits,
+/// and its CRL file. A `combined_validation_context` takes the IDs from its `default_validation_context`
 /// and the roots from its secret, as Istio writes it; a bare `validation_context_sds_secret_config`
 /// is refused, since the secret would carry the IDs too and flatmesh takes those from the config.
-fn take_validation(
-    common: &mut CommonTlsContext,
-    at: &str,
-) -> Result<Option<(PathBuf, Vec<String>)>> {
+fn take_validation(common: &mut CommonTlsContext, at: &str) -> Result<Option<Validation>> {
     use common_tls_context::ValidationContextType as V;
     let (mut v, at, roots) = match common.validation_context_type.take() {
         None => return Ok(None),
@@ -613,8 +624,13 @@ fn take_validation(
         .enumerate()
         .map(|(i, m)| spiffe_pattern(m, &format!("{at}.match_typed_subject_alt_names[{i}]")))
         .collect::<Result<Vec<_>>>()?;
+    let crl = v
+        .crl
+        .take()
+        .map(|crl| file_name(Some(crl), &format!("{at}.crl")))
+        .transpose()?;
     reject_rest(&v, &at)?;
-    Ok(Some((ca, ids)))
+    Ok(Some((ca, ids, crl)))
 }
 
 /// A URI SAN matcher as a SPIFFE ID (exact) or a `/*` pattern (a prefix that ends at `/`).

@@ -2,8 +2,10 @@
 //!
 //! A node proves itself with its bootstrap token and sends CSRs over the TLS control channel
 //! ([`flatmesh_xds::certificates`]); it gets a certificate only for an identity it holds:
-//! one granted to it in the node tokens file, or that of a service the placement put on it
-//! (service `APP/STAGE` is `spiffe://TD/ns/APP/sa/STAGE`). So a node cannot obtain another
+//! one granted to it in the node tokens file, that of a service the placement put on it
+//! (service `APP/STAGE` is `spiffe://TD/ns/APP/sa/STAGE`), or its own node identity
+//! (`spiffe://TD/ns/flatmesh-system/sa/node/NODE_ID`, [`SpiffeId::node`]), which its HBONE
+//! listener and tunnels present when no workload identity applies. So a node cannot obtain another
 //! node's workload identity. The control center presents a certificate of the same CA
 //! (`spiffe://TD/flatmesh/control`), renewed at half its lifetime, and re-reads the CA
 //! directory when it changes (`flatmesh ca rotate` while it runs): new certificates are signed
@@ -17,7 +19,13 @@
 //! r0-s0/host:
 //!   token_sha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08
 //!   identities: [ spiffe://cluster.local/ns/shop/sa/frontend ]
+//! # a node cut off (`flatmesh ca token --revoke --node ID --tokens FILE`)
+//! r0-s1/host: { token_sha256: ..., revoked: true }
 //! ```
+//!
+//! The control center re-reads the file when it changes (checked every second): a token that
+//! is revoked (or no longer listed) is refused from then on (`UNAUTHENTICATED`, "token
+//! revoked"), and the xDS streams it opened are ended.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -61,6 +69,9 @@ struct NodeEntry {
     token_sha256: String,
     #[serde(default)]
     identities: Vec<String>,
+    /// Cut off: the token opens nothing any more.
+    #[serde(default)]
+    revoked: bool,
 }
 
 /// Who holds which token, and what each node was granted outright.
@@ -69,6 +80,8 @@ pub struct NodeTokens {
     /// SHA-256 of the token -> node id.
     by_digest: BTreeMap<[u8; 32], String>,
     granted: BTreeMap<String, BTreeSet<String>>,
+    /// Digests of revoked tokens (also in `by_digest`, so a refusal can say "revoked").
+    revoked: BTreeSet<[u8; 32]>,
 }
 
 impl NodeTokens {
@@ -102,9 +115,22 @@ impl NodeTokens {
                     .map_err(|e| fail(format!("`{node}`: identity `{id}`: {e}")))?;
                 ids.insert(parsed.as_str().to_string());
             }
+            if entry.revoked {
+                tokens.revoked.insert(digest);
+            }
             tokens.granted.insert(node, ids);
         }
         Ok(tokens)
+    }
+
+    /// Whether `token` belongs to a node that was cut off.
+    pub fn is_revoked(&self, token: &str) -> bool {
+        self.revoked.contains(&sha256(token.as_bytes()))
+    }
+
+    /// The ids of the nodes whose tokens are revoked.
+    pub fn revoked_nodes(&self) -> impl Iterator<Item = &String> {
+        self.revoked.iter().filter_map(|d| self.by_digest.get(d))
     }
 
     /// Node ids the file names.
@@ -114,9 +140,55 @@ impl NodeTokens {
 }
 
 impl Tokens for NodeTokens {
+    /// The holder of a token that is not revoked.
     fn node_of(&self, token: &str) -> Option<String> {
-        self.by_digest.get(&sha256(token.as_bytes())).cloned()
+        let digest = sha256(token.as_bytes());
+        if self.revoked.contains(&digest) {
+            return None;
+        }
+        self.by_digest.get(&digest).cloned()
     }
+
+    fn revoked(&self, token: &str) -> bool {
+        self.is_revoked(token)
+    }
+}
+
+/// Marks `node`'s token revoked in the node tokens file at `path` (rewritten atomically, mode
+/// 0600; comments in it are not kept). Revoking twice changes nothing. Returns false if the
+/// token was revoked already.
+pub fn revoke_token(path: &Path, node: &str) -> Result<bool> {
+    let text = read_secret(path)?;
+    // Checked first, so a file the control center would refuse is not made worse.
+    NodeTokens::parse(&text, &path.display().to_string())?;
+    let invalid = |message: String| ControlError::Invalid {
+        what: "node tokens file",
+        message,
+    };
+    let mut raw: serde_norway::Mapping =
+        serde_norway::from_str(&text).map_err(|e| invalid(format!("{}: {e}", path.display())))?;
+    let known: Vec<String> = raw
+        .keys()
+        .filter_map(|k| k.as_str().map(str::to_string))
+        .collect();
+    let entry = raw
+        .get_mut(node)
+        .and_then(|e| e.as_mapping_mut())
+        .ok_or_else(|| {
+            invalid(format!(
+                "{}: no node `{node}` (it names: {}); give the node id as the file writes it",
+                path.display(),
+                known.join(", ")
+            ))
+        })?;
+    let was = entry.get("revoked").and_then(|v| v.as_bool()) == Some(true);
+    if was {
+        return Ok(false);
+    }
+    entry.insert("revoked".into(), true.into());
+    let written = serde_norway::to_string(&raw).map_err(|e| invalid(e.to_string()))?;
+    flatmesh_identity::ca::replace(path, &written, 0o600).map_err(identity_error)?;
+    Ok(true)
 }
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -195,16 +267,26 @@ pub struct CaStats {
     pub not_placed: AtomicU64,
     /// A CSR that does not parse, names another trust domain or no single SPIFFE ID.
     pub bad_request: AtomicU64,
+    /// A call with a revoked token (not counted in `unauthenticated`).
+    pub revoked: AtomicU64,
+    /// xDS streams ended because their token was revoked.
+    pub streams_cut: AtomicU64,
 }
 
 /// Signs nodes' CSRs with the CA of `dir`, within what each node holds.
 pub struct NodeCa {
     dir: PathBuf,
     authority: RwLock<Authority>,
-    tokens: Arc<NodeTokens>,
+    /// The tokens in force; every reload of the file publishes them anew (ending the streams
+    /// of tokens it revoked).
+    tokens: tokio::sync::watch::Sender<Arc<NodeTokens>>,
+    /// The node tokens file, re-read when it changes.
+    tokens_path: Option<PathBuf>,
     placements: Placements,
     ttl: Duration,
     pub stats: Arc<CaStats>,
+    /// When the control channel's current certificate expires (Unix seconds; 0: none yet).
+    control_not_after: AtomicU64,
 }
 
 impl NodeCa {
@@ -218,11 +300,36 @@ impl NodeCa {
         Ok(NodeCa {
             dir: dir.to_path_buf(),
             authority: RwLock::new(authority),
-            tokens,
+            tokens: tokio::sync::watch::Sender::new(tokens),
+            tokens_path: None,
             placements,
             ttl,
             stats: Arc::default(),
+            control_not_after: AtomicU64::new(0),
         })
+    }
+
+    /// Re-reads the tokens from `path` whenever it changes ([`keep_fresh`]).
+    pub fn with_tokens_file(mut self, path: &Path) -> NodeCa {
+        self.tokens_path = Some(path.to_path_buf());
+        self
+    }
+
+    /// Re-reads the node tokens file; a file that does not parse leaves the tokens as they were.
+    fn reload_tokens(&self) {
+        let Some(path) = &self.tokens_path else {
+            return;
+        };
+        match NodeTokens::load(path) {
+            Ok(tokens) => {
+                let revoked: Vec<&String> = tokens.revoked_nodes().collect();
+                tracing::info!(file = %path.display(), nodes = tokens.granted.len(), ?revoked, "node tokens file changed: re-read (revoked tokens are refused and their streams ended)");
+                self.tokens.send_replace(Arc::new(tokens));
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "node tokens file changed but is refused; the previous tokens stay in force")
+            }
+        }
     }
 
     pub fn trust_domain(&self) -> String {
@@ -245,7 +352,23 @@ impl NodeCa {
             })?;
         let config =
             flatmesh_identity::tls::server_config(&svid, None, &[b"h2"]).map_err(identity_error)?;
+        let expiry = issued
+            .not_after
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        self.control_not_after.store(expiry, Ordering::Relaxed);
         Ok((config, half_life(issued.not_before, issued.not_after)))
+    }
+
+    /// When the signing root expires, and the control channel's certificate if it has one.
+    pub fn expiries(&self) -> (SystemTime, Option<SystemTime>) {
+        let root = self.authority.read().root_not_after();
+        let control = match self.control_not_after.load(Ordering::Relaxed) {
+            0 => None,
+            seconds => Some(SystemTime::UNIX_EPOCH + Duration::from_secs(seconds)),
+        };
+        (root, control)
     }
 
     /// Re-reads the CA directory (after `flatmesh ca rotate` or `retire`).
@@ -260,15 +383,18 @@ impl NodeCa {
         Ok(())
     }
 
-    /// Whether `node` may hold `id`: granted to it in the tokens file, or placed on it. The one
-    /// rule for CSRs and for SDS.
+    /// Whether `node` may hold `id`: granted to it in the tokens file, its own node identity,
+    /// or placed on it. The one rule for CSRs and for SDS.
     pub fn may_hold(&self, node: &str, id: &SpiffeId) -> std::result::Result<(), IdentityError> {
         let granted = self
             .tokens
+            .borrow()
             .granted
             .get(node)
             .is_some_and(|ids| ids.contains(id.as_str()));
-        if granted || self.placements.holds(node, id.as_str()) {
+        // The node's own identity is its alone: it is named after the token's node.
+        let own = SpiffeId::node(id.trust_domain(), node).is_ok_and(|own| own == *id);
+        if granted || own || self.placements.holds(node, id.as_str()) {
             Ok(())
         } else {
             Err(IdentityError::NotPlaced {
@@ -323,12 +449,36 @@ fn identity_error(e: IdentityError) -> ControlError {
 /// The channel's token check (every call, before any handler): counts the refusals.
 impl Tokens for NodeCa {
     fn node_of(&self, token: &str) -> Option<String> {
-        self.tokens.node_of(token)
+        self.tokens.borrow().node_of(token)
+    }
+
+    fn revoked(&self, token: &str) -> bool {
+        let revoked = self.tokens.borrow().is_revoked(token);
+        if revoked {
+            self.stats.revoked.fetch_add(1, Ordering::Relaxed);
+        }
+        revoked
     }
 
     fn refused(&self) {
         self.stats.unauthenticated.fetch_add(1, Ordering::Relaxed);
         tracing::warn!("control channel: a call without a known bootstrap token, refused");
+    }
+
+    /// Resolves once a reload of the tokens file leaves `token` opening nothing.
+    fn cut_off(
+        &self,
+        token: &str,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'static>> {
+        let mut tokens = self.tokens.subscribe();
+        let token = token.to_string();
+        let stats = self.stats.clone();
+        Box::pin(async move {
+            let _ = tokens
+                .wait_for(|now| Tokens::node_of(now.as_ref(), &token).is_none())
+                .await;
+            stats.streams_cut.fetch_add(1, Ordering::Relaxed);
+        })
     }
 }
 
@@ -341,6 +491,9 @@ impl Signer for NodeCa {
         // The channel's check has already passed (an unknown token never gets here); this
         // finds which node is asking.
         let Some(node) = token.and_then(|t| Tokens::node_of(self, t)) else {
+            if token.is_some_and(|t| self.tokens.borrow().is_revoked(t)) {
+                return Err(flatmesh_xds::secure::token_revoked());
+            }
             return Err(tonic::Status::unauthenticated(
                 "no known bootstrap token; give the node its own (flatmesh node --bootstrap-token FILE)",
             ));
@@ -405,9 +558,20 @@ pub async fn keep_fresh(ca: Arc<NodeCa>, tls: ServerTls, mut renew_at: SystemTim
         })
     };
     let mut seen = stamp(&ca.dir);
+    let tokens_stamp = |ca: &NodeCa| {
+        ca.tokens_path
+            .as_ref()
+            .and_then(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
+    };
+    let mut tokens_seen = tokens_stamp(&ca);
     let mut tick = tokio::time::interval(CA_POLL);
     loop {
         tick.tick().await;
+        let tokens_now = tokens_stamp(&ca);
+        if tokens_now != tokens_seen {
+            tokens_seen = tokens_now;
+            ca.reload_tokens();
+        }
         let now = stamp(&ca.dir);
         let rotated = now != seen;
         if rotated {

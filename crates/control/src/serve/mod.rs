@@ -14,6 +14,7 @@
 pub mod addresses;
 pub mod ca;
 pub mod heartbeat_keys;
+pub mod metrics;
 pub mod sds;
 pub mod sink;
 pub mod step_command;
@@ -57,6 +58,8 @@ pub struct Options {
     pub placement: Option<PlacementOptions>,
     /// Be the nodes' CA, and protect the channel: TLS, bootstrap tokens.
     pub ca: Option<CaOptions>,
+    /// Serve Prometheus text on `GET /metrics` here ([`metrics`]).
+    pub metrics: Option<SocketAddr>,
 }
 
 /// `flatmesh control --ca-dir DIR --node-tokens FILE`.
@@ -106,6 +109,9 @@ pub struct ControlCenter {
     placed: Option<Placed>,
     ca: Option<Arc<NodeCa>>,
     placements: Placements,
+    /// The bound `/metrics` socket.
+    metrics: Option<std::net::TcpListener>,
+    placement_stats: Arc<metrics::PlacementStats>,
 }
 
 /// The state file and when it was last read.
@@ -147,7 +153,22 @@ impl ControlCenter {
                         tracing::warn!(node = %stranger, file = %origin, "node tokens file names a node the cluster does not have; it can only get the identities granted to it there");
                     }
                 }
-                NodeCa::new(&o.dir, Arc::new(tokens), placements.clone(), o.ttl).map(Arc::new)
+                NodeCa::new(&o.dir, Arc::new(tokens), placements.clone(), o.ttl)
+                    .map(|ca| Arc::new(ca.with_tokens_file(&o.node_tokens)))
+            })
+            .transpose()?;
+        let metrics = options
+            .metrics
+            .map(|at| {
+                let io = |source| ControlError::Io {
+                    what: format!(
+                        "cannot serve metrics on {at}; pick a free address with --metrics"
+                    ),
+                    source,
+                };
+                let listener = std::net::TcpListener::bind(at).map_err(io)?;
+                listener.set_nonblocking(true).map_err(io)?;
+                Ok::<_, ControlError>(listener)
             })
             .transpose()?;
         Ok(ControlCenter {
@@ -157,6 +178,8 @@ impl ControlCenter {
             placed,
             ca,
             placements,
+            metrics,
+            placement_stats: Arc::default(),
         })
     }
 
@@ -174,6 +197,11 @@ impl ControlCenter {
     /// What the heartbeat receiver took and dropped, if the orchestrator runs.
     pub fn heartbeat_stats(&self) -> Option<std::sync::Arc<GateStats>> {
         Some(self.placed.as_ref()?.heartbeats.as_ref()?.gate.stats())
+    }
+
+    /// Where `/metrics` is served, if it is.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref()?.local_addr().ok()
     }
 
     /// What the CA has issued and refused, when the control center is one.
@@ -218,15 +246,36 @@ impl ControlCenter {
             bound,
             shutdown,
         );
+        let scrapes = match self.metrics {
+            Some(listener) => {
+                let listener = tokio::net::TcpListener::from_std(listener).map_err(|source| {
+                    ControlError::Io {
+                        what: "cannot use the metrics socket".into(),
+                        source,
+                    }
+                })?;
+                let sources = metrics::Sources {
+                    ca: self.ca.clone(),
+                    streams: self.feed.store().stream_stats(),
+                    placement: self.placement_stats.clone(),
+                };
+                Some(tokio::spawn(metrics::serve(listener, sources)))
+            }
+            None => None,
+        };
         let grants = self
             .ca
             .as_ref()
             .map(|ca| (ca.trust_domain(), self.placements.clone()));
         let result = match self.placed {
-            Some(placed) => placed.run(self.feed.clone(), grants, server).await,
+            Some(placed) => {
+                placed
+                    .run(self.feed.clone(), grants, server, self.placement_stats)
+                    .await
+            }
             None => server.await.map_err(ControlError::from),
         };
-        for task in [watcher, fresh, renewals].into_iter().flatten() {
+        for task in [watcher, fresh, renewals, scrapes].into_iter().flatten() {
             task.abort();
         }
         result
@@ -343,11 +392,16 @@ impl Placed {
         feed: Feed,
         grants: Option<(String, Placements)>,
         server: impl std::future::Future<Output = flatmesh_xds::Result<()>>,
+        stats: Arc<metrics::PlacementStats>,
     ) -> Result<()> {
         let mut state = State::new(&self.topo, &self.wl);
         for (i, &n) in self.assign.iter().enumerate() {
             state.place(i, n);
         }
+        stats.placed_instances.store(
+            state.assign.iter().filter(|a| a.is_some()).count() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         for (i, inst) in self.wl.instances.iter().enumerate() {
             if let Some(n) = state.assign[i] {
                 tracing::info!(instance = %inst.id, node = %self.topo.nodes[n].id, "placement");
@@ -377,6 +431,15 @@ impl Placed {
         tokio::spawn(async move {
             while let Some(entry) = log_rx.recv().await {
                 log_entry(&entry);
+                let counter = match &entry {
+                    LogEntry::Migrated { .. } => Some(&stats.migrations),
+                    LogEntry::FailedOver { .. } => Some(&stats.failovers),
+                    LogEntry::NotMigrated { .. } => Some(&stats.not_migrated),
+                    _ => None,
+                };
+                if let Some(counter) = counter {
+                    counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
             }
         });
         let (beats_tx, beats_rx) = tokio::sync::mpsc::channel(1024);

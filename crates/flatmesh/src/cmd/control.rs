@@ -67,6 +67,11 @@ pub struct Args {
     /// The longest lifetime of a node's certificate, like `24h` or `30m` (nodes renew at half).
     #[arg(long, default_value = "24h", requires = "ca_dir")]
     cert_ttl: String,
+    /// Serve the control center's metrics (Prometheus text, GET /metrics) on HOST:PORT: xDS
+    /// streams, pushes, ACKs and NACKs, CA issuance and refusals by reason, certificate expiry,
+    /// placements and migrations (docs/control.md, "Metrics").
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics: Option<SocketAddr>,
 }
 
 #[derive(clap::Subcommand)]
@@ -122,6 +127,7 @@ fn serve(args: Args) -> anyhow::Result<()> {
         state: args.state,
         placement,
         ca,
+        metrics: args.metrics,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

@@ -31,7 +31,9 @@ pub struct Args {
     #[arg(long, value_name = "FILE", conflicts_with = "config")]
     envoy_config: Option<PathBuf>,
     /// Speak TLS to the xDS server and trust this bundle (PEM: the `ca.pem` of its CA); the
-    /// server must present spiffe://TD/flatmesh/control of that trust domain.
+    /// server must present spiffe://TD/flatmesh/control of that trust domain. The file is
+    /// re-read when it changes (checked at each connection), so a root rotation's new ca.pem
+    /// is taken up without a restart.
     #[arg(long, value_name = "FILE", requires = "xds")]
     xds_ca: Option<PathBuf>,
     /// A file holding this node's bootstrap token, sent on every call to the control center.
@@ -42,11 +44,17 @@ pub struct Args {
     /// in --identity-dir as ns.NS.sa.SA.pem/.key, renewed at half its lifetime.
     #[arg(long, value_name = "SPIFFE_ID", requires_all = ["xds_ca", "bootstrap_token", "identity_dir"])]
     identity: Vec<String>,
+    /// Also hold the node's own identity, spiffe://TD/ns/flatmesh-system/sa/node/NODE_ID
+    /// (TD: --xds-ca's trust domain), which only this node's token obtains; kept in
+    /// --identity-dir as ns.flatmesh-system.sa.node.NODE_ID.pem/.key (a `/` in the node id
+    /// becomes `.`) and renewed like the others, for the hbone listener and tunnel clusters.
+    #[arg(long, requires_all = ["xds_ca", "bootstrap_token", "identity_dir"])]
+    node_identity: bool,
     /// Where workload certificates and the trust bundle (bundle.pem) are written.
-    #[arg(long, value_name = "DIR", requires = "identity")]
+    #[arg(long, value_name = "DIR")]
     identity_dir: Option<PathBuf>,
     /// The certificate lifetime to ask for (the control center may give less).
-    #[arg(long, default_value = "24h", requires = "identity")]
+    #[arg(long, default_value = "24h")]
     identity_ttl: String,
     /// Where SDS secrets pushed over xDS are written (certificates, keys mode 0600, trust
     /// bundles); listeners and clusters that name a secret read it from there.
@@ -172,30 +180,34 @@ fn channel_security(args: &Args) -> anyhow::Result<ChannelSecurity> {
         .xds_ca
         .as_ref()
         .map(|path| {
-            let bundle = flatmesh_identity::TrustBundle::load(path)?;
-            let roots = flatmesh_identity::ca::load_certificates(path)?;
-            let domain = roots
-                .first()
-                .and_then(|root| flatmesh_identity::svid::spiffe_id_of(root).ok())
-                .with_context(|| {
-                    format!(
-                        "{}: its first certificate carries no trust domain (spiffe://TD); give the ca.pem of `flatmesh ca init`",
-                        path.display()
-                    )
-                })?;
             let control = flatmesh_identity::IdPattern::parse(&format!(
                 "spiffe://{}/flatmesh/control",
-                domain.trust_domain()
+                trust_domain_of(path)?
             ))?;
-            Ok::<_, anyhow::Error>(flatmesh_identity::tls::client_config(
-                None,
-                &bundle,
+            // Re-read when it changes: a rotation's new ca.pem needs no restart.
+            Ok::<_, anyhow::Error>(flatmesh_identity::tls::client_config_following(
+                path,
                 vec![control],
                 &[b"h2"],
             )?)
         })
         .transpose()?;
     Ok(ChannelSecurity { tls, token })
+}
+
+/// The trust domain of a CA bundle file: its first root's SPIFFE ID (`spiffe://TD`).
+fn trust_domain_of(path: &std::path::Path) -> anyhow::Result<String> {
+    let roots = flatmesh_identity::ca::load_certificates(path)?;
+    let domain = roots
+        .first()
+        .and_then(|root| flatmesh_identity::svid::spiffe_id_of(root).ok())
+        .with_context(|| {
+            format!(
+                "{}: its first certificate carries no trust domain (spiffe://TD); give the ca.pem of `flatmesh ca init`",
+                path.display()
+            )
+        })?;
+    Ok(domain.trust_domain().to_string())
 }
 
 /// How long a starting node waits for an unreachable control center before it gives up.
@@ -207,13 +219,31 @@ fn identity_options(
     security: ChannelSecurity,
     dir: PathBuf,
 ) -> anyhow::Result<IdentityOptions> {
-    let ids = args
+    let mut ids = args
         .identity
         .iter()
         .map(|id| {
             flatmesh_identity::SpiffeId::parse(id).with_context(|| format!("--identity {id}"))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
+    if args.node_identity {
+        let node_id = args
+            .node_id
+            .as_deref()
+            .context("--xds needs --node-id ID")?;
+        let ca = args
+            .xds_ca
+            .as_deref()
+            .context("--node-identity needs --xds-ca FILE")?;
+        let own = flatmesh_identity::SpiffeId::node(&trust_domain_of(ca)?, node_id).with_context(
+            || format!("--node-identity: the node id `{node_id}` cannot be part of a SPIFFE ID"),
+        )?;
+        ids.push(own);
+    }
+    anyhow::ensure!(
+        !ids.is_empty(),
+        "--identity-dir is given but no identity to keep there: add --identity SPIFFE_ID or --node-identity"
+    );
     Ok(IdentityOptions {
         server: server.to_string(),
         security,
