@@ -448,7 +448,8 @@ MTLS_NOTES = [
     "Session resumption is on for both: flatmesh has no setting to turn it off (rustls's defaults), so Envoy "
     "keeps it on too, with `max_session_keys: 256` (rustls's client cache size).",
     "Envoy's TLS 1.3 suite cannot be configured (BoringSSL); `tls_params` pins TLS 1.3. flatmesh has no "
-    "cipher setting: rustls offers TLS_AES_256_GCM_SHA384 first, so its pair negotiates that.",
+    "cipher setting either: both prefer TLS_AES_128_GCM_SHA256, and the suite each pair negotiated is "
+    "read off the wire (the target row checks it).",
     "ztunnel and Linkerd's proxy are not in this comparison: neither is on crates.io, PyPI or Debian, and "
     "prebuilt binaries cannot be downloaded here.",
 ]
