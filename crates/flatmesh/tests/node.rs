@@ -393,7 +393,7 @@ listeners:
     let load = tokio::spawn(async move {
         let client = h1_client();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        for i in 0..20_000u32 {
+        for i in 0..1_000_000u32 {
             if tokio::time::Instant::now() > deadline {
                 break;
             }
@@ -424,10 +424,11 @@ listeners:
         out.all_output(),
         proxy.output()
     );
+    // The table of the first window (the load runs through both).
     let last = out
         .stdout
-        .rsplit("flatmesh top:")
-        .next()
+        .split("flatmesh top:")
+        .nth(1)
         .unwrap_or_default()
         .to_string();
     let line = |route: &str| {
