@@ -398,6 +398,7 @@ fn a_thousand_concurrent_connections_go_socket_direct() {
             let kernel = format!("{{ pin_dir: {}, redirect: true }}", pins.0.display());
             let proxy = Proxy::start(admin, &tcp_node(admin, listen, echo.addr, &kernel)).await;
             let before = pins.status().stat("fm_sk_msg_direct");
+            let fallbacks_before = pins.status().stat("fm_sk_msg").fallbacks;
             let mut conns = Vec::new();
             for _ in 0..1000 {
                 conns.push(connect(listen).await);
@@ -432,7 +433,15 @@ fn a_thousand_concurrent_connections_go_socket_direct() {
                 direct >= 2 * 1000,
                 "at least the second round went direct both ways: {direct}\n{st}"
             );
-            assert!(st.entries("fm_shortcuts") >= 2 * 1000, "{st}");
+            // A message the kernel could not hand to the proxy's socket went through TCP
+            // (a `fm_sk_msg` fallback), and the proxy then gives that direction's shortcut up
+            // for good (crates/proxy/src/kernel/direct.rs): under load a few connections lose
+            // one. Every shortcut missing must be one of those messages.
+            let relayed = st.stat("fm_sk_msg").fallbacks - fallbacks_before;
+            assert!(
+                st.entries("fm_shortcuts") as u64 + relayed >= 2 * 1000,
+                "{relayed} messages went through TCP\n{st}"
+            );
             drop(conns);
             until("every shortcut to be removed", || {
                 let st = pins.status();
