@@ -141,13 +141,23 @@ listeners:
     // The admin port answers, and says how many were refused and why.
     node.assert_alive("with more idle client connections than descriptors")
         .await;
-    let metrics = node.metrics().await;
-    let refused = metric_samples(
-        &metrics,
-        "flatmesh_downstream_connections_refused_total",
-        &["listener=\"web\"", "reason=\"fd_budget\""],
-    );
-    let refused = refused.first().map_or(0.0, |(_, v)| *v);
+    // The workers may still be accepting the last of them: wait (bounded) for the count.
+    let refused_now = || async {
+        let metrics = node.metrics().await;
+        let refused = metric_samples(
+            &metrics,
+            "flatmesh_downstream_connections_refused_total",
+            &["listener=\"web\"", "reason=\"fd_budget\""],
+        )
+        .first()
+        .map_or(0.0, |(_, v)| *v);
+        (refused, metrics)
+    };
+    eventually(Duration::from_secs(10), || async {
+        refused_now().await.0 >= (HELD as f64) - (NODE_FDS as f64)
+    })
+    .await;
+    let (refused, metrics) = refused_now().await;
     assert!(
         refused >= (HELD as f64) - (NODE_FDS as f64),
         "only {refused} connections were refused for the fd budget:\n{metrics}"

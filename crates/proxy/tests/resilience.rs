@@ -151,11 +151,16 @@ async fn a_hanging_backend_gets_max_requests_and_the_rest_overflow_at_once() {
         "the four held requests reached the backend"
     );
     // The fifth, and 2,000 more, are answered at once with the overflow, not queued: the
-    // node's memory stays flat (its budget in use, and the process's resident set).
-    let budget_before = metric(&node, "flatmesh_memory_budget_used_bytes", &[]).await;
-    let rss_before = resident_bytes();
+    // node's memory stays flat (its budget in use, and the process's resident set), measured
+    // from after the fifth, once the client's own connection and its buffers exist.
+    let mut budget_before = 0.0;
+    let mut rss_before = 0;
     let client = h1_client();
     for i in 0..2001 {
+        if i == 1 {
+            budget_before = metric(&node, "flatmesh_memory_budget_used_bytes", &[]).await;
+            rss_before = resident_bytes();
+        }
         let started = Instant::now();
         let resp = get(&client, &format!("http://{web}/more/{i}"), &[]).await;
         assert_eq!(resp.status, StatusCode::SERVICE_UNAVAILABLE, "{resp:?}");
