@@ -127,6 +127,19 @@ impl RequestStats {
     }
 }
 
+/// The counters of `map` that have counted anything, with their totals, sorted by key: the
+/// rows of a labelled counter family whose label set is the map's keys.
+fn nonzero_sorted<K: Clone + Ord>(map: &Mutex<HashMap<K, Arc<WorkerCounter>>>) -> Vec<(K, u64)> {
+    let mut rows: Vec<_> = map
+        .lock()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.sum()))
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    rows.sort();
+    rows
+}
+
 #[inline]
 fn bump(cell: &AtomicU64, n: u64) {
     // Single writer per worker slot: see WorkerCounter::add.
@@ -796,14 +809,7 @@ impl Collector for Scrape {
             clusters.iter().map(|(n, s)| (n.as_str(), &s.tunnel)),
         )?;
 
-        let mut authz: Vec<_> = m
-            .authz
-            .lock()
-            .iter()
-            .map(|(k, v)| (k.clone(), v.sum()))
-            .filter(|(_, n)| *n > 0)
-            .collect();
-        authz.sort();
+        let authz = nonzero_sorted(&m.authz);
         let rows: Vec<_> = authz
             .iter()
             .map(|((l, p, d), n)| {
@@ -824,14 +830,7 @@ impl Collector for Scrape {
             &rows,
         )?;
 
-        let mut workloads: Vec<_> = m
-            .workloads
-            .lock()
-            .iter()
-            .map(|(k, v)| (k.clone(), v.sum()))
-            .filter(|(_, n)| *n > 0)
-            .collect();
-        workloads.sort();
+        let workloads = nonzero_sorted(&m.workloads);
         let rows: Vec<_> = workloads
             .iter()
             .map(|((l, w), n)| ([("listener", l.as_str()), ("workload", w.as_str())], *n))
