@@ -340,6 +340,7 @@ pub fn write_request_head(
     route: &CompiledRoute,
     peer_ip: &[u8],
     endpoint: &str,
+    trace: &[(http::HeaderName, http::HeaderValue)],
 ) {
     out.extend_from_slice(req.method.unwrap_or("GET").as_bytes());
     out.push(b' ');
@@ -382,7 +383,10 @@ pub fn write_request_head(
                 }
                 _ => false,
             };
+        // With tracing on, the client's trace context is replaced by the node's.
+        let replaced = !trace.is_empty() && is_trace_header(h.name);
         if keep
+            && !replaced
             && !named(&route.request_headers_to_remove, h.name)
             && !added(&route.request_headers_to_add, h.name)
         {
@@ -392,7 +396,7 @@ pub fn write_request_head(
     if !forwarded_for {
         header_line(out, b"x-forwarded-for", peer_ip);
     }
-    for (name, value) in &route.request_headers_to_add {
+    for (name, value) in route.request_headers_to_add.iter().chain(trace) {
         header_line(out, name.as_str().as_bytes(), value.as_bytes());
     }
     framing_line(out, info.framing);
@@ -400,6 +404,12 @@ pub fn write_request_head(
         out.extend_from_slice(b"connection: upgrade\r\n");
     }
     out.extend_from_slice(b"\r\n");
+}
+
+fn is_trace_header(name: &str) -> bool {
+    crate::trace::TRACE_HEADERS
+        .iter()
+        .any(|t| t.as_str().eq_ignore_ascii_case(name))
 }
 
 /// What the proxy needs to know about an upstream response head.
@@ -688,7 +698,7 @@ listeners:
         };
         let route = &table.routes[0];
         let mut out = Vec::new();
-        write_request_head(&mut out, &req, &i, route, b"127.0.0.9", "10.1.1.1:80");
+        write_request_head(&mut out, &req, &i, route, b"127.0.0.9", "10.1.1.1:80", &[]);
         assert_eq!(
             String::from_utf8_lossy(&out),
             "POST /p?q HTTP/1.1\r\nhost: a\r\nx-forwarded-for: 10.0.0.1, 10.0.0.2, 127.0.0.9\r\nX-Keep: 1\r\nx-via: flatmesh\r\ncontent-length: 3\r\n\r\n"
