@@ -706,6 +706,55 @@ listeners:
     }
 
     #[test]
+    fn with_tracing_the_client_s_trace_context_is_replaced_by_the_node_s() {
+        let raw = b"GET / HTTP/1.1\r\nHost: a\r\nTraceParent: 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\r\nX-B3-Sampled: 1\r\nB3: 0\r\nX-Keep: 1\r\n\r\n";
+        let mut headers = [httparse::EMPTY_HEADER; 8];
+        let req = parse(raw, &mut headers);
+        let i = analyze_request(&req).expect("accepted");
+        let config = flatmesh_config::parse(
+            "listeners: [ { name: web, address: 127.0.0.1:1, protocol: http, routes: [ { match: { path: { prefix: / } }, direct_response: { status: 200 } } ] } ]\n",
+            "test.yaml",
+        )
+        .expect("config");
+        let program = flatmesh_rules::compile(&config).expect("compiles");
+        let flatmesh_rules::TableKind::Http(table) = &program.listeners()[0].kind else {
+            panic!("an http table");
+        };
+        let node_s = [(
+            http::HeaderName::from_static("traceparent"),
+            http::HeaderValue::from_static(
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-1111111111111111-01",
+            ),
+        )];
+        let mut out = Vec::new();
+        write_request_head(
+            &mut out,
+            &req,
+            &i,
+            &table.routes[0],
+            b"10.0.0.9",
+            "e:80",
+            &node_s,
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "GET / HTTP/1.1\r\nhost: a\r\nX-Keep: 1\r\nx-forwarded-for: 10.0.0.9\r\ntraceparent: 00-4bf92f3577b34da6a3ce929d0e0e4736-1111111111111111-01\r\n\r\n"
+        );
+        // Tracing off: the client's headers go on untouched.
+        let mut out = Vec::new();
+        write_request_head(
+            &mut out,
+            &req,
+            &i,
+            &table.routes[0],
+            b"10.0.0.9",
+            "e:80",
+            &[],
+        );
+        assert!(String::from_utf8_lossy(&out).contains("TraceParent: 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\r\nX-B3-Sampled: 1\r\nB3: 0\r\n"));
+    }
+
+    #[test]
     fn response_framing() {
         let framing = |raw: &[u8], head: bool| {
             let mut headers = [httparse::EMPTY_HEADER; 8];
