@@ -7,7 +7,9 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::task::{Context, Poll};
 
 use flatmesh_proxy::otlp::{
@@ -71,7 +73,7 @@ impl OtlpReceiver {
 
     /// Every span received so far.
     pub fn spans(&self) -> Vec<Received> {
-        self.spans.lock().expect("spans").clone()
+        self.spans.lock().clone()
     }
 }
 
@@ -111,7 +113,7 @@ impl tower_service::Service<tonic::Request<ExportTraceServiceRequest>> for Expor
     fn call(&mut self, req: tonic::Request<ExportTraceServiceRequest>) -> Self::Future {
         let kept = self.0.clone();
         Box::pin(async move {
-            let mut kept = kept.lock().expect("spans");
+            let mut kept = kept.lock();
             for rs in req.into_inner().resource_spans {
                 let service = rs
                     .resource
