@@ -1,7 +1,8 @@
 //! Distributed tracing (config `tracing`, docs/observability.md "Tracing") against a real
 //! OTLP/gRPC receiver (`common::otlp`, tonic's gRPC server): two nodes in a row and the
 //! parent/child chain the receiver got, sampling of failures, and a collector that never
-//! answers costing requests nothing.
+//! answers costing requests nothing. With `FLATMESH_JAEGER=/path/to/jaeger` and `--ignored`,
+//! the two-node chain is read back from a real Jaeger's query API.
 
 mod common;
 
@@ -236,4 +237,104 @@ async fn a_collector_that_never_answers_costs_requests_nothing() {
         0.0
     );
     drop(black_hole);
+}
+
+/// A Jaeger (v1.76, `go tool jaeger`: all-in-one, in-memory) run by the test: OTLP/gRPC on
+/// 127.0.0.1:4317, query API on 127.0.0.1:16686. Killed when dropped.
+struct Jaeger(std::process::Child);
+
+impl Drop for Jaeger {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Jaeger binary: FLATMESH_JAEGER=/path/to/jaeger cargo test --release -p flatmesh-proxy --test tracing -- --ignored"]
+async fn jaeger_shows_the_two_node_chain_under_the_client_s_span() {
+    let binary = std::env::var("FLATMESH_JAEGER")
+        .expect("FLATMESH_JAEGER names the jaeger binary (go tool jaeger, v1.76.0)");
+    let _jaeger = Jaeger(
+        std::process::Command::new(binary)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("jaeger starts"),
+    );
+    let client = h1_client();
+    let up = eventually(Duration::from_secs(60), || async {
+        send(&client, get_req("http://127.0.0.1:16686/api/services"))
+            .await
+            .is_ok_and(|r| r.status == 200)
+    })
+    .await;
+    assert!(up, "jaeger's query API did not come up");
+    // A trace id of this run alone.
+    let trace = hex(&rand::random::<[u8; 16]>());
+    let app = HttpBackend::start("app", Proto::H1).await;
+    let b = node(
+        "jaeger-node-b",
+        &app.addr.to_string(),
+        "http1",
+        "127.0.0.1:4317",
+        "",
+    );
+    let a = node(
+        "jaeger-node-a",
+        &b.listener("web").to_string(),
+        "http2",
+        "127.0.0.1:4317",
+        "",
+    );
+    let url = format!("http://{}/hello", a.listener("web"));
+    let traceparent = format!("00-{trace}-{CLIENT_SPAN}-01");
+    let resp = get(&client, &url, &[("traceparent", &traceparent)]).await;
+    assert_eq!(resp.status, 200);
+
+    let query = format!("http://127.0.0.1:16686/api/traces/{trace}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (found, complete) = loop {
+        let json = match send(&client, get_req(&query)).await {
+            Ok(r) => serde_json::from_str::<serde_json::Value>(&r.body).unwrap_or_default(),
+            Err(_) => serde_json::Value::Null,
+        };
+        let spans = json["data"][0]["spans"].as_array().map_or(0, Vec::len);
+        if spans >= 2 || Instant::now() > deadline {
+            break (json, spans >= 2);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(complete, "jaeger has not got both spans: {found}");
+    let data = &found["data"][0];
+    let service_of = |span: &serde_json::Value| {
+        let process = span["processID"].as_str().unwrap_or_default();
+        data["processes"][process]["serviceName"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let spans = data["spans"].as_array().expect("spans");
+    let by = |service: &str| {
+        spans
+            .iter()
+            .find(|s| service_of(s) == service)
+            .unwrap_or_else(|| panic!("no span of {service}: {data}"))
+    };
+    let (span_a, span_b) = (by("jaeger-node-a"), by("jaeger-node-b"));
+    let parent_of = |span: &serde_json::Value| {
+        span["references"]
+            .as_array()
+            .and_then(|refs| refs.iter().find(|r| r["refType"] == "CHILD_OF"))
+            .and_then(|r| r["spanID"].as_str())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert_eq!(parent_of(span_a), CLIENT_SPAN, "{data}");
+    assert_eq!(
+        parent_of(span_b),
+        span_a["spanID"].as_str().unwrap_or_default(),
+        "{data}"
+    );
+    assert_eq!(span_a["operationName"], "GET web/0");
 }
