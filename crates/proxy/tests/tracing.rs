@@ -130,10 +130,12 @@ async fn two_nodes_in_a_row_make_one_chain_of_spans_under_the_client_s() {
     // B's span lies within A's.
     assert!(span_b.span.start_time_unix_nano >= span_a.span.start_time_unix_nano);
     assert!(span_b.span.end_time_unix_nano <= span_a.span.end_time_unix_nano);
-    assert_eq!(
-        metric(&a, "flatmesh_tracing_spans_exported_total", &[]).await,
-        1.0
-    );
+    // Counted once the receiver's answer is back (just after it stored the span).
+    let counted = eventually(Duration::from_secs(10), || async {
+        metric(&a, "flatmesh_tracing_spans_exported_total", &[]).await == 1.0
+    })
+    .await;
+    assert!(counted, "node A counts its exported span");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

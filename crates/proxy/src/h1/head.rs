@@ -396,7 +396,11 @@ pub fn write_request_head(
     if !forwarded_for {
         header_line(out, b"x-forwarded-for", peer_ip);
     }
-    for (name, value) in route.request_headers_to_add.iter().chain(trace) {
+    // A header the route adds wins over the node's trace header of the same name.
+    let traced = trace
+        .iter()
+        .filter(|(name, _)| !added(&route.request_headers_to_add, name.as_str()));
+    for (name, value) in route.request_headers_to_add.iter().chain(traced) {
         header_line(out, name.as_str().as_bytes(), value.as_bytes());
     }
     framing_line(out, info.framing);

@@ -149,7 +149,7 @@ pub(crate) async fn forward(
     let key = hash_key((&parts.headers).into(), plan.hash_header.as_ref(), ctx.peer);
     edit_request(&mut parts, route, plan.protocol, &ctx.peer_ip);
     if let Some(trace) = trace {
-        trace.propagate(&mut parts.headers);
+        trace.propagate(&mut parts.headers, &route.request_headers_to_add);
     }
     // A body of a declared length that fits the route's `retries.max_replay_body` is read
     // whole first and kept for every try; any other is streamed, and sent once.

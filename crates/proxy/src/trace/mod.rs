@@ -218,13 +218,18 @@ impl Started {
         out
     }
 
-    /// Puts [`Started::propagation`] into a request held in `http` types.
-    pub fn propagate(&self, headers: &mut HeaderMap) {
-        for name in &TRACE_HEADERS {
+    /// Puts [`Started::propagation`] into a request held in `http` types whose route's
+    /// additions (`route_adds`) are already in: a header the route adds wins over the
+    /// node's trace header of the same name, as on the HTTP/1 path (`crate::h1::head`).
+    pub fn propagate(&self, headers: &mut HeaderMap, route_adds: &[(HeaderName, HeaderValue)]) {
+        let routed = |name: &HeaderName| route_adds.iter().any(|(n, _)| n == name);
+        for name in TRACE_HEADERS.iter().filter(|n| !routed(n)) {
             headers.remove(name);
         }
         for (name, value) in self.propagation() {
-            headers.insert(name, value);
+            if !routed(&name) {
+                headers.insert(name, value);
+            }
         }
     }
 
@@ -333,7 +338,7 @@ mod tests {
 
     fn sent(s: &Started) -> HeaderMap {
         let mut h = HeaderMap::new();
-        s.propagate(&mut h);
+        s.propagate(&mut h, &[]);
         h
     }
 
@@ -442,6 +447,19 @@ mod tests {
         assert_eq!(id.len(), 36);
         assert_eq!(&id[14..15], "4");
         assert_eq!(get(&sent(&made), "x-request-id"), Some(id.as_str()));
+    }
+
+    #[test]
+    fn a_header_the_route_adds_wins_over_the_node_s() {
+        let s = begin(&[("traceparent", PARENT)], true);
+        let mut h = map(&[("x-request-id", "from-route")]);
+        let route_adds = [(X_REQUEST_ID, HeaderValue::from_static("from-route"))];
+        s.propagate(&mut h, &route_adds);
+        assert_eq!(
+            h.get_all("x-request-id").iter().collect::<Vec<_>>(),
+            vec!["from-route"]
+        );
+        assert!(get(&h, "traceparent").is_some());
     }
 
     #[test]
