@@ -26,6 +26,10 @@ pub struct Config {
     /// Access log as JSON lines. `None` means no access log.
     #[serde(default)]
     pub access_log: Option<AccessLog>,
+    /// Distributed tracing: spans of proxied requests exported over OTLP/gRPC
+    /// (docs/observability.md, "Tracing"). `None` means no tracing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tracing: Option<Tracing>,
     /// Limits that protect workers from bad or slow clients.
     #[serde(default)]
     pub limits: Limits,
@@ -194,6 +198,40 @@ pub struct AccessLog {
 
 pub const DEFAULT_ACCESS_LOG_QUEUE_BYTES: usize = 8 * 1024 * 1024;
 pub const DEFAULT_ACCESS_LOG_MAX_FIELD_BYTES: usize = 2048;
+
+/// Distributed tracing (docs/observability.md, "Tracing").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tracing {
+    /// The OTLP/gRPC collector, `HOST:PORT` (Jaeger and the OpenTelemetry Collector listen
+    /// on 4317).
+    pub otlp: String,
+    /// The share of new traces the node samples, 0.0 to 1.0. A request that arrives with a
+    /// sampling decision keeps it; a request that ends in 5xx is exported whatever the draw.
+    #[serde(default = "default_tracing_sample")]
+    pub sample: f64,
+    /// `service.name` of the node's spans.
+    #[serde(default = "default_tracing_service_name")]
+    pub service_name: String,
+    /// Spans waiting for the exporter; when the collector is slower than the traffic (or
+    /// gone), further spans are dropped and counted, never waited for.
+    #[serde(default = "default_tracing_queue")]
+    pub queue: usize,
+}
+
+pub const DEFAULT_TRACING_SAMPLE: f64 = 0.01;
+pub const DEFAULT_TRACING_SERVICE_NAME: &str = "flatmesh";
+pub const DEFAULT_TRACING_QUEUE: usize = 4096;
+
+fn default_tracing_sample() -> f64 {
+    DEFAULT_TRACING_SAMPLE
+}
+fn default_tracing_service_name() -> String {
+    DEFAULT_TRACING_SERVICE_NAME.into()
+}
+fn default_tracing_queue() -> usize {
+    DEFAULT_TRACING_QUEUE
+}
 
 fn default_access_log_queue_bytes() -> usize {
     DEFAULT_ACCESS_LOG_QUEUE_BYTES

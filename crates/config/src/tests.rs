@@ -1180,6 +1180,42 @@ fn access_log_queue_and_field_sizes_are_bounded() {
     );
 }
 
+#[test]
+fn tracing_has_defaults_and_checked_values() {
+    let ok = parse(&with_admin("tracing: { otlp: \"jaeger:4317\" }\n"), "t")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let t = ok.tracing.unwrap_or_else(|| panic!("tracing"));
+    assert_eq!(t.otlp, "jaeger:4317");
+    assert_eq!(t.sample, DEFAULT_TRACING_SAMPLE);
+    assert_eq!(t.service_name, DEFAULT_TRACING_SERVICE_NAME);
+    assert_eq!(t.queue, DEFAULT_TRACING_QUEUE);
+    only(
+        &with_admin("tracing: { otlp: jaeger }\n"),
+        1,
+        18,
+        "tracing.otlp is `jaeger`: it must be the collector's HOST:PORT",
+    );
+    only(
+        &with_admin("tracing: { otlp: \"j:4317\", sample: 1.5 }\n"),
+        1,
+        36,
+        "tracing.sample is 1.5",
+    );
+    only(
+        &with_admin("tracing: { otlp: \"j:4317\", queue: 1 }\n"),
+        1,
+        35,
+        "tracing.queue is 1",
+    );
+    let unknown = errors(&with_admin("tracing: { otlp: \"j:4317\", sampel: 0.5 }\n"));
+    assert!(
+        unknown
+            .iter()
+            .any(|d| d.to_string().contains("did you mean `sample`")),
+        "{unknown:#?}"
+    );
+}
+
 // ---- hardening: durations, paths, upgrades (issue 23) ---------------------------
 
 #[test]

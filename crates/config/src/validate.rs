@@ -37,6 +37,8 @@ pub const H2_DEFAULT_WINDOW: usize = 65_535;
 pub const MAX_WINDOW: usize = (1 << 31) - 1;
 pub const ACCESS_LOG_QUEUE_BYTES: std::ops::RangeInclusive<usize> = 64 * 1024..=1024 * 1024 * 1024;
 pub const ACCESS_LOG_FIELD_BYTES: std::ops::RangeInclusive<usize> = 64..=64 * 1024;
+/// `tracing.queue`, in spans.
+pub const TRACING_QUEUE: std::ops::RangeInclusive<usize> = 16..=1_000_000;
 
 /// Headers that frame the message or belong to one hop. Letting a route add or
 /// remove them would let config break framing (request smuggling) or hop semantics.
@@ -172,9 +174,60 @@ impl Checker<'_> {
                 }
             }
         }
+        if let Some(tracing) = &config.tracing {
+            self.tracing(tracing);
+        }
         crate::admin::check(&config.admin, &mut |path, message, hint| {
             self.report(path, Target::Value, message, hint)
         });
+    }
+
+    fn tracing(&mut self, tracing: &Tracing) {
+        if !is_host_port(&tracing.otlp) {
+            self.report(
+                "tracing.otlp",
+                Target::Value,
+                format!(
+                    "tracing.otlp is `{}`: it must be the collector's HOST:PORT",
+                    tracing.otlp.escape_debug()
+                ),
+                "write the OTLP/gRPC address, e.g. `jaeger:4317` or `127.0.0.1:4317`".into(),
+            );
+        }
+        if !(0.0..=1.0).contains(&tracing.sample) {
+            self.report(
+                "tracing.sample",
+                Target::Value,
+                format!(
+                    "tracing.sample is {}: it must be between 0.0 and 1.0",
+                    tracing.sample
+                ),
+                format!(
+                    "write the share of new traces to sample (0.01 is 1%), or remove the key to use the default, {DEFAULT_TRACING_SAMPLE}"
+                ),
+            );
+        }
+        if tracing.service_name.trim().is_empty() {
+            self.report(
+                "tracing.service_name",
+                Target::Value,
+                "tracing.service_name is empty".into(),
+                format!("name the node's service, or remove the key to use `{DEFAULT_TRACING_SERVICE_NAME}`"),
+            );
+        }
+        if !TRACING_QUEUE.contains(&tracing.queue) {
+            self.report(
+                "tracing.queue",
+                Target::Value,
+                format!(
+                    "tracing.queue is {}: it must be between {} and {} spans",
+                    tracing.queue,
+                    TRACING_QUEUE.start(),
+                    TRACING_QUEUE.end()
+                ),
+                format!("remove the key to use the default, {DEFAULT_TRACING_QUEUE}"),
+            );
+        }
     }
 
     fn limits(&mut self) {
@@ -2070,9 +2123,51 @@ fn regex_reason(error: &regex::Error) -> String {
         .unwrap_or(text)
 }
 
+/// `HOST:PORT`: a non-empty host (a name, an IPv4 address or a bracketed IPv6 address) and
+/// a port from 1 to 65535.
+fn is_host_port(text: &str) -> bool {
+    let Some((host, port)) = text.rsplit_once(':') else {
+        return false;
+    };
+    let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => {
+            !host.is_empty()
+                && host
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
+        }
+    };
+    host_ok && port.parse::<u16>().is_ok_and(|p| p != 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn collector_addresses_are_host_and_port() {
+        for ok in [
+            "127.0.0.1:4317",
+            "jaeger:4317",
+            "[::1]:4317",
+            "otel-collector.obs.svc:4317",
+        ] {
+            assert!(is_host_port(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "jaeger",
+            ":4317",
+            "jaeger:0",
+            "jaeger:99999",
+            "::1:4317",
+            "http://j:4317",
+            "a b:1",
+        ] {
+            assert!(!is_host_port(bad), "{bad}");
+        }
+    }
 
     #[test]
     fn config_built_in_code_is_checked_by_path() {
@@ -2080,6 +2175,7 @@ mod tests {
             admin: default_admin(),
             workers: None,
             access_log: None,
+            tracing: None,
             limits: Limits::default(),
             drain_timeout: crate::model::DEFAULT_DRAIN_TIMEOUT,
             listeners: vec![Listener {

@@ -12,6 +12,7 @@ use crate::drain::Draining;
 use crate::kernel::KernelBinding;
 use crate::limits::NodeBudget;
 use crate::snapshot::Snapshot;
+use crate::trace::Tracer;
 use crate::upstream::Upstreams;
 
 /// What one worker reads per request: the snapshot and its own upstream state for it.
@@ -32,6 +33,8 @@ pub struct ConnContext {
     pub peer_ip: http::HeaderValue,
     pub view: Arc<ArcSwap<WorkerView>>,
     pub access_log: AccessLog,
+    /// Distributed tracing (`crate::trace`): off unless the config has `tracing`.
+    pub tracer: Tracer,
     /// Tier K, when the node attached it.
     pub kernel: Option<Arc<KernelBinding>>,
     /// The node's budgets: the connection's buffers are reserved from its memory budget.

@@ -53,6 +53,7 @@ mod tcp;
 #[cfg(any(test, fuzzing))]
 mod testing;
 mod tls;
+mod trace;
 mod trailers;
 mod upstream;
 mod worker;
@@ -62,16 +63,30 @@ pub use drain::Draining;
 pub use error::ProxyError;
 pub use node::{ConfigSource, Node};
 pub use tls::check_files as check_tls_files;
+/// The OTLP trace messages the node exports (for a receiver in tests and tools).
+pub use trace::otlp;
 
 /// What the fuzz targets in `crates/proxy/fuzz` exercise: the HTTP/1 head analysis and
-/// upstream head writer, the chunked-body parser, the trailer filter and HBONE's
-/// `:authority` parser. Not an API for
+/// upstream head writer, the chunked-body parser, the trailer filter, HBONE's
+/// `:authority` parser and the trace context parsers (W3C, B3). Not an API for
 /// anything else.
 pub mod fuzz {
     pub use crate::h1::chunked::ChunkedParser;
     pub use crate::h1::head::{analyze_request, write_request_head, MAX_HEADERS};
     pub use crate::hbone::authority::parse as hbone_authority;
+    pub use crate::trace::{check_tracestate, parse_b3_multi, parse_b3_single, parse_traceparent};
     pub use crate::trailers::{filter_section, line_goes_on};
+
+    /// What the node sends upstream in place of a request's trace headers (tracing on,
+    /// sampling drawn as `sampled`): `crate::trace::Started::propagation`.
+    pub fn trace_propagation(
+        headers: &http::HeaderMap,
+        sampled: bool,
+    ) -> Vec<(http::HeaderName, http::HeaderValue)> {
+        crate::trace::Started::new(headers.into(), &http::Method::GET, || sampled)
+            .propagation()
+            .into_vec()
+    }
 
     /// The first listener of a config, served in process (cargo-fuzz builds with
     /// `--cfg fuzzing`): each [`Listener::connect`] is one client connection through the

@@ -402,6 +402,8 @@ pub struct Metrics {
     pub rate_limits: crate::resilience::rate_limit::Registry,
     /// Every cluster's load-balancing tables: priority levels and slow start (`crate::lb`).
     pub lb: crate::lb::Registry,
+    /// Spans exported and dropped (`crate::trace`).
+    pub tracing: Arc<crate::trace::TraceCounts>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -434,6 +436,7 @@ impl Metrics {
             resilience: crate::resilience::Registry::default(),
             faults: Arc::new(crate::l7::fault::FaultCounts::new(workers)),
             mirrors: Arc::new(crate::l7::mirror::MirrorGate::new(workers)),
+            tracing: Arc::default(),
             rate_limits: crate::resilience::rate_limit::Registry::default(),
             lb: crate::lb::Registry::default(),
         })
@@ -890,6 +893,24 @@ impl Collector for Scrape {
             "flatmesh_admin_refused",
             "Admin requests or connections refused: a foreign Host, a missing or wrong token, or too many open",
             &refused,
+        )?;
+
+        let spans = &m.tracing;
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        counter(
+            &mut enc,
+            "flatmesh_tracing_spans_exported",
+            "Spans the OTLP collector accepted",
+            &[(Vec::<(&str, &str)>::new(), load(&spans.exported))],
+        )?;
+        counter(
+            &mut enc,
+            "flatmesh_tracing_spans_dropped",
+            "Spans left out: the export queue was full (queue_full) or their export call failed (export_failed)",
+            &[
+                ([("reason", "queue_full")], load(&spans.queue_full)),
+                ([("reason", "export_failed")], load(&spans.export_failed)),
+            ],
         )?;
 
         let dropped: Vec<_> = crate::logging::dropped()

@@ -54,6 +54,9 @@ impl Node {
             })?,
             None => AccessLog::disabled(),
         };
+        let tracer =
+            crate::trace::Tracer::start(snapshot.config.tracing.as_ref(), metrics.tracing.clone())
+                .map_err(|e| ProxyError::Config(format!("cannot start the span exporter: {e}")))?;
         let (admin_socket, admin) = crate::admin::bind(&snapshot.config.admin)?;
         let mut bound = HashMap::new();
         let mut sockets = Vec::new();
@@ -99,6 +102,7 @@ impl Node {
                 id,
                 view,
                 access_log.clone(),
+                tracer.clone(),
                 kernel.clone(),
                 metrics.budget.clone(),
                 drain.subscribe(),

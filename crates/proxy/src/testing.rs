@@ -41,6 +41,7 @@ pub(crate) fn context(view: &Arc<ArcSwap<WorkerView>>) -> Arc<ConnContext> {
         peer_ip: http::HeaderValue::from_static("127.0.0.1"),
         view: view.clone(),
         access_log: AccessLog::disabled(),
+        tracer: crate::trace::Tracer::disabled(),
         kernel: None,
         budget: crate::limits::NodeBudget::new(),
         principal: None,

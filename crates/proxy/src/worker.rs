@@ -18,6 +18,7 @@ use crate::drain::Draining;
 use crate::error::ProxyError;
 use crate::kernel::KernelBinding;
 use crate::limits::NodeBudget;
+use crate::trace::Tracer;
 
 /// The identity of a listener across reloads.
 pub type ListenerKey = (SocketAddr, ListenerProtocol);
@@ -60,6 +61,7 @@ pub fn spawn(
     id: usize,
     view: WorkerView,
     access_log: AccessLog,
+    tracer: Tracer,
     kernel: Option<Arc<KernelBinding>>,
     budget: Arc<NodeBudget>,
     draining: Draining,
@@ -71,6 +73,7 @@ pub fn spawn(
         worker: id,
         view: worker_view,
         access_log,
+        tracer,
         kernel,
         budget,
         active: Arc::new(AtomicUsize::new(0)),
@@ -94,6 +97,7 @@ struct Accepting {
     worker: usize,
     view: Arc<ArcSwap<WorkerView>>,
     access_log: AccessLog,
+    tracer: Tracer,
     kernel: Option<Arc<KernelBinding>>,
     budget: Arc<NodeBudget>,
     active: Arc<AtomicUsize>,
@@ -228,6 +232,7 @@ async fn accept_loop(key: ListenerKey, listener: tokio::net::TcpListener, shared
                 .unwrap_or(http::HeaderValue::from_static("unknown")),
             view: shared.view.clone(),
             access_log: shared.access_log.clone(),
+            tracer: shared.tracer.clone(),
             kernel: shared.kernel.clone(),
             budget: shared.budget.clone(),
             principal: None,

@@ -62,7 +62,7 @@ fuzz_target!(|data: &[u8]| {
         info.path = p.clone().into();
     }
     let mut out = Vec::new();
-    write_request_head(&mut out, &req, &info, route(), b"127.0.0.1", "127.0.0.1:2");
+    write_request_head(&mut out, &req, &info, route(), b"127.0.0.1", "127.0.0.1:2", &[]);
     let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS + 8];
     let mut again = httparse::Request::new(&mut lines);
     match again.parse(&out) {

@@ -65,6 +65,8 @@ struct Exchange<'v> {
     upgrade: bool,
     /// Method and target for the access log; only taken when logging is on.
     logged: Option<(String, String)>,
+    /// The node's span of the request, when tracing is on (`crate::trace`).
+    trace: Option<crate::trace::Started>,
 }
 
 enum Action<'v> {
@@ -241,6 +243,7 @@ fn finish(
         cluster,
         upstream,
         status,
+        trace: exchange.trace.as_ref(),
     };
     crate::l7::log::finish(
         ctx,
@@ -369,6 +372,7 @@ fn prepare<'v>(
             .access_log
             .enabled()
             .then(|| (method_text.to_owned(), req.path.unwrap_or("").to_owned())),
+        trace: None,
     };
     let mut info = match head::analyze_request(&req) {
         Ok(info) => info,
@@ -395,6 +399,7 @@ fn prepare<'v>(
         return Ok(Some((head_len, exchange, Action::Refuse(refusal))));
     };
     let headers = flatmesh_rules::Headers::Raw(req.headers);
+    exchange.trace = ctx.tracer.begin(headers, &method);
     let meta = flatmesh_rules::Request {
         method: &method,
         host: info.host,
@@ -428,6 +433,11 @@ fn prepare<'v>(
                 Pool::Http1(pool) if !general => {
                     let mut out = Vec::with_capacity(head_len + 128);
                     let endpoint = plan.authorities.first().map_or("", |a| a.as_str());
+                    let propagation = exchange
+                        .trace
+                        .as_ref()
+                        .map(crate::trace::Started::propagation)
+                        .unwrap_or_default();
                     head::write_request_head(
                         &mut out,
                         &req,
@@ -435,6 +445,7 @@ fn prepare<'v>(
                         route,
                         ctx.peer_ip.as_bytes(),
                         endpoint,
+                        &propagation,
                     );
                     Action::Forward {
                         route,
@@ -1111,7 +1122,16 @@ async fn bridge<S: AsyncRead + AsyncWrite + Unpin + Send>(
     };
     let view = exchange.view;
     let forwarded = crate::l7::forward::forward(
-        ctx, view, route, cluster, parts, body, replayable, &failed, delayed,
+        ctx,
+        view,
+        route,
+        cluster,
+        parts,
+        body,
+        replayable,
+        &failed,
+        delayed,
+        exchange.trace.as_ref(),
     );
     let ((resp, upstream), body_complete) = tokio::join!(forwarded, pumped);
     let close = !body_complete || !exchange.keep_alive;

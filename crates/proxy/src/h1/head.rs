@@ -340,6 +340,7 @@ pub fn write_request_head(
     route: &CompiledRoute,
     peer_ip: &[u8],
     endpoint: &str,
+    trace: &[(http::HeaderName, http::HeaderValue)],
 ) {
     out.extend_from_slice(req.method.unwrap_or("GET").as_bytes());
     out.push(b' ');
@@ -382,7 +383,10 @@ pub fn write_request_head(
                 }
                 _ => false,
             };
+        // With tracing on, the client's trace context is replaced by the node's.
+        let replaced = !trace.is_empty() && is_trace_header(h.name);
         if keep
+            && !replaced
             && !named(&route.request_headers_to_remove, h.name)
             && !added(&route.request_headers_to_add, h.name)
         {
@@ -392,7 +396,11 @@ pub fn write_request_head(
     if !forwarded_for {
         header_line(out, b"x-forwarded-for", peer_ip);
     }
-    for (name, value) in &route.request_headers_to_add {
+    // A header the route adds wins over the node's trace header of the same name.
+    let traced = trace
+        .iter()
+        .filter(|(name, _)| !added(&route.request_headers_to_add, name.as_str()));
+    for (name, value) in route.request_headers_to_add.iter().chain(traced) {
         header_line(out, name.as_str().as_bytes(), value.as_bytes());
     }
     framing_line(out, info.framing);
@@ -400,6 +408,12 @@ pub fn write_request_head(
         out.extend_from_slice(b"connection: upgrade\r\n");
     }
     out.extend_from_slice(b"\r\n");
+}
+
+fn is_trace_header(name: &str) -> bool {
+    crate::trace::TRACE_HEADERS
+        .iter()
+        .any(|t| t.as_str().eq_ignore_ascii_case(name))
 }
 
 /// What the proxy needs to know about an upstream response head.
@@ -688,11 +702,60 @@ listeners:
         };
         let route = &table.routes[0];
         let mut out = Vec::new();
-        write_request_head(&mut out, &req, &i, route, b"127.0.0.9", "10.1.1.1:80");
+        write_request_head(&mut out, &req, &i, route, b"127.0.0.9", "10.1.1.1:80", &[]);
         assert_eq!(
             String::from_utf8_lossy(&out),
             "POST /p?q HTTP/1.1\r\nhost: a\r\nx-forwarded-for: 10.0.0.1, 10.0.0.2, 127.0.0.9\r\nX-Keep: 1\r\nx-via: flatmesh\r\ncontent-length: 3\r\n\r\n"
         );
+    }
+
+    #[test]
+    fn with_tracing_the_client_s_trace_context_is_replaced_by_the_node_s() {
+        let raw = b"GET / HTTP/1.1\r\nHost: a\r\nTraceParent: 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\r\nX-B3-Sampled: 1\r\nB3: 0\r\nX-Keep: 1\r\n\r\n";
+        let mut headers = [httparse::EMPTY_HEADER; 8];
+        let req = parse(raw, &mut headers);
+        let i = analyze_request(&req).expect("accepted");
+        let config = flatmesh_config::parse(
+            "listeners: [ { name: web, address: 127.0.0.1:1, protocol: http, routes: [ { match: { path: { prefix: / } }, direct_response: { status: 200 } } ] } ]\n",
+            "test.yaml",
+        )
+        .expect("config");
+        let program = flatmesh_rules::compile(&config).expect("compiles");
+        let flatmesh_rules::TableKind::Http(table) = &program.listeners()[0].kind else {
+            panic!("an http table");
+        };
+        let node_s = [(
+            http::HeaderName::from_static("traceparent"),
+            http::HeaderValue::from_static(
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-1111111111111111-01",
+            ),
+        )];
+        let mut out = Vec::new();
+        write_request_head(
+            &mut out,
+            &req,
+            &i,
+            &table.routes[0],
+            b"10.0.0.9",
+            "e:80",
+            &node_s,
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "GET / HTTP/1.1\r\nhost: a\r\nX-Keep: 1\r\nx-forwarded-for: 10.0.0.9\r\ntraceparent: 00-4bf92f3577b34da6a3ce929d0e0e4736-1111111111111111-01\r\n\r\n"
+        );
+        // Tracing off: the client's headers go on untouched.
+        let mut out = Vec::new();
+        write_request_head(
+            &mut out,
+            &req,
+            &i,
+            &table.routes[0],
+            b"10.0.0.9",
+            "e:80",
+            &[],
+        );
+        assert!(String::from_utf8_lossy(&out).contains("TraceParent: 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\r\nX-B3-Sampled: 1\r\nB3: 0\r\n"));
     }
 
     #[test]

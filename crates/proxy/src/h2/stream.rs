@@ -387,6 +387,7 @@ async fn handle(
     let logged = || Some((method.to_string(), path_and_query()));
 
     let grpc = is_grpc(req.headers());
+    let trace = ctx.tracer.begin(req.headers().into(), &method);
     let decision = {
         let meta = flatmesh_rules::Request {
             method: &method,
@@ -411,6 +412,7 @@ async fn handle(
                 cluster: None,
                 upstream: None,
                 status: resp.status().as_u16(),
+                trace: trace.as_ref(),
             };
             (resp, outcome, None)
         }
@@ -442,6 +444,7 @@ async fn handle(
                                 cluster: Some(cluster),
                                 upstream: None,
                                 status: resp.status().as_u16(),
+                                trace: trace.as_ref(),
                             };
                             finish(ctx, snap, lid, started, &outcome, logged);
                             return (resp, None);
@@ -466,7 +469,16 @@ async fn handle(
             }
             .boxed_unsync();
             let (resp, upstream) = forward(
-                ctx, &view, route, cluster, parts, body, replayable, &failed, delayed,
+                ctx,
+                &view,
+                route,
+                cluster,
+                parts,
+                body,
+                replayable,
+                &failed,
+                delayed,
+                trace.as_ref(),
             )
             .await;
             let outcome = Outcome {
@@ -474,6 +486,7 @@ async fn handle(
                 cluster: Some(cluster),
                 upstream,
                 status: resp.status().as_u16(),
+                trace: trace.as_ref(),
             };
             (resp, outcome, held)
         }

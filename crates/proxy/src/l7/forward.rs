@@ -108,7 +108,8 @@ impl Attempt for MessageTry<'_> {
 /// `downstream_failed` is raised by the body when the client's framing broke, which makes
 /// the answer a 400 rather than an upstream error. `delayed`: the route's fault holds the
 /// request first (`super::fault`), within the route's timeout. The route's mirror, if it
-/// draws the request, gets its copy on the way (`super::mirror`).
+/// draws the request, gets its copy on the way (`super::mirror`). `trace`: the node's span,
+/// whose context the upstream request carries (`crate::trace`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn forward(
     ctx: &ConnContext,
@@ -120,6 +121,7 @@ pub(crate) async fn forward(
     replayable: bool,
     downstream_failed: &AtomicBool,
     delayed: Option<Delayed>,
+    trace: Option<&crate::trace::Started>,
 ) -> (Response<ResponseBody>, Option<SocketAddr>) {
     let snap = &view.snapshot;
     let plan = &snap.clusters[cluster];
@@ -146,6 +148,9 @@ pub(crate) async fn forward(
     let body = super::mirror::start(ctx, view, route, &parts, body, replayable);
     let key = hash_key((&parts.headers).into(), plan.hash_header.as_ref(), ctx.peer);
     edit_request(&mut parts, route, plan.protocol, &ctx.peer_ip);
+    if let Some(trace) = trace {
+        trace.propagate(&mut parts.headers, &route.request_headers_to_add);
+    }
     // A body of a declared length that fits the route's `retries.max_replay_body` is read
     // whole first and kept for every try; any other is streamed, and sent once.
     let declared = parts

@@ -1,5 +1,6 @@
 //! Accounting for a finished request, whichever codec served it: the request counters by
-//! route and cluster (or as unrouted), and the access log line when logging is on.
+//! route and cluster (or as unrouted), the node's span when tracing is on (`crate::trace`),
+//! and the access log line when logging is on.
 
 use std::net::SocketAddr;
 use std::time::Instant;
@@ -9,6 +10,7 @@ use flatmesh_rules::{ClusterId, CompiledRoute, ListenerId};
 use crate::access_log::AccessRecord;
 use crate::context::ConnContext;
 use crate::snapshot::Snapshot;
+use crate::trace::{FinishedSpan, Started};
 
 /// How one request ended.
 pub(crate) struct Outcome<'v> {
@@ -17,6 +19,8 @@ pub(crate) struct Outcome<'v> {
     /// The endpoint that answered (or failed).
     pub upstream: Option<SocketAddr>,
     pub status: u16,
+    /// The node's span of the request, when tracing is on.
+    pub trace: Option<&'v Started>,
 }
 
 /// Counts and logs a request that began at `started`. `request` gives its method and target
@@ -36,6 +40,20 @@ pub(crate) fn finish(
     };
     if let Some(s) = stats {
         s.record(ctx.worker, outcome.status, elapsed);
+    }
+    if let Some(started) = outcome.trace {
+        ctx.tracer.end(
+            started,
+            FinishedSpan {
+                listener: snap.listeners.get(listener).map_or("", |l| l.name.as_str()),
+                route: outcome.route.map(|r| r.name.as_str()),
+                cluster: outcome.cluster.map(|c| snap.clusters[c].name.as_str()),
+                upstream: outcome.upstream,
+                client: ctx.peer,
+                status: outcome.status,
+                elapsed,
+            },
+        );
     }
     if !ctx.access_log.enabled() {
         return;
