@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
 
     if args.install_only:
         try:
-            install.ensure()
+            install.ensure(jaeger=True)
         except install.InstallError as e:
             print(f"install failed: {e}", file=sys.stderr)
             return 1

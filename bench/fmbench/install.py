@@ -120,8 +120,8 @@ def _go_env() -> dict:
     return env
 
 
-def ensure_go_tools(tools: set[str], grpc_backend: bool) -> Step:
-    if not tools and not grpc_backend:
+def ensure_go_tools(tools: set[str], grpc_backend: bool, jaeger: bool = False) -> Step:
+    if not tools and not grpc_backend and not jaeger:
         return Step("go tools", False, "not needed")
     if shutil.which("go") is None:
         raise InstallError("`go` is not on PATH; install Go (1.22 or newer) to build ghz, fortio and the gRPC backend.")
@@ -131,21 +131,37 @@ def ensure_go_tools(tools: set[str], grpc_backend: bool) -> Step:
         if not paths.gobin(name).exists():
             _run(["go", "install", GO_TOOLS[name]], f"go install {name}", env=_go_env())
             did.append(name)
-    if grpc_backend:
-        src = paths.GRPC_BACKEND_SRC
-        newest_src = max((p.stat().st_mtime for p in src.iterdir() if p.is_file()), default=0)
-        if not paths.GRPC_BACKEND_BIN.exists() or paths.GRPC_BACKEND_BIN.stat().st_mtime < newest_src:
-            _run(["go", "build", "-o", str(paths.GRPC_BACKEND_BIN), "."], "go build grpc-backend", env=_go_env(), cwd=src)
-            did.append("grpc-backend")
+    if grpc_backend and _stale(paths.GRPC_BACKEND_BIN, paths.GRPC_BACKEND_SRC):
+        _run(["go", "build", "-o", str(paths.GRPC_BACKEND_BIN), "."], "go build grpc-backend", env=_go_env(), cwd=paths.GRPC_BACKEND_SRC)
+        did.append("grpc-backend")
+    if jaeger and _stale(paths.JAEGER_BIN, paths.JAEGER_SRC):
+        print("[install] building Jaeger v1.76.0 for the tracing tests (several minutes the first time)", flush=True)
+        _run(
+            ["go", "build", "-o", str(paths.JAEGER_BIN), "github.com/jaegertracing/jaeger/cmd/jaeger"],
+            "go build jaeger",
+            env=_go_env(),
+            cwd=paths.JAEGER_SRC,
+        )
+        did.append("jaeger")
     return Step("go tools", bool(did), " ".join(did) or "present")
 
 
-def ensure(envoy: bool = True, go_tools: set[str] | None = None, grpc_backend: bool = True) -> list[Step]:
-    """Install what a run needs. By default everything; bench/run passes only what its scenarios use."""
+def _stale(binary, src) -> bool:
+    """True when `binary` is missing or older than a file of the Go module in `src`."""
+    newest_src = max((p.stat().st_mtime for p in src.iterdir() if p.is_file()), default=0)
+    return not binary.exists() or binary.stat().st_mtime < newest_src
+
+
+def ensure(
+    envoy: bool = True, go_tools: set[str] | None = None, grpc_backend: bool = True, jaeger: bool = False
+) -> list[Step]:
+    """Install what a run needs. By default everything; bench/run passes only what its scenarios use.
+
+    `jaeger` is for the tests only (`bench/run --install-only`), not for benchmark runs."""
     steps = [ensure_apt()]
     if envoy:
         steps.append(ensure_venv())
-    steps.append(ensure_go_tools(set(GO_TOOLS) if go_tools is None else go_tools, grpc_backend))
+    steps.append(ensure_go_tools(set(GO_TOOLS) if go_tools is None else go_tools, grpc_backend, jaeger))
     for s in steps:
         print(f"[install] {s.name}: {'installed ' + s.detail if s.done else s.detail}", flush=True)
     return steps

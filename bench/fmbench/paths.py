@@ -9,6 +9,9 @@ GOBIN = BENCH / ".bin"
 RESULTS = BENCH / "results"
 GRPC_BACKEND_SRC = BENCH / "grpc-backend"
 GRPC_BACKEND_BIN = GOBIN / "grpc-backend"
+# Jaeger for the tracing tests: a go.mod pinning it as a tool, built into GOBIN.
+JAEGER_SRC = BENCH / "jaeger"
+JAEGER_BIN = GOBIN / "jaeger"
 WRK_SCRIPT = BENCH / "wrk-report.lua"
 ECHO_PROTO = BENCH / "grpc-backend" / "echo.proto"
 

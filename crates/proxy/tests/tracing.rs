@@ -1,8 +1,8 @@
 //! Distributed tracing (config `tracing`, docs/observability.md "Tracing") against a real
 //! OTLP/gRPC receiver (`common::otlp`, tonic's gRPC server): two nodes in a row and the
 //! parent/child chain the receiver got, sampling of failures, and a collector that never
-//! answers costing requests nothing. With `FLATMESH_JAEGER=/path/to/jaeger` and `--ignored`,
-//! the two-node chain is read back from a real Jaeger's query API.
+//! answers costing requests nothing; then the two-node chain read back from a real Jaeger's
+//! query API (`bench/.bin/jaeger`, built by `scripts/setup test`, or `FLATMESH_JAEGER`).
 
 mod common;
 
@@ -241,34 +241,90 @@ async fn a_collector_that_never_answers_costs_requests_nothing() {
     drop(black_hole);
 }
 
-/// A Jaeger (v1.76, `go tool jaeger`: all-in-one, in-memory) run by the test: OTLP/gRPC on
-/// 127.0.0.1:4317, query API on 127.0.0.1:16686. Killed when dropped.
-struct Jaeger(std::process::Child);
+/// A Jaeger (v1.76, the v2 backend built from `bench/jaeger`) run by the test with a config of
+/// its own: OTLP/gRPC and the query API on free loopback ports, traces in memory, nothing
+/// else listening. Killed when dropped.
+struct Jaeger {
+    child: std::process::Child,
+    otlp: std::net::SocketAddr,
+    query: std::net::SocketAddr,
+    _dir: TempDir,
+}
+
+impl Jaeger {
+    fn start() -> Jaeger {
+        let binary = std::env::var_os("FLATMESH_JAEGER")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| {
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/.bin/jaeger")
+            });
+        assert!(
+            binary.exists(),
+            "no Jaeger at {}: run `scripts/setup test` (it builds bench/.bin/jaeger from \
+             bench/jaeger) or set FLATMESH_JAEGER to a jaeger v1.76 binary",
+            binary.display()
+        );
+        let (otlp, query, query_grpc) = (free_addr(), free_addr(), free_addr());
+        let dir = TempDir::new();
+        let config = dir.write(
+            "jaeger.yaml",
+            &format!(
+                r#"
+service:
+  extensions: [jaeger_storage, jaeger_query]
+  pipelines:
+    traces: {{ receivers: [otlp], processors: [batch], exporters: [jaeger_storage_exporter] }}
+  telemetry: {{ metrics: {{ level: none }}, logs: {{ level: warn }} }}
+extensions:
+  jaeger_query:
+    storage: {{ traces: memstore }}
+    http: {{ endpoint: "{query}" }}
+    grpc: {{ endpoint: "{query_grpc}" }}
+  jaeger_storage:
+    backends: {{ memstore: {{ memory: {{ max_traces: 10000 }} }} }}
+receivers:
+  otlp: {{ protocols: {{ grpc: {{ endpoint: "{otlp}" }} }} }}
+processors:
+  batch: {{ timeout: 100ms }}
+exporters:
+  jaeger_storage_exporter: {{ trace_storage: memstore }}
+"#
+            ),
+        );
+        let child = std::process::Command::new(&binary)
+            .arg(format!("--config=file:{}", config.display()))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", binary.display()));
+        Jaeger {
+            child,
+            otlp,
+            query,
+            _dir: dir,
+        }
+    }
+}
 
 impl Drop for Jaeger {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs a Jaeger binary: FLATMESH_JAEGER=/path/to/jaeger cargo test --release -p flatmesh-proxy --test tracing -- --ignored"]
 async fn jaeger_shows_the_two_node_chain_under_the_client_s_span() {
-    let binary = std::env::var("FLATMESH_JAEGER")
-        .expect("FLATMESH_JAEGER names the jaeger binary (go tool jaeger, v1.76.0)");
-    let _jaeger = Jaeger(
-        std::process::Command::new(binary)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("jaeger starts"),
-    );
+    let jaeger = Jaeger::start();
+    let (collector, query_api) = (jaeger.otlp.to_string(), jaeger.query);
     let client = h1_client();
     let up = eventually(Duration::from_secs(60), || async {
-        send(&client, get_req("http://127.0.0.1:16686/api/services"))
-            .await
-            .is_ok_and(|r| r.status == 200)
+        send(
+            &client,
+            get_req(&format!("http://{query_api}/api/services")),
+        )
+        .await
+        .is_ok_and(|r| r.status == 200)
     })
     .await;
     assert!(up, "jaeger's query API did not come up");
@@ -279,14 +335,14 @@ async fn jaeger_shows_the_two_node_chain_under_the_client_s_span() {
         "jaeger-node-b",
         &app.addr.to_string(),
         "http1",
-        "127.0.0.1:4317",
+        &collector,
         "",
     );
     let a = node(
         "jaeger-node-a",
         &b.listener("web").to_string(),
         "http2",
-        "127.0.0.1:4317",
+        &collector,
         "",
     );
     let url = format!("http://{}/hello", a.listener("web"));
@@ -294,7 +350,7 @@ async fn jaeger_shows_the_two_node_chain_under_the_client_s_span() {
     let resp = get(&client, &url, &[("traceparent", &traceparent)]).await;
     assert_eq!(resp.status, 200);
 
-    let query = format!("http://127.0.0.1:16686/api/traces/{trace}");
+    let query = format!("http://{query_api}/api/traces/{trace}");
     let deadline = Instant::now() + Duration::from_secs(30);
     let (found, complete) = loop {
         let json = match send(&client, get_req(&query)).await {
