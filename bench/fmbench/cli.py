@@ -137,13 +137,14 @@ def main(argv: list[str]) -> int:
 
     tools = {load.tool for s in scns for load in s.points}
     grpc_backend = any("grpc" in s.backends for s in scns)
+    jaeger = any("jaeger" in s.backends for s in scns)
     if not args.no_install:
         try:
-            install.ensure(envoy="envoy" in names, go_tools=tools & set(install.GO_TOOLS), grpc_backend=grpc_backend)
+            install.ensure(envoy="envoy" in names, go_tools=tools & set(install.GO_TOOLS), grpc_backend=grpc_backend, jaeger=jaeger)
         except install.InstallError as e:
             print(f"install failed: {e}", file=sys.stderr)
             return 1
-    missing = backends.tools_missing(tools, grpc_backend)
+    missing = backends.tools_missing(tools, grpc_backend, jaeger)
     if missing:
         print(f"missing tools: {', '.join(missing)}. Run bench/run without --no-install.", file=sys.stderr)
         return 1

@@ -283,6 +283,46 @@ def targets(rows: list[dict]) -> list[dict]:
         elif scenario == "grpc_latency":
             add(name, None, "flatmesh+kernel or nginx not measured")
     out += mtls_targets(rows)
+    out += tracing_targets(rows)
+    return out
+
+
+def tracing_targets(rows: list[dict]) -> list[dict]:
+    """Issue 22's "Speed" targets: what tracing costs flatmesh on HTTP/1.1 keep-alive, against
+    its own run without tracing; Envoy's cost with its OpenTelemetry tracer beside it."""
+    out = []
+
+    def get(scn, system):
+        return next((r for r in rows if r["scenario"] == scn and r["system"] == system and r["x"] is None), None)
+
+    def add(name, ok, measured):
+        out.append({"target": name, "status": "n/a" if ok is None else ("pass" if ok else "FAIL"), "measured": measured})
+
+    def cost(system, scn):
+        base, traced = get("http1_keepalive", system), get(scn, system)
+        if base and traced and base["cpu_per_unit"] and traced["cpu_per_unit"]:
+            return traced["cpu_per_unit"] / base["cpu_per_unit"], base, traced
+        return None
+
+    for scn, share, limit in (("http1_tracing_1pct", "1%", 1.03), ("http1_tracing_100pct", "100%", 1.15)):
+        name = f"tracing {share}: CPU per request ≤ {limit:.2f}× without tracing (flatmesh, HTTP/1.1 keep-alive)"
+        fm = cost("flatmesh", scn)
+        if fm is None:
+            add(name, None, f"{scn} or http1_keepalive not measured for flatmesh")
+            continue
+        x, base, traced = fm
+        env = cost("envoy", scn)
+        beside = f"; Envoy {env[0]:.3f}× its own" if env else ""
+        add(name, x <= limit, f"{f_cpu(traced['cpu_per_unit'])} vs {f_cpu(base['cpu_per_unit'])} = {x:.3f}×{beside}")
+    # Back-pressure: 100% sampled to a collector that never answers, against the same sampling
+    # to a live Jaeger. Export waiting on the collector would show as added latency here.
+    live, stalled = get("http1_tracing_100pct", "flatmesh"), get("http1_tracing_stalled", "flatmesh")
+    name = "tracing: a collector that never answers adds no latency (p99 ≤ 1.10× with a live Jaeger, 100% sampled)"
+    if live and stalled and live["lat_us"]["p99"] and stalled["lat_us"]["p99"]:
+        a, b = stalled["lat_us"]["p99"], live["lat_us"]["p99"]
+        add(name, a <= 1.10 * b, f"{f_lat(a)} vs {f_lat(b)} = {a / b:.2f}× (req/s {stalled['rate']:,.0f} vs {live['rate']:,.0f})")
+    else:
+        add(name, None, "http1_tracing_stalled or http1_tracing_100pct not measured for flatmesh")
     return out
 
 

@@ -15,6 +15,8 @@ Port plan (all on 127.0.0.1):
   19200     the mTLS scenarios' server node (the client node listens on 19080/19100)
   19000/1   admin ports of flatmesh / Envoy (the client node's in the mTLS scenarios)
   19002/3   admin ports of the server node of flatmesh / Envoy in the mTLS scenarios
+  18120     the tracing scenarios' OTLP/gRPC collector (Jaeger, or one that never answers)
+  18121     Jaeger's query API (tracing scenarios)
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ H2C_BACKEND_BASE = 18180
 GRPC_BACKEND_PORT = 18090
 SOCKPERF_PORT = 18100
 IPERF_PORT = 18110
+OTLP_PORT = 18120
+JAEGER_QUERY_PORT = 18121
 SUT_HTTP_PORT = 19080
 SUT_TCP_PORT = 19100
 HOP_PORT = 19200  # the server node of a two-node (mTLS) pair
@@ -87,6 +91,9 @@ class Topology:
     # originates mTLS to the server node's listener) or "hbone" (an HBONE tunnel). The
     # listeners and clusters above are then the logical path; `mtls_pair` splits it in two.
     mtls: str | None = None
+    # Distributed tracing (issue 22): the share of requests sampled, exported over OTLP/gRPC to
+    # the collector on OTLP_PORT (the "jaeger" or "stalled_collector" backend).
+    trace_sample: float | None = None
 
     def cluster(self, name: str) -> Cluster:
         for c in self.clusters:
@@ -262,6 +269,28 @@ def all_scenarios(scale: float = 1.0) -> list[Scenario]:
             points=(Load("wrk", d(10), {"connections": WRK_CONNS}),),
             checks=TEN_CHECKS,
             backends=frozenset({"http"}),
+        ),
+        # Issue 22's cost of tracing: the same load as http1_keepalive with a span per sampled
+        # request exported to a real Jaeger, at 1% and at 100%; then 100% to a collector that
+        # accepts connections and never answers (back-pressure: the queue fills and drops).
+        # Judged on flatmesh's CPU per request and p99 against its own http1_keepalive.
+        *(
+            Scenario(
+                name=name,
+                title=f"HTTP/1.1 keep-alive, 10 routes, tracing {title} (wrk, 32 connections)",
+                topology=replace(ten_routes(), trace_sample=sample),
+                listener="web",
+                path=TEN_PATH,
+                direct_port=HTTP_BACKEND_BASE + TARGET,
+                points=(Load("wrk", d(10), {"connections": WRK_CONNS}),),
+                checks=TEN_CHECKS,
+                backends=frozenset({"http", collector}),
+            )
+            for name, title, sample, collector in (
+                ("http1_tracing_1pct", "1% sampled to Jaeger", 0.01, "jaeger"),
+                ("http1_tracing_100pct", "100% sampled to Jaeger", 1.0, "jaeger"),
+                ("http1_tracing_stalled", "100% sampled to a collector that never answers", 1.0, "stalled_collector"),
+            )
         ),
         Scenario(
             name="http1_1000_routes",

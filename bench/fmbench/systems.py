@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import paths
 from .certs import CLIENT_ID, SERVER_ID, Certs
-from .scenarios import HOP_PORT, HOST, Listener, Scenario, Topology, mtls_pair
+from .scenarios import HOP_PORT, HOST, OTLP_PORT, Listener, Scenario, Topology, mtls_pair
 
 FLATMESH_ADMIN = 19000
 ENVOY_ADMIN = 19001
@@ -317,6 +317,8 @@ def flatmesh_config(
             entry.update(flatmesh_cluster_policies())
         clusters.append(entry)
     cfg: dict = {"admin": f"{HOST}:{admin}", "workers": 1}
+    if topo.trace_sample is not None:
+        cfg["tracing"] = {"otlp": f"{HOST}:{OTLP_PORT}", "sample": topo.trace_sample, "service_name": "flatmesh-bench"}
     cfg.update(extra or {})
     kernel = cfg.get("kernel")
     if kernel and kernel.get("l7_dispatch") and not any(lst.protocol == "http" for lst in topo.listeners):
@@ -463,7 +465,28 @@ def envoy_upstream_tls(certs: Certs, http: bool) -> dict:
     }
 
 
-def _envoy_listener(lst: Listener, policies: bool = False, certs: Certs | None = None) -> dict:
+OTLP_CLUSTER = "otlp-collector"
+
+
+def envoy_tracing(sample: float) -> dict:
+    """The HCM's tracing: Envoy's OpenTelemetry tracer, OTLP/gRPC to the same collector as
+    flatmesh's, sampling the same share of requests."""
+    return {
+        "random_sampling": {"value": sample * 100},
+        "provider": {
+            "name": "envoy.tracers.opentelemetry",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
+                "grpc_service": {"envoy_grpc": {"cluster_name": OTLP_CLUSTER}, "timeout": "1s"},
+                "service_name": "envoy-bench",
+            },
+        },
+    }
+
+
+def _envoy_listener(
+    lst: Listener, policies: bool = False, certs: Certs | None = None, trace_sample: float | None = None
+) -> dict:
     addr = {"socket_address": {"address": HOST, "port_value": lst.port}}
     if lst.protocol == "tcp":
         flt = {
@@ -495,6 +518,8 @@ def _envoy_listener(lst: Listener, policies: bool = False, certs: Certs | None =
                 ],
             },
         }
+        if trace_sample is not None:
+            flt["typed_config"]["tracing"] = envoy_tracing(trace_sample)
     chain: dict = {"filters": [flt]}
     if lst.tls:
         chain["transport_socket"] = envoy_downstream_tls(certs, http=lst.protocol == "http")
@@ -533,10 +558,30 @@ def envoy_config(topo: Topology, admin: int = ENVOY_ADMIN, certs: Certs | None =
                 }
             }
         clusters.append(entry)
+    if topo.trace_sample is not None:
+        clusters.append(
+            {
+                "name": OTLP_CLUSTER,
+                "type": "STATIC",
+                "connect_timeout": "2s",
+                "typed_extension_protocol_options": {
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                        "explicit_http_config": {"http2_protocol_options": {}},
+                    }
+                },
+                "load_assignment": {
+                    "cluster_name": OTLP_CLUSTER,
+                    "endpoints": [
+                        {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": HOST, "port_value": OTLP_PORT}}}}]}
+                    ],
+                },
+            }
+        )
     return {
         "admin": {"address": {"socket_address": {"address": HOST, "port_value": admin}}},
         "static_resources": {
-            "listeners": [_envoy_listener(lst, topo.policies, certs) for lst in topo.listeners],
+            "listeners": [_envoy_listener(lst, topo.policies, certs, topo.trace_sample) for lst in topo.listeners],
             "clusters": clusters,
         },
     }
@@ -634,6 +679,7 @@ def haproxy_config(topo: Topology) -> str:
 
 NO_POLICIES = "no like-for-like config for every resilience policy (rate limit, fault injection, mirroring, retry budget)"
 NO_MTLS = "the mTLS pair scenarios (issue 16) compare flatmesh with Envoy only"
+NO_TRACING = "the tracing scenarios (issue 22) compare flatmesh with Envoy only (both export OTLP/gRPC spans)"
 
 
 class Haproxy(System):
@@ -642,6 +688,8 @@ class Haproxy(System):
     def supports(self, scenario: Scenario) -> tuple[bool, str]:
         if scenario.topology.mtls:
             return False, NO_MTLS
+        if scenario.topology.trace_sample is not None:
+            return False, NO_TRACING
         return (False, NO_POLICIES) if scenario.topology.policies else (True, "")
 
     def available(self) -> tuple[bool, str]:
@@ -733,6 +781,8 @@ class Nginx(System):
             return False, NO_MTLS
         if scenario.topology.policies:
             return False, NO_POLICIES
+        if scenario.topology.trace_sample is not None:
+            return False, NO_TRACING
         tcp = any(lst.protocol == "tcp" for lst in scenario.topology.listeners)
         if tcp and not os.path.exists(NGINX_STREAM_MODULE):
             return False, "nginx stream module missing (apt-get install libnginx-mod-stream)"
