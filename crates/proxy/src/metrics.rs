@@ -657,7 +657,7 @@ impl Collector for Scrape {
 
         let mut hist = enc.encode_descriptor(
             "flatmesh_request_duration_seconds",
-            "HTTP request duration, from request head to response head, by listener, route, cluster and the route's tier",
+            "HTTP request duration, from the request head read until the node counts the request, by listener, route, cluster and the route's tier",
             None,
             MetricType::Histogram,
         )?;
@@ -1025,6 +1025,23 @@ mod tests {
         assert!(
             text.contains(r#"route="kept",cluster="api",tier="U7",status_class="2xx"} 2"#),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn every_family_is_documented() {
+        // docs/observability.md, "Metrics": every family a node exports has a row there.
+        let docs = include_str!("../../../docs/observability.md");
+        let text = Metrics::new(1).encode(RouteTiers::default());
+        let missing: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|family| !docs.contains(&format!("`{family}")))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "docs/observability.md does not document {missing:?}"
         );
     }
 
