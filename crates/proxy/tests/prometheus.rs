@@ -172,13 +172,17 @@ clusters:
 async fn tiers_of(node: &TestNode, into: &mut BTreeMap<String, String>) {
     let (status, body) = node.admin_get("/rules").await;
     assert_eq!(status, StatusCode::OK, "/rules: {body}");
-    let rules: serde_json::Value = serde_json::from_str(&body).unwrap();
-    for l in rules["listeners"].as_array().unwrap() {
+    let rules: serde_json::Value =
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("/rules is not JSON ({e}): {body}"));
+    let text = |v: &serde_json::Value| {
+        v.as_str()
+            .unwrap_or_else(|| panic!("/rules: {v} is not a string: {body}"))
+            .to_owned()
+    };
+    let listeners = rules["listeners"].as_array().into_iter().flatten();
+    for l in listeners {
         for r in l["routes"].as_array().into_iter().flatten() {
-            into.insert(
-                r["name"].as_str().unwrap().to_owned(),
-                r["tier"].as_str().unwrap().to_owned(),
-            );
+            into.insert(text(&r["name"]), text(&r["tier"]));
         }
     }
 }
@@ -211,32 +215,37 @@ fn cumulative(expr: &str) -> String {
 fn panels() -> Vec<(String, Vec<String>)> {
     let dashboard: serde_json::Value =
         serde_json::from_str(DASHBOARD).expect("deploy/grafana/flatmesh.json is JSON");
+    let list = |v: &serde_json::Value, what: &str| -> Vec<serde_json::Value> {
+        v.as_array()
+            .unwrap_or_else(|| panic!("the dashboard's {what} is not a list: {v}"))
+            .clone()
+    };
+    let text = |v: &serde_json::Value, what: &str| -> String {
+        v.as_str()
+            .unwrap_or_else(|| panic!("the dashboard's {what} is not a string: {v}"))
+            .to_owned()
+    };
     assert!(
-        dashboard["schemaVersion"].as_u64().unwrap() >= 39,
-        "schemaVersion"
+        dashboard["schemaVersion"].as_u64() >= Some(39),
+        "schemaVersion: {}",
+        dashboard["schemaVersion"]
     );
-    let datasource = dashboard["templating"]["list"]
-        .as_array()
-        .unwrap()
+    let datasource = list(&dashboard["templating"]["list"], "templating.list")
         .iter()
         .any(|v| v["type"] == "datasource" && v["query"] == "prometheus");
     assert!(
         datasource,
         "the dashboard has a Prometheus datasource variable"
     );
-    dashboard["panels"]
-        .as_array()
-        .unwrap()
+    list(&dashboard["panels"], "panels")
         .iter()
         .filter(|p| p["type"] != "row")
         .map(|p| {
-            let exprs = p["targets"]
-                .as_array()
-                .unwrap()
+            let exprs = list(&p["targets"], "panel's targets")
                 .iter()
-                .map(|t| t["expr"].as_str().unwrap().to_owned())
+                .map(|t| text(&t["expr"], "target's expr"))
                 .collect();
-            (p["title"].as_str().unwrap().to_owned(), exprs)
+            (text(&p["title"], "panel's title"), exprs)
         })
         .collect()
 }
