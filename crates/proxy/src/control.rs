@@ -19,7 +19,7 @@ use crate::drain::DrainSignal;
 use crate::error::ProxyError;
 use crate::kernel::KernelBinding;
 use crate::listener::bind_group;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RouteTiers};
 use crate::snapshot::Snapshot;
 use crate::upstream::Upstreams;
 use crate::worker::{Command, ListenerKey, WorkerHandle};
@@ -83,6 +83,11 @@ impl Shared {
                 .map(|k| k.conn_limited_listeners())
                 .unwrap_or_default(),
         }
+    }
+
+    /// Where each http route runs on this node now, for the request metrics' `tier` label.
+    pub fn route_tiers(&self) -> RouteTiers {
+        RouteTiers::new(self.snapshot().program.route_tiers_on(&self.tiers()))
     }
 
     pub fn status(&self) -> ReloadStatus {

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use flatmesh_rules::Tier;
 use parking_lot::Mutex;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -302,6 +303,33 @@ pub struct AdminRefused {
 
 type RequestKey = (String, String, String);
 
+/// Where each http route runs on the node now, by (listener, route): the `tier` label of the
+/// request families and of `/stats/routes`. Filled from the one place that places a route
+/// on a node (`RuleProgram::route_tiers_on`, what `/rules` shows), at each scrape, so it
+/// follows the kernel tier's state as `/rules` does.
+#[derive(Debug, Default, Clone)]
+pub struct RouteTiers(HashMap<(String, String), &'static str>);
+
+impl RouteTiers {
+    pub fn new<'a>(routes: impl IntoIterator<Item = (&'a str, &'a str, Tier)>) -> RouteTiers {
+        RouteTiers(
+            routes
+                .into_iter()
+                .map(|(l, r, t)| ((l.to_owned(), r.to_owned()), t.as_str()))
+                .collect(),
+        )
+    }
+
+    /// The tier of `route` on `listener`. Requests no route took (`route="none"`) are
+    /// answered by the user L7 tier, the only one that counts requests one by one.
+    pub fn of(&self, listener: &str, route: &str) -> &'static str {
+        self.0
+            .get(&(listener.to_owned(), route.to_owned()))
+            .copied()
+            .unwrap_or(Tier::UserL7.as_str())
+    }
+}
+
 /// The series one config snapshot uses. When it takes over, [`Metrics::retain`] drops every
 /// other one, so the routes, clusters and listeners that reloads removed leave `/metrics`
 /// (their cardinality stays that of the config in force).
@@ -516,10 +544,10 @@ impl Metrics {
         *self.certificates.lock() = certificates;
     }
 
-    /// Prometheus text exposition of everything.
-    pub fn encode(self: &Arc<Self>) -> String {
+    /// Prometheus text exposition of everything; `tiers` gives the requests' `tier` label.
+    pub fn encode(self: &Arc<Self>, tiers: RouteTiers) -> String {
         let mut registry = Registry::default();
-        registry.register_collector(Box::new(Scrape(self.clone())));
+        registry.register_collector(Box::new(Scrape(self.clone(), tiers)));
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &registry).is_err() {
             let _ = writeln!(out, "# metrics encoding failed");
@@ -530,8 +558,8 @@ impl Metrics {
     /// The request counters of every (listener, route, cluster) as JSON, for `GET
     /// /stats/routes` and `flatmesh top`: the same numbers as `flatmesh_requests_total` and
     /// `flatmesh_request_duration_seconds`, cumulative, without a Prometheus parser on the
-    /// reading side.
-    pub fn route_stats(&self) -> serde_json::Value {
+    /// reading side. `tiers` gives each route's `tier`, as in the metrics.
+    pub fn route_stats(&self, tiers: &RouteTiers) -> serde_json::Value {
         let mut requests: Vec<_> = self
             .requests
             .lock()
@@ -547,6 +575,7 @@ impl Metrics {
                     "listener": listener,
                     "route": route,
                     "cluster": cluster,
+                    "tier": tiers.of(listener, route),
                     "status_classes": stats.class_totals(),
                     "duration_buckets": buckets,
                     "duration_micros": micros,
@@ -564,7 +593,7 @@ impl Metrics {
 const CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 
 #[derive(Debug)]
-struct Scrape(Arc<Metrics>);
+struct Scrape(Arc<Metrics>, RouteTiers);
 
 pub(crate) fn counter<L: prometheus_client::encoding::EncodeLabelSet>(
     enc: &mut DescriptorEncoder,
@@ -594,7 +623,7 @@ pub(crate) fn gauge<L: prometheus_client::encoding::EncodeLabelSet>(
 
 impl Collector for Scrape {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let m = &self.0;
+        let (m, tiers) = (&self.0, &self.1);
         let mut requests: Vec<_> = m
             .requests
             .lock()
@@ -611,6 +640,7 @@ impl Collector for Scrape {
                             ("listener", listener.as_str()),
                             ("route", route.as_str()),
                             ("cluster", cluster.as_str()),
+                            ("tier", tiers.of(listener, route)),
                             ("status_class", class),
                         ],
                         n,
@@ -621,13 +651,13 @@ impl Collector for Scrape {
         counter(
             &mut enc,
             "flatmesh_requests",
-            "HTTP requests by listener, route, cluster and status class",
+            "HTTP requests by listener, route, cluster, the route's tier and status class",
             &rows,
         )?;
 
         let mut hist = enc.encode_descriptor(
             "flatmesh_request_duration_seconds",
-            "HTTP request duration, from request head to response head",
+            "HTTP request duration, from the request head read until the node counts the request, by listener, route, cluster and the route's tier",
             None,
             MetricType::Histogram,
         )?;
@@ -647,6 +677,7 @@ impl Collector for Scrape {
                 ("listener", listener.as_str()),
                 ("route", route.as_str()),
                 ("cluster", cluster.as_str()),
+                ("tier", tiers.of(listener, route)),
             ];
             hist.encode_family(&labels)?
                 .encode_histogram::<prometheus_client::encoding::NoLabelSet>(
@@ -939,9 +970,10 @@ mod tests {
         r.record(1, 503, Duration::from_millis(2));
         m.listener("web").connections_opened.add(1, 3);
         m.cluster("api").connect_failures.add(0, 1);
-        let text = m.encode();
+        let tiers = RouteTiers::new([("web", "web/0", Tier::Kernel)]);
+        let text = m.encode(tiers.clone());
         assert!(text.contains(
-            r#"flatmesh_requests_total{listener="web",route="web/0",cluster="api",status_class="2xx"} 1"#
+            r#"flatmesh_requests_total{listener="web",route="web/0",cluster="api",tier="K",status_class="2xx"} 1"#
         ), "{text}");
         assert!(text.contains(r#"status_class="5xx"} 1"#), "{text}");
         assert!(
@@ -953,7 +985,21 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("flatmesh_request_duration_seconds_bucket"),
+            text.contains(
+                r#"flatmesh_request_duration_seconds_count{listener="web",route="web/0",cluster="api",tier="K"} 2"#
+            ),
+            "{text}"
+        );
+        assert_eq!(m.route_stats(&tiers)["routes"][0]["tier"], "K");
+    }
+
+    #[test]
+    fn requests_no_route_took_are_the_user_tier_s() {
+        let m = Metrics::new(1);
+        m.requests("web", "none", "").record(0, 404, Duration::ZERO);
+        let text = m.encode(RouteTiers::default());
+        assert!(
+            text.contains(r#"route="none",cluster="",tier="U7",status_class="4xx"} 1"#),
             "{text}"
         );
     }
@@ -973,12 +1019,29 @@ mod tests {
             .record(0, 200, Duration::ZERO);
         new.cluster(&m, "api");
         m.retain(&new);
-        let text = m.encode();
+        let text = m.encode(RouteTiers::default());
         assert!(!text.contains("gone") && !text.contains("old"), "{text}");
         // A kept series keeps its total across the swap.
         assert!(
-            text.contains(r#"route="kept",cluster="api",status_class="2xx"} 2"#),
+            text.contains(r#"route="kept",cluster="api",tier="U7",status_class="2xx"} 2"#),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn every_family_is_documented() {
+        // docs/observability.md, "Metrics": every family a node exports has a row there.
+        let docs = include_str!("../../../docs/observability.md");
+        let text = Metrics::new(1).encode(RouteTiers::default());
+        let missing: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|family| !docs.contains(&format!("`{family}")))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "docs/observability.md does not document {missing:?}"
         );
     }
 

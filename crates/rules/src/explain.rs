@@ -107,7 +107,7 @@ impl RuleProgram {
                         .routes
                         .iter()
                         .map(|r| {
-                            let (tier, why) = node.place(&r.placement, Tier::UserL7);
+                            let (tier, why) = node.place_route(r);
                             vec![
                                 r.id.to_string(),
                                 r.name.clone(),
@@ -313,6 +313,20 @@ impl RuleProgram {
         text
     }
 
+    /// (listener, route, tier) of every http route: where each runs on `node`, as `/rules`
+    /// shows it. The node labels its request metrics with it.
+    pub fn route_tiers_on(&self, node: &NodeTiers) -> Vec<(&str, &str, Tier)> {
+        let mut out = Vec::new();
+        for l in &self.listeners {
+            if let TableKind::Http(t) = &l.kind {
+                for r in &t.routes {
+                    out.push((l.name.as_str(), r.name.as_str(), node.place_route(r).0));
+                }
+            }
+        }
+        out
+    }
+
     /// The program as JSON, tiers as the config asks.
     pub fn to_json(&self) -> Value {
         self.to_json_on(&NodeTiers::default())
@@ -435,7 +449,7 @@ impl RuleProgram {
                 .collect::<serde_json::Map<_, _>>()
                 .into()
         };
-        let (tier, reason) = node.place(&r.placement, Tier::UserL7);
+        let (tier, reason) = node.place_route(r);
         json!({
             "id": r.id,
             "name": r.name,

@@ -7,6 +7,7 @@ use std::collections::BTreeSet;
 
 use serde::Serialize;
 
+use crate::program::CompiledRoute;
 use crate::tier::{Placement, Tier};
 
 /// What a running node has of tier K.
@@ -61,6 +62,12 @@ impl NodeTiers {
             KernelRuntime::Attached { .. } => (p.tier, Cow::Owned(p.reason.to_string())),
             KernelRuntime::Off(why) => off(format!("tier K is not attached on this node: {why}")),
         }
+    }
+
+    /// Where an http route runs on this node (U7 when it cannot run in tier K here): the
+    /// `tier` of `/rules`, `flatmesh check --explain` and the request metrics' `tier` label.
+    pub fn place_route(&self, route: &CompiledRoute) -> (Tier, Cow<'static, str>) {
+        self.place(&route.placement, Tier::UserL7)
     }
 
     /// The node's tiers as JSON, for `/rules`.

@@ -974,3 +974,43 @@ fn rate_limited_routes_and_listeners_stay_in_the_user_tier_and_explain_shows_the
         p.explain()
     );
 }
+
+#[test]
+fn route_tiers_on_a_node_are_the_tiers_rules_shows() {
+    // What the node labels its request metrics with (`tier`): each route's tier on the node,
+    // from the same placement as `/rules`.
+    let config = cfg(
+        "listeners:\n  - name: web\n    address: 127.0.0.1:1\n    protocol: http\n    routes:\n\
+         \x20     - name: limited\n        match: { path: { prefix: /limited } }\n        cluster: a\n        rate_limit: { requests_per_s: 10 }\n\
+         \x20     - name: fast\n        match: { path: { prefix: / } }\n        cluster: a\n\
+         clusters:\n  - { name: a, endpoints: [127.0.0.1:2] }\n\
+         kernel: { l7_dispatch: true }\n",
+    );
+    let p = compile(&config).unwrap();
+    let attached = flatmesh_rules::NodeTiers {
+        kernel: flatmesh_rules::KernelRuntime::Attached {
+            verdict: true,
+            table_error: None,
+        },
+        ..Default::default()
+    };
+    let off = flatmesh_rules::NodeTiers {
+        kernel: flatmesh_rules::KernelRuntime::Off("not root".into()),
+        ..Default::default()
+    };
+    for (node, fast) in [(&attached, Tier::Kernel), (&off, Tier::UserL7)] {
+        let tiers = p.route_tiers_on(node);
+        assert_eq!(
+            tiers,
+            [("web", "limited", Tier::UserL7), ("web", "fast", fast)]
+        );
+        let json = p.to_json_on(node);
+        for (i, (_, _, tier)) in tiers.iter().enumerate() {
+            assert_eq!(
+                json["listeners"][0]["routes"][i]["tier"],
+                tier.as_str(),
+                "{json}"
+            );
+        }
+    }
+}

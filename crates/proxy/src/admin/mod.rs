@@ -349,7 +349,7 @@ fn handle(shared: &Shared, req: Request<Incoming>, conn: ConnInfo) -> Response<F
         "/metrics" => respond(
             StatusCode::OK,
             "text/plain; version=0.0.4; charset=utf-8",
-            shared.metrics.encode(),
+            shared.metrics.encode(shared.route_tiers()),
         ),
         "/ready" => {
             // Anyone may ask whether the node is ready (a probe has no token); the detail
@@ -411,7 +411,7 @@ fn handle(shared: &Shared, req: Request<Incoming>, conn: ConnInfo) -> Response<F
             }
         }
         // Cumulative per-route request counters as JSON: what `flatmesh top` samples.
-        "/stats/routes" => json(&shared.metrics.route_stats()),
+        "/stats/routes" => json(&shared.metrics.route_stats(&shared.route_tiers())),
         "/listeners" => {
             let map: serde_json::Map<String, serde_json::Value> = shared
                 .listener_addresses()

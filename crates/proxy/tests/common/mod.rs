@@ -13,6 +13,7 @@ pub mod hbone;
 pub mod hostile;
 pub mod otlp;
 pub mod pki;
+pub mod prometheus;
 
 pub use client::*;
 
