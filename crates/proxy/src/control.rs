@@ -62,6 +62,17 @@ pub(crate) struct Shared {
     pub kernel_off: Option<String>,
     /// Set once the node drains (`crate::drain`).
     pub drain: DrainSignal,
+    /// The span exporter of the config in force (`tracing`).
+    pub tracer: crate::trace::NodeTracer,
+}
+
+/// The tracer `config.tracing` asks for (off when it has none).
+pub(crate) fn start_tracer(
+    config: &Config,
+    metrics: &Metrics,
+) -> Result<crate::trace::Tracer, ProxyError> {
+    crate::trace::Tracer::start(config.tracing.as_ref(), metrics.tracing.clone())
+        .map_err(|e| ProxyError::Config(format!("cannot start the span exporter: {e}")))
 }
 
 impl Shared {
@@ -177,6 +188,14 @@ impl Shared {
             .map(|l| ((l.address, l.protocol), l.name.as_str()))
             .collect();
 
+        // A changed `tracing` section gets a new exporter (the old one sends what it has queued
+        // and stops once the last connection holding it closes); started before anything
+        // changes, so a failure refuses the reload.
+        let tracer = if state.snapshot.config.tracing != snapshot.config.tracing {
+            Some(start_tracer(&snapshot.config, &self.metrics)?)
+        } else {
+            None
+        };
         // Bind new listeners first: if one fails, nothing has changed yet.
         let mut new_sockets = Vec::new();
         for (key, name) in &wanted {
@@ -185,6 +204,9 @@ impl Shared {
                     bind_group(&format!("listener `{name}`"), key.0, self.workers.len())?;
                 new_sockets.push((*key, name.to_string(), actual, sockets));
             }
+        }
+        if let Some(tracer) = tracer {
+            self.tracer.store(Arc::new(tracer));
         }
         // Swap every worker's view; in-flight requests keep the view they loaded.
         for w in &self.workers {

@@ -54,9 +54,9 @@ impl Node {
             })?,
             None => AccessLog::disabled(),
         };
-        let tracer =
-            crate::trace::Tracer::start(snapshot.config.tracing.as_ref(), metrics.tracing.clone())
-                .map_err(|e| ProxyError::Config(format!("cannot start the span exporter: {e}")))?;
+        let tracer: crate::trace::NodeTracer = Arc::new(arc_swap::ArcSwap::from_pointee(
+            crate::control::start_tracer(&snapshot.config, &metrics)?,
+        ));
         let (admin_socket, admin) = crate::admin::bind(&snapshot.config.admin)?;
         let mut bound = HashMap::new();
         let mut sockets = Vec::new();
@@ -131,6 +131,7 @@ impl Node {
             kernel,
             kernel_off,
             drain,
+            tracer,
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
         let control_shared = shared.clone();

@@ -18,7 +18,7 @@ use crate::drain::Draining;
 use crate::error::ProxyError;
 use crate::kernel::KernelBinding;
 use crate::limits::NodeBudget;
-use crate::trace::Tracer;
+use crate::trace::{NodeTracer, Tracer};
 
 /// The identity of a listener across reloads.
 pub type ListenerKey = (SocketAddr, ListenerProtocol);
@@ -61,7 +61,7 @@ pub fn spawn(
     id: usize,
     view: WorkerView,
     access_log: AccessLog,
-    tracer: Tracer,
+    tracer: NodeTracer,
     kernel: Option<Arc<KernelBinding>>,
     budget: Arc<NodeBudget>,
     draining: Draining,
@@ -97,7 +97,7 @@ struct Accepting {
     worker: usize,
     view: Arc<ArcSwap<WorkerView>>,
     access_log: AccessLog,
-    tracer: Tracer,
+    tracer: NodeTracer,
     kernel: Option<Arc<KernelBinding>>,
     budget: Arc<NodeBudget>,
     active: Arc<AtomicUsize>,
@@ -232,7 +232,7 @@ async fn accept_loop(key: ListenerKey, listener: tokio::net::TcpListener, shared
                 .unwrap_or(http::HeaderValue::from_static("unknown")),
             view: shared.view.clone(),
             access_log: shared.access_log.clone(),
-            tracer: shared.tracer.clone(),
+            tracer: Tracer::clone(&shared.tracer.load()),
             kernel: shared.kernel.clone(),
             budget: shared.budget.clone(),
             principal: None,

@@ -241,6 +241,60 @@ async fn a_collector_that_never_answers_costs_requests_nothing() {
     drop(black_hole);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_moves_spans_to_the_new_collector_and_sampling() {
+    let (first, second) = (OtlpReceiver::start().await, OtlpReceiver::start().await);
+    let app = HttpBackend::start("app", Proto::H1).await;
+    let n = node(
+        "node",
+        &app.addr.to_string(),
+        "http1",
+        &first.addr.to_string(),
+        "",
+    );
+    let url = format!("http://{}/x", n.listener("web"));
+    let client = h1_client();
+    // sample 0.0: only the failure goes to the first collector.
+    assert_eq!(get(&client, &url, &[("x-status", "503")]).await.status, 503);
+    assert_eq!(spans_within(&first, 1).await.len(), 1);
+
+    // The same node, now sampling everything into the second collector.
+    let yaml = std::fs::read_to_string(&n.config_path).expect("read config");
+    let moved = yaml
+        .replace(&first.addr.to_string(), &second.addr.to_string())
+        .replace("sample: 0.0", "sample: 1.0");
+    assert_ne!(moved, yaml);
+    n.write_config(&moved);
+    let (status, body) = n.reload().await;
+    assert_eq!(status, 200, "{body}");
+    // A new connection takes the new tracer.
+    let client = h1_client();
+    for _ in 0..3 {
+        assert_eq!(get(&client, &url, &[]).await.status, 200);
+    }
+    assert_eq!(spans_within(&second, 3).await.len(), 3);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        first.spans().len(),
+        1,
+        "nothing more reached the old collector"
+    );
+
+    // Tracing removed by a reload: nothing is exported any more.
+    let off: String = moved
+        .lines()
+        .filter(|l| !l.starts_with("tracing:"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    n.write_config(&off);
+    let (status, body) = n.reload().await;
+    assert_eq!(status, 200, "{body}");
+    let client = h1_client();
+    assert_eq!(get(&client, &url, &[("x-status", "503")]).await.status, 503);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(second.spans().len(), 3, "no span after tracing was removed");
+}
+
 /// A Jaeger (v1.76, the v2 backend built from `bench/jaeger`) run by the test with a config of
 /// its own: OTLP/gRPC and the query API on free loopback ports, traces in memory, nothing
 /// else listening. Killed when dropped.

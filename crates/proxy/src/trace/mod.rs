@@ -46,6 +46,10 @@ pub struct Tracer {
     inner: Option<Arc<Inner>>,
 }
 
+/// The node's tracer, shared by every worker and replaced when a reload changes `tracing`:
+/// a connection takes the tracer in force when it is accepted.
+pub type NodeTracer = Arc<arc_swap::ArcSwap<Tracer>>;
+
 struct Inner {
     sample: f64,
     exporter: Exporter,
