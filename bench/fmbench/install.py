@@ -147,8 +147,9 @@ def ensure_go_tools(tools: set[str], grpc_backend: bool, jaeger: bool = False) -
 
 
 def _stale(binary, src) -> bool:
-    """True when `binary` is missing or older than a file of the Go module in `src`."""
-    newest_src = max((p.stat().st_mtime for p in src.iterdir() if p.is_file()), default=0)
+    """True when `binary` is missing or older than the Go module in `src` (go.mod, go.sum, *.go, *.proto)."""
+    inputs = [p for p in src.iterdir() if p.name in ("go.mod", "go.sum") or p.suffix in (".go", ".proto")]
+    newest_src = max((p.stat().st_mtime for p in inputs), default=0)
     return not binary.exists() or binary.stat().st_mtime < newest_src
 
 

@@ -12,6 +12,7 @@ GRPC_BACKEND_BIN = GOBIN / "grpc-backend"
 # Jaeger for the tracing tests: a go.mod pinning it as a tool, built into GOBIN.
 JAEGER_SRC = BENCH / "jaeger"
 JAEGER_BIN = GOBIN / "jaeger"
+JAEGER_CONFIG = JAEGER_SRC / "jaeger.yaml"
 WRK_SCRIPT = BENCH / "wrk-report.lua"
 ECHO_PROTO = BENCH / "grpc-backend" / "echo.proto"
 

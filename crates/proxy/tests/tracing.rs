@@ -295,14 +295,13 @@ async fn a_reload_moves_spans_to_the_new_collector_and_sampling() {
     assert_eq!(second.spans().len(), 3, "no span after tracing was removed");
 }
 
-/// A Jaeger (v1.76, the v2 backend built from `bench/jaeger`) run by the test with a config of
-/// its own: OTLP/gRPC and the query API on free loopback ports, traces in memory, nothing
-/// else listening. Killed when dropped.
+/// A Jaeger (v1.76, the v2 backend built from `bench/jaeger`) run by the test with the
+/// benchmarks' config, `bench/jaeger/jaeger.yaml`: OTLP/gRPC and the query API on free loopback
+/// ports, traces in memory, nothing else listening. Killed when dropped.
 struct Jaeger {
     child: std::process::Child,
     otlp: std::net::SocketAddr,
     query: std::net::SocketAddr,
-    _dir: TempDir,
 }
 
 impl Jaeger {
@@ -319,44 +318,18 @@ impl Jaeger {
             binary.display()
         );
         let (otlp, query, query_grpc) = (free_addr(), free_addr(), free_addr());
-        let dir = TempDir::new();
-        let config = dir.write(
-            "jaeger.yaml",
-            &format!(
-                r#"
-service:
-  extensions: [jaeger_storage, jaeger_query]
-  pipelines:
-    traces: {{ receivers: [otlp], processors: [batch], exporters: [jaeger_storage_exporter] }}
-  telemetry: {{ metrics: {{ level: none }}, logs: {{ level: warn }} }}
-extensions:
-  jaeger_query:
-    storage: {{ traces: memstore }}
-    http: {{ endpoint: "{query}" }}
-    grpc: {{ endpoint: "{query_grpc}" }}
-  jaeger_storage:
-    backends: {{ memstore: {{ memory: {{ max_traces: 10000 }} }} }}
-receivers:
-  otlp: {{ protocols: {{ grpc: {{ endpoint: "{otlp}" }} }} }}
-processors:
-  batch: {{ timeout: 100ms }}
-exporters:
-  jaeger_storage_exporter: {{ trace_storage: memstore }}
-"#
-            ),
-        );
+        let config =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/jaeger/jaeger.yaml");
         let child = std::process::Command::new(&binary)
             .arg(format!("--config=file:{}", config.display()))
+            .env("JAEGER_OTLP", otlp.to_string())
+            .env("JAEGER_QUERY", query.to_string())
+            .env("JAEGER_QUERY_GRPC", query_grpc.to_string())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::inherit())
             .spawn()
             .unwrap_or_else(|e| panic!("start {}: {e}", binary.display()));
-        Jaeger {
-            child,
-            otlp,
-            query,
-            _dir: dir,
-        }
+        Jaeger { child, otlp, query }
     }
 }
 
