@@ -24,6 +24,7 @@ use parking_lot::Mutex;
 use serde::Serialize;
 
 use crate::endpoints::service_of;
+use crate::orchestrator::{LogEntry, Signal};
 use crate::workload::Workload;
 
 /// Services drawn in the graph at most: the busiest, then by name.
@@ -169,6 +170,74 @@ impl Console {
             inner.timeline.pop_front();
         }
         inner.timeline.push_back(entry);
+    }
+
+    /// Puts an orchestrator log entry on the timeline and applies the moves it made. `node`
+    /// and `instance` name the indices its signals and failovers carry.
+    pub fn record(
+        &self,
+        entry: &LogEntry,
+        node: &dyn Fn(usize) -> String,
+        instance: &dyn Fn(usize) -> String,
+    ) {
+        let mut moves = Vec::new();
+        let timeline = match entry {
+            LogEntry::Detected(signal) => {
+                let text = match signal {
+                    Signal::Overload {
+                        node: n,
+                        slot,
+                        exec_us,
+                        ema_us,
+                    } => format!(
+                        "overload on {}: slot {slot} took {exec_us} µs, EMA {ema_us:.0} µs",
+                        node(*n)
+                    ),
+                    Signal::HostStarvation {
+                        node: n,
+                        queue_len,
+                        bw_util_pct,
+                    } => format!(
+                        "host starvation on {}: standing queue {queue_len}, links {bw_util_pct}% used",
+                        node(*n)
+                    ),
+                    Signal::NodeDead { node: n } => format!("{} silent: dead", node(*n)),
+                };
+                TimelineEntry::now("detected", text)
+            }
+            LogEntry::Migrated {
+                instance: i,
+                from,
+                to,
+                ..
+            } => {
+                moves.push((i.clone(), to.clone()));
+                TimelineEntry {
+                    instance: Some(i.clone()),
+                    from: Some(from.clone()),
+                    to: Some(to.clone()),
+                    ..TimelineEntry::now("migrated", format!("migrated {i}: {from} → {to}"))
+                }
+            }
+            LogEntry::NotMigrated { node: n, reason } => {
+                TimelineEntry::now("not_migrated", format!("not migrated off {n}: {reason}"))
+            }
+            LogEntry::FailedOver { node: n, moved, .. } => {
+                moves.extend(moved.iter().map(|m| (instance(m.instance), node(m.to))));
+                TimelineEntry {
+                    from: Some(n.clone()),
+                    ..TimelineEntry::now(
+                        "failed_over",
+                        format!("failed over {n}: {} instances re-placed", moved.len()),
+                    )
+                }
+            }
+            LogEntry::Error(e) => TimelineEntry::now("error", e.clone()),
+        };
+        for (i, to) in moves {
+            self.moved(&i, &to);
+        }
+        self.push(timeline);
     }
 
     pub fn set_certificates(&self, certificates: Vec<Certificate>) {
