@@ -488,6 +488,10 @@ fn build_graph(
     }
     let mut sums: HashMap<(String, String), Sum> = HashMap::new();
     for w in windows {
+        // Requests no route took (answered by the node itself) went to no service.
+        if w.cluster.is_empty() {
+            continue;
+        }
         let to = service_of_cluster(services, &w.cluster);
         let from = callers
             .get(&to)

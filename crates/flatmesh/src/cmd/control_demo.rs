@@ -278,6 +278,8 @@ fn demo_main(o: DemoOpts) -> anyhow::Result<()> {
 struct View {
     bar: indicatif::ProgressBar,
     console: Option<(Console, Arc<AtomicBool>)>,
+    /// Node ids by index (the orchestrator's signals name nodes by index).
+    node_ids: Vec<String>,
 }
 
 impl View {
@@ -293,18 +295,23 @@ impl View {
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
             .progress_chars("=> "),
         );
-        View { bar, console }
+        View {
+            bar,
+            console,
+            node_ids: Vec::new(),
+        }
     }
 
     /// Feeds the web console: the model and the node pollers at the start, then heartbeat
     /// ages, the placement each second, and the orchestrator's log and steps.
-    fn feed_console(&self, e: &DemoEvent) {
+    fn feed_console(&mut self, e: &DemoEvent) {
         let Some((console, stop)) = &self.console else {
             return;
         };
         match e {
             DemoEvent::Info(_) => {}
             DemoEvent::Started(start) => {
+                self.node_ids = start.nodes.iter().map(|n| n.id.clone()).collect();
                 let callers = start
                     .calls
                     .iter()
@@ -345,9 +352,9 @@ impl View {
                 console.set_placement(placement);
             }
             DemoEvent::Controller { entry, .. } => {
-                console.record(entry, &|n| format!("node {n}"), &|i| {
-                    format!("instance {i}")
-                })
+                let ids = &self.node_ids;
+                let node = |n: usize| ids.get(n).cloned().unwrap_or_else(|| format!("node {n}"));
+                console.record(entry, &node, &|i| format!("instance {i}"))
             }
             DemoEvent::Step(s) => {
                 let mut entry = TimelineEntry::now(

@@ -3,7 +3,7 @@
 // only its labels are updated); tables reuse their rows by key.
 "use strict";
 
-const COL_W = 230, ROW_H = 46, MAX_ROWS = 14, PAD = 30, R = 9;
+const COL_W = 340, ROW_H = 46, MAX_ROWS = 14, PAD = 30, R = 9;
 const LABELS_UP_TO = 120; // edge labels drawn for at most this many edges (others: hover)
 
 const $ = (id) => document.getElementById(id);
@@ -68,16 +68,18 @@ function drawGraph(snap) {
       const a = pos.get(e.from), b = pos.get(e.to);
       if (!a || !b) return;
       const mx = (a.x + b.x) / 2, my = (a.y + b.y) / 2 - (a.x === b.x ? 0 : 14);
+      // The label sits just before the arrow head: callees have rows of their own.
+      const lx = a.x === b.x ? a.x + 70 : b.x - R - 8, ly = a.x === b.x ? (a.y + b.y) / 2 : b.y - 5;
       const d = a.x === b.x
         ? `M${a.x + R},${a.y} C${a.x + 60},${a.y} ${b.x + 60},${b.y} ${b.x + R},${b.y}`
         : `M${a.x + R},${a.y} Q${mx},${my} ${b.x - R - 2},${b.y}`;
       parts.push(`<g class="edge" data-edge="${esc(e.from + "->" + e.to)}" data-from="${esc(e.from)}" data-to="${esc(e.to)}"><path d="${d}"/><title id="et${i}"></title>` +
-        (labels ? `<text id="el${i}" x="${mx}" y="${(a.y + b.y) / 2 - 4}" text-anchor="middle"></text>` : "") + `</g>`);
+        (labels ? `<text id="el${i}" x="${lx}" y="${ly}" text-anchor="${a.x === b.x ? "start" : "end"}"></text>` : "") + `</g>`);
     });
     snap.services.forEach((s, i) => {
       const p = pos.get(s.name);
       parts.push(`<g class="svc${s.name === "ingress" ? " ingress" : ""}" data-service="${esc(s.name)}" transform="translate(${p.x},${p.y})"><circle r="${R}"/>` +
-        `<text x="${R + 4}" y="-${R - 2}">${esc(s.name)}</text><title id="nt${i}"></title></g>`);
+        `<text x="${R + 5}" y="4">${esc(s.name)}</text><title id="nt${i}"></title></g>`);
     });
     svg.setAttribute("width", width);
     svg.setAttribute("height", height);
@@ -142,6 +144,7 @@ function drawTables(snap) {
     { text: String(n.instances), num: true },
     { text: n.admin_error ? "unreachable: " + n.admin_error : n.admin || "-", cls: n.admin_error ? "down" : "" },
   ]);
+  $("no-certificates").hidden = snap.certificates.length > 0;
   const now = snap.generated_unix_ms / 1000;
   syncRows($("certificates"), snap.certificates, (c) => c.name, (c) => {
     const days = (c.expires_unix - now) / 86400;
