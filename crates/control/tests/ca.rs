@@ -70,6 +70,7 @@ fn control_center(dir: &Scratch) -> (ControlCenter, PathBuf) {
             ttl: Duration::from_secs(3600),
         }),
         metrics: Some("127.0.0.1:0".parse().unwrap()),
+        ui: None,
     };
     (ControlCenter::new(&options).unwrap(), ca_dir)
 }
