@@ -8,7 +8,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-use common::{Scratch, ADDRESSES, APP, CLUSTER};
+use common::{console_state, Scratch, ADDRESSES, APP, CLUSTER};
 
 use std::net::{SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
@@ -128,18 +128,6 @@ fn beat(socket: &UdpSocket, to: SocketAddr, node: u32, exec_us: u16) -> Vec<u8> 
     let wire = report(node, exec_us).seal(seq(), &key(node)).to_vec();
     socket.send_to(&wire, to).unwrap();
     wire
-}
-
-/// The console's `GET /ui/state`.
-fn console_state(ui: SocketAddr) -> serde_json::Value {
-    use std::io::{Read as _, Write as _};
-    let mut s = std::net::TcpStream::connect(ui).unwrap();
-    s.write_all(b"GET /ui/state HTTP/1.1\r\nhost: x\r\n\r\n")
-        .unwrap();
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).unwrap();
-    let body = answer.split_once("\r\n\r\n").unwrap().1;
-    serde_json::from_str(body).unwrap()
 }
 
 #[test]
