@@ -44,7 +44,7 @@ pub struct Sources {
     pub placement: Arc<PlacementStats>,
 }
 
-fn unix_seconds(time: SystemTime) -> u64 {
+pub(crate) fn unix_seconds(time: SystemTime) -> u64 {
     time.duration_since(SystemTime::UNIX_EPOCH)
         .unwrap_or_default()
         .as_secs()

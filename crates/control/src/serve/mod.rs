@@ -7,6 +7,9 @@
 //! hottest instance to a host and dead nodes fail over, and every move is an EDS push to the
 //! nodes and Envoy.
 //!
+//! With `ui`, the web console ([`crate::console`]) shows the placement, the orchestrator's log,
+//! the nodes' heartbeats and the certificates' expiry.
+//!
 //! [`ControlCenter::new`] reads and checks every input and binds the heartbeat socket, so a bad
 //! input fails before anything serves; [`ControlCenter::run`] serves until its shutdown future
 //! resolves. The binary only parses arguments and waits for SIGINT/SIGTERM.
@@ -366,11 +369,7 @@ const CERTIFICATE_POLL: Duration = Duration::from_secs(10);
 /// The certificates the console lists: the CA's root and the control channel's own.
 fn certificates(ca: &NodeCa) -> Vec<Certificate> {
     let (root, control) = ca.expiries();
-    let unix = |t: SystemTime| {
-        t.duration_since(SystemTime::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_secs()
-    };
+    let unix = metrics::unix_seconds;
     let mut list = vec![Certificate {
         name: "signing root".into(),
         expires_unix: unix(root),

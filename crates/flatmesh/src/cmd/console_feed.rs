@@ -55,6 +55,7 @@ fn poll_node(
     stop: &AtomicBool,
 ) {
     let mut tiers: Option<HashMap<(String, String), String>> = None;
+    let no_tiers = HashMap::new();
     let mut before: Option<(Instant, Sample)> = None;
     let mut next = Instant::now();
     while !stop.load(Ordering::Relaxed) {
@@ -73,7 +74,7 @@ fn poll_node(
                         earlier,
                         &after,
                         now - *then,
-                        &tiers.clone().unwrap_or_default(),
+                        tiers.as_ref().unwrap_or(&no_tiers),
                     );
                     let windows = rows
                         .into_iter()
