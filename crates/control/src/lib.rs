@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod agent;
+pub mod console;
 pub mod endpoints;
 pub mod energy;
 pub mod error;

@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-use common::{Scratch, ADDRESSES, APP, CLUSTER};
+use common::{console_state, Scratch, ADDRESSES, APP, CLUSTER};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -70,6 +70,7 @@ fn control_center(dir: &Scratch) -> (ControlCenter, PathBuf) {
             ttl: Duration::from_secs(3600),
         }),
         metrics: Some("127.0.0.1:0".parse().unwrap()),
+        ui: Some("127.0.0.1:0".parse().unwrap()),
     };
     (ControlCenter::new(&options).unwrap(), ca_dir)
 }
@@ -789,6 +790,7 @@ fn the_control_center_serves_its_metrics_over_http() {
     let dir = Scratch::new("metrics");
     let (center, ca_dir) = control_center(&dir);
     let at = center.metrics_addr().unwrap();
+    let ui = center.ui_addr().unwrap();
     let running = Running::start(center);
     let (rt, server) = (&running.rt, running.server.clone());
     let ca_pem = ca_dir.join("ca.pem");
@@ -814,6 +816,20 @@ fn the_control_center_serves_its_metrics_over_http() {
         "{control}"
     );
     assert!(root > now + 9 * 365 * 24 * 3600, "{root}");
+    // The web console lists the same two certificates.
+    until(
+        "the console lists the certificates",
+        Duration::from_secs(10),
+        || {
+            console_state(ui)["certificates"]
+                .as_array()
+                .is_some_and(|c| c.len() == 2)
+        },
+    );
+    let certificates = console_state(ui)["certificates"].clone();
+    assert_eq!(certificates[0]["name"], "signing root");
+    assert_eq!(certificates[0]["expires_unix"], root);
+    assert_eq!(certificates[1]["expires_unix"], control);
 
     let nic = security(&ca_pem, Some(&token_of(KVS_NODE)));
     let fetch = |security: ChannelSecurity, id: &str| {

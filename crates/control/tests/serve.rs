@@ -8,7 +8,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-use common::{Scratch, ADDRESSES, APP, CLUSTER};
+use common::{console_state, Scratch, ADDRESSES, APP, CLUSTER};
 
 use std::net::{SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
@@ -49,6 +49,7 @@ fn options(dir: &Scratch, addresses: &str, step_command: Option<PathBuf>) -> Opt
         listen: "127.0.0.1:0".parse().unwrap(),
         ca: None,
         metrics: None,
+        ui: None,
         state: Some(dir.write("state.yaml", &state("web"))),
         placement: Some(PlacementOptions {
             cluster: dir.write("cluster.yaml", CLUSTER).display().to_string(),
@@ -139,9 +140,11 @@ fn control_center_serves_the_placement_and_the_orchestrator_moves_it() {
     );
     use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(&step_command, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let options = options(&dir, ADDRESSES, Some(step_command));
+    let mut options = options(&dir, ADDRESSES, Some(step_command));
+    options.ui = Some("127.0.0.1:0".parse().unwrap());
 
     let center = ControlCenter::new(&options).unwrap();
+    let ui = center.ui_addr().unwrap();
     let feed = center.feed().clone();
     let heartbeats = center.heartbeats_addr().unwrap();
     let center_stats = center.heartbeat_stats().unwrap();
@@ -247,6 +250,40 @@ fn control_center_serves_the_placement_and_the_orchestrator_moves_it() {
         expected,
         "the steps, in order"
     );
+    // The web console shows the move: the placement, the migration on the timeline, the
+    // SmartNIC alive (its heartbeats), the other nodes down (none sent one).
+    wait_for("the console shows the migration", || {
+        console_state(ui)["timeline"]
+            .as_array()
+            .is_some_and(|t| t.iter().any(|e| e["kind"] == "migrated"))
+    });
+    let shown = console_state(ui);
+    let placed = shown["placement"].as_array().unwrap();
+    assert!(
+        placed.iter().any(|p| p["instance"] == "shop/kvs-0"
+            && p["node"] == "r0-s0/host"
+            && p["kind"] == "host"),
+        "{placed:?}"
+    );
+    let migrated = shown["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["kind"] == "migrated")
+        .unwrap();
+    assert_eq!(migrated["from"], "r0-s0/nic0");
+    assert_eq!(migrated["to"], "r0-s0/host");
+    let nodes = shown["nodes"].as_array().unwrap();
+    let nic = nodes.iter().find(|n| n["id"] == "r0-s0/nic0").unwrap();
+    assert_eq!(nic["kind"], "smartnic");
+    assert_eq!(nic["up"], true, "{nic}");
+    assert!(nodes.iter().any(|n| n["up"] == false), "{nodes:?}");
+    assert!(shown["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["name"] == "shop/kvs"));
+
     // Played back, the overload heartbeat is refused as a replay.
     nic_addr.send_to(&overload, heartbeats).unwrap();
     wait_for("the replay is counted", || stats.read().replayed == 1);

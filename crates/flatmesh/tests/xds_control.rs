@@ -127,6 +127,17 @@ fn get(addr: SocketAddr) -> Option<String> {
     Some(format!("{status} {body}"))
 }
 
+/// The web console's `GET /ui/state`, once it answers.
+fn console_state(ui: SocketAddr) -> Option<serde_json::Value> {
+    let mut conn = TcpStream::connect_timeout(&ui, Duration::from_secs(2)).ok()?;
+    conn.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    conn.write_all(b"GET /ui/state HTTP/1.1\r\nhost: x\r\n\r\n")
+        .ok()?;
+    let mut text = String::new();
+    conn.read_to_string(&mut text).ok()?;
+    serde_json::from_str(text.split_once("\r\n\r\n")?.1).ok()
+}
+
 fn wait_for(what: &str, logs: &[&Path], mut check: impl FnMut() -> bool) {
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(30) {
@@ -249,7 +260,13 @@ fn control_serves_placed_endpoints_and_the_orchestrator_moves_them() {
     );
     use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(&step_command, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let base = file("base.yaml", "admin: 127.0.0.1:0\nworkers: 1\n");
+    // The node's admin endpoint is at r0-s0/host's IP: the console reads its traffic there.
+    let admin_port = free_port();
+    let base = file(
+        "base.yaml",
+        &format!("admin: 127.0.0.1:{admin_port}\nworkers: 1\n"),
+    );
+    let ui: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     let keys: Vec<String> = NODES
         .iter()
         .enumerate()
@@ -280,6 +297,10 @@ fn control_serves_placed_endpoints_and_the_orchestrator_moves_them() {
             &keys,
             "--step-command",
             &step_command,
+            "--ui",
+            &ui.to_string(),
+            "--node-admin-port",
+            &admin_port.to_string(),
         ],
         &control_log,
     );
@@ -356,6 +377,39 @@ fn control_serves_placed_endpoints_and_the_orchestrator_moves_them() {
         expected,
         "the cold-migration steps, in order"
     );
+
+    // The web console shows the traffic it read from the node's admin endpoint: the route to
+    // shop/kvs with its tier, the edge into shop/kvs, and the migration on the timeline; the
+    // nodes with nothing at that port show their admin endpoint unreachable.
+    wait_for("the console shows the node's traffic", &logs, || {
+        console_state(ui).is_some_and(|s| {
+            s["edges"].as_array().is_some_and(|edges| {
+                edges
+                    .iter()
+                    .any(|e| e["to"] == "shop/kvs" && e["rps"].as_f64() > Some(0.0))
+            })
+        })
+    });
+    let shown = console_state(ui).unwrap();
+    let routes = shown["routes"].as_array().unwrap();
+    let kvs = routes
+        .iter()
+        .find(|r| r["node"] == "r0-s0/host" && r["cluster"] == "shop/kvs")
+        .unwrap_or_else(|| panic!("{routes:?}"));
+    assert_eq!(kvs["service"], "shop/kvs");
+    assert_ne!(kvs["tier"], "-", "{kvs}");
+    assert!(
+        shown["timeline"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["kind"] == "migrated" && e["to"] == "r0-s0/host"),
+        "{}",
+        shown["timeline"]
+    );
+    let nodes = shown["nodes"].as_array().unwrap();
+    let nic = nodes.iter().find(|n| n["id"] == "r0-s0/nic0").unwrap();
+    assert!(nic["admin_error"].is_string(), "{nic}");
 
     // 3. The host goes silent after one heartbeat: its whole server (host and SmartNIC, one
     //    fault domain) fails over to the other server, and the endpoint follows again.

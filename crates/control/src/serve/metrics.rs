@@ -44,7 +44,7 @@ pub struct Sources {
     pub placement: Arc<PlacementStats>,
 }
 
-fn unix_seconds(time: SystemTime) -> u64 {
+pub(crate) fn unix_seconds(time: SystemTime) -> u64 {
     time.duration_since(SystemTime::UNIX_EPOCH)
         .unwrap_or_default()
         .as_secs()
@@ -219,7 +219,8 @@ pub async fn serve(listener: tokio::net::TcpListener, sources: Sources) {
 }
 
 /// The request head, or `None` if the peer closed first or sent more than [`MAX_HEAD`].
-async fn read_head(stream: &mut tokio::net::TcpStream) -> Option<String> {
+/// The console's server reads its requests with it too.
+pub(crate) async fn read_head(stream: &mut tokio::net::TcpStream) -> Option<String> {
     let mut head = Vec::with_capacity(512);
     let mut chunk = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {

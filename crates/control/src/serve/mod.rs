@@ -7,6 +7,9 @@
 //! hottest instance to a host and dead nodes fail over, and every move is an EDS push to the
 //! nodes and Envoy.
 //!
+//! With `ui`, the web console ([`crate::console`]) shows the placement, the orchestrator's log,
+//! the nodes' heartbeats and the certificates' expiry.
+//!
 //! [`ControlCenter::new`] reads and checks every input and binds the heartbeat socket, so a bad
 //! input fails before anything serves; [`ControlCenter::run`] serves until its shutdown future
 //! resolves. The binary only parses arguments and waits for SIGINT/SIGTERM.
@@ -27,11 +30,14 @@ use flatmesh_xds::feed::Feed;
 use flatmesh_xds::server::Store;
 
 use crate::agent::{Gate, GateConfig, GateStats};
+use crate::console::{callers_of, Certificate, Console, NodeInfo};
+use crate::endpoints::service_of;
 use crate::endpoints::{snapshot, EndpointSink as _};
 use crate::error::{ControlError, Result};
 use crate::model::{load_app, load_cluster};
 use crate::orchestrator::{Controller, DetectorConfig, LogEntry};
 use crate::placement::{place, Algorithm, State};
+use crate::topology::NodeKind;
 use crate::topology::Topology;
 use crate::workload::Workload;
 use addresses::Addresses;
@@ -60,6 +66,8 @@ pub struct Options {
     pub ca: Option<CaOptions>,
     /// Serve Prometheus text on `GET /metrics` here ([`metrics`]).
     pub metrics: Option<SocketAddr>,
+    /// Serve the web console here ([`crate::console`]).
+    pub ui: Option<SocketAddr>,
 }
 
 /// `flatmesh control --ca-dir DIR --node-tokens FILE`.
@@ -112,6 +120,8 @@ pub struct ControlCenter {
     /// The bound `/metrics` socket.
     metrics: Option<std::net::TcpListener>,
     placement_stats: Arc<metrics::PlacementStats>,
+    /// The bound console socket and what it shows.
+    ui: Option<(std::net::TcpListener, Console)>,
 }
 
 /// The state file and when it was last read.
@@ -171,7 +181,22 @@ impl ControlCenter {
                 Ok::<_, ControlError>(listener)
             })
             .transpose()?;
+        let ui = options
+            .ui
+            .map(|at| {
+                let io = |source| ControlError::Io {
+                    what: format!(
+                        "cannot serve the console on {at}; pick a free address with --ui"
+                    ),
+                    source,
+                };
+                let listener = std::net::TcpListener::bind(at).map_err(io)?;
+                listener.set_nonblocking(true).map_err(io)?;
+                Ok::<_, ControlError>((listener, Console::default()))
+            })
+            .transpose()?;
         Ok(ControlCenter {
+            ui,
             listen: options.listen,
             feed: Feed::new(Store::new(), config),
             state,
@@ -202,6 +227,29 @@ impl ControlCenter {
     /// Where `/metrics` is served, if it is.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics.as_ref()?.local_addr().ok()
+    }
+
+    /// Where the console is served, if it is.
+    pub fn ui_addr(&self) -> Option<SocketAddr> {
+        self.ui.as_ref()?.0.local_addr().ok()
+    }
+
+    /// What the console shows, if it is served: the binary adds the nodes' live traffic.
+    pub fn console(&self) -> Option<Console> {
+        Some(self.ui.as_ref()?.1.clone())
+    }
+
+    /// Every node of the placed cluster with its IP from the addresses file.
+    pub fn node_addresses(&self) -> Vec<(String, std::net::IpAddr)> {
+        let Some(placed) = &self.placed else {
+            return Vec::new();
+        };
+        placed
+            .topo
+            .nodes
+            .iter()
+            .filter_map(|n| Some((n.id.clone(), *placed.addresses.nodes.get(&n.id)?)))
+            .collect()
     }
 
     /// What the CA has issued and refused, when the control center is one.
@@ -263,6 +311,29 @@ impl ControlCenter {
             }
             None => None,
         };
+        let (console, console_tasks) = match self.ui {
+            Some((listener, console)) => {
+                let listener = tokio::net::TcpListener::from_std(listener).map_err(|source| {
+                    ControlError::Io {
+                        what: "cannot use the console socket".into(),
+                        source,
+                    }
+                })?;
+                let server = tokio::spawn(crate::console::server::serve(listener, console.clone()));
+                let expiries = self.ca.clone().map(|ca| {
+                    let console = console.clone();
+                    tokio::spawn(async move {
+                        let mut tick = tokio::time::interval(CERTIFICATE_POLL);
+                        loop {
+                            tick.tick().await;
+                            console.set_certificates(certificates(&ca));
+                        }
+                    })
+                });
+                (Some(console), [Some(server), expiries])
+            }
+            None => (None, [None, None]),
+        };
         let grants = self
             .ca
             .as_ref()
@@ -270,16 +341,46 @@ impl ControlCenter {
         let result = match self.placed {
             Some(placed) => {
                 placed
-                    .run(self.feed.clone(), grants, server, self.placement_stats)
+                    .run(
+                        self.feed.clone(),
+                        grants,
+                        server,
+                        self.placement_stats,
+                        console,
+                    )
                     .await
             }
             None => server.await.map_err(ControlError::from),
         };
-        for task in [watcher, fresh, renewals, scrapes].into_iter().flatten() {
+        for task in [watcher, fresh, renewals, scrapes]
+            .into_iter()
+            .chain(console_tasks)
+            .flatten()
+        {
             task.abort();
         }
         result
     }
+}
+
+/// How often the console re-reads the certificates' expiry (they change when renewed).
+const CERTIFICATE_POLL: Duration = Duration::from_secs(10);
+
+/// The certificates the console lists: the CA's root and the control channel's own.
+fn certificates(ca: &NodeCa) -> Vec<Certificate> {
+    let (root, control) = ca.expiries();
+    let unix = metrics::unix_seconds;
+    let mut list = vec![Certificate {
+        name: "signing root".into(),
+        expires_unix: unix(root),
+    }];
+    if let Some(control) = control {
+        list.push(Certificate {
+            name: "control center (xDS TLS)".into(),
+            expires_unix: unix(control),
+        });
+    }
+    list
 }
 
 /// Serves every change of the state file (checked each [`STATE_POLL`]); a file that does not
@@ -393,10 +494,44 @@ impl Placed {
         grants: Option<(String, Placements)>,
         server: impl std::future::Future<Output = flatmesh_xds::Result<()>>,
         stats: Arc<metrics::PlacementStats>,
+        console: Option<Console>,
     ) -> Result<()> {
         let mut state = State::new(&self.topo, &self.wl);
         for (i, &n) in self.assign.iter().enumerate() {
             state.place(i, n);
+        }
+        let node_ids: Vec<String> = self.topo.nodes.iter().map(|n| n.id.clone()).collect();
+        let instance_ids: Vec<String> = self.wl.instances.iter().map(|i| i.id.clone()).collect();
+        if let Some(console) = &console {
+            console.set_model(
+                instance_ids.iter().map(|i| service_of(i).to_string()),
+                callers_of(&self.wl),
+            );
+            console.set_nodes(
+                self.topo
+                    .nodes
+                    .iter()
+                    .map(|n| NodeInfo {
+                        id: n.id.clone(),
+                        kind: match n.kind {
+                            NodeKind::Smartnic => "smartnic",
+                            NodeKind::Host => "host",
+                        }
+                        .into(),
+                        admin: None,
+                    })
+                    .collect(),
+            );
+            console.set_placement(
+                state
+                    .assign
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, n)| {
+                        Some((instance_ids[i].clone(), node_ids.get((*n)?)?.clone()))
+                    })
+                    .collect(),
+            );
         }
         stats.placed_instances.store(
             state.assign.iter().filter(|a| a.is_some()).count() as u64,
@@ -428,9 +563,17 @@ impl Placed {
         let mut controller = Controller::new(state, DetectorConfig::default(), runtime, sink)?;
         let (log_tx, mut log_rx) = tokio::sync::mpsc::unbounded_channel();
         controller.observer = Some(log_tx);
+        let console_log = console.clone();
+        let names = (node_ids.clone(), instance_ids);
         tokio::spawn(async move {
             while let Some(entry) = log_rx.recv().await {
                 log_entry(&entry);
+                if let Some(console) = &console_log {
+                    let name = |list: &[String], i: usize| {
+                        list.get(i).cloned().unwrap_or_else(|| i.to_string())
+                    };
+                    console.record(&entry, &|n| name(&names.0, n), &|i| name(&names.1, i));
+                }
                 let counter = match &entry {
                     LogEntry::Migrated { .. } => Some(&stats.migrations),
                     LogEntry::FailedOver { .. } => Some(&stats.failovers),
@@ -443,8 +586,23 @@ impl Placed {
             }
         });
         let (beats_tx, beats_rx) = tokio::sync::mpsc::channel(1024);
+        // With the console, each admitted heartbeat also marks its node alive there.
+        let (admitted_tx, mut admitted_rx) =
+            tokio::sync::mpsc::channel::<crate::heartbeat::Heartbeat>(1024);
+        let tee = tokio::spawn(async move {
+            while let Some(beat) = admitted_rx.recv().await {
+                if let Some(console) = &console {
+                    if let Some(id) = node_ids.get(beat.node as usize) {
+                        console.heartbeat(id, std::time::Instant::now());
+                    }
+                }
+                if beats_tx.send(beat).await.is_err() {
+                    return;
+                }
+            }
+        });
         let receiver = tokio::spawn(async move {
-            if let Err(e) = crate::agent::receive(&socket, gate, beats_tx).await {
+            if let Err(e) = crate::agent::receive(&socket, gate, admitted_tx).await {
                 tracing::error!(error = %e, "heartbeat socket failed; the orchestrator stops");
             }
         });
@@ -453,6 +611,7 @@ impl Placed {
             result = controller.run(beats_rx) => result,
         };
         receiver.abort();
+        tee.abort();
         result
     }
 }

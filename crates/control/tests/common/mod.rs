@@ -50,3 +50,15 @@ impl Drop for Scratch {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// The console's `GET /ui/state`.
+pub fn console_state(ui: std::net::SocketAddr) -> serde_json::Value {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect(ui).unwrap();
+    s.write_all(b"GET /ui/state HTTP/1.1\r\nhost: x\r\n\r\n")
+        .unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    let body = answer.split_once("\r\n\r\n").unwrap().1;
+    serde_json::from_str(body).unwrap()
+}

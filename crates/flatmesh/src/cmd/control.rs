@@ -4,11 +4,16 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use anyhow::Context as _;
+use flatmesh_config::AdminAddress;
 use flatmesh_control::serve::{
     CaOptions, ControlCenter, Options, OrchestratorOptions, PlacementOptions,
 };
+
+use crate::cmd::console_feed;
 
 #[derive(clap::Args)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -72,6 +77,19 @@ pub struct Args {
     /// placements and migrations (docs/control.md, "Metrics").
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<SocketAddr>,
+    /// Serve the web console on HOST:PORT (open http://HOST:PORT/ui): the service graph from
+    /// the nodes' live traffic, each route's tier, the placement with migrations on a timeline,
+    /// node health and certificate expiry (docs/console.md).
+    #[arg(long, value_name = "HOST:PORT")]
+    ui: Option<SocketAddr>,
+    /// The port of every node proxy's admin endpoint, at the node's IP from --addresses: the
+    /// console reads each node's GET /stats/routes there once a second (without it the console
+    /// has no traffic, only placement and health).
+    #[arg(long, value_name = "PORT", requires_all = ["ui", "cluster"])]
+    node_admin_port: Option<u16>,
+    /// The nodes' admin token (their admin.token_file), read from FILE.
+    #[arg(long, value_name = "FILE", requires = "node_admin_port")]
+    node_admin_token_file: Option<PathBuf>,
 }
 
 #[derive(clap::Subcommand)]
@@ -128,7 +146,14 @@ fn serve(args: Args) -> anyhow::Result<()> {
         placement,
         ca,
         metrics: args.metrics,
+        ui: args.ui,
     };
+    let token = args
+        .node_admin_token_file
+        .as_deref()
+        .map(|path| flatmesh_config::admin::read_token_file(path).map_err(anyhow::Error::msg))
+        .transpose()
+        .context("--node-admin-token-file")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -136,7 +161,21 @@ fn serve(args: Args) -> anyhow::Result<()> {
         .context("cannot start the xDS server runtime")?;
     rt.block_on(async {
         let center = ControlCenter::new(&options)?;
-        center.run(stop_signal(), None).await?;
+        let stop_polling = Arc::new(AtomicBool::new(false));
+        if let (Some(console), Some(at)) = (center.console(), center.ui_addr()) {
+            tracing::info!("web console: http://{at}/ui");
+            if let Some(port) = args.node_admin_port {
+                let admins = center
+                    .node_addresses()
+                    .into_iter()
+                    .map(|(node, ip)| (node, AdminAddress::Tcp(SocketAddr::new(ip, port))))
+                    .collect();
+                console_feed::poll_routes(&console, admins, token, stop_polling.clone());
+            }
+        }
+        let result = center.run(stop_signal(), None).await;
+        stop_polling.store(true, Ordering::Relaxed);
+        result?;
         Ok(())
     })
 }

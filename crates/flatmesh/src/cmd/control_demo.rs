@@ -2,15 +2,22 @@
 //! `flatmesh_lab::control`). This file is the command line and the terminal view; the hidden
 //! `service` and `agent` subcommands are the demo's own processes (the binary re-executes itself).
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use comfy_table::{Cell, Table};
+use flatmesh_config::AdminAddress;
+use flatmesh_control::console::{Console, NodeInfo, TimelineEntry};
 use flatmesh_control::orchestrator::LogEntry;
 use flatmesh_lab::control::services::{self, ServiceConfig};
 use flatmesh_lab::control::{self as demo, DemoConfig, DemoEvent, Summary};
+
+use crate::cmd::console_feed;
 
 #[derive(clap::Args)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -57,6 +64,11 @@ struct DemoOpts {
     /// Print the summary as JSON on stdout (the log still goes to stderr).
     #[arg(long)]
     json: bool,
+    /// Serve the web console on HOST:PORT (open http://HOST:PORT/ui): the service graph from
+    /// the node proxies' live traffic, the placement, the migration on a timeline, node health
+    /// (docs/console.md).
+    #[arg(long, value_name = "HOST:PORT")]
+    ui: Option<SocketAddr>,
 }
 
 #[derive(clap::Subcommand)]
@@ -199,10 +211,34 @@ fn demo_main(o: DemoOpts) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let json = o.json;
-    let summary = rt.block_on(async move {
+    // Bound before anything starts, so a taken port fails the run at once.
+    let ui =
+        o.ui.map(|at| {
+            let listener = std::net::TcpListener::bind(at).with_context(|| {
+                format!("cannot serve the console on {at}; pick a free address with --ui")
+            })?;
+            listener.set_nonblocking(true)?;
+            Ok::<_, anyhow::Error>(listener)
+        })
+        .transpose()?;
+    let console = ui.as_ref().map(|_| Console::default());
+    let stop_polling = Arc::new(AtomicBool::new(false));
+    let summary = rt.block_on(async {
+        let server = match (ui, &console) {
+            (Some(listener), Some(console)) => {
+                let listener = tokio::net::TcpListener::from_std(listener)?;
+                eprintln!("[setup] web console: http://{}/ui", listener.local_addr()?);
+                Some(tokio::spawn(flatmesh_control::console::server::serve(
+                    listener,
+                    console.clone(),
+                )))
+            }
+            _ => None,
+        };
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let feed = console.clone().map(|c| (c, stop_polling.clone()));
         let view = tokio::spawn(async move {
-            let mut v = View::new(cfg.duration);
+            let mut v = View::new(cfg.duration, feed);
             while let Some(e) = rx.recv().await {
                 v.show(e);
             }
@@ -216,6 +252,10 @@ fn demo_main(o: DemoOpts) -> anyhow::Result<()> {
             }
         };
         let _ = view.await;
+        stop_polling.store(true, Ordering::Relaxed);
+        if let Some(server) = server {
+            server.abort();
+        }
         result
     })?;
     if json {
@@ -233,13 +273,17 @@ fn demo_main(o: DemoOpts) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The live view: a progress bar with the current numbers, and the log above it.
+/// The live view: a progress bar with the current numbers, and the log above it; with `--ui`,
+/// the web console is fed from the same events.
 struct View {
     bar: indicatif::ProgressBar,
+    console: Option<(Console, Arc<AtomicBool>)>,
+    /// Node ids by index (the orchestrator's signals name nodes by index).
+    node_ids: Vec<String>,
 }
 
 impl View {
-    fn new(duration: Duration) -> Self {
+    fn new(duration: Duration, console: Option<(Console, Arc<AtomicBool>)>) -> Self {
         let bar = indicatif::ProgressBar::with_draw_target(
             Some(duration.as_secs()),
             indicatif::ProgressDrawTarget::stderr(),
@@ -251,7 +295,79 @@ impl View {
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
             .progress_chars("=> "),
         );
-        View { bar }
+        View {
+            bar,
+            console,
+            node_ids: Vec::new(),
+        }
+    }
+
+    /// Feeds the web console: the model and the node pollers at the start, then heartbeat
+    /// ages, the placement each second, and the orchestrator's log and steps.
+    fn feed_console(&mut self, e: &DemoEvent) {
+        let Some((console, stop)) = &self.console else {
+            return;
+        };
+        match e {
+            DemoEvent::Info(_) => {}
+            DemoEvent::Started(start) => {
+                self.node_ids = start.nodes.iter().map(|n| n.id.clone()).collect();
+                let callers = start
+                    .calls
+                    .iter()
+                    .map(|(caller, callee)| (callee.clone(), caller.clone()))
+                    .collect();
+                console.set_model(start.services.iter().cloned(), callers);
+                console.set_nodes(
+                    start
+                        .nodes
+                        .iter()
+                        .map(|n| NodeInfo {
+                            id: n.id.clone(),
+                            kind: if n.smartnic { "smartnic" } else { "host" }.into(),
+                            admin: Some(n.admin.to_string()),
+                        })
+                        .collect(),
+                );
+                console.set_placement(start.placement.clone());
+                let admins = start
+                    .nodes
+                    .iter()
+                    .map(|n| (n.id.clone(), AdminAddress::Tcp(n.admin)))
+                    .collect();
+                console_feed::poll_routes(console, admins, None, stop.clone());
+            }
+            DemoEvent::Tick(row) => {
+                let now = Instant::now();
+                let mut placement = BTreeMap::new();
+                for n in &row.nodes {
+                    if let Some(age) = n.heartbeat_age_ms {
+                        let at = now.checked_sub(Duration::from_millis(age)).unwrap_or(now);
+                        console.heartbeat(&n.node, at);
+                    }
+                    for i in &n.instances {
+                        placement.insert(i.clone(), n.node.clone());
+                    }
+                }
+                console.set_placement(placement);
+            }
+            DemoEvent::Controller { entry, .. } => {
+                let ids = &self.node_ids;
+                let node = |n: usize| ids.get(n).cloned().unwrap_or_else(|| format!("node {n}"));
+                console.record(entry, &node, &|i| format!("instance {i}"))
+            }
+            DemoEvent::Step(s) => {
+                let mut entry = TimelineEntry::now(
+                    "step",
+                    format!(
+                        "step {} {} ({} → {}): {}",
+                        s.step, s.instance, s.from, s.to, s.detail
+                    ),
+                );
+                entry.instance = Some(s.instance.clone());
+                console.push(entry);
+            }
+        }
     }
 
     fn line(&self, s: String) {
@@ -263,8 +379,14 @@ impl View {
     }
 
     fn show(&mut self, e: DemoEvent) {
+        self.feed_console(&e);
         match e {
             DemoEvent::Info(m) => self.line(format!("[setup] {m}")),
+            DemoEvent::Started(start) => self.line(format!(
+                "[setup] {} nodes, {} services up; HCM's placement is live",
+                start.nodes.len(),
+                start.services.len()
+            )),
             DemoEvent::Tick(row) => {
                 self.bar.set_position(row.t_s.round() as u64);
                 let nics: Vec<String> = row

@@ -3,6 +3,7 @@
 pub mod admin_client;
 pub mod ca;
 pub mod check;
+pub mod console_feed;
 pub mod control;
 pub mod control_demo;
 pub mod demo;

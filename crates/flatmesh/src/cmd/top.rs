@@ -72,6 +72,13 @@ pub struct Sample {
     routes: Vec<RouteCounters>,
 }
 
+impl Sample {
+    /// How many (listener, route, cluster) rows it holds.
+    pub fn routes_len(&self) -> usize {
+        self.routes.len()
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 struct RouteCounters {
     listener: String,
@@ -145,7 +152,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// Reads the node's cumulative counters.
-fn sample(admin: &AdminAddress, token: Option<&str>) -> anyhow::Result<Sample> {
+pub(crate) fn sample(admin: &AdminAddress, token: Option<&str>) -> anyhow::Result<Sample> {
     let answer = super::admin_client::request(admin, "GET", "/stats/routes", token)?;
     if answer.status != 200 {
         anyhow::bail!(answer.refusal(admin, token, "/stats/routes"));
@@ -175,7 +182,7 @@ pub fn parse_sample(body: &str) -> anyhow::Result<Sample> {
 }
 
 /// (listener, route) → the tier its rule runs in, from `GET /rules`.
-fn route_tiers(
+pub(crate) fn route_tiers(
     admin: &AdminAddress,
     token: Option<&str>,
 ) -> anyhow::Result<HashMap<(String, String), String>> {

@@ -116,9 +116,35 @@ pub struct DemoConfig {
 #[derive(Debug, Clone)]
 pub enum DemoEvent {
     Info(String),
+    /// The cluster is up: its nodes, services, call graph and HCM's placement (sent once, before
+    /// the load starts; the web console is built from it).
+    Started(DemoStart),
     Tick(TickRow),
-    Controller { at: Duration, entry: LogEntry },
+    Controller {
+        at: Duration,
+        entry: LogEntry,
+    },
     Step(StepEvent),
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoStart {
+    pub nodes: Vec<DemoNode>,
+    /// Every service (`APP/STAGE`).
+    pub services: Vec<String>,
+    /// (caller, callee): who sends requests to whom through the node proxies. The gateway calls
+    /// every other service; the load generator calls the gateway.
+    pub calls: Vec<(String, String)>,
+    /// instance -> node, as HCM placed them.
+    pub placement: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoNode {
+    pub id: String,
+    pub smartnic: bool,
+    /// The node proxy's admin endpoint (reachable from the root namespace).
+    pub admin: SocketAddr,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -128,6 +154,8 @@ pub struct NodeView {
     /// Mean of the slots' execution times in the last heartbeat, µs.
     pub exec_us: Option<u32>,
     pub queue: u16,
+    /// How long ago its last heartbeat arrived, ms (`None`: none yet).
+    pub heartbeat_age_ms: Option<u64>,
     pub instances: Vec<String>,
 }
 
@@ -390,6 +418,8 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
         .iter()
         .map(|s| (service_of(&s.id).to_string(), s.kind))
         .collect();
+    // The console's copy (the sink takes `kinds`).
+    let service_kinds = kinds.clone();
     let ips: BTreeMap<String, std::net::Ipv4Addr> =
         nodes.iter().map(|n| (n.id.clone(), n.ip)).collect();
     let ports: BTreeMap<String, u16> = specs.iter().map(|s| (s.id.clone(), s.port)).collect();
@@ -523,9 +553,36 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
         "{} node proxies ready; agents send authenticated heartbeats every 50 ms over UDP to {orchestrator}",
         nodes.len()
     ));
+    let gateways: Vec<&String> = service_kinds
+        .iter()
+        .filter(|(_, k)| **k == Kind::Gateway)
+        .map(|(s, _)| s)
+        .collect();
+    let _ = events.send(DemoEvent::Started(DemoStart {
+        nodes: nodes
+            .iter()
+            .map(|n| DemoNode {
+                id: n.id.clone(),
+                smartnic: n.smartnic,
+                admin: SocketAddr::new(n.ip.into(), ADMIN_PORT),
+            })
+            .collect(),
+        services: service_kinds.keys().cloned().collect(),
+        calls: gateways
+            .iter()
+            .flat_map(|g| {
+                service_kinds
+                    .keys()
+                    .filter(move |s| s != g)
+                    .map(move |s| ((*g).clone(), s.clone()))
+            })
+            .collect(),
+        placement: placement_before.clone(),
+    }));
 
     // Run: heartbeats in (and into the live view), the controller, the load, a tick per second.
-    let view: Arc<Mutex<BTreeMap<usize, Heartbeat>>> = Arc::new(Mutex::new(BTreeMap::new()));
+    let view: Arc<Mutex<BTreeMap<usize, (Heartbeat, Instant)>>> =
+        Arc::new(Mutex::new(BTreeMap::new()));
     let heartbeats = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (admitted_tx, mut admitted_rx) = mpsc::channel::<Heartbeat>(4096);
     let (hb_tx, hb_rx) = mpsc::channel::<Heartbeat>(4096);
@@ -539,7 +596,7 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
         let heartbeats = heartbeats.clone();
         tokio::spawn(async move {
             while let Some(hb) = admitted_rx.recv().await {
-                view.lock().insert(hb.node as usize, hb);
+                view.lock().insert(hb.node as usize, (hb, Instant::now()));
                 heartbeats.fetch_add(1, Ordering::Relaxed);
                 if hb_tx.send(hb).await.is_err() {
                     return;
@@ -702,9 +759,10 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
 
 fn node_view(
     n: &NodeEnv,
-    hb: Option<&Heartbeat>,
+    seen: Option<&(Heartbeat, Instant)>,
     locations: &BTreeMap<String, String>,
 ) -> NodeView {
+    let hb = seen.map(|(hb, _)| hb);
     let samples: Vec<u32> = hb
         .map(|h| h.samples().map(|(_, e)| u32::from(e)).collect())
         .unwrap_or_default();
@@ -713,6 +771,7 @@ fn node_view(
         smartnic: n.smartnic,
         exec_us: (!samples.is_empty()).then(|| samples.iter().sum::<u32>() / samples.len() as u32),
         queue: hb.map_or(0, |h| h.queue_len),
+        heartbeat_age_ms: seen.map(|(_, at)| at.elapsed().as_millis() as u64),
         instances: locations
             .iter()
             .filter(|(_, node)| **node == n.id)
