@@ -26,6 +26,7 @@ pub mod certificates;
 pub mod client;
 pub mod error;
 pub mod fault;
+pub mod hbone;
 pub mod feed;
 pub mod from_model;
 pub mod identities;
