@@ -225,6 +225,9 @@ impl Translator {
             }
             config.clusters.push(output.clone());
         }
+        // Per-endpoint tunnels first: they ask whether the endpoints carry their destinations,
+        // which a fixed hostname then gives a cluster that had none.
+        tunnels.sort_by_key(|t| t.hostname != crate::hbone::Hostname::PerEndpoint);
         for tunnel in &tunnels {
             if let Some(c) = config.clusters.iter_mut().find(|c| c.name == tunnel.cluster) {
                 crate::hbone::apply(c, tunnel)?;
@@ -588,7 +591,7 @@ fn listener(
                 path_with_escaped_slashes_action: None,
                 tls: listener_tls(transport_socket.as_ref(), model::ListenerProtocol::Hbone, &at)?,
                 authorization: options.authorization.take(),
-                hbone: Some(model::HboneListener { destinations }),
+                hbone: (!destinations.is_empty()).then_some(model::HboneListener { destinations }),
                 rate_limit: None,
                 connection_rate_limit: None,
             }));
