@@ -506,9 +506,7 @@ fn typed_config(v: Value, path: &str) -> Result<Any> {
                 hostname: tc.string("hostname")?.unwrap_or_default(),
                 use_post: tc.bool("use_post")?.unwrap_or(false),
                 post_path: tc.string("post_path")?.unwrap_or_default(),
-                propagate_response_headers: tc
-                    .bool("propagate_response_headers")?
-                    .unwrap_or(false),
+                propagate_response_headers: tc.bool("propagate_response_headers")?.unwrap_or(false),
                 ..Default::default()
             });
             tc.finish()?;

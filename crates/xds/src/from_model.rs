@@ -416,15 +416,17 @@ fn listener(l: &model::Listener, config: &model::Config) -> Listener {
     });
     let router = HttpFilter {
         name: ROUTER_NAME.into(),
-        config_type: Some(http_filter::ConfigType::TypedConfig(pack(&Router::default()))),
+        config_type: Some(http_filter::ConfigType::TypedConfig(pack(
+            &Router::default(),
+        ))),
         ..Default::default()
     };
     let filter = match l.protocol {
         model::ListenerProtocol::Hbone => Filter {
             name: HCM_NAME.into(),
-            config_type: Some(filter::ConfigType::TypedConfig(pack(&hbone_connection_manager(
-                l, router,
-            )))),
+            config_type: Some(filter::ConfigType::TypedConfig(pack(
+                &hbone_connection_manager(l, router),
+            ))),
         },
         model::ListenerProtocol::Http => Filter {
             name: HCM_NAME.into(),

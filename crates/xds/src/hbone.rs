@@ -58,8 +58,12 @@ fn metadata(key: &str, field: &str, value: Kind) -> Metadata {
     let mut fields = std::collections::BTreeMap::new();
     fields.insert(field.to_string(), Value { kind: Some(value) });
     let mut m = Metadata::default();
-    m.filter_metadata
-        .insert(key.to_string(), Struct { fields: fields.into_iter().collect() });
+    m.filter_metadata.insert(
+        key.to_string(),
+        Struct {
+            fields: fields.into_iter().collect(),
+        },
+    );
     m
 }
 
@@ -137,7 +141,8 @@ pub fn take_endpoint_destination(
     address: SocketAddr,
     at: &str,
 ) -> Result<Option<SocketAddr>> {
-    let here = format!("{at}.metadata.filter_metadata[\"{TUNNEL_METADATA_KEY}\"].{TUNNEL_METADATA_FIELD}");
+    let here =
+        format!("{at}.metadata.filter_metadata[\"{TUNNEL_METADATA_KEY}\"].{TUNNEL_METADATA_FIELD}");
     let Some(value) = take_field(m, TUNNEL_METADATA_KEY, TUNNEL_METADATA_FIELD) else {
         return Ok(None);
     };

@@ -2696,8 +2696,8 @@ fn hbone_is_rendered_in_envoys_terms() {
         "10.0.0.7:15010".parse().unwrap(),
         "Envoy connects to the destination's own IP at the tunnel port"
     );
-    let meta = &web[1].metadata.as_ref().unwrap().filter_metadata
-        ["envoy.filters.listener.original_dst"];
+    let meta =
+        &web[1].metadata.as_ref().unwrap().filter_metadata["envoy.filters.listener.original_dst"];
     assert_eq!(
         meta.fields["local"].kind,
         Some(envoy_types::pb::google::protobuf::value::Kind::StringValue(
@@ -2873,10 +2873,7 @@ fn hbone_imports_from_an_envoy_bootstrap() {
     );
     let inbound = config.listeners.iter().find(|l| l.name == "in").unwrap();
     assert_eq!(inbound.protocol, model::ListenerProtocol::Hbone);
-    assert_eq!(
-        inbound.hbone.as_ref().unwrap().destinations,
-        ["10.0.0.0/8"]
-    );
+    assert_eq!(inbound.hbone.as_ref().unwrap().destinations, ["10.0.0.0/8"]);
     assert!(inbound.tls.as_ref().unwrap().client_ca.is_some());
 }
 
@@ -2939,7 +2936,9 @@ fn unmappable_hbone_is_refused_by_name() {
     for (from, to, wanted) in cases {
         assert!(HBONE_BOOTSTRAP.contains(from), "{from}");
         let text = HBONE_BOOTSTRAP.replacen(from, to, 1);
-        let e = bootstrap::parse(&text, "envoy.yaml").unwrap_err().to_string();
+        let e = bootstrap::parse(&text, "envoy.yaml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(wanted), "{to}: {e}");
     }
 }

@@ -229,7 +229,11 @@ impl Translator {
         // which a fixed hostname then gives a cluster that had none.
         tunnels.sort_by_key(|t| t.hostname != crate::hbone::Hostname::PerEndpoint);
         for tunnel in &tunnels {
-            if let Some(c) = config.clusters.iter_mut().find(|c| c.name == tunnel.cluster) {
+            if let Some(c) = config
+                .clusters
+                .iter_mut()
+                .find(|c| c.name == tunnel.cluster)
+            {
                 crate::hbone::apply(c, tunnel)?;
             }
         }
@@ -589,7 +593,11 @@ fn listener(
                 normalize_path: None,
                 merge_slashes: None,
                 path_with_escaped_slashes_action: None,
-                tls: listener_tls(transport_socket.as_ref(), model::ListenerProtocol::Hbone, &at)?,
+                tls: listener_tls(
+                    transport_socket.as_ref(),
+                    model::ListenerProtocol::Hbone,
+                    &at,
+                )?,
                 authorization: options.authorization.take(),
                 hbone: (!destinations.is_empty()).then_some(model::HboneListener { destinations }),
                 rate_limit: None,
@@ -602,7 +610,11 @@ fn listener(
                 "is not supported on an http listener (WebSocket over HTTP/2); flatmesh takes CONNECT only on an hbone listener, whose route matches it (connect_matcher)",
             ));
         }
-        let tls = listener_tls(transport_socket.as_ref(), model::ListenerProtocol::Http, &at)?;
+        let tls = listener_tls(
+            transport_socket.as_ref(),
+            model::ListenerProtocol::Http,
+            &at,
+        )?;
         let mut routes = flatten(
             &config,
             &options.upgrades,
@@ -755,12 +767,14 @@ fn hbone_termination(
             format!("is {:?}; {shape} (the destinations it reaches are `hbone.destinations`, in the route's metadata `{}`)", vh.domains, crate::hbone::FLATMESH_METADATA_KEY),
         ));
     }
-    let [route] = take(&mut vh.routes).try_into().map_err(|routes: Vec<envoy_types::pb::envoy::config::route::v3::Route>| {
-        XdsError::resource(
-            format!("{at}.routes"),
-            format!("has {} routes; {shape}", routes.len()),
-        )
-    })?;
+    let [route] = take(&mut vh.routes).try_into().map_err(
+        |routes: Vec<envoy_types::pb::envoy::config::route::v3::Route>| {
+            XdsError::resource(
+                format!("{at}.routes"),
+                format!("has {} routes; {shape}", routes.len()),
+            )
+        },
+    )?;
     vh.name.clear();
     vh.domains.clear();
     reject_rest(&vh, &at)?;
@@ -1519,9 +1533,7 @@ fn cluster(
     let mut rest = c.clone();
     let name = take(&mut rest.name);
     let eds = eds_name(c);
-    let (endpoints, overprovisioning_factor, tunnel_port) = match rest
-        .cluster_discovery_type
-        .take()
+    let (endpoints, overprovisioning_factor, tunnel_port) = match rest.cluster_discovery_type.take()
     {
         None | Some(cluster::ClusterDiscoveryType::Type(0)) => {
             let cla = rest.load_assignment.take().unwrap_or_default();
