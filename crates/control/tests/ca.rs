@@ -619,6 +619,118 @@ fn sds_gives_a_node_its_placed_identity_refuses_another_and_rotates_without_a_dr
     running.stop();
 }
 
+/// `flatmesh ca revoke`: the control center serves the CA's new CRL with the trust bundle over
+/// SDS, and the node's listener refuses the revoked client from then on while another client
+/// carries on; a broken `crl.pem` is refused and the last good list stays in force.
+#[test]
+fn sds_serves_the_crl_and_the_node_refuses_a_revoked_client() {
+    let dir = Scratch::new("sds-crl");
+    let (center, ca_dir) = control_center(&dir);
+    let store = center.feed().store().clone();
+    let running = Running::start(center);
+    let (rt, server) = (&running.rt, running.server.clone());
+    until("the placement's endpoints", Duration::from_secs(10), || {
+        store.resources().endpoints.contains_key("shop/kvs")
+    });
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    sds_listener(&store, port, echo_server());
+    let ca_pem = ca_dir.join("ca.pem");
+    let sds_dir = dir.0.join("sds-crl-nic0");
+    let mut base = flatmesh_xds::bootstrap::empty_config();
+    base.admin = "127.0.0.1:0".parse().unwrap();
+    base.workers = Some(1);
+    let (apply, _node) = flatmesh_xds::apply::StartThenReload::new(
+        |config| {
+            flatmesh_proxy::Node::start(config, flatmesh_proxy::ConfigSource::Inline)
+                .map_err(|e| e.to_string())
+        },
+        |node: &flatmesh_proxy::Node, config| node.reload(config).map_err(|e| e.to_string()),
+    );
+    let kvs = rt.block_on(async {
+        Client::spawn(
+            flatmesh_xds::client::Options {
+                server: server.clone(),
+                node_id: KVS_NODE.into(),
+                node_cluster: KVS_NODE.into(),
+                protocol: Protocol::Delta,
+                security: security(&ca_pem, Some(&token_of(KVS_NODE))),
+                sds_dir: Some(sds_dir.clone()),
+            },
+            base,
+            apply,
+        )
+    });
+    let authority = Authority::load(&ca_dir).unwrap();
+    let issue = |id: &str| {
+        let issued = authority
+            .issue(&SpiffeId::parse(id).unwrap(), Duration::from_secs(3600))
+            .unwrap();
+        let svid = flatmesh_identity::Svid::from_pem(
+            &issued.chain_pem,
+            issued.key_pem.as_deref().unwrap(),
+        )
+        .unwrap();
+        (svid, issued)
+    };
+    let (front, front_issued) = issue(FRONT_ID);
+    let (other, _) = issue("spiffe://mesh.test/ns/shop/sa/cart");
+    let bundle = TrustBundle::load(&ca_pem).unwrap();
+    until(
+        "the listener with its SDS certificate",
+        Duration::from_secs(20),
+        || {
+            kvs.status().waiting_secrets.is_empty()
+                && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        },
+    );
+    let _ = connect_mtls(port, &front, &bundle);
+    // Refused: the handshake fails or the connection is closed before the echo comes back.
+    let refused = |client: &flatmesh_identity::Svid| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            connect_mtls(port, client, &bundle);
+        }))
+        .is_err()
+    };
+
+    // `flatmesh ca revoke --dir DIR SERIAL` writes DIR/crl.pem; the control center serves it.
+    use rustls::pki_types::pem::PemObject as _;
+    let leaf = rustls::pki_types::CertificateDer::from_pem_slice(front_issued.chain_pem.as_bytes())
+        .unwrap();
+    let (serial, _) = flatmesh_identity::crl::serial_of(leaf.as_ref()).unwrap();
+    authority.revoke(&ca_dir, &[serial]).unwrap();
+    until(
+        "the revoked client is refused",
+        Duration::from_secs(30),
+        || refused(&front),
+    );
+    assert!(!refused(&other), "another client of the same CA carries on");
+    let crl_files = std::fs::read_dir(&sds_dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".crl.pem"))
+        .count();
+    assert_eq!(crl_files, 1, "the node wrote the CRL that came with ROOTCA");
+
+    // A broken crl.pem is refused: the last good list stays served and in force.
+    std::fs::write(
+        ca_dir.join("crl.pem"),
+        "-----BEGIN X509 CRL-----
+AAAA
+-----END X509 CRL-----
+",
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(refused(&front), "the revoked client stays refused");
+    assert!(!refused(&other));
+
+    rt.block_on(async { kvs.stop().await });
+    running.stop();
+}
+
 /// The certificate chain the node wrote for `KVS_ID` in `dir`.
 fn kvs_chain(dir: &Path) -> Vec<rustls::pki_types::CertificateDer<'static>> {
     let file = std::fs::read_dir(dir)

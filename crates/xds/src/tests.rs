@@ -2474,7 +2474,7 @@ fn sds_secrets_over_xds_wait_then_resolve() {
             "-----BEGIN PRIVATE KEY-----\nAA==\n-----END PRIVATE KEY-----\n",
         ))
         .unwrap();
-    secrets.write(&roots_secret("ROOTCA", pem)).unwrap();
+    secrets.write(&roots_secret("ROOTCA", pem, None)).unwrap();
     let (resolved, waiting) = translator
         .translate_with(&resources, &base, &secrets)
         .unwrap();
@@ -2536,7 +2536,7 @@ fn bad_pushed_secrets_are_refused_by_name() {
         e.contains("Secret \"s\": private_key: must be inline"),
         "{e}"
     );
-    let mut with_ids = roots_secret("r", pem);
+    let mut with_ids = roots_secret("r", pem, None);
     if let Some(secret::Type::ValidationContext(v)) = &mut with_ids.r#type {
         v.allow_expired_certificate = true;
     }
@@ -2546,10 +2546,28 @@ fn bad_pushed_secrets_are_refused_by_name() {
         "{e}"
     );
     let e = secrets
-        .write(&roots_secret("r", "not pem"))
+        .write(&roots_secret("r", "not pem", None))
         .unwrap_err()
         .to_string();
     assert!(e.contains("trusted_ca: holds no PEM block"), "{e}");
+    // A CRL must be CRL PEM, and bounded.
+    let e = secrets
+        .write(&roots_secret("r", pem, Some(pem)))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("Secret \"r\": crl: holds no `-----BEGIN X509 CRL-----`"),
+        "{e}"
+    );
+    let huge = format!(
+        "-----BEGIN X509 CRL-----\n{}\n-----END X509 CRL-----\n",
+        "A".repeat(5 * 1024 * 1024)
+    );
+    let e = secrets
+        .write(&roots_secret("r", pem, Some(&huge)))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("crl: is 5242") && e.contains("at most"), "{e}");
     let e = secrets
         .write(&crate::sds::Secret {
             name: "g".into(),

@@ -486,6 +486,10 @@ pub trait SecretFiles {
     fn certificate(&self, name: &str) -> Option<(PathBuf, PathBuf)>;
     /// The roots file of `validation_context` secret `name`, if held.
     fn trusted_ca(&self, name: &str) -> Option<PathBuf>;
+    /// The CRL file that came with `validation_context` secret `name`, if it had one.
+    fn crl(&self, _name: &str) -> Option<PathBuf> {
+        None
+    }
 }
 
 /// No secrets at all: every SDS reference waits.
@@ -498,6 +502,14 @@ impl SecretFiles for NoSecrets {
     fn trusted_ca(&self, _: &str) -> Option<PathBuf> {
         None
     }
+}
+
+/// The CRL file of the validation secret `ca` stands in for, if it came with one (a TLS
+/// context's own `crl` file wins).
+fn secret_crl(ca: &Path, files: &dyn SecretFiles) -> Option<PathBuf> {
+    SecretRef::of(ca)
+        .filter(|s| s.part == SecretPart::Ca)
+        .and_then(|s| files.crl(&s.name))
 }
 
 /// Listeners and clusters that wait for secrets not held yet: secret name -> who waits.
@@ -539,7 +551,9 @@ pub fn resolve_secrets(config: &mut model::Config, files: &dyn SecretFiles) -> W
                 let mut ok = resolve(&mut tls.cert, &who);
                 ok &= resolve(&mut tls.key, &who);
                 if let Some(ca) = &mut tls.client_ca {
+                    let crl = secret_crl(ca, files);
                     ok &= resolve(ca, &who);
+                    tls.crl = tls.crl.take().or(crl);
                 }
                 ok
             }
@@ -549,7 +563,9 @@ pub fn resolve_secrets(config: &mut model::Config, files: &dyn SecretFiles) -> W
     for c in &mut config.clusters {
         let who = format!("Cluster \"{}\"", c.name);
         let Some(tls) = &mut c.tls else { continue };
+        let crl = secret_crl(&tls.ca, files);
         let mut ok = resolve(&mut tls.ca, &who);
+        tls.crl = tls.crl.take().or(crl);
         for path in [&mut tls.cert, &mut tls.key].into_iter().flatten() {
             ok &= resolve(path, &who);
         }
