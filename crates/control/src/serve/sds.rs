@@ -53,6 +53,8 @@ struct Crl {
     served: Option<String>,
     /// The error of a refused file, so that it is logged once, not every poll.
     refused: Option<String>,
+    /// The file's modification time and size when last read: unchanged, it is not read again.
+    seen: Option<(SystemTime, u64)>,
 }
 
 impl NodeSecrets {
@@ -74,6 +76,13 @@ impl NodeSecrets {
     fn reread_crl(&self) -> bool {
         let path = self.ca.dir().join(flatmesh_identity::crl::CRL_FILE);
         let mut crl = self.crl.lock();
+        let seen = std::fs::metadata(&path)
+            .ok()
+            .and_then(|m| Some((m.modified().ok()?, m.len())));
+        if seen.is_some() && seen == crl.seen {
+            return false;
+        }
+        crl.seen = seen;
         match flatmesh_identity::crl::read_crl_text(&path) {
             Ok(text) => {
                 crl.refused = None;
