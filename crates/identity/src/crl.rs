@@ -124,6 +124,25 @@ pub fn load_crls(path: &Path) -> Result<Vec<CertificateRevocationListDer<'static
     })
 }
 
+/// The CA directory's revocation list as PEM text, to hand to peers (the control center's
+/// SDS): None when there is none. Bounded like [`load_crls`], and every block must parse as a
+/// CRL, so a half-written or foreign file is refused rather than passed on.
+pub fn read_crl_text(path: &Path) -> Result<Option<String>, IdentityError> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let bad = |why: String| IdentityError::BadPem {
+        path: path.to_path_buf(),
+        why,
+    };
+    for crl in load_crls(path)? {
+        read_listed(crl.as_ref()).map_err(bad)?;
+    }
+    let text =
+        std::fs::read_to_string(path).map_err(|e| bad(format!("not UTF-8 PEM text ({e})")))?;
+    Ok(Some(text))
+}
+
 /// One CRL as `revoke` reads it back: its issuer, and the serials it lists with their dates.
 struct Listed {
     issuer: Vec<u8>,

@@ -501,6 +501,16 @@ fn typed_config(v: Value, path: &str) -> Result<Any> {
             t.cluster_specifier = Some(tcp_proxy::ClusterSpecifier::Cluster(c));
         }
         t.idle_timeout = o.duration("idle_timeout")?;
+        if let Some(mut tc) = o.obj("tunneling_config")? {
+            t.tunneling_config = Some(tcp_proxy::TunnelingConfig {
+                hostname: tc.string("hostname")?.unwrap_or_default(),
+                use_post: tc.bool("use_post")?.unwrap_or(false),
+                post_path: tc.string("post_path")?.unwrap_or_default(),
+                propagate_response_headers: tc.bool("propagate_response_headers")?.unwrap_or(false),
+                ..Default::default()
+            });
+            tc.finish()?;
+        }
         pack(&t)
     } else if type_name == Router::type_url() {
         pack(&Router::default())
@@ -619,6 +629,7 @@ fn http_connection_manager(o: &mut Obj) -> Result<HttpConnectionManager> {
             max_concurrent_streams: value(h2.u32("max_concurrent_streams")?),
             initial_stream_window_size: value(h2.u32("initial_stream_window_size")?),
             initial_connection_window_size: value(h2.u32("initial_connection_window_size")?),
+            allow_connect: h2.bool("allow_connect")?.unwrap_or(false),
             ..Default::default()
         });
         h2.finish()?;
@@ -857,6 +868,7 @@ fn route_of(v: Value, path: &str) -> Result<Route> {
             r.typed_per_filter_config.insert(name, config);
         }
     }
+    r.metadata = o.obj("metadata")?.map(metadata_of).transpose()?;
     o.finish()?;
     Ok(r)
 }
@@ -1095,6 +1107,11 @@ fn route_match_of(mut o: Obj) -> Result<RouteMatch> {
             r,
             &o.at("safe_regex"),
         )?));
+    } else if let Some(c) = o.obj("connect_matcher")? {
+        c.finish()?;
+        m.path_specifier = Some(route_match::PathSpecifier::ConnectMatcher(
+            route_match::ConnectMatcher {},
+        ));
     }
     if let Some(c) = o.bool("case_sensitive")? {
         m.case_sensitive = Some(BoolValue { value: c });
@@ -1146,10 +1163,21 @@ fn route_action_of(o: &mut Obj) -> Result<RouteAction> {
     a.timeout = o.duration("timeout")?;
     for (i, v) in o.list("upgrade_configs")?.into_iter().enumerate() {
         let mut u = Obj::new(v, &o.at(&format!("upgrade_configs[{i}]")))?;
+        let connect_config = match u.obj("connect_config")? {
+            Some(mut c) => {
+                let config = route_action::upgrade_config::ConnectConfig {
+                    allow_post: c.bool("allow_post")?.unwrap_or(false),
+                    ..Default::default()
+                };
+                c.finish()?;
+                Some(config)
+            }
+            None => None,
+        };
         a.upgrade_configs.push(route_action::UpgradeConfig {
             upgrade_type: u.string("upgrade_type")?.unwrap_or_default(),
             enabled: u.bool("enabled")?.map(|value| BoolValue { value }),
-            ..Default::default()
+            connect_config,
         });
         u.finish()?;
     }
@@ -1254,6 +1282,17 @@ fn cluster(v: Value, path: &str) -> Result<Cluster> {
     if let Some(la) = o.obj("load_assignment")? {
         c.load_assignment = Some(load_assignment(la)?);
     }
+    if let Some(mut od) = o.obj("original_dst_lb_config")? {
+        c.lb_config = Some(cluster::LbConfig::OriginalDstLbConfig(
+            cluster::OriginalDstLbConfig {
+                use_http_header: od.bool("use_http_header")?.unwrap_or(false),
+                http_header_name: od.string("http_header_name")?.unwrap_or_default(),
+                ..Default::default()
+            },
+        ));
+        od.finish()?;
+    }
+    c.metadata = o.obj("metadata")?.map(metadata_of).transpose()?;
     if let Some(rr) = o.obj("round_robin_lb_config")? {
         c.lb_config = Some(cluster::LbConfig::RoundRobinLbConfig(
             cluster::RoundRobinLbConfig {
@@ -1435,6 +1474,46 @@ fn http_protocol_options_of(o: &mut Obj) -> Result<HttpProtocolOptions> {
     Ok(out)
 }
 
+/// A `metadata` (`filter_metadata` only): each namespace's JSON tree as a protobuf Struct.
+/// Which keys mean something is for the translation to say ([`crate::hbone`]).
+fn metadata_of(mut o: Obj) -> Result<envoy_types::pb::envoy::config::core::v3::Metadata> {
+    use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value as PbValue};
+    fn value(v: Value) -> PbValue {
+        let kind = match v {
+            Value::Null => Kind::NullValue(0),
+            Value::Bool(b) => Kind::BoolValue(b),
+            Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or_default()),
+            Value::String(s) => Kind::StringValue(s),
+            Value::Array(a) => Kind::ListValue(ListValue {
+                values: a.into_iter().map(value).collect(),
+            }),
+            Value::Object(m) => Kind::StructValue(Struct {
+                fields: m.into_iter().map(|(k, v)| (k, value(v))).collect(),
+            }),
+        };
+        PbValue { kind: Some(kind) }
+    }
+    let mut out = envoy_types::pb::envoy::config::core::v3::Metadata::default();
+    if let Some(filters) = o.obj("filter_metadata")? {
+        for (key, v) in filters.map {
+            let Value::Object(fields) = v else {
+                return Err(XdsError::resource(
+                    format!("{}[\"{key}\"]", filters.path),
+                    "is not a mapping",
+                ));
+            };
+            out.filter_metadata.insert(
+                key,
+                Struct {
+                    fields: fields.into_iter().map(|(k, v)| (k, value(v))).collect(),
+                },
+            );
+        }
+    }
+    o.finish()?;
+    Ok(out)
+}
+
 fn load_assignment(mut o: Obj) -> Result<ClusterLoadAssignment> {
     let mut cla = ClusterLoadAssignment {
         cluster_name: o.string("cluster_name")?.unwrap_or_default(),
@@ -1468,6 +1547,7 @@ fn load_assignment(mut o: Obj) -> Result<ClusterLoadAssignment> {
                 .transpose()?;
             ep.finish()?;
             let weight = e.u32("load_balancing_weight")?;
+            let metadata = e.obj("metadata")?.map(metadata_of).transpose()?;
             e.finish()?;
             group.lb_endpoints.push(LbEndpoint {
                 host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
@@ -1475,6 +1555,7 @@ fn load_assignment(mut o: Obj) -> Result<ClusterLoadAssignment> {
                     ..Default::default()
                 })),
                 load_balancing_weight: weight.map(|value| UInt32Value { value }),
+                metadata,
                 ..Default::default()
             });
         }

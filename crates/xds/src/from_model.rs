@@ -45,6 +45,7 @@ use envoy_types::pb::envoy::r#type::v3::Percent;
 use envoy_types::pb::google::protobuf::{self as pbuf, UInt32Value};
 use flatmesh_config as model;
 
+use crate::hbone;
 use crate::local_ratelimit;
 use crate::rbac;
 use crate::resources::{pack, Resources};
@@ -56,17 +57,20 @@ pub fn resources(config: &model::Config) -> Resources {
     let mut out = Resources::default();
     for c in &config.clusters {
         out.clusters.insert(c.name.clone(), cluster(c, config));
-        out.endpoints.insert(
-            c.name.clone(),
-            weighted_assignment(&c.name, c.endpoints.entries(), c.overprovisioning_factor),
-        );
+        let mut assignment =
+            weighted_assignment(&c.name, c.endpoints.entries(), c.overprovisioning_factor);
+        if c.tunnel.is_some() {
+            tunnel_endpoints(&mut assignment, c.tunnel_port.unwrap_or(model::HBONE_PORT));
+        }
+        out.endpoints.insert(c.name.clone(), assignment);
     }
     for l in &config.listeners {
-        // HBONE tunnels in are flatmesh's own; Envoy is not sent a listener for them.
         if l.protocol == model::ListenerProtocol::Hbone {
-            continue;
+            // Its CONNECT route's ORIGINAL_DST cluster (crate::hbone, "Termination").
+            let c = hbone_termination_cluster(l, config);
+            out.clusters.insert(c.name.clone(), c);
         }
-        out.listeners.insert(l.name.clone(), listener(l));
+        out.listeners.insert(l.name.clone(), listener(l, config));
         if l.protocol == model::ListenerProtocol::Http {
             out.routes
                 .insert(l.name.clone(), route_configuration(l, config));
@@ -114,7 +118,13 @@ fn cluster(c: &model::Cluster, config: &model::Config) -> Cluster {
         model::LbPolicy::Maglev => cluster::LbPolicy::Maglev,
     };
     let mut options = HashMap::new();
-    if c.protocol == model::UpstreamProtocol::Http2 {
+    // A tunnel cluster's protocol options are the tunnel's: HBONE is HTTP/2.
+    let outer = if c.tunnel.is_some() {
+        model::UpstreamProtocol::Http2
+    } else {
+        c.protocol
+    };
+    if outer == model::UpstreamProtocol::Http2 {
         options.insert(
             HTTP_OPTIONS_KEY.to_string(),
             pack(&HttpProtocolOptions {
@@ -147,7 +157,9 @@ fn cluster(c: &model::Cluster, config: &model::Config) -> Cluster {
         )),
         lb_policy: lb_policy as i32,
         typed_extension_protocol_options: options,
-        transport_socket: c.tls.as_ref().map(|t| tls::upstream(t, c.protocol)),
+        transport_socket: c.tls.as_ref().map(|t| tls::upstream(t, outer)),
+        metadata: (c.tunnel.is_some() && c.protocol == model::UpstreamProtocol::Http2)
+            .then(hbone::inner_http2_metadata),
         circuit_breakers: c.circuit_breaker.as_ref().map(circuit_breakers),
         outlier_detection: c.outlier_detection.as_ref().map(outlier_detection),
         health_checks: c.health_check.iter().map(health_check).collect(),
@@ -300,6 +312,50 @@ pub fn weighted_assignment(
     }
 }
 
+/// A tunnel cluster's endpoints as Envoy connects to them: each destination's own IP at the
+/// tunnel port, with the destination in Istio's tunnel metadata (crate::hbone).
+fn tunnel_endpoints(assignment: &mut ClusterLoadAssignment, tunnel_port: u16) {
+    for e in assignment
+        .endpoints
+        .iter_mut()
+        .flat_map(|g| g.lb_endpoints.iter_mut())
+    {
+        let Some(lb_endpoint::HostIdentifier::Endpoint(endpoint)) = &mut e.host_identifier else {
+            continue;
+        };
+        let Some(destination) = endpoint
+            .address
+            .as_ref()
+            .and_then(|a| crate::to_model::socket_addr(Some(a), "").ok())
+        else {
+            continue;
+        };
+        endpoint.address = Some(socket_address(hbone::peer(destination, tunnel_port)));
+        e.metadata = Some(hbone::endpoint_metadata(destination));
+    }
+}
+
+/// The ORIGINAL_DST cluster an hbone listener's CONNECT route delivers to: the destination is
+/// the CONNECT's `:authority`.
+fn hbone_termination_cluster(l: &model::Listener, config: &model::Config) -> Cluster {
+    Cluster {
+        name: hbone::termination_cluster(&l.name),
+        cluster_discovery_type: Some(cluster::ClusterDiscoveryType::Type(
+            cluster::DiscoveryType::OriginalDst as i32,
+        )),
+        lb_policy: cluster::LbPolicy::ClusterProvided as i32,
+        connect_timeout: Some(duration(config.limits.connect_timeout)),
+        lb_config: Some(cluster::LbConfig::OriginalDstLbConfig(
+            cluster::OriginalDstLbConfig {
+                use_http_header: true,
+                http_header_name: hbone::AUTHORITY.into(),
+                ..Default::default()
+            },
+        )),
+        ..Default::default()
+    }
+}
+
 /// Slow start as Envoy's `slow_start_config` in the policy's lb_config.
 fn lb_config(c: &model::Cluster) -> Option<cluster::LbConfig> {
     let slow = c.slow_start.as_ref()?;
@@ -331,7 +387,7 @@ fn lb_config(c: &model::Cluster) -> Option<cluster::LbConfig> {
     }
 }
 
-fn listener(l: &model::Listener) -> Listener {
+fn listener(l: &model::Listener, config: &model::Config) -> Listener {
     let authorization = l.authorization.as_ref();
     // On a tcp listener the authorization's RBAC layers are network filters before tcp_proxy.
     let mut filters = match (l.protocol, authorization) {
@@ -358,7 +414,20 @@ fn listener(l: &model::Listener) -> Listener {
         config_type: Some(http_filter::ConfigType::TypedConfig(pack(&c))),
         ..Default::default()
     });
+    let router = HttpFilter {
+        name: ROUTER_NAME.into(),
+        config_type: Some(http_filter::ConfigType::TypedConfig(pack(
+            &Router::default(),
+        ))),
+        ..Default::default()
+    };
     let filter = match l.protocol {
+        model::ListenerProtocol::Hbone => Filter {
+            name: HCM_NAME.into(),
+            config_type: Some(filter::ConfigType::TypedConfig(pack(
+                &hbone_connection_manager(l, router),
+            ))),
+        },
         model::ListenerProtocol::Http => Filter {
             name: HCM_NAME.into(),
             config_type: Some(filter::ConfigType::TypedConfig(pack(
@@ -380,13 +449,7 @@ fn listener(l: &model::Listener) -> Listener {
                         .into_iter()
                         .chain(http_rate_limit)
                         .chain(crate::fault::filter_for(l))
-                        .chain([HttpFilter {
-                            name: ROUTER_NAME.into(),
-                            config_type: Some(http_filter::ConfigType::TypedConfig(pack(
-                                &Router::default(),
-                            ))),
-                            ..Default::default()
-                        }])
+                        .chain([router])
                         .collect(),
                     http2_protocol_options: http2_options(&l.limits),
                     // Unset keys stay unset, so the node applies its own defaults. proto3
@@ -400,12 +463,18 @@ fn listener(l: &model::Listener) -> Listener {
                 },
             ))),
         },
-        model::ListenerProtocol::Tcp | model::ListenerProtocol::Hbone => Filter {
+        model::ListenerProtocol::Tcp => Filter {
             name: TCP_PROXY_NAME.into(),
             config_type: Some(filter::ConfigType::TypedConfig(pack(&TcpProxy {
                 stat_prefix: l.name.clone(),
                 cluster_specifier: l.cluster.clone().map(tcp_proxy::ClusterSpecifier::Cluster),
                 idle_timeout: l.limits.tcp_idle_timeout.map(duration),
+                tunneling_config: l
+                    .cluster
+                    .as_deref()
+                    .and_then(|name| config.cluster(name))
+                    .filter(|c| c.tunnel.is_some())
+                    .map(tunneling_config),
                 ..Default::default()
             }))),
         },
@@ -417,10 +486,7 @@ fn listener(l: &model::Listener) -> Listener {
         address: Some(socket_address(l.address)),
         filter_chains: vec![FilterChain {
             filters,
-            transport_socket: l
-                .tls
-                .as_ref()
-                .map(|t| tls::downstream(t, l.protocol == model::ListenerProtocol::Http)),
+            transport_socket: l.tls.as_ref().map(|t| tls::downstream(t, l.protocol)),
             ..Default::default()
         }],
         per_connection_buffer_limit_bytes: l.limits.per_connection_buffer_bytes.map(|n| {
@@ -428,6 +494,87 @@ fn listener(l: &model::Listener) -> Listener {
                 value: u32::try_from(n).unwrap_or(u32::MAX),
             }
         }),
+        ..Default::default()
+    }
+}
+
+/// What a tcp listener's CONNECT to a tunnel cluster names: its one destination when it has
+/// one (a plain Envoy then does what flatmesh does), else each endpoint's own (crate::hbone).
+fn tunneling_config(c: &model::Cluster) -> tcp_proxy::TunnelingConfig {
+    let hostname = match c.endpoints.entries() {
+        [one] => one.address.to_string(),
+        _ => hbone::DOWNSTREAM_LOCAL_ADDRESS.into(),
+    };
+    tcp_proxy::TunnelingConfig {
+        hostname,
+        ..Default::default()
+    }
+}
+
+/// An hbone listener as Envoy terminates HBONE: HTTP/2 with CONNECT allowed, one route that
+/// matches CONNECT and terminates it into the listener's ORIGINAL_DST cluster, the
+/// destinations it may reach as that route's metadata (crate::hbone, "Termination").
+fn hbone_connection_manager(l: &model::Listener, router: HttpFilter) -> HttpConnectionManager {
+    let connect = || route_action::UpgradeConfig {
+        upgrade_type: hbone::CONNECT.into(),
+        ..Default::default()
+    };
+    let destinations = l
+        .hbone
+        .as_ref()
+        .map(|h| h.destinations.as_slice())
+        .unwrap_or_default();
+    let route = Route {
+        name: "hbone".into(),
+        r#match: Some(RouteMatch {
+            path_specifier: Some(route_match::PathSpecifier::ConnectMatcher(
+                route_match::ConnectMatcher {},
+            )),
+            ..Default::default()
+        }),
+        action: Some(route::Action::Route(RouteAction {
+            cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(
+                hbone::termination_cluster(&l.name),
+            )),
+            upgrade_configs: vec![route_action::UpgradeConfig {
+                connect_config: Some(route_action::upgrade_config::ConnectConfig::default()),
+                ..connect()
+            }],
+            ..Default::default()
+        })),
+        metadata: (!destinations.is_empty()).then(|| hbone::destinations_metadata(destinations)),
+        ..Default::default()
+    };
+    let mut h2 = http2_options(&l.limits).unwrap_or_default();
+    h2.allow_connect = true;
+    HttpConnectionManager {
+        stat_prefix: l.name.clone(),
+        codec_type: http_connection_manager::CodecType::Http2 as i32,
+        route_specifier: Some(http_connection_manager::RouteSpecifier::RouteConfig(
+            RouteConfiguration {
+                name: l.name.clone(),
+                virtual_hosts: vec![VirtualHost {
+                    name: "hbone".into(),
+                    domains: vec!["*".into()],
+                    routes: vec![route],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+        )),
+        upgrade_configs: vec![http_connection_manager::UpgradeConfig {
+            upgrade_type: hbone::CONNECT.into(),
+            ..Default::default()
+        }],
+        http_filters: l
+            .authorization
+            .as_ref()
+            .map(rbac::http_filters)
+            .unwrap_or_default()
+            .into_iter()
+            .chain([router])
+            .collect(),
+        http2_protocol_options: Some(h2),
         ..Default::default()
     }
 }

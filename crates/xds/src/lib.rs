@@ -28,6 +28,7 @@ pub mod error;
 pub mod fault;
 pub mod feed;
 pub mod from_model;
+pub mod hbone;
 pub mod identities;
 pub mod local_ratelimit;
 pub mod rbac;

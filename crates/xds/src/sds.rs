@@ -60,13 +60,15 @@ pub fn certificate_secret(name: &str, chain_pem: &str, key_pem: &str) -> Secret 
     }
 }
 
-/// A `validation_context` secret holding only roots (the peer IDs stay in the TLS contexts).
-pub fn roots_secret(name: &str, bundle_pem: &str) -> Secret {
+/// A `validation_context` secret holding the roots and, when the CA has revoked certificates,
+/// its CRLs (the peer IDs stay in the TLS contexts).
+pub fn roots_secret(name: &str, bundle_pem: &str, crl_pem: Option<&str>) -> Secret {
     Secret {
         name: name.to_string(),
         r#type: Some(secret::Type::ValidationContext(
             CertificateValidationContext {
                 trusted_ca: Some(inline(bundle_pem)),
+                crl: crl_pem.map(inline),
                 ..Default::default()
             },
         )),
@@ -84,7 +86,10 @@ fn inline(pem: &str) -> DataSource {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Certificate,
-    Roots,
+    /// Roots, and whether a CRL came with them.
+    Roots {
+        crl: bool,
+    },
 }
 
 /// The directory the xDS client writes received secrets to (`flatmesh node --sds-dir DIR`).
@@ -123,13 +128,22 @@ impl SecretDir {
     }
 
     fn files(&self, name: &str) -> (PathBuf, PathBuf, PathBuf) {
-        let stem = self.stem(name).into_os_string();
-        let with = |suffix: &str| {
-            let mut path = stem.clone();
-            path.push(suffix);
-            PathBuf::from(path)
-        };
-        (with(".pem"), with(".key"), with(".roots.pem"))
+        (
+            self.file(name, ".pem"),
+            self.file(name, ".key"),
+            self.file(name, ".roots.pem"),
+        )
+    }
+
+    /// `DIR/STEM.crl.pem`: the CRLs that came with roots.
+    fn crl_file(&self, name: &str) -> PathBuf {
+        self.file(name, ".crl.pem")
+    }
+
+    fn file(&self, name: &str, suffix: &str) -> PathBuf {
+        let mut path = self.stem(name).into_os_string();
+        path.push(suffix);
+        PathBuf::from(path)
     }
 
     /// Checks `secret` and writes its files. Only what flatmesh uses is taken: a certificate
@@ -154,13 +168,20 @@ impl SecretDir {
             }
             Some(secret::Type::ValidationContext(mut v)) => {
                 let bundle = pem(v.trusted_ca.take(), &format!("{at}: trusted_ca"))?;
+                let crl = match v.crl.take() {
+                    Some(crl) => Some(crl_pem(crl, &format!("{at}: crl"))?),
+                    None => None,
+                };
                 reject_rest(
                     &v,
-                    &format!("{at}: validation_context (only trusted_ca: the peer IDs are the TLS context's)"),
+                    &format!("{at}: validation_context (only trusted_ca and crl: the peer IDs are the TLS context's)"),
                 )?;
                 self.create_dir()?;
+                if let Some(crl) = &crl {
+                    self.replace(&self.crl_file(&secret.name), crl, 0o644)?;
+                }
                 self.replace(&roots, &bundle, 0o644)?;
-                Kind::Roots
+                Kind::Roots { crl: crl.is_some() }
             }
             _ => return Err(XdsError::resource(
                 at,
@@ -203,8 +224,32 @@ impl crate::tls::SecretFiles for SecretDir {
     }
 
     fn trusted_ca(&self, name: &str) -> Option<PathBuf> {
-        (self.held.get(name) == Some(&Kind::Roots)).then(|| self.files(name).2)
+        matches!(self.held.get(name), Some(Kind::Roots { .. })).then(|| self.files(name).2)
     }
+
+    fn crl(&self, name: &str) -> Option<PathBuf> {
+        (self.held.get(name) == Some(&Kind::Roots { crl: true })).then(|| self.crl_file(name))
+    }
+}
+
+/// The CRL PEM of a validation secret: bounded, and every block a CRL (the node's verifiers
+/// read the file at the reload the secret triggers; a bad one is refused here, by name, and
+/// the node keeps the secret it had).
+fn crl_pem(source: DataSource, at: &str) -> Result<String> {
+    let text = pem(Some(source), at)?;
+    if text.len() as u64 > flatmesh_identity::crl::MAX_CRL_FILE {
+        return Err(XdsError::resource(
+            at,
+            format!(
+                "is {} bytes; a CRL may be at most {} bytes",
+                text.len(),
+                flatmesh_identity::crl::MAX_CRL_FILE
+            ),
+        ));
+    }
+    flatmesh_identity::crl::crls_from_pem(text.as_bytes())
+        .map_err(|why| XdsError::resource(at, why))?;
+    Ok(text)
 }
 
 /// The PEM text of an inline data source.

@@ -626,8 +626,8 @@ fn a_crl_maps_to_envoys_validation_context_crl() {
         allow: vec!["spiffe://td/*".into()],
         crl: Some("/pki/crl.pem".into()),
     };
-    let socket = crate::tls::downstream(&listener, true);
-    let back = crate::tls::listener_tls(&socket, true, "l").unwrap();
+    let socket = crate::tls::downstream(&listener, model::ListenerProtocol::Http);
+    let back = crate::tls::listener_tls(&socket, model::ListenerProtocol::Http, "l").unwrap();
     assert_eq!(back, Some(listener));
     let cluster = model::ClusterTls {
         ca: "/pki/ca.pem".into(),
@@ -2474,7 +2474,7 @@ fn sds_secrets_over_xds_wait_then_resolve() {
             "-----BEGIN PRIVATE KEY-----\nAA==\n-----END PRIVATE KEY-----\n",
         ))
         .unwrap();
-    secrets.write(&roots_secret("ROOTCA", pem)).unwrap();
+    secrets.write(&roots_secret("ROOTCA", pem, None)).unwrap();
     let (resolved, waiting) = translator
         .translate_with(&resources, &base, &secrets)
         .unwrap();
@@ -2536,7 +2536,7 @@ fn bad_pushed_secrets_are_refused_by_name() {
         e.contains("Secret \"s\": private_key: must be inline"),
         "{e}"
     );
-    let mut with_ids = roots_secret("r", pem);
+    let mut with_ids = roots_secret("r", pem, None);
     if let Some(secret::Type::ValidationContext(v)) = &mut with_ids.r#type {
         v.allow_expired_certificate = true;
     }
@@ -2546,10 +2546,28 @@ fn bad_pushed_secrets_are_refused_by_name() {
         "{e}"
     );
     let e = secrets
-        .write(&roots_secret("r", "not pem"))
+        .write(&roots_secret("r", "not pem", None))
         .unwrap_err()
         .to_string();
     assert!(e.contains("trusted_ca: holds no PEM block"), "{e}");
+    // A CRL must be CRL PEM, and bounded.
+    let e = secrets
+        .write(&roots_secret("r", pem, Some(pem)))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("Secret \"r\": crl: holds no `-----BEGIN X509 CRL-----`"),
+        "{e}"
+    );
+    let huge = format!(
+        "-----BEGIN X509 CRL-----\n{}\n-----END X509 CRL-----\n",
+        "A".repeat(5 * 1024 * 1024)
+    );
+    let e = secrets
+        .write(&roots_secret("r", pem, Some(&huge)))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("crl: is 5242") && e.contains("at most"), "{e}");
     let e = secrets
         .write(&crate::sds::Secret {
             name: "g".into(),
@@ -2601,4 +2619,344 @@ fn sds_secrets_are_served_only_over_tls_to_token_holders() {
         e.contains("SDS serves private keys, so only over TLS"),
         "{e}"
     );
+}
+
+/// Tunnel clusters (one endpoint, several, HTTP/2 inside) and an hbone listener, as
+/// `flatmesh control` renders them and a node reads them back.
+const HBONE_CONFIG: &str = r#"
+listeners:
+  - { name: to-db, address: 127.0.0.1:9000, protocol: tcp, cluster: db }
+  - { name: to-web, address: 127.0.0.1:9001, protocol: tcp, cluster: web }
+  - name: api
+    address: 127.0.0.1:8080
+    protocol: http
+    routes: [ { cluster: api } ]
+  - name: tunnel
+    address: 0.0.0.0:15008
+    protocol: hbone
+    tls: { cert: /pki/node.pem, key: /pki/node.key, client_ca: /pki/ca.pem, allow: [ "spiffe://td/ns/shop/*" ] }
+    hbone: { destinations: [ 10.0.0.0/8, 127.0.0.1:7000, "::1" ] }
+    limits: { http2_max_concurrent_streams: 50, per_connection_buffer_bytes: 65536 }
+    authorization:
+      default: deny
+      policies: [ { name: shop-only, action: allow, from: { namespaces: [ shop ] } } ]
+  - name: tunnel-loopback
+    address: 127.0.0.1:15009
+    protocol: hbone
+    tls: { cert: /pki/node.pem, key: /pki/node.key, client_ca: /pki/ca.pem, allow: [ spiffe://td/ns/shop/sa/web ] }
+clusters:
+  - name: db
+    endpoints: [ 10.0.0.5:5432 ]
+    tunnel: hbone
+    tls: { ca: /pki/ca.pem, cert: /pki/node.pem, key: /pki/node.key, server_ids: [ spiffe://td/ns/data/sa/node ] }
+  - name: web
+    endpoints: [ 10.0.0.6:80, { address: "10.0.0.7:80", weight: 3 } ]
+    tunnel: hbone
+    tunnel_port: 15010
+    tls: { ca: /pki/ca.pem, cert: /pki/node.pem, key: /pki/node.key, server_ids: [ "spiffe://td/ns/web/*" ] }
+  - name: api
+    protocol: http2
+    endpoints: [ 10.0.0.8:8443 ]
+    tunnel: hbone
+    tls: { ca: /pki/ca.pem, server_ids: [ spiffe://td/ns/api/sa/node ] }
+"#;
+
+#[test]
+fn hbone_round_trips_through_xds() {
+    let config = model::parse(HBONE_CONFIG, "hbone.yaml").unwrap();
+    let resources = crate::from_model::resources(&config);
+    let mut back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
+    // The server states every cluster's connect timeout explicitly.
+    for c in &mut back.clusters {
+        assert_eq!(c.connect_timeout, Some(config.limits.connect_timeout));
+        c.connect_timeout = None;
+    }
+    let sorted = |mut c: model::Config| {
+        c.listeners.sort_by(|a, b| a.name.cmp(&b.name));
+        c.clusters.sort_by(|a, b| a.name.cmp(&b.name));
+        c
+    };
+    assert_eq!(sorted(back), sorted(config));
+}
+
+#[test]
+fn hbone_is_rendered_in_envoys_terms() {
+    use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
+    use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::TcpProxy;
+    let config = model::parse(HBONE_CONFIG, "hbone.yaml").unwrap();
+    let resources = crate::from_model::resources(&config);
+    let tcp_proxy = |listener: &str| -> TcpProxy {
+        let filter = &resources.listeners[listener].filter_chains[0].filters[0];
+        let Some(envoy_types::pb::envoy::config::listener::v3::filter::ConfigType::TypedConfig(
+            any,
+        )) = &filter.config_type
+        else {
+            panic!("no typed config")
+        };
+        crate::to_model::unpack(any, "test").unwrap()
+    };
+    // One destination: a fixed CONNECT authority, which a plain Envoy runs as flatmesh does.
+    assert_eq!(
+        tcp_proxy("to-db").tunneling_config.unwrap().hostname,
+        "10.0.0.5:5432"
+    );
+    // Several: each endpoint's own, from Istio's tunnel metadata.
+    assert_eq!(
+        tcp_proxy("to-web").tunneling_config.unwrap().hostname,
+        "%DOWNSTREAM_LOCAL_ADDRESS%"
+    );
+    let web = &resources.endpoints["web"].endpoints[0].lb_endpoints;
+    let Some(HostIdentifier::Endpoint(e)) = &web[1].host_identifier else {
+        panic!("no endpoint")
+    };
+    assert_eq!(
+        crate::to_model::socket_addr(e.address.as_ref(), "test").unwrap(),
+        "10.0.0.7:15010".parse().unwrap(),
+        "Envoy connects to the destination's own IP at the tunnel port"
+    );
+    let meta =
+        &web[1].metadata.as_ref().unwrap().filter_metadata["envoy.filters.listener.original_dst"];
+    assert_eq!(
+        meta.fields["local"].kind,
+        Some(envoy_types::pb::google::protobuf::value::Kind::StringValue(
+            "10.0.0.7:80".into()
+        ))
+    );
+    // The hbone listener terminates CONNECT into an ORIGINAL_DST cluster by :authority.
+    let termination = &resources.clusters["tunnel.hbone"];
+    assert_eq!(
+        termination.cluster_discovery_type,
+        Some(
+            envoy_types::pb::envoy::config::cluster::v3::cluster::ClusterDiscoveryType::Type(
+                envoy_types::pb::envoy::config::cluster::v3::cluster::DiscoveryType::OriginalDst
+                    as i32
+            )
+        )
+    );
+    // A plain (non-tunnel) tcp listener has no tunneling_config.
+    let plain = model::parse(
+        "listeners: [ { name: t, address: 127.0.0.1:9000, protocol: tcp, cluster: c } ]\nclusters: [ { name: c, endpoints: [ 127.0.0.1:1 ] } ]\n",
+        "t.yaml",
+    )
+    .unwrap();
+    let filter = &crate::from_model::resources(&plain).listeners["t"].filter_chains[0].filters[0];
+    let Some(envoy_types::pb::envoy::config::listener::v3::filter::ConfigType::TypedConfig(any)) =
+        &filter.config_type
+    else {
+        panic!("no typed config")
+    };
+    let t: TcpProxy = crate::to_model::unpack(any, "test").unwrap();
+    assert!(t.tunneling_config.is_none());
+}
+
+/// An Envoy HBONE client and server as Envoy's own docs and Istio write them.
+const HBONE_BOOTSTRAP: &str = r#"
+static_resources:
+  listeners:
+  - name: out
+    address: { socket_address: { address: 127.0.0.1, port_value: 9000 } }
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: out
+          cluster: hbone
+          tunneling_config: { hostname: "10.1.2.3:8080" }
+  - name: out-many
+    address: { socket_address: { address: 127.0.0.1, port_value: 9001 } }
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: out-many
+          cluster: waypoint
+          tunneling_config: { hostname: "%DOWNSTREAM_LOCAL_ADDRESS%" }
+  - name: in
+    address: { socket_address: { address: 0.0.0.0, port_value: 15008 } }
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: in
+          codec_type: HTTP2
+          http2_protocol_options: { allow_connect: true }
+          upgrade_configs: [ { upgrade_type: CONNECT } ]
+          route_config:
+            name: in
+            virtual_hosts:
+            - name: in
+              domains: [ "*" ]
+              routes:
+              - match: { connect_matcher: {} }
+                route:
+                  cluster: deliver
+                  upgrade_configs: [ { upgrade_type: CONNECT, connect_config: {} } ]
+                metadata: { filter_metadata: { flatmesh.hbone: { destinations: [ 10.0.0.0/8 ] } } }
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: { "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }
+      transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
+          require_client_certificate: true
+          common_tls_context:
+            tls_certificates: [ { certificate_chain: { filename: /pki/node.pem }, private_key: { filename: /pki/node.key } } ]
+            validation_context:
+              trusted_ca: { filename: /pki/ca.pem }
+              match_typed_subject_alt_names: [ { san_type: URI, matcher: { prefix: "spiffe://td/ns/shop/" } } ]
+            alpn_protocols: [ h2 ]
+  clusters:
+  - name: hbone
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: { http2_protocol_options: {} }
+    load_assignment:
+      cluster_name: hbone
+      endpoints: [ { lb_endpoints: [ { endpoint: { address: { socket_address: { address: 10.1.2.3, port_value: 15008 } } } } ] } ]
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context:
+          validation_context:
+            trusted_ca: { filename: /pki/ca.pem }
+            match_typed_subject_alt_names: [ { san_type: URI, matcher: { exact: "spiffe://td/ns/db/sa/node" } } ]
+          alpn_protocols: [ h2 ]
+  - name: waypoint
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: { http2_protocol_options: {} }
+    load_assignment:
+      cluster_name: waypoint
+      endpoints:
+      - lb_endpoints:
+        - endpoint: { address: { socket_address: { address: 10.0.0.6, port_value: 15008 } } }
+          metadata: { filter_metadata: { envoy.filters.listener.original_dst: { local: "10.0.0.6:80" } } }
+        - endpoint: { address: { socket_address: { address: 10.0.0.7, port_value: 15008 } } }
+          metadata: { filter_metadata: { envoy.filters.listener.original_dst: { local: "10.0.0.7:81" } } }
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context:
+          validation_context:
+            trusted_ca: { filename: /pki/ca.pem }
+            match_typed_subject_alt_names: [ { san_type: URI, matcher: { prefix: "spiffe://td/ns/web/" } } ]
+  - name: deliver
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 1s
+    original_dst_lb_config: { use_http_header: true, http_header_name: ":authority" }
+"#;
+
+#[test]
+fn hbone_imports_from_an_envoy_bootstrap() {
+    let config = bootstrap::parse(HBONE_BOOTSTRAP, "envoy.yaml").unwrap();
+    let hbone = config.cluster("hbone").unwrap();
+    assert_eq!(hbone.tunnel, Some(model::Tunnel::Hbone));
+    assert_eq!(hbone.tunnel_port, None, "15008 is the default");
+    assert_eq!(
+        hbone
+            .endpoints
+            .entries()
+            .iter()
+            .map(|e| e.address.to_string())
+            .collect::<Vec<_>>(),
+        ["10.1.2.3:8080"]
+    );
+    let waypoint = config.cluster("waypoint").unwrap();
+    assert_eq!(waypoint.tunnel, Some(model::Tunnel::Hbone));
+    assert_eq!(
+        waypoint
+            .endpoints
+            .entries()
+            .iter()
+            .map(|e| e.address.to_string())
+            .collect::<Vec<_>>(),
+        ["10.0.0.6:80", "10.0.0.7:81"]
+    );
+    assert!(
+        config.cluster("deliver").is_none(),
+        "the ORIGINAL_DST cluster is the hbone listener's own delivery"
+    );
+    let inbound = config.listeners.iter().find(|l| l.name == "in").unwrap();
+    assert_eq!(inbound.protocol, model::ListenerProtocol::Hbone);
+    assert_eq!(inbound.hbone.as_ref().unwrap().destinations, ["10.0.0.0/8"]);
+    assert!(inbound.tls.as_ref().unwrap().client_ca.is_some());
+}
+
+#[test]
+fn unmappable_hbone_is_refused_by_name() {
+    let cases: &[(&str, &str, &str)] = &[
+        // A fixed authority whose IP is not the tunnel peer's.
+        (
+            "tunneling_config: { hostname: \"10.1.2.3:8080\" }",
+            "tunneling_config: { hostname: \"10.9.9.9:8080\" }",
+            "tunneling_config.hostname",
+        ),
+        // A hostname flatmesh does not resolve.
+        (
+            "tunneling_config: { hostname: \"10.1.2.3:8080\" }",
+            "tunneling_config: { hostname: \"db.example:8080\" }",
+            "not an IP:PORT",
+        ),
+        // Another command operator.
+        (
+            "tunneling_config: { hostname: \"10.1.2.3:8080\" }",
+            "tunneling_config: { hostname: \"%REQUESTED_SERVER_NAME%:443\" }",
+            "%REQUESTED_SERVER_NAME%",
+        ),
+        // POST instead of CONNECT.
+        (
+            "tunneling_config: { hostname: \"10.1.2.3:8080\" }",
+            "tunneling_config: { hostname: \"10.1.2.3:8080\", use_post: true }",
+            "use_post",
+        ),
+        // Per-endpoint destinations on a cluster whose endpoints carry none.
+        (
+            "cluster: waypoint\n          tunneling_config: { hostname: \"%DOWNSTREAM_LOCAL_ADDRESS%\" }",
+            "cluster: hbone\n          tunneling_config: { hostname: \"%DOWNSTREAM_LOCAL_ADDRESS%\" }",
+            "carry no destination",
+        ),
+        // A tunnel endpoint whose destination is not its own IP.
+        (
+            "local: \"10.0.0.7:81\"",
+            "local: \"10.0.0.99:81\"",
+            "original_dst\"].local",
+        ),
+        // A CONNECT route that does not terminate CONNECT.
+        (
+            "upgrade_configs: [ { upgrade_type: CONNECT, connect_config: {} } ]",
+            "upgrade_configs: [ { upgrade_type: CONNECT } ]",
+            "does not terminate CONNECT",
+        ),
+        // Terminating with POST.
+        (
+            "connect_config: {} }",
+            "connect_config: { allow_post: true } }",
+            "does not terminate CONNECT",
+        ),
+        // Destinations limited by virtual host domains.
+        ("domains: [ \"*\" ]", "domains: [ \"10.0.0.1:80\" ]", "domains"),
+        // An hbone listener offering http/1.1.
+        ("alpn_protocols: [ h2 ]\n  clusters", "alpn_protocols: [ h2, http/1.1 ]\n  clusters", "alpn_protocols"),
+    ];
+    for (from, to, wanted) in cases {
+        assert!(HBONE_BOOTSTRAP.contains(from), "{from}");
+        let text = HBONE_BOOTSTRAP.replacen(from, to, 1);
+        let e = bootstrap::parse(&text, "envoy.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(wanted), "{to}: {e}");
+    }
 }

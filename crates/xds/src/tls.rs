@@ -48,9 +48,18 @@ const SPIFFE_SCHEME: &str = "spiffe://";
 
 // ---- model -> Envoy ----
 
-/// A listener's `tls` as its filter chain's transport socket. An `http` listener offers ALPN
-/// `h2` and `http/1.1` (its codecs serve both); a `tcp` listener offers none.
-pub fn downstream(tls: &model::ListenerTls, http: bool) -> TransportSocket {
+/// The ALPN protocols a listener offers: an `http` listener `h2` and `http/1.1` (its codecs
+/// serve both), an `hbone` listener `h2` (HBONE is HTTP/2), a `tcp` listener none.
+fn listener_alpn(protocol: model::ListenerProtocol) -> &'static [&'static str] {
+    match protocol {
+        model::ListenerProtocol::Http => &[ALPN_H2, ALPN_HTTP11],
+        model::ListenerProtocol::Hbone => &[ALPN_H2],
+        model::ListenerProtocol::Tcp => &[],
+    }
+}
+
+/// A listener's `tls` as its filter chain's transport socket, offering [`listener_alpn`].
+pub fn downstream(tls: &model::ListenerTls, protocol: model::ListenerProtocol) -> TransportSocket {
     let context = DownstreamTlsContext {
         common_tls_context: Some(CommonTlsContext {
             tls_certificates: vec![certificate(&tls.cert, &tls.key)],
@@ -61,11 +70,10 @@ pub fn downstream(tls: &model::ListenerTls, http: bool) -> TransportSocket {
                     tls.crl.as_deref(),
                 ))
             }),
-            alpn_protocols: if http {
-                vec![ALPN_H2.into(), ALPN_HTTP11.into()]
-            } else {
-                Vec::new()
-            },
+            alpn_protocols: listener_alpn(protocol)
+                .iter()
+                .map(|p| p.to_string())
+                .collect(),
             ..Default::default()
         }),
         // flatmesh requires the client certificate it verifies.
@@ -204,7 +212,7 @@ fn context<M: prost::Message + Name + Default>(
 /// A listener filter chain's `transport_socket` (named by `at`) as the listener's `tls`.
 pub(crate) fn listener_tls(
     socket: &TransportSocket,
-    http: bool,
+    protocol: model::ListenerProtocol,
     at: &str,
 ) -> Result<Option<model::ListenerTls>> {
     let Some(mut ctx) = context::<DownstreamTlsContext>(socket, at)? else {
@@ -231,19 +239,18 @@ pub(crate) fn listener_tls(
         }
     };
     let validation = take_validation(&mut common, &at_common)?;
-    let offered = if http {
-        &[ALPN_H2, ALPN_HTTP11][..]
-    } else {
-        &[]
-    };
     check_alpn(
         &take_alpn(&mut common),
-        offered,
+        listener_alpn(protocol),
         &format!("{at_common}.alpn_protocols"),
-        if http {
-            "flatmesh's http listeners speak h2 and http/1.1 and offer both"
-        } else {
-            "a tcp listener offers no application protocol in flatmesh; remove alpn_protocols"
+        match protocol {
+            model::ListenerProtocol::Http => {
+                "flatmesh's http listeners speak h2 and http/1.1 and offer both"
+            }
+            model::ListenerProtocol::Hbone => "an hbone listener speaks h2 and offers only it",
+            model::ListenerProtocol::Tcp => {
+                "a tcp listener offers no application protocol in flatmesh; remove alpn_protocols"
+            }
         },
     )?;
     take_tls_params(&mut common, &at_common)?;
@@ -479,6 +486,10 @@ pub trait SecretFiles {
     fn certificate(&self, name: &str) -> Option<(PathBuf, PathBuf)>;
     /// The roots file of `validation_context` secret `name`, if held.
     fn trusted_ca(&self, name: &str) -> Option<PathBuf>;
+    /// The CRL file that came with `validation_context` secret `name`, if it had one.
+    fn crl(&self, _name: &str) -> Option<PathBuf> {
+        None
+    }
 }
 
 /// No secrets at all: every SDS reference waits.
@@ -491,6 +502,14 @@ impl SecretFiles for NoSecrets {
     fn trusted_ca(&self, _: &str) -> Option<PathBuf> {
         None
     }
+}
+
+/// The CRL file of the validation secret `ca` stands in for, if it came with one (a TLS
+/// context's own `crl` file wins).
+fn secret_crl(ca: &Path, files: &dyn SecretFiles) -> Option<PathBuf> {
+    SecretRef::of(ca)
+        .filter(|s| s.part == SecretPart::Ca)
+        .and_then(|s| files.crl(&s.name))
 }
 
 /// Listeners and clusters that wait for secrets not held yet: secret name -> who waits.
@@ -532,7 +551,9 @@ pub fn resolve_secrets(config: &mut model::Config, files: &dyn SecretFiles) -> W
                 let mut ok = resolve(&mut tls.cert, &who);
                 ok &= resolve(&mut tls.key, &who);
                 if let Some(ca) = &mut tls.client_ca {
+                    let crl = secret_crl(ca, files);
                     ok &= resolve(ca, &who);
+                    tls.crl = tls.crl.take().or(crl);
                 }
                 ok
             }
@@ -542,7 +563,9 @@ pub fn resolve_secrets(config: &mut model::Config, files: &dyn SecretFiles) -> W
     for c in &mut config.clusters {
         let who = format!("Cluster \"{}\"", c.name);
         let Some(tls) = &mut c.tls else { continue };
+        let crl = secret_crl(&tls.ca, files);
         let mut ok = resolve(&mut tls.ca, &who);
+        tls.crl = tls.crl.take().or(crl);
         for path in [&mut tls.cert, &mut tls.key].into_iter().flatten() {
             ok &= resolve(path, &who);
         }

@@ -81,13 +81,16 @@ struct ListenerEntry {
     /// None while its RDS route configuration has not arrived (warming).
     output: Option<model::Listener>,
     hashes: Vec<HashUse>,
+    /// Its tcp_proxy's tunnel, if it tunnels.
+    tunnel: Option<crate::hbone::TunnelUse>,
 }
 
 #[derive(Debug)]
 struct ClusterEntry {
     input: Cluster,
     assignment: Option<ClusterLoadAssignment>,
-    output: model::Cluster,
+    /// None: an hbone listener's termination cluster, no cluster of flatmesh's.
+    output: Option<model::Cluster>,
 }
 
 /// A route's `hash_policy` header for one of its clusters; `at` names the route.
@@ -143,6 +146,7 @@ impl Translator {
         let static_clusters: BTreeSet<String> =
             base.clusters.iter().map(|c| c.name.clone()).collect();
         let mut hash_headers: BTreeMap<String, String> = BTreeMap::new();
+        let mut tunnels = Vec::new();
         for l in resources.listeners.values() {
             let rds = rds_of(l);
             let routes = rds.as_ref().and_then(|name| resources.routes.get(name));
@@ -152,7 +156,8 @@ impl Translator {
                 .is_none_or(|e| e.input != *l || e.routes.as_ref() != routes);
             if fresh {
                 let mut hashes = Vec::new();
-                let output = listener(l, &resources.routes, &mut hashes)?;
+                let mut tunnel = None;
+                let output = listener(l, &resources.routes, &mut hashes, &mut tunnel)?;
                 self.listeners.insert(
                     l.name.clone(),
                     ListenerEntry {
@@ -160,12 +165,14 @@ impl Translator {
                         routes: routes.cloned(),
                         output,
                         hashes,
+                        tunnel,
                     },
                 );
             }
             let Some(entry) = self.listeners.get(&l.name) else {
                 continue;
             };
+            tunnels.extend(entry.tunnel.clone());
             for h in &entry.hashes {
                 match hash_headers.get(&h.cluster) {
                     Some(previous) if *previous != h.header => {
@@ -207,16 +214,28 @@ impl Translator {
                     },
                 );
             }
-            let Some(entry) = self.clusters.get(&c.name) else {
+            let Some(output) = self.clusters.get(&c.name).and_then(|e| e.output.as_ref()) else {
                 continue;
             };
-            if static_clusters.contains(&entry.output.name) {
+            if static_clusters.contains(&output.name) {
                 return Err(XdsError::resource(
                     format!("Cluster \"{}\"", c.name),
                     "name: a cluster of this name is already in the --config file; rename one",
                 ));
             }
-            config.clusters.push(entry.output.clone());
+            config.clusters.push(output.clone());
+        }
+        // Per-endpoint tunnels first: they ask whether the endpoints carry their destinations,
+        // which a fixed hostname then gives a cluster that had none.
+        tunnels.sort_by_key(|t| t.hostname != crate::hbone::Hostname::PerEndpoint);
+        for tunnel in &tunnels {
+            if let Some(c) = config
+                .clusters
+                .iter_mut()
+                .find(|c| c.name == tunnel.cluster)
+            {
+                crate::hbone::apply(c, tunnel)?;
+            }
         }
         for (cluster_name, header) in hash_headers {
             if let Some(c) = config.clusters.iter_mut().find(|c| c.name == cluster_name) {
@@ -459,6 +478,7 @@ fn listener(
     l: &Listener,
     routes: &BTreeMap<String, RouteConfiguration>,
     hash_headers: &mut Vec<HashUse>,
+    tunnel: &mut Option<crate::hbone::TunnelUse>,
 ) -> Result<Option<model::Listener>> {
     let at = format!("Listener \"{}\"", l.name);
     let mut rest = l.clone();
@@ -530,7 +550,9 @@ fn listener(
     };
     if any.type_url == HttpConnectionManager::type_url() {
         let mut hcm: HttpConnectionManager = unpack(any, &at_filter)?;
-        if let Some(h2) = hcm.http2_protocol_options.take() {
+        let mut allow_connect = false;
+        if let Some(mut h2) = hcm.http2_protocol_options.take() {
+            allow_connect = take(&mut h2.allow_connect);
             http2_limits(
                 h2,
                 &mut limits,
@@ -557,10 +579,42 @@ fn listener(
                 ),
             ));
         }
-        let tls = listener_tls(transport_socket.as_ref(), true, &at)?;
         let Some((config, mut options)) = http_routes(hcm, routes, &at_filter)? else {
             return Ok(None);
         };
+        if let Some(destinations) = hbone_termination(&config, &options, &at_filter)? {
+            return Ok(Some(model::Listener {
+                name,
+                address,
+                protocol: model::ListenerProtocol::Hbone,
+                routes: Vec::new(),
+                cluster: None,
+                limits,
+                normalize_path: None,
+                merge_slashes: None,
+                path_with_escaped_slashes_action: None,
+                tls: listener_tls(
+                    transport_socket.as_ref(),
+                    model::ListenerProtocol::Hbone,
+                    &at,
+                )?,
+                authorization: options.authorization.take(),
+                hbone: (!destinations.is_empty()).then_some(model::HboneListener { destinations }),
+                rate_limit: None,
+                connection_rate_limit: None,
+            }));
+        }
+        if allow_connect {
+            return Err(XdsError::resource(
+                format!("{at_filter}.http2_protocol_options.allow_connect"),
+                "is not supported on an http listener (WebSocket over HTTP/2); flatmesh takes CONNECT only on an hbone listener, whose route matches it (connect_matcher)",
+            ));
+        }
+        let tls = listener_tls(
+            transport_socket.as_ref(),
+            model::ListenerProtocol::Http,
+            &at,
+        )?;
         let mut routes = flatten(
             &config,
             &options.upgrades,
@@ -619,8 +673,19 @@ fn listener(
             }
             limits.tcp_idle_timeout = Some(idle);
         }
+        if let Some(mut t) = tcp.tunneling_config.take() {
+            let here = format!("{at_filter}.tunneling_config");
+            let hostname =
+                crate::hbone::hostname(&take(&mut t.hostname), &format!("{here}.hostname"))?;
+            reject_rest(&t, &here)?;
+            *tunnel = Some(crate::hbone::TunnelUse {
+                cluster: cluster.clone(),
+                hostname,
+                at: here,
+            });
+        }
         reject_rest(&tcp, &at_filter)?;
-        let tls = listener_tls(transport_socket.as_ref(), false, &at)?;
+        let tls = listener_tls(transport_socket.as_ref(), model::ListenerProtocol::Tcp, &at)?;
         Ok(Some(model::Listener {
             name,
             address,
@@ -651,17 +716,117 @@ fn listener(
 /// A filter chain's `transport_socket` as the listener's `tls` (`at` names the listener).
 fn listener_tls(
     socket: Option<&envoy_types::pb::envoy::config::core::v3::TransportSocket>,
-    http: bool,
+    protocol: model::ListenerProtocol,
     at: &str,
 ) -> Result<Option<model::ListenerTls>> {
     match socket {
         Some(socket) => crate::tls::listener_tls(
             socket,
-            http,
+            protocol,
             &format!("{at}: filter_chains[0].transport_socket"),
         ),
         None => Ok(None),
     }
+}
+
+/// An HTTP connection manager that terminates HBONE (crate::hbone, "Termination"): one
+/// virtual host for `*` with one route that matches CONNECT and terminates it. Its
+/// destinations, or None when no route matches CONNECT (an http listener).
+fn hbone_termination(
+    config: &RouteConfiguration,
+    options: &HcmOptions,
+    at: &str,
+) -> Result<Option<Vec<String>>> {
+    let is_connect = |r: &envoy_types::pb::envoy::config::route::v3::Route| {
+        matches!(
+            r.r#match.as_ref().and_then(|m| m.path_specifier.as_ref()),
+            Some(route_match::PathSpecifier::ConnectMatcher(_))
+        )
+    };
+    if !config
+        .virtual_hosts
+        .iter()
+        .any(|v| v.routes.iter().any(is_connect))
+    {
+        return Ok(None);
+    }
+    let hcm_at = at;
+    let at = format!("{at}.route_config");
+    let shape = "an hbone listener has one virtual host, domains [\"*\"], with one route: { match: { connect_matcher: {} }, route: { cluster: ..., upgrade_configs: [ { upgrade_type: CONNECT, connect_config: {} } ] } }";
+    let [vh] = config.virtual_hosts.as_slice() else {
+        return Err(XdsError::resource(
+            format!("{at}.virtual_hosts"),
+            format!("has {} virtual hosts; {shape}", config.virtual_hosts.len()),
+        ));
+    };
+    let at = format!("{at}.virtual_hosts[0]");
+    let mut vh = vh.clone();
+    if vh.domains != ["*"] {
+        return Err(XdsError::resource(
+            format!("{at}.domains"),
+            format!("is {:?}; {shape} (the destinations it reaches are `hbone.destinations`, in the route's metadata `{}`)", vh.domains, crate::hbone::FLATMESH_METADATA_KEY),
+        ));
+    }
+    let [route] = take(&mut vh.routes).try_into().map_err(
+        |routes: Vec<envoy_types::pb::envoy::config::route::v3::Route>| {
+            XdsError::resource(
+                format!("{at}.routes"),
+                format!("has {} routes; {shape}", routes.len()),
+            )
+        },
+    )?;
+    vh.name.clear();
+    vh.domains.clear();
+    reject_rest(&vh, &at)?;
+    let at = format!("{at}.routes[0]");
+    let mut route = route;
+    route.name.clear();
+    let destinations = crate::hbone::take_destinations(&mut route.metadata, &at)?;
+    if let Some(mut m) = route.r#match.take() {
+        m.path_specifier = None;
+        reject_rest(&m, &format!("{at}.match"))?;
+    }
+    let Some(route::Action::Route(mut a)) = route.action.take() else {
+        return Err(XdsError::resource(
+            at,
+            format!("does not route the CONNECT; {shape}"),
+        ));
+    };
+    let terminates = take(&mut a.upgrade_configs).into_iter().any(|mut u| {
+        let connect = u.upgrade_type.eq_ignore_ascii_case(crate::hbone::CONNECT)
+            && u.enabled.take().is_none_or(|b| b.value)
+            && u.connect_config.take() == Some(Default::default());
+        u.upgrade_type.clear();
+        connect && u == Default::default()
+    });
+    if !terminates {
+        return Err(XdsError::resource(
+            format!("{at}.route.upgrade_configs"),
+            format!("does not terminate CONNECT (or asks for more, such as allow_post or a PROXY protocol header); {shape}"),
+        ));
+    }
+    // Envoy sends the bytes to this cluster (an ORIGINAL_DST one, by `:authority`); flatmesh's
+    // hbone listener delivers to the `:authority` itself.
+    a.cluster_specifier = None;
+    reject_rest(&a, &format!("{at}.route"))?;
+    reject_rest(&route, &at)?;
+    if !options
+        .upgrades
+        .iter()
+        .any(|(kind, enabled)| *enabled && kind.eq_ignore_ascii_case(crate::hbone::CONNECT))
+    {
+        return Err(XdsError::resource(
+            format!("{hcm_at}.upgrade_configs"),
+            "does not enable CONNECT; an hbone listener's connection manager says upgrade_configs: [ { upgrade_type: CONNECT } ]",
+        ));
+    }
+    if options.fault.is_some() || options.local_ratelimit {
+        return Err(XdsError::resource(
+            format!("{hcm_at}.http_filters"),
+            "an hbone listener runs only RBAC (its authorization) and the router",
+        ));
+    }
+    Ok(Some(destinations))
 }
 
 /// An HTTP connection manager's `http2_protocol_options`: the stream cap and the windows it
@@ -1360,12 +1525,16 @@ fn route_action(
 fn cluster(
     c: &Cluster,
     assignments: &BTreeMap<String, ClusterLoadAssignment>,
-) -> Result<model::Cluster> {
+) -> Result<Option<model::Cluster>> {
     let at = format!("Cluster \"{}\"", c.name);
+    if is_hbone_termination(c) {
+        return Ok(None);
+    }
     let mut rest = c.clone();
     let name = take(&mut rest.name);
     let eds = eds_name(c);
-    let (endpoints, overprovisioning_factor) = match rest.cluster_discovery_type.take() {
+    let (endpoints, overprovisioning_factor, tunnel_port) = match rest.cluster_discovery_type.take()
+    {
         None | Some(cluster::ClusterDiscoveryType::Type(0)) => {
             let cla = rest.load_assignment.take().unwrap_or_default();
             endpoints(&cla, &format!("{at}: load_assignment"))?
@@ -1510,9 +1679,27 @@ fn cluster(
             format!("is not supported; only {HTTP_OPTIONS_KEY} is"),
         ));
     }
+    // A tunnel cluster's protocol options are the tunnel's (HBONE is HTTP/2); the protocol
+    // inside its tunnels is in flatmesh's metadata.
+    let outer = protocol;
+    if tunnel_port.is_some() {
+        if outer != model::UpstreamProtocol::Http2 {
+            return Err(XdsError::resource(
+                format!("{at}: typed_extension_protocol_options"),
+                format!("is not HTTP/2, but the endpoints carry HBONE tunnel destinations: HBONE is HTTP/2 CONNECT; set {HTTP_OPTIONS_KEY} explicit_http_config.http2_protocol_options"),
+            ));
+        }
+        protocol = crate::hbone::take_inner_protocol(&mut rest.metadata, &at)?;
+        if rest.transport_socket.is_none() {
+            return Err(XdsError::resource(
+                format!("{at}: transport_socket"),
+                "is missing, but the endpoints carry HBONE tunnel destinations: HBONE runs inside mutual TLS; give an UpstreamTlsContext",
+            ));
+        }
+    }
     let tls = match rest.transport_socket.take() {
         Some(socket) => {
-            crate::tls::cluster_tls(&socket, protocol, &format!("{at}: transport_socket"))?
+            crate::tls::cluster_tls(&socket, outer, &format!("{at}: transport_socket"))?
         }
         None => None,
     };
@@ -1537,7 +1724,7 @@ fn cluster(
     rest.alt_stat_name.clear();
     rest.dns_lookup_family = 0; // DNS settings mean nothing for IP endpoints
     reject_rest(&rest, &at)?;
-    Ok(model::Cluster {
+    Ok(Some(model::Cluster {
         name,
         lb,
         endpoints,
@@ -1545,14 +1732,30 @@ fn cluster(
         hash_on: None,
         connect_timeout,
         tls,
-        tunnel: None,
-        tunnel_port: None,
+        tunnel: tunnel_port.map(|_| model::Tunnel::Hbone),
+        tunnel_port: tunnel_port.filter(|p| *p != model::HBONE_PORT),
         circuit_breaker,
         outlier_detection,
         health_check,
         slow_start: slow,
         overprovisioning_factor,
-    })
+    }))
+}
+
+/// An hbone listener's ORIGINAL_DST cluster, which delivers each CONNECT to its `:authority`
+/// (crate::hbone, "Termination"): the hbone listener does that itself, so it is no cluster
+/// of flatmesh's.
+fn is_hbone_termination(c: &Cluster) -> bool {
+    let original_dst = matches!(
+        c.cluster_discovery_type,
+        Some(cluster::ClusterDiscoveryType::Type(t)) if t == cluster::DiscoveryType::OriginalDst as i32
+    );
+    let by_authority = matches!(
+        &c.lb_config,
+        Some(cluster::LbConfig::OriginalDstLbConfig(o))
+            if o.use_http_header && o.http_header_name.eq_ignore_ascii_case(crate::hbone::AUTHORITY)
+    );
+    original_dst && by_authority
 }
 
 /// Envoy's health check as the cluster's: an HTTP check's path and expected statuses (its
@@ -1855,7 +2058,12 @@ fn outlier_detection(
 /// hosts), each with its weight, its group's priority and locality; and the policy's
 /// overprovisioning factor. A group's own `load_balancing_weight` is accepted and, as in
 /// Envoy without `locality_weighted_lb_config`, has no effect.
-fn endpoints(cla: &ClusterLoadAssignment, at: &str) -> Result<(model::Endpoints, Option<u32>)> {
+/// A cluster's endpoints as flatmesh's: the endpoints, the overprovisioning factor, and the
+/// tunnel port when the endpoints carry HBONE tunnel destinations (crate::hbone): then the
+/// flatmesh endpoints are those destinations.
+type AssignedEndpoints = (model::Endpoints, Option<u32>, Option<u16>);
+
+fn endpoints(cla: &ClusterLoadAssignment, at: &str) -> Result<AssignedEndpoints> {
     let mut rest = cla.clone();
     rest.cluster_name.clear();
     let mut overprovisioning = None;
@@ -1872,6 +2080,8 @@ fn endpoints(cla: &ClusterLoadAssignment, at: &str) -> Result<(model::Endpoints,
         reject_rest(&policy, &here)?;
     }
     let mut out = Vec::new();
+    // Whether the endpoints tunnel (and to which port), decided by the first one.
+    let mut tunnel: Option<Option<u16>> = None;
     for (i, group) in take(&mut rest.endpoints).into_iter().enumerate() {
         let here = format!("{at}.endpoints[{i}]");
         let mut group_rest = group.clone();
@@ -1910,7 +2120,6 @@ fn endpoints(cla: &ClusterLoadAssignment, at: &str) -> Result<(model::Endpoints,
             // UNKNOWN (0) and HEALTHY (1) take traffic, as in Envoy; DEGRADED (5) too.
             let healthy = matches!(lb_rest.health_status, 0 | 1 | 5);
             lb_rest.health_status = 0;
-            lb_rest.metadata = None;
             let Some(lb_endpoint::HostIdentifier::Endpoint(mut endpoint)) =
                 lb_rest.host_identifier.take()
             else {
@@ -1919,10 +2128,30 @@ fn endpoints(cla: &ClusterLoadAssignment, at: &str) -> Result<(model::Endpoints,
                     "needs an `endpoint` (named endpoints are not supported)",
                 ));
             };
-            let address = socket_addr(
+            let mut address = socket_addr(
                 endpoint.address.take().as_ref(),
                 &format!("{here}.endpoint.address"),
             )?;
+            let destination =
+                crate::hbone::take_endpoint_destination(&mut lb_rest.metadata, address, &here)?;
+            let port = destination.map(|_| address.port());
+            match tunnel {
+                None => tunnel = Some(port),
+                Some(first) if first != port => {
+                    return Err(XdsError::resource(
+                        format!("{here}.metadata"),
+                        match (first, port) {
+                            (Some(p), Some(q)) => format!("tunnels to port {q}, but the first endpoint to port {p}: a cluster's tunnels go to one port"),
+                            _ => "differs from the first endpoint's: either every endpoint of a cluster carries its tunnel destination (`envoy.filters.listener.original_dst`), or none".into(),
+                        },
+                    ));
+                }
+                Some(_) => {}
+            }
+            if let Some(d) = destination {
+                address = d;
+            }
+            lb_rest.metadata = None; // other metadata means nothing to flatmesh
             endpoint.hostname.clear();
             reject_rest(&endpoint, &format!("{here}.endpoint"))?;
             reject_rest(&lb_rest, &here)?;
@@ -1938,7 +2167,7 @@ fn endpoints(cla: &ClusterLoadAssignment, at: &str) -> Result<(model::Endpoints,
         reject_rest(&group_rest, &here)?;
     }
     reject_rest(&rest, at)?;
-    Ok((out.into(), overprovisioning))
+    Ok((out.into(), overprovisioning, tunnel.flatten()))
 }
 
 /// Envoy's locality as flatmesh's `region/zone/subzone` (its leading parts that are set).

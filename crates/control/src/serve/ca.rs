@@ -332,6 +332,11 @@ impl NodeCa {
         }
     }
 
+    /// The CA directory (its `crl.pem` is served over SDS).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     pub fn trust_domain(&self) -> String {
         self.authority.read().trust_domain().to_string()
     }

@@ -8,6 +8,12 @@
 //! rotated root (the CA directory changed) re-issues every certificate from the new root and
 //! changes the bundle. Either way the streams are told ([`SecretSource::changes`]) and push the
 //! new versions.
+//!
+//! The [`ROOTCA`] secret also carries the CA directory's revocation list (`crl.pem`, written by
+//! `flatmesh ca revoke`) as its `crl`, re-read when the file changes, so a revoked leaf is
+//! refused by every node's verifiers within a poll and a reload. The file is bounded
+//! (`flatmesh_identity::crl::MAX_CRL_FILE`) and must parse; a bad one is refused with an error
+//! in the log and the last good list stays served.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -37,18 +43,65 @@ pub struct NodeSecrets {
     held: Mutex<HashMap<(String, String), Held>>,
     /// The bundle the held certificates were issued under.
     bundle: Mutex<String>,
+    /// The CA directory's CRLs (PEM) served with the bundle, and the last refusal logged.
+    crl: Mutex<Crl>,
     changes: watch::Sender<u64>,
+}
+
+#[derive(Default)]
+struct Crl {
+    served: Option<String>,
+    /// The error of a refused file, so that it is logged once, not every poll.
+    refused: Option<String>,
+    /// The file's modification time and size when last read: unchanged, it is not read again.
+    seen: Option<(SystemTime, u64)>,
 }
 
 impl NodeSecrets {
     pub fn new(ca: Arc<NodeCa>) -> Arc<NodeSecrets> {
         let bundle = ca.bundle_pem();
-        Arc::new(NodeSecrets {
+        let secrets = NodeSecrets {
             ca,
             held: Mutex::default(),
             bundle: Mutex::new(bundle),
+            crl: Mutex::default(),
             changes: watch::channel(0).0,
-        })
+        };
+        secrets.reread_crl();
+        Arc::new(secrets)
+    }
+
+    /// Re-reads `crl.pem` of the CA directory; says whether what is served changed. A file that
+    /// is too large or does not parse is refused (logged once) and the served list stays.
+    fn reread_crl(&self) -> bool {
+        let path = self.ca.dir().join(flatmesh_identity::crl::CRL_FILE);
+        let mut crl = self.crl.lock();
+        let seen = std::fs::metadata(&path)
+            .ok()
+            .and_then(|m| Some((m.modified().ok()?, m.len())));
+        if seen.is_some() && seen == crl.seen {
+            return false;
+        }
+        crl.seen = seen;
+        match flatmesh_identity::crl::read_crl_text(&path) {
+            Ok(text) => {
+                crl.refused = None;
+                if crl.served == text {
+                    return false;
+                }
+                tracing::info!(file = %path.display(), present = text.is_some(), "SDS: the CA's revocation list changed; pushing it with the trust bundle");
+                crl.served = text;
+                true
+            }
+            Err(e) => {
+                let why = e.to_string();
+                if crl.refused.as_ref() != Some(&why) {
+                    tracing::error!(error = %why, "SDS: the CA's revocation list is refused; the previous one stays served");
+                    crl.refused = Some(why);
+                }
+                false
+            }
+        }
     }
 
     /// Drops what is due (certificates past half their life; all of them after a rotation)
@@ -68,8 +121,9 @@ impl NodeSecrets {
             held.retain(|_, h| !rotated && h.renew_at > now);
             held.len() != before
         };
-        if rotated || due {
-            tracing::info!(rotated, "SDS: pushing new secrets");
+        let crl_changed = self.reread_crl();
+        if rotated || due || crl_changed {
+            tracing::info!(rotated, crl_changed, "SDS: pushing new secrets");
             self.changes.send_modify(|n| *n += 1);
         }
     }
@@ -87,7 +141,8 @@ impl NodeSecrets {
 impl SecretSource for NodeSecrets {
     fn secret(&self, node: &str, name: &str) -> Result<Secret, String> {
         if name == ROOTCA {
-            return Ok(roots_secret(ROOTCA, &self.bundle.lock()));
+            let crl = self.crl.lock().served.clone();
+            return Ok(roots_secret(ROOTCA, &self.bundle.lock(), crl.as_deref()));
         }
         let id = SpiffeId::parse(name).map_err(|e| {
             tracing::warn!(%node, secret = name, error = %e, "SDS: a secret flatmesh control does not have (it serves ROOTCA and SPIFFE IDs)");
