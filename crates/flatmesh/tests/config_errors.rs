@@ -167,6 +167,39 @@ async fn explain_prints_every_rule_and_its_tier() {
         text.contains("U7"),
         "--explain shows no U7 rule, but the regex route needs it:\n{text}"
     );
+    assert!(
+        text.contains("workloads: none declared"),
+        "--explain does not say there are no workloads:\n{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_lists_the_declared_workloads() {
+    let dir = TempDir::new();
+    let yaml = format!(
+        "{}\nworkloads:\n  - name: cart\n    identity: spiffe://shop.test/ns/shop/sa/cart\n    match: {{ port: 18099 }}\n",
+        base()
+    );
+    let path = dir.write("workloads.yaml", &yaml);
+    let out = run_flatmesh(
+        &[
+            "check",
+            "--config",
+            path.to_str().expect("utf-8"),
+            "--explain",
+        ],
+        LIMIT,
+    )
+    .await;
+    assert_eq!(out.code, Some(0), "--explain failed:\n{}", out.all_output());
+    assert!(
+        out.stdout.contains("workloads (1):")
+            && out.stdout.contains(
+                "cart: spiffe://shop.test/ns/shop/sa/cart (listens on port 18099; destination of HBONE streams)"
+            ),
+        "--explain does not list the workload:\n{}",
+        out.stdout
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

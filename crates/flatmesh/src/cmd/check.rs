@@ -40,6 +40,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         if args.explain && args.admin.is_none() {
             print!("{}", program.explain());
+            print!("{}", explain_workloads(&config));
         }
         if let Some(out) = &args.nic_image {
             write_image(&program, out)?;
@@ -56,6 +57,30 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         print!("{}", node_rules(admin, token.as_deref())?);
     }
     Ok(())
+}
+
+/// The workloads the node speaks for: how it recognises each and what it presents for it.
+fn explain_workloads(config: &flatmesh_config::Config) -> String {
+    if config.workloads.is_empty() {
+        return "workloads: none declared (a tunnelled connection presents its cluster's certificate)\n"
+            .to_owned();
+    }
+    let mut out = format!("workloads ({}):\n", config.workloads.len());
+    for w in &config.workloads {
+        let m = &w.matches;
+        let how = match (&m.cgroup, m.uid, m.port) {
+            (Some(cgroup), _, _) => format!("client in cgroup {}", cgroup.display()),
+            (_, Some(uid), _) => format!("client of uid {uid}"),
+            (_, _, Some(port)) => format!("listens on port {port}"),
+            _ => "no match".to_owned(),
+        };
+        let presents = match &w.cert {
+            Some(cert) if w.is_client() => format!("presents {}", cert.display()),
+            _ => "destination of HBONE streams".to_owned(),
+        };
+        out += &format!("  {}: {} ({how}; {presents})\n", w.name, w.identity);
+    }
+    out
 }
 
 /// Writes the NIC image and says, per http listener, how much of it the image decides.
