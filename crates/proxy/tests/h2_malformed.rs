@@ -159,7 +159,8 @@ impl RawClient {
     /// what stream 1 sent before got one (a PING would not: h2 answers PINGs first).
     async fn stream_error_before_another_answer(&mut self, addr: SocketAddr) -> Option<u32> {
         let block = header_block(addr, "GET", "/direct", &[]);
-        self.send(HEADERS, END_HEADERS | END_STREAM, 3, &block).await;
+        self.send(HEADERS, END_HEADERS | END_STREAM, 3, &block)
+            .await;
         let frame = self
             .until("the answer on stream 3", |f| {
                 (f.kind == RST_STREAM && f.stream == 1)
@@ -276,7 +277,10 @@ async fn forwarded_body_of(sent: usize) {
     // Whatever reached the backend ends now, cut short (or nothing did: the node may have
     // had the reset before it had an upstream connection).
     let recorded = &backend;
-    let ended = eventually(Duration::from_secs(2), || async move { !recorded.seen().await.is_empty() }).await;
+    let ended = eventually(Duration::from_secs(2), || async move {
+        !recorded.seen().await.is_empty()
+    })
+    .await;
     let seen = backend.seen().await;
     assert!(
         !seen.contains(&Seen::Complete),
@@ -327,7 +331,10 @@ async fn body_after_the_answer(sent: usize) -> Option<u32> {
     assert_ne!(end.kind, RST_STREAM, "the node reset the stream: {end:?}");
     client.send(DATA, END_STREAM, 1, &vec![b'x'; sent]).await;
     let error = client.stream_error_before_another_answer(listen).await;
-    assert!(backend.seen().await.is_empty(), "nothing goes to the backend");
+    assert!(
+        backend.seen().await.is_empty(),
+        "nothing goes to the backend"
+    );
     error
 }
 
@@ -367,7 +374,9 @@ async fn a_body_past_one_window_after_an_early_answer_is_stopped_without_error()
     }
     // The node opens the window as it discards: one more piece goes past the bound.
     client
-        .until("a WINDOW_UPDATE", |f| f.kind == WINDOW_UPDATE && f.stream == 1)
+        .until("a WINDOW_UPDATE", |f| {
+            f.kind == WINDOW_UPDATE && f.stream == 1
+        })
         .await;
     client.send(DATA, 0, 1, &piece).await;
     assert_eq!(client.stream_error().await, NO_ERROR);
