@@ -4,6 +4,7 @@
 //! `direct_response` answers before the body ends; the stream stays the client's until its
 //! request does, so the error still comes). Sent by a raw HTTP/2 client that writes the
 //! frames itself, so nothing on the client's side checks them first.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

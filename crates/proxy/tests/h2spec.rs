@@ -4,6 +4,7 @@
 //! request ends, and the stream stays open until the client ends it). Every case must pass
 //! in every run; each target runs [`RUNS`] times so a case that passes only sometimes fails
 //! the test. Two exceptions, each named with its reason in [`Exception`].
+#![allow(clippy::unwrap_used)]
 
 mod common;
 
@@ -150,14 +151,12 @@ fn every_case_passes(addr: SocketAddr, path: &str, tls: bool, exceptions: &[Exce
 fn node(backend: SocketAddr, pki: &Pki) -> (TestNode, SocketAddr, SocketAddr) {
     let (admin, h2c, tls) = (free_addr(), free_addr(), free_addr());
     let cert = pki.issue("node", "spiffe://td/ns/mesh/sa/node");
-    let routes = format!(
-        r#"
+    let routes = r#"
     routes:
-      - match: {{ path: {{ prefix: /direct }} }}
-        direct_response: {{ status: 200, body: "answered by the node" }}
-      - match: {{ path: {{ prefix: / }} }}
-        cluster: app"#
-    );
+      - match: { path: { prefix: /direct } }
+        direct_response: { status: 200, body: "answered by the node" }
+      - match: { path: { prefix: / } }
+        cluster: app"#;
     let node = TestNode::start(&format!(
         r#"
 admin: {admin}
