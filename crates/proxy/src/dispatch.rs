@@ -190,6 +190,13 @@ async fn serve_tls(
             let stream = Stream::Tls(Box::new(tokio_rustls::TlsStream::Server(stream)));
             crate::tcp::relay(ctx, stream).await
         }
+        // ALPN `h2` is the client's word that it speaks HTTP/2: no sniff, and an opening
+        // that is not the preface is a connection error (RFC 9113 §3.4), not HTTP/1.1.
+        ListenerProtocol::Http
+            if stream.get_ref().1.alpn_protocol() == Some(flatmesh_identity::tls::ALPN_H2) =>
+        {
+            crate::h2::serve(ctx, stream, &limits).await
+        }
         ListenerProtocol::Http => serve_http(ctx, stream, snapshot).await,
         ListenerProtocol::Hbone => {
             if let Some(lid) = snapshot.listener_at(ctx.listener_address, ctx.protocol) {

@@ -36,6 +36,9 @@ pub(super) struct ConnBudget {
     per_connection: usize,
     memory_budget: usize,
     stall: Duration,
+    /// The most request bytes read and discarded after an answer that came before the
+    /// request's end (`finish_request`): one stream window.
+    drain_bytes: usize,
     /// Upstream connections this connection's streams may hold at once.
     upstreams: Arc<Semaphore>,
     max_upstreams: usize,
@@ -49,6 +52,7 @@ impl ConnBudget {
             per_connection: limits.per_connection_buffer_bytes,
             memory_budget: limits.memory_budget_bytes,
             stall: limits.stream_stall_timeout,
+            drain_bytes: limits.http2_stream_window as usize,
             upstreams: Arc::new(Semaphore::new(limits.max_upstream_per_downstream)),
             max_upstreams: limits.max_upstream_per_downstream,
         }
@@ -106,7 +110,8 @@ impl Buf for Metered {
 }
 
 /// Serves one stream: refused at once when the node's memory budget is spent; otherwise
-/// decided, forwarded and answered, unless the client resets it first.
+/// decided, forwarded and answered, unless the client resets it first; then the rest of
+/// the request, if the answer came before it, is read to its end (`finish_request`).
 pub(super) async fn serve(
     ctx: Arc<ConnContext>,
     req: Request<RecvStream>,
@@ -118,17 +123,65 @@ pub(super) async fn serve(
         respond.send_reset(Reason::REFUSED_STREAM);
         return;
     }
-    let (resp, _upstream) = tokio::select! {
+    let unread = Unread::default();
+    let req = RequestBody::wrap(req, &unread);
+    let (resp, upstream) = tokio::select! {
         answered = handle(&ctx, req, &budget) => answered,
         reset = poll_fn(|cx| respond.poll_reset(cx)) => {
             tracing::debug!(reason = ?reset, "client reset the stream before its answer");
             return;
         }
     };
-    // `_upstream` (the stream's place among the connection's upstream connections) is
+    // `upstream` (the stream's place among the connection's upstream connections) is
     // held until the answer's body is sent or given up.
-    if let Err(why) = respond_with(resp, &mut respond, &budget).await {
-        tracing::debug!(%why, "response not sent in full");
+    let sent = respond_with(resp, &mut respond, &budget).await;
+    drop(upstream);
+    match sent {
+        Ok(()) => {
+            let rest = unread.0.lock().take();
+            if let Some(rest) = rest {
+                finish_request(rest, budget.drain_bytes, budget.stall).await;
+            }
+        }
+        Err(why) => tracing::debug!(%why, "response not sent in full"),
+    }
+}
+
+/// Where a request body the node stopped reading before its end goes when it is dropped
+/// (the answer came first: a local reply, or an upstream that answered before taking the
+/// whole body), so that `serve` can finish it after the answer instead of resetting it.
+#[derive(Default, Clone)]
+struct Unread(Arc<parking_lot::Mutex<Option<RecvStream>>>);
+
+/// Reads and discards what the client still sends of a request that was answered before
+/// it ended, as long as the stream stays open on the node's side. Until its request ends the
+/// stream is the client's as much as the node's: h2 checks every frame of it as it would
+/// have for a request read to the end, so a rest that is malformed (more or less DATA than
+/// `content-length` said, a pseudo-header in its trailers, a second HEADERS without
+/// END_STREAM, a window raised past 2^31-1) is answered with the error RFC 9113 asks for
+/// (§8.1.1: RST_STREAM PROTOCOL_ERROR), which a stream reset at once after its answer could
+/// not do: h2 ignores whatever arrives on a stream it has reset. A client that ends its request
+/// within `max_bytes` and `stall` closes the stream cleanly; one that sends more, or takes
+/// longer, is told to stop without an error (RST_STREAM NO_ERROR, §8.1).
+async fn finish_request(mut rest: RecvStream, max_bytes: usize, stall: Duration) {
+    let drained = async {
+        let mut taken = 0;
+        while let Some(data) = rest.data().await {
+            // An error: the client reset the stream, or h2 did (a malformed request).
+            let Ok(data) = data else { return };
+            taken += data.len();
+            if taken > max_bytes {
+                return;
+            }
+            let _ = rest.flow_control().release_capacity(data.len());
+        }
+        let _ = rest.trailers().await;
+    };
+    if tokio::time::timeout(stall, drained).await.is_err() {
+        tracing::debug!(
+            ?stall,
+            "the client did not end a request answered early: stream reset"
+        );
     }
 }
 
@@ -308,9 +361,12 @@ fn strip_connection_headers(headers: &mut HeaderMap) {
 }
 
 /// The client's request body: h2's stream, whose window is opened as the upstream takes
-/// its bytes, so a client can be ahead by one window and no more.
+/// its bytes, so a client can be ahead by one window and no more. Dropped before its end,
+/// it leaves the stream in its [`Unread`].
 struct RequestBody {
-    recv: RecvStream,
+    /// `None` once dropped.
+    recv: Option<RecvStream>,
+    unread: Unread,
     /// Raised when the client's side of the body breaks (a reset, a length that does not
     /// add up): the failure is then the client's, not the upstream's.
     failed: Arc<AtomicBool>,
@@ -328,11 +384,14 @@ impl http_body::Body for RequestBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
+        let Some(recv) = this.recv.as_mut() else {
+            return Poll::Ready(None);
+        };
         if !this.data_done {
-            match ready!(this.recv.poll_data(cx)) {
+            match ready!(recv.poll_data(cx)) {
                 Some(Ok(data)) => {
                     // The upstream has the bytes: the client may send as many more.
-                    let _ = this.recv.flow_control().release_capacity(data.len());
+                    let _ = recv.flow_control().release_capacity(data.len());
                     if let Some(left) = &mut this.left {
                         *left = left.saturating_sub(data.len() as u64);
                     }
@@ -345,7 +404,7 @@ impl http_body::Body for RequestBody {
                 None => this.data_done = true,
             }
         }
-        match ready!(this.recv.poll_trailers(cx)) {
+        match ready!(recv.poll_trailers(cx)) {
             Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
             Ok(None) => Poll::Ready(None),
             Err(err) => {
@@ -356,7 +415,7 @@ impl http_body::Body for RequestBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.recv.is_end_stream()
+        self.recv.as_ref().is_none_or(RecvStream::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -367,11 +426,41 @@ impl http_body::Body for RequestBody {
     }
 }
 
+impl RequestBody {
+    /// The request with its body read through a `RequestBody` that leaves its rest in
+    /// `unread` when dropped early.
+    fn wrap(req: Request<RecvStream>, unread: &Unread) -> Request<RequestBody> {
+        let (parts, recv) = req.into_parts();
+        let left = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse().ok());
+        let body = RequestBody {
+            recv: Some(recv),
+            unread: unread.clone(),
+            failed: Arc::new(AtomicBool::new(false)),
+            left,
+            data_done: false,
+        };
+        Request::from_parts(parts, body)
+    }
+}
+
+impl Drop for RequestBody {
+    fn drop(&mut self) {
+        if let Some(recv) = self.recv.take() {
+            if !recv.is_end_stream() {
+                *self.unread.0.lock() = Some(recv);
+            }
+        }
+    }
+}
+
 /// Decides and forwards one request. Returns the answer and, for a request sent to an
 /// HTTP/1.1 cluster, its place among the connection's upstream connections.
 async fn handle(
     ctx: &Arc<ConnContext>,
-    req: Request<RecvStream>,
+    req: Request<RequestBody>,
     budget: &ConnBudget,
 ) -> (Response<ResponseBody>, Option<OwnedSemaphorePermit>) {
     let started = Instant::now();
@@ -455,19 +544,9 @@ async fn handle(
             };
             let (mut parts, body) = req.into_parts();
             crate::l7::decide::set_path(&mut parts.uri, path);
-            let failed = Arc::new(AtomicBool::new(false));
+            let failed = body.failed.clone();
             let replayable = body.is_end_stream();
-            let left = parts
-                .headers
-                .get(header::CONTENT_LENGTH)
-                .and_then(|v| v.to_str().ok()?.parse().ok());
-            let body = RequestBody {
-                recv: body,
-                failed: failed.clone(),
-                left,
-                data_done: false,
-            }
-            .boxed_unsync();
+            let body = body.boxed_unsync();
             let (resp, upstream) = forward(
                 ctx,
                 &view,
