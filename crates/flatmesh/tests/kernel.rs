@@ -1271,3 +1271,322 @@ fn without_kernel_support_the_node_logs_one_line_and_runs_on_the_user_tiers() {
         },
     );
 }
+
+/// A small seeded generator (splitmix64): the differential test prints its seed on failure,
+/// and `FM_DIFF_SEED=<n>` replays it.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    fn pick<'a>(&mut self, from: &[&'a str]) -> &'a str {
+        from[self.below(from.len())]
+    }
+}
+
+/// One HTTP/1.1 answer read off a keep-alive connection, reduced to what the client sees
+/// of it: status, which backend answered (the `x-backend` header), what the backend saw of
+/// the request (method and path from its echo) or the body the node answered itself, and
+/// whether the connection stays open. The echo's `headers` are left out: the user tier adds
+/// `x-forwarded-for`, which a spliced connection does not (docs/kernel.md).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Answer {
+    status: u16,
+    backend: Option<String>,
+    body: String,
+    open: bool,
+}
+
+/// Sends `method path` on `conn` (reconnecting to `addr` first when the last answer closed
+/// it) and reads the one answer.
+async fn ask_on(
+    conn: &mut Option<TcpStream>,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+) -> Answer {
+    if conn.is_none() {
+        *conn = Some(TcpStream::connect(addr).await.unwrap());
+    }
+    let s = conn.as_mut().unwrap();
+    let req = format!("{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    let read = async {
+        let head_end = loop {
+            if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break at + 4;
+            }
+            let mut chunk = [0u8; 4096];
+            let n = s.read(&mut chunk).await.unwrap();
+            assert!(
+                n > 0,
+                "{method} {path}: the connection closed before an answer"
+            );
+            buf.extend_from_slice(&chunk[..n]);
+        };
+        let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+        let header = |name: &str| {
+            head.lines()
+                .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+                .map(|v| v.trim().to_owned())
+        };
+        let len: usize = header("content-length")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{method} {path}: no content-length in {head:?}"));
+        while buf.len() < head_end + len {
+            let mut chunk = [0u8; 4096];
+            let n = s.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "{method} {path}: the connection closed mid-body");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        let status = head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no status line in {head:?}"));
+        let body = String::from_utf8_lossy(&buf[head_end..head_end + len]).into_owned();
+        let body = match serde_json::from_str::<serde_json::Value>(&body) {
+            Ok(echo) if echo.get("backend").is_some() => {
+                format!("backend saw {} {}", echo["method"], echo["path"])
+            }
+            _ => body,
+        };
+        Answer {
+            status,
+            backend: header("x-backend"),
+            body,
+            open: header("connection").as_deref() != Some("close"),
+        }
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .unwrap_or_else(|_| panic!("{method} {path}: no answer in 10 s"));
+    if !answer.open {
+        *conn = None;
+    }
+    answer
+}
+
+/// Routes to two clusters (`pool`: two endpoints, round robin; `one`: one endpoint), one by
+/// method, and a deny route answered by the node.
+fn mixed_routes_config(
+    admin: SocketAddr,
+    web: SocketAddr,
+    kernel: &str,
+    pool: [SocketAddr; 2],
+    one: SocketAddr,
+) -> String {
+    format!(
+        r#"
+admin: {admin}
+workers: 1
+{kernel}
+listeners:
+  - name: web
+    address: {web}
+    protocol: http
+    routes:
+      - match: {{ path: {{ prefix: /deny }} }}
+        direct_response: {{ status: 403, body: "denied" }}
+      - match: {{ path: {{ prefix: /pool }} }}
+        cluster: pool
+      - match: {{ path: {{ prefix: /write }}, method: POST }}
+        cluster: pool
+      - match: {{ path: {{ prefix: /one }} }}
+        cluster: one
+      - match: {{ path: {{ prefix: /write }} }}
+        cluster: one
+clusters:
+  - {{ name: pool, lb: round_robin, endpoints: [ {p0}, {p1} ] }}
+  - {{ name: one, endpoints: [ {one} ] }}
+"#,
+        p0 = pool[0],
+        p1 = pool[1],
+    )
+}
+
+/// The differential test of issue 18: random keep-alive runs of mixed routes, methods and
+/// paths over several connections, through a node with `kernel.l7_dispatch` and one
+/// without; every answer and every backend hit must be the same, request by request.
+async fn kernel_never_answers_differently(test: &str, redirect: bool) {
+    let seed: u64 = std::env::var("FM_DIFF_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x18_18_18);
+    let pins = Pins::new(test);
+    let pool = [
+        HttpBackend::start("pool-0", Proto::H1).await,
+        HttpBackend::start("pool-1", Proto::H1).await,
+    ];
+    let one = HttpBackend::start("one", Proto::H1).await;
+    let pool_addrs = [pool[0].addr, pool[1].addr];
+    let (admin_k, web_k, admin_u, web_u) = (free_addr(), free_addr(), free_addr(), free_addr());
+    let kernel = format!(
+        "kernel: {{ pin_dir: {}, redirect: {redirect}, l7_dispatch: true }}",
+        pins.0.display()
+    );
+    let with_kernel = Proxy::start(
+        admin_k,
+        &mixed_routes_config(admin_k, web_k, &kernel, pool_addrs, one.addr),
+    )
+    .await;
+    let user_only = Proxy::start(
+        admin_u,
+        &mixed_routes_config(admin_u, web_u, "", pool_addrs, one.addr),
+    )
+    .await;
+
+    const CONNS: usize = 6;
+    const REQUESTS: usize = 240;
+    let methods = ["GET", "POST", "PUT", "DELETE"];
+    let prefixes = ["/pool", "/one", "/write", "/deny", "/nothing", "/"];
+    let mut rng = Rng(seed);
+    let mut conns_k: Vec<Option<TcpStream>> = (0..CONNS).map(|_| None).collect();
+    let mut conns_u: Vec<Option<TcpStream>> = (0..CONNS).map(|_| None).collect();
+    let mut sent = 0;
+    let mut log = Vec::new();
+    while sent < REQUESTS {
+        // A keep-alive run of 1 to 5 requests on one connection, each to a random route.
+        let c = rng.below(CONNS);
+        for _ in 0..1 + rng.below(5) {
+            let method = rng.pick(&methods);
+            let path = format!(
+                "{}{}",
+                rng.pick(&prefixes),
+                rng.pick(&["", "/x", "/a/b", "x"])
+            );
+            let k = ask_on(&mut conns_k[c], web_k, method, &path).await;
+            let u = ask_on(&mut conns_u[c], web_u, method, &path).await;
+            log.push(format!("conn {c}: {method} {path} -> {u:?}"));
+            assert_eq!(
+                k,
+                u,
+                "request {sent} (seed {seed}, replay with FM_DIFF_SEED={seed}): {method} {path} on connection {c} answered differently with tier K; the requests so far:\n{}",
+                log.join("\n")
+            );
+            sent += 1;
+        }
+    }
+    drop((conns_k, conns_u));
+    // /rules says the truth: no route of this listener runs in the kernel, and why.
+    let rules: serde_json::Value =
+        serde_json::from_str(&with_kernel.admin_get("/rules").await.1).unwrap();
+    assert_eq!(rules["node"]["kernel"]["state"], "attached", "{rules}");
+    for r in rules["listeners"][0]["routes"].as_array().unwrap() {
+        assert_eq!(r["tier"], "U7", "{r}");
+    }
+    let reasons = rules["listeners"][0]["routes"].to_string();
+    assert!(reasons.contains("the kernel splices none"), "{reasons}");
+    // Every backend hit the same: the two nodes' requests together, half each.
+    let hits = [pool[0].hits(), pool[1].hits(), one.hits()];
+    assert!(
+        hits.iter().all(|h| h % 2 == 0),
+        "each backend answered both nodes equally often (seed {seed}): {hits:?}"
+    );
+    assert!(
+        hits.iter().all(|h| *h > 0),
+        "every backend was reached: {hits:?}"
+    );
+    assert_eq!(spliced_metric(&with_kernel, "web").await, 0.0);
+    // Both nodes counted every request in their own metrics.
+    for node in [&with_kernel, &user_only] {
+        assert_eq!(
+            metric_sum(node, "flatmesh_requests_total", &[]).await,
+            sent as f64
+        );
+    }
+}
+
+#[test]
+fn the_kernel_tier_never_answers_differently_spliced() {
+    in_netns("the_kernel_tier_never_answers_differently_spliced", || {
+        kernel_never_answers_differently("diff-splice", false)
+    });
+}
+
+#[test]
+fn the_kernel_tier_never_answers_differently_socket_direct() {
+    in_netns(
+        "the_kernel_tier_never_answers_differently_socket_direct",
+        || kernel_never_answers_differently("diff-direct", true),
+    );
+}
+
+/// A listener whose every request goes to one single-endpoint cluster, with nothing per
+/// request: the kernel still decides its connections and splices them, and every keep-alive
+/// request on them reaches that endpoint.
+async fn a_uniform_listener_is_spliced(test: &str, redirect: bool) {
+    let pins = Pins::new(test);
+    let only = HttpBackend::start("only", Proto::H1).await;
+    let (admin, web) = (free_addr(), free_addr());
+    let config = format!(
+        r#"
+admin: {admin}
+workers: 1
+kernel: {{ pin_dir: {pins}, redirect: {redirect}, l7_dispatch: true }}
+listeners:
+  - name: web
+    address: {web}
+    protocol: http
+    routes:
+      - match: {{ path: {{ prefix: /api }}, method: GET }}
+        cluster: only
+      - match: {{ path: {{ prefix: / }} }}
+        cluster: only
+clusters:
+  - {{ name: only, endpoints: [ {only} ] }}
+"#,
+        pins = pins.0.display(),
+        only = only.addr,
+    );
+    let proxy = Proxy::start(admin, &config).await;
+    let rules: serde_json::Value =
+        serde_json::from_str(&proxy.admin_get("/rules").await.1).unwrap();
+    for r in rules["listeners"][0]["routes"].as_array().unwrap() {
+        assert_eq!(r["tier"], "K", "{r}");
+    }
+    const CONNS: usize = 3;
+    for c in 0..CONNS {
+        let mut conn = None;
+        for (method, path) in [("GET", "/api/x"), ("POST", "/other"), ("GET", "/")] {
+            let a = ask_on(&mut conn, web, method, path).await;
+            assert_eq!(
+                (a.status, a.backend.as_deref(), a.body.as_str()),
+                (
+                    200,
+                    Some("only"),
+                    format!("backend saw \"{method}\" \"{path}\"").as_str()
+                ),
+                "connection {c}"
+            );
+        }
+    }
+    let mut seen = 0.0;
+    for _ in 0..100 {
+        seen = spliced_metric(&proxy, "web").await;
+        if seen == CONNS as f64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(seen, CONNS as f64, "every connection was spliced");
+    assert_eq!(only.hits(), 3 * CONNS as u64);
+}
+
+#[test]
+fn a_listener_with_one_answer_is_still_spliced() {
+    in_netns("a_listener_with_one_answer_is_still_spliced", || {
+        a_uniform_listener_is_spliced("uniform-splice", false)
+    });
+}

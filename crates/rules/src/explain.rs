@@ -388,7 +388,7 @@ impl RuleProgram {
                         "protocol": "http",
                         "index": t.index_stats(),
                         "paths": t.paths.to_json(),
-                        "kernel_entries": (self.kernel().listener == Some(id)).then(|| self.kernel().entries.len()),
+                        "kernel_entries": (self.kernel().l7_listener() == Some(id)).then(|| self.kernel().entries.len()),
                         "nic": {
                             "app_id": nic.app_id,
                             "entries": [nic.entries.start, nic.entries.end],
@@ -478,7 +478,7 @@ impl RuleProgram {
     /// What the kernel's table does with a route: its verdict, entry and protocols.
     fn kernel_json(&self, listener: ListenerId, route: RouteId) -> Value {
         let k = self.kernel();
-        let entry = (k.listener == Some(listener))
+        let entry = (k.l7_listener() == Some(listener))
             .then(|| k.entry_of(route))
             .flatten();
         let protocols = entry.and_then(|e| match &k.entries[e].action {
