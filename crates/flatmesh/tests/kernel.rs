@@ -1542,7 +1542,10 @@ listeners:
     routes:
       - match: {{ path: {{ prefix: /api }}, method: GET }}
         cluster: only
-      - match: {{ path: {{ prefix: / }} }}
+      - match: {{ path: {{ prefix: /api }} }}
+        cluster: only
+      # Every request, `OPTIONS *` included (`prefix: /` would miss it).
+      - match: {{}}
         cluster: only
 clusters:
   - {{ name: only, endpoints: [ {only} ] }}

@@ -84,9 +84,12 @@ pub enum Reason {
     /// The one cluster has health checks, outlier detection or its own circuit breaker,
     /// which act on every request.
     SpliceClusterChecks,
-    /// No route takes every request (any method, path prefix `/`): a later request the user
-    /// tier answers 404 would reach the cluster.
+    /// No route takes every request (no method and no path condition): a later request the
+    /// user tier answers 404 would reach the cluster.
     SpliceNoCatchAll,
+    /// The listener normalises paths: the user tier rewrites, refuses or redirects some
+    /// requests' paths, which a spliced connection forwards as received.
+    SplicePaths,
     /// The access log records every request, which a spliced connection would not.
     AccessLog,
 
@@ -143,6 +146,7 @@ impl Reason {
                 | Reason::SpliceEndpoints { .. }
                 | Reason::SpliceClusterChecks
                 | Reason::SpliceNoCatchAll
+                | Reason::SplicePaths
                 | Reason::AccessLog
                 | Reason::Shadowed { .. }
                 | Reason::KernelTableFull { .. }
@@ -233,7 +237,10 @@ impl std::fmt::Display for Reason {
                 "its cluster has a health check, outlier detection or its own circuit_breaker, which act on every request: the kernel splices none",
             ),
             Reason::SpliceNoCatchAll => f.write_str(
-                "no route of the listener takes every request (any method, path prefix `/`): a later request the user tier answers 404 would reach the cluster, so the kernel splices none",
+                "no route of the listener takes every request (no method and no path condition: `prefix: /` misses `OPTIONS *`): a later request the user tier answers 404 would reach the cluster, so the kernel splices none",
+            ),
+            Reason::SplicePaths => f.write_str(
+                "the listener normalises paths (normalize_path, merge_slashes or path_with_escaped_slashes_action; a deny route turns them on): the user tier rewrites, refuses or redirects some paths, which a spliced connection would forward as received, so the kernel splices none",
             ),
             Reason::AccessLog => f.write_str(
                 "the access log records every request, which a spliced connection would not: the kernel splices none",

@@ -16,9 +16,10 @@
 //! answer the user tier would give it ([`splice_safe`]): every route passes [`check`] (it
 //! needs nothing per request), they all lead to one cluster, that cluster has one endpoint and
 //! nothing that acts per request (health check, outlier detection, its own circuit breaker),
-//! a route takes every request (no 404 to skip), and no access log records requests. Any
-//! other listener is not lowered: its connections never wait for the kernel, and every route
-//! says why (`/rules`, `flatmesh check --explain`).
+//! a route takes every request (no path condition: no 404 to skip), the listener matches paths as received
+//! (no normalisation that rewrites, refuses or redirects a path), and no access log records
+//! requests. Any other listener's table is built but not installed: its connections never
+//! wait for the kernel, and every route says why (`/rules`, `flatmesh check --explain`).
 //!
 //! A route passes [`check`] when everything it does can be done by splicing the connection
 //! to one cluster: a match of at most a method (≤ 8 bytes) and an exact or prefix path (≤ 64
@@ -36,7 +37,9 @@ use flatmesh_config::UpstreamProtocol;
 use crate::lower::{Lowering, Verdict};
 use crate::matcher::PathCond;
 use crate::normalize::is_plain;
-use crate::program::{ClusterInfo, CompiledRoute, ListenerTable, RouteAction, TableKind};
+use crate::program::{
+    ClusterInfo, CompiledRoute, HttpTable, ListenerTable, RouteAction, TableKind,
+};
 use crate::reason::Reason;
 use crate::tier::Tier;
 use crate::{ClusterId, ListenerId, Request, RouteId};
@@ -376,13 +379,17 @@ fn truncate(s: &str, max: usize) -> &str {
 /// every request it could carry, the answer the user tier would give: `Ok` with the one
 /// cluster, or why not. `checked` is [`check`] of each route.
 fn splice_safe(
-    routes: &[CompiledRoute],
+    table: &HttpTable,
     checked: &[Result<(ClusterId, Protocols), Reason>],
     clusters: &[ClusterInfo],
     access_log: bool,
 ) -> Result<ClusterId, Reason> {
+    let routes = &table.routes;
     if access_log {
         return Err(Reason::AccessLog);
+    }
+    if !table.paths.is_raw() {
+        return Err(Reason::SplicePaths);
     }
     let mut cluster = None;
     for (r, c) in routes.iter().zip(checked) {
@@ -407,12 +414,13 @@ fn splice_safe(
         return Err(Reason::SpliceClusterChecks);
     }
     // `check` let no host, header or query condition through, so a route with neither a
-    // method nor a path narrower than `/` takes every request.
+    // method nor a path condition takes every request. `prefix: /` does not: `OPTIONS *`
+    // matches no route in the user tier (404), and would reach the endpoint when spliced.
     let catch_all = routes.iter().any(|r| {
         r.matches.method.is_none()
             && match &r.matches.path {
                 None => true,
-                Some(PathCond::Prefix(p)) => p.is_empty() || p == "/",
+                Some(PathCond::Prefix(p)) => p.is_empty(),
                 Some(_) => false,
             }
     });
@@ -504,8 +512,7 @@ impl KernelLowering {
                     let (entries, verdicts) = lower_routes(&t.routes, &checked);
                     out.listener = Some(id);
                     out.entries = entries;
-                    out.splice =
-                        splice_safe(&t.routes, &checked, clusters, target.access_log).map(|_| ());
+                    out.splice = splice_safe(t, &checked, clusters, target.access_log).map(|_| ());
                     ListenerVerdicts::Http(match out.splice {
                         Ok(()) => verdicts,
                         Err(why) => checked
@@ -544,6 +551,18 @@ impl KernelLowering {
         self.entries.iter().find(|e| e.matches(method, path))
     }
 
+    /// The route the table's forward entry decides for `req`, whether or not the table is
+    /// installed ([`KernelLowering::splice`]): `None` for a punt, no match, or a path that is
+    /// not plain (`%`, `//`, a dot segment: the listener may normalise it into another route's
+    /// path, and only the user tier normalises; `dispatch.bpf.c` refuses it too).
+    pub fn table_route(&self, req: &Request<'_>) -> Option<RouteId> {
+        if !is_plain(req.path) {
+            return None;
+        }
+        let e = self.first_match(req.method.as_str(), req.path)?;
+        matches!(e.action, KernelAction::Forward { .. }).then_some(e.route)
+    }
+
     /// The entry that stands for route `route` of the lowered listener, if it has one.
     pub fn entry_of(&self, route: RouteId) -> Option<usize> {
         self.entries.iter().position(|e| e.route == route)
@@ -570,15 +589,11 @@ impl Lowering for KernelLowering {
         }
     }
 
-    /// The route whose entry forwards, for a connection whose cluster protocol matches; a
-    /// punt, a forward for another protocol or no match are all `None`. So is a path that is
-    /// not plain (`%`, `//`, a dot segment): the listener may normalise it into another
-    /// route's path, and only the user tier normalises (`dispatch.bpf.c` refuses it too).
+    /// [`KernelLowering::table_route`] on the listener whose table is installed; `None` on
+    /// every other listener.
     fn decide(&self, listener: ListenerId, req: &Request<'_>) -> Option<RouteId> {
-        if self.l7_listener() != Some(listener) || !is_plain(req.path) {
-            return None;
-        }
-        let e = self.first_match(req.method.as_str(), req.path)?;
-        matches!(e.action, KernelAction::Forward { .. }).then_some(e.route)
+        self.l7_listener()
+            .filter(|l| *l == listener)
+            .and_then(|_| self.table_route(req))
     }
 }
