@@ -176,7 +176,7 @@ impl RuleProgram {
     /// `h1 e3`, `punt e0` or `-`: the kernel table's entry for a route.
     fn kernel_cell(&self, listener: ListenerId, route: RouteId) -> String {
         let k = self.kernel();
-        if k.listener != Some(listener) {
+        if k.l7_listener() != Some(listener) {
             return "-".into();
         }
         match k.entry_of(route).map(|e| (e, &k.entries[e].action)) {
@@ -206,6 +206,13 @@ impl RuleProgram {
     fn explain_kernel_table(&self, out: &mut String, listener: ListenerId) {
         let k = self.kernel();
         if k.listener != Some(listener) {
+            return;
+        }
+        if let Err(why) = k.splice {
+            let _ = writeln!(
+                out,
+                "  tier K: its route table is not installed, no connection is spliced: {why}"
+            );
             return;
         }
         let decided = k

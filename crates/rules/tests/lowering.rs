@@ -1014,6 +1014,6 @@ fn lower_tiers_answer_as_the_user_tier_wherever_they_decide() {
     // Not vacuous: both lower tiers decided a good share of what they were asked.
     assert!(counts.programs >= 400, "{counts:?}");
     assert!(counts.kernel > counts.plain / 50, "{counts:?}");
-    assert!(counts.spliced > counts.requests / 50, "{counts:?}");
+    assert!(counts.spliced > counts.requests / 100, "{counts:?}");
     assert!(counts.nic > counts.requests / 10, "{counts:?}");
 }
