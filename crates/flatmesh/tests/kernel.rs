@@ -6,9 +6,9 @@
 //!   sk_skb verdict when sk_msg redirect is off;
 //! - the L7 listener's first request is decided in the kernel where every request a spliced
 //!   connection could carry gets one answer (otherwise never: a differential test of random
-//!   keep-alive runs proves it), from the HTTP/1.1 request line, and
-//!   HTTP/2 / gRPC `:path`, Huffman-coded as hyper and grpc-go send it), and every answer is
-//!   compared with a user-tier-only node's;
+//!   keep-alive runs proves it), from the HTTP/1.1 request line or the HTTP/2 / gRPC `:path`
+//!   (Huffman-coded as hyper and grpc-go send it), and every answer is compared with a
+//!   user-tier-only node's;
 //! - capture of a workload cgroup's connections to a service address, without ever capturing
 //!   the node's own connection to that same address;
 //! - lifecycle: pins while running, none after a clean exit, a crashed node's pins cleaned
