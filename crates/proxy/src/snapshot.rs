@@ -327,7 +327,7 @@ impl Snapshot {
                 stats: series.listener(metrics, &l.name),
                 route_stats,
                 no_route_stats: series.requests(metrics, &l.name, "none", ""),
-                kernel_l7: program.kernel().listener == Some(lid),
+                kernel_l7: program.kernel().l7_listener() == Some(lid),
                 // The lowering says which tcp listeners the kernel may splice (not one that
                 // terminates TLS, nor one whose cluster originates it).
                 kernel_splice: program

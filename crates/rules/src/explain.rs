@@ -176,7 +176,7 @@ impl RuleProgram {
     /// `h1 e3`, `punt e0` or `-`: the kernel table's entry for a route.
     fn kernel_cell(&self, listener: ListenerId, route: RouteId) -> String {
         let k = self.kernel();
-        if k.listener != Some(listener) {
+        if k.l7_listener() != Some(listener) {
             return "-".into();
         }
         match k.entry_of(route).map(|e| (e, &k.entries[e].action)) {
@@ -206,6 +206,13 @@ impl RuleProgram {
     fn explain_kernel_table(&self, out: &mut String, listener: ListenerId) {
         let k = self.kernel();
         if k.listener != Some(listener) {
+            return;
+        }
+        if let Err(why) = k.splice {
+            let _ = writeln!(
+                out,
+                "  tier K: its route table is not installed, no connection is spliced: {why}"
+            );
             return;
         }
         let decided = k
@@ -388,7 +395,7 @@ impl RuleProgram {
                         "protocol": "http",
                         "index": t.index_stats(),
                         "paths": t.paths.to_json(),
-                        "kernel_entries": (self.kernel().listener == Some(id)).then(|| self.kernel().entries.len()),
+                        "kernel_entries": (self.kernel().l7_listener() == Some(id)).then(|| self.kernel().entries.len()),
                         "nic": {
                             "app_id": nic.app_id,
                             "entries": [nic.entries.start, nic.entries.end],
@@ -478,7 +485,7 @@ impl RuleProgram {
     /// What the kernel's table does with a route: its verdict, entry and protocols.
     fn kernel_json(&self, listener: ListenerId, route: RouteId) -> Value {
         let k = self.kernel();
-        let entry = (k.listener == Some(listener))
+        let entry = (k.l7_listener() == Some(listener))
             .then(|| k.entry_of(route))
             .flatten();
         let protocols = entry.and_then(|e| match &k.entries[e].action {

@@ -67,6 +67,32 @@ pub enum Reason {
     /// The route has a `rate_limit`, which the user tier counts on every request.
     RateLimit,
 
+    // Why tier K splices none of an http listener's connections: a spliced connection
+    // carries every later request to the first one's endpoint, so the kernel splices only
+    // where every request the connection could carry gets that same answer.
+    /// Another route of the listener needs the user tier, and a spliced connection could
+    /// carry its requests.
+    SpliceRoute {
+        route: RouteId,
+    },
+    /// The listener's routes lead to more than one cluster.
+    SpliceClusters,
+    /// The one cluster has several endpoints, balanced per request.
+    SpliceEndpoints {
+        endpoints: usize,
+    },
+    /// The one cluster has health checks, outlier detection or its own circuit breaker,
+    /// which act on every request.
+    SpliceClusterChecks,
+    /// No route takes every request (no method and no path condition): a later request the
+    /// user tier answers 404 would reach the cluster.
+    SpliceNoCatchAll,
+    /// The listener normalises paths: the user tier rewrites, refuses or redirects some
+    /// requests' paths, which a spliced connection forwards as received.
+    SplicePaths,
+    /// The access log records every request, which a spliced connection would not.
+    AccessLog,
+
     // What the config asks for.
     NoKernelSection,
     NoL7Dispatch,
@@ -115,6 +141,13 @@ impl Reason {
                 | Reason::HboneListener
                 | Reason::Authorization
                 | Reason::ListenerRateLimit
+                | Reason::SpliceRoute { .. }
+                | Reason::SpliceClusters
+                | Reason::SpliceEndpoints { .. }
+                | Reason::SpliceClusterChecks
+                | Reason::SpliceNoCatchAll
+                | Reason::SplicePaths
+                | Reason::AccessLog
                 | Reason::Shadowed { .. }
                 | Reason::KernelTableFull { .. }
                 | Reason::ImageFull { .. }
@@ -129,7 +162,7 @@ impl std::fmt::Display for Reason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Reason::KernelDecides => f.write_str(
-                "first request decided in the kernel (sk_skb), the connection spliced to the cluster",
+                "decided in the kernel (sk_skb) on the first request, the connection then spliced: every request the listener takes gets this one answer",
             ),
             Reason::KernelSplices => {
                 f.write_str("L4 only: spliced in the kernel (sk_skb), kernel.tcp_splice")
@@ -189,6 +222,29 @@ impl std::fmt::Display for Reason {
                 "the listener has a rate_limit, which only the user tier counts",
             ),
             Reason::RateLimit => f.write_str("the route has a rate_limit, which only the user tier counts"),
+            Reason::SpliceRoute { route } => write!(
+                f,
+                "route {route} of the listener needs the user tier, and a spliced connection could carry its requests: the kernel splices none of the listener's connections"
+            ),
+            Reason::SpliceClusters => f.write_str(
+                "the listener's routes lead to more than one cluster: a spliced connection would send every later request to the first one's, so the kernel splices none",
+            ),
+            Reason::SpliceEndpoints { endpoints } => write!(
+                f,
+                "its cluster has {endpoints} endpoints, balanced per request: a spliced connection would keep the first one's, so the kernel splices none"
+            ),
+            Reason::SpliceClusterChecks => f.write_str(
+                "its cluster has a health check, outlier detection or its own circuit_breaker, which act on every request: the kernel splices none",
+            ),
+            Reason::SpliceNoCatchAll => f.write_str(
+                "no route of the listener takes every request (no method and no path condition: `prefix: /` misses `OPTIONS *`): a later request the user tier answers 404 would reach the cluster, so the kernel splices none",
+            ),
+            Reason::SplicePaths => f.write_str(
+                "the listener normalises paths (normalize_path, merge_slashes or path_with_escaped_slashes_action; a deny route turns them on): the user tier rewrites, refuses or redirects some paths, which a spliced connection would forward as received, so the kernel splices none",
+            ),
+            Reason::AccessLog => f.write_str(
+                "the access log records every request, which a spliced connection would not: the kernel splices none",
+            ),
             Reason::NoKernelSection => f.write_str("the config has no `kernel:` section"),
             Reason::NoL7Dispatch => f.write_str("kernel.l7_dispatch is off"),
             Reason::OtherL7Listener => {

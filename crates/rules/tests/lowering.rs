@@ -111,6 +111,12 @@ fn kernel(p: &RuleProgram, req: &Req) -> Option<usize> {
     Lowering::decide(p.kernel(), 0, &req.view())
 }
 
+/// What the kernel's table decides for `req`, installed or not (a listener whose
+/// connections the kernel may not splice keeps its table out of the kernel).
+fn table(p: &RuleProgram, req: &Req) -> Option<usize> {
+    p.kernel().table_route(&req.view())
+}
+
 fn nic(p: &RuleProgram, req: &Req) -> Option<usize> {
     Lowering::decide(p.nic(), 0, &req.view())
 }
@@ -144,19 +150,25 @@ fn kernel_simple_routes_are_forward_entries_in_order() {
         },
         "a spliced connection reaches the cluster as the client spoke it"
     );
-    assert_eq!(kernel(&p, &Req::new("GET", "/a?x=1")), Some(0));
-    assert_eq!(kernel(&p, &Req::new("POST", "/a")), None);
-    assert_eq!(kernel(&p, &Req::new("POST", "/api/x")), Some(1));
+    assert_eq!(table(&p, &Req::new("GET", "/a?x=1")), Some(0));
+    assert_eq!(table(&p, &Req::new("POST", "/a")), None);
+    assert_eq!(table(&p, &Req::new("POST", "/api/x")), Some(1));
     assert_eq!(
         k.first_match("GET", "/a")
             .unwrap()
             .cluster_for(Protocols::HTTP2),
         None
     );
+    // Two clusters: a spliced connection would carry a later request to the first one's
+    // cluster, so the table is not installed and no route runs in the kernel.
+    assert_eq!(k.l7_listener(), None);
+    assert_eq!(kernel(&p, &Req::new("GET", "/a")), None);
     assert_eq!(
         reasons(&p, k),
-        [Verdict::Decides, Verdict::Decides],
-        "both decided"
+        [
+            Verdict::Host(Reason::SpliceClusters),
+            Verdict::Host(Reason::SpliceClusters)
+        ],
     );
 }
 
@@ -174,8 +186,17 @@ fn kernel_undecidable_routes_are_punts_that_shadow_later_routes() {
         p.kernel().first_match("GET", "/api/x").map(|e| &e.action),
         Some(&KernelAction::Punt(Reason::HeaderMatch))
     );
-    assert_eq!(kernel(&p, &Req::new("GET", "/api/x")), None);
-    assert_eq!(kernel(&p, &Req::new("GET", "/b")), Some(1));
+    assert_eq!(table(&p, &Req::new("GET", "/api/x")), None);
+    assert_eq!(table(&p, &Req::new("GET", "/b")), Some(1));
+    // The header route needs the user tier on every request of a connection.
+    assert_eq!(kernel(&p, &Req::new("GET", "/b")), None);
+    assert_eq!(
+        reasons(&p, p.kernel()),
+        [
+            Verdict::Host(Reason::HeaderMatch),
+            Verdict::Host(Reason::SpliceRoute { route: 0 })
+        ]
+    );
 }
 
 #[test]
@@ -191,13 +212,13 @@ fn kernel_regex_routes_punt_their_literal_prefix_and_a_catch_all_ends_the_table(
     );
     let k = p.kernel();
     assert_eq!(k.entries[0].path, PathKey::Prefix("/v".into()));
-    assert_eq!(kernel(&p, &Req::new("GET", "/v1/items")), None);
+    assert_eq!(table(&p, &Req::new("GET", "/v1/items")), None);
     assert_eq!(
-        kernel(&p, &Req::new("GET", "/vx")),
+        table(&p, &Req::new("GET", "/vx")),
         None,
         "a superset: punted"
     );
-    assert_eq!(kernel(&p, &Req::new("GET", "/w")), Some(1));
+    assert_eq!(table(&p, &Req::new("GET", "/w")), Some(1));
     // `.*x` has no literal prefix: its punt entry takes every request. Route 3 gets no entry:
     // route 1's `/` already takes every path it could match.
     assert_eq!(k.entries.len(), 3);
@@ -206,10 +227,10 @@ fn kernel_regex_routes_punt_their_literal_prefix_and_a_catch_all_ends_the_table(
         reasons(&p, k)[2..],
         [
             Verdict::Host(Reason::RegexPath),
-            Verdict::Host(Reason::Shadowed { by: 1 })
+            Verdict::Host(Reason::SpliceRoute { route: 0 })
         ]
     );
-    assert_eq!(kernel(&p, &Req::new("GET", "/z")), Some(1));
+    assert_eq!(table(&p, &Req::new("GET", "/z")), Some(1));
 }
 
 #[test]
@@ -225,11 +246,11 @@ fn kernel_long_paths_and_methods_are_punted_conservatively() {
     );
     let k = p.kernel();
     assert_eq!(k.entries[0].path, PathKey::Prefix(long[..64].into()));
-    assert_eq!(kernel(&p, &Req::new("GET", &long)), None);
+    assert_eq!(table(&p, &Req::new("GET", &long)), None);
     // The long method is widened to any method and punted: GET /m is left to the user tier,
     // which gives route 2, since the kernel cannot tell VERYLONGMETHOD apart.
     assert_eq!(k.entries[1].method, None);
-    assert_eq!(kernel(&p, &Req::new("GET", "/m")), None);
+    assert_eq!(table(&p, &Req::new("GET", "/m")), None);
     assert_eq!(user(&p, 0, &Req::new("GET", "/m")), Some(2));
     assert_eq!(
         reasons(&p, k)[..2],
@@ -238,13 +259,19 @@ fn kernel_long_paths_and_methods_are_punted_conservatively() {
             Verdict::Host(Reason::MethodTooLong { max: 8 })
         ]
     );
-    assert_eq!(reasons(&p, k)[2], Verdict::Host(Reason::Shadowed { by: 1 }));
+    assert_eq!(
+        reasons(&p, k)[2],
+        Verdict::Host(Reason::SpliceRoute { route: 0 })
+    );
 }
 
 #[test]
 fn kernel_table_overflow_ends_with_a_catch_all_punt() {
+    // Every route to the one endpoint of `a`, the last one for every request: the table is
+    // installed.
     let routes: Vec<Value> = (0..100)
         .map(|i| json!({ "match": { "path": { "exact": format!("/{i}") } }, "cluster": "a" }))
+        .chain([json!({ "match": {}, "cluster": "a" })])
         .collect();
     let p = web(Value::Array(routes), l7());
     let k = p.kernel();
@@ -256,7 +283,9 @@ fn kernel_table_overflow_ends_with_a_catch_all_punt() {
     let full = Verdict::Host(Reason::KernelTableFull { entries: 64 });
     assert_eq!(reasons(&p, k)[63], full);
     assert_eq!(reasons(&p, k)[99], full);
+    assert_eq!(reasons(&p, k)[100], full);
     assert_eq!(k.entries[63].route, 63);
+    assert_eq!(k.l7_listener(), Some(0));
 }
 
 #[test]
@@ -328,7 +357,7 @@ fn normalised_paths_are_decided_by_lower_tiers_only_as_received() {
         let req = Req::new("GET", walk);
         assert_eq!(user(&p, 0, &req), Some(0), "{walk} is denied");
         assert_eq!(
-            kernel(&p, &req),
+            table(&p, &req),
             None,
             "{walk}: the kernel leaves it to the user tier"
         );
@@ -341,10 +370,14 @@ fn normalised_paths_are_decided_by_lower_tiers_only_as_received() {
     // An encoded slash is refused (400) by default: routed nowhere, decided by no tier.
     let slash = Req::new("GET", "/api%2F..%2Fadmin");
     assert_eq!(user(&p, 0, &slash), None);
-    assert_eq!((kernel(&p, &slash), nic(&p, &slash)), (None, None));
+    assert_eq!((table(&p, &slash), nic(&p, &slash)), (None, None));
     // Plain paths are decided as before: the kernel splices /api/x and /x, the image names /x.
-    assert_eq!(kernel(&p, &Req::new("GET", "/api/x")), Some(2));
-    assert_eq!(kernel(&p, &Req::new("GET", "/x")), Some(1));
+    assert_eq!(table(&p, &Req::new("GET", "/api/x")), Some(2));
+    assert_eq!(table(&p, &Req::new("GET", "/x")), Some(1));
+    // But a normalising listener rewrites, refuses or redirects some paths of a connection's
+    // later requests, which a splice would forward as received: none is spliced.
+    assert_eq!(p.kernel().splice, Err(Reason::SplicePaths));
+    assert_eq!(kernel(&p, &Req::new("GET", "/x")), None);
     assert_eq!(nic(&p, &Req::new("GET", "/x")), Some(1));
     assert_eq!(nic(&p, &Req::new("GET", "/api/x")), None);
     assert_eq!(
@@ -713,8 +746,28 @@ fn program_strategy() -> impl Strategy<Value = Value> {
             1..4,
         ),
         prop_oneof![1 => Just(None), 3 => (0usize..3).prop_map(Some)],
+        proptest::bool::weighted(0.3),
     )
-        .prop_map(|(tables, kernel_listener)| {
+        .prop_map(|(mut tables, kernel_listener, uniform)| {
+            if uniform {
+                // Listener 0 as the kernel may splice it: its routes' methods and paths, all
+                // to cluster `a` (one endpoint), paths as received, and a route for every
+                // request somewhere among them (a regex or an effect still spoils it).
+                let (routes, paths) = &mut tables[0];
+                for r in routes.iter_mut() {
+                    let m = r["match"].clone();
+                    *r = json!({ "match": { "method": m["method"], "path": m["path"] }, "cluster": "a" });
+                    for k in ["method", "path"] {
+                        if r["match"][k].is_null() {
+                            r["match"].as_object_mut().unwrap().remove(k);
+                        }
+                    }
+                }
+                let at = routes.len() / 2;
+                routes.insert(at, json!({ "match": {}, "cluster": "a" }));
+                *paths = json!({ "normalize_path": false, "merge_slashes": false, "path_with_escaped_slashes_action": "keep_unchanged" });
+            }
+            let kernel_listener = kernel_listener.map(|i| if uniform { 0 } else { i });
             let mut listeners: Vec<Value> = tables
                 .iter()
                 .enumerate()
@@ -827,7 +880,10 @@ struct Counts {
     requests: usize,
     /// Requests whose path is plain: the only ones tier K may decide.
     plain: usize,
+    /// Requests the kernel's table decides (installed or not).
     kernel: usize,
+    /// Requests on listeners whose connections the kernel splices.
+    spliced: usize,
     nic: usize,
 }
 
@@ -868,9 +924,38 @@ fn check_program(p: &RuleProgram, requests: &[Req], counts: &mut Counts) -> Resu
                         lowering.verdict(lid, got)
                     ));
                 }
-                match lowering.tier() {
-                    Tier::Kernel => counts.kernel += 1,
-                    _ => counts.nic += 1,
+                if lowering.tier() != Tier::Kernel {
+                    counts.nic += 1;
+                }
+            }
+            // The kernel's table, installed or not, answers as the user tier wherever it
+            // decides.
+            if p.kernel().listener == Some(lid) {
+                if let Some(got) = p.kernel().table_route(&req.view()) {
+                    counts.kernel += 1;
+                    if Some(got) != want {
+                        return Err(format!(
+                            "the kernel's table decides route {got} for {} {} on listener {lid}; the user tier says {want:?}",
+                            req.method, req.path
+                        ));
+                    }
+                }
+            }
+            // A spliced connection carries every later request to the first one's cluster:
+            // where the kernel splices, every request the listener takes gets that answer
+            // from the user tier.
+            if p.kernel().l7_listener() == Some(lid) {
+                counts.spliced += 1;
+                let cluster = want.map(|r| &table.routes[r].action);
+                let first = table.routes.iter().find_map(|r| match r.action {
+                    RouteAction::Forward(c) => Some(c),
+                    _ => None,
+                });
+                if cluster.is_none() || cluster != first.map(RouteAction::Forward).as_ref() {
+                    return Err(format!(
+                        "the kernel splices listener {lid}, but the user tier answers {} {} with {cluster:?}, not the one cluster {first:?}",
+                        req.method, req.path
+                    ));
                 }
             }
             // The kernel splices to the route's own cluster, for its cluster's protocol only.
@@ -929,5 +1014,6 @@ fn lower_tiers_answer_as_the_user_tier_wherever_they_decide() {
     // Not vacuous: both lower tiers decided a good share of what they were asked.
     assert!(counts.programs >= 400, "{counts:?}");
     assert!(counts.kernel > counts.plain / 50, "{counts:?}");
+    assert!(counts.spliced > counts.requests / 100, "{counts:?}");
     assert!(counts.nic > counts.requests / 10, "{counts:?}");
 }

@@ -382,8 +382,9 @@ fn tiers_are_read_from_the_lowerings_in_route_order() {
     assert!(p.kernel().entries.is_empty());
 
     // With kernel.l7_dispatch the kernel's table holds every route in order: route 2 becomes
-    // a punt entry for its own method and path only, so route 3 after it is still decided in
-    // the kernel (the table's first match for /d is route 3's entry).
+    // a punt entry for its own method and path only (the table's first match for /d is
+    // route 3's entry). But a spliced connection could carry route 2's requests, so the
+    // table is not installed and every route runs in the user tier, saying why.
     let mut with_kernel = routes(list);
     with_kernel.kernel = Some(serde_norway::from_str("{ l7_dispatch: true }").unwrap());
     let p = compile(&with_kernel).unwrap();
@@ -393,10 +394,11 @@ fn tiers_are_read_from_the_lowerings_in_route_order() {
     };
     assert_eq!(
         tiers,
-        [Tier::Kernel, Tier::Kernel, Tier::UserL7, Tier::Kernel],
-        "route 3 sits after the U7-only route 2 and is still decided in the kernel"
+        [Tier::UserL7, Tier::UserL7, Tier::UserL7, Tier::UserL7],
+        "route 2 needs the user tier: no connection of the listener is spliced"
     );
     let k = p.kernel();
+    assert_eq!(k.splice, Err(Reason::SpliceRoute { route: 2 }));
     assert_eq!(k.entries.len(), 4);
     assert_eq!(
         k.first_match("GET", "/d")
@@ -414,7 +416,25 @@ fn tiers_are_read_from_the_lowerings_in_route_order() {
     assert_eq!(r2.placement.eligible.label(), "U7");
     let r0 = p.route(0, &Req::get("/a").view()).unwrap();
     assert_eq!(r0.placement.eligible.label(), "N|K|U7");
-    assert_eq!(r0.placement.reason, Reason::KernelDecides);
+    assert_eq!(r0.placement.reason, Reason::SpliceRoute { route: 2 });
+    // Without route 2, and with a route for every request, every route is the kernel's.
+    let uniform = list.replace(
+        "exact: /c }, headers: [ { name: x, present: true } ] }",
+        "exact: /c } }",
+    ) + "      - match: {}\n        cluster: a\n";
+    let mut with_kernel = routes(&uniform);
+    with_kernel.kernel = Some(serde_norway::from_str("{ l7_dispatch: true }").unwrap());
+    let p = compile(&with_kernel).unwrap();
+    let placed: Vec<_> = match &p.listeners()[0].kind {
+        flatmesh_rules::TableKind::Http(t) => t
+            .routes
+            .iter()
+            .map(|r| (r.tier, r.placement.reason))
+            .collect(),
+        other => panic!("unexpected {other:?}"),
+    };
+    assert_eq!(placed, [(Tier::Kernel, Reason::KernelDecides); 5]);
+    assert_eq!(p.kernel().l7_listener(), Some(0));
 
     let ex = compile(&cfg(EXAMPLE)).unwrap();
     match &ex.listeners()[1].kind {
@@ -462,7 +482,7 @@ fn hash_on_clusters_and_long_paths_are_punted_not_shown_as_kernel() {
         [
             (Tier::UserL7, Reason::HashOn),
             (Tier::UserL7, Reason::PathTooLong { max: 64 }),
-            (Tier::Kernel, Reason::KernelDecides),
+            (Tier::UserL7, Reason::SpliceRoute { route: 0 }),
         ]
     );
     // The kernel's own answer agrees: both punt.
@@ -504,7 +524,10 @@ fn tls_keeps_every_lower_tier_out_of_the_listener_and_the_cluster() {
     ));
     let p = compile(&config).unwrap();
     let k = p.kernel();
-    assert_eq!(k.verdict(0, 0), Some(Verdict::Decides));
+    assert_eq!(
+        k.verdict(0, 0),
+        Some(Verdict::Host(Reason::SpliceRoute { route: 1 }))
+    );
     assert_eq!(k.verdict(0, 1), Some(Verdict::Host(Reason::UpstreamTls)));
     assert_eq!(k.verdict(1, 0), Some(Verdict::Host(Reason::ListenerTls)));
     assert_eq!(k.tcp_verdict(2), Some(Verdict::Host(Reason::ListenerTls)));
@@ -547,9 +570,13 @@ fn hbone_listeners_and_tunnel_clusters_stay_in_the_user_tier_and_say_why() {
     assert_eq!(k.tcp_verdict(0), Some(Verdict::Host(Reason::HboneListener)));
     assert_eq!(k.tcp_verdict(1), Some(Verdict::Host(Reason::Tunnel)));
     // An http route to the tunnel cluster: the kernel hands its requests to the user tier,
-    // which alone speaks CONNECT inside TLS; the route after it is the kernel's.
+    // which alone speaks CONNECT inside TLS; a spliced connection could carry them, so the
+    // route after it stays in the user tier too.
     assert_eq!(k.verdict(2, 0), Some(Verdict::Host(Reason::Tunnel)));
-    assert_eq!(k.verdict(2, 1), Some(Verdict::Decides));
+    assert_eq!(
+        k.verdict(2, 1),
+        Some(Verdict::Host(Reason::SpliceRoute { route: 0 }))
+    );
     assert_eq!(
         k.first_match("GET", "/a")
             .map(|e| (e.route, e.cluster_for(Protocols::HTTP1))),
@@ -680,22 +707,42 @@ fn explain_counts_what_each_tier_decides_and_handles_an_empty_program() {
     with_kernel.kernel = Some(serde_norway::from_str("{ l7_dispatch: true }").unwrap());
     let p = compile(&with_kernel).unwrap();
     let text = p.explain();
+    // Two clusters and a regex route: no connection of the listener is spliced, and the
+    // table says so instead of counting entries that are never installed.
     assert!(
-        text.contains("  tier K: 3 of 64 route table entries, 2 decide, 1 punt;"),
+        text.contains("  tier K: its route table is not installed, no connection is spliced: the listener's routes lead to more than one cluster"),
         "{text}"
     );
     assert!(text.contains("routes it decides: #0, #1;"), "{text}");
     let row = text.lines().find(|l| l.contains("web/0")).unwrap();
     assert!(
         row.contains("N|K|U7")
-            && row.contains(" h1 e0 ")
+            && row.contains(" - ")
             && row.contains(" q1 ")
-            && row.contains(" K ")
-            && row.contains("first request decided in the kernel"),
+            && row.contains(" U7 ")
+            && row.contains("the kernel splices none"),
         "{row}"
     );
-    let row = text.lines().find(|l| l.contains("web/2")).unwrap();
-    assert!(row.contains(" punt e2 ") && row.contains(" host "), "{row}");
+    // One cluster with one endpoint and a route for every request: the kernel's.
+    let mut uniform = routes(
+        "      - match: { path: { prefix: /a }, method: GET }\n        cluster: a\n\
+         \x20     - match: { path: { exact: /b } }\n        cluster: a\n\
+         \x20     - match: {}\n        cluster: a\n",
+    );
+    uniform.kernel = Some(serde_norway::from_str("{ l7_dispatch: true }").unwrap());
+    let text = compile(&uniform).unwrap().explain();
+    assert!(
+        text.contains("  tier K: 3 of 64 route table entries, 3 decide, 0 punt;"),
+        "{text}"
+    );
+    let row = text.lines().find(|l| l.contains("web/0")).unwrap();
+    assert!(
+        row.contains("N|K|U7")
+            && row.contains(" h1 e0 ")
+            && row.contains(" K ")
+            && row.contains("decided in the kernel (sk_skb) on the first request"),
+        "{row}"
+    );
 
     let empty = compile(&cfg("{}")).unwrap();
     assert_eq!(empty.listener_id("web"), None);
@@ -823,7 +870,11 @@ fn fault_and_mirror_routes_run_in_the_user_tier_and_say_why() {
             (Tier::UserL7, Reason::Fault, "N|U7".to_string()),
             (Tier::UserL7, Reason::Fault, "N|U7".to_string()),
             (Tier::UserL7, Reason::Mirror, "N|U7".to_string()),
-            (Tier::Kernel, Reason::KernelDecides, "N|K|U7".to_string()),
+            (
+                Tier::UserL7,
+                Reason::SpliceRoute { route: 0 },
+                "N|K|U7".to_string()
+            ),
         ]
     );
     // The kernel's table punts the fault and mirror routes to the user tier.
@@ -904,7 +955,7 @@ fn rate_limited_routes_and_listeners_stay_in_the_user_tier_and_explain_shows_the
         tiers,
         [
             (Tier::UserL7, Reason::RateLimit),
-            (Tier::Kernel, Reason::KernelDecides),
+            (Tier::UserL7, Reason::SpliceRoute { route: 0 }),
         ]
     );
     let text = p.explain();
@@ -979,13 +1030,14 @@ fn rate_limited_routes_and_listeners_stay_in_the_user_tier_and_explain_shows_the
 fn route_tiers_on_a_node_are_the_tiers_rules_shows() {
     // What the node labels its request metrics with (`tier`): each route's tier on the node,
     // from the same placement as `/rules`.
-    let config = cfg(
+    let config_text = String::from(
         "listeners:\n  - name: web\n    address: 127.0.0.1:1\n    protocol: http\n    routes:\n\
          \x20     - name: limited\n        match: { path: { prefix: /limited } }\n        cluster: a\n        rate_limit: { requests_per_s: 10 }\n\
-         \x20     - name: fast\n        match: { path: { prefix: / } }\n        cluster: a\n\
+         \x20     - name: fast\n        match: {}\n        cluster: a\n\
          clusters:\n  - { name: a, endpoints: [127.0.0.1:2] }\n\
          kernel: { l7_dispatch: true }\n",
     );
+    let config = cfg(&config_text);
     let p = compile(&config).unwrap();
     let attached = flatmesh_rules::NodeTiers {
         kernel: flatmesh_rules::KernelRuntime::Attached {
@@ -998,12 +1050,20 @@ fn route_tiers_on_a_node_are_the_tiers_rules_shows() {
         kernel: flatmesh_rules::KernelRuntime::Off("not root".into()),
         ..Default::default()
     };
-    for (node, fast) in [(&attached, Tier::Kernel), (&off, Tier::UserL7)] {
+    // The rate-limited route keeps the whole listener in the user tier (a spliced connection
+    // could carry its requests); without its limit, both are the kernel's where it runs.
+    let unlimited = compile(&cfg(
+        &config_text.replace("        rate_limit: { requests_per_s: 10 }\n", "")
+    ))
+    .unwrap();
+    for (p, node, tier) in [
+        (&p, &attached, Tier::UserL7),
+        (&p, &off, Tier::UserL7),
+        (&unlimited, &attached, Tier::Kernel),
+        (&unlimited, &off, Tier::UserL7),
+    ] {
         let tiers = p.route_tiers_on(node);
-        assert_eq!(
-            tiers,
-            [("web", "limited", Tier::UserL7), ("web", "fast", fast)]
-        );
+        assert_eq!(tiers, [("web", "limited", tier), ("web", "fast", tier)]);
         let json = p.to_json_on(node);
         for (i, (_, _, tier)) in tiers.iter().enumerate() {
             assert_eq!(

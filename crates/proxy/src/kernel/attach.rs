@@ -131,7 +131,9 @@ pub fn plan(snapshot: &Snapshot, bound: &dyn Fn(&str) -> Option<SocketAddr>) -> 
         match (&table.kind, port) {
             // The lowering says which listener's routes the kernel decides (none that
             // terminates TLS or has authorization policies).
-            (TableKind::Http(_), Some(port)) if snapshot.program.kernel().listener == Some(lid) => {
+            (TableKind::Http(_), Some(port))
+                if snapshot.program.kernel().l7_listener() == Some(lid) =>
+            {
                 plan.l7_ports.insert(port);
                 plan.routes = snapshot.program.kernel().entries.clone();
                 // The accepted end belongs to the sk_skb dispatcher, which must see the

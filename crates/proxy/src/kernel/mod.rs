@@ -3,7 +3,10 @@
 //! connection's bytes to the kernel (docs/kernel.md). One file per concept:
 //! - [`attach`]: attach the programs the config asks for, and work out (plan) and install
 //!   what each config snapshot asks of the kernel's maps;
-//! - [`handoff`]: the L7 `http` listener's first request. `fm_sockops_l7` registers each
+//! - [`handoff`]: the L7 `http` listener's first request, on a listener the tier-K lowering
+//!   lets the kernel splice (`KernelLowering::l7_listener`: only where every request a
+//!   spliced connection could carry gets the user tier's answer; any other listener's
+//!   connections go straight to the user tier). `fm_sockops_l7` registers each
 //!   accepted connection before any payload arrives; [`KernelBinding::first_request`] reads
 //!   the kernel's decision for the first request and either hands the connection to the
 //!   kernel for the decided cluster or hands the bytes read so far to the user L7 path, which

@@ -10,14 +10,25 @@
 //! or punts (the user tier decides). `crates/kernel` encodes [`KernelEntry`]s into the map ABI
 //! and nothing else; this module decides what they are.
 //!
-//! A route is decided in the kernel when everything it does can be done by splicing the
-//! connection to one cluster: a match of at most a method (≤ 8 bytes) and an exact or prefix
-//! path (≤ 64 bytes), a plain `cluster` action with no rewrite, retry, per-request timeout, fault or mirror,
-//! and a cluster that picks its endpoint without reading the request (no `hash_on`). Any other
-//! route becomes a punt entry whose match is a superset of the route's: its method (or any
-//! method), its path cut to 64 bytes, a regex's literal prefix, or every path. An entry that an
-//! earlier entry covers is left out (no request reaches it), and a full table ends with a
-//! catch-all punt.
+//! A spliced connection carries every later request (HTTP/1.1 keep-alive, every HTTP/2
+//! stream) to the first request's endpoint, unseen by the user tier. So the kernel splices an
+//! http listener's connections only when every request such a connection could carry gets the
+//! answer the user tier would give it ([`splice_safe`]): every route passes [`check`] (it
+//! needs nothing per request), they all lead to one cluster, that cluster has one endpoint and
+//! nothing that acts per request (health check, outlier detection, its own circuit breaker),
+//! a route takes every request (no path condition: no 404 to skip), the listener matches paths as received
+//! (no normalisation that rewrites, refuses or redirects a path), and no access log records
+//! requests. Any other listener's table is built but not installed: its connections never
+//! wait for the kernel, and every route says why (`/rules`, `flatmesh check --explain`).
+//!
+//! A route passes [`check`] when everything it does can be done by splicing the connection
+//! to one cluster: a match of at most a method (≤ 8 bytes) and an exact or prefix path (≤ 64
+//! bytes), a plain `cluster` action with no rewrite, retry, per-request timeout, fault,
+//! mirror or rate limit, and a cluster that picks its endpoint without reading the request
+//! (no `hash_on`). In a lowered listener every route passes; an entry that an earlier entry
+//! covers is left out (no request reaches it), and a full table ends with a catch-all punt.
+//! The punt entries ([`KernelAction::Punt`]) remain for tables built by hand (the kernel
+//! crate's tests) and for paths the kernel cannot read.
 
 use std::collections::HashMap;
 
@@ -26,7 +37,9 @@ use flatmesh_config::UpstreamProtocol;
 use crate::lower::{Lowering, Verdict};
 use crate::matcher::PathCond;
 use crate::normalize::is_plain;
-use crate::program::{ClusterInfo, CompiledRoute, ListenerTable, RouteAction, TableKind};
+use crate::program::{
+    ClusterInfo, CompiledRoute, HttpTable, ListenerTable, RouteAction, TableKind,
+};
 use crate::reason::Reason;
 use crate::tier::Tier;
 use crate::{ClusterId, ListenerId, Request, RouteId};
@@ -186,6 +199,8 @@ pub struct KernelTarget {
     pub l7_listener: Result<ListenerId, Reason>,
     /// Whether tcp listeners are spliced, or why not.
     pub tcp_splice: Result<(), Reason>,
+    /// The config has an access log, which records every http request.
+    pub access_log: bool,
 }
 
 impl KernelTarget {
@@ -198,6 +213,7 @@ impl KernelTarget {
             return KernelTarget {
                 l7_listener: Err(Reason::NoKernelSection),
                 tcp_splice: Err(Reason::NoKernelSection),
+                access_log: cfg.access_log.is_some(),
             };
         };
         KernelTarget {
@@ -214,6 +230,7 @@ impl KernelTarget {
             } else {
                 Err(Reason::TcpSpliceOff)
             },
+            access_log: cfg.access_log.is_some(),
         }
     }
 }
@@ -225,6 +242,10 @@ pub struct KernelLowering {
     pub listener: Option<ListenerId>,
     /// The route table, in order; empty when no listener is lowered.
     pub entries: Vec<KernelEntry>,
+    /// Whether the kernel decides and splices the lowered listener's connections: only when
+    /// every request a spliced connection could carry gets the user tier's answer
+    /// ([`splice_safe`]). Otherwise the table is not installed, and every route says why.
+    pub splice: Result<(), Reason>,
     /// What the kernel does with each listener's rules, by listener id.
     listeners: Vec<ListenerVerdicts>,
 }
@@ -354,20 +375,75 @@ fn truncate(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
-/// Lowers one http listener's routes to the table, in rule order.
+/// Whether a spliced connection of an http listener whose routes are `routes` gets, for
+/// every request it could carry, the answer the user tier would give: `Ok` with the one
+/// cluster, or why not. `checked` is [`check`] of each route.
+fn splice_safe(
+    table: &HttpTable,
+    checked: &[Result<(ClusterId, Protocols), Reason>],
+    clusters: &[ClusterInfo],
+    access_log: bool,
+) -> Result<ClusterId, Reason> {
+    let routes = &table.routes;
+    if access_log {
+        return Err(Reason::AccessLog);
+    }
+    if !table.paths.is_raw() {
+        return Err(Reason::SplicePaths);
+    }
+    let mut cluster = None;
+    for (r, c) in routes.iter().zip(checked) {
+        let (c, _) = c.map_err(|_| Reason::SpliceRoute { route: r.id })?;
+        if cluster.is_some_and(|first| first != c) {
+            return Err(Reason::SpliceClusters);
+        }
+        cluster = Some(c);
+    }
+    // A listener without routes answers every request 404.
+    let cluster = cluster.ok_or(Reason::SpliceNoCatchAll)?;
+    let info = clusters.get(cluster).ok_or(Reason::SpliceClusters)?;
+    if info.endpoints.len() != 1 {
+        return Err(Reason::SpliceEndpoints {
+            endpoints: info.endpoints.len(),
+        });
+    }
+    if info.health_check.is_some()
+        || info.outlier.is_some()
+        || info.breaker != flatmesh_config::CircuitBreaker::default()
+    {
+        return Err(Reason::SpliceClusterChecks);
+    }
+    // `check` let no host, header or query condition through, so a route with neither a
+    // method nor a path condition takes every request. `prefix: /` does not: `OPTIONS *`
+    // matches no route in the user tier (404), and would reach the endpoint when spliced.
+    let catch_all = routes.iter().any(|r| {
+        r.matches.method.is_none()
+            && match &r.matches.path {
+                None => true,
+                Some(PathCond::Prefix(p)) => p.is_empty(),
+                Some(_) => false,
+            }
+    });
+    if !catch_all {
+        return Err(Reason::SpliceNoCatchAll);
+    }
+    Ok(cluster)
+}
+
+/// Lowers one http listener's routes to the table, in rule order; `checked` is [`check`] of
+/// each route.
 fn lower_routes(
     routes: &[CompiledRoute],
-    clusters: &[ClusterInfo],
+    checked: &[Result<(ClusterId, Protocols), Reason>],
 ) -> (Vec<KernelEntry>, Vec<Verdict>) {
     let mut entries: Vec<KernelEntry> = Vec::new();
     let mut verdicts = Vec::with_capacity(routes.len());
+    let route_level = |i: usize| checked[i].map(|_| ());
     for (i, r) in routes.iter().enumerate() {
-        let checked = check(r, clusters);
-        let route_level = checked.map(|_| ());
-        let e = entry(r, checked);
+        let e = entry(r, checked[i]);
         if let Some(by) = entries.iter().find(|earlier| earlier.covers(&e)) {
             verdicts.push(Verdict::host(
-                route_level,
+                route_level(i),
                 Reason::Shadowed { by: by.route },
             ));
             continue;
@@ -377,11 +453,7 @@ fn lower_routes(
                 entries: ENTRIES_MAX,
             };
             entries.push(KernelEntry::catch_all(r.id, full));
-            verdicts.extend(
-                routes[i..]
-                    .iter()
-                    .map(|r| Verdict::host(check(r, clusters).map(|_| ()), full)),
-            );
+            verdicts.extend((i..routes.len()).map(|i| Verdict::host(route_level(i), full)));
             break;
         }
         verdicts.push(match &e.action {
@@ -403,6 +475,7 @@ impl KernelLowering {
         let mut out = KernelLowering {
             listener: None,
             entries: Vec::new(),
+            splice: Err(Reason::NoL7Dispatch),
             listeners: Vec::with_capacity(listeners.len()),
         };
         for (id, l) in listeners.iter().enumerate() {
@@ -435,10 +508,18 @@ impl KernelLowering {
                     t.routes.len()
                 ]),
                 TableKind::Http(t) if target.l7_listener == Ok(id) => {
-                    let (entries, verdicts) = lower_routes(&t.routes, clusters);
+                    let checked: Vec<_> = t.routes.iter().map(|r| check(r, clusters)).collect();
+                    let (entries, verdicts) = lower_routes(&t.routes, &checked);
                     out.listener = Some(id);
                     out.entries = entries;
-                    ListenerVerdicts::Http(verdicts)
+                    out.splice = splice_safe(t, &checked, clusters, target.access_log).map(|_| ());
+                    ListenerVerdicts::Http(match out.splice {
+                        Ok(()) => verdicts,
+                        Err(why) => checked
+                            .iter()
+                            .map(|c| Verdict::host(c.map(|_| ()), why))
+                            .collect(),
+                    })
                 }
                 TableKind::Http(t) => {
                     let why = match target.l7_listener {
@@ -458,10 +539,28 @@ impl KernelLowering {
         out
     }
 
+    /// The http listener whose connections the kernel decides and splices: the lowered
+    /// listener, when splicing its connections is safe ([`KernelLowering::splice`]).
+    pub fn l7_listener(&self) -> Option<ListenerId> {
+        self.listener.filter(|_| self.splice.is_ok())
+    }
+
     /// The reference executor of the table: the first entry matching `method` and `path`
     /// (without query), as the verdict program finds it.
     pub fn first_match(&self, method: &str, path: &str) -> Option<&KernelEntry> {
         self.entries.iter().find(|e| e.matches(method, path))
+    }
+
+    /// The route the table's forward entry decides for `req`, whether or not the table is
+    /// installed ([`KernelLowering::splice`]): `None` for a punt, no match, or a path that is
+    /// not plain (`%`, `//`, a dot segment: the listener may normalise it into another route's
+    /// path, and only the user tier normalises; `dispatch.bpf.c` refuses it too).
+    pub fn table_route(&self, req: &Request<'_>) -> Option<RouteId> {
+        if !is_plain(req.path) {
+            return None;
+        }
+        let e = self.first_match(req.method.as_str(), req.path)?;
+        matches!(e.action, KernelAction::Forward { .. }).then_some(e.route)
     }
 
     /// The entry that stands for route `route` of the lowered listener, if it has one.
@@ -490,15 +589,11 @@ impl Lowering for KernelLowering {
         }
     }
 
-    /// The route whose entry forwards, for a connection whose cluster protocol matches; a
-    /// punt, a forward for another protocol or no match are all `None`. So is a path that is
-    /// not plain (`%`, `//`, a dot segment): the listener may normalise it into another
-    /// route's path, and only the user tier normalises (`dispatch.bpf.c` refuses it too).
+    /// [`KernelLowering::table_route`] on the listener whose table is installed; `None` on
+    /// every other listener.
     fn decide(&self, listener: ListenerId, req: &Request<'_>) -> Option<RouteId> {
-        if self.listener != Some(listener) || !is_plain(req.path) {
-            return None;
-        }
-        let e = self.first_match(req.method.as_str(), req.path)?;
-        matches!(e.action, KernelAction::Forward { .. }).then_some(e.route)
+        self.l7_listener()
+            .filter(|l| *l == listener)
+            .and_then(|_| self.table_route(req))
     }
 }
