@@ -155,7 +155,13 @@ class StalledListener:
                 conn.close()
 
     def close(self) -> None:
+        # shutdown wakes the thread blocked in accept(); close alone leaves the port bound.
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
+        self.thread.join(timeout=5)
         for c in self.held:
             c.close()
 
