@@ -11,6 +11,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -21,19 +23,6 @@ use serde_json::{json, Value};
 
 const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
-
-fn require_root() {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let euid = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .unwrap_or("?");
-    assert_eq!(
-        euid, "0",
-        "this test runs the control demo, which creates network namespaces and cgroups: run it as root (CI does)"
-    );
-}
 
 fn require_browser() {
     for (path, package) in [(CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")] {
@@ -191,7 +180,9 @@ return {
 
 #[test]
 fn the_console_shows_the_demo_graph_and_its_migration_in_a_real_browser() {
-    require_root();
+    common::require_root(
+        "this test runs the control demo, which creates network namespaces and cgroups",
+    );
     require_browser();
 
     let ui: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();

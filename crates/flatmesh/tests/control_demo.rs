@@ -7,22 +7,11 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn require_root() {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let euid = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .unwrap_or("?");
-    assert_eq!(
-        euid, "0",
-        "this test creates network namespaces and cgroups: run it as root (CI does)"
-    );
-}
 
 fn flatmesh() -> Command {
     Command::new(env!("CARGO_BIN_EXE_flatmesh"))
@@ -54,7 +43,7 @@ fn wait_bounded(child: &mut std::process::Child, limit: Duration) -> std::proces
 
 #[test]
 fn demo_migrates_the_overloaded_smartnic_without_failed_requests_and_cleans_up() {
-    require_root();
+    common::require_root("this test creates network namespaces and cgroups");
 
     // 1. A short run to the end.
     let mut child = flatmesh()

@@ -29,17 +29,6 @@ use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-fn require_root() {
-    use std::os::unix::fs::MetadataExt as _;
-    let uid = std::fs::metadata("/proc/self")
-        .map(|m| m.uid())
-        .unwrap_or(u32::MAX);
-    assert_eq!(
-        uid, 0,
-        "the tier-K node tests attach eBPF programs and need root: run them as root (CI does)"
-    );
-}
-
 /// Runs `body` in a fresh network namespace: the test binary runs this one test again under
 /// `unshare -n` (loopback brought up first) and this process checks that it passed. Inside,
 /// every address is the namespace's own, so the tests also prove that tier K keys loopback
@@ -50,7 +39,7 @@ where
     F: FnOnce() -> Fut,
     Fut: Future<Output = ()>,
 {
-    require_root();
+    common::require_root("the tier-K node tests attach eBPF programs and need root");
     if std::env::var("FM_NETNS_TEST").as_deref() == Ok(test) {
         let up = std::process::Command::new("ip")
             .args(["link", "set", "lo", "up"])

@@ -4,25 +4,14 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::io::Read as _;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const STATE_DIR: &str = "/run/flatmesh/pu-clitest";
-
-fn require_root() {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let euid = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .unwrap_or("?");
-    assert_eq!(
-        euid, "0",
-        "this test creates network namespaces and nftables rules: run it as root (CI does)"
-    );
-}
 
 fn demo(namespace: &str) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_flatmesh"));
@@ -107,7 +96,7 @@ impl Drop for Remove {
 
 #[test]
 fn pu_demo_goes_through_the_node_proxy_and_cleans_up_even_after_kill_9() {
-    require_root();
+    common::require_root("this test creates network namespaces and nftables rules");
     let ns = format!("fmt{}", std::process::id());
     let _remove = Remove(ns.clone());
     let limit = Duration::from_secs(60);

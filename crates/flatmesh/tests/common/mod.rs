@@ -24,6 +24,15 @@ use http::StatusCode;
 pub const READY_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Path of the binary under test, built by cargo for integration tests.
+/// Panics unless this process runs as root, saying `why` the test needs it.
+pub fn require_root(why: &str) {
+    use std::os::unix::fs::MetadataExt as _;
+    let uid = std::fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(u32::MAX);
+    assert_eq!(uid, 0, "{why}: run it as root (CI does)");
+}
+
 pub fn flatmesh_bin() -> &'static str {
     env!("CARGO_BIN_EXE_flatmesh")
 }
