@@ -39,8 +39,9 @@ struct DemoOpts {
     /// Requests/s before the step.
     #[arg(long, default_value_t = 60)]
     low_rps: u32,
-    /// Requests/s after the step: enough to overload one emulated SmartNIC.
-    #[arg(long, default_value_t = 220)]
+    /// Requests/s after the step: enough to overload one emulated SmartNIC (with the greedy
+    /// client's allowed share, past its CPU quota).
+    #[arg(long, default_value_t = 300)]
     high_rps: u32,
     /// One extra client that sends this many requests/s, above its rate limit.
     #[arg(long, default_value_t = 60)]
