@@ -264,7 +264,8 @@ impl Started {
         wire::attr_str(buf, ATTR, "http.request.method", method.as_bytes());
         wire::attr_int(buf, ATTR, "http.response.status_code", done.status.into());
         wire::attr_str(buf, ATTR, "flatmesh.listener", done.listener.as_bytes());
-        wire::attr_display(buf, ATTR, "client.address", done.client.ip());
+        let client = done.client.ip();
+        wire::attr_text(buf, ATTR, "client.address", |b| wire::push_ip(b, client));
         wire::attr_str(
             buf,
             ATTR,
@@ -278,7 +279,8 @@ impl Started {
             wire::attr_str(buf, ATTR, "flatmesh.cluster", cluster.as_bytes());
         }
         if let Some(upstream) = done.upstream {
-            wire::attr_display(buf, ATTR, "flatmesh.upstream", upstream);
+            let addr = |b: &mut Vec<u8>| wire::push_socket_addr(b, upstream);
+            wire::attr_text(buf, ATTR, "flatmesh.upstream", addr);
         }
         if !self.sampled {
             // Kept only because it failed (docs/observability.md, "Sampling").
