@@ -17,6 +17,7 @@
 mod context;
 mod export;
 pub mod otlp;
+mod wire;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -93,7 +94,7 @@ impl Tracer {
             return;
         };
         if started.sampled || span.status >= 500 {
-            inner.exporter.send(started.span(span));
+            inner.exporter.send(|buf| started.encode(&span, buf));
         }
     }
 }
@@ -237,46 +238,62 @@ impl Started {
         }
     }
 
-    fn span(&self, done: FinishedSpan<'_>) -> otlp::Span {
-        use otlp::KeyValue;
+    /// Appends the OTLP `Span` message (`trace.proto`) of the request, finished as `done`,
+    /// to `buf`: its fields only, without a key or length of its own.
+    fn encode(&self, done: &FinishedSpan<'_>, buf: &mut Vec<u8>) {
         let start = nanos(self.wall);
         let end = start.saturating_add(done.elapsed.as_nanos().min(u64::MAX as u128) as u64);
-        let mut attributes = vec![
-            KeyValue::string("http.request.method", self.method.as_str()),
-            KeyValue::int("http.response.status_code", i64::from(done.status)),
-            KeyValue::string("flatmesh.listener", done.listener),
-            KeyValue::string("client.address", done.client.ip().to_string()),
-            KeyValue::string("http.request.header.x-request-id", self.request_id.clone()),
-        ];
+        let method = self.method.as_str();
+        wire::bytes(buf, 1, &self.trace_id);
+        wire::bytes(buf, 2, &self.span_id);
+        if let Some(state) = self.tracestate.as_deref().filter(|s| !s.is_empty()) {
+            wire::bytes(buf, 3, state.as_bytes());
+        }
+        if let Some(parent) = &self.parent {
+            wire::bytes(buf, 4, parent);
+        }
+        let route = done.route.unwrap_or("(no route)");
+        wire::delimited_head(buf, 5, method.len() + 1 + route.len()); // name: "GET route"
+        buf.extend_from_slice(method.as_bytes());
+        buf.push(b' ');
+        buf.extend_from_slice(route.as_bytes());
+        wire::int(buf, 6, otlp::SPAN_KIND_SERVER.into());
+        wire::fixed64(buf, 7, start);
+        wire::fixed64(buf, 8, end);
+        const ATTR: u32 = 9;
+        wire::attr_str(buf, ATTR, "http.request.method", method.as_bytes());
+        wire::attr_int(buf, ATTR, "http.response.status_code", done.status.into());
+        wire::attr_str(buf, ATTR, "flatmesh.listener", done.listener.as_bytes());
+        let client = done.client.ip();
+        wire::attr_text(buf, ATTR, "client.address", |b| wire::push_ip(b, client));
+        wire::attr_str(
+            buf,
+            ATTR,
+            "http.request.header.x-request-id",
+            self.request_id.as_bytes(),
+        );
         if let Some(route) = done.route {
-            attributes.push(KeyValue::string("flatmesh.route", route));
+            wire::attr_str(buf, ATTR, "flatmesh.route", route.as_bytes());
         }
         if let Some(cluster) = done.cluster {
-            attributes.push(KeyValue::string("flatmesh.cluster", cluster));
+            wire::attr_str(buf, ATTR, "flatmesh.cluster", cluster.as_bytes());
         }
         if let Some(upstream) = done.upstream {
-            attributes.push(KeyValue::string("flatmesh.upstream", upstream.to_string()));
+            let addr = |b: &mut Vec<u8>| wire::push_socket_addr(b, upstream);
+            wire::attr_text(buf, ATTR, "flatmesh.upstream", addr);
         }
         if !self.sampled {
             // Kept only because it failed (docs/observability.md, "Sampling").
-            attributes.push(KeyValue::string("flatmesh.kept", "error"));
+            wire::attr_str(buf, ATTR, "flatmesh.kept", b"error");
         }
-        let error = done.status >= 500;
-        otlp::Span {
-            trace_id: self.trace_id.to_vec(),
-            span_id: self.span_id.to_vec(),
-            trace_state: self.tracestate.clone().unwrap_or_default(),
-            parent_span_id: self.parent.map(|p| p.to_vec()).unwrap_or_default(),
-            name: format!("{} {}", self.method, done.route.unwrap_or("(no route)")),
-            kind: otlp::SPAN_KIND_SERVER,
-            start_time_unix_nano: start,
-            end_time_unix_nano: end,
-            attributes,
-            status: error.then(|| otlp::Status {
-                message: format!("HTTP {}", done.status),
-                code: otlp::STATUS_ERROR,
-            }),
-            flags: u32::from(self.sampled),
+        if done.status >= 500 {
+            wire::delimited(buf, 15, |b| {
+                wire::display(b, 2, format_args!("HTTP {}", done.status));
+                wire::int(b, 3, otlp::STATUS_ERROR.into());
+            });
+        }
+        if self.sampled {
+            wire::fixed32(buf, 16, 1); // flags: W3C sampled
         }
     }
 }
@@ -304,20 +321,20 @@ fn new_span_id() -> SpanId {
     }
 }
 
-/// A random (version 4) UUID, as Envoy makes for `x-request-id`.
+/// A random (version 4) UUID, as Envoy makes for `x-request-id`: one allocation, since
+/// every request without an id gets one.
 fn uuid_v4() -> String {
     let mut b: [u8; 16] = rand::random();
     b[6] = (b[6] & 0x0f) | 0x40;
     b[8] = (b[8] & 0x3f) | 0x80;
-    let h = hex(&b);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..32]
-    )
+    let mut out = String::with_capacity(36);
+    for (group, range) in [0..4, 4..6, 6..8, 8..10, 10..16].into_iter().enumerate() {
+        if group > 0 {
+            out.push('-');
+        }
+        push_hex(&mut out, &b[range]);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -338,6 +355,14 @@ mod tests {
     fn begin(pairs: &[(&str, &str)], draw: bool) -> Started {
         let h = map(pairs);
         Started::new((&h).into(), &http::Method::GET, || draw)
+    }
+
+    /// The span `s` encodes for `done`, decoded by prost as the collector would.
+    fn decoded(s: &Started, done: &FinishedSpan<'_>) -> otlp::Span {
+        use prost::Message as _;
+        let mut buf = Vec::new();
+        s.encode(done, &mut buf);
+        otlp::Span::decode(buf.as_slice()).expect("a valid OTLP span")
     }
 
     fn sent(s: &Started) -> HeaderMap {
@@ -370,15 +395,18 @@ mod tests {
         assert_eq!(get(&h, "tracestate"), Some("rojo=1"));
         assert!(get(&h, "x-request-id").is_some(), "added when absent");
         assert!(get(&h, "b3").is_none(), "no B3 for a W3C caller");
-        let span = s.span(FinishedSpan {
-            listener: "web",
-            route: Some("web/0"),
-            cluster: Some("api"),
-            upstream: None,
-            client: "10.0.0.1:5000".parse().expect("addr"),
-            status: 200,
-            elapsed: Duration::from_millis(3),
-        });
+        let span = decoded(
+            &s,
+            &FinishedSpan {
+                listener: "web",
+                route: Some("web/0"),
+                cluster: Some("api"),
+                upstream: None,
+                client: "10.0.0.1:5000".parse().expect("addr"),
+                status: 200,
+                elapsed: Duration::from_millis(3),
+            },
+        );
         assert_eq!(hex(&span.parent_span_id), "00f067aa0ba902b7");
         assert_eq!(span.trace_id, up.trace_id.to_vec());
         assert_eq!(span.name, "GET web/0");
@@ -450,6 +478,14 @@ mod tests {
         let id = made.request_id.clone();
         assert_eq!(id.len(), 36);
         assert_eq!(&id[14..15], "4");
+        assert!(
+            id.split('-').map(str::len).eq([8, 4, 4, 4, 12]),
+            "8-4-4-4-12 hex digits: {id}"
+        );
+        assert!(
+            matches!(&id[19..20], "8" | "9" | "a" | "b"),
+            "variant: {id}"
+        );
         assert_eq!(get(&sent(&made), "x-request-id"), Some(id.as_str()));
     }
 
@@ -464,6 +500,168 @@ mod tests {
             vec!["from-route"]
         );
         assert!(get(&h, "traceparent").is_some());
+    }
+
+    /// The span the node means to send for `s` finished as `done`, built field by field with
+    /// the OTLP prost messages: what the hand encoding must decode to.
+    fn expected(s: &Started, done: &FinishedSpan<'_>) -> otlp::Span {
+        use otlp::KeyValue;
+        let start = nanos(s.wall);
+        let mut attributes = vec![
+            KeyValue::string("http.request.method", s.method.as_str()),
+            KeyValue::int("http.response.status_code", i64::from(done.status)),
+            KeyValue::string("flatmesh.listener", done.listener),
+            KeyValue::string("client.address", done.client.ip().to_string()),
+            KeyValue::string("http.request.header.x-request-id", s.request_id.clone()),
+        ];
+        if let Some(route) = done.route {
+            attributes.push(KeyValue::string("flatmesh.route", route));
+        }
+        if let Some(cluster) = done.cluster {
+            attributes.push(KeyValue::string("flatmesh.cluster", cluster));
+        }
+        if let Some(upstream) = done.upstream {
+            attributes.push(KeyValue::string("flatmesh.upstream", upstream.to_string()));
+        }
+        if !s.sampled {
+            attributes.push(KeyValue::string("flatmesh.kept", "error"));
+        }
+        otlp::Span {
+            trace_id: s.trace_id.to_vec(),
+            span_id: s.span_id.to_vec(),
+            trace_state: s.tracestate.clone().unwrap_or_default(),
+            parent_span_id: s.parent.map(|p| p.to_vec()).unwrap_or_default(),
+            name: format!("{} {}", s.method, done.route.unwrap_or("(no route)")),
+            kind: otlp::SPAN_KIND_SERVER,
+            start_time_unix_nano: start,
+            end_time_unix_nano: start.saturating_add(done.elapsed.as_nanos() as u64),
+            attributes,
+            status: (done.status >= 500).then(|| otlp::Status {
+                message: format!("HTTP {}", done.status),
+                code: otlp::STATUS_ERROR,
+            }),
+            flags: u32::from(s.sampled),
+        }
+    }
+
+    #[test]
+    fn an_error_span_decodes_field_by_field() {
+        let mut s = begin(
+            &[
+                ("traceparent", PARENT),
+                ("tracestate", "rojo=1"),
+                ("x-request-id", "req-7"),
+            ],
+            false,
+        );
+        s.sampled = false; // kept only because it failed
+        s.wall = UNIX_EPOCH + Duration::from_nanos(1_700_000_000_123_456_789);
+        let span = decoded(
+            &s,
+            &FinishedSpan {
+                listener: "web",
+                route: Some("web/0"),
+                cluster: Some("api"),
+                upstream: Some("[::1]:8080".parse().expect("addr")),
+                client: "10.0.0.1:5000".parse().expect("addr"),
+                status: 503,
+                elapsed: Duration::from_micros(1500),
+            },
+        );
+        assert_eq!(hex(&span.trace_id), "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(span.span_id, s.span_id.to_vec());
+        assert_eq!(span.trace_state, "rojo=1");
+        assert_eq!(hex(&span.parent_span_id), "00f067aa0ba902b7");
+        assert_eq!(span.name, "GET web/0");
+        assert_eq!(span.kind, otlp::SPAN_KIND_SERVER);
+        assert_eq!(span.start_time_unix_nano, 1_700_000_000_123_456_789);
+        assert_eq!(span.end_time_unix_nano, 1_700_000_000_124_956_789);
+        let attrs: Vec<(&str, otlp::Value)> = span
+            .attributes
+            .iter()
+            .map(|kv| {
+                let v = kv.value.clone().and_then(|v| v.value).expect("a value");
+                (kv.key.as_str(), v)
+            })
+            .collect();
+        let text = |v: &str| otlp::Value::String(v.into());
+        assert_eq!(
+            attrs,
+            vec![
+                ("http.request.method", text("GET")),
+                ("http.response.status_code", otlp::Value::Int(503)),
+                ("flatmesh.listener", text("web")),
+                ("client.address", text("10.0.0.1")),
+                ("http.request.header.x-request-id", text("req-7")),
+                ("flatmesh.route", text("web/0")),
+                ("flatmesh.cluster", text("api")),
+                ("flatmesh.upstream", text("[::1]:8080")),
+                ("flatmesh.kept", text("error")),
+            ]
+        );
+        assert_eq!(
+            span.status,
+            Some(otlp::Status {
+                message: "HTTP 503".into(),
+                code: otlp::STATUS_ERROR,
+            })
+        );
+        assert_eq!(span.flags, 0, "not sampled");
+    }
+
+    #[test]
+    fn every_span_decodes_to_the_span_the_node_means() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(22);
+        // Lengths around the points where a length prefix grows (128, 16384).
+        let text = |rng: &mut rand::rngs::StdRng| -> String {
+            let len = match rng.random_range(0..4) {
+                0 => rng.random_range(0..8),
+                1 => rng.random_range(120..140),
+                2 => rng.random_range(0..400),
+                _ => rng.random_range(16_370..16_400),
+            };
+            (0..len)
+                .map(|_| char::from_u32(rng.random_range(0x20..0x3000)).unwrap_or('x'))
+                .collect()
+        };
+        let methods = ["GET", "POST", "DELETE", "PURGE", "M-SEARCH"];
+        for _ in 0..500 {
+            let addr = |rng: &mut rand::rngs::StdRng| -> std::net::SocketAddr {
+                if rng.random() {
+                    (rng.random::<[u8; 4]>(), rng.random::<u16>()).into()
+                } else {
+                    (rng.random::<[u16; 8]>(), rng.random::<u16>()).into()
+                }
+            };
+            let (listener, route, cluster) = (text(&mut rng), text(&mut rng), text(&mut rng));
+            let tracestate = text(&mut rng);
+            let s = Started {
+                trace_id: new_trace_id(),
+                span_id: new_span_id(),
+                parent: rng.random::<bool>().then(new_span_id),
+                sampled: rng.random(),
+                tracestate: rng.random::<bool>().then_some(tracestate),
+                styles: Styles::default(),
+                request_id: text(&mut rng),
+                request_id_made: rng.random(),
+                method: http::Method::from_bytes(
+                    methods[rng.random_range(0..methods.len())].as_bytes(),
+                )
+                .expect("method"),
+                wall: UNIX_EPOCH + Duration::from_nanos(rng.random_range(0..u64::MAX / 2)),
+            };
+            let done = FinishedSpan {
+                listener: &listener,
+                route: rng.random::<bool>().then_some(route.as_str()),
+                cluster: rng.random::<bool>().then_some(cluster.as_str()),
+                upstream: rng.random::<bool>().then(|| addr(&mut rng)),
+                client: addr(&mut rng),
+                status: rng.random_range(100..600),
+                elapsed: Duration::from_nanos(rng.random_range(0..10_000_000_000)),
+            };
+            assert_eq!(decoded(&s, &done), expected(&s, &done));
+        }
     }
 
     #[test]

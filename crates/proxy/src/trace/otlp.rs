@@ -1,7 +1,9 @@
 //! The OTLP trace messages the node sends (opentelemetry-proto v1,
 //! `opentelemetry/proto/collector/trace/v1/trace_service.proto` and the `trace`, `common`
 //! and `resource` protos it imports), hand-written as prost structs with the protos' field
-//! numbers: only the fields the node fills. Public for the tests' OTLP receiver.
+//! numbers: only the fields the node fills. The node itself encodes spans by hand
+//! (`super::wire`); these are what the tests decode its bytes with, here and in the tests'
+//! OTLP receiver.
 
 /// `opentelemetry.proto.collector.trace.v1.TraceService/Export`.
 pub const EXPORT_PATH: &str = "/opentelemetry.proto.collector.trace.v1.TraceService/Export";
