@@ -25,6 +25,8 @@ use tokio::sync::watch;
 struct TestEnv {
     script: PathBuf,
     dir: PathBuf,
+    /// The kube-apiserver this test started again (to reap it).
+    restarted: std::sync::Mutex<Option<std::process::Child>>,
 }
 
 impl TestEnv {
@@ -39,7 +41,11 @@ impl TestEnv {
             script.display()
         );
         let dir = std::env::temp_dir().join(format!("flatmesh-k8s-{}", std::process::id()));
-        let env = TestEnv { script, dir };
+        let env = TestEnv {
+            script,
+            dir,
+            restarted: Default::default(),
+        };
         let out = Command::new(&env.script)
             .arg("start")
             .arg(&env.dir)
@@ -52,33 +58,75 @@ impl TestEnv {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
+        env.reissue_server_certificate();
         env
+    }
+
+    /// testenv's server certificate is self-signed with `CA:TRUE`, which kubectl (Go) takes
+    /// but rustls refuses as a server's own certificate (`CaUsedAsEndEntity`); a real cluster
+    /// has a CA and a leaf. The same key and names as a self-signed leaf (`CA:FALSE`) is
+    /// trusted by both, so the API server is restarted with that, at the same path.
+    fn reissue_server_certificate(&self) {
+        let out = Command::new("openssl")
+            .args(["req", "-x509", "-key"])
+            .arg(self.dir.join("apiserver.key"))
+            .arg("-out")
+            .arg(self.dir.join("apiserver.crt"))
+            .args([
+                "-days",
+                "2",
+                "-subj",
+                "/CN=kube-apiserver",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1,DNS:localhost",
+                "-addext",
+                "basicConstraints=critical,CA:FALSE",
+                "-addext",
+                "keyUsage=critical,digitalSignature,keyEncipherment",
+                "-addext",
+                "extendedKeyUsage=serverAuth",
+            ])
+            .output()
+            .expect("run openssl");
+        assert!(
+            out.status.success(),
+            "openssl: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let argv = self.stop_apiserver();
+        self.start_apiserver(&argv);
     }
 
     fn kubeconfig(&self) -> PathBuf {
         self.dir.join("kubeconfig")
     }
 
-    /// Stop kube-apiserver (etcd keeps its data) and return how to start it again.
-    fn stop_apiserver(dir: &Path) -> Vec<String> {
-        let pid = std::fs::read_to_string(dir.join("apiserver.pid")).unwrap();
-        let pid = pid.trim();
+    /// Stop kube-apiserver (etcd keeps its data) and return how to start it again: SIGTERM,
+    /// then SIGKILL if it is still there after 5 s (a graceful stop waits for open watches).
+    fn stop_apiserver(&self) -> Vec<String> {
+        let pid = std::fs::read_to_string(self.dir.join("apiserver.pid")).unwrap();
+        let pid = pid.trim().to_string();
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
         let argv: Vec<String> = cmdline
             .split(|b| *b == 0)
             .filter(|a| !a.is_empty())
             .map(|a| String::from_utf8_lossy(a).into_owned())
             .collect();
-        assert!(Command::new("kill").arg(pid).status().unwrap().success());
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Path::new(&format!("/proc/{pid}/cmdline")).exists()
-            && std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty())
-        {
-            assert!(
-                Instant::now() < deadline,
-                "kube-apiserver {pid} did not stop"
-            );
-            std::thread::sleep(Duration::from_millis(50));
+        // A zombie (our own child, not reaped yet) has an empty command line.
+        let running = || std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty());
+        for (signal, wait) in [("-TERM", 5), ("-KILL", 15)] {
+            let _ = Command::new("kill").args([signal, &pid]).status();
+            let deadline = Instant::now() + Duration::from_secs(wait);
+            while running() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if !running() {
+                break;
+            }
+        }
+        assert!(!running(), "kube-apiserver {pid} did not stop");
+        if let Some(mut child) = self.restarted.lock().unwrap().take() {
+            let _ = child.wait();
         }
         argv
     }
@@ -96,6 +144,7 @@ impl TestEnv {
             .spawn()
             .unwrap();
         std::fs::write(self.dir.join("apiserver.pid"), child.id().to_string()).unwrap();
+        *self.restarted.lock().unwrap() = Some(child);
     }
 }
 
@@ -105,6 +154,9 @@ impl Drop for TestEnv {
             .arg("stop")
             .arg(&self.dir)
             .status();
+        if let Some(mut child) = self.restarted.lock().unwrap().take() {
+            let _ = child.wait(); // killed by `testenv stop`
+        }
     }
 }
 
@@ -149,10 +201,12 @@ async fn until(
     ok: impl Fn(&Config) -> bool,
 ) -> Duration {
     let start = Instant::now();
-    let result = tokio::time::timeout(within, rx.wait_for(|c| c.as_ref().is_some_and(&ok))).await;
+    let arrived = tokio::time::timeout(within, rx.wait_for(|c| c.as_ref().is_some_and(&ok)))
+        .await
+        .is_ok();
     let last = rx.borrow().clone();
     assert!(
-        result.is_ok(),
+        arrived,
         "{what}: not within {within:?}; the node's config: {last:#?}"
     );
     start.elapsed()
@@ -163,6 +217,48 @@ fn endpoints(config: &Config, cluster: &str) -> Vec<String> {
         .cluster(cluster)
         .map(|c| c.endpoints.iter().map(|e| e.to_string()).collect())
         .unwrap_or_default()
+}
+
+/// The shop's part of a node's snapshot: its listeners and clusters, and the identities.
+fn shop_of(
+    snapshot: &flatmesh_k8s::NodeSnapshot,
+) -> (
+    Vec<flatmesh_config::Listener>,
+    Vec<flatmesh_config::Cluster>,
+    Vec<String>,
+) {
+    let config = &snapshot.config;
+    (
+        config
+            .listeners
+            .iter()
+            .filter(|l| l.name.starts_with("shop/"))
+            .cloned()
+            .collect(),
+        config
+            .clusters
+            .iter()
+            .filter(|c| c.name.starts_with("shop/"))
+            .cloned()
+            .collect(),
+        snapshot.identities.iter().cloned().collect(),
+    )
+}
+
+/// Until the API server answers (a minute at most).
+async fn wait_ready(client: &kube::Client, dir: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match client.apiserver_version().await {
+            Ok(_) => return,
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "kube-apiserver is not ready ({e}); see {}/apiserver.log",
+                dir.display()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 async fn create<K>(api: &Api<K>, value: serde_json::Value) -> K
@@ -192,6 +288,7 @@ fn slice(addresses: &[&str]) -> serde_json::Value {
 async fn nodes_follow_the_api_server_and_keep_their_config_through_its_restart() {
     let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
     let client = connect(Some(&env.kubeconfig())).await.unwrap();
+    wait_ready(&client, &env.dir).await;
 
     // The cluster: a namespace, a Service with a mesh route, its endpoints, pods on two nodes.
     let namespaces: Api<Namespace> = Api::all(client.clone());
@@ -348,10 +445,8 @@ async fn nodes_follow_the_api_server_and_keep_their_config_through_its_restart()
     );
 
     // The API server goes away: nodes keep their config, nothing empty is published.
-    let dir = env.dir.clone();
-    let argv = tokio::task::spawn_blocking(move || TestEnv::stop_apiserver(&dir))
-        .await
-        .unwrap();
+    let before = controller.translation();
+    let argv = tokio::task::block_in_place(|| env.stop_apiserver());
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
         endpoints(a.borrow().as_ref().unwrap(), "shop/web:80"),
@@ -361,13 +456,20 @@ async fn nodes_follow_the_api_server_and_keep_their_config_through_its_restart()
         node_a.status().connected,
         "the xDS server serves on while the API server is away"
     );
-    assert_eq!(
-        controller.translation().nodes["node-a"]
-            .config
-            .listeners
-            .len(),
-        2,
-        "the last snapshot stays published"
+    // (A stopping kube-apiserver takes itself out of `default/kubernetes` first: that is a
+    // real change. The shop's objects did not change.)
+    let after = controller.translation();
+    for node in ["node-a", "node-b"] {
+        assert_eq!(
+            shop_of(&after.nodes[node]),
+            shop_of(&before.nodes[node]),
+            "{node}: the last snapshot stays published"
+        );
+    }
+    let served = a.borrow().clone().unwrap();
+    assert!(
+        served.listeners.iter().any(|l| l.name == "shop/web:80"),
+        "node-a keeps its listeners"
     );
 
     // It comes back on the same etcd data; later changes arrive again.
