@@ -395,7 +395,7 @@ fn named(matches: &[ValueMatch]) -> Value {
 }
 
 fn order_by_precedence(routes: &mut [(Precedence, Value)]) {
-    routes.sort_by(|a, b| a.0.cmp(&b.0)); // stable: ties keep their order
+    routes.sort_by_key(|r| r.0); // stable: ties keep their order
 }
 
 fn kind_name(kind: RouteKind) -> &'static str {

@@ -26,7 +26,7 @@ struct TestEnv {
     script: PathBuf,
     dir: PathBuf,
     /// The kube-apiserver this test started again (to reap it).
-    restarted: std::sync::Mutex<Option<std::process::Child>>,
+    restarted: parking_lot::Mutex<Option<std::process::Child>>,
 }
 
 impl TestEnv {
@@ -125,7 +125,7 @@ impl TestEnv {
             }
         }
         assert!(!running(), "kube-apiserver {pid} did not stop");
-        if let Some(mut child) = self.restarted.lock().unwrap().take() {
+        if let Some(mut child) = self.restarted.lock().take() {
             let _ = child.wait();
         }
         argv
@@ -144,7 +144,7 @@ impl TestEnv {
             .spawn()
             .unwrap();
         std::fs::write(self.dir.join("apiserver.pid"), child.id().to_string()).unwrap();
-        *self.restarted.lock().unwrap() = Some(child);
+        *self.restarted.lock() = Some(child);
     }
 }
 
@@ -154,7 +154,7 @@ impl Drop for TestEnv {
             .arg("stop")
             .arg(&self.dir)
             .status();
-        if let Some(mut child) = self.restarted.lock().unwrap().take() {
+        if let Some(mut child) = self.restarted.lock().take() {
             let _ = child.wait(); // killed by `testenv stop`
         }
     }
