@@ -135,6 +135,8 @@ pub struct Store {
     current: Arc<Mutex<Resources>>,
     nacks: Arc<Mutex<Vec<String>>>,
     stats: Arc<StreamStats>,
+    /// Set by [`Store::node`]: each node's streams serve that node's own state from then on.
+    nodes: Arc<Mutex<Option<BTreeMap<String, Store>>>>,
 }
 
 /// What the streams of a [`Store`] did (the control center's `/metrics`).
@@ -195,6 +197,40 @@ impl Store {
             current: Arc::new(Mutex::new(Resources::default())),
             nacks: Arc::new(Mutex::new(Vec::new())),
             stats: Arc::default(),
+            nodes: Arc::default(),
+        }
+    }
+
+    /// Serve per node from now on (see [`Store::node`]): a node nothing was published for yet
+    /// is served an empty state.
+    pub fn serve_per_node(&self) {
+        self.nodes.lock().get_or_insert_with(BTreeMap::new);
+    }
+
+    /// The state served to node `id` alone (created empty the first time). Once any node's
+    /// state is asked for, the store serves per node: each stream serves the state of the node
+    /// its requests name, and this store's own state is served to no one (a Kubernetes
+    /// control plane gives each node only what its pods need).
+    pub fn node(&self, id: &str) -> Store {
+        let mut nodes = self.nodes.lock();
+        let nodes = nodes.get_or_insert_with(BTreeMap::new);
+        nodes
+            .entry(id.to_string())
+            .or_insert_with(|| {
+                let mut own = Store::new();
+                own.nacks = self.nacks.clone();
+                own.stats = self.stats.clone();
+                own
+            })
+            .clone()
+    }
+
+    /// What a stream of `node` watches: its own state when the store serves per node.
+    fn watch_for(&self, node: &str) -> watch::Receiver<Arc<Published>> {
+        if self.nodes.lock().is_some() {
+            self.node(node).tx.subscribe()
+        } else {
+            self.tx.subscribe()
         }
     }
 
@@ -529,6 +565,8 @@ async fn sotw_stream(
 ) {
     let _open = store.stats.opened();
     let mut watch = store.tx.subscribe();
+    // Until a request names the node (its first one does), the shared state.
+    let mut watching_node = false;
     let mut types: BTreeMap<String, SotwType> = BTreeMap::new();
     let mut node = String::new();
     let mut nonce = 0u64;
@@ -585,6 +623,10 @@ async fn sotw_stream(
                     Ok(None) | Err(_) => return,
                 };
                 if let Some(n) = &request.node {
+                    if n.id != node || !watching_node {
+                        watch = store.watch_for(&n.id);
+                        watching_node = true;
+                    }
                     node = n.id.clone();
                 }
                 let type_url = request.type_url.clone();
@@ -679,6 +721,8 @@ async fn delta_stream(
 ) {
     let _open = store.stats.opened();
     let mut watch = store.tx.subscribe();
+    // Until a request names the node (its first one does), the shared state.
+    let mut watching_node = false;
     let mut types: BTreeMap<String, DeltaType> = BTreeMap::new();
     let mut node = String::new();
     let mut nonce = 0u64;
@@ -724,6 +768,10 @@ async fn delta_stream(
                     Ok(None) | Err(_) => return,
                 };
                 if let Some(n) = &request.node {
+                    if n.id != node || !watching_node {
+                        watch = store.watch_for(&n.id);
+                        watching_node = true;
+                    }
                     node = n.id.clone();
                 }
                 let type_url = request.type_url.clone();

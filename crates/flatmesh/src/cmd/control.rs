@@ -26,8 +26,19 @@ pub struct Args {
     /// The state to serve: a flatmesh config (YAML/JSON, docs/config.md) whose listeners, routes
     /// and clusters become LDS/RDS/CDS/EDS. Edits are pushed to every node within a second.
     /// Clusters may list no endpoints (they answer 503 until endpoints arrive).
-    #[arg(long, value_name = "FILE", required_unless_present = "cluster")]
+    /// One of --state, --cluster, --kubeconfig or --in-cluster is needed (in a pod,
+    /// --in-cluster is implied).
+    #[arg(long, value_name = "FILE")]
     state: Option<PathBuf>,
+    /// Serve the mesh of a Kubernetes cluster (docs/kubernetes.md): watch its Services,
+    /// EndpointSlices, Pods and mesh routes through the API server of this kubeconfig, and
+    /// serve each node (by its node id, the Kubernetes node name) what its pods need.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["state", "cluster", "in_cluster"])]
+    kubeconfig: Option<PathBuf>,
+    /// As --kubeconfig, with the API server of the cluster this runs in (a pod's service
+    /// account). Implied when KUBERNETES_SERVICE_HOST is set and no --state or --cluster is given.
+    #[arg(long, conflicts_with_all = ["state", "cluster"])]
+    in_cluster: bool,
     /// Place applications on this cluster (a YAML file or preset:NAME, as in `flatmesh place`)
     /// and serve each placed service APP/STAGE as the EDS cluster of that name.
     #[arg(long, value_name = "SOURCE", requires_all = ["app", "addresses"])]
@@ -107,6 +118,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 fn serve(args: Args) -> anyhow::Result<()> {
     crate::cmd::init_logging();
+    let kubernetes = args.kubeconfig.is_some()
+        || args.in_cluster
+        || (args.state.is_none()
+            && args.cluster.is_none()
+            && std::env::var_os("KUBERNETES_SERVICE_HOST").is_some());
+    if args.state.is_none() && args.cluster.is_none() && !kubernetes {
+        anyhow::bail!(
+            "nothing to serve: give --state FILE (a flatmesh config), --cluster with --app and --addresses (a placement), or --kubeconfig FILE (a Kubernetes cluster; in a pod its own is used)"
+        );
+    }
     let placement = match args.cluster {
         Some(cluster) => Some(PlacementOptions {
             cluster,
@@ -173,6 +194,15 @@ fn serve(args: Args) -> anyhow::Result<()> {
                 console_feed::poll_routes(&console, admins, token, stop_polling.clone());
             }
         }
+        // The cluster's objects, published to every node's own state in the center's store.
+        let _kubernetes = match kubernetes {
+            true => Some(flatmesh_k8s::Controller::spawn(
+                flatmesh_k8s::connect(args.kubeconfig.as_deref()).await?,
+                center.feed().store().clone(),
+                flatmesh_k8s::Options::default(),
+            )),
+            false => None,
+        };
         let result = center.run(stop_signal(), None).await;
         stop_polling.store(true, Ordering::Relaxed);
         result?;
