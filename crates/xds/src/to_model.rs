@@ -324,6 +324,9 @@ fn add_missing_clusters(config: &mut model::Config) {
     for name in wanted.difference(&known) {
         config.clusters.push(model::Cluster {
             name: name.clone(),
+            kind: model::ClusterType::Static,
+            allow: Vec::new(),
+            max_destinations: None,
             lb: model::LbPolicy::RoundRobin,
             endpoints: Default::default(),
             protocol: model::UpstreamProtocol::Http1,
