@@ -83,9 +83,14 @@ impl FromStr for Cidr {
         let bits = if addr.is_ipv4() { 32 } else { 128 };
         let len = match len {
             None => bits,
-            Some(len) => len.trim().parse::<u8>().ok().filter(|l| *l <= bits).ok_or_else(|| {
-                format!("`{s}`: the prefix length must be a number from 0 to {bits}")
-            })?,
+            Some(len) => len
+                .trim()
+                .parse::<u8>()
+                .ok()
+                .filter(|l| *l <= bits)
+                .ok_or_else(|| {
+                    format!("`{s}`: the prefix length must be a number from 0 to {bits}")
+                })?,
         };
         Cidr::new(addr, len).ok_or_else(|| format!("`{s}`: prefix too long"))
     }

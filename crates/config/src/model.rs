@@ -1052,7 +1052,11 @@ pub struct Cluster {
     pub name: String,
     /// `static` (the default): the `endpoints` listed; `original_dst`: each connection or
     /// request goes to the address its client first dialled (see [`ClusterType`]).
-    #[serde(default, rename = "type", skip_serializing_if = "ClusterType::is_static")]
+    #[serde(
+        default,
+        rename = "type",
+        skip_serializing_if = "ClusterType::is_static"
+    )]
     pub kind: ClusterType,
     /// `original_dst` clusters: the destinations they may forward to (required).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

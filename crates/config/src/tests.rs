@@ -2166,7 +2166,9 @@ fn original_dst(cluster: &str) -> String {
 #[test]
 fn an_original_dst_cluster_has_an_allow_list_and_no_endpoints() {
     let config = parse(
-        &original_dst("    allow: [ 10.0.0.0/8, 192.168.1.7, \"fd00::/8\" ]\n    max_destinations: 64\n"),
+        &original_dst(
+            "    allow: [ 10.0.0.0/8, 192.168.1.7, \"fd00::/8\" ]\n    max_destinations: 64\n",
+        ),
         "t.yaml",
     )
     .unwrap_or_else(|e| panic!("{e}"));
