@@ -39,6 +39,14 @@ impl Cidr {
         })
     }
 
+    /// Whether every address of the prefix is a loopback one (inside `127.0.0.0/8`, or `::1`).
+    pub fn is_loopback(&self) -> bool {
+        match self.addr {
+            IpAddr::V4(v4) => self.len >= 8 && v4.is_loopback(),
+            IpAddr::V6(v6) => self.len == 128 && v6.is_loopback(),
+        }
+    }
+
     /// Whether `ip` is inside the prefix. An IPv4-mapped IPv6 address (`::ffff:10.0.0.1`,
     /// what a dual-stack socket reports) is compared as the IPv4 address it is.
     pub fn contains(&self, ip: IpAddr) -> bool {
@@ -135,6 +143,8 @@ mod tests {
         let host: Cidr = "127.0.0.1".parse().unwrap();
         assert_eq!(host.to_string(), "127.0.0.1/32");
         assert!(host.contains(ip("127.0.0.1")) && !host.contains(ip("127.0.0.2")));
+        assert!(host.is_loopback() && "127.0.0.0/8".parse::<Cidr>().unwrap().is_loopback());
+        assert!(!"0.0.0.0/1".parse::<Cidr>().unwrap().is_loopback() && !c.is_loopback());
         assert!(Cidr::ANY_V4.contains(ip("192.0.2.1")) && !Cidr::ANY_V4.contains(ip("::1")));
         let v6: Cidr = "fd00::/8".parse().unwrap();
         assert!(v6.contains(ip("fdab::1")) && !v6.contains(ip("fe80::1")));

@@ -2052,6 +2052,21 @@ fn captured_traffic_into_the_mesh_must_tunnel() {
     // Loopback endpoints are services on this host: nothing leaves the node.
     let local = captured("", "", "").replace("10.0.0.7:80", "127.0.0.1:80");
     parse(&local, "t.yaml").unwrap_or_else(|e| panic!("{e}"));
+    // An original_dst cluster leaves for wherever its allow-list lets it.
+    let original = |allow: &str| {
+        captured("", "", "").replace(
+            "endpoints: [ 10.0.0.7:80 ]",
+            &format!("type: original_dst, allow: [ {allow} ]"),
+        )
+    };
+    let d = only(
+        &original("127.0.0.0/8, 10.0.0.0/8"),
+        7,
+        46,
+        "whose allow-list prefix 10.0.0.0/8 is not on this host's loopback",
+    );
+    assert!(d.hint.contains("plaintext_ok"));
+    parse(&original("127.0.0.0/8"), "t.yaml").unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[test]

@@ -779,12 +779,25 @@ impl Checker<'_> {
             if cluster.tunnel.is_some() {
                 continue;
             }
-            if let Some(remote) = cluster.endpoints.iter().find(|e| !e.ip().is_loopback()) {
+            // An original_dst cluster goes wherever its allow-list lets it.
+            let remote = cluster
+                .endpoints
+                .iter()
+                .find(|e| !e.ip().is_loopback())
+                .map(|e| format!("endpoint {e}"))
+                .or_else(|| {
+                    cluster
+                        .allow
+                        .iter()
+                        .find(|c| !c.is_loopback())
+                        .map(|c| format!("allow-list prefix {c}"))
+                });
+            if let Some(remote) = remote {
                 self.report(
                     format!("kernel.capture.services[{i}].listener"),
                     Target::Value,
                     format!(
-                        "captured connections to {} would leave the node in the clear: listener `{}` sends them to cluster `{name}`, whose endpoint {remote} is not on this host's loopback",
+                        "captured connections to {} would leave the node in the clear: listener `{}` sends them to cluster `{name}`, whose {remote} is not on this host's loopback",
                         service.address, listener.name
                     ),
                     format!("give cluster `{name}` `tunnel: hbone` (with `tls`) so they leave inside HBONE, or add `plaintext_ok: true` to this service if its destination is outside the mesh"),
