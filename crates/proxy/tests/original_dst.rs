@@ -289,3 +289,87 @@ fn an_original_dst_cluster_without_an_allow_list_is_refused_at_load() {
         "the hint shows how: {err}"
     );
 }
+
+/// With tier K's capture instead of a netfilter rule: a workload's connections to two service
+/// addresses are sent to the node's one listener by the kernel (cgroup connect4), and the
+/// node finds each one's destination in the capture map; a captured address outside the
+/// allow-list is refused.
+#[test]
+fn tier_k_captured_connections_reach_the_address_their_client_dialled() {
+    in_netns(
+        "tier_k_captured_connections_reach_the_address_their_client_dialled",
+        || async {
+            for ip in ["10.250.7.1/32", "10.250.7.2/32", "10.250.8.1/32"] {
+                run("ip", &["addr", "add", ip, "dev", "lo"], None);
+            }
+            let a = Named::start([10, 250, 7, 1], "backend-a").await;
+            let b = Named::start([10, 250, 7, 2], "backend-b").await;
+            let outside = Named::start([10, 250, 8, 1], "outside").await;
+            let pins = format!("/sys/fs/bpf/fm-odst-{}", std::process::id());
+            let cgroup = flatmesh_kernel::default_cgroup_root()
+                .join(format!("fm-odst-{}", std::process::id()));
+            std::fs::create_dir_all(&cgroup).unwrap();
+            let services: Vec<String> = [a.addr, b.addr, outside.addr]
+                .iter()
+                .map(|s| format!("{{ address: \"{s}\", listener: capture, plaintext_ok: true }}"))
+                .collect();
+            let node = TestNode::start(&format!(
+                "admin: {admin}\nkernel:\n  pin_dir: {pins}\n  redirect: false\n  tcp_splice: false\n  capture: {{ cgroup: {cg}, services: [ {services} ] }}\nlisteners:\n  - {{ name: capture, address: {listen}, protocol: tcp, cluster: passthrough }}\nclusters:\n  - name: passthrough\n    type: original_dst\n    allow: [ 10.250.7.0/24 ]\n",
+                admin = free_addr(),
+                listen = free_addr(),
+                cg = cgroup.display(),
+                services = services.join(", "),
+            ));
+            let (_, rules) = node.admin_get("/rules").await;
+            assert!(
+                rules.contains("\"state\": \"attached\""),
+                "tier K did not attach: {rules}"
+            );
+            // A workload in the capture cgroup reads what each address answers.
+            let workload = |to: SocketAddr| {
+                format!(
+                    "echo $$ > {procs} || exit 2; exec 3<>/dev/tcp/{ip}/{port} && cat <&3",
+                    procs = cgroup.join("cgroup.procs").display(),
+                    ip = to.ip(),
+                    port = to.port()
+                )
+            };
+            let script = format!(
+                "({}); ({}); ({})",
+                workload(a.addr),
+                workload(b.addr),
+                workload(outside.addr)
+            );
+            // Off the runtime's threads: the node serves the workload meanwhile.
+            let out = tokio::time::timeout(
+                Duration::from_secs(20),
+                tokio::task::spawn_blocking(move || {
+                    std::process::Command::new("bash")
+                        .arg("-c")
+                        .arg(&script)
+                        .output()
+                }),
+            )
+            .await
+            .expect("the workload finished in time")
+            .unwrap()
+            .unwrap();
+            drop(node);
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let _ = std::fs::remove_dir(&cgroup);
+            let _ = flatmesh_kernel::cleanup_stale(std::path::Path::new(&pins));
+            assert_eq!(
+                String::from_utf8_lossy(&out.stdout),
+                "backend-abackend-b",
+                "stderr: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert_eq!((a.accepted(), b.accepted()), (1, 1));
+            assert_eq!(
+                outside.accepted(),
+                0,
+                "a refused destination is not dialled"
+            );
+        },
+    );
+}
