@@ -1216,7 +1216,9 @@ impl Default for CircuitBreaker {
 /// A cluster's outlier detection, with Envoy's semantics: an endpoint with N consecutive
 /// failures of one kind is ejected for `base_ejection_time` × the times it has been ejected;
 /// no more than `max_ejection_percent` of the endpoints are out at once. A threshold of 0
-/// turns that kind off.
+/// turns that kind off. Every `interval` the endpoints' success rates and failure
+/// percentages over it are judged too (`success_rate`, on by default as in Envoy, and
+/// `failure_percentage`, off by default).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OutlierDetection {
@@ -1241,6 +1243,61 @@ pub struct OutlierDetection {
     /// cluster of fewer than ten endpoints.
     #[serde(default = "default_max_ejection_percent")]
     pub max_ejection_percent: u32,
+    #[serde(default)]
+    pub success_rate: SuccessRate,
+    #[serde(default)]
+    pub failure_percentage: FailurePercentage,
+}
+
+/// Success-rate outlier detection (Envoy's `success_rate_*`): every `interval`, among the
+/// endpoints that took at least `request_volume` requests in it, when there are at least
+/// `minimum_hosts` of them, an endpoint whose success rate is below mean − stdev_factor/1000
+/// × the standard deviation is ejected. A success is any answer below 500.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SuccessRate {
+    /// Whether it ejects (Envoy's `enforcing_success_rate` at 100, its default, or 0).
+    pub enforcing: bool,
+    pub minimum_hosts: u32,
+    pub request_volume: u32,
+    /// In thousandths, as Envoy's: 1900 is 1.9 standard deviations.
+    pub stdev_factor: u32,
+}
+
+impl Default for SuccessRate {
+    fn default() -> Self {
+        SuccessRate {
+            enforcing: true,
+            minimum_hosts: 5,
+            request_volume: 100,
+            stdev_factor: 1900,
+        }
+    }
+}
+
+/// Failure-percentage outlier detection (Envoy's `failure_percentage_*`): every `interval`,
+/// among the endpoints that took at least `request_volume` requests in it, when there are at
+/// least `minimum_hosts` of them, an endpoint whose share of failed requests is at least
+/// `threshold` percent is ejected. Off by default, as in Envoy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FailurePercentage {
+    /// Whether it ejects (Envoy's `enforcing_failure_percentage` at 100, or 0, its default).
+    pub enforcing: bool,
+    pub threshold: u32,
+    pub minimum_hosts: u32,
+    pub request_volume: u32,
+}
+
+impl Default for FailurePercentage {
+    fn default() -> Self {
+        FailurePercentage {
+            enforcing: false,
+            threshold: 85,
+            minimum_hosts: 5,
+            request_volume: 50,
+        }
+    }
 }
 
 fn default_consecutive_5xx() -> u32 {
@@ -1265,6 +1322,8 @@ impl Default for OutlierDetection {
             interval: default_outlier_interval(),
             base_ejection_time: default_base_ejection_time(),
             max_ejection_percent: default_max_ejection_percent(),
+            success_rate: SuccessRate::default(),
+            failure_percentage: FailurePercentage::default(),
         }
     }
 }

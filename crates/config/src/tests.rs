@@ -1433,7 +1433,37 @@ fn circuit_breaker_and_outlier_detection_parse_with_envoy_s_defaults() {
             interval: std::time::Duration::from_secs(10),
             base_ejection_time: std::time::Duration::from_secs(1),
             max_ejection_percent: 10,
+            success_rate: SuccessRate {
+                enforcing: true,
+                minimum_hosts: 5,
+                request_volume: 100,
+                stdev_factor: 1900,
+            },
+            failure_percentage: FailurePercentage {
+                enforcing: false,
+                threshold: 85,
+                minimum_hosts: 5,
+                request_volume: 50,
+            },
         })
+    );
+    // The interval kinds, each key on its own.
+    let config = parse(
+        &guarded("    outlier_detection:\n      success_rate: { enforcing: false }\n      failure_percentage: { enforcing: true, threshold: 60, request_volume: 20 }\n"),
+        "t.yaml",
+    )
+    .unwrap();
+    let od = config.clusters[0].outlier_detection.clone().unwrap();
+    assert!(!od.success_rate.enforcing);
+    assert_eq!(od.success_rate.request_volume, 100, "the rest default");
+    assert_eq!(
+        od.failure_percentage,
+        FailurePercentage {
+            enforcing: true,
+            threshold: 60,
+            minimum_hosts: 5,
+            request_volume: 20,
+        }
     );
     // Without the keys: the breaker's defaults, no outlier detection.
     let plain = parse(&guarded(""), "t.yaml").unwrap();
@@ -1476,13 +1506,26 @@ fn circuit_breaker_and_outlier_detection_are_validated_by_line() {
     );
     let d = only(
         &guarded(
-            "    outlier_detection: { consecutive_5xx: 0, consecutive_connect_failures: 0 }\n",
+            "    outlier_detection: { consecutive_5xx: 0, consecutive_connect_failures: 0, success_rate: { enforcing: false } }\n",
         ),
         8,
         5,
-        "every threshold is 0",
+        "every kind is off",
     );
     assert!(d.hint.contains("consecutive_5xx"), "{}", d.hint);
+    let d = only(
+        &guarded("    outlier_detection:\n      failure_percentage: { threshold: 101 }\n"),
+        9,
+        40,
+        "cannot pass 100",
+    );
+    assert!(d.hint.contains("default is 85"), "{}", d.hint);
+    only(
+        &guarded("    outlier_detection:\n      success_rate: { minimum_hosts: 0 }\n"),
+        9,
+        38,
+        "at least one is needed",
+    );
     let d = only(
         &guarded("    outlier_detection: { consecutive_5xxx: 3 }\n"),
         8,

@@ -1785,16 +1785,45 @@ impl Checker<'_> {
                 "write a percentage from 0 to 100 (the default is 10)".into(),
             );
         }
+        if outlier.failure_percentage.threshold > 100 {
+            self.report(
+                format!("{at}.failure_percentage.threshold"),
+                Target::Value,
+                format!(
+                    "{at}.failure_percentage.threshold is {}: a percentage of failed requests cannot pass 100",
+                    outlier.failure_percentage.threshold
+                ),
+                "write a percentage from 0 to 100 (the default is 85)".into(),
+            );
+        }
+        for (kind, hosts) in [
+            ("success_rate", outlier.success_rate.minimum_hosts),
+            (
+                "failure_percentage",
+                outlier.failure_percentage.minimum_hosts,
+            ),
+        ] {
+            if hosts == 0 {
+                self.report(
+                    format!("{at}.{kind}.minimum_hosts"),
+                    Target::Value,
+                    format!("{at}.{kind}.minimum_hosts is 0: the endpoints are judged against each other, so at least one is needed"),
+                    "write 1 or more (the default is 5)".into(),
+                );
+            }
+        }
         if outlier.consecutive_5xx == 0
             && outlier.consecutive_gateway_errors == 0
             && outlier.consecutive_connect_failures == 0
+            && !outlier.success_rate.enforcing
+            && !outlier.failure_percentage.enforcing
         {
             self.report(
                 at.to_owned(),
                 Target::Key,
-                "outlier detection is on but every threshold is 0, so no endpoint is ever ejected"
+                "outlier detection is on but every kind is off, so no endpoint is ever ejected"
                     .into(),
-                "set `consecutive_5xx`, `consecutive_gateway_errors` or `consecutive_connect_failures` above 0, or remove `outlier_detection`".into(),
+                "set `consecutive_5xx`, `consecutive_gateway_errors` or `consecutive_connect_failures` above 0, or `success_rate.enforcing` or `failure_percentage.enforcing` to true, or remove `outlier_detection`".into(),
             );
         }
     }

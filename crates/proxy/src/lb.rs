@@ -220,8 +220,8 @@ impl Balancer {
     }
 
     /// As [`Balancer::pick`], avoiding the endpoints in `exclude` (say, those a request's
-    /// earlier tries failed on) while its level has another one that is in; only when none
-    /// is does it take an excluded one.
+    /// earlier tries failed on) while its level has another one that is in, else while
+    /// another level has one; only when none has does it take an excluded one.
     pub fn pick_excluding(
         &self,
         hash: u64,
@@ -290,6 +290,16 @@ impl Balancer {
                 .chain((1..TRIES).map(|k| self.choose(level, hash, attempt + k)))
                 .find(|&i| usable(i))
                 .or_else(|| members().find(|&i| is_in(i) && !exclude.contains(&i)))
+                // Every member of this level failed this request or is out: an endpoint of
+                // another level, highest priority first, before a repeat (the retry spills to
+                // the next priority, as Envoy's `previous_priorities` retry plugin does).
+                .or_else(|| {
+                    tables
+                        .levels
+                        .iter()
+                        .flat_map(|l| l.members.iter().map(|&i| i as usize))
+                        .find(|&i| !out.is_out(i, now) && !exclude.contains(&i))
+                })
                 .or_else(|| members().find(|&i| is_in(i)))
                 .unwrap_or(first)
         };
@@ -721,6 +731,34 @@ mod tests {
             }
             // All excluded: one is still given.
             assert!(b.pick_excluding(0, 3, &[0, 1, 2]).is_some());
+        }
+    }
+
+    #[test]
+    fn pick_excluding_spills_to_the_next_priority_before_a_repeat() {
+        let entries = [
+            entry(9000, 1, 0, None),
+            entry(9001, 1, 0, None),
+            entry(9002, 1, 1, None),
+            entry(9003, 1, 2, None),
+        ];
+        for policy in [
+            LbPolicy::RoundRobin,
+            LbPolicy::Random,
+            LbPolicy::LeastRequest,
+            LbPolicy::RingHash,
+            LbPolicy::Maglev,
+        ] {
+            let b = balancer(policy, &entries, None, Out::default());
+            for i in 0..100u64 {
+                let key = hash64(&i.to_le_bytes());
+                let (index, _) = b.pick_excluding(key, 2, &[0, 1]).unwrap();
+                assert_eq!(index, 2, "{policy:?}: priority 1 before a repeat");
+                let (index, _) = b.pick_excluding(key, 3, &[0, 1, 2]).unwrap();
+                assert_eq!(index, 3, "{policy:?}: then priority 2");
+                let (index, _) = b.pick_excluding(key, 4, &[0, 1, 2, 3]).unwrap();
+                assert!(index < 2, "{policy:?}: all failed: the first level again");
+            }
         }
     }
 }

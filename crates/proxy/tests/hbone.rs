@@ -216,6 +216,58 @@ async fn a_full_tunnel_connection_makes_node_a_open_another() {
 
 /// An HTTP/2 client over mutual TLS to B's listener, presenting `me`: an HBONE peer without
 /// node A, to send any CONNECT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_before_any_tunnel_connection_shares_the_dials() {
+    let pki = Pki::new();
+    let echo = TcpBackend::start(TcpMode::Echo).await;
+    let (a_listen, b_listen) = (free_addr(), free_addr());
+    let b = node_b(&pki, b_listen, WEB, "");
+    // Two streams per tunnel connection; seven connections arrive at once, before node A has
+    // any tunnel connection: single-flight dials open four (each dial's connection is filled
+    // by the streams that waited on it), not one per stream.
+    let a = node_a_with(
+        &pki,
+        a_listen,
+        echo.addr,
+        b_listen.port(),
+        WEB,
+        "http2_max_concurrent_streams: 2",
+    );
+    let mut burst = tokio::task::JoinSet::new();
+    for i in 0..7u8 {
+        burst.spawn(async move {
+            let mut s = TcpStream::connect(a_listen).await.unwrap();
+            s.write_all(&[i; 3]).await.unwrap();
+            let mut back = [0u8; 3];
+            tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut back))
+                .await
+                .expect("echoed in time")
+                .unwrap();
+            assert_eq!(back, [i; 3]);
+            s
+        });
+    }
+    let mut held = Vec::new();
+    while let Some(s) = burst.join_next().await {
+        held.push(s.unwrap());
+    }
+    for (node, name, label) in [
+        (
+            &a,
+            "flatmesh_upstream_connections_total",
+            "cluster=\"remote\"",
+        ),
+        (
+            &b,
+            "flatmesh_downstream_connections_total",
+            "listener=\"tunnel\"",
+        ),
+    ] {
+        assert_eq!(metric(node, name, &[label]).await, 4.0, "{name}");
+    }
+    drop(held);
+}
+
 async fn hbone_peer(pki: &Pki, addr: SocketAddr, me: &str) -> h2::client::SendRequest<Bytes> {
     let svid = pki.svid(me);
     let tls = tls_connect(addr, client_config(&pki.bundle(), Some(&svid), NODE, b"h2"))

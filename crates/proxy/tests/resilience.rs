@@ -433,6 +433,67 @@ async fn max_ejection_percent_keeps_the_second_bad_endpoint_in() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_endpoint_whose_success_rate_falls_far_below_the_others_is_ejected() {
+    // Five good endpoints and one that answers 503: no consecutive kind is on, so only the
+    // interval's success rate can eject it (0% against a mean of 83%, limit mean - 1.9
+    // standard deviations = 12.5%).
+    let mut good = Vec::new();
+    for name in ["g0", "g1", "g2", "g3", "g4"] {
+        good.push(HttpBackend::start(name, Proto::H1).await);
+    }
+    let bad = Fixed::start("bad", 503).await;
+    let mut endpoints: Vec<SocketAddr> = good.iter().map(|b| b.addr).collect();
+    endpoints.push(bad.addr);
+    let (admin, web) = (free_addr(), free_addr());
+    let node = TestNode::start(&config(
+        admin,
+        web,
+        &endpoints,
+        "    outlier_detection: { consecutive_5xx: 0, consecutive_connect_failures: 0, interval: 1s, base_ejection_time: 60s, max_ejection_percent: 20, success_rate: { minimum_hosts: 5, request_volume: 5 } }",
+    ));
+    let ejections = || async {
+        metric(
+            &node,
+            "flatmesh_outlier_ejections_total",
+            &["cluster=\"pool\"", "reason=\"success_rate\""],
+        )
+        .await
+    };
+    // Traffic until an interval with enough requests at every endpoint has ended and been
+    // judged (by the first request after it), within a few intervals.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut before = BTreeMap::new();
+    while ejections().await == 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "not ejected in 5 s (1 s intervals): {before:?}"
+        );
+        for (k, n) in tally_of(web, 60).await {
+            *before.entry(k).or_insert(0) += n;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        count_status(&before, 503) > 0,
+        "it served before: {before:?}"
+    );
+    // Out: nothing more reaches it.
+    let after = tally_of(web, 60).await;
+    assert_eq!(count_status(&after, 503), 0, "{after:?}");
+    assert_eq!(count_status(&after, 200), 60, "{after:?}");
+    assert_eq!(ejections().await, 1.0);
+    assert_eq!(
+        metric(
+            &node,
+            "flatmesh_outlier_ejected_endpoints",
+            &["cluster=\"pool\""]
+        )
+        .await,
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn connect_failures_eject_a_dead_endpoint() {
     let good0 = HttpBackend::start("good0", Proto::H1).await;
     let good1 = HttpBackend::start("good1", Proto::H1).await;

@@ -806,7 +806,8 @@ fn describe_weights(w: &crate::program::Weights) -> String {
     parts.join("; ")
 }
 
-/// Outlier detection in a table cell: the kinds that eject, then the timing and the cap.
+/// Outlier detection in a table cell: the kinds that eject (streaks, then the interval's
+/// judgements), then the timing and the cap.
 fn describe_outlier(o: &flatmesh_config::OutlierDetection) -> String {
     let kinds: Vec<String> = [
         ("5xx", o.consecutive_5xx),
@@ -817,11 +818,31 @@ fn describe_outlier(o: &flatmesh_config::OutlierDetection) -> String {
     .filter(|(_, n)| *n > 0)
     .map(|(what, n)| format!("{n} {what}"))
     .collect();
+    let per = duration::format(&o.interval);
+    let mut rules = Vec::new();
+    if !kinds.is_empty() {
+        rules.push(format!("{} in a row", kinds.join(" or ")));
+    }
+    let sr = &o.success_rate;
+    if sr.enforcing {
+        rules.push(format!(
+            "a success rate {} stdev below the mean (of >= {} endpoints with >= {} requests per {per})",
+            f64::from(sr.stdev_factor) / 1000.0,
+            sr.minimum_hosts,
+            sr.request_volume
+        ));
+    }
+    let fp = &o.failure_percentage;
+    if fp.enforcing {
+        rules.push(format!(
+            ">= {}% failed (of >= {} endpoints with >= {} requests per {per})",
+            fp.threshold, fp.minimum_hosts, fp.request_volume
+        ));
+    }
     format!(
-        "eject after {} in a row for {} x times ejected; at most {}% out; count decays every {}",
-        kinds.join(" or "),
+        "eject after {} for {} x times ejected; at most {}% out; count decays every {per}",
+        rules.join(" or "),
         duration::format(&o.base_ejection_time),
         o.max_ejection_percent,
-        duration::format(&o.interval)
     )
 }

@@ -803,7 +803,7 @@ node: { locality: us/a }
         "{api}"
     );
     assert!(
-        api.contains("eject after 3 5xx in a row for 10s x times ejected; at most 50% out"),
+        api.contains("eject after 3 5xx in a row or a success rate 1.9 stdev below the mean (of >= 5 endpoints with >= 100 requests per 10s) for 10s x times ejected; at most 50% out"),
         "{api}"
     );
     assert!(

@@ -1385,7 +1385,16 @@ fn outlier_detection(mut o: Obj) -> Result<OutlierDetection> {
         )?,
         max_ejection_percent: wrapped_u32(&mut o, "max_ejection_percent")?,
         enforcing_success_rate: wrapped_u32(&mut o, "enforcing_success_rate")?,
+        success_rate_minimum_hosts: wrapped_u32(&mut o, "success_rate_minimum_hosts")?,
+        success_rate_request_volume: wrapped_u32(&mut o, "success_rate_request_volume")?,
+        success_rate_stdev_factor: wrapped_u32(&mut o, "success_rate_stdev_factor")?,
         enforcing_failure_percentage: wrapped_u32(&mut o, "enforcing_failure_percentage")?,
+        failure_percentage_threshold: wrapped_u32(&mut o, "failure_percentage_threshold")?,
+        failure_percentage_minimum_hosts: wrapped_u32(&mut o, "failure_percentage_minimum_hosts")?,
+        failure_percentage_request_volume: wrapped_u32(
+            &mut o,
+            "failure_percentage_request_volume",
+        )?,
         ..Default::default()
     };
     out.interval = o.duration("interval")?;

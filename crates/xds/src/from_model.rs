@@ -211,7 +211,8 @@ fn circuit_breakers(b: &model::CircuitBreaker) -> CircuitBreakers {
 
 /// Outlier detection in Envoy's terms: each consecutive kind enforced (100%) when its
 /// threshold is set, and connect failures as the local-origin kind (which Envoy counts apart
-/// only with `split_external_local_origin_errors`). `crate::to_model` reads it back.
+/// only with `split_external_local_origin_errors`), success rate and failure percentage
+/// enforced at 100 or 0. `crate::to_model` reads it back.
 fn outlier_detection(o: &model::OutlierDetection) -> OutlierDetection {
     let value = |value| Some(UInt32Value { value });
     let enforcing = |threshold: u32| value(if threshold > 0 { 100 } else { 0 });
@@ -229,6 +230,18 @@ fn outlier_detection(o: &model::OutlierDetection) -> OutlierDetection {
         interval: Some(duration(o.interval)),
         base_ejection_time: Some(duration(o.base_ejection_time)),
         max_ejection_percent: value(o.max_ejection_percent),
+        enforcing_success_rate: value(if o.success_rate.enforcing { 100 } else { 0 }),
+        success_rate_minimum_hosts: value(o.success_rate.minimum_hosts),
+        success_rate_request_volume: value(o.success_rate.request_volume),
+        success_rate_stdev_factor: value(o.success_rate.stdev_factor),
+        enforcing_failure_percentage: value(if o.failure_percentage.enforcing {
+            100
+        } else {
+            0
+        }),
+        failure_percentage_threshold: value(o.failure_percentage.threshold),
+        failure_percentage_minimum_hosts: value(o.failure_percentage.minimum_hosts),
+        failure_percentage_request_volume: value(o.failure_percentage.request_volume),
         ..Default::default()
     }
 }

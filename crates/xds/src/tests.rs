@@ -1636,7 +1636,41 @@ fn circuit_breakers_and_outlier_detection_import_from_envoy() {
             interval: std::time::Duration::from_secs(2),
             base_ejection_time: std::time::Duration::from_millis(500),
             max_ejection_percent: 40,
+            success_rate: model::SuccessRate {
+                enforcing: false,
+                ..Default::default()
+            },
+            failure_percentage: model::FailurePercentage::default(),
         })
+    );
+    // Success rate and failure percentage with their parameters.
+    let interval_kinds = example().replace(
+        "    lb_policy: MAGLEV\n",
+        "    lb_policy: MAGLEV\n    outlier_detection: { success_rate_minimum_hosts: 3, success_rate_request_volume: 20, success_rate_stdev_factor: 1000, enforcing_failure_percentage: 100, failure_percentage_threshold: 60, failure_percentage_minimum_hosts: 2, failure_percentage_request_volume: 10 }\n",
+    );
+    let config = bootstrap::parse(&interval_kinds, "envoy.yaml").unwrap();
+    let od = config
+        .cluster("sticky")
+        .unwrap()
+        .outlier_detection
+        .clone()
+        .unwrap();
+    assert_eq!(
+        (od.success_rate, od.failure_percentage),
+        (
+            model::SuccessRate {
+                enforcing: true,
+                minimum_hosts: 3,
+                request_volume: 20,
+                stdev_factor: 1000,
+            },
+            model::FailurePercentage {
+                enforcing: true,
+                threshold: 60,
+                minimum_hosts: 2,
+                request_volume: 10,
+            }
+        )
     );
     // Envoy's defaults for an empty block.
     let empty = example().replace(
@@ -1667,13 +1701,15 @@ fn circuit_breakers_and_outlier_detection_import_from_envoy() {
             && e.contains("neither 0 nor 100"),
         "{e}"
     );
-    let e = refused("    outlier_detection: { enforcing_success_rate: 100 }");
+    let e = refused("    outlier_detection: { enforcing_success_rate: 50 }");
     assert!(
-        e.contains("enforcing_success_rate") && e.contains("not supported"),
+        e.contains("enforcing_success_rate") && e.contains("neither 0 nor 100"),
         "{e}"
     );
-    let e = refused("    outlier_detection: { success_rate_stdev_factor: 1900 }");
-    assert!(e.contains("success_rate_stdev_factor"), "{e}");
+    let e = refused("    outlier_detection: { enforcing_local_origin_success_rate: 100 }");
+    assert!(e.contains("enforcing_local_origin_success_rate"), "{e}");
+    let e = refused("    outlier_detection: { failure_percentage_threshold: 120 }");
+    assert!(e.contains("cannot pass 100"), "{e}");
     let e = refused("    outlier_detection: { max_ejection_time: 10s }");
     assert!(e.contains("max_ejection_time") && e.contains("300s"), "{e}");
     let e = refused("    outlier_detection: { always_eject_one_host: true }");

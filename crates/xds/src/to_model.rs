@@ -2004,8 +2004,9 @@ fn circuit_breaker(
 
 /// Envoy's outlier detection as the cluster's: its consecutive kinds (each only if enforced
 /// at 100% or not at all: flatmesh does not eject by chance), connect failures as the
-/// local-origin kind when Envoy counts that apart, and Envoy's defaults for what it leaves out.
-/// Success-rate and failure-percentage detection are not supported.
+/// local-origin kind when Envoy counts that apart, success rate and failure percentage (the
+/// same 0-or-100 rule), and Envoy's defaults for what it leaves out. The local-origin
+/// variants of success rate and failure percentage are not supported.
 fn outlier_detection(
     od: envoy_types::pb::envoy::config::cluster::v3::OutlierDetection,
     at: &str,
@@ -2078,11 +2079,56 @@ fn outlier_detection(
             "is not supported; raise max_ejection_percent instead",
         ));
     }
-    // Kinds switched off explicitly are as good as unset.
+    // The interval kinds: on when enforced at 100 (success rate's default), off at 0.
+    let switched = |enforcing: Option<UInt32Value>, default: u32, key: &str| -> Result<bool> {
+        match value(enforcing, default) {
+            0 => Ok(false),
+            100 => Ok(true),
+            _ => Err(XdsError::resource(
+                format!("{at}.enforcing_{key}"),
+                "is neither 0 nor 100; flatmesh ejects every endpoint that reaches a threshold, or none",
+            )),
+        }
+    };
+    let sr_defaults = model::SuccessRate::default();
+    let success_rate = model::SuccessRate {
+        enforcing: switched(rest.enforcing_success_rate.take(), 100, "success_rate")?,
+        minimum_hosts: value(
+            rest.success_rate_minimum_hosts.take(),
+            sr_defaults.minimum_hosts,
+        ),
+        request_volume: value(
+            rest.success_rate_request_volume.take(),
+            sr_defaults.request_volume,
+        ),
+        stdev_factor: value(
+            rest.success_rate_stdev_factor.take(),
+            sr_defaults.stdev_factor,
+        ),
+    };
+    let fp_defaults = model::FailurePercentage::default();
+    let failure_percentage = model::FailurePercentage {
+        enforcing: switched(
+            rest.enforcing_failure_percentage.take(),
+            0,
+            "failure_percentage",
+        )?,
+        threshold: value(
+            rest.failure_percentage_threshold.take(),
+            fp_defaults.threshold,
+        ),
+        minimum_hosts: value(
+            rest.failure_percentage_minimum_hosts.take(),
+            fp_defaults.minimum_hosts,
+        ),
+        request_volume: value(
+            rest.failure_percentage_request_volume.take(),
+            fp_defaults.request_volume,
+        ),
+    };
+    // Local-origin variants switched off explicitly are as good as unset.
     for off in [
-        &mut rest.enforcing_success_rate,
         &mut rest.enforcing_local_origin_success_rate,
-        &mut rest.enforcing_failure_percentage,
         &mut rest.enforcing_failure_percentage_local_origin,
     ] {
         if *off == Some(UInt32Value { value: 0 }) {
@@ -2097,6 +2143,8 @@ fn outlier_detection(
         interval,
         base_ejection_time,
         max_ejection_percent,
+        success_rate,
+        failure_percentage,
     })
 }
 

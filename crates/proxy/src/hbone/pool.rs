@@ -4,6 +4,10 @@
 //! so the peer sees each workload's own identity), each carrying at most
 //! `limits.http2_max_concurrent_streams` CONNECT streams; when all are full, another is
 //! opened. [`TunnelPool::open`] gives one stream to an endpoint, `:authority` its `IP:PORT`.
+//!
+//! Dials are single-flight: streams that find no room while a connection to the same peer
+//! and identity is being dialled wait for that dial instead of each opening its own (a burst
+//! of new streams would otherwise cost a TCP and TLS handshake apiece), and share its failure.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -16,6 +20,7 @@ use h2::client::SendRequest;
 use http::{Method, Request, StatusCode, Uri};
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
+use tokio::sync::watch;
 
 use super::stream::H2Stream;
 use super::Refusal;
@@ -33,7 +38,37 @@ pub struct TunnelPool {
     connection_window: u32,
     /// Per peer node and presented identity: its open tunnel connections (whose tasks run
     /// on this worker).
-    pool: Mutex<HashMap<(SocketAddr, Presenting), Vec<Pooled>>>,
+    pool: Mutex<HashMap<PoolKey, Vec<Pooled>>>,
+    /// The dials in progress, per peer node and presented identity, each with its outcome
+    /// for the streams waiting on it (`None` until it ends).
+    dialing: Mutex<HashMap<PoolKey, watch::Receiver<Option<DialOutcome>>>>,
+}
+
+type PoolKey = (SocketAddr, Presenting);
+
+/// How a dial ended, for the streams that waited on it: on success they look in the pool
+/// again (the new connection may have room for them).
+type DialOutcome = Result<(), Refusal>;
+
+/// The one dial in progress to a peer: taken out of `dialing` when it ends or is cancelled,
+/// and its outcome sent to the waiting streams (dropped unsent when cancelled, so that they
+/// dial themselves).
+struct Dial<'a> {
+    pool: &'a TunnelPool,
+    key: PoolKey,
+    outcome: Option<DialOutcome>,
+    tell: watch::Sender<Option<DialOutcome>>,
+}
+
+impl Drop for Dial<'_> {
+    fn drop(&mut self) {
+        // Out of the map before the waiters wake: one that finds no room must start a new
+        // dial, not join this finished one.
+        self.pool.dialing.lock().remove(&self.key);
+        if let Some(outcome) = self.outcome.take() {
+            let _ = self.tell.send(Some(outcome));
+        }
+    }
 }
 
 /// Whose identity a tunnel connection presents: the cluster's own certificate (`None`) or a
@@ -71,6 +106,59 @@ impl TunnelPool {
             stream_window: limits.http2_stream_window,
             connection_window: limits.http2_connection_window,
             pool: Mutex::default(),
+            dialing: Mutex::default(),
+        }
+    }
+
+    /// Room for one stream to `peer` presenting `who`: on a pooled connection, else on the
+    /// connection a dial in progress opens (waiting for it), else on one this call dials.
+    async fn room(
+        &self,
+        worker: usize,
+        cluster: &ClusterPlan,
+        tls: &ClusterTlsPlan,
+        peer: SocketAddr,
+        who: Presenting,
+    ) -> Result<(Pooled, Slot), Refusal> {
+        loop {
+            if let Some(found) = self.pooled(peer, who) {
+                return Ok(found);
+            }
+            let in_progress = {
+                let mut dialing = self.dialing.lock();
+                match dialing.get(&(peer, who)) {
+                    Some(dial) => Ok(dial.clone()),
+                    None => {
+                        let (tell, waiting) = watch::channel(None);
+                        dialing.insert((peer, who), waiting);
+                        Err(tell)
+                    }
+                }
+            };
+            match in_progress {
+                Ok(mut dial) => {
+                    // Bounded by the dialer's own connect and handshake timeouts.
+                    let outcome = match dial.wait_for(Option::is_some).await {
+                        Ok(outcome) => *outcome,
+                        // The dialer was cancelled (its request went away): dial again.
+                        Err(_) => None,
+                    };
+                    if let Some(Err(reason)) = outcome {
+                        return Err(reason);
+                    }
+                }
+                Err(tell) => {
+                    let mut dial = Dial {
+                        pool: self,
+                        key: (peer, who),
+                        outcome: None,
+                        tell,
+                    };
+                    let dialled = self.connect(worker, cluster, tls, peer, who).await;
+                    dial.outcome = Some(dialled.as_ref().map(|_| ()).map_err(|reason| *reason));
+                    return dialled;
+                }
+            }
         }
     }
 
@@ -189,22 +277,17 @@ impl TunnelPool {
             return Err("no_identity");
         };
         let peer = SocketAddr::new(endpoint.ip(), self.port);
-        if let Some((conn, slot)) = self.pooled(peer, who) {
+        // A pooled connection can turn out to be gone when the stream is sent: then once
+        // more, on another (the closed one is no longer pooled).
+        for _ in 0..2 {
+            let (conn, slot) = self.room(worker, cluster, tls, peer, who).await?;
             match connect_stream(conn.send.clone(), endpoint, cluster.connect_timeout).await {
                 Ok(stream) => return Ok((stream, slot)),
                 Err(Failed::Refused(reason)) => return Err(reason),
                 Err(Failed::Connection) => conn.closed.store(true, Ordering::Relaxed),
             }
         }
-        let (conn, slot) = self.connect(worker, cluster, tls, peer, who).await?;
-        match connect_stream(conn.send.clone(), endpoint, cluster.connect_timeout).await {
-            Ok(stream) => Ok((stream, slot)),
-            Err(Failed::Refused(reason)) => Err(reason),
-            Err(Failed::Connection) => {
-                conn.closed.store(true, Ordering::Relaxed);
-                Err("tunnel_closed")
-            }
-        }
+        Err("tunnel_closed")
     }
 }
 

@@ -1,5 +1,5 @@
-//! A cluster's outlier detection (Envoy's `outlier_detection`, consecutive-failure kinds):
-//! per node, shared by every worker. Each try's outcome is reported for its endpoint; an
+//! A cluster's outlier detection (Envoy's `outlier_detection`: the consecutive-failure kinds,
+//! success rate and failure percentage): per node, shared by every worker. Each try's outcome is reported for its endpoint; an
 //! endpoint with N consecutive failures of one kind is ejected for `base_ejection_time` ×
 //! the number of times it has been ejected (capped at Envoy's `max_ejection_time`, 300 s, or
 //! the base if longer), and is back once that time has passed. That number drops by one for
@@ -7,9 +7,15 @@
 //! `max_ejection_percent` of the endpoints are out at once (Envoy's rule: the ejection that
 //! would pass it is not made, so 10% of fewer than ten endpoints ejects none).
 //!
+//! Success rate and failure percentage are judged once per `interval` over the requests of
+//! that interval (`judge_interval`): among the endpoints with enough requests, if there are
+//! enough of them, one whose success rate is below mean − factor × standard deviation, or
+//! whose failure share reaches the threshold, is ejected, lowest success rate first.
+//!
 //! Envoy runs a timer to re-admit endpoints and decay the counts; here both are computed
 //! from timestamps when they are next looked at, which gives the same answers without a
-//! task per cluster. Re-admission is therefore exact to the millisecond rather than rounded
+//! task per cluster; likewise the interval's judgement is made by the first report after
+//! the interval ends (an interval without requests has nothing to judge). Re-admission is therefore exact to the millisecond rather than rounded
 //! up to the next interval tick.
 //!
 //! The request path costs: a success, a load per failure kind (a store only if a streak was
@@ -21,7 +27,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flatmesh_config::OutlierDetection;
+use flatmesh_config::{FailurePercentage, OutlierDetection, SuccessRate};
 use parking_lot::Mutex;
 
 /// Envoy's default `max_ejection_time`: no ejection lasts longer, unless the base does.
@@ -33,13 +39,25 @@ pub enum Reason {
     Consecutive5xx = 0,
     GatewayErrors = 1,
     ConnectFailures = 2,
+    SuccessRate = 3,
+    FailurePercentage = 4,
 }
 
+/// The consecutive kinds: the ones with a streak per endpoint.
+const STREAKS: usize = 3;
+const STREAK_REASONS: [Reason; STREAKS] = [
+    Reason::Consecutive5xx,
+    Reason::GatewayErrors,
+    Reason::ConnectFailures,
+];
+
 impl Reason {
-    pub const ALL: [Reason; 3] = [
+    pub const ALL: [Reason; 5] = [
         Reason::Consecutive5xx,
         Reason::GatewayErrors,
         Reason::ConnectFailures,
+        Reason::SuccessRate,
+        Reason::FailurePercentage,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -47,6 +65,8 @@ impl Reason {
             Reason::Consecutive5xx => "consecutive_5xx",
             Reason::GatewayErrors => "consecutive_gateway_errors",
             Reason::ConnectFailures => "consecutive_connect_failures",
+            Reason::SuccessRate => "success_rate",
+            Reason::FailurePercentage => "failure_percentage",
         }
     }
 }
@@ -67,7 +87,7 @@ pub enum Outcome {
 
 /// Ejections of one cluster by reason; kept by cluster name across reloads.
 #[derive(Default)]
-pub struct EjectionCounts([AtomicU64; 3]);
+pub struct EjectionCounts([AtomicU64; 5]);
 
 impl EjectionCounts {
     pub fn get(&self, reason: Reason) -> u64 {
@@ -78,8 +98,11 @@ impl EjectionCounts {
 /// One endpoint's record.
 #[derive(Default)]
 struct Health {
-    /// Consecutive failures, by [`Reason`].
-    streak: [AtomicU32; 3],
+    /// Consecutive failures, by [`Reason`] (the consecutive kinds).
+    streak: [AtomicU32; STREAKS],
+    /// Tries and failed tries in the current interval (only while an interval kind is on).
+    tries: AtomicU32,
+    failures: AtomicU32,
     /// While ejected: when it is back (clock milliseconds); 0 while in.
     until: AtomicU64,
     /// Times ejected, as Envoy counts them for the next ejection's length (written under
@@ -91,7 +114,12 @@ struct Health {
 
 pub struct Outlier {
     /// By [`Reason`]; 0 turns that kind off.
-    thresholds: [u32; 3],
+    thresholds: [u32; STREAKS],
+    success_rate: Option<SuccessRate>,
+    failure_percentage: Option<FailurePercentage>,
+    /// When the current interval ends (clock milliseconds), the interval kinds' judgement
+    /// then due; the lock makes one report judge it.
+    judge_at: Mutex<u64>,
     interval_ms: u64,
     base_ms: u64,
     max_ms: u64,
@@ -132,6 +160,53 @@ pub fn may_eject(active: usize, endpoints: usize, percent: u32) -> bool {
     active < endpoints && (active + 1) * 100 <= percent as usize * endpoints
 }
 
+/// What the interval kinds eject, from each endpoint's (tries, failed tries) over one
+/// interval, as Envoy judges them: success-rate outliers, lowest rate first, then endpoints
+/// whose failure share reaches the threshold (not already named).
+pub fn interval_outliers(
+    counts: &[(u32, u32)],
+    success_rate: Option<&SuccessRate>,
+    failure_percentage: Option<&FailurePercentage>,
+) -> Vec<(usize, Reason)> {
+    // (endpoint, percent of its tries that succeeded) for the endpoints with `volume` tries.
+    let judged = |volume: u32, hosts: u32| -> Option<Vec<(usize, f64)>> {
+        let judged: Vec<(usize, f64)> = counts
+            .iter()
+            .enumerate()
+            .filter(|(_, &(tries, _))| tries > 0 && tries >= volume)
+            .map(|(i, &(tries, failed))| {
+                let ok = tries.saturating_sub(failed);
+                (i, 100.0 * f64::from(ok) / f64::from(tries))
+            })
+            .collect();
+        (judged.len() >= hosts.max(1) as usize).then_some(judged)
+    };
+    let mut out = Vec::new();
+    if let Some(sr) = success_rate {
+        if let Some(rates) = judged(sr.request_volume, sr.minimum_hosts) {
+            let n = rates.len() as f64;
+            let mean = rates.iter().map(|(_, r)| r).sum::<f64>() / n;
+            let variance = rates.iter().map(|(_, r)| (r - mean).powi(2)).sum::<f64>() / n;
+            let limit = mean - f64::from(sr.stdev_factor) / 1000.0 * variance.sqrt();
+            let mut low: Vec<(usize, f64)> =
+                rates.into_iter().filter(|&(_, r)| r < limit).collect();
+            low.sort_by(|a, b| a.1.total_cmp(&b.1));
+            out.extend(low.into_iter().map(|(i, _)| (i, Reason::SuccessRate)));
+        }
+    }
+    if let Some(fp) = failure_percentage {
+        if let Some(rates) = judged(fp.request_volume, fp.minimum_hosts) {
+            for (i, ok) in rates {
+                let failed = 100.0 - ok;
+                if failed >= f64::from(fp.threshold) && !out.iter().any(|&(j, _)| j == i) {
+                    out.push((i, Reason::FailurePercentage));
+                }
+            }
+        }
+    }
+    out
+}
+
 impl Outlier {
     pub fn new(
         cluster: &str,
@@ -146,6 +221,15 @@ impl Outlier {
                 config.consecutive_gateway_errors,
                 config.consecutive_connect_failures,
             ],
+            success_rate: config
+                .success_rate
+                .enforcing
+                .then(|| config.success_rate.clone()),
+            failure_percentage: config
+                .failure_percentage
+                .enforcing
+                .then(|| config.failure_percentage.clone()),
+            judge_at: Mutex::new(ms(config.interval) + 1),
             interval_ms: ms(config.interval),
             base_ms: ms(config.base_ejection_time),
             max_ms: ms(MAX_EJECTION),
@@ -210,6 +294,9 @@ impl Outlier {
         let Some(h) = self.endpoints.get(index) else {
             return;
         };
+        if self.success_rate.is_some() || self.failure_percentage.is_some() {
+            self.count_try(h, outcome);
+        }
         let reset = |reason: Reason| {
             let s = &h.streak[reason as usize];
             if s.load(Ordering::Relaxed) != 0 {
@@ -228,7 +315,7 @@ impl Outlier {
                 return;
             }
             Outcome::Answered(status) if status < 500 => {
-                Reason::ALL.into_iter().for_each(reset);
+                STREAK_REASONS.into_iter().for_each(reset);
                 return;
             }
             Outcome::Answered(status) => {
@@ -265,6 +352,55 @@ impl Outlier {
             return;
         };
         self.eject(index, reason, self.now());
+    }
+
+    /// Counts a try for the interval kinds, and judges the interval that ended, if one did.
+    fn count_try(&self, h: &Health, outcome: Outcome) {
+        let failed = match outcome {
+            // A relay's connection: no answer to judge.
+            Outcome::Connected => return,
+            Outcome::Answered(status) => status >= 500,
+            Outcome::ConnectFailed | Outcome::Failed => true,
+        };
+        let now = self.now();
+        if now >= *self.judge_at.lock() {
+            self.judge_interval(now);
+        }
+        h.tries.fetch_add(1, Ordering::Relaxed);
+        if failed {
+            h.failures.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Judges the interval that ended by `now` (once: the first report after it does), then
+    /// starts the next. An interval that passed without any report had no requests, so
+    /// there is nothing to judge for it.
+    fn judge_interval(&self, now: u64) {
+        let Some(mut judge_at) = self.judge_at.try_lock() else {
+            return; // another worker judges it
+        };
+        if now < *judge_at {
+            return;
+        }
+        *judge_at = now.saturating_add(self.interval_ms);
+        let counts: Vec<(u32, u32)> = self
+            .endpoints
+            .iter()
+            .map(|h| {
+                (
+                    h.tries.swap(0, Ordering::Relaxed),
+                    h.failures.swap(0, Ordering::Relaxed),
+                )
+            })
+            .collect();
+        drop(judge_at);
+        for (index, reason) in interval_outliers(
+            &counts,
+            self.success_rate.as_ref(),
+            self.failure_percentage.as_ref(),
+        ) {
+            self.eject(index, reason, now);
+        }
     }
 
     /// Ejects endpoint `index` at `now` if the percent limit allows.
@@ -379,7 +515,101 @@ mod tests {
             interval: Duration::from_secs(10),
             base_ejection_time: Duration::from_secs(30),
             max_ejection_percent: percent,
+            success_rate: SuccessRate {
+                enforcing: false,
+                ..SuccessRate::default()
+            },
+            failure_percentage: FailurePercentage::default(),
         }
+    }
+
+    #[test]
+    fn success_rate_ejects_below_mean_minus_factor_stdev() {
+        let sr = SuccessRate::default(); // 5 hosts, 100 requests, 1.9 stdev
+                                         // Nine endpoints at 100%, one at 50%: mean 95, stdev 15, limit 66.5.
+        let mut counts = vec![(200, 0); 9];
+        counts.push((200, 100));
+        assert_eq!(
+            interval_outliers(&counts, Some(&sr), None),
+            vec![(9, Reason::SuccessRate)]
+        );
+        // Too few requests at the bad one: it is not judged (and the rest are all alike).
+        counts[9] = (99, 99);
+        assert!(interval_outliers(&counts, Some(&sr), None).is_empty());
+        // Fewer than minimum_hosts with the volume: nothing is judged.
+        let few = [(200, 0), (200, 0), (200, 0), (200, 200)];
+        assert!(interval_outliers(&few, Some(&sr), None).is_empty());
+        // All alike (no spread): nobody is below the mean.
+        assert!(interval_outliers(&[(100, 50); 6], Some(&sr), None).is_empty());
+        // Lowest first.
+        let mut two = vec![(1000, 0); 18];
+        two.push((1000, 500));
+        two.push((1000, 800));
+        assert_eq!(
+            interval_outliers(&two, Some(&sr), None),
+            vec![(19, Reason::SuccessRate), (18, Reason::SuccessRate)]
+        );
+    }
+
+    #[test]
+    fn failure_percentage_ejects_at_the_threshold() {
+        let fp = FailurePercentage {
+            enforcing: true,
+            threshold: 50,
+            minimum_hosts: 2,
+            request_volume: 10,
+        };
+        let counts = [(10, 5), (10, 4), (9, 9), (100, 0)];
+        assert_eq!(
+            interval_outliers(&counts, None, Some(&fp)),
+            vec![(0, Reason::FailurePercentage)],
+            "50% is at the threshold; 9 tries are under the volume"
+        );
+        // Named once when both kinds find it.
+        let sr = SuccessRate {
+            minimum_hosts: 2,
+            request_volume: 10,
+            ..SuccessRate::default()
+        };
+        let mut all = vec![(100, 0); 9];
+        all.push((100, 90));
+        assert_eq!(
+            interval_outliers(&all, Some(&sr), Some(&fp)),
+            vec![(9, Reason::SuccessRate)]
+        );
+        // Failed counts read a moment after the tries may pass them: never a negative rate.
+        assert_eq!(
+            interval_outliers(&[(10, 12), (10, 0)], None, Some(&fp)),
+            vec![(0, Reason::FailurePercentage)]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_interval_is_judged_by_the_first_report_after_it() {
+        let mut c = config(100);
+        c.consecutive_5xx = 0;
+        c.consecutive_connect_failures = 0;
+        c.success_rate.enforcing = true;
+        let counts = Arc::new(EjectionCounts::default());
+        let o = Outlier::new("c", &c, &addrs(6), counts.clone());
+        // Five good endpoints and one that fails half its requests, 100 each.
+        for round in 0..100 {
+            for i in 0..6 {
+                let status = if i == 5 && round % 2 == 0 { 503 } else { 200 };
+                o.report(i, Outcome::Answered(status));
+            }
+        }
+        assert!(!o.any_out(), "judged only when the interval ends");
+        tokio::time::advance(Duration::from_secs(10)).await;
+        o.report(0, Outcome::Answered(200));
+        assert!(o.is_out(5, o.now()), "50% against 100%: out");
+        assert_eq!(counts.get(Reason::SuccessRate), 1);
+        assert_eq!(o.ejected(), 1);
+        // The next interval starts empty: the report that judged is its first try, and
+        // nothing is judged again before it ends.
+        tokio::time::advance(Duration::from_secs(9)).await;
+        o.report(0, Outcome::Answered(200));
+        assert_eq!(counts.get(Reason::SuccessRate), 1);
     }
 
     #[tokio::test(start_paused = true)]
