@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod cidr;
 mod decode;
 pub mod destination;
 pub mod duration;
@@ -19,6 +20,7 @@ pub mod validate;
 
 use std::path::Path;
 
+pub use cidr::Cidr;
 pub use endpoints::{Endpoint, Endpoints};
 pub use error::{ConfigError, Diagnostic};
 pub use model::*;

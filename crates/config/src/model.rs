@@ -1050,9 +1050,26 @@ impl RetryOn {
 #[serde(deny_unknown_fields)]
 pub struct Cluster {
     pub name: String,
+    /// `static` (the default): the `endpoints` listed; `original_dst`: each connection or
+    /// request goes to the address its client first dialled (see [`ClusterType`]).
+    #[serde(
+        default,
+        rename = "type",
+        skip_serializing_if = "ClusterType::is_static"
+    )]
+    pub kind: ClusterType,
+    /// `original_dst` clusters: the destinations they may forward to (required).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<crate::cidr::Cidr>,
+    /// `original_dst` clusters: the most distinct destinations whose idle connections a
+    /// worker keeps pooled (default [`DEFAULT_MAX_DESTINATIONS`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_destinations: Option<u32>,
     #[serde(default)]
     pub lb: LbPolicy,
-    /// Addresses, or `{ address, weight, priority, locality }` mappings.
+    /// Addresses, or `{ address, weight, priority, locality }` mappings (none for an
+    /// `original_dst` cluster).
+    #[serde(default)]
     pub endpoints: crate::endpoints::Endpoints,
     /// Upstream protocol for HTTP traffic; default http1.
     #[serde(default)]
@@ -1094,6 +1111,27 @@ pub struct Cluster {
     pub overprovisioning_factor: Option<u32>,
 }
 
+/// How a cluster finds where to send.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClusterType {
+    /// Its `endpoints`, by its load-balancing policy.
+    #[default]
+    Static,
+    /// The address the client first dialled, before iptables REDIRECT/TPROXY or tier K's
+    /// capture sent the connection to the node (Envoy's `ORIGINAL_DST`), within `allow`.
+    OriginalDst,
+}
+
+impl ClusterType {
+    pub fn is_static(&self) -> bool {
+        *self == ClusterType::Static
+    }
+}
+
+/// An `original_dst` cluster's default `max_destinations`.
+pub const DEFAULT_MAX_DESTINATIONS: u32 = 1024;
+
 /// Envoy's default overprovisioning factor, in percent.
 pub const DEFAULT_OVERPROVISIONING: u32 = 140;
 
@@ -1121,6 +1159,11 @@ fn default_min_weight_percent() -> u32 {
 }
 
 impl Cluster {
+    /// An `original_dst` cluster's `max_destinations` in force.
+    pub fn destinations_bound(&self) -> u32 {
+        self.max_destinations.unwrap_or(DEFAULT_MAX_DESTINATIONS)
+    }
+
     /// The overprovisioning factor in force, in percent.
     pub fn overprovisioning(&self) -> u32 {
         self.overprovisioning_factor

@@ -2095,6 +2095,21 @@ fn captured_traffic_into_the_mesh_must_tunnel() {
     // Loopback endpoints are services on this host: nothing leaves the node.
     let local = captured("", "", "").replace("10.0.0.7:80", "127.0.0.1:80");
     parse(&local, "t.yaml").unwrap_or_else(|e| panic!("{e}"));
+    // An original_dst cluster leaves for wherever its allow-list lets it.
+    let original = |allow: &str| {
+        captured("", "", "").replace(
+            "endpoints: [ 10.0.0.7:80 ]",
+            &format!("type: original_dst, allow: [ {allow} ]"),
+        )
+    };
+    let d = only(
+        &original("127.0.0.0/8, 10.0.0.0/8"),
+        7,
+        46,
+        "whose allow-list prefix 10.0.0.0/8 is not on this host's loopback",
+    );
+    assert!(d.hint.contains("plaintext_ok"));
+    parse(&original("127.0.0.0/8"), "t.yaml").unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[test]
@@ -2197,4 +2212,73 @@ fn a_crl_needs_client_certificates_on_a_listener() {
         .as_ref()
         .unwrap_or_else(|| unreachable!());
     assert_eq!(tls.crl.as_deref(), Some(std::path::Path::new("crl.pem")));
+}
+
+/// A tcp listener on cluster `out`, whose settings are `cluster` (indented by 4, from line 7).
+fn original_dst(cluster: &str) -> String {
+    format!(
+        "listeners:\n  - {{ name: capture, address: 127.0.0.1:15001, protocol: tcp, cluster: out }}\nclusters:\n  - name: out\n    type: original_dst\n\n{cluster}"
+    )
+}
+
+#[test]
+fn an_original_dst_cluster_has_an_allow_list_and_no_endpoints() {
+    let config = parse(
+        &original_dst(
+            "    allow: [ 10.0.0.0/8, 192.168.1.7, \"fd00::/8\" ]\n    max_destinations: 64\n",
+        ),
+        "t.yaml",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let out = config.cluster("out").unwrap_or_else(|| unreachable!());
+    assert_eq!(out.kind, ClusterType::OriginalDst);
+    let allow: Vec<String> = out.allow.iter().map(|c| c.to_string()).collect();
+    assert_eq!(allow, ["10.0.0.0/8", "192.168.1.7/32", "fd00::/8"]);
+    assert_eq!(out.destinations_bound(), 64);
+    assert!(out.endpoints.is_empty());
+
+    only(&original_dst(""), 5, 11, "has no `allow` list");
+    only(
+        &original_dst("    allow: [ 10.0.0.0/8 ]\n    endpoints: [ 127.0.0.1:9001 ]\n"),
+        8,
+        5,
+        "so it has no endpoints",
+    );
+    only(
+        &original_dst("    allow: [ 10.0.0.0/8 ]\n    max_destinations: 0\n"),
+        8,
+        23,
+        "max_destinations is 0",
+    );
+    only(
+        &original_dst("    allow: [ 10.0.0.0/8 ]\n    protocol: http2\n"),
+        8,
+        15,
+        "speaks HTTP/1.1",
+    );
+    only(
+        &original_dst("    allow: [ 10.0.0.0/8 ]\n    health_check: { tcp: {} }\n"),
+        8,
+        5,
+        "`health_check` applies to a list of endpoints",
+    );
+    // A bad prefix is named where it is written.
+    let all = errors(&original_dst("    allow: [ 10.0.0.0/33 ]\n"));
+    assert_eq!(all.len(), 1, "{all:#?}");
+    assert_eq!(all[0].line, 7, "{}", all[0]);
+    assert!(all[0].message.contains("0 to 32"), "{}", all[0]);
+    // A misspelt key gets its suggestion.
+    let all = errors(&original_dst("    alow: [ 10.0.0.0/8 ]\n"));
+    assert!(
+        all[0].line == 7 && all[0].to_string().contains("allow"),
+        "{all:#?}"
+    );
+}
+
+#[test]
+fn allow_and_max_destinations_belong_to_original_dst_clusters() {
+    let yaml = "listeners:\n  - { name: t, address: 127.0.0.1:15001, protocol: tcp, cluster: out }\nclusters:\n  - name: out\n    endpoints: [ 127.0.0.1:9001 ]\n    allow: [ 10.0.0.0/8 ]\n";
+    only(yaml, 6, 5, "which only an `original_dst` cluster has");
+    let yaml = "listeners:\n  - { name: t, address: 127.0.0.1:15001, protocol: tcp, cluster: out }\nclusters:\n  - name: out\n";
+    only(yaml, 4, 5, "has no endpoints");
 }

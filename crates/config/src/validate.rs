@@ -37,6 +37,8 @@ pub const H2_DEFAULT_WINDOW: usize = 65_535;
 pub const MAX_WINDOW: usize = (1 << 31) - 1;
 pub const ACCESS_LOG_QUEUE_BYTES: std::ops::RangeInclusive<usize> = 64 * 1024..=1024 * 1024 * 1024;
 pub const ACCESS_LOG_FIELD_BYTES: std::ops::RangeInclusive<usize> = 64..=64 * 1024;
+/// An `original_dst` cluster's `max_destinations`.
+pub const MAX_DESTINATIONS: u32 = 65_536;
 /// `tracing.queue`, in spans.
 pub const TRACING_QUEUE: std::ops::RangeInclusive<usize> = 16..=1_000_000;
 
@@ -777,12 +779,25 @@ impl Checker<'_> {
             if cluster.tunnel.is_some() {
                 continue;
             }
-            if let Some(remote) = cluster.endpoints.iter().find(|e| !e.ip().is_loopback()) {
+            // An original_dst cluster goes wherever its allow-list lets it.
+            let remote = cluster
+                .endpoints
+                .iter()
+                .find(|e| !e.ip().is_loopback())
+                .map(|e| format!("endpoint {e}"))
+                .or_else(|| {
+                    cluster
+                        .allow
+                        .iter()
+                        .find(|c| !c.is_loopback())
+                        .map(|c| format!("allow-list prefix {c}"))
+                });
+            if let Some(remote) = remote {
                 self.report(
                     format!("kernel.capture.services[{i}].listener"),
                     Target::Value,
                     format!(
-                        "captured connections to {} would leave the node in the clear: listener `{}` sends them to cluster `{name}`, whose endpoint {remote} is not on this host's loopback",
+                        "captured connections to {} would leave the node in the clear: listener `{}` sends them to cluster `{name}`, whose {remote} is not on this host's loopback",
                         service.address, listener.name
                     ),
                     format!("give cluster `{name}` `tunnel: hbone` (with `tls`) so they leave inside HBONE, or add `plaintext_ok: true` to this service if its destination is outside the mesh"),
@@ -1451,14 +1466,31 @@ impl Checker<'_> {
             } else {
                 names.insert(name, i);
             }
-            if cluster.endpoints.is_empty() {
+            if cluster.kind == ClusterType::OriginalDst {
+                self.original_dst(&at, cluster);
+            } else if cluster.endpoints.is_empty() {
                 self.report(
                     format!("{at}.endpoints"),
                     Target::Value,
                     format!("cluster `{name}` has no endpoints"),
-                    "list at least one upstream address, e.g. `endpoints: [ 127.0.0.1:9001 ]`"
+                    "list at least one upstream address, e.g. `endpoints: [ 127.0.0.1:9001 ]` (or write `type: original_dst` with an `allow:` list to send each connection where its client dialled)"
                         .into(),
                 );
+            } else {
+                for key in [
+                    (!cluster.allow.is_empty()).then_some("allow"),
+                    cluster.max_destinations.map(|_| "max_destinations"),
+                ]
+                .into_iter()
+                .flatten()
+                {
+                    self.report(
+                        format!("{at}.{key}"),
+                        Target::Key,
+                        format!("cluster `{name}` sets `{key}`, which only an `original_dst` cluster has"),
+                        format!("write `type: original_dst` (and remove `endpoints`), or remove `{key}`"),
+                    );
+                }
             }
             for (k, endpoint) in cluster.endpoints.iter().enumerate() {
                 if endpoint.port() == 0 || endpoint.ip().is_unspecified() {
@@ -1506,6 +1538,67 @@ impl Checker<'_> {
         }
         if let Some(locality) = self.config.node.as_ref().and_then(|n| n.locality.as_ref()) {
             self.locality("node.locality", locality);
+        }
+    }
+
+    /// An `original_dst` cluster: an allow-list and no endpoints, and none of the settings
+    /// that only mean something for a list of endpoints.
+    fn original_dst(&mut self, at: &str, cluster: &Cluster) {
+        let name = cluster.name.as_str();
+        if cluster.allow.is_empty() {
+            self.report(
+                format!("{at}.type"),
+                Target::Value,
+                format!("cluster `{name}` is `type: original_dst` and has no `allow` list: it would forward to any address a client dials"),
+                "list the destination prefixes it may forward to, e.g. `allow: [ 10.0.0.0/8 ]`".into(),
+            );
+        }
+        if !cluster.endpoints.is_empty() {
+            self.report(
+                format!("{at}.endpoints"),
+                Target::Key,
+                format!("cluster `{name}` is `type: original_dst`: each connection goes to the address its client dialled, so it has no endpoints"),
+                "remove `endpoints`, or remove `type: original_dst`".into(),
+            );
+        }
+        if let Some(n) = cluster.max_destinations {
+            if !(1..=MAX_DESTINATIONS).contains(&n) {
+                self.report(
+                    format!("{at}.max_destinations"),
+                    Target::Value,
+                    format!("max_destinations is {n}: it must be between 1 and {MAX_DESTINATIONS}"),
+                    format!("leave it out for the default, {DEFAULT_MAX_DESTINATIONS}"),
+                );
+            }
+        }
+        if cluster.protocol == UpstreamProtocol::Http2 {
+            self.report(
+                format!("{at}.protocol"),
+                Target::Value,
+                format!("cluster `{name}` is `type: original_dst`, which speaks HTTP/1.1 (or bytes, from a tcp listener) upstream"),
+                "remove `protocol: http2`".into(),
+            );
+        }
+        let unsupported = [
+            ("hash_on", cluster.hash_on.is_some()),
+            ("tls", cluster.tls.is_some()),
+            ("tunnel", cluster.tunnel.is_some()),
+            ("tunnel_port", cluster.tunnel_port.is_some()),
+            ("outlier_detection", cluster.outlier_detection.is_some()),
+            ("health_check", cluster.health_check.is_some()),
+            ("slow_start", cluster.slow_start.is_some()),
+            (
+                "overprovisioning_factor",
+                cluster.overprovisioning_factor.is_some(),
+            ),
+        ];
+        for (key, _) in unsupported.into_iter().filter(|(_, set)| *set) {
+            self.report(
+                format!("{at}.{key}"),
+                Target::Key,
+                format!("cluster `{name}` is `type: original_dst`: `{key}` applies to a list of endpoints, and it has none"),
+                format!("remove `{key}`"),
+            );
         }
     }
 

@@ -11,6 +11,7 @@ use crate::access_log::AccessLog;
 use crate::drain::Draining;
 use crate::kernel::KernelBinding;
 use crate::limits::NodeBudget;
+use crate::original_dst::Dialled;
 use crate::snapshot::Snapshot;
 use crate::trace::Tracer;
 use crate::upstream::Upstreams;
@@ -43,6 +44,9 @@ pub struct ConnContext {
     pub principal: Option<Arc<str>>,
     /// The node's drain: once it begins, the connection finishes what it carries and closes.
     pub draining: Draining,
+    /// Where the client was going before the connection was sent to the node; read at
+    /// accept while the config has an `original_dst` cluster (`crate::original_dst`).
+    pub dialled: Option<Dialled>,
 }
 
 impl ConnContext {

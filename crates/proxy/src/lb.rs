@@ -161,6 +161,15 @@ pub struct InFlight {
 }
 
 impl InFlight {
+    /// Counts nothing: a try that no balancer picked (an `original_dst` cluster's).
+    pub fn untracked() -> InFlight {
+        InFlight {
+            counts: Arc::from([]),
+            index: 0,
+            permit: None,
+        }
+    }
+
     /// Keeps `permit` for as long as the request is outstanding.
     pub fn hold(&mut self, permit: Option<Permit>) {
         self.permit = permit;

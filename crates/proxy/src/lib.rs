@@ -43,6 +43,7 @@ mod listener;
 pub mod logging;
 mod metrics;
 mod node;
+mod original_dst;
 mod read_ahead;
 mod relay;
 mod resilience;

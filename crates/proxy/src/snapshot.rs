@@ -6,13 +6,14 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use flatmesh_config::{Config, LbPolicy, ListenerProtocol, UpstreamProtocol};
+use flatmesh_config::{ClusterType, Config, LbPolicy, ListenerProtocol, UpstreamProtocol};
 use flatmesh_rules::{ClusterId, ListenerId, RuleProgram};
 use http::HeaderName;
 
 use crate::error::ProxyError;
 use crate::lb::Tables;
 use crate::metrics::{ClusterStats, ListenerStats, Metrics, RequestStats, Series, WorkerCounter};
+use crate::original_dst::OriginalDstPlan;
 use crate::resilience::rate_limit::{RateLimiter, Scope};
 use crate::resilience::ClusterGuard;
 use crate::tls::{ClusterTlsPlan, ListenerTlsPlan};
@@ -34,6 +35,9 @@ pub struct Snapshot {
     pub mirrors: Arc<crate::l7::mirror::MirrorGate>,
     /// The workloads on this node (`workloads:`).
     pub workloads: Workloads,
+    /// Some cluster is an `original_dst` one: workers read each connection's original
+    /// destination at accept (`crate::original_dst`).
+    pub original_dst: bool,
 }
 
 pub struct ListenerPlan {
@@ -136,6 +140,9 @@ pub struct ClusterPlan {
     /// Tunnel clusters: the TLS that presents each workload's identity instead of the
     /// cluster's own, by [`WorkloadId`] (`None` for a workload known only by its port).
     pub workload_tls: Vec<Option<Arc<ClusterTlsPlan>>>,
+    /// `type: original_dst`: each connection or request goes to where its client dialled,
+    /// within the cluster's allow-list; `endpoints` is empty.
+    pub original_dst: Option<Arc<OriginalDstPlan>>,
 }
 
 impl Snapshot {
@@ -201,6 +208,8 @@ impl Snapshot {
                 };
                 let guard = metrics.resilience.guard(c);
                 Ok(ClusterPlan {
+                    original_dst: (c.kind == ClusterType::OriginalDst)
+                        .then(|| Arc::new(OriginalDstPlan::new(c, &config))),
                     tls,
                     workload_tls,
                     tunnel_port: c
@@ -338,6 +347,7 @@ impl Snapshot {
             });
         }
         Ok(Snapshot {
+            original_dst: clusters.iter().any(|c| c.original_dst.is_some()),
             generation,
             config: Arc::new(config),
             program,

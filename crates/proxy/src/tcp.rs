@@ -17,6 +17,7 @@ use crate::relay::{reset_on_close, ByteCount};
 use crate::resilience::{Outcome, Overflow, Permit};
 use crate::tap::Tapped;
 use crate::tls::Stream;
+use crate::upstream::{NoPick, Picked};
 use flatmesh_rules::ClusterId;
 
 /// Relays a tcp listener's connection (in the clear, or out of the listener's TLS) to an
@@ -217,8 +218,18 @@ pub async fn connect_upstream(
     let key = hash_client(ctx.peer.ip());
     let tries = plan.endpoints.len().clamp(1, 3);
     for attempt in 0..tries {
-        let (index, in_flight) = upstream.balancer.pick(key, attempt)?;
-        let endpoint = plan.endpoints[index];
+        let Picked {
+            index,
+            endpoint,
+            in_flight,
+        } = match upstream.pick(plan, ctx.dialled, key, attempt, &[]) {
+            Ok(picked) => picked,
+            Err(NoPick::NoEndpoint) => return None,
+            Err(NoPick::Refused(refused)) => {
+                tracing::warn!(%listener, cluster = %plan.name, peer = %ctx.peer, "tcp connection refused: {refused}");
+                return None;
+            }
+        };
         let breaker = &plan.guard.breaker;
         let permits = breaker
             .acquire(Overflow::Pending)

@@ -46,6 +46,7 @@ pub(crate) fn context(view: &Arc<ArcSwap<WorkerView>>) -> Arc<ConnContext> {
         budget: crate::limits::NodeBudget::new(),
         principal: None,
         draining: crate::drain::DrainSignal::new().subscribe(),
+        dialled: None,
     })
 }
 

@@ -10,6 +10,7 @@
 pub mod transport;
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,8 +19,9 @@ use flatmesh_config::UpstreamProtocol;
 use crate::h1::pool::H1Pool;
 use crate::h2::client::{build_client, HttpClient, Tunnels};
 use crate::hbone::pool::TunnelPool;
-use crate::lb::Balancer;
-use crate::snapshot::Snapshot;
+use crate::lb::{Balancer, InFlight};
+use crate::original_dst::{Dialled, Refused};
+use crate::snapshot::{ClusterPlan, Snapshot};
 
 /// What makes two pools interchangeable across a reload.
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -33,12 +35,62 @@ pub struct PoolKey {
     /// files are read again at each one), so a new certificate, root or `server_ids` holds
     /// for every connection from the reload on.
     tls: Option<u64>,
+    /// An `original_dst` cluster's `max_destinations`, which its HTTP/1 pool is built with.
+    max_destinations: Option<usize>,
 }
 
 /// One cluster as seen by one worker.
 pub struct Upstream {
     pub balancer: Balancer,
     pub pool: Pool,
+}
+
+/// Where one try goes: the endpoint's index in the cluster (0 for an `original_dst`
+/// cluster, which has none), its address, and its in-flight count.
+pub struct Picked {
+    pub index: usize,
+    pub endpoint: SocketAddr,
+    pub in_flight: InFlight,
+}
+
+/// Why there is nowhere to send a try.
+pub enum NoPick {
+    /// The balancer has no endpoint.
+    NoEndpoint,
+    /// An `original_dst` cluster may not send to where the client was going.
+    Refused(Refused),
+}
+
+impl Upstream {
+    /// Picks where the `attempt`th try of a connection or request goes: an `original_dst`
+    /// cluster's is the client's original destination (`dialled`) when its allow-list has
+    /// it, any other cluster's is its balancer's pick for `hash`, avoiding `exclude`.
+    pub fn pick(
+        &self,
+        plan: &ClusterPlan,
+        dialled: Option<Dialled>,
+        hash: u64,
+        attempt: usize,
+        exclude: &[usize],
+    ) -> Result<Picked, NoPick> {
+        if let Some(original) = &plan.original_dst {
+            let endpoint = original.check(dialled).map_err(NoPick::Refused)?;
+            return Ok(Picked {
+                index: 0,
+                endpoint,
+                in_flight: InFlight::untracked(),
+            });
+        }
+        let (index, in_flight) = self
+            .balancer
+            .pick_excluding(hash, attempt, exclude)
+            .ok_or(NoPick::NoEndpoint)?;
+        Ok(Picked {
+            index,
+            endpoint: plan.endpoints[index],
+            in_flight,
+        })
+    }
 }
 
 /// The connections of one cluster, kept across reloads that leave its settings alone.
@@ -89,11 +141,14 @@ impl Upstreams {
                     connect_timeout: plan.connect_timeout,
                     send_buffer: snapshot.config.limits.http2_stream_window,
                     tls: plan.tls.is_some().then_some(snapshot.generation),
+                    max_destinations: plan.original_dst.as_ref().map(|o| o.max_destinations),
                 };
                 let pool = previous
                     .and_then(|p| p.pools.get(&key).cloned())
                     .unwrap_or_else(|| match plan.protocol {
-                        UpstreamProtocol::Http1 => Pool::Http1(H1Pool::new(tunnel.clone())),
+                        UpstreamProtocol::Http1 => {
+                            Pool::Http1(H1Pool::new(tunnel.clone(), key.max_destinations))
+                        }
                         UpstreamProtocol::Http2 => {
                             let tunnels = tunnel.as_ref().map(|pool| Tunnels {
                                 pool: pool.clone(),

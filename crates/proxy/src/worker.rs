@@ -202,9 +202,13 @@ async fn accept_loop(key: ListenerKey, listener: tokio::net::TcpListener, shared
         };
         // Budgets are checked before anything is spent on the connection; over one, it is
         // closed at once (and counted), and the loop goes on accepting.
+        let mut dialled = None;
         let admitted = {
             let current = shared.view.load();
             let snapshot = &current.snapshot;
+            if snapshot.original_dst {
+                dialled = crate::original_dst::lookup(&stream, shared.kernel.as_deref());
+            }
             match snapshot.listener_at(key.0, key.1) {
                 Some(lid) => {
                     let config = &snapshot.config.listeners[lid];
@@ -237,6 +241,7 @@ async fn accept_loop(key: ListenerKey, listener: tokio::net::TcpListener, shared
             budget: shared.budget.clone(),
             principal: None,
             draining: shared.draining.clone(),
+            dialled,
         });
         tokio::spawn(async move {
             let _guard = guard;

@@ -1258,6 +1258,8 @@ fn cluster(v: Value, path: &str) -> Result<Cluster> {
         c.cluster_discovery_type = Some(cluster::ClusterDiscoveryType::Type(t as i32));
     }
     c.connect_timeout = o.duration("connect_timeout")?;
+    // An ORIGINAL_DST cluster's idle-host sweep (flatmesh bounds its destinations instead).
+    c.cleanup_interval = o.duration("cleanup_interval")?;
     if let Some(p) = o.string("lb_policy")? {
         c.lb_policy = cluster::LbPolicy::from_str_name(&p).ok_or_else(|| {
             XdsError::resource(o.at("lb_policy"), format!("`{p}` is not a load-balancing policy; use ROUND_ROBIN, LEAST_REQUEST, RING_HASH, MAGLEV or RANDOM"))

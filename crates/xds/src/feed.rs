@@ -84,6 +84,9 @@ pub fn merge(config: &model::Config, placed: &BTreeMap<String, Vec<SocketAddr>>)
             Some(c) => c.endpoints = endpoints.clone().into(),
             None => out.clusters.push(model::Cluster {
                 name: service.clone(),
+                kind: model::ClusterType::Static,
+                allow: Vec::new(),
+                max_destinations: None,
                 lb: model::LbPolicy::RoundRobin,
                 endpoints: endpoints.clone().into(),
                 protocol: model::UpstreamProtocol::Http1,

@@ -57,6 +57,10 @@ pub fn resources(config: &model::Config) -> Resources {
     let mut out = Resources::default();
     for c in &config.clusters {
         out.clusters.insert(c.name.clone(), cluster(c, config));
+        // An ORIGINAL_DST cluster has no endpoints to assign.
+        if c.kind == model::ClusterType::OriginalDst {
+            continue;
+        }
         let mut assignment =
             weighted_assignment(&c.name, c.endpoints.entries(), c.overprovisioning_factor);
         if c.tunnel.is_some() {
@@ -143,6 +147,9 @@ fn cluster(c: &model::Cluster, config: &model::Config) -> Cluster {
             }),
         );
     }
+    if c.kind == model::ClusterType::OriginalDst {
+        return original_dst_cluster(c, config);
+    }
     Cluster {
         name: c.name.clone(),
         cluster_discovery_type: Some(cluster::ClusterDiscoveryType::Type(
@@ -164,6 +171,25 @@ fn cluster(c: &model::Cluster, config: &model::Config) -> Cluster {
         outlier_detection: c.outlier_detection.as_ref().map(outlier_detection),
         health_checks: c.health_check.iter().map(health_check).collect(),
         lb_config: lb_config(c),
+        ..Default::default()
+    }
+}
+
+/// An `original_dst` cluster as Envoy's ORIGINAL_DST one (`lb_policy: CLUSTER_PROVIDED`, no
+/// endpoints), its allow-list and `max_destinations` in flatmesh's metadata
+/// (`crate::original_dst`). Validation leaves it none of the endpoint settings.
+fn original_dst_cluster(c: &model::Cluster, config: &model::Config) -> Cluster {
+    Cluster {
+        name: c.name.clone(),
+        cluster_discovery_type: Some(cluster::ClusterDiscoveryType::Type(
+            cluster::DiscoveryType::OriginalDst as i32,
+        )),
+        connect_timeout: Some(duration(
+            c.connect_timeout.unwrap_or(config.limits.connect_timeout),
+        )),
+        lb_policy: cluster::LbPolicy::ClusterProvided as i32,
+        metadata: Some(crate::original_dst::metadata(&c.allow, c.max_destinations)),
+        circuit_breakers: c.circuit_breaker.as_ref().map(circuit_breakers),
         ..Default::default()
     }
 }

@@ -103,7 +103,7 @@ pub fn destinations_metadata(destinations: &[String]) -> Metadata {
 }
 
 /// Takes `key`.`field` out of `m` (dropping `key` when it is left empty).
-fn take_field(m: &mut Option<Metadata>, key: &str, field: &str) -> Option<Value> {
+pub(crate) fn take_field(m: &mut Option<Metadata>, key: &str, field: &str) -> Option<Value> {
     let meta = m.as_mut()?;
     let s = meta.filter_metadata.get_mut(key)?;
     let value = s.fields.remove(field);
@@ -116,7 +116,7 @@ fn take_field(m: &mut Option<Metadata>, key: &str, field: &str) -> Option<Value>
     value
 }
 
-fn string(value: Value, at: &str) -> Result<String> {
+pub(crate) fn string(value: Value, at: &str) -> Result<String> {
     match value.kind {
         Some(Kind::StringValue(s)) => Ok(s),
         _ => Err(XdsError::resource(at, "is not a string")),

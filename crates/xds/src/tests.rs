@@ -166,7 +166,10 @@ fn unsupported_values_are_named() {
         "type: ORIGINAL_DST\n    lb_policy: MAGLEV",
     ));
     assert!(
-        e.contains("Cluster \"sticky\": type") && e.contains("ORIGINAL_DST is not supported"),
+        e.contains("Cluster \"sticky\": load_assignment")
+            && e.contains(
+                "an ORIGINAL_DST cluster sends each connection where its client was going"
+            ),
         "{e}"
     );
 
@@ -2995,4 +2998,56 @@ fn unmappable_hbone_is_refused_by_name() {
             .to_string();
         assert!(e.contains(wanted), "{to}: {e}");
     }
+}
+
+/// Envoy's ORIGINAL_DST cluster is flatmesh's `type: original_dst`: imported from a
+/// bootstrap with Envoy's behaviour written out (every destination allowed), and served and
+/// read back over xDS with flatmesh's allow-list intact.
+#[test]
+fn original_dst_clusters_import_and_round_trip() {
+    let bootstrap = r#"
+static_resources:
+  listeners:
+  - name: outbound
+    address: { socket_address: { address: 127.0.0.1, port_value: 15001 } }
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: outbound
+          cluster: passthrough
+  clusters:
+  - name: passthrough
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    cleanup_interval: 5s
+    connect_timeout: 1s
+"#;
+    let config = bootstrap::parse(bootstrap, "envoy.yaml").unwrap();
+    let c = config.cluster("passthrough").unwrap();
+    assert_eq!(c.kind, model::ClusterType::OriginalDst);
+    let allow: Vec<String> = c.allow.iter().map(|a| a.to_string()).collect();
+    assert_eq!(
+        allow,
+        ["0.0.0.0/0", "::/0"],
+        "Envoy's behaviour, written out"
+    );
+    assert!(c.endpoints.is_empty());
+
+    let e = import_error(&bootstrap.replace("CLUSTER_PROVIDED", "MAGLEV"));
+    assert!(
+        e.contains("Cluster \"passthrough\": lb_policy") && e.contains("write CLUSTER_PROVIDED"),
+        "{e}"
+    );
+
+    let text = "listeners:\n  - { name: outbound, address: 127.0.0.1:15001, protocol: tcp, cluster: passthrough }\nclusters:\n  - { name: passthrough, type: original_dst, allow: [ 10.0.0.0/8, \"fd00::/8\" ], max_destinations: 64, connect_timeout: 2s }\n";
+    let config = flatmesh_config::parse(text, "t.yaml").unwrap();
+    let resources = crate::from_model::resources(&config);
+    assert!(
+        !resources.endpoints.contains_key("passthrough"),
+        "no endpoints to assign"
+    );
+    let back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
+    assert_eq!(back.cluster("passthrough"), config.cluster("passthrough"));
 }

@@ -324,6 +324,9 @@ fn add_missing_clusters(config: &mut model::Config) {
     for name in wanted.difference(&known) {
         config.clusters.push(model::Cluster {
             name: name.clone(),
+            kind: model::ClusterType::Static,
+            allow: Vec::new(),
+            max_destinations: None,
             lb: model::LbPolicy::RoundRobin,
             endpoints: Default::default(),
             protocol: model::UpstreamProtocol::Http1,
@@ -1533,8 +1536,26 @@ fn cluster(
     let mut rest = c.clone();
     let name = take(&mut rest.name);
     let eds = eds_name(c);
+    // ORIGINAL_DST: the allow-list and max_destinations (crate::original_dst).
+    let mut original = None;
     let (endpoints, overprovisioning_factor, tunnel_port) = match rest.cluster_discovery_type.take()
     {
+        Some(cluster::ClusterDiscoveryType::Type(t))
+            if t == cluster::DiscoveryType::OriginalDst as i32 =>
+        {
+            let cla = rest.load_assignment.take().unwrap_or_default();
+            if !cla.endpoints.is_empty() {
+                return Err(XdsError::resource(
+                    format!("{at}: load_assignment"),
+                    "lists endpoints, but an ORIGINAL_DST cluster sends each connection where its client was going; remove them",
+                ));
+            }
+            // flatmesh bounds the destinations it keeps connections to by
+            // max_destinations and their idle time instead (docs/config.md).
+            rest.cleanup_interval = None;
+            original = Some(crate::original_dst::take(&mut rest.metadata, &at)?);
+            Default::default()
+        }
         None | Some(cluster::ClusterDiscoveryType::Type(0)) => {
             let cla = rest.load_assignment.take().unwrap_or_default();
             endpoints(&cla, &format!("{at}: load_assignment"))?
@@ -1587,6 +1608,21 @@ fn cluster(
         }
     };
     let lb = match cluster::LbPolicy::try_from(take(&mut rest.lb_policy)) {
+        // What Envoy requires of an ORIGINAL_DST cluster: the destination is the client's.
+        Ok(cluster::LbPolicy::ClusterProvided | cluster::LbPolicy::RoundRobin)
+            if original.is_some() =>
+        {
+            model::LbPolicy::RoundRobin
+        }
+        Ok(other) if original.is_some() => {
+            return Err(XdsError::resource(
+                format!("{at}: lb_policy"),
+                format!(
+                    "{} does not apply to an ORIGINAL_DST cluster, whose destination is each connection's own; write CLUSTER_PROVIDED",
+                    other.as_str_name()
+                ),
+            ))
+        }
         Ok(cluster::LbPolicy::RoundRobin) => model::LbPolicy::RoundRobin,
         Ok(cluster::LbPolicy::LeastRequest) => model::LbPolicy::LeastRequest,
         Ok(cluster::LbPolicy::RingHash) => model::LbPolicy::RingHash,
@@ -1624,6 +1660,9 @@ fn cluster(
             cluster::LbConfig::MaglevLbConfig(x) => set_fields(x),
             cluster::LbConfig::LeastRequestLbConfig(x) => set_fields(x),
             cluster::LbConfig::RoundRobinLbConfig(x) => set_fields(x),
+            // Only its defaults: the destination is the connection's original one (not a
+            // header's, nor another port).
+            cluster::LbConfig::OriginalDstLbConfig(x) if original.is_some() => set_fields(x),
             cluster::LbConfig::OriginalDstLbConfig(_) => vec!["original_dst_lb_config".into()],
         };
         if !set.is_empty() {
@@ -1724,8 +1763,15 @@ fn cluster(
     rest.alt_stat_name.clear();
     rest.dns_lookup_family = 0; // DNS settings mean nothing for IP endpoints
     reject_rest(&rest, &at)?;
+    let (kind, allow, max_destinations) = match original {
+        Some((allow, max)) => (model::ClusterType::OriginalDst, allow, max),
+        None => (model::ClusterType::Static, Vec::new(), None),
+    };
     Ok(Some(model::Cluster {
         name,
+        kind,
+        allow,
+        max_destinations,
         lb,
         endpoints,
         protocol,

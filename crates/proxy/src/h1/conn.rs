@@ -727,7 +727,8 @@ async fn forward<S: AsyncRead + AsyncWrite + Unpin + Send>(
         key,
         replayable,
         limits.request_timeout,
-    );
+    )
+    .toward(ctx.dialled);
     // A body still to relay: the route's timeout starts once it is through.
     let mut uploaded = None;
     if has_body {

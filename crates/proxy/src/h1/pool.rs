@@ -94,20 +94,26 @@ impl UpstreamConn {
     }
 }
 
-/// The idle connections of one cluster, per endpoint.
+/// The idle connections of one cluster, per endpoint (an `original_dst` cluster's: per
+/// destination).
 pub struct H1Pool {
     idle: Mutex<HashMap<SocketAddr, Vec<UpstreamConn>>>,
     /// A `tunnel: hbone` cluster's: this worker's tunnel connections, which new connections
     /// are opened through.
     tunnels: Option<Arc<TunnelPool>>,
+    /// An `original_dst` cluster's `max_destinations`: the most destinations it keeps idle
+    /// connections to (any other cluster's are bounded by its endpoints).
+    max_destinations: Option<usize>,
 }
 
 impl H1Pool {
-    /// A pool whose new connections are opened directly, or through `tunnels`.
-    pub fn new(tunnels: Option<Arc<TunnelPool>>) -> Arc<H1Pool> {
+    /// A pool whose new connections are opened directly, or through `tunnels`, keeping idle
+    /// connections to at most `max_destinations` endpoints when bounded.
+    pub fn new(tunnels: Option<Arc<TunnelPool>>, max_destinations: Option<usize>) -> Arc<H1Pool> {
         Arc::new(H1Pool {
             idle: Mutex::default(),
             tunnels,
+            max_destinations,
         })
     }
 
@@ -115,20 +121,44 @@ impl H1Pool {
     pub fn checkout(&self, endpoint: SocketAddr) -> Option<UpstreamConn> {
         let mut idle = self.idle.lock();
         let stack = idle.get_mut(&endpoint)?;
+        let mut found = None;
         while let Some(mut conn) = stack.pop() {
             if conn.idle_since.elapsed() < MAX_IDLE_TIME && !conn.is_stale() {
                 conn.reused = true;
-                return Some(conn);
+                found = Some(conn);
+                break;
             }
         }
-        None
+        // An endpoint with nothing idle takes no place among the destinations.
+        if stack.is_empty() {
+            idle.remove(&endpoint);
+        }
+        found
     }
 
     /// Keeps `conn` for the next request to `endpoint`. Call only after a complete
-    /// response with nothing left over.
+    /// response with nothing left over. A bounded pool full of other destinations first
+    /// drops those whose connections have all been idle too long, then, if it is still
+    /// full, the destination idle the longest.
     pub fn checkin(&self, endpoint: SocketAddr, mut conn: UpstreamConn) {
         conn.idle_since = Instant::now();
         let mut idle = self.idle.lock();
+        if let Some(max) = self.max_destinations {
+            if !idle.contains_key(&endpoint) && idle.len() >= max {
+                idle.retain(|_, stack| {
+                    stack.iter().any(|c| c.idle_since.elapsed() < MAX_IDLE_TIME)
+                });
+            }
+            if !idle.contains_key(&endpoint) && idle.len() >= max {
+                let longest_idle = idle
+                    .iter()
+                    .min_by_key(|(_, stack)| stack.last().map(|c| c.idle_since))
+                    .map(|(at, _)| *at);
+                if let Some(at) = longest_idle {
+                    idle.remove(&at);
+                }
+            }
+        }
         let stack = idle.entry(endpoint).or_default();
         if stack.len() >= MAX_IDLE_PER_ENDPOINT {
             // Drop the oldest: it is the likeliest to have been closed by the endpoint.
@@ -144,6 +174,12 @@ impl H1Pool {
         if let Some(stack) = idle.values_mut().find(|stack| !stack.is_empty()) {
             stack.remove(0);
         }
+    }
+
+    /// Destinations with idle connections right now.
+    #[cfg(test)]
+    pub fn destination_count(&self) -> usize {
+        self.idle.lock().len()
     }
 
     /// Idle connections right now.
@@ -325,7 +361,7 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let stats = crate::metrics::Metrics::new(1).cluster("c");
-        let pool = H1Pool::new(None);
+        let pool = H1Pool::new(None, None);
 
         let quiet = connect(addr, Duration::from_secs(1), &stats, 0)
             .await
@@ -362,5 +398,37 @@ mod tests {
         );
         drop(conn);
         assert_eq!(stats.connections.sum(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_bounded_pool_keeps_the_destinations_used_last() {
+        let stats = crate::metrics::Metrics::new(1).cluster("c");
+        let pool = H1Pool::new(None, Some(2));
+        let mut listeners = Vec::new();
+        let mut peers = Vec::new();
+        for _ in 0..3 {
+            listeners.push(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
+        }
+        let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        for (l, addr) in listeners.iter().zip(&addrs) {
+            let conn = connect(*addr, Duration::from_secs(1), &stats, 0)
+                .await
+                .unwrap();
+            peers.push(l.accept().await.unwrap());
+            pool.checkin(*addr, conn);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert_eq!(pool.destination_count(), 2, "bounded to max_destinations");
+        assert!(
+            pool.checkout(addrs[0]).is_none(),
+            "the destination idle the longest was evicted"
+        );
+        assert!(pool.checkout(addrs[1]).is_some());
+        assert!(pool.checkout(addrs[2]).is_some());
+        assert_eq!(
+            pool.destination_count(),
+            0,
+            "a destination with nothing idle takes no place"
+        );
     }
 }

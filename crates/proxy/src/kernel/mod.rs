@@ -86,6 +86,19 @@ impl KernelBinding {
         }
     }
 
+    /// Where the connection on `sock` was going, when tier K's capture redirected it
+    /// (`crate::original_dst`).
+    pub fn original_dst(&self, sock: &impl std::os::fd::AsFd) -> Option<std::net::SocketAddr> {
+        self.tier.config().capture.as_ref()?;
+        match self.tier.original_dst(sock) {
+            Ok(to) => to,
+            Err(err) => {
+                tracing::debug!(error = %err, "tier K: no original destination for the connection");
+                None
+            }
+        }
+    }
+
     /// Drops the kernel's state of finished connections (their sockhash entries go when the
     /// sockets close).
     pub fn forget(&self, cookies: &[u64]) {

@@ -49,6 +49,9 @@ pub enum Kind {
     NoEndpoint,
     /// The cluster's circuit breaker refused the request: says which limit.
     Overflow(Overflow),
+    /// An `original_dst` cluster may not send the request where its client was going
+    /// (`crate::original_dst`): the HTTP status to answer with.
+    DestinationRefused(u16),
 }
 
 /// A failed upstream exchange.
@@ -154,6 +157,15 @@ impl UpstreamError {
     /// The cluster has no endpoint.
     pub fn no_endpoint() -> Self {
         Self::new(Source::Internal, Kind::NoEndpoint, String::new())
+    }
+
+    /// An `original_dst` cluster refused the request's destination.
+    pub fn destination_refused(refused: &crate::original_dst::Refused) -> Self {
+        Self::new(
+            Source::Internal,
+            Kind::DestinationRefused(refused.status()),
+            refused.to_string(),
+        )
     }
 
     /// The cluster's circuit breaker refused: its `kind` limit is reached.

@@ -178,7 +178,8 @@ pub(crate) async fn forward(
         key,
         replayable,
         limits.request_timeout,
-    );
+    )
+    .toward(ctx.dialled);
     retry.timeout -= waited;
     // A body still arriving: the route's timeout starts once it is complete.
     let body = if replayable {

@@ -242,7 +242,8 @@ impl Copy {
             key,
             false,
             limits.request_timeout,
-        );
+        )
+        .toward(self.ctx.dialled);
         let failed = AtomicBool::new(false);
         let body = Full::new(body)
             .map_err(|never| match never {})

@@ -163,6 +163,12 @@ pub(crate) fn upstream_failure(
             false,
             grpc,
         ),
+        Kind::DestinationRefused(status) => local_reply(
+            StatusCode::from_u16(status).unwrap_or(StatusCode::FORBIDDEN),
+            format!("destination refused: cluster `{cluster}`: {detail}\n"),
+            false,
+            grpc,
+        ),
         Kind::NoEndpoint => local_reply(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("no healthy upstream: cluster `{cluster}` has no endpoints\n"),

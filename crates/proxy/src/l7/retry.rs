@@ -37,9 +37,10 @@ use tokio::sync::watch;
 
 use super::error::{Kind, UpstreamError};
 use crate::lb::InFlight;
+use crate::original_dst::Dialled;
 use crate::resilience::{Outcome, Overflow, Permit};
 use crate::snapshot::ClusterPlan;
-use crate::upstream::Upstream;
+use crate::upstream::{NoPick, Picked, Upstream};
 
 /// One try, as the driver hands it to the codec.
 pub(crate) struct Try {
@@ -104,6 +105,8 @@ pub(crate) struct Retry<'a> {
     /// The client's request body while it is on its way (`None`: there is none, the request
     /// is complete), and the idle timeout that bounds a stall of it.
     uploaded: Option<(watch::Receiver<bool>, Duration)>,
+    /// Where the client was going, for an `original_dst` cluster (`crate::original_dst`).
+    dialled: Option<Dialled>,
 }
 
 /// Whether a request body of `length` bytes (`None`: not declared up front, chunked) is kept
@@ -144,7 +147,14 @@ impl<'a> Retry<'a> {
             budget: policy.map(|r| r.budget()).unwrap_or_default(),
             replayable,
             uploaded: None,
+            dialled: None,
         }
+    }
+
+    /// For an `original_dst` cluster: the tries go where the client's connection was going.
+    pub fn toward(mut self, dialled: Option<Dialled>) -> Self {
+        self.dialled = dialled;
+        self
     }
 
     /// For a request whose body is still arriving: its sender marks `uploaded` (with `false`)
@@ -210,14 +220,20 @@ impl<'a> Retry<'a> {
         let mut tries = 0;
         let mut stale_retried = false;
         loop {
-            let Some((index, mut in_flight)) = self
+            let Picked {
+                index,
+                endpoint,
+                mut in_flight,
+            } = match self
                 .upstream
-                .balancer
-                .pick_excluding(self.key, tries, &failed)
-            else {
-                return Err(UpstreamError::no_endpoint());
+                .pick(self.plan, self.dialled, self.key, tries, &failed)
+            {
+                Ok(picked) => picked,
+                Err(NoPick::NoEndpoint) => return Err(UpstreamError::no_endpoint()),
+                Err(NoPick::Refused(refused)) => {
+                    return Err(UpstreamError::destination_refused(&refused))
+                }
             };
-            let endpoint = self.plan.endpoints[index];
             let last = tries + 1 >= self.attempts;
             let attempt = self.bounded(codec.attempt(Try {
                 index,

@@ -17,6 +17,9 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
         let name = format!("svc-{i}");
         c.clusters.push(model::Cluster {
             name: name.clone(),
+            kind: model::ClusterType::Static,
+            allow: Vec::new(),
+            max_destinations: None,
             lb: model::LbPolicy::RoundRobin,
             endpoints: endpoints(i).into(),
             protocol: model::UpstreamProtocol::Http1,
