@@ -40,46 +40,7 @@ where
     Fut: Future<Output = ()>,
 {
     common::require_root("the tier-K node tests attach eBPF programs and need root");
-    if std::env::var("FM_NETNS_TEST").as_deref() == Ok(test) {
-        let up = std::process::Command::new("ip")
-            .args(["link", "set", "lo", "up"])
-            .status()
-            .expect("run `ip link set lo up` (iproute2)");
-        assert!(
-            up.success(),
-            "cannot bring loopback up in the test's namespace"
-        );
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(body());
-        return;
-    }
-    let exe = std::env::current_exe().unwrap();
-    let mut child = std::process::Command::new("unshare")
-        .arg("--net")
-        .arg(exe)
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env("FM_NETNS_TEST", test)
-        .spawn()
-        .expect("run `unshare --net` (util-linux) to give the test its own network namespace");
-    let deadline = std::time::Instant::now() + Duration::from_secs(240);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("{test} did not finish within 240 s in its network namespace");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert!(
-        status.success(),
-        "{test} failed in its network namespace (output above)"
-    );
+    common::netns::in_netns(test, Duration::from_secs(240), body);
 }
 
 /// A pin directory of this test's own, removed (with whatever a killed node left) on drop.

@@ -24,8 +24,7 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 /// The address the client's connections come from: the only one the redirect applies to.
 const CLIENT: [u8; 4] = [127, 0, 0, 2];
 
-/// Runs `body` in a fresh network namespace (loopback up): the test binary runs this one
-/// test again under `unshare --net`, and this process checks that it passed.
+/// Runs `body` in a network namespace of its own (`common::netns`), as root.
 fn in_netns<F, Fut>(test: &str, body: F)
 where
     F: FnOnce() -> Fut,
@@ -35,39 +34,7 @@ where
         rustix::process::geteuid().is_root(),
         "the original_dst tests make a network namespace and an nftables rule: run them as root"
     );
-    if std::env::var("FM_NETNS_TEST").as_deref() == Ok(test) {
-        run("ip", &["link", "set", "lo", "up"], None);
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(body());
-        return;
-    }
-    let exe = std::env::current_exe().unwrap();
-    let mut child = std::process::Command::new("unshare")
-        .arg("--net")
-        .arg(exe)
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env("FM_NETNS_TEST", test)
-        .spawn()
-        .expect("run `unshare --net` (util-linux) to give the test its own network namespace");
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("{test} did not finish within 120 s in its network namespace");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert!(
-        status.success(),
-        "{test} failed in its network namespace (output above)"
-    );
+    common::netns::in_netns(test, Duration::from_secs(120), body);
 }
 
 /// Runs `cmd args` (with `stdin`), panicking with its output if it fails.

@@ -2015,20 +2015,29 @@ fn outlier_detection(
     let mut rest = od;
     let defaults = model::OutlierDetection::default();
     let value = |v: Option<UInt32Value>, default: u32| v.map_or(default, |v| v.value);
-    // The threshold of one kind, 0 when it is not enforced.
-    let enforced = |threshold: Option<UInt32Value>,
-                    enforcing: Option<UInt32Value>,
-                    default_enforcing: u32,
-                    key: &str|
-     -> Result<u32> {
-        match value(enforcing, default_enforcing) {
-            0 => Ok(0),
-            100 => Ok(value(threshold, 5)),
+    // Whether a kind is on: enforced at 100, or off at 0 (its `enforcing_*` left out: Envoy's
+    // default for the kind).
+    let switched = |enforcing: Option<UInt32Value>, default: u32, key: &str| -> Result<bool> {
+        match value(enforcing, default) {
+            0 => Ok(false),
+            100 => Ok(true),
             _ => Err(XdsError::resource(
                 format!("{at}.enforcing_{key}"),
                 "is neither 0 nor 100; flatmesh ejects every endpoint that reaches a threshold, or none",
             )),
         }
+    };
+    // The threshold of a consecutive kind, 0 when it is not enforced.
+    let enforced = |threshold: Option<UInt32Value>,
+                    enforcing: Option<UInt32Value>,
+                    default_enforcing: u32,
+                    key: &str|
+     -> Result<u32> {
+        Ok(if switched(enforcing, default_enforcing, key)? {
+            value(threshold, 5)
+        } else {
+            0
+        })
     };
     let consecutive_5xx = enforced(
         rest.consecutive_5xx.take(),
@@ -2080,16 +2089,6 @@ fn outlier_detection(
         ));
     }
     // The interval kinds: on when enforced at 100 (success rate's default), off at 0.
-    let switched = |enforcing: Option<UInt32Value>, default: u32, key: &str| -> Result<bool> {
-        match value(enforcing, default) {
-            0 => Ok(false),
-            100 => Ok(true),
-            _ => Err(XdsError::resource(
-                format!("{at}.enforcing_{key}"),
-                "is neither 0 nor 100; flatmesh ejects every endpoint that reaches a threshold, or none",
-            )),
-        }
-    };
     let sr_defaults = model::SuccessRate::default();
     let success_rate = model::SuccessRate {
         enforcing: switched(rest.enforcing_success_rate.take(), 100, "success_rate")?,

@@ -10,6 +10,8 @@
 pub mod backends;
 #[path = "../../../proxy/tests/common/client.rs"]
 mod client;
+#[path = "../../../proxy/tests/common/netns.rs"]
+pub mod netns;
 
 pub use client::*;
 

@@ -11,6 +11,7 @@ mod client;
 pub mod grpc;
 pub mod hbone;
 pub mod hostile;
+pub mod netns;
 pub mod otlp;
 pub mod pki;
 pub mod prometheus;
