@@ -20,6 +20,7 @@ use flatmesh_config::{Cidr, Cluster, Config};
 use tokio::net::TcpStream;
 
 use crate::kernel::KernelBinding;
+use crate::workload::proc_net::canonical;
 
 /// Where an accepted connection was going, and the address it reached the node on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,17 +45,6 @@ pub fn lookup(stream: &TcpStream, kernel: Option<&KernelBinding>) -> Option<Dial
         to: canonical(to),
         local: canonical(local),
     })
-}
-
-/// An IPv4-mapped IPv6 address (a dual-stack socket's view) as the IPv4 address it is.
-fn canonical(addr: SocketAddr) -> SocketAddr {
-    match addr.ip() {
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => SocketAddr::new(IpAddr::V4(v4), addr.port()),
-            None => addr,
-        },
-        IpAddr::V4(_) => addr,
-    }
 }
 
 /// Why an `original_dst` cluster does not forward a connection or request.

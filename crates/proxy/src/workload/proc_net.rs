@@ -73,8 +73,8 @@ fn parse_address(text: &str) -> Option<SocketAddr> {
     Some(canonical(SocketAddr::new(ip, port)))
 }
 
-/// A v4-mapped IPv6 address as the IPv4 address it is.
-fn canonical(addr: SocketAddr) -> SocketAddr {
+/// A v4-mapped IPv6 address (a dual-stack socket's view) as the IPv4 address it is.
+pub(crate) fn canonical(addr: SocketAddr) -> SocketAddr {
     match addr.ip() {
         IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
             Some(v4) => SocketAddr::new(IpAddr::V4(v4), addr.port()),
