@@ -11,11 +11,12 @@ use std::process::{exit, Command};
 
 /// Each object with the BPF instruction set it is built for: `conn_limit` takes a token with
 /// a compare-and-swap (BPF_CMPXCHG), which needs v3; the others keep the compiler's default.
-const PROGRAMS: [(&str, Option<&str>); 4] = [
+const PROGRAMS: [(&str, Option<&str>); 5] = [
     ("capture", None),
     ("redirect", None),
     ("dispatch", None),
     ("conn_limit", Some("v3")),
+    ("pu_ports", None),
 ];
 
 fn fail(msg: &str) -> ! {

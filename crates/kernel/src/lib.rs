@@ -10,6 +10,9 @@
 //!   table's entries come from the tier-K lowering in flatmesh-rules; this crate encodes them.
 //! - **conn_limit** (`bpf/conn_limit.bpf.c`): a socket filter on tcp listeners' listening
 //!   sockets drops SYNs over the listener's `connection_rate_limit` before the proxy sees them.
+//! - **pu_ports** (`bpf/pu_ports.bpf.c`): not part of the node's tier. The global port table
+//!   of a split network namespace (flatmesh-pu) as a pinned map, and cgroup/bind4+6 programs
+//!   that claim a port for the binding PU or refuse it with EADDRINUSE ([`PuPorts`]).
 //!
 //! [`KernelTier::attach`] loads and pins everything under [`KernelConfig::pin_dir`];
 //! [`KernelTier::detach`] removes it; [`cleanup_stale`] clears a crashed node's pins.
@@ -21,6 +24,7 @@ mod conn_limit;
 mod dispatch;
 mod error;
 pub mod huffman;
+mod pu_ports;
 mod redirect;
 mod routes;
 mod sockopt;
@@ -35,6 +39,7 @@ pub use dispatch::{FallbackReason, L7Decision};
 pub use error::KernelError;
 /// The route table's entries, as the tier-K lowering in flatmesh-rules makes them.
 pub use flatmesh_rules::lower::kernel::{KernelAction, KernelEntry, PathKey, Protocols};
+pub use pu_ports::{BindStats, Claim, PuPorts, PU_MAX};
 pub use redirect::{DirectBytes, HopPort, SockKey};
 pub use sockopt::{original_dst_sockopt, socket_cookie, tcp_counters, TcpCounters};
 pub use status::{status, KernelStatus, MapStatus, ProgramStatus};

@@ -207,7 +207,7 @@ fn require_root() -> Result<(), KernelError> {
 }
 
 /// Makes sure the pin directory's parent is on bpffs, mounting /sys/fs/bpf if needed.
-fn ensure_bpffs(pin_dir: &Path) -> Result<(), KernelError> {
+pub(crate) fn ensure_bpffs(pin_dir: &Path) -> Result<(), KernelError> {
     let parent = pin_dir.parent().unwrap_or(Path::new("/sys/fs/bpf"));
     if is_bpffs(parent) {
         return Ok(());
@@ -300,7 +300,7 @@ pub fn cleanup_stale(pin_dir: &Path) -> Result<CleanupReport, KernelError> {
     Ok(CleanupReport { owner, removed })
 }
 
-fn remove_pins(pin_dir: &Path) -> Result<Vec<String>, KernelError> {
+pub(crate) fn remove_pins(pin_dir: &Path) -> Result<Vec<String>, KernelError> {
     let mut removed = Vec::new();
     let entries = match std::fs::read_dir(pin_dir) {
         Ok(e) => e,
@@ -321,14 +321,18 @@ fn remove_pins(pin_dir: &Path) -> Result<Vec<String>, KernelError> {
     Ok(removed)
 }
 
-fn open_cgroup(path: &Path) -> Result<File, KernelError> {
+pub(crate) fn open_cgroup(path: &Path) -> Result<File, KernelError> {
     File::open(path).map_err(|e| KernelError::Cgroup {
         path: path.to_path_buf(),
         source: e,
     })
 }
 
-fn load(object: &'static str, bytes: &[u8], pin_dir: &Path) -> Result<Ebpf, KernelError> {
+pub(crate) fn load(
+    object: &'static str,
+    bytes: &[u8],
+    pin_dir: &Path,
+) -> Result<Ebpf, KernelError> {
     EbpfLoader::new()
         .default_map_pin_directory(pin_dir)
         .load(bytes)
@@ -338,7 +342,10 @@ fn load(object: &'static str, bytes: &[u8], pin_dir: &Path) -> Result<Ebpf, Kern
         })
 }
 
-fn program<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut T, KernelError>
+pub(crate) fn program<'a, T>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut T, KernelError>
 where
     &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
 {
@@ -354,7 +361,7 @@ fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, Kerne
         .ok_or(KernelError::MissingMap { map: name })
 }
 
-fn typed<M: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
+pub(crate) fn typed<M: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
     ebpf: &mut Ebpf,
     name: &'static str,
 ) -> Result<M, KernelError> {

@@ -1,17 +1,20 @@
-//! The per-PU daemon (`flatmesh pu agent`): watch this PU's listening ports, keep the global port
-//! table up to date, hold placeholder sockets for the ports other PUs own, and keep this PU's
-//! rules in step with the table. It is control plane only: packets never pass through it, and the
-//! rules it wrote keep working while it is down or restarting.
+//! The per-PU daemon (`flatmesh pu agent`): keep this PU's rules in step with the global port
+//! table, claim ports the bind hook could not see (bound as port 0), and release this PU's ports
+//! once nothing on it holds them. Claiming a port at bind() and refusing another PU's port are the
+//! kernel's (the bind hook, `table`), not the agent's: they work while no agent runs. It is
+//! control plane only: packets never pass through it, and the rules it wrote keep working while
+//! it is down or restarting.
 
 use std::collections::BTreeSet;
 use std::fs::{File, OpenOptions, TryLockError};
+use std::io::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::backend::PuBackend;
 use crate::config::SplitConfig;
 use crate::error::{PuError, Result};
-use crate::placeholder::{raise_fd_limit, Placeholders};
+use crate::probe;
 use crate::rules::{self, Desired};
 use crate::scan;
 use crate::table::{PortTable, TableState};
@@ -21,14 +24,14 @@ use crate::topology::Topology;
 #[derive(Debug, Clone, Default)]
 pub struct TickReport {
     pub listening: usize,
+    /// Ports listening here that no bind had claimed (bound as port 0), now this PU's.
     pub claimed: Vec<u16>,
     pub released: Vec<u16>,
-    /// Ports this PU listens on that another PU already held (bound within one poll interval).
+    /// Ports this PU listens on that another PU owns (only possible for ports bound before
+    /// the hook was attached, or bound as port 0 after another PU bound them explicitly).
     pub conflicts: Vec<(u16, String)>,
     /// Ports owned by other PUs, mapped by this PU's rules.
     pub remote: usize,
-    /// Ports owned elsewhere that a local socket holds, so no placeholder could be bound.
-    pub unreserved: Vec<u16>,
     pub rules_changed: bool,
     pub full_rebuild: bool,
     pub rule_update: Duration,
@@ -39,7 +42,6 @@ pub struct Agent {
     topo: Topology,
     me: usize,
     table: PortTable,
-    placeholders: Placeholders,
     applied: Option<Desired>,
     /// `agent-<pu>.lock` in the table directory, flocked while this agent runs: one agent per PU.
     /// The kernel drops the lock when the process dies, so a crashed agent never blocks its
@@ -48,8 +50,10 @@ pub struct Agent {
     /// The network namespace the agent was started in (checked by `start` to be its PU's);
     /// every pass checks it is still there before touching a rule.
     netns: Option<(u64, u64)>,
-    /// Ports owned elsewhere that could not be reserved at the last pass (logged on change).
-    unreserved: Vec<u16>,
+    /// This PU's ports that nothing listened on at the last pass. A port is probed (and
+    /// released if free) only on its second such pass in a row, which leaves an app that
+    /// closes a listener and binds the port again a poll interval to do so undisturbed.
+    unheld: BTreeSet<u16>,
 }
 
 impl Agent {
@@ -64,14 +68,13 @@ impl Agent {
         })?;
         Ok(Agent {
             topo: Topology::new(config),
-            table: PortTable::new(&config.table_dir()),
+            table: PortTable::new(config),
             config: config.clone(),
             me,
-            placeholders: Placeholders::default(),
             applied: None,
             instance: None,
             netns: None,
-            unreserved: Vec::new(),
+            unheld: BTreeSet::new(),
         })
     }
 
@@ -80,8 +83,8 @@ impl Agent {
     }
 
     /// Checks that the calling thread is on this agent's PU, takes the PU's agent lock (failing if
-    /// another agent of this PU runs), registers, and rebuilds this PU's rules and placeholders
-    /// from the table as it is now (after a restart: the table the previous run left). Calling it
+    /// another agent of this PU runs), registers, and rebuilds this PU's rules from the table as
+    /// it is now (after a restart: the table the previous run left). Calling it
     /// again on a started agent resynchronises it.
     pub fn start(&mut self, backend: &dyn PuBackend) -> Result<TickReport> {
         backend.check_on(self.me)?;
@@ -92,20 +95,15 @@ impl Agent {
         if self.instance.is_none() {
             self.instance = Some(self.lock_instance()?);
         }
-        raise_fd_limit(70_000);
-        let pu = self.pu().to_string();
-        let pid = std::process::id();
-        self.table.update(|s| {
-            s.agents.insert(pu, pid);
-        })?;
         self.applied = None;
         self.tick()
     }
 
+    /// Takes the PU's agent lock and writes this process's pid into it (for `status`).
     fn lock_instance(&self) -> Result<File> {
         let dir = self.config.table_dir();
-        let path = dir.join(format!("agent-{}.lock", self.pu()));
-        let io = |e| PuError::TableIo {
+        let path = self.table.agent_file(self.pu());
+        let io = |e| PuError::StateIo {
             path: path.clone(),
             source: e,
         };
@@ -117,13 +115,16 @@ impl Agent {
             .open(&path)
             .map_err(io)?;
         match file.try_lock() {
-            Ok(()) => Ok(file),
+            Ok(()) => {
+                let mut file = file;
+                file.set_len(0).map_err(io)?;
+                write!(file, "{}", std::process::id()).map_err(io)?;
+                Ok(file)
+            }
             Err(TryLockError::WouldBlock) => {
                 let pid = self
                     .table
-                    .read()
-                    .ok()
-                    .and_then(|s| s.agents.get(self.pu()).copied())
+                    .agent_pid(self.pu())
                     .map_or(String::new(), |p| format!(" (pid {p})"));
                 Err(PuError::AgentRunning {
                     pu: self.pu().to_string(),
@@ -134,7 +135,7 @@ impl Agent {
         }
     }
 
-    /// One pass: scan, claim, reserve, rewrite rules.
+    /// One pass: scan, claim ports bound as port 0, release ports nothing holds, rewrite rules.
     pub fn tick(&mut self) -> Result<TickReport> {
         // Never write a rule from anywhere but the PU the agent was started on.
         let here = crate::netns::current_id().ok();
@@ -144,57 +145,50 @@ impl Agent {
                 netns: self.topo.netns(self.me),
             });
         }
-        let listening: BTreeSet<u16> = scan::listening_ports()?
-            .into_iter()
-            .filter(|p| !self.placeholders.holds(*p))
-            .collect();
+        let listening: BTreeSet<u16> = scan::listening_ports()?;
         let pu = self.pu().to_string();
-        let (outcome, state) = self.table.update(|s| s.claim(&pu, &listening))?;
+        let before = self.table.read()?;
+        let plan = before.plan(&pu, &listening);
         let mut report = TickReport {
             listening: listening.len(),
-            claimed: outcome.claimed,
-            released: outcome.released,
-            conflicts: outcome.conflicts,
+            conflicts: plan.conflicts,
             ..TickReport::default()
         };
-        for (port, owner) in &report.conflicts {
-            tracing::warn!(port, owner, pu = %pu, "a process on this PU listens on a port another PU already holds; connections to localhost:{port} keep going to `{owner}`. Stop one of the two listeners");
+        for port in plan.claim {
+            match self.table.claim(port, &pu)? {
+                None => report.claimed.push(port),
+                Some(owner) => report.conflicts.push((port, owner)),
+            }
         }
+        let unheld: BTreeSet<u16> = plan.maybe_released.into_iter().collect();
+        for &port in unheld.intersection(&self.unheld) {
+            // Held by the probe while it is released, so no bind here slips in between.
+            let probe = probe::hold_if_free(port)
+                .map_err(|e| PuError::io(format!("cannot probe port {port} on this PU"), e))?;
+            if probe.is_some() && self.table.release(port, &pu)? {
+                report.released.push(port);
+            }
+        }
+        self.unheld = unheld;
+        for port in &report.released {
+            self.unheld.remove(port);
+        }
+        for (port, owner) in &report.conflicts {
+            tracing::warn!(port, owner, pu = %pu, "a process on this PU listens on a port another PU owns (bound before the bind hook was attached, or bound as port 0); connections to localhost:{port} keep going to `{owner}`. Stop one of the two listeners");
+        }
+        let state = if report.claimed.is_empty() && report.released.is_empty() {
+            before
+        } else {
+            self.table.read()?
+        };
         self.sync(&state, &mut report)?;
         Ok(report)
     }
 
-    /// Brings placeholders and rules in line with `state`.
+    /// Brings the rules in line with `state`.
     fn sync(&mut self, state: &TableState, report: &mut TickReport) -> Result<()> {
         let desired = Desired::from_table(&self.topo, self.me, state, &self.config.intercept);
         report.remote = desired.remote.len();
-
-        let stale: Vec<u16> = self
-            .placeholders
-            .ports()
-            .filter(|p| !desired.remote.contains_key(p))
-            .collect();
-        for port in stale {
-            self.placeholders.release(port);
-        }
-        let mut first_error = None;
-        for &port in desired.remote.keys() {
-            if let Err(e) = self.placeholders.reserve(port) {
-                report.unreserved.push(port);
-                first_error.get_or_insert(e);
-            }
-        }
-        if report.unreserved != self.unreserved {
-            if let Some(e) = first_error {
-                let hint = if e.raw_os_error() == Some(libc::EMFILE) {
-                    "this agent is out of file descriptors (one per port owned elsewhere); raise its open-file limit (ulimit -n)"
-                } else {
-                    "a socket on this PU already holds them, so binds here are not refused for these ports"
-                };
-                tracing::warn!(pu = %self.pu(), count = report.unreserved.len(), first = report.unreserved[0], error = %e, "cannot reserve ports owned by other PUs: {hint}");
-            }
-            self.unreserved = report.unreserved.clone();
-        }
 
         let started = Instant::now();
         let script = match &self.applied {
@@ -234,22 +228,15 @@ impl Agent {
         Ok(())
     }
 
-    /// Deregisters the agent. Rules and the table stay: traffic keeps flowing, and the next agent
-    /// of this PU picks up where this one stopped. Placeholders close with the process.
+    /// Deregisters the agent. Rules and the table stay: traffic keeps flowing, binds are still
+    /// checked by the hook, and the next agent of this PU picks up where this one stopped.
     pub fn stop(&mut self) -> Result<()> {
-        let pu = self.pu().to_string();
-        let pid = std::process::id();
-        self.table.update(|s| {
-            if s.agents.get(&pu) == Some(&pid) {
-                s.agents.remove(&pu);
-            }
-        })?;
-        self.instance = None;
+        if let Some(file) = self.instance.take() {
+            let path = self.table.agent_file(self.pu());
+            file.set_len(0)
+                .map_err(|e| PuError::StateIo { path, source: e })?;
+        }
         Ok(())
-    }
-
-    pub fn placeholders(&self) -> usize {
-        self.placeholders.len()
     }
 
     /// Runs the agent on the calling thread until `stop` is set: enters the PU, starts, and ticks

@@ -14,6 +14,7 @@ use crate::cpuset::{self, Cpuset};
 use crate::error::{PuError, Result};
 use crate::exec::run;
 use crate::netns;
+use crate::table::PortTable;
 use crate::topology::{Topology, MARK_BASE, TABLE_BASE};
 
 pub trait PuBackend: Send + Sync {
@@ -43,6 +44,7 @@ pub struct Emulated {
     topology: Topology,
     cpusets: Vec<Cpuset>,
     cpus_text: Vec<Option<String>>,
+    ports: PortTable,
 }
 
 impl Emulated {
@@ -58,6 +60,7 @@ impl Emulated {
             topology,
             cpusets,
             cpus_text: config.pus.iter().map(|p| p.cpus.clone()).collect(),
+            ports: PortTable::new(config),
         }
     }
 
@@ -111,6 +114,16 @@ impl PuBackend for Emulated {
             }
             self.cpusets[pu].create(self.cpus_text[pu].as_deref())?;
         }
+        // The port table and its bind hook, which knows each PU by its namespace's cookie. All
+        // PUs share this kernel, so one hook sees the binds of all of them.
+        let cookies = (0..t.pus.len())
+            .map(|pu| {
+                run_on(self, pu, netns::cookie)?.map_err(|e| {
+                    PuError::io(format!("cannot read the cookie of {}", t.netns(pu)), e)
+                })
+            })
+            .collect::<Result<Vec<u64>>>()?;
+        self.ports.create(&cookies)?;
         for a in 0..t.pus.len() {
             for link in t.links(a).into_iter().filter(|l| l.peer > a) {
                 let back = t.link_to(link.peer, a).ok_or_else(|| PuError::Command {
@@ -211,6 +224,9 @@ impl PuBackend for Emulated {
     fn down(&self) -> Result<()> {
         let t = &self.topology;
         let mut first_error = None;
+        if let Err(e) = self.ports.remove() {
+            first_error.get_or_insert(e);
+        }
         for pu in 0..t.pus.len() {
             if let Err(e) = remove_netns(&t.netns(pu)) {
                 first_error.get_or_insert(e);

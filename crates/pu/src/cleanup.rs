@@ -1,6 +1,7 @@
 //! Finding and removing what split namespaces left behind: after a clean exit there is nothing,
 //! after a crash (`kill -9` of a demo, a test or `pu up` without `pu down`) there are network
-//! namespaces `fmpu-*`, cpuset cgroups `flatmesh-pu-*` and state directories. Removing a PU's
+//! namespaces `fmpu-*`, cpuset cgroups `flatmesh-pu-*`, port tables with their bind hooks
+//! (`/sys/fs/bpf/flatmesh-pu-*`) and state directories. Removing a PU's
 //! network namespace removes its veths and its nftables table with it.
 //!
 //! It also checks the host namespace for a `flatmesh-pu-*` nftables table. None is ever written
@@ -13,12 +14,14 @@ use crate::cpuset;
 use crate::error::Result;
 use crate::exec::run;
 use crate::netns;
-use crate::topology::{NETNS_PREFIX, RESOURCE_PREFIX};
+use crate::topology::{pin_dir, NETNS_PREFIX, PIN_ROOT, RESOURCE_PREFIX};
 
 #[derive(Debug, Default, Clone)]
 pub struct CleanupReport {
     pub netns: Vec<String>,
     pub cgroups: Vec<PathBuf>,
+    /// Port tables and bind hooks (bpffs directories).
+    pub port_tables: Vec<PathBuf>,
     pub state_dirs: Vec<PathBuf>,
     pub host_tables: Vec<String>,
 }
@@ -27,6 +30,7 @@ impl CleanupReport {
     pub fn is_empty(&self) -> bool {
         self.netns.is_empty()
             && self.cgroups.is_empty()
+            && self.port_tables.is_empty()
             && self.state_dirs.is_empty()
             && self.host_tables.is_empty()
     }
@@ -55,6 +59,13 @@ pub fn cleanup(namespace: Option<&str>, state_dir: &Path) -> Result<CleanupRepor
             .unwrap_or_default();
         cpuset::remove_cgroup(&dir, &name)?;
         report.cgroups.push(dir);
+    }
+    for dir in port_tables(namespace) {
+        flatmesh_kernel::PuPorts::detach(&dir).map_err(|e| crate::PuError::PortTable {
+            path: dir.clone(),
+            message: e.to_string(),
+        })?;
+        report.port_tables.push(dir);
     }
     let state_dirs: Vec<PathBuf> = match namespace {
         Some(ns) => vec![state_dir.join(ns)],
@@ -93,6 +104,24 @@ pub fn host_tables() -> Result<Vec<String>> {
 
 /// What of split namespace `namespace` still exists: network namespaces (their veths and rules
 /// live in them), cpuset cgroups, the state directory, a host-namespace table.
+/// The bpffs directories of the port tables of `namespace` (of all namespaces if `None`).
+fn port_tables(namespace: Option<&str>) -> Vec<PathBuf> {
+    match namespace {
+        Some(ns) => vec![pin_dir(ns)]
+            .into_iter()
+            .filter(|d| d.exists())
+            .collect(),
+        None => std::fs::read_dir(PIN_ROOT)
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .filter(|e| e.file_name().to_string_lossy().starts_with(RESOURCE_PREFIX))
+                    .map(|e| e.path())
+                    .collect()
+            })
+            .unwrap_or_default(),
+    }
+}
+
 pub fn leftovers(namespace: &str, table_dir: &std::path::Path) -> Vec<String> {
     let mut left = netns::list(&format!("{NETNS_PREFIX}{namespace}-"));
     left.extend(
@@ -103,6 +132,11 @@ pub fn leftovers(namespace: &str, table_dir: &std::path::Path) -> Vec<String> {
     if table_dir.exists() {
         left.push(table_dir.display().to_string());
     }
+    left.extend(
+        port_tables(Some(namespace))
+            .into_iter()
+            .map(|p| p.display().to_string()),
+    );
     let table = format!("{RESOURCE_PREFIX}{namespace}");
     left.extend(
         host_tables()

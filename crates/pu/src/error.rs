@@ -13,13 +13,11 @@ pub enum PuError {
         source: std::io::Error,
     },
 
-    #[error("the port table {path} is damaged: {message}; stop the agents of this namespace, then run `flatmesh pu cleanup` or delete the file")]
-    TableCorrupt { path: PathBuf, message: String },
+    #[error("the port table {path}: {message}; run `flatmesh pu up --config FILE` as root (it attaches the bind hook and creates the table)")]
+    PortTable { path: PathBuf, message: String },
 
-    #[error(
-        "port table {path}: {source}; check that the state directory exists and is writable (root)"
-    )]
-    TableIo {
+    #[error("{path}: {source}; check that the state directory exists and is writable (root)")]
+    StateIo {
         path: PathBuf,
         source: std::io::Error,
     },

@@ -7,9 +7,10 @@
 //!
 //! - [`config`]: the split-namespace file; [`topology`]: names and addresses derived from it.
 //! - [`backend`]: what a PU is. [`backend::Emulated`]: network namespace + cpuset + veth.
-//! - [`table`]: the global port table (port -> PU), shared by all agents, survives restarts.
-//! - [`scan`], [`placeholder`]: seeing this PU's listeners; making bind() fail with EADDRINUSE
-//!   for ports another PU holds.
+//! - [`table`]: the global port table (port -> PU): a pinned BPF map that a cgroup bind hook
+//!   fills at bind() and uses to refuse, with EADDRINUSE, a port another PU owns.
+//! - [`scan`], [`probe`]: seeing this PU's listeners; checking that nothing on this PU still
+//!   holds a port before releasing it.
 //! - [`rules`]: the nftables rules of §4.1.1 (reverse mapping) and §4.1.2 (split interception).
 //! - [`agent`]: the per-PU daemon that ties them together.
 //! - [`relay`]: a small original-destination TCP relay (what a sidecar proxy does with
@@ -26,8 +27,8 @@ pub mod cpuset;
 mod error;
 pub mod exec;
 pub mod netns;
-pub mod placeholder;
 pub mod pod;
+pub mod probe;
 pub mod relay;
 pub mod rules;
 pub mod scan;

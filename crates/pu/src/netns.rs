@@ -58,6 +58,30 @@ pub fn current_id() -> std::io::Result<(u64, u64)> {
     id_of(std::path::Path::new("/proc/thread-self/ns/net"))
 }
 
+/// The cookie of the calling thread's network namespace (SO_NETNS_COOKIE): what eBPF
+/// programs see of it (`bpf_get_netns_cookie`).
+pub fn cookie() -> std::io::Result<u64> {
+    /// SO_NETNS_COOKIE (Linux 5.14); not in every libc crate version.
+    const SO_NETNS_COOKIE: libc::c_int = 71;
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes into `cookie`, which is that large.
+    let rc = unsafe {
+        libc::getsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&socket),
+            libc::SOL_SOCKET,
+            SO_NETNS_COOKIE,
+            (&mut cookie as *mut u64).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cookie)
+}
+
 /// Lists the named network namespaces whose name starts with `prefix`.
 pub fn list(prefix: &str) -> Vec<String> {
     let Ok(dir) = std::fs::read_dir("/run/netns") else {

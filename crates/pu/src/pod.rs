@@ -59,7 +59,7 @@ impl Pod {
     }
 
     pub fn table(&self) -> PortTable {
-        PortTable::new(&self.config.table_dir())
+        PortTable::new(&self.config)
     }
 
     /// Starts the agent of PU `name` on its own thread.

@@ -14,6 +14,8 @@ pub const NETNS_PREFIX: &str = "fmpu-";
 /// Prefix of every cgroup and nftables table.
 pub const RESOURCE_PREFIX: &str = "flatmesh-pu-";
 /// Firewall marks for "route this packet to PU n unchanged" (§4.1.2 rule 1) are MARK_BASE + n.
+/// Where split namespaces pin their port tables and bind hooks: `<PIN_ROOT>/flatmesh-pu-<ns>`.
+pub const PIN_ROOT: &str = "/sys/fs/bpf";
 pub const MARK_BASE: u32 = 0x4d50_0000;
 /// Routing table ids for those marks are TABLE_BASE + n.
 pub const TABLE_BASE: u32 = 4000;
@@ -58,6 +60,11 @@ impl Topology {
         format!("{RESOURCE_PREFIX}{}", self.namespace)
     }
 
+    /// The bpffs directory of the port table and its bind hook.
+    pub fn pin_dir(&self) -> std::path::PathBuf {
+        pin_dir(&self.namespace)
+    }
+
     /// The /30 of the link between PUs `a` and `b` is number k in pair order (0,1), (0,2), ..;
     /// the lower-numbered PU gets .1 of it, the other .2.
     fn link_addrs(&self, a: usize, b: usize) -> (Ipv4Addr, Ipv4Addr) {
@@ -98,6 +105,11 @@ impl Topology {
     pub fn index(&self, pu: &str) -> Option<usize> {
         self.pus.iter().position(|p| p == pu)
     }
+}
+
+/// The bpffs directory of split namespace `namespace`'s port table.
+pub fn pin_dir(namespace: &str) -> std::path::PathBuf {
+    std::path::Path::new(PIN_ROOT).join(format!("{RESOURCE_PREFIX}{namespace}"))
 }
 
 #[cfg(test)]

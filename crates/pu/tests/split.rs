@@ -1,5 +1,6 @@
 //! The split namespace in real network namespaces, as root: direct calls over localhost in both
-//! directions, port conflicts, interception with the original destination read on the other PU
+//! directions, port conflicts (refused at bind() by the bind hook, also for two binds racing),
+//! interception with the original destination read on the other PU
 //! (and on the proxy's own PU, and after the proxy moved), an agent restart (a real process,
 //! killed with SIGKILL) that keeps the table, one agent per PU, no rule outside a PU, 100 ports
 //! churned, and the clean-up of a crashed run. Each test uses its own namespace name, so they
@@ -101,29 +102,134 @@ fn port_conflicts_across_pus() {
     pod.start_agent("a").unwrap();
     pod.start_agent("b").unwrap();
     let held = listen(&pod, "b", 7201);
-    wait_owner(&pod, 7201, Some("b"));
-    eventually("a reserves 7201", || {
-        bind_errno(&pod, "a", 7201) == Some(libc::EADDRINUSE)
-    });
-    // SO_REUSEADDR does not help: the placeholder does not set it.
+    // Refused at once: the bind claimed the port, no agent pass is needed.
+    assert_eq!(owner(&pod, 7201).as_deref(), Some("b"));
+    // SO_REUSEADDR and SO_REUSEPORT do not help, nor another address or family.
     assert_eq!(bind_errno(&pod, "a", 7201), Some(libc::EADDRINUSE));
-    let v6 = pod
-        .on("a", || std::net::TcpListener::bind("[::]:7201").map(|_| ()))
+    for addr in ["0.0.0.0:7201", "[::]:7201", "[::1]:7201"] {
+        let e = pod
+            .on("a", || std::net::TcpListener::bind(addr).map(|_| ()))
+            .unwrap();
+        assert_eq!(
+            e.unwrap_err().raw_os_error(),
+            Some(libc::EADDRINUSE),
+            "{addr}"
+        );
+    }
+
+    // A socket bound but not listening still holds the port: b's agent does not release it.
+    drop(held);
+    let bound = pod
+        .on("b", || {
+            let s =
+                socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+            s.bind(&localhost(7201).into()).unwrap();
+            s
+        })
         .unwrap();
-    assert_eq!(v6.unwrap_err().raw_os_error(), Some(libc::EADDRINUSE));
+    std::thread::sleep(Duration::from_millis(10 * pod.config.poll_interval_ms));
+    assert_eq!(owner(&pod, 7201).as_deref(), Some("b"));
+    assert_eq!(bind_errno(&pod, "a", 7201), Some(libc::EADDRINUSE));
 
     // Released on b: a may take it, and then b may not.
-    drop(held);
+    drop(bound);
     wait_owner(&pod, 7201, None);
-    eventually("a releases its placeholder", || {
-        bind_errno(&pod, "a", 7201).is_none()
-    });
     let on_a = listen(&pod, "a", 7201);
-    wait_owner(&pod, 7201, Some("a"));
-    eventually("b reserves 7201", || {
-        bind_errno(&pod, "b", 7201) == Some(libc::EADDRINUSE)
-    });
+    assert_eq!(owner(&pod, 7201).as_deref(), Some("a"));
+    assert_eq!(bind_errno(&pod, "b", 7201), Some(libc::EADDRINUSE));
     drop(on_a);
+}
+
+/// Binds `port` on the calling thread (inside a PU) as IPv4 or IPv6, with SO_REUSEADDR.
+fn try_bind(port: u16, v6: bool) -> Result<socket2::Socket, i32> {
+    let (domain, addr) = if v6 {
+        (socket2::Domain::IPV6, SocketAddr::from(([0u16; 8], port)))
+    } else {
+        (socket2::Domain::IPV4, localhost(port))
+    };
+    let s = socket2::Socket::new(domain, socket2::Type::STREAM, None)
+        .map_err(|e| e.raw_os_error().unwrap_or(0))?;
+    s.set_reuse_address(true)
+        .map_err(|e| e.raw_os_error().unwrap_or(0))?;
+    s.bind(&addr.into())
+        .map_err(|e| e.raw_os_error().unwrap_or(0))?;
+    Ok(s)
+}
+
+#[test]
+fn a_bind_of_a_port_another_pu_owns_fails_at_once_without_any_agent() {
+    // No agent runs: the kernel alone claims and refuses.
+    let pod = pod("now", "");
+    for (round, port) in (7210..7220).enumerate() {
+        let (first, second) = if round % 2 == 0 {
+            ("a", "b")
+        } else {
+            ("b", "a")
+        };
+        let held = pod
+            .on(first, || try_bind(port, round % 4 < 2))
+            .unwrap()
+            .unwrap();
+        // The very next bind, no poll in between.
+        let refused = pod.on(second, || try_bind(port, round % 4 >= 2)).unwrap();
+        assert_eq!(refused.err(), Some(libc::EADDRINUSE), "port {port}");
+        assert_eq!(owner(&pod, port).as_deref(), Some(first));
+        // The owner's own PU binds it as on one host (SO_REUSEADDR on both, not listening).
+        assert!(pod.on(first, || try_bind(port, false)).unwrap().is_ok());
+        drop(held);
+    }
+    // Port 0 binds are left to the kernel: each PU gets an ephemeral port.
+    for pu in ["a", "b"] {
+        assert!(pod.on(pu, || try_bind(0, false)).unwrap().is_ok());
+    }
+    let stats = flatmesh_kernel::PuPorts::stats(pod.table().path()).unwrap();
+    assert_eq!(stats.refused, 10, "{stats:?}");
+    assert_eq!(stats.claimed, 10, "{stats:?}");
+}
+
+#[test]
+fn two_pus_racing_for_a_port_exactly_one_wins() {
+    const ROUNDS: u16 = 300;
+    let pod = pod("rce", "");
+    let start = std::sync::Barrier::new(2);
+    let results: Vec<Vec<Result<socket2::Socket, i32>>> = std::thread::scope(|scope| {
+        let racers: Vec<_> = ["a", "b"]
+            .into_iter()
+            .enumerate()
+            .map(|(i, pu)| {
+                let (pod, start) = (&pod, &start);
+                scope.spawn(move || {
+                    pod.backend.enter_thread(pod.pu(pu).unwrap()).unwrap();
+                    (0..ROUNDS)
+                        .map(|round| {
+                            start.wait();
+                            // Both families: bind4 and bind6 consult one table.
+                            try_bind(7600 + round, (round as usize + i) % 2 == 0)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        racers.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    let table = pod.table().read().unwrap();
+    let mut wins = [0; 2];
+    for round in 0..ROUNDS as usize {
+        let port = 7600 + round as u16;
+        let (a, b) = (&results[0][round], &results[1][round]);
+        let winner = match (a, b) {
+            (Ok(_), Err(libc::EADDRINUSE)) => "a",
+            (Err(libc::EADDRINUSE), Ok(_)) => "b",
+            other => panic!("port {port}: expected exactly one bind to succeed and the other to fail with EADDRINUSE, got {other:?}"),
+        };
+        wins[usize::from(winner == "b")] += 1;
+        assert_eq!(
+            table.ports.get(&port).map(String::as_str),
+            Some(winner),
+            "port {port}"
+        );
+    }
+    eprintln!("{ROUNDS} races: a won {}, b won {}", wins[0], wins[1]);
 }
 
 #[test]
@@ -221,9 +327,7 @@ fn agent_restart_keeps_the_port_table() {
         })
         .unwrap();
     wait_owner(&pod, 7301, Some("b"));
-    eventually("a reserves 7301", || {
-        bind_errno(&pod, "a", 7301) == Some(libc::EADDRINUSE)
-    });
+    assert_eq!(bind_errno(&pod, "a", 7301), Some(libc::EADDRINUSE));
     eventually("a maps 7301", || mapped(&pod, "a") == 1);
 
     // The owner's agent crashes: the table and the rules stay, traffic keeps flowing.
@@ -251,9 +355,10 @@ fn agent_restart_keeps_the_port_table() {
     assert_eq!(state.ports.get(&7301).map(String::as_str), Some("b"));
     assert_eq!(state.agents.get("b"), Some(&agent_b.id()));
 
-    // The other agent crashes: its placeholders go with it, and come back with the restart.
+    // The other agent crashes: binds on its PU are still refused (by the kernel).
     agent_a.kill().unwrap();
     agent_a.wait().unwrap();
+    assert_eq!(bind_errno(&pod, "a", 7301), Some(libc::EADDRINUSE));
     // While it is down, b opens another port: only b's side of the table changes.
     let _svc2 = pod
         .on("b", || {
@@ -267,10 +372,7 @@ fn agent_restart_keeps_the_port_table() {
         "nobody updates a's rules while its agent is down"
     );
     let mut agent_a = spawn("a");
-    eventually("the restarted agent on a reserves port 7301 again", || {
-        bind_errno(&pod, "a", 7301) == Some(libc::EADDRINUSE)
-    });
-    // ... and catches up with what changed meanwhile.
+    // The restarted agent catches up with what changed meanwhile.
     eventually("the restarted agent on a maps 7302", || {
         mapped(&pod, "a") == 2
     });
@@ -342,11 +444,11 @@ fn a_hundred_ports_churned() {
         assert!(pod.wait_for_table(Duration::from_secs(10), |s| ports
             .iter()
             .all(|p| !s.ports.contains_key(p))));
-        // Every placeholder and map element is gone again.
+        // Every map element is gone again, and the other PU may bind the ports (which claims
+        // them for it until its agent releases them).
         eventually("all 100 unmapped", || mapped(&pod, other) == 0);
-        eventually("all 100 placeholders closed", || {
-            ports.iter().all(|&p| bind_errno(&pod, other, p).is_none())
-        });
+        assert!(ports.iter().all(|&p| bind_errno(&pod, other, p).is_none()));
+        assert!(pod.wait_for_table(Duration::from_secs(10), |s| s.ports.is_empty()));
     }
 }
 
@@ -398,7 +500,7 @@ fn the_next_start_cleans_up_after_a_crashed_run() {
         .arg("60")
         .spawn()
         .unwrap();
-    let table = flatmesh_pu::PortTable::new(&table_dir);
+    let table = flatmesh_pu::PortTable::new(&config);
     eventually("both agents registered", || {
         table.read().is_ok_and(|s| s.agents.len() == 2)
     });
@@ -455,6 +557,10 @@ fn the_next_start_cleans_up_after_a_crashed_run() {
             .unwrap();
     assert_eq!(report.netns.len(), 2, "{report:?}");
     assert_eq!(report.state_dirs, vec![table_dir.clone()]);
+    assert_eq!(
+        report.port_tables,
+        vec![flatmesh_pu::topology::pin_dir(&config.namespace)]
+    );
     assert_eq!(
         flatmesh_pu::cleanup::leftovers(&config.namespace, &table_dir),
         Vec::<String>::new()

@@ -147,6 +147,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             for cg in &report.cgroups {
                 println!("removed cgroup {}", cg.display());
             }
+            for d in &report.port_tables {
+                println!("removed port table and bind hook {}", d.display());
+            }
             for d in &report.state_dirs {
                 println!("removed state {}", d.display());
             }
@@ -217,7 +220,8 @@ fn run_demo(namespace: String, state_dir: PathBuf, no_node_proxy: bool) -> anyho
 fn status(config: &SplitConfig) -> anyhow::Result<()> {
     let backend = for_config(config);
     let topo = backend.topology().clone();
-    let state = flatmesh_pu::PortTable::new(&config.table_dir()).read()?;
+    let port_table = flatmesh_pu::PortTable::new(config);
+    let state = port_table.read()?;
     let mut table = Table::new();
     table.set_header([
         "PU",
@@ -256,6 +260,13 @@ fn status(config: &SplitConfig) -> anyhow::Result<()> {
         .map(|(p, o)| format!("{p}->{o}"))
         .collect();
     println!("port table ({} ports): {}", ports.len(), ports.join(", "));
+    let hook = flatmesh_kernel::PuPorts::stats(port_table.path())?;
+    println!(
+        "bind hook ({}): {} binds claimed a port, {} refused with EADDRINUSE",
+        port_table.path().display(),
+        hook.claimed,
+        hook.refused
+    );
     Ok(())
 }
 

@@ -6,7 +6,7 @@
 //!    server on PU b (CPU 1). Paths are measured interleaved, in rounds, to share the noise.
 //! 2. How long a rule update takes as the number of mapped ports grows to 10,000: one whole-table
 //!    rebuild (what a restart does), one incremental map change (what a port change does), and
-//!    a full agent pass (scan + table + placeholders + rules) with and without a change.
+//!    a full agent pass (scan + table + rules) with and without a change.
 
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -79,8 +79,8 @@ fn config(ns: &str, state_dir: &std::path::Path) -> Result<SplitConfig> {
 /// Most connections (and round trips) per path in one run: 3 paths x this many TIME_WAIT sockets
 /// must fit in the ephemeral port range of one client namespace.
 pub const MAX_ITERATIONS: usize = 20_000;
-/// Most mapped ports in the rule benchmark: the agent holds one placeholder descriptor per port,
-/// and this machine caps a process at 20,000 descriptors.
+/// Most mapped ports in the rule benchmark: its ports run from 2001 up, and stay below the
+/// ephemeral port range.
 pub const MAX_PORTS: usize = 15_000;
 
 /// The first CPU of PU `pu`'s cpuset, if it has one.
@@ -107,7 +107,7 @@ pub fn check_args(iterations: usize, sizes: &[usize]) -> Result<()> {
     }
     if let Some(bad) = sizes.iter().find(|n| !(1..=MAX_PORTS).contains(*n)) {
         return Err(bad_arg(format!(
-            "--ports {bad}: use 1 to {MAX_PORTS} (the agent holds one placeholder descriptor per mapped port)"
+            "--ports {bad}: use 1 to {MAX_PORTS} (the benchmark's ports run from 2001 up and must stay below the ephemeral range)"
         )));
     }
     Ok(())
@@ -149,7 +149,6 @@ fn measure(addr: SocketAddr, n: usize) -> std::io::Result<(Vec<Duration>, Vec<Du
 pub fn mapping_cost(state_dir: &std::path::Path, iterations: usize) -> Result<Vec<PathResult>> {
     check_args(iterations, &[1])?;
     flatmesh_pu::backend::require_root()?;
-    flatmesh_pu::placeholder::raise_fd_limit(70_000);
     let mut mapped = Pod::up(config("bnchmap", state_dir)?)?;
     let plain = Pod::up(config("bnchplain", state_dir)?)?;
     mapped.start_agent("a")?;
@@ -261,21 +260,20 @@ pub fn rule_updates(
         return Err(bad_arg("repeats must be at least 1".into()));
     }
     flatmesh_pu::backend::require_root()?;
-    flatmesh_pu::placeholder::raise_fd_limit(70_000);
     let pod = Pod::up(config("bnchrule", state_dir)?)?;
     let topo = pod.backend.topology().clone();
     let mut results = Vec::new();
     for &n in sizes {
         let ports: Vec<u16> = (1..=n as u16).map(|i| 2000 + i).collect();
-        // PU b's ports, written into the table as b's agent writes them. (Not 10,000 real
-        // listeners: with a's 10,000 placeholders that would pass this machine's fixed limit of
-        // 20,000 descriptors per process.)
-        pod.table().update(|st| {
-            st.ports.clear();
-            for p in &ports {
-                st.ports.insert(*p, "b".to_string());
-            }
-        })?;
+        // PU b's ports, claimed in the table as b's binds claim them (b has no agent, which
+        // would release them: nothing listens on them).
+        let table = pod.table();
+        for p in table.read()?.ports.keys() {
+            table.release(*p, "b")?;
+        }
+        for p in &ports {
+            table.claim(*p, "b")?;
+        }
         let config_a = pod.config.clone();
         let table = pod.table();
         let topo = topo.clone();
@@ -325,11 +323,9 @@ pub fn rule_updates(
                     // One port appears on b (as its agent claims it), then a's pass maps it;
                     // then it goes away again and a's pass unmaps it.
                     for _ in 0..2 {
-                        table.update(|st| {
-                            if st.ports.remove(&extra).is_none() {
-                                st.ports.insert(extra, "b".to_string());
-                            }
-                        })?;
+                        if !table.release(extra, "b")? {
+                            table.claim(extra, "b")?;
+                        }
                         let t = Instant::now();
                         let report = agent.tick()?;
                         change.push(t.elapsed());

@@ -399,7 +399,7 @@ pub fn run_demo(opts: &DemoOptions) -> Result<DemoReport> {
         call: "bind".into(),
         from: "host".into(),
         dialed: "bind 127.0.0.1:9080".into(),
-        handled_by: "placeholder on host (dpu owns 9080)".into(),
+        handled_by: "bind hook (dpu owns 9080)".into(),
         ok: conflict.as_ref().err().and_then(|e| e.raw_os_error()) == Some(libc::EADDRINUSE),
         seen: match conflict {
             Ok(()) => "bind succeeded (should have failed)".into(),

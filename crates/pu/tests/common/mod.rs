@@ -18,7 +18,7 @@ pub const STATE_DIR: &str = "/run/flatmesh/pu-test";
 
 /// The tags of the tests in this directory; only namespaces named `<tag><digits>` are reaped.
 pub const TAGS: &[&str] = &[
-    "dir", "cfl", "icp", "uid", "mov", "rst", "chn", "cln", "lck", "hst",
+    "dir", "cfl", "icp", "uid", "mov", "rst", "chn", "cln", "lck", "hst", "now", "rce",
 ];
 
 pub fn require_root() {
@@ -80,6 +80,14 @@ pub fn reap_stale() {
             names.insert(e.file_name().to_string_lossy().into_owned());
         }
     }
+    // Port tables and bind hooks: /sys/fs/bpf/flatmesh-pu-<ns>.
+    if let Ok(dir) = std::fs::read_dir(flatmesh_pu::topology::PIN_ROOT) {
+        for e in dir.flatten() {
+            if let Some(name) = e.file_name().to_string_lossy().strip_prefix("flatmesh-pu-") {
+                names.insert(name.to_string());
+            }
+        }
+    }
     for cg in flatmesh_pu::cpuset::list("flatmesh-pu-") {
         if let Some(name) = cg
             .file_name()
@@ -135,6 +143,11 @@ pub fn wait_owner(pod: &Pod, port: u16, owner: Option<&str>) {
         "port {port} never got owner {owner:?}: {:?}",
         pod.table().read().unwrap().ports
     );
+}
+
+/// The owner of `port` in the table right now.
+pub fn owner(pod: &Pod, port: u16) -> Option<String> {
+    pod.table().read().unwrap().ports.get(&port).cloned()
 }
 
 pub fn localhost(port: u16) -> SocketAddr {
