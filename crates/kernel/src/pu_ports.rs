@@ -138,7 +138,9 @@ impl PuPorts {
             p.load()
                 .map_err(|e| KernelError::program(name, "load (verifier)", e))?;
             let id = p
-                .attach(&cgroup, CgroupAttachMode::AllowMultiple)
+                // A link attach (aya uses bpf_link_create here) takes no flags: links always
+                // coexist with other programs (multi-attach); BPF_F_ALLOW_MULTI gives EINVAL.
+                .attach(&cgroup, CgroupAttachMode::Single)
                 .map_err(|e| KernelError::program(name, "attach to the cgroup v2 root", e))?;
             let link = p
                 .take_link(id)
