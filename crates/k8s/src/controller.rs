@@ -158,7 +158,7 @@ impl Controller {
 
 /// A reflector of every `K` in the cluster, re-listing after any failure; each event wakes
 /// the publisher.
-fn watch_kind<K>(
+pub(crate) fn watch_kind<K>(
     api: Api<K>,
     dyntype: K::DynamicType,
     changed: &Arc<Notify>,

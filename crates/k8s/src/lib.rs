@@ -7,6 +7,8 @@
 //!   A pure function: no I/O, no clock.
 //! - [`controller`]: the watchers (kube-rs reflectors) that keep those objects current and
 //!   publish every node's snapshot to the xDS server's store, debounced.
+//! - [`schedule`]: E3 as a Kubernetes scheduler (item 3): pods of `schedulerName: flatmesh`
+//!   placed by HCM and bound through the Binding API.
 //!
 //! docs/kubernetes.md says what is watched, how it maps to xDS and what is not done yet.
 #![forbid(unsafe_code)]
@@ -14,6 +16,7 @@
 pub mod controller;
 pub mod error;
 pub mod routes;
+pub mod schedule;
 pub mod translate;
 
 pub use controller::{connect, Controller, Options};

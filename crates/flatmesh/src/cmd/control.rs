@@ -39,6 +39,11 @@ pub struct Args {
     /// account). Implied when KUBERNETES_SERVICE_HOST is set and no --state or --cluster is given.
     #[arg(long, conflicts_with_all = ["state", "cluster"])]
     in_cluster: bool,
+    /// With --kubeconfig or --in-cluster: also schedule the pods of `schedulerName: flatmesh`
+    /// with E3's HCM placement and bind them through the Binding API (docs/kubernetes.md,
+    /// "Scheduler").
+    #[arg(long, conflicts_with_all = ["state", "cluster"])]
+    schedule: bool,
     /// Place applications on this cluster (a YAML file or preset:NAME, as in `flatmesh place`)
     /// and serve each placed service APP/STAGE as the EDS cluster of that name.
     #[arg(long, value_name = "SOURCE", requires_all = ["app", "addresses"])]
@@ -200,6 +205,14 @@ fn serve(args: Args) -> anyhow::Result<()> {
                 flatmesh_k8s::connect(args.kubeconfig.as_deref()).await?,
                 center.feed().store().clone(),
                 flatmesh_k8s::Options::default(),
+            )),
+            false => None,
+        };
+        // E3 as the scheduler of the pods of `schedulerName: flatmesh`.
+        let _scheduler = match kubernetes && args.schedule {
+            true => Some(flatmesh_k8s::schedule::Scheduler::spawn(
+                flatmesh_k8s::connect(args.kubeconfig.as_deref()).await?,
+                flatmesh_k8s::schedule::Options::default(),
             )),
             false => None,
         };

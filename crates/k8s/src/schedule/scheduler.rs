@@ -1,0 +1,185 @@
+//! The running scheduler: reflectors keep Nodes and Pods current; on a change (debounced, so
+//! one app's pods are placed together) and every [`Options::resync`], a round plans
+//! ([`super::plan`]) and binds.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::Api;
+use kube::runtime::reflector::Store as Reader;
+use tokio::sync::{watch, Notify};
+use tokio::task::JoinHandle;
+
+use super::app::PodKey;
+use super::bind::{bind, is_settled, recorder, warn_pod};
+use super::plan::{plan, Binding, Plan};
+use super::proxy::ProxyPu;
+use crate::controller::watch_kind;
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// How long a change waits for more before a round: the pods of an app, created one
+    /// after another, are placed in one round.
+    pub debounce: Duration,
+    /// A round also runs this often without changes (bindings that failed are retried).
+    pub resync: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            debounce: Duration::from_millis(500),
+            resync: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What a round did.
+#[derive(Debug, Clone)]
+pub struct Round {
+    pub plan: Plan,
+    /// The bindings the API server took.
+    pub bound: Vec<Binding>,
+    /// The bindings it refused, and why.
+    pub failed: Vec<(Binding, String)>,
+}
+
+/// The running scheduler; dropping it stops it.
+pub struct Scheduler {
+    rounds: watch::Receiver<Option<Arc<Round>>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+impl Scheduler {
+    /// Watches the cluster of `client` and binds its pending pods of `schedulerName: flatmesh`.
+    /// Runs on the current tokio runtime.
+    pub fn spawn(client: kube::Client, options: Options) -> Scheduler {
+        let changed = Arc::new(Notify::new());
+        let mut tasks = Vec::new();
+        let nodes = watch_kind::<Node>(Api::all(client.clone()), (), &changed, &mut tasks);
+        let pods = watch_kind::<Pod>(Api::all(client.clone()), (), &changed, &mut tasks);
+        let (tx, rounds) = watch::channel(None);
+        tasks.push(tokio::spawn(run(client, nodes, pods, options, changed, tx)));
+        Scheduler { rounds, tasks }
+    }
+
+    /// Changes with every round (None before the first).
+    pub fn subscribe(&self) -> watch::Receiver<Option<Arc<Round>>> {
+        self.rounds.clone()
+    }
+}
+
+async fn run(
+    client: kube::Client,
+    nodes: Reader<Node>,
+    pods: Reader<Pod>,
+    options: Options,
+    changed: Arc<Notify>,
+    rounds: watch::Sender<Option<Arc<Round>>>,
+) {
+    for (what, ready) in [
+        ("Nodes", nodes.wait_until_ready().await),
+        ("Pods", pods.wait_until_ready().await),
+    ] {
+        if ready.is_err() {
+            tracing::error!("the watch of {what} stopped; the scheduler stops");
+            return;
+        }
+    }
+    let recorder = recorder(&client);
+    // Bindings made that the pod watch may not show yet: pod uid -> node.
+    let mut made: HashMap<String, String> = HashMap::new();
+    // What was said already (log and events once per pod and reason).
+    let mut said: BTreeSet<(String, String)> = BTreeSet::new();
+    let mut warned: BTreeSet<String> = BTreeSet::new();
+    loop {
+        let nodes: Vec<Node> = nodes.state().iter().map(|n| (**n).clone()).collect();
+        let pods: Vec<Pod> = pods.state().iter().map(|p| (**p).clone()).collect();
+        let pending: BTreeSet<&str> = pods
+            .iter()
+            .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_none()))
+            .filter_map(|p| p.metadata.uid.as_deref())
+            .collect();
+        // Once the watch shows a pod bound (or gone), it speaks for itself.
+        made.retain(|uid, _| pending.contains(uid.as_str()));
+        said.retain(|(uid, _)| pending.contains(uid.as_str()));
+        let plan = plan(&nodes, &pods, &made);
+        for warning in &plan.cluster.warnings {
+            if !warned.contains(warning) {
+                tracing::warn!("{warning}");
+            }
+        }
+        warned = plan.cluster.warnings.iter().cloned().collect();
+        let mut round = Round {
+            plan: plan.clone(),
+            bound: Vec::new(),
+            failed: Vec::new(),
+        };
+        for binding in &plan.bindings {
+            match bind(&client, binding).await {
+                Ok(()) => {
+                    let proxy = plan.proxies.iter().find(|p| {
+                        p.host == binding.node || p.dpu.as_deref() == Some(binding.node.as_str())
+                    });
+                    tracing::info!(
+                        pod = %binding.pod,
+                        node = %binding.node,
+                        instance = %binding.instance,
+                        pu = ?super::plan::pu_of(&plan.cluster, &binding.node),
+                        proxy_pu = ?proxy.map(|p| p.pu).unwrap_or(ProxyPu::Host),
+                        "bound"
+                    );
+                    made.insert(binding.pod.uid.clone(), binding.node.clone());
+                    round.bound.push(binding.clone());
+                }
+                Err(e) if is_settled(&e) => {
+                    tracing::debug!(pod = %binding.pod, "not bound: {e} (bound already, or gone)");
+                }
+                Err(e) => {
+                    let why = format!("binding to node {} failed: {e}", binding.node);
+                    report(&recorder, &mut said, &binding.pod, &why).await;
+                    round.failed.push((binding.clone(), why));
+                }
+            }
+        }
+        for (pod, why) in &plan.unplaced {
+            report(&recorder, &mut said, pod, why).await;
+        }
+        for proxy in &plan.proxies {
+            tracing::debug!(host = %proxy.host, pu = ?proxy.pu, dpu = ?proxy.dpu, "node proxy: {}", proxy.reason);
+        }
+        rounds.send_replace(Some(Arc::new(round)));
+        tokio::select! {
+            _ = changed.notified() => {}
+            _ = tokio::time::sleep(options.resync) => {}
+        }
+        tokio::time::sleep(options.debounce).await;
+    }
+}
+
+/// A pod that stays pending: a log line and a Warning event `FailedScheduling`, once per
+/// reason.
+async fn report(
+    recorder: &kube::runtime::events::Recorder,
+    said: &mut BTreeSet<(String, String)>,
+    pod: &PodKey,
+    why: &str,
+) {
+    if !said.insert((pod.uid.clone(), why.to_string())) {
+        return;
+    }
+    tracing::warn!(pod = %pod, "cannot place: {why}");
+    if let Err(e) = warn_pod(recorder, pod, "FailedScheduling", why).await {
+        tracing::warn!(pod = %pod, "cannot record the event: {e}");
+    }
+}
