@@ -3,13 +3,17 @@
 //! burst is one push) every node's snapshot is recomputed ([`crate::translate`]) and published
 //! to that node's state in the xDS server's store.
 //!
+//! What survives a restart of the control plane: the xDS server answers no node until the
+//! first publish (`Store::serve_per_node`), so a node that reconnects meanwhile keeps its last
+//! config, and is then sent the same versions (they are content hashes) as before.
+//!
 //! What survives an API server restart: a reflector swaps in a new list only once the list is
 //! complete, so while the API server is away, and while a watcher re-lists, the stores keep
 //! the last objects, nothing is published, and the xDS server keeps serving the last
 //! snapshots. Nothing is published before every core kind has been listed once, so a
 //! starting control plane never pushes a half-empty cluster either.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Debug;
 use std::path::Path;
 use std::sync::Arc;
@@ -40,11 +44,17 @@ pub const DEBOUNCE: Duration = Duration::from_millis(50);
 /// cluster without the Gateway API's CRDs has no mesh routes).
 const ROUTES_WAIT: Duration = Duration::from_secs(10);
 
-#[derive(Debug, Clone)]
+/// Told every node's pod identities (node name -> SPIFFE IDs; a node without pods is absent)
+/// on every publish, before the nodes' configs: the CA's grants (`flatmesh control --ca-dir`).
+pub type IdentitySink = Arc<dyn Fn(BTreeMap<String, BTreeSet<String>>) + Send + Sync>;
+
+#[derive(Clone)]
 pub struct Options {
     /// `spiffe://TRUST_DOMAIN/ns/NS/sa/SA` of every pod.
     pub trust_domain: String,
     pub debounce: Duration,
+    /// Where each node's pod identities go, if anywhere.
+    pub identities: Option<IdentitySink>,
 }
 
 impl Default for Options {
@@ -52,7 +62,18 @@ impl Default for Options {
         Options {
             trust_domain: DEFAULT_TRUST_DOMAIN.into(),
             debounce: DEBOUNCE,
+            identities: None,
         }
+    }
+}
+
+impl Debug for Options {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Options")
+            .field("trust_domain", &self.trust_domain)
+            .field("debounce", &self.debounce)
+            .field("identities", &self.identities.is_some())
+            .finish()
     }
 }
 
@@ -267,6 +288,17 @@ async fn publish(
         }
         warned = warnings.iter().cloned().collect();
         translation.warnings = warnings;
+        // Grants first: a node given a config that needs a pod's identity may hold it by then
+        // (and one whose pod is gone loses it before its config changes).
+        if let Some(sink) = &options.identities {
+            sink(
+                translation
+                    .nodes
+                    .iter()
+                    .map(|(node, snapshot)| (node.clone(), snapshot.identities.clone()))
+                    .collect(),
+            );
+        }
         for (node, snapshot) in &translation.nodes {
             store.node(node).publish_config(&snapshot.config);
         }
@@ -277,6 +309,9 @@ async fn publish(
                 .publish_config(&flatmesh_xds::bootstrap::empty_config());
         }
         nodes = translation.nodes.keys().cloned().collect();
+        // From the first publish on, the xDS server answers nodes (until then a node that
+        // reconnects to a restarted control plane keeps its config).
+        store.nodes_published();
         tracing::debug!(
             nodes = nodes.len(),
             services = objects.services.len(),

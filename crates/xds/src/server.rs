@@ -137,6 +137,10 @@ pub struct Store {
     stats: Arc<StreamStats>,
     /// Set by [`Store::node`]: each node's streams serve that node's own state from then on.
     nodes: Arc<Mutex<Option<BTreeMap<String, Store>>>>,
+    /// Whether streams are answered: false from [`Store::serve_per_node`] until
+    /// [`Store::nodes_published`], so that a node reconnecting to a control plane that has just
+    /// started keeps its config instead of being handed an empty one.
+    answering: Arc<watch::Sender<bool>>,
 }
 
 /// What the streams of a [`Store`] did (the control center's `/metrics`).
@@ -198,13 +202,22 @@ impl Store {
             nacks: Arc::new(Mutex::new(Vec::new())),
             stats: Arc::default(),
             nodes: Arc::default(),
+            answering: Arc::new(watch::channel(true).0),
         }
     }
 
-    /// Serve per node from now on (see [`Store::node`]): a node nothing was published for yet
-    /// is served an empty state.
+    /// Serve per node from now on (see [`Store::node`]), and answer no stream until
+    /// [`Store::nodes_published`]: then a node nothing was published for is served an empty
+    /// state.
     pub fn serve_per_node(&self) {
         self.nodes.lock().get_or_insert_with(BTreeMap::new);
+        self.answering.send_replace(false);
+    }
+
+    /// Every node's state has been published once: streams are answered from now on.
+    pub fn nodes_published(&self) {
+        self.answering
+            .send_if_modified(|answering| !std::mem::replace(answering, true));
     }
 
     /// The state served to node `id` alone (created empty the first time). Once any node's
@@ -572,8 +585,10 @@ async fn sotw_stream(
     let mut nonce = 0u64;
     let mut secret_changes = secrets.as_ref().map(|s| s.source.changes());
     let mut secrets_stale = false;
+    let mut answering = store.answering.subscribe();
     loop {
         let published = watch.borrow_and_update().clone();
+        let answer = *answering.borrow_and_update();
         // Secrets first (a listener's secret before the listener), then CDS, EDS, LDS, RDS.
         if let (Some(source), Some(t)) = (&secrets, types.get_mut(SECRET)) {
             if secrets_stale || t.sent_version.is_none() {
@@ -591,8 +606,8 @@ async fn sotw_stream(
                 }
             }
         }
-        for type_url in ORDER {
-            if let Some(t) = types.get_mut(type_url) {
+        for type_url in ORDER.iter().filter(|_| answer) {
+            if let Some(t) = types.get_mut(*type_url) {
                 if t.sent_version.as_deref() != Some(&published.version(type_url)) {
                     nonce += 1;
                     let response = sotw_response(&published, type_url, &t.names, nonce);
@@ -616,6 +631,7 @@ async fn sotw_stream(
                 return;
             }
             changed = watch.changed() => if changed.is_err() { return },
+            Ok(()) = answering.changed() => {}
             true = secrets_changed(&mut secret_changes) => secrets_stale = true,
             request = requests.message() => {
                 let request = match request {
@@ -728,8 +744,10 @@ async fn delta_stream(
     let mut nonce = 0u64;
     let mut secret_changes = secrets.as_ref().map(|s| s.source.changes());
     let mut secrets_stale = true;
+    let mut answering = store.answering.subscribe();
     loop {
         let published = watch.borrow_and_update().clone();
+        let answer = *answering.borrow_and_update();
         if let (Some(source), Some(t)) = (&secrets, types.get_mut(SECRET)) {
             if std::mem::take(&mut secrets_stale) || !t.answered {
                 let (all, version) = source.get(&t.names);
@@ -740,8 +758,8 @@ async fn delta_stream(
                 }
             }
         }
-        for type_url in ORDER {
-            if let Some(t) = types.get_mut(type_url) {
+        for type_url in ORDER.iter().filter(|_| answer) {
+            if let Some(t) = types.get_mut(*type_url) {
                 if let Some(response) = delta_response(&published, type_url, t, &mut nonce) {
                     if tx.send(Ok(response)).await.is_err() {
                         return;
@@ -761,6 +779,7 @@ async fn delta_stream(
                 return;
             }
             changed = watch.changed() => if changed.is_err() { return },
+            Ok(()) = answering.changed() => {}
             true = secrets_changed(&mut secret_changes) => secrets_stale = true,
             request = requests.message() => {
                 let request = match request {

@@ -225,10 +225,15 @@ pub fn new_token() -> Result<String> {
     Ok(hex(&bytes))
 }
 
-/// The identities the placement puts on each node; replaced with every placement snapshot.
+/// The workload identities each node holds by where its workloads are, replaced whole with
+/// every update. Two sources fill one each: the placement (every placement snapshot) and, with
+/// `flatmesh control --kubeconfig`, the pods scheduled on each node (every translation of the
+/// cluster, [`Placements::replace`]).
 #[derive(Debug, Clone, Default)]
 pub struct Placements {
     by_node: Arc<RwLock<BTreeMap<String, BTreeSet<String>>>>,
+    /// Bumped whenever `by_node` changes, so that SDS drops and pushes at once.
+    changes: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl Placements {
@@ -246,7 +251,43 @@ impl Placements {
                     .insert(id.as_str().to_string());
             }
         }
-        *self.by_node.write() = by_node;
+        self.set(by_node);
+    }
+
+    /// Replaces every node's identities with `by_node` (node id -> SPIFFE IDs). An identity
+    /// that is not a SPIFFE ID is left out with a warning: it could never be issued.
+    pub fn replace(&self, by_node: BTreeMap<String, BTreeSet<String>>) {
+        let checked = by_node
+            .into_iter()
+            .map(|(node, ids)| {
+                let ids = ids
+                    .into_iter()
+                    .filter_map(|id| match SpiffeId::parse(&id) {
+                        Ok(parsed) => Some(parsed.as_str().to_string()),
+                        Err(e) => {
+                            tracing::warn!(%node, %id, error = %e, "CA: not a SPIFFE ID; left out");
+                            None
+                        }
+                    })
+                    .collect();
+                (node, ids)
+            })
+            .collect();
+        self.set(checked);
+    }
+
+    fn set(&self, by_node: BTreeMap<String, BTreeSet<String>>) {
+        let mut held = self.by_node.write();
+        if *held != by_node {
+            *held = by_node;
+            drop(held);
+            self.changes.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// Changes whenever the identities do.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
     }
 
     fn holds(&self, node: &str, id: &str) -> bool {
@@ -283,6 +324,8 @@ pub struct NodeCa {
     /// The node tokens file, re-read when it changes.
     tokens_path: Option<PathBuf>,
     placements: Placements,
+    /// The identities of each node's Kubernetes pods (empty unless `--kubeconfig`).
+    pods: Placements,
     ttl: Duration,
     pub stats: Arc<CaStats>,
     /// When the control channel's current certificate expires (Unix seconds; 0: none yet).
@@ -303,6 +346,7 @@ impl NodeCa {
             tokens: tokio::sync::watch::Sender::new(tokens),
             tokens_path: None,
             placements,
+            pods: Placements::default(),
             ttl,
             stats: Arc::default(),
             control_not_after: AtomicU64::new(0),
@@ -313,6 +357,17 @@ impl NodeCa {
     pub fn with_tokens_file(mut self, path: &Path) -> NodeCa {
         self.tokens_path = Some(path.to_path_buf());
         self
+    }
+
+    /// Grants each node the identities of its Kubernetes pods, as `pods` holds them from now on.
+    pub fn with_pod_identities(mut self, pods: Placements) -> NodeCa {
+        self.pods = pods;
+        self
+    }
+
+    /// Changes whenever an identity is placed on or taken from a node (placement or pods).
+    pub fn grant_changes(&self) -> [tokio::sync::watch::Receiver<u64>; 2] {
+        [self.placements.subscribe(), self.pods.subscribe()]
     }
 
     /// Re-reads the node tokens file; a file that does not parse leaves the tokens as they were.
@@ -389,7 +444,8 @@ impl NodeCa {
     }
 
     /// Whether `node` may hold `id`: granted to it in the tokens file, its own node identity,
-    /// or placed on it. The one rule for CSRs and for SDS.
+    /// placed on it, or that of a Kubernetes pod scheduled on it. The one rule for CSRs and
+    /// for SDS.
     pub fn may_hold(&self, node: &str, id: &SpiffeId) -> std::result::Result<(), IdentityError> {
         let granted = self
             .tokens
@@ -399,7 +455,11 @@ impl NodeCa {
             .is_some_and(|ids| ids.contains(id.as_str()));
         // The node's own identity is its alone: it is named after the token's node.
         let own = SpiffeId::node(id.trust_domain(), node).is_ok_and(|own| own == *id);
-        if granted || own || self.placements.holds(node, id.as_str()) {
+        if granted
+            || own
+            || self.placements.holds(node, id.as_str())
+            || self.pods.holds(node, id.as_str())
+        {
             Ok(())
         } else {
             Err(IdentityError::NotPlaced {

@@ -117,6 +117,8 @@ pub struct ControlCenter {
     placed: Option<Placed>,
     ca: Option<Arc<NodeCa>>,
     placements: Placements,
+    /// The identities of each node's Kubernetes pods, for the CA ([`ControlCenter::pod_identities`]).
+    pods: Placements,
     /// The bound `/metrics` socket.
     metrics: Option<std::net::TcpListener>,
     placement_stats: Arc<metrics::PlacementStats>,
@@ -149,6 +151,7 @@ impl ControlCenter {
         };
         let placed = options.placement.as_ref().map(Placed::new).transpose()?;
         let placements = Placements::default();
+        let pods = Placements::default();
         let ca = options
             .ca
             .as_ref()
@@ -164,7 +167,12 @@ impl ControlCenter {
                     }
                 }
                 NodeCa::new(&o.dir, Arc::new(tokens), placements.clone(), o.ttl)
-                    .map(|ca| Arc::new(ca.with_tokens_file(&o.node_tokens)))
+                    .map(|ca| {
+                        Arc::new(
+                            ca.with_tokens_file(&o.node_tokens)
+                                .with_pod_identities(pods.clone()),
+                        )
+                    })
             })
             .transpose()?;
         let metrics = options
@@ -203,6 +211,7 @@ impl ControlCenter {
             placed,
             ca,
             placements,
+            pods,
             metrics,
             placement_stats: Arc::default(),
         })
@@ -250,6 +259,19 @@ impl ControlCenter {
             .iter()
             .filter_map(|n| Some((n.id.clone(), *placed.addresses.nodes.get(&n.id)?)))
             .collect()
+    }
+
+    /// Where the identities of each node's Kubernetes pods go (`flatmesh control --kubeconfig`
+    /// replaces them on every translation): with a CA, a node may then hold, and is given over
+    /// SDS, the identities of the pods scheduled on it, and loses one as soon as its pod moves
+    /// or is deleted.
+    pub fn pod_identities(&self) -> Placements {
+        self.pods.clone()
+    }
+
+    /// The CA's trust domain, when the control center is a CA.
+    pub fn trust_domain(&self) -> Option<String> {
+        Some(self.ca.as_ref()?.trust_domain())
     }
 
     /// What the CA has issued and refused, when the control center is one.

@@ -128,12 +128,30 @@ impl NodeSecrets {
         }
     }
 
-    /// Calls [`NodeSecrets::refresh`] every second, for as long as the control center runs.
+    /// An identity was placed on or taken from a node (a placement, a pod scheduled, moved or
+    /// deleted): drops the certificates their nodes no longer hold and tells the streams, which
+    /// ask again, so a taken identity is pushed away and a new one is given at once.
+    pub fn regrant(&self) {
+        self.held
+            .lock()
+            .retain(|(node, id), _| match SpiffeId::parse(id) {
+                Ok(id) => self.ca.may_hold(node, &id).is_ok(),
+                Err(_) => false,
+            });
+        self.changes.send_modify(|n| *n += 1);
+    }
+
+    /// Calls [`NodeSecrets::refresh`] every second, and [`NodeSecrets::regrant`] on every
+    /// change of what nodes hold, for as long as the control center runs.
     pub async fn keep_current(self: Arc<Self>) {
         let mut tick = tokio::time::interval(POLL);
+        let [mut placed, mut pods] = self.ca.grant_changes();
         loop {
-            tick.tick().await;
-            self.refresh();
+            tokio::select! {
+                _ = tick.tick() => self.refresh(),
+                Ok(()) = placed.changed() => self.regrant(),
+                Ok(()) = pods.changed() => self.regrant(),
+            }
         }
     }
 }

@@ -44,6 +44,10 @@ pub struct Args {
     /// "Scheduler").
     #[arg(long, conflicts_with_all = ["state", "cluster"])]
     schedule: bool,
+    /// The trust domain of the pods' SPIFFE IDs (spiffe://TD/ns/NS/sa/SA) with --kubeconfig or
+    /// --in-cluster. Default: the CA's with --ca-dir (it must match it), else cluster.local.
+    #[arg(long, value_name = "TD")]
+    trust_domain: Option<String>,
     /// Place applications on this cluster (a YAML file or preset:NAME, as in `flatmesh place`)
     /// and serve each placed service APP/STAGE as the EDS cluster of that name.
     #[arg(long, value_name = "SOURCE", requires_all = ["app", "addresses"])]
@@ -200,12 +204,21 @@ fn serve(args: Args) -> anyhow::Result<()> {
             }
         }
         // The cluster's objects, published to every node's own state in the center's store.
+        // With a CA, each node may hold (and is given over SDS) its own pods' identities.
         let _kubernetes = match kubernetes {
-            true => Some(flatmesh_k8s::Controller::spawn(
-                flatmesh_k8s::connect(args.kubeconfig.as_deref()).await?,
-                center.feed().store().clone(),
-                flatmesh_k8s::Options::default(),
-            )),
+            true => {
+                let pods = center.pod_identities();
+                let options = flatmesh_k8s::Options {
+                    trust_domain: pod_trust_domain(args.trust_domain, center.trust_domain())?,
+                    identities: Some(Arc::new(move |by_node| pods.replace(by_node))),
+                    ..Default::default()
+                };
+                Some(flatmesh_k8s::Controller::spawn(
+                    flatmesh_k8s::connect(args.kubeconfig.as_deref()).await?,
+                    center.feed().store().clone(),
+                    options,
+                ))
+            }
             false => None,
         };
         // E3 as the scheduler of the pods of `schedulerName: flatmesh`.
@@ -221,6 +234,24 @@ fn serve(args: Args) -> anyhow::Result<()> {
         result?;
         Ok(())
     })
+}
+
+/// The trust domain of the pods' identities: `--trust-domain`, or the CA's (which signs its
+/// own trust domain only), or Kubernetes' usual `cluster.local`.
+fn pod_trust_domain(given: Option<String>, ca: Option<String>) -> anyhow::Result<String> {
+    match (given, ca) {
+        (Some(given), Some(ca)) if given != ca => anyhow::bail!(
+            "--trust-domain {given} is not the trust domain of the CA of --ca-dir ({ca}): the CA could not issue the pods' identities; drop --trust-domain, or use a CA of {given} (flatmesh ca init --trust-domain {given})"
+        ),
+        (Some(given), _) => {
+            flatmesh_identity::SpiffeId::parse(&format!("spiffe://{given}/ns/x/sa/y"))
+                .map_err(anyhow::Error::msg)
+                .with_context(|| format!("--trust-domain {given}"))?;
+            Ok(given)
+        }
+        (None, Some(ca)) => Ok(ca),
+        (None, None) => Ok(flatmesh_k8s::controller::DEFAULT_TRUST_DOMAIN.to_string()),
+    }
 }
 
 /// Resolves on SIGTERM or SIGINT.

@@ -1,7 +1,6 @@
-//! A real kube-apiserver and etcd for the tests of this crate, started by `testenv`
-//! (../shared/k8s/testenv from the repository, or $FLATMESH_K8S_TESTENV). Missing testenv or
-//! a failed build fails the test: it never skips.
-#![allow(dead_code)] // Each test binary uses its own part.
+//! What the tests against a real API server share: `testenv` (a kube-apiserver and etcd,
+//! ../shared/k8s/testenv or $FLATMESH_K8S_TESTENV), started per test and stopped on drop.
+#![allow(clippy::unwrap_used, dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -28,7 +27,10 @@ impl TestEnv {
             "testenv not found at {}: set FLATMESH_K8S_TESTENV to the testenv script (see scripts/setup)",
             script.display()
         );
-        let dir = std::env::temp_dir().join(format!("flatmesh-k8s-{}", std::process::id()));
+        // One directory per start: tests of one binary may each start one.
+        static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("flatmesh-k8s-{}-{n}", std::process::id()));
         let env = TestEnv {
             script,
             dir,
@@ -175,3 +177,4 @@ where
     .await
     .unwrap()
 }
+

@@ -1,0 +1,566 @@
+//! The install manifests (deploy/kubernetes, issue 20 item 2) against a real API server:
+//! `kubectl apply -k` (server-side), every object there, the RBAC of both service accounts
+//! (`kubectl auth can-i --as`), and the programs as the manifests run them: `flatmesh control`
+//! with the Deployment's arguments, as the control plane's service account (a TokenRequest
+//! token), lists and watches the cluster and serves a node; `flatmesh node` with the
+//! DaemonSet's arguments and ConfigMap becomes ready on its readiness probe's path and stops
+//! on its preStop command.
+//!
+//! Needs testenv (as k8s_control.rs), kubectl, and the release binary (`cargo build --release
+//! -p flatmesh`, or $FLATMESH_BIN); fails, never skips, without them.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+use common::{create, wait_ready, TestEnv};
+
+use std::io::{Read as _, Write as _};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, Namespace, Pod, Service, ServiceAccount,
+};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use kube::api::Api;
+use serde_json::json;
+use tokio::sync::watch;
+
+const NS: &str = "flatmesh-system";
+const CONTROL_SA: &str = "system:serviceaccount:flatmesh-system:flatmesh-control";
+const NODE_SA: &str = "system:serviceaccount:flatmesh-system:flatmesh-node";
+
+fn manifests() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/kubernetes")
+}
+
+/// The release binary next to this test's (target/release/flatmesh), or $FLATMESH_BIN.
+fn flatmesh_bin() -> PathBuf {
+    let path = match std::env::var_os("FLATMESH_BIN") {
+        Some(path) => PathBuf::from(path),
+        None => {
+            let exe = std::env::current_exe().unwrap();
+            exe.parent().unwrap().parent().unwrap().join("flatmesh")
+        }
+    };
+    assert!(
+        path.is_file(),
+        "no flatmesh binary at {}: run `cargo build --release -p flatmesh` first (or set FLATMESH_BIN)",
+        path.display()
+    );
+    path
+}
+
+fn kubectl(kubeconfig: &Path, args: &[&str]) -> std::process::Output {
+    Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .output()
+        .expect("run kubectl (apt-get install kubectl, or see scripts/setup)")
+}
+
+/// `kubectl auth can-i VERB RESOURCE --as ACCOUNT [scope]`: exits 0 for yes, 1 for no. A
+/// `RESOURCE/SUBRESOURCE` is asked with `--subresource` (kubectl reads `pods/x` as pod `x`).
+fn can_i(kubeconfig: &Path, account: &str, verb: &str, resource: &str, scope: &[&str]) -> bool {
+    let (resource, subresource) = match resource.split_once('/') {
+        Some((resource, sub)) => (resource, Some(format!("--subresource={sub}"))),
+        None => (resource, None),
+    };
+    let mut args = vec!["auth", "can-i", verb, resource, "--as", account];
+    args.extend(subresource.as_deref());
+    args.extend_from_slice(scope);
+    let out = kubectl(kubeconfig, &args);
+    let answer = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    match out.status.code() {
+        Some(0) => true,
+        Some(1) if answer.starts_with("no") => false,
+        _ => panic!(
+            "kubectl auth can-i {verb} {resource} --as {account}: {}\n{answer}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A child process killed on drop, its stderr in a file.
+struct Running {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Running {
+    fn spawn(what: &str, dir: &Path, args: &[String], env: &[(&str, &str)]) -> Running {
+        let log = dir.join(format!("{what}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let mut command = Command::new(flatmesh_bin());
+        command
+            .args(args)
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(file);
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        Running {
+            child: command.spawn().unwrap(),
+            log,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The one container of a pod template.
+fn container(spec: Option<&k8s_openapi::api::core::v1::PodSpec>) -> Container {
+    let spec = spec.expect("a pod template spec");
+    assert_eq!(spec.containers.len(), 1, "one container");
+    spec.containers[0].clone()
+}
+
+/// `GET /ready` of a node's admin endpoint: its status code.
+fn ready(admin: SocketAddr) -> Option<u16> {
+    let mut stream = std::net::TcpStream::connect_timeout(&admin, Duration::from_secs(1)).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .ok()?;
+    write!(
+        stream,
+        "GET /ready HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The configs an xDS client hands its node, latest last.
+struct Applied(watch::Sender<Option<flatmesh_config::Config>>);
+
+impl flatmesh_xds::client::Apply for Applied {
+    fn apply(&mut self, config: flatmesh_config::Config) -> Result<(), String> {
+        self.0.send_replace(Some(config));
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_manifests_apply_grant_least_privilege_and_run() {
+    let bin = flatmesh_bin();
+    let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
+    let kubeconfig = env.kubeconfig();
+    let client = flatmesh_k8s::connect(Some(&kubeconfig)).await.unwrap();
+    wait_ready(&client, &env.dir).await;
+
+    // Applied as a user would, server-side (kubectl's kustomize).
+    let dir = manifests();
+    let applied = kubectl(
+        &kubeconfig,
+        &[
+            "apply",
+            "--server-side",
+            "--field-manager=flatmesh-install",
+            "-k",
+            dir.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        applied.status.success(),
+        "kubectl apply -k {}: {}\n{}",
+        dir.display(),
+        String::from_utf8_lossy(&applied.stdout),
+        String::from_utf8_lossy(&applied.stderr)
+    );
+
+    // Every object is there, and nothing else was in the kustomization.
+    let listed = kubectl(&kubeconfig, &["get", "-k", dir.to_str().unwrap(), "-o", "name"]);
+    assert!(listed.status.success(), "{listed:?}");
+    let mut names: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "clusterrole.rbac.authorization.k8s.io/flatmesh-control",
+            "clusterrolebinding.rbac.authorization.k8s.io/flatmesh-control",
+            "configmap/flatmesh-node",
+            "daemonset.apps/flatmesh-node",
+            "deployment.apps/flatmesh-control",
+            "namespace/flatmesh-system",
+            "service/flatmesh-control",
+            "serviceaccount/flatmesh-control",
+            "serviceaccount/flatmesh-node",
+        ]
+    );
+    Api::<Namespace>::all(client.clone()).get(NS).await.unwrap();
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), NS);
+    accounts.get("flatmesh-control").await.unwrap();
+    let node_account = accounts.get("flatmesh-node").await.unwrap();
+    assert_eq!(node_account.automount_service_account_token, Some(false));
+    Api::<ClusterRole>::all(client.clone())
+        .get("flatmesh-control")
+        .await
+        .unwrap();
+    Api::<ClusterRoleBinding>::all(client.clone())
+        .get("flatmesh-control")
+        .await
+        .unwrap();
+    let deployment = Api::<Deployment>::namespaced(client.clone(), NS)
+        .get("flatmesh-control")
+        .await
+        .unwrap();
+    let service = Api::<Service>::namespaced(client.clone(), NS)
+        .get("flatmesh-control")
+        .await
+        .unwrap();
+    let daemonset = Api::<DaemonSet>::namespaced(client.clone(), NS)
+        .get("flatmesh-node")
+        .await
+        .unwrap();
+    let node_config = Api::<ConfigMap>::namespaced(client.clone(), NS)
+        .get("flatmesh-node")
+        .await
+        .unwrap();
+
+    // RBAC. The node's account: no Secrets anywhere, no pods, nothing of the cluster.
+    let all = ["--all-namespaces"];
+    for verb in ["get", "list", "watch"] {
+        for scope in [&all[..], &["-n", NS], &["-n", "default"], &["-n", "kube-system"]] {
+            assert!(
+                !can_i(&kubeconfig, NODE_SA, verb, "secrets", scope),
+                "the node's account may {verb} secrets ({scope:?})"
+            );
+        }
+    }
+    for (verb, resource) in [
+        ("list", "pods"),
+        ("watch", "pods"),
+        ("list", "services"),
+        ("list", "endpointslices.discovery.k8s.io"),
+        ("list", "nodes"),
+        ("create", "pods"),
+        ("create", "pods/binding"),
+    ] {
+        assert!(
+            !can_i(&kubeconfig, NODE_SA, verb, resource, &all),
+            "the node's account may {verb} {resource}"
+        );
+    }
+    // The control plane's: every verb the controller and the scheduler use, cluster-wide ...
+    for resource in [
+        "namespaces",
+        "services",
+        "pods",
+        "endpointslices.discovery.k8s.io",
+        "httproutes.gateway.networking.k8s.io",
+        "grpcroutes.gateway.networking.k8s.io",
+        "nodes",
+    ] {
+        for verb in ["get", "list", "watch"] {
+            assert!(
+                can_i(&kubeconfig, CONTROL_SA, verb, resource, &all),
+                "the control plane's account may not {verb} {resource}"
+            );
+        }
+    }
+    for (verb, resource) in [
+        ("create", "pods/binding"),
+        ("create", "bindings"),
+        ("create", "pods"),
+        ("delete", "pods"),
+    ] {
+        assert!(
+            can_i(&kubeconfig, CONTROL_SA, verb, resource, &all),
+            "the control plane's account may not {verb} {resource}"
+        );
+    }
+    // ... and nothing more.
+    for (verb, resource) in [
+        ("get", "secrets"),
+        ("list", "secrets"),
+        ("get", "configmaps"),
+        ("update", "services"),
+        ("patch", "pods"),
+        ("delete", "namespaces"),
+        ("create", "endpointslices.discovery.k8s.io"),
+        ("update", "httproutes.gateway.networking.k8s.io"),
+        ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
+    ] {
+        assert!(
+            !can_i(&kubeconfig, CONTROL_SA, verb, resource, &all),
+            "the control plane's account may {verb} {resource}"
+        );
+    }
+
+    // What the workloads look like: the node's pods take the node's account, the host network
+    // and NODE_NAME from the downward API; the control plane's its own account.
+    let pod_spec = daemonset.spec.as_ref().unwrap().template.spec.as_ref();
+    let spec = pod_spec.unwrap();
+    assert_eq!(spec.service_account_name.as_deref(), Some("flatmesh-node"));
+    assert_eq!(spec.host_network, Some(true));
+    assert_eq!(spec.automount_service_account_token, Some(false));
+    let node_container = container(pod_spec);
+    let node_name = node_container
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "NODE_NAME")
+        .and_then(|e| e.value_from.as_ref()?.field_ref.as_ref())
+        .map(|f| f.field_path.clone());
+    assert_eq!(node_name.as_deref(), Some("spec.nodeName"));
+    let control_spec = deployment.spec.as_ref().unwrap().template.spec.as_ref();
+    assert_eq!(
+        control_spec.unwrap().service_account_name.as_deref(),
+        Some("flatmesh-control")
+    );
+    let control_container = container(control_spec);
+    // The Service sends the xDS port to the Deployment's pods.
+    let service_spec = service.spec.as_ref().unwrap();
+    assert_eq!(
+        service_spec.selector.as_ref(),
+        deployment
+            .spec
+            .as_ref()
+            .unwrap()
+            .template
+            .metadata
+            .as_ref()
+            .unwrap()
+            .labels
+            .as_ref()
+    );
+    let xds_port = service_spec.ports.as_ref().unwrap()[0].port;
+    let node_args = node_container.args.clone().unwrap();
+    assert!(
+        node_args
+            .windows(2)
+            .any(|w| w[0] == "--xds" && w[1] == format!("flatmesh-control.{NS}:{xds_port}")),
+        "the DaemonSet dials the Service: {node_args:?}"
+    );
+
+    // Something to serve: a Service and a pod on node-1.
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    create(&namespaces, json!({ "metadata": { "name": "shop" } })).await;
+    let services: Api<Service> = Api::namespaced(client.clone(), "shop");
+    let web = create(
+        &services,
+        json!({ "metadata": { "name": "web" },
+                "spec": { "ports": [ { "name": "http", "port": 80 } ] } }),
+    )
+    .await;
+    let web_vip = web.spec.unwrap().cluster_ip.unwrap();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "shop");
+    create(
+        &pods,
+        json!({ "metadata": { "name": "web-1" },
+                "spec": { "nodeName": "node-1",
+                          "containers": [ { "name": "app", "image": "example.invalid/app" } ] } }),
+    )
+    .await;
+
+    // `flatmesh control` as the Deployment runs it, as its service account: a token from the
+    // TokenRequest API, in a kubeconfig instead of the pod's mounted one.
+    let token = kubectl(
+        &kubeconfig,
+        &["create", "token", "flatmesh-control", "-n", NS, "--duration=1h"],
+    );
+    assert!(token.status.success(), "{token:?}");
+    let token = String::from_utf8(token.stdout).unwrap().trim().to_string();
+    let mut as_control = kube::config::Kubeconfig::read_from(&kubeconfig).unwrap();
+    as_control.auth_infos[0].auth_info = Some(kube::config::AuthInfo {
+        token: Some(token.into()),
+        ..Default::default()
+    });
+    // JSON is YAML: kube-rs reads it as a kubeconfig.
+    let control_kubeconfig = env.dir.join("control-kubeconfig");
+    std::fs::write(
+        &control_kubeconfig,
+        serde_json::to_string(&as_control).unwrap(),
+    )
+    .unwrap();
+    let xds: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let metrics = free_port();
+    let control_args: Vec<String> = control_container
+        .args
+        .clone()
+        .unwrap()
+        .into_iter()
+        .map(|a| match a.as_str() {
+            "--in-cluster" => format!("--kubeconfig={}", control_kubeconfig.display()),
+            _ if a.starts_with("--listen=") => format!("--listen={xds}"),
+            _ if a.starts_with("--metrics=") => format!("--metrics=127.0.0.1:{metrics}"),
+            _ => a,
+        })
+        .collect();
+    assert!(
+        control_args.iter().any(|a| a.starts_with("--kubeconfig=")),
+        "the Deployment runs `control --in-cluster`: {control_args:?}"
+    );
+    let control = Running::spawn("control", &env.dir, &control_args, &[]);
+
+    // A node with a pod is served the Service: the control plane listed and watched.
+    let (tx, mut served) = watch::channel(None);
+    let node_1 = flatmesh_xds::client::Client::spawn(
+        flatmesh_xds::client::Options {
+            server: xds.to_string(),
+            node_id: "node-1".into(),
+            node_cluster: "node-1".into(),
+            protocol: flatmesh_xds::client::Protocol::Sotw,
+            security: Default::default(),
+            sds_dir: None,
+        },
+        flatmesh_xds::bootstrap::empty_config(),
+        Applied(tx),
+    );
+    let listener_at = |vip: &str| {
+        let vip: SocketAddr = format!("{vip}:80").parse().unwrap();
+        move |c: &Option<flatmesh_config::Config>| {
+            c.as_ref()
+                .is_some_and(|c| c.listeners.iter().any(|l| l.address == vip))
+        }
+    };
+    let got = tokio::time::timeout(Duration::from_secs(60), served.wait_for(listener_at(&web_vip)))
+        .await
+        .is_ok();
+    assert!(
+        got,
+        "node-1 is not served shop/web by `flatmesh control` as flatmesh-control; its log:\n{}",
+        control.log()
+    );
+    // A change arrives too (the watch works with this account).
+    let api = create(
+        &services,
+        json!({ "metadata": { "name": "api" },
+                "spec": { "ports": [ { "name": "http", "port": 80 } ] } }),
+    )
+    .await;
+    let api_vip = api.spec.unwrap().cluster_ip.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(10), served.wait_for(listener_at(&api_vip)))
+        .await
+        .is_ok();
+    assert!(got, "a new Service did not arrive; log:\n{}", control.log());
+    let log = control.log();
+    for refusal in ["Forbidden", "forbidden"] {
+        assert!(
+            !log.contains(refusal),
+            "`flatmesh control` as flatmesh-control was refused something:\n{log}"
+        );
+    }
+
+    // `flatmesh node` as the DaemonSet runs it, with its ConfigMap, for a node without pods
+    // (a node with pods would bind the ClusterIPs, which are not local here).
+    let node_yaml = &node_config.data.as_ref().unwrap()["node.yaml"];
+    let probe = node_container.readiness_probe.clone().unwrap();
+    let get = probe.http_get.unwrap();
+    assert_eq!(get.path.as_deref(), Some("/ready"));
+    let probe_admin = format!(
+        "{}:{}",
+        get.host.as_deref().unwrap_or("POD_IP"),
+        match get.port {
+            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(p) => p.to_string(),
+            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(p) => p,
+        }
+    );
+    assert!(
+        node_yaml.contains(&format!("admin: {probe_admin}")),
+        "the readiness probe reads the admin port node.yaml sets ({probe_admin}):\n{node_yaml}"
+    );
+    let pre_stop = node_container
+        .lifecycle
+        .clone()
+        .and_then(|l| l.pre_stop?.exec?.command)
+        .unwrap();
+    assert!(
+        pre_stop.iter().any(|a| a == &probe_admin) && pre_stop.iter().any(|a| a == "drain"),
+        "the preStop hook drains the admin port: {pre_stop:?}"
+    );
+    // The same, on a free port of this machine.
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let config_dir = env.dir.join("etc-flatmesh");
+    std::fs::create_dir_all(&config_dir).unwrap();
+    std::fs::write(
+        config_dir.join("node.yaml"),
+        node_yaml.replace(&probe_admin, &admin.to_string()),
+    )
+    .unwrap();
+    let mount = node_container
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "config")
+        .unwrap()
+        .mount_path
+        .clone();
+    let node_args: Vec<String> = node_args
+        .into_iter()
+        .map(|a| {
+            a.replace("$(NODE_NAME)", "node-empty")
+                .replace(&format!("flatmesh-control.{NS}:{xds_port}"), &xds.to_string())
+                .replace(&mount, config_dir.to_str().unwrap())
+        })
+        .collect();
+    let mut node = Running::spawn("node", &env.dir, &node_args, &[]);
+    let start = Instant::now();
+    while ready(admin) != Some(200) {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the node is not ready on {admin}/ready; its log:\n{}",
+            node.log()
+        );
+        if let Some(status) = node.child.try_wait().unwrap() {
+            panic!("the node exited ({status}); its log:\n{}", node.log());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // preStop: the drain returns once the node has stopped.
+    assert!(pre_stop[0].ends_with("/flatmesh"), "{pre_stop:?}");
+    let drain = Command::new(&bin)
+        .args(pre_stop[1..].iter().map(|a| a.replace(&probe_admin, &admin.to_string())))
+        .output()
+        .unwrap();
+    assert!(
+        drain.status.success(),
+        "the preStop hook failed: {}\n{}",
+        String::from_utf8_lossy(&drain.stdout),
+        String::from_utf8_lossy(&drain.stderr)
+    );
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = node.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the node did not stop after the drain; its log:\n{}",
+            node.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(status.success(), "the node exited with {status}:\n{}", node.log());
+
+    node_1.stop().await;
+    drop(control);
+    drop(env);
+}
