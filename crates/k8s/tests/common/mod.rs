@@ -1,0 +1,233 @@
+//! What the tests against a real API server share: testenv (../shared/k8s/testenv, or
+//! $FLATMESH_K8S_TESTENV: kube-apiserver and etcd), xDS clients standing in for nodes, and
+//! small helpers to create objects.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use flatmesh_config::Config;
+use kube::api::{Api, PostParams};
+use tokio::sync::watch;
+
+/// `testenv stop` on drop, whatever happened.
+pub struct TestEnv {
+    script: PathBuf,
+    pub dir: PathBuf,
+    /// The kube-apiserver this test started again (to reap it).
+    restarted: parking_lot::Mutex<Option<std::process::Child>>,
+}
+
+impl TestEnv {
+    pub fn start() -> TestEnv {
+        let script = match std::env::var_os("FLATMESH_K8S_TESTENV") {
+            Some(path) => PathBuf::from(path),
+            None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/k8s/testenv"),
+        };
+        assert!(
+            script.is_file(),
+            "testenv not found at {}: set FLATMESH_K8S_TESTENV to the testenv script (see scripts/setup)",
+            script.display()
+        );
+        let dir = std::env::temp_dir().join(format!("flatmesh-k8s-{}", std::process::id()));
+        let env = TestEnv {
+            script,
+            dir,
+            restarted: Default::default(),
+        };
+        let out = Command::new(&env.script)
+            .arg("start")
+            .arg(&env.dir)
+            .output()
+            .expect("run testenv start");
+        assert!(
+            out.status.success(),
+            "testenv start failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        env.reissue_server_certificate();
+        env
+    }
+
+    /// testenv's server certificate is self-signed with `CA:TRUE`, which kubectl (Go) takes
+    /// but rustls refuses as a server's own certificate (`CaUsedAsEndEntity`); a real cluster
+    /// has a CA and a leaf. The same key and names as a self-signed leaf (`CA:FALSE`) is
+    /// trusted by both, so the API server is restarted with that, at the same path.
+    pub fn reissue_server_certificate(&self) {
+        let out = Command::new("openssl")
+            .args(["req", "-x509", "-key"])
+            .arg(self.dir.join("apiserver.key"))
+            .arg("-out")
+            .arg(self.dir.join("apiserver.crt"))
+            .args([
+                "-days",
+                "2",
+                "-subj",
+                "/CN=kube-apiserver",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1,DNS:localhost",
+                "-addext",
+                "basicConstraints=critical,CA:FALSE",
+                "-addext",
+                "keyUsage=critical,digitalSignature,keyEncipherment",
+                "-addext",
+                "extendedKeyUsage=serverAuth",
+            ])
+            .output()
+            .expect("run openssl");
+        assert!(
+            out.status.success(),
+            "openssl: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let argv = self.stop_apiserver();
+        self.start_apiserver(&argv);
+    }
+
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.dir.join("kubeconfig")
+    }
+
+    /// Stop kube-apiserver (etcd keeps its data) and return how to start it again: SIGTERM,
+    /// then SIGKILL if it is still there after 5 s (a graceful stop waits for open watches).
+    pub fn stop_apiserver(&self) -> Vec<String> {
+        let pid = std::fs::read_to_string(self.dir.join("apiserver.pid")).unwrap();
+        let pid = pid.trim().to_string();
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        let argv: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        // A zombie (our own child, not reaped yet) has an empty command line.
+        let running = || std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty());
+        for (signal, wait) in [("-TERM", 5), ("-KILL", 15)] {
+            let _ = Command::new("kill").args([signal, &pid]).status();
+            let deadline = Instant::now() + Duration::from_secs(wait);
+            while running() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if !running() {
+                break;
+            }
+        }
+        assert!(!running(), "kube-apiserver {pid} did not stop");
+        if let Some(mut child) = self.restarted.lock().take() {
+            let _ = child.wait();
+        }
+        argv
+    }
+
+    /// Start kube-apiserver again, as before, and record its pid for `testenv stop`.
+    pub fn start_apiserver(&self, argv: &[String]) {
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.dir.join("apiserver.log"))
+            .unwrap();
+        let child = Command::new(&argv[0])
+            .args(&argv[1..])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        std::fs::write(self.dir.join("apiserver.pid"), child.id().to_string()).unwrap();
+        *self.restarted.lock() = Some(child);
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        let _ = Command::new(&self.script)
+            .arg("stop")
+            .arg(&self.dir)
+            .status();
+        if let Some(mut child) = self.restarted.lock().take() {
+            let _ = child.wait(); // killed by `testenv stop`
+        }
+    }
+}
+
+/// The configs an xDS client hands its node, latest last.
+pub struct Applied(pub watch::Sender<Option<Config>>);
+
+impl flatmesh_xds::client::Apply for Applied {
+    fn apply(&mut self, config: Config) -> Result<(), String> {
+        self.0.send_replace(Some(config));
+        Ok(())
+    }
+}
+
+pub fn node(
+    server: SocketAddr,
+    id: &str,
+) -> (
+    flatmesh_xds::client::Client,
+    watch::Receiver<Option<Config>>,
+) {
+    let (tx, rx) = watch::channel(None);
+    let client = flatmesh_xds::client::Client::spawn(
+        flatmesh_xds::client::Options {
+            server: server.to_string(),
+            node_id: id.into(),
+            node_cluster: id.into(),
+            protocol: flatmesh_xds::client::Protocol::Delta,
+            security: Default::default(),
+            sds_dir: None,
+        },
+        flatmesh_xds::bootstrap::empty_config(),
+        Applied(tx),
+    );
+    (client, rx)
+}
+
+/// Waits (up to `within`) for the node's config to satisfy `ok`; returns how long it took.
+pub async fn until(
+    rx: &mut watch::Receiver<Option<Config>>,
+    within: Duration,
+    what: &str,
+    ok: impl Fn(&Config) -> bool,
+) -> Duration {
+    let start = Instant::now();
+    let arrived = tokio::time::timeout(within, rx.wait_for(|c| c.as_ref().is_some_and(&ok)))
+        .await
+        .is_ok();
+    let last = rx.borrow().clone();
+    assert!(
+        arrived,
+        "{what}: not within {within:?}; the node's config: {last:#?}"
+    );
+    start.elapsed()
+}
+
+/// Until the API server answers (a minute at most).
+pub async fn wait_ready(client: &kube::Client, dir: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match client.apiserver_version().await {
+            Ok(_) => return,
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "kube-apiserver is not ready ({e}); see {}/apiserver.log",
+                dir.display()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+pub async fn create<K>(api: &Api<K>, value: serde_json::Value) -> K
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
+{
+    api.create(
+        &PostParams::default(),
+        &serde_json::from_value(value).unwrap(),
+    )
+    .await
+    .unwrap()
+}
+
