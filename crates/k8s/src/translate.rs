@@ -116,6 +116,11 @@ pub fn translate(objects: &Objects, trust_domain: &str) -> Translation {
         if routes.is_empty() {
             served.push(json!({ "cluster": port.name }));
         }
+        for route in &mut served {
+            if route.get("direct_response").is_none() {
+                route["retries"] = default_retries();
+            }
+        }
         listeners.push(json!({
             "name": port.name, "address": address, "protocol": "http", "routes": served,
         }));
@@ -151,6 +156,13 @@ pub fn translate(objects: &Objects, trust_domain: &str) -> Translation {
             .insert(pod_identity(trust_domain, pod));
     }
     Translation { nodes, warnings }
+}
+
+/// Every forwarding route's retry policy, Istio's default: two more tries when the endpoint
+/// cannot be reached (a pod that died before its endpoint was removed) or a gRPC endpoint
+/// answers UNAVAILABLE or CANCELLED, within the cluster's retry budget (20% + 10/s).
+fn default_retries() -> Value {
+    json!({ "attempts": 2, "on": ["connect-failure", "unavailable", "cancelled"] })
 }
 
 /// One port of a Service that has a ClusterIP.
