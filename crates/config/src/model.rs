@@ -746,7 +746,27 @@ pub struct RouteMatch {
     /// Query parameters.
     #[serde(default)]
     pub query: Vec<NamedMatch>,
+    /// A field of the request's first gRPC message (papers/003: the proxy reads the message,
+    /// not only the head). Only gRPC requests (`content-type: application/grpc...`) can match.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpc_field: Option<GrpcFieldMatch>,
 }
+
+/// `grpc_field: { number: 1, exact: alice }`: field `number` of the first gRPC message's
+/// protobuf, a string/bytes field (compared as bytes) or a varint field (compared as its
+/// unsigned decimal text). Exactly one of `exact` and `prefix` is set (checked by validation).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GrpcFieldMatch {
+    pub number: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exact: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<String>,
+}
+
+/// The largest protobuf field number (2^29 - 1).
+pub const GRPC_FIELD_NUMBER_MAX: u32 = (1 << 29) - 1;
 
 /// Written as a one-key map: `{ prefix: /api }`. (serde_norway reads a plain
 /// externally tagged enum only from a YAML tag like `!prefix /api`, so reading

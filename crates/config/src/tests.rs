@@ -457,6 +457,33 @@ fn named_match_exactly_one_condition() {
 }
 
 #[test]
+fn grpc_field_needs_a_field_number_and_one_condition() {
+    only(
+        &http("      - match: { grpc_field: { number: 0, exact: a } }\n        cluster: api\n"),
+        6,
+        40,
+        "field number 0 is not a protobuf field number",
+    );
+    only(
+        &http("      - match: { grpc_field: { number: 1 } }\n        cluster: api\n"),
+        6,
+        18,
+        "grpc_field 1 has no condition",
+    );
+    only(
+        &http("      - match: { grpc_field: { number: 2, exact: a, prefix: b } }\n        cluster: api\n"),
+        6,
+        53,
+        "sets both `exact` and `prefix`",
+    );
+    assert!(parse(
+        &http("      - match: { grpc_field: { number: 536870911, prefix: \"\" } }\n        cluster: api\n"),
+        "t"
+    )
+    .is_ok());
+}
+
+#[test]
 fn named_match_names() {
     only(
         &http("      - match: { headers: [ { name: \"x a\", present: true } ] }\n        cluster: api\n"),

@@ -1339,6 +1339,38 @@ impl Checker<'_> {
             }
             self.named_match(&here, query);
         }
+        if let Some(field) = &m.grpc_field {
+            self.grpc_field(&format!("{at}.grpc_field"), field);
+        }
+    }
+
+    fn grpc_field(&mut self, at: &str, f: &GrpcFieldMatch) {
+        if f.number == 0 || f.number > GRPC_FIELD_NUMBER_MAX {
+            self.report(
+                format!("{at}.number"),
+                Target::Value,
+                format!(
+                    "field number {} is not a protobuf field number",
+                    f.number
+                ),
+                format!("field numbers run from 1 to {GRPC_FIELD_NUMBER_MAX}: write the number the .proto file gives the field"),
+            );
+        }
+        match (&f.exact, &f.prefix) {
+            (None, None) => self.report(
+                at,
+                Target::Key,
+                format!("grpc_field {} has no condition", f.number),
+                "add one of `exact` or `prefix`".into(),
+            ),
+            (Some(_), Some(_)) => self.report(
+                format!("{at}.prefix"),
+                Target::Key,
+                format!("grpc_field {} sets both `exact` and `prefix`", f.number),
+                "keep one of `exact` and `prefix`".into(),
+            ),
+            _ => {}
+        }
     }
 
     fn named_match(&mut self, at: &str, m: &NamedMatch) {

@@ -77,6 +77,7 @@ fn user_queue(program: &flatmesh_rules::RuleProgram, app: u8, line: &str) -> u8 
         path,
         query,
         headers: (&headers).into(),
+        message: None,
     };
     program
         .route(usize::from(app) - 1, &req)

@@ -345,3 +345,113 @@ async fn many_bidi_streams_with_small_messages_read_late() {
         t.await.expect("stream task");
     }
 }
+
+/// `grpc_field`: routes decided on a field of the first request message (papers/003), by the
+/// user tier; the message still reaches the backend whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_on_a_field_of_the_first_message() {
+    let (g1, g2) = (
+        GrpcBackend::start("g1").await,
+        GrpcBackend::start("g2").await,
+    );
+    let (admin, web) = (free_addr(), free_addr());
+    let yaml = format!(
+        r#"
+admin: {admin}
+workers: 2
+listeners:
+  - name: grpc
+    address: {web}
+    protocol: http
+    routes:
+      - name: vip
+        match: {{ path: {{ prefix: /test.Echo/ }}, grpc_field: {{ number: 1, prefix: "vip-" }} }}
+        cluster: second
+      - name: three
+        match: {{ path: {{ prefix: /test.Echo/ }}, grpc_field: {{ number: 2, exact: "3" }} }}
+        cluster: second
+      - name: rest
+        match: {{ path: {{ prefix: /test.Echo/ }} }}
+        cluster: first
+clusters:
+  - name: first
+    protocol: http2
+    endpoints: [ {a} ]
+  - name: second
+    protocol: http2
+    endpoints: [ {b} ]
+"#,
+        a = g1.addr,
+        b = g2.addr
+    );
+    let proxy = TestNode::start(&yaml);
+    let mut client = grpc::connect(web).await;
+    // A string field, by prefix; a message long enough to cross several DATA frames.
+    let long = format!("vip-{}", "x".repeat(100_000));
+    for (message, want) in [
+        ("vip-alice", "g2"),
+        ("vi", "g1"),
+        ("alice-vip-", "g1"),
+        ("", "g1"),
+        (long.as_str(), "g2"),
+    ] {
+        let resp = tokio::time::timeout(STEP, grpc::unary(&mut client, message))
+            .await
+            .expect("unary within time")
+            .unwrap_or_else(|s| panic!("unary failed through the proxy: {s:?}"));
+        assert_eq!(
+            resp.into_inner().message,
+            format!("{want}:{message}"),
+            "message {:.20}",
+            message
+        );
+    }
+    // A varint field, by its decimal text: the server stream's `count`; which route took
+    // each call is read from the node's per-route counters.
+    let routed = |route: &'static str| {
+        let proxy = &proxy;
+        async move {
+            let labels = [format!("route=\"{route}\"")];
+            let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
+            metric_samples(&proxy.metrics().await, "flatmesh_requests_total", &labels)
+                .iter()
+                .map(|(_, v)| *v)
+                .sum::<f64>()
+        }
+    };
+    let (three, rest) = (routed("three").await, routed("rest").await);
+    for (count, route) in [(3, "three"), (2, "rest"), (30, "rest")] {
+        let before = routed(route).await;
+        let mut stream = tokio::time::timeout(STEP, grpc::server_stream(&mut client, "n", count))
+            .await
+            .expect("server stream within time")
+            .unwrap_or_else(|s| panic!("server stream failed: {s:?}"));
+        let mut got = 0;
+        while let Some(reply) = tokio::time::timeout(STEP, stream.next())
+            .await
+            .expect("reply within time")
+        {
+            reply.unwrap_or_else(|s| panic!("stream reply failed: {s:?}"));
+            got += 1;
+        }
+        assert_eq!(got, count, "count {count}: every reply arrives");
+        assert_eq!(
+            routed(route).await,
+            before + 1.0,
+            "count {count} goes to route {route}"
+        );
+    }
+    assert_eq!(routed("three").await, three + 1.0);
+    assert_eq!(routed("rest").await, rest + 2.0);
+    // Client streaming: the first message decides; every message reaches that backend.
+    let before = routed("vip").await;
+    let reply = tokio::time::timeout(
+        STEP,
+        grpc::client_stream(&mut client, vec!["vip-1".into(), "b".into(), "c".into()]),
+    )
+    .await
+    .expect("client stream within time")
+    .unwrap_or_else(|s| panic!("client stream failed: {s:?}"));
+    assert_eq!(reply.message, "vip-1,b,c");
+    assert_eq!(routed("vip").await, before + 1.0);
+}

@@ -126,6 +126,8 @@ fn bench(c: &mut Criterion<ThreadCpu>) {
                 path,
                 query: None,
                 headers: (&headers).into(),
+                message: None,
+                message: None,
             };
             let got = program.route(web, &req).map(|r| r.id);
             assert_eq!(got, *want, "bench case {label} routed wrong");
@@ -141,6 +143,7 @@ fn bench(c: &mut Criterion<ThreadCpu>) {
             path: &path,
             query: None,
             headers: (&headers).into(),
+            message: None,
         };
         c.bench_function(&format!("route_linear/{n}/last_prefix"), |b| {
             b.iter(|| black_box(program.route_linear(web, black_box(&req)).map(|r| r.id)))

@@ -359,6 +359,7 @@ mod tests {
             path,
             query: None,
             headers: (&headers).into(),
+            message: None,
         };
         let authz = p.authz(0).unwrap();
         let d = authz.check_request(&req, Peer { principal });
@@ -408,6 +409,7 @@ mod tests {
                 path: "/",
                 query: None,
                 headers: (&headers).into(),
+                message: None,
             };
             p.authz(0)
                 .unwrap()

@@ -63,6 +63,9 @@ pub enum RulesError {
         count: usize,
     },
 
+    #[error("route `{route}`: grpc_field {number} must be a protobuf field number (1..=536870911) with exactly one of `exact` or `prefix`")]
+    BadGrpcField { route: String, number: u32 },
+
     #[error("route `{route}`: direct_response status {status} is not a valid HTTP status; use 100..=999, e.g. 200 or 503")]
     BadStatus { route: String, status: u16 },
 

@@ -556,6 +556,13 @@ fn match_json(m: &RuleMatch) -> Value {
         "method": m.method.as_ref().map(|m| m.as_str()),
         "headers": m.headers.iter().map(|h: &HeaderCond| named(h.name.as_str(), &h.value)).collect::<Vec<_>>(),
         "query": m.query.iter().map(|q: &QueryCond| named(&q.name, &q.value)).collect::<Vec<_>>(),
+        "grpc_field": m.grpc_field.as_ref().map(|f| {
+            let mut obj = value(&f.value);
+            if let Some(o) = obj.as_object_mut() {
+                o.insert("number".into(), f.number.into());
+            }
+            obj
+        }),
     })
 }
 

@@ -24,6 +24,7 @@ pub mod lower;
 pub mod matcher;
 pub mod normalize;
 mod program;
+pub mod protobuf;
 mod reason;
 mod request;
 mod runtime;

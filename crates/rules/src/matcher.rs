@@ -15,6 +15,7 @@ use http::{HeaderName, Method};
 use regex_automata::meta;
 use regex_syntax::hir::{Hir, Look};
 
+use crate::protobuf;
 use crate::request::{strip_port, Headers, Request};
 
 /// A regex that must match a whole value. Keeps its source text for explain and JSON.
@@ -269,6 +270,48 @@ pub fn first_param<'q>(query: &'q str, name: &str) -> Option<Cow<'q, str>> {
         .map(|(_, v)| v)
 }
 
+/// A condition on one field of the request's first gRPC message (`grpc_field`): its first
+/// occurrence in the message's first [`crate::protobuf::MESSAGE_PREFIX_MAX`] bytes, a
+/// string/bytes field compared as bytes, a varint field as its unsigned decimal text. A request
+/// without a readable first message (not gRPC, compressed, no body) does not match.
+#[derive(Debug, Clone)]
+pub struct GrpcFieldCond {
+    pub number: u32,
+    /// `Exact` or `Prefix` only.
+    pub value: ValueMatch,
+}
+
+impl GrpcFieldCond {
+    pub fn matches(&self, message: Option<&[u8]>) -> bool {
+        let Some(field) = message.and_then(|m| protobuf::find_field(m, self.number)) else {
+            return false;
+        };
+        let mut digits = [0u8; 20];
+        let value = match field {
+            protobuf::FieldValue::Bytes(bytes) => bytes,
+            protobuf::FieldValue::Varint(v) => decimal(v, &mut digits),
+        };
+        self.value.matches_value(Some(value))
+    }
+
+    pub fn describe(&self) -> String {
+        self.value.describe(&format!("grpc field {}", self.number))
+    }
+}
+
+/// `v` in decimal, written at the end of `buf` (u64 has at most 20 digits).
+fn decimal(mut v: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            return &buf[at..];
+        }
+    }
+}
+
 /// All conditions of one rule; an empty match matches every request.
 #[derive(Debug, Clone, Default)]
 pub struct RuleMatch {
@@ -277,6 +320,7 @@ pub struct RuleMatch {
     pub method: Option<Method>,
     pub headers: Vec<HeaderCond>,
     pub query: Vec<QueryCond>,
+    pub grpc_field: Option<GrpcFieldCond>,
 }
 
 impl RuleMatch {
@@ -292,6 +336,10 @@ impl RuleMatch {
             && self.host.as_ref().is_none_or(|h| h.matches(req.host))
             && self.headers.iter().all(|h| h.matches(req.headers))
             && self.query.iter().all(|q| q.matches(req.query))
+            && self
+                .grpc_field
+                .as_ref()
+                .is_none_or(|f| f.matches(req.message))
     }
 
     /// `path ^= /api, method GET, header x-canary = "1"`, or `*` for the empty match.
@@ -308,6 +356,7 @@ impl RuleMatch {
         }
         parts.extend(self.headers.iter().map(HeaderCond::describe));
         parts.extend(self.query.iter().map(QueryCond::describe));
+        parts.extend(self.grpc_field.iter().map(GrpcFieldCond::describe));
         if parts.is_empty() {
             "*".to_string()
         } else {
@@ -517,6 +566,31 @@ mod tests {
     }
 
     #[test]
+    fn grpc_field_compares_strings_as_bytes_and_varints_as_decimal() {
+        // field 1 (string) "vip-7", field 2 (varint) 300.
+        let message = [0x0a, 5, b'v', b'i', b'p', b'-', b'7', 0x10, 0xac, 0x02];
+        let cond = |number, value| GrpcFieldCond { number, value };
+        assert!(cond(1, ValueMatch::Exact("vip-7".into())).matches(Some(&message)));
+        assert!(cond(1, ValueMatch::Prefix("vip-".into())).matches(Some(&message)));
+        assert!(!cond(1, ValueMatch::Exact("vip".into())).matches(Some(&message)));
+        assert!(cond(2, ValueMatch::Exact("300".into())).matches(Some(&message)));
+        assert!(cond(2, ValueMatch::Prefix("30".into())).matches(Some(&message)));
+        assert!(!cond(2, ValueMatch::Exact("3".into())).matches(Some(&message)));
+        assert!(!cond(3, ValueMatch::Prefix(String::new())).matches(Some(&message)));
+        // No message (not gRPC, compressed, HTTP/1): nothing matches.
+        assert!(!cond(1, ValueMatch::Prefix(String::new())).matches(None));
+        assert_eq!(decimal(0, &mut [0; 20]), b"0");
+        assert_eq!(
+            decimal(u64::MAX, &mut [0; 20]),
+            u64::MAX.to_string().as_bytes()
+        );
+        assert_eq!(
+            cond(4, ValueMatch::Prefix("a".into())).describe(),
+            "grpc field 4 ^= \"a\""
+        );
+    }
+
+    #[test]
     fn describe_is_readable() {
         let m = RuleMatch {
             host: HostMatch::parse("*.example.com"),
@@ -527,6 +601,7 @@ mod tests {
                 name: "v".into(),
                 value: ValueMatch::Present(false),
             }],
+            grpc_field: None,
         };
         assert_eq!(
             m.describe(),

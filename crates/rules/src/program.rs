@@ -17,7 +17,9 @@ use crate::index::{IndexStats, PathIndex};
 use crate::lower::kernel::{KernelLowering, KernelTarget};
 use crate::lower::nic::NicLowering;
 use crate::lower::Lowering;
-use crate::matcher::{HeaderCond, HostMatch, PathCond, Pattern, QueryCond, RuleMatch, ValueMatch};
+use crate::matcher::{
+    GrpcFieldCond, HeaderCond, HostMatch, PathCond, Pattern, QueryCond, RuleMatch, ValueMatch,
+};
 use crate::normalize::PathNormalization;
 use crate::reason::Reason;
 use crate::split::WeightedSplit;
@@ -117,6 +119,9 @@ pub struct HttpTable {
     pub routes: Vec<CompiledRoute>,
     /// What the listener does to a request's path before any tier matches it.
     pub paths: PathNormalization,
+    /// Some route matches on the first gRPC message (`grpc_field`): the proxy reads it before
+    /// deciding a gRPC request.
+    pub reads_message: bool,
     index: PathIndex,
 }
 
@@ -233,6 +238,12 @@ impl RuleProgram {
             Some(TableKind::Http(t)) => t.paths,
             _ => PathNormalization::new(flatmesh_config::PathOptions::RAW),
         }
+    }
+
+    /// Whether a gRPC request to `listener` must come with its first message
+    /// ([`Request::message`]) to be decided: some route has a `grpc_field` condition.
+    pub fn reads_message(&self, listener: ListenerId) -> bool {
+        matches!(self.listeners.get(listener).map(|l| &l.kind), Some(TableKind::Http(t)) if t.reads_message)
     }
 
     /// User-tier (U7) executor: the first route of an http listener whose match holds, for a
@@ -392,6 +403,7 @@ fn compile_http(
         }
     })?;
     Ok(HttpTable {
+        reads_message: routes.iter().any(|r| r.matches.grpc_field.is_some()),
         routes,
         paths: PathNormalization::new(l.path_options()),
         index,
@@ -545,12 +557,38 @@ fn compile_match(r: &Route, route: &str) -> Result<RuleMatch, RulesError> {
             })
         })
         .collect::<Result<Vec<_>, RulesError>>()?;
+    let grpc_field = match &m.grpc_field {
+        None => None,
+        Some(f) => {
+            let value = match (&f.exact, &f.prefix) {
+                (Some(v), None) => ValueMatch::Exact(v.clone()),
+                (None, Some(v)) => ValueMatch::Prefix(v.clone()),
+                _ => {
+                    return Err(RulesError::BadGrpcField {
+                        route: route.to_string(),
+                        number: f.number,
+                    })
+                }
+            };
+            if f.number == 0 || f.number > flatmesh_config::model::GRPC_FIELD_NUMBER_MAX {
+                return Err(RulesError::BadGrpcField {
+                    route: route.to_string(),
+                    number: f.number,
+                });
+            }
+            Some(GrpcFieldCond {
+                number: f.number,
+                value,
+            })
+        }
+    };
     Ok(RuleMatch {
         host,
         path,
         method,
         headers,
         query,
+        grpc_field,
     })
 }
 

@@ -20,6 +20,8 @@ pub enum Reason {
     HostMatch,
     HeaderMatch,
     QueryMatch,
+    /// A condition on the first gRPC message (`grpc_field`).
+    GrpcFieldMatch,
     RegexPath,
     /// A path longer than the tier compares.
     PathTooLong {
@@ -171,6 +173,9 @@ impl std::fmt::Display for Reason {
             Reason::HostMatch => f.write_str("host match needs the full request head"),
             Reason::HeaderMatch => f.write_str("header match needs the full request head"),
             Reason::QueryMatch => f.write_str("query match needs URL decoding"),
+            Reason::GrpcFieldMatch => {
+                f.write_str("grpc_field match needs the first gRPC message, which the user tier reads")
+            }
             Reason::RegexPath => f.write_str("regex runs only in the user tier"),
             Reason::PathTooLong { max } => write!(f, "path longer than the {max} bytes compared"),
             Reason::MethodTooLong { max } => {

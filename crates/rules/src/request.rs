@@ -11,6 +11,9 @@ pub struct Request<'a> {
     /// Raw query without `?`, percent-encoded as received.
     pub query: Option<&'a str>,
     pub headers: Headers<'a>,
+    /// The first gRPC message's payload (at most `protobuf::MESSAGE_PREFIX_MAX` bytes of it),
+    /// when the listener has a `grpc_field` route and the request is gRPC; else `None`.
+    pub message: Option<&'a [u8]>,
 }
 
 /// The request's headers as the matcher reads them: hyper's map (HTTP/2), or the raw header

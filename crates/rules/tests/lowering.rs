@@ -92,6 +92,7 @@ impl Req {
             path: &self.path,
             query: self.query.as_deref(),
             headers: (&self.headers).into(),
+            message: None,
         }
     }
 }
@@ -300,6 +301,7 @@ fn kernel_actions_and_clusters_it_cannot_splice_are_punts() {
             { "match": { "path": { "prefix": "/h" } }, "cluster": "h" },
             { "match": { "host": "a.local" }, "cluster": "a" },
             { "match": { "query": [{ "name": "q", "present": true }] }, "cluster": "a" },
+            { "match": { "grpc_field": { "number": 1, "exact": "x" } }, "cluster": "a" },
         ]),
         l7(),
     );
@@ -318,16 +320,18 @@ fn kernel_actions_and_clusters_it_cannot_splice_are_punts() {
             Reason::HashOn,
             Reason::HostMatch,
             Reason::QueryMatch,
+            Reason::GrpcFieldMatch,
         ]
     );
-    // The image decides all but the last two: it only names the route, the host acts.
+    // The image decides all but the last three: it only names the route, the host acts.
     let nic: Vec<_> = reasons(&p, p.nic());
     assert!(nic[..6].iter().all(|v| v.decides()), "{nic:?}");
     assert_eq!(
         nic[6..],
         [
             Verdict::Host(Reason::HostMatch),
-            Verdict::Host(Reason::QueryMatch)
+            Verdict::Host(Reason::QueryMatch),
+            Verdict::Host(Reason::GrpcFieldMatch)
         ]
     );
 }

@@ -97,6 +97,7 @@ impl Req {
             path: &self.path,
             query: self.query.as_deref(),
             headers: (&self.headers).into(),
+            message: None,
         }
     }
 }

@@ -390,6 +390,7 @@ fn thousand_routes_agree_with_the_naive_reference() {
                 path: &r.path,
                 query: r.query.as_deref(),
                 headers: (&r.headers).into(),
+                message: None,
             };
             let want = reference(&routes, &r);
             let got = program.route(0, &view).map(|c| c.id);

@@ -40,7 +40,10 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{tcp_pr
 use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
     http_protocol_options, HttpProtocolOptions,
 };
-use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, RegexMatcher, StringMatcher};
+use envoy_types::pb::envoy::r#type::matcher::v3::{
+    metadata_matcher, string_matcher, value_matcher, MetadataMatcher, RegexMatcher, StringMatcher,
+    ValueMatcher,
+};
 use envoy_types::pb::envoy::r#type::v3::Percent;
 use envoy_types::pb::google::protobuf::{self as pbuf, UInt32Value};
 use flatmesh_config as model;
@@ -701,6 +704,37 @@ fn string_match(m: &model::NamedMatch) -> Option<StringMatcher> {
     })
 }
 
+/// The metadata "filter" a `grpc_field` condition travels under. Envoy has no match on the
+/// request message; a metadata match on a filter no Envoy fills never holds, so an Envoy that
+/// receives such a route leaves it unmatched rather than widening it.
+pub(crate) const GRPC_FIELD_FILTER: &str = "flatmesh.grpc_field";
+
+/// `grpc_field: { number: N, exact|prefix: V }` as `dynamic_metadata` on
+/// [`GRPC_FIELD_FILTER`], path `[N]`.
+fn grpc_field_matcher(f: &model::GrpcFieldMatch) -> MetadataMatcher {
+    let pattern = match (&f.exact, &f.prefix) {
+        (Some(v), _) => string_matcher::MatchPattern::Exact(v.clone()),
+        (None, Some(v)) => string_matcher::MatchPattern::Prefix(v.clone()),
+        // Validation requires one of the two; an empty prefix matches any value of the field.
+        (None, None) => string_matcher::MatchPattern::Prefix(String::new()),
+    };
+    MetadataMatcher {
+        filter: GRPC_FIELD_FILTER.into(),
+        path: vec![metadata_matcher::PathSegment {
+            segment: Some(metadata_matcher::path_segment::Segment::Key(
+                f.number.to_string(),
+            )),
+        }],
+        value: Some(ValueMatcher {
+            match_pattern: Some(value_matcher::MatchPattern::StringMatch(StringMatcher {
+                match_pattern: Some(pattern),
+                ignore_case: false,
+            })),
+        }),
+        invert: false,
+    }
+}
+
 fn headers_to_add(headers: &std::collections::BTreeMap<String, String>) -> Vec<HeaderValueOption> {
     headers
         .iter()
@@ -762,6 +796,9 @@ fn route(r: &model::Route, config: &model::Config) -> Route {
                 None => query_parameter_matcher::QueryParameterMatchSpecifier::PresentMatch(true),
             }),
         });
+    }
+    if let Some(field) = &r.matches.grpc_field {
+        m.dynamic_metadata.push(grpc_field_matcher(field));
     }
     let action = if let Some(dr) = &r.direct_response {
         route::Action::DirectResponse(DirectResponseAction {

@@ -284,6 +284,9 @@ listeners:
         response_headers_to_add: { x-served-by: flatmesh }
       - match: { path: { regex: "^/r/[0-9]+$" } }
         split: [ { cluster: one, weight: 3 }, { cluster: two, weight: 1 } ]
+      - name: by-message
+        match: { path: { prefix: /pkg.Svc/ }, grpc_field: { number: 3, prefix: vip- } }
+        cluster: two
       - direct_response: { status: 404, body: nope }
     limits: { per_connection_buffer_bytes: 65536, http2_max_concurrent_streams: 10, http2_stream_window: 32768, http2_connection_window: 131072 }
     tls: { cert: /pki/node.pem, key: /pki/node.key, client_ca: /pki/ca.pem, allow: [ spiffe://td/ns/shop/sa/web, "spiffe://td/ns/ops/*", "spiffe://partner/*" ] }

@@ -34,7 +34,9 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{tcp_pr
 use envoy_types::pb::envoy::extensions::upstreams::http::v3::{
     http_protocol_options, HttpProtocolOptions,
 };
-use envoy_types::pb::envoy::r#type::matcher::v3::{string_matcher, StringMatcher};
+use envoy_types::pb::envoy::r#type::matcher::v3::{
+    metadata_matcher, string_matcher, value_matcher, MetadataMatcher, StringMatcher,
+};
 use envoy_types::pb::google::protobuf::Any;
 use flatmesh_config as model;
 use prost::{Message, Name};
@@ -1345,7 +1347,72 @@ fn route_match(
         }
         out.query.push(named);
     }
+    for (i, d) in take(&mut rest.dynamic_metadata).into_iter().enumerate() {
+        let here = format!("{at}.dynamic_metadata[{i}]");
+        if out.grpc_field.is_some() {
+            return Err(XdsError::resource(
+                here,
+                "a route matches on one grpc_field at most",
+            ));
+        }
+        out.grpc_field = Some(grpc_field_condition(d, &here)?);
+    }
     reject_rest(&rest, at)?;
+    Ok(out)
+}
+
+/// flatmesh's `grpc_field` condition from its `dynamic_metadata` form (see
+/// `from_model::GRPC_FIELD_FILTER`); any other metadata match is refused.
+fn grpc_field_condition(mut d: MetadataMatcher, at: &str) -> Result<model::GrpcFieldMatch> {
+    if d.filter != crate::from_model::GRPC_FIELD_FILTER {
+        return Err(XdsError::resource(
+            format!("{at}.filter"),
+            format!(
+                "metadata matches are not supported, except flatmesh's `{}`",
+                crate::from_model::GRPC_FIELD_FILTER
+            ),
+        ));
+    }
+    let number = match d.path.as_slice() {
+        [metadata_matcher::PathSegment {
+            segment: Some(metadata_matcher::path_segment::Segment::Key(key)),
+        }] => key
+            .parse::<u32>()
+            .ok()
+            .filter(|n| (1..=model::GRPC_FIELD_NUMBER_MAX).contains(n)),
+        _ => None,
+    }
+    .ok_or_else(|| {
+        XdsError::resource(
+            format!("{at}.path"),
+            "must be one key, the protobuf field number (1..=536870911)",
+        )
+    })?;
+    let mut out = model::GrpcFieldMatch {
+        number,
+        exact: None,
+        prefix: None,
+    };
+    let pattern = match d.value.take().and_then(|v| v.match_pattern) {
+        Some(value_matcher::MatchPattern::StringMatch(s)) if !s.ignore_case => s.match_pattern,
+        _ => None,
+    };
+    match pattern {
+        Some(string_matcher::MatchPattern::Exact(v)) => out.exact = Some(v),
+        Some(string_matcher::MatchPattern::Prefix(v)) => out.prefix = Some(v),
+        _ => {
+            return Err(XdsError::resource(
+                format!("{at}.value"),
+                "must be a case-sensitive exact or prefix string match",
+            ))
+        }
+    }
+    if d.invert {
+        return Err(XdsError::resource(
+            format!("{at}.invert"),
+            "is not supported for a grpc_field match",
+        ));
+    }
     Ok(out)
 }
 

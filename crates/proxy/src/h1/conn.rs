@@ -406,6 +406,8 @@ fn prepare<'v>(
         path: &info.path,
         query: info.query,
         headers,
+        // gRPC runs over HTTP/2 only: no HTTP/1 request has a first gRPC message.
+        message: None,
     };
     let caller = (ctx.peer(), ctx.worker, ctx.peer);
     let action = match decide(snap, lid, &meta, caller, false, || info.target()) {

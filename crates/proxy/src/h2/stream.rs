@@ -1,6 +1,7 @@
 //! One stream of an HTTP/2 client connection: the request decided and forwarded by the L7
 //! layer, then the answer sent within the connection's budgets (`super` says which).
 
+use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -373,6 +374,9 @@ struct RequestBody {
     /// What `content-length` says is left, when it says.
     left: Option<u64>,
     data_done: bool,
+    /// Frames already read to decide the request (its first gRPC message, for a
+    /// `grpc_field` route), handed on first.
+    peeked: VecDeque<Frame<Bytes>>,
 }
 
 impl http_body::Body for RequestBody {
@@ -384,6 +388,9 @@ impl http_body::Body for RequestBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
+        if let Some(frame) = this.peeked.pop_front() {
+            return Poll::Ready(Some(Ok(frame)));
+        }
         let Some(recv) = this.recv.as_mut() else {
             return Poll::Ready(None);
         };
@@ -415,12 +422,17 @@ impl http_body::Body for RequestBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.recv.as_ref().is_none_or(RecvStream::is_end_stream)
+        self.peeked.is_empty() && self.recv.as_ref().is_none_or(RecvStream::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
+        let peeked: u64 = self
+            .peeked
+            .iter()
+            .filter_map(|f| f.data_ref().map(|d| d.len() as u64))
+            .sum();
         match self.left {
-            Some(left) => SizeHint::with_exact(left),
+            Some(left) => SizeHint::with_exact(left.saturating_add(peeked)),
             None => SizeHint::default(),
         }
     }
@@ -441,8 +453,29 @@ impl RequestBody {
             failed: Arc::new(AtomicBool::new(false)),
             left,
             data_done: false,
+            peeked: VecDeque::new(),
         };
         Request::from_parts(parts, body)
+    }
+
+    /// Reads the start of the body until it holds what a `grpc_field` route looks at (the
+    /// 5-byte prefix and up to `protobuf::MESSAGE_PREFIX_MAX` bytes of the first message) or
+    /// the body ends, and keeps what it read to hand on. Returns those bytes.
+    async fn read_first_message(&mut self) -> Result<Bytes, BoxError> {
+        let mut start = bytes::BytesMut::new();
+        let mut frames = VecDeque::new();
+        while flatmesh_rules::protobuf::wanted_prefix(&start).is_none_or(|want| start.len() < want)
+        {
+            let Some(frame) = self.frame().await.transpose()? else {
+                break;
+            };
+            if let Some(data) = frame.data_ref() {
+                start.extend_from_slice(data);
+            }
+            frames.push_back(frame);
+        }
+        self.peeked = frames;
+        Ok(start.freeze())
     }
 }
 
@@ -460,7 +493,7 @@ impl Drop for RequestBody {
 /// HTTP/1.1 cluster, its place among the connection's upstream connections.
 async fn handle(
     ctx: &Arc<ConnContext>,
-    req: Request<RequestBody>,
+    mut req: Request<RequestBody>,
     budget: &ConnBudget,
 ) -> (Response<ResponseBody>, Option<OwnedSemaphorePermit>) {
     let started = Instant::now();
@@ -477,6 +510,42 @@ async fn handle(
 
     let grpc = is_grpc(req.headers());
     let trace = ctx.tracer.begin(req.headers().into(), &method);
+    // A `grpc_field` route needs the first message before anything is decided.
+    let first = if grpc && snap.program.reads_message(lid) {
+        let limit = snap.config.limits.request_timeout;
+        let refused = match tokio::time::timeout(limit, req.body_mut().read_first_message()).await
+        {
+            Ok(Ok(first)) => Ok(first),
+            Err(_) => Err((
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                    "the first gRPC message did not arrive within {} (limits.request_timeout), and a route of this listener matches on it",
+                    flatmesh_config::duration::format(&limit)
+                ),
+            )),
+            Ok(Err(e)) => Err((
+                StatusCode::BAD_REQUEST,
+                format!("the request body broke before its first gRPC message was read: {e}"),
+            )),
+        };
+        match refused {
+            Ok(first) => Some(first),
+            Err((status, why)) => {
+                let resp = local_reply(status, why, false, grpc);
+                let outcome = Outcome {
+                    route: None,
+                    cluster: None,
+                    upstream: None,
+                    status: resp.status().as_u16(),
+                    trace: trace.as_ref(),
+                };
+                finish(ctx, snap, lid, started, &outcome, logged);
+                return (resp, None);
+            }
+        }
+    } else {
+        None
+    };
     let decision = {
         let meta = flatmesh_rules::Request {
             method: &method,
@@ -484,6 +553,9 @@ async fn handle(
             path: req.uri().path(),
             query: req.uri().query(),
             headers: req.headers().into(),
+            message: first
+                .as_deref()
+                .and_then(flatmesh_rules::protobuf::first_message),
         };
         decide(
             snap,

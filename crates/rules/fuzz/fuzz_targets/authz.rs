@@ -4,7 +4,7 @@
 //! policy's or the open default's).
 #![no_main]
 
-use flatmesh_config::{AuthzAction, Authorization};
+use flatmesh_config::{Authorization, AuthzAction};
 use flatmesh_rules::{compile, Peer, Request};
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
@@ -60,7 +60,8 @@ fuzz_target!(|case: Case| {
         let decision = if case.tcp {
             authz.check_connection(peer)
         } else {
-            let method = http::Method::from_bytes(call.method.as_bytes()).unwrap_or(http::Method::GET);
+            let method =
+                http::Method::from_bytes(call.method.as_bytes()).unwrap_or(http::Method::GET);
             let mut headers = http::HeaderMap::new();
             for (k, v) in &call.headers {
                 if let (Ok(k), Ok(v)) = (
@@ -76,6 +77,7 @@ fuzz_target!(|case: Case| {
                 path: &call.path,
                 query: None,
                 headers: (&headers).into(),
+                message: None,
             };
             authz.check_request(&req, peer)
         };
@@ -89,9 +91,15 @@ fuzz_target!(|case: Case| {
                 );
             }
             None => {
-                let has_allow = written.policies.iter().any(|p| p.action == AuthzAction::Allow);
+                let has_allow = written
+                    .policies
+                    .iter()
+                    .any(|p| p.action == AuthzAction::Allow);
                 let open = !has_allow && written.default == flatmesh_config::AuthzDefault::Allow;
-                assert_eq!(decision.allowed, open, "the unmatched decision is not the default's");
+                assert_eq!(
+                    decision.allowed, open,
+                    "the unmatched decision is not the default's"
+                );
             }
         }
     }

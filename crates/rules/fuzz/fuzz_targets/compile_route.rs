@@ -101,6 +101,7 @@ fn route(r: &FRoute) -> Option<Route> {
         method: r.method.clone(),
         headers: r.headers.iter().take(4).map(named).collect(),
         query: r.query.iter().take(4).map(named).collect(),
+        grpc_field: None,
     };
     route.request_headers_to_add = r.add.iter().take(4).cloned().collect();
     match r.action % 4 {
@@ -163,6 +164,7 @@ fuzz_target!(|case: Case| {
             path: &r.path,
             query: r.query.as_deref(),
             headers: (&headers).into(),
+            message: None,
         };
         // The user tier's path: normalised as the listener asks (idempotently); a refused or
         // redirected path is routed nowhere.
@@ -176,14 +178,21 @@ fuzz_target!(|case: Case| {
             Err(_) => None,
         };
         if let Some(p) = &path {
-            assert!(paths.is_normal(p), "{:?} normalises to {p:?}, which is not normal", r.path);
+            assert!(
+                paths.is_normal(p),
+                "{:?} normalises to {p:?}, which is not normal",
+                r.path
+            );
         }
         let req = Request {
             path: path.as_deref().unwrap_or(&r.path),
             ..raw
         };
         let fast = path.as_ref().and(program.route(0, &req)).map(|c| c.id);
-        let linear = path.as_ref().and(program.route_linear(0, &req)).map(|c| c.id);
+        let linear = path
+            .as_ref()
+            .and(program.route_linear(0, &req))
+            .map(|c| c.id);
         assert_eq!(fast, linear, "indexed and linear executors disagree");
         // Only a path a request can have: `/...` without `?`, space, CR or LF.
         if r.path.starts_with('/') && !r.path.contains(['?', ' ', '\r', '\n']) {

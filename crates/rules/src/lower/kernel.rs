@@ -274,6 +274,9 @@ pub fn check(
     if !m.query.is_empty() {
         return Err(Reason::QueryMatch);
     }
+    if m.grpc_field.is_some() {
+        return Err(Reason::GrpcFieldMatch);
+    }
     match &m.path {
         Some(PathCond::Regex(_)) => return Err(Reason::RegexPath),
         Some(PathCond::Exact(p) | PathCond::Prefix(p)) if p.len() > PATH_MAX => {

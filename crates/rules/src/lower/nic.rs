@@ -115,6 +115,9 @@ pub fn check(route: &CompiledRoute, paths: PathNormalization) -> Result<(), Reas
     if !m.query.is_empty() {
         return Err(Reason::QueryMatch);
     }
+    if m.grpc_field.is_some() {
+        return Err(Reason::GrpcFieldMatch);
+    }
     match &m.path {
         None => Ok(()),
         Some(PathCond::Regex(_)) => Err(Reason::RegexPath),
