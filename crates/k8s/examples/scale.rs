@@ -23,9 +23,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{wait_ready, TestEnv};
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
-use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DeltaDiscoveryResponse};
 use envoy_types::pb::envoy::config::core::v3::Node as XdsNode;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse,
+};
 use flatmesh_xds::resources::{Resource, Resources, CLUSTER, ENDPOINT, LISTENER, ROUTE};
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{Namespace, Pod, Service, ServiceAccount};
@@ -152,8 +154,8 @@ async fn sim_node(
 ) -> SimNode {
     let (acked_tx, acked) = watch::channel(None);
     tokio::spawn(async move {
-        let mut client = AggregatedDiscoveryServiceClient::new(channel)
-            .max_decoding_message_size(256 << 20);
+        let mut client =
+            AggregatedDiscoveryServiceClient::new(channel).max_decoding_message_size(256 << 20);
         let (tx, rx) = mpsc::channel::<DeltaDiscoveryRequest>(16);
         let node = XdsNode {
             id: id.clone(),
@@ -270,7 +272,8 @@ fn main() {
 }
 
 async fn run(a: Args) {
-    let binary = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/release/flatmesh");
+    let binary =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/release/flatmesh");
     assert!(
         binary.is_file(),
         "{} is missing: run `cargo build --release -p flatmesh` first",
@@ -278,7 +281,9 @@ async fn run(a: Args) {
     );
     eprintln!("starting kube-apiserver and etcd (testenv)");
     let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
-    let client = flatmesh_k8s::connect(Some(&env.kubeconfig())).await.unwrap();
+    let client = flatmesh_k8s::connect(Some(&env.kubeconfig()))
+        .await
+        .unwrap();
     wait_ready(&client, &env.dir).await;
 
     let namespaces: Api<Namespace> = Api::all(client.clone());
@@ -307,7 +312,10 @@ async fn run(a: Args) {
             let svc = json!({ "metadata": { "name": format!("svc-{s}") },
                 "spec": { "ports": [ { "name": "http", "port": 80, "targetPort": 8080 } ] } });
             services
-                .create(&PostParams::default(), &serde_json::from_value(svc).unwrap())
+                .create(
+                    &PostParams::default(),
+                    &serde_json::from_value(svc).unwrap(),
+                )
                 .await
                 .unwrap();
         }
@@ -317,7 +325,10 @@ async fn run(a: Args) {
         let slices = slices.clone();
         async move {
             slices
-                .create(&PostParams::default(), &serde_json::from_value(slice(s, None)).unwrap())
+                .create(
+                    &PostParams::default(),
+                    &serde_json::from_value(slice(s, None)).unwrap(),
+                )
                 .await
                 .unwrap();
         }
@@ -330,9 +341,12 @@ async fn run(a: Args) {
             let pod = json!({ "metadata": { "name": format!("pod-{p}") },
                 "spec": { "nodeName": format!("node-{}", p % nodes), "serviceAccountName": "app",
                           "containers": [ { "name": "app", "image": "example.invalid/app" } ] } });
-            pods.create(&PostParams::default(), &serde_json::from_value(pod).unwrap())
-                .await
-                .unwrap();
+            pods.create(
+                &PostParams::default(),
+                &serde_json::from_value(pod).unwrap(),
+            )
+            .await
+            .unwrap();
         }
     })
     .await;

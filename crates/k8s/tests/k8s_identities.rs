@@ -43,7 +43,12 @@ fn control_center(dir: &Path) -> ControlCenter {
     Authority::init("cluster.local", &ca_dir).unwrap();
     let tokens: String = ["node-a", "node-b"]
         .iter()
-        .map(|n| format!("{n}: {{ token_sha256: {} }}\n", token_digest_hex(&token_of(n))))
+        .map(|n| {
+            format!(
+                "{n}: {{ token_sha256: {} }}\n",
+                token_digest_hex(&token_of(n))
+            )
+        })
         .collect();
     let tokens_path = dir.join("node-tokens.yaml");
     std::fs::write(&tokens_path, tokens).unwrap();
@@ -129,7 +134,9 @@ impl SdsStream {
         for any in &response.resources {
             let secret = Secret::decode(any.value.as_slice()).unwrap();
             if let Some(secret::Type::TlsCertificate(tls)) = &secret.r#type {
-                let pem = |source: &Option<envoy_types::pb::envoy::config::core::v3::DataSource>| {
+                let pem = |source: &Option<
+                    envoy_types::pb::envoy::config::core::v3::DataSource,
+                >| {
                     match source.as_ref().and_then(|s| s.specifier.clone()) {
                         Some(envoy_types::pb::envoy::config::core::v3::data_source::Specifier::InlineBytes(b)) => b,
                         other => panic!("{}: not inline bytes: {other:?}", secret.name),
@@ -241,14 +248,21 @@ async fn a_node_gets_its_own_pods_identities_over_sds_and_loses_them_with_the_po
         }
     }
     let mut again = SdsStream::open(&server, &a, "node-a", &[WEB_ID]).await;
-    assert_eq!(again.next().await, set(&[]), "refused after the pod is gone");
+    assert_eq!(
+        again.next().await,
+        set(&[]),
+        "refused after the pod is gone"
+    );
 
     // The pod comes back on node B (a move): node B's stream is given it, node A still not.
     pod(&pods, "web-b", "node-b", "web").await;
     let mut pushes = 0;
     loop {
         pushes += 1;
-        assert!(pushes <= 5, "node-b is not given {WEB_ID} once its pod runs there");
+        assert!(
+            pushes <= 5,
+            "node-b is not given {WEB_ID} once its pod runs there"
+        );
         if b_stream.next().await == set(&[DB_ID, WEB_ID]) {
             break;
         }

@@ -20,9 +20,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
-use k8s_openapi::api::core::v1::{
-    ConfigMap, Container, Namespace, Pod, Service, ServiceAccount,
-};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Namespace, Pod, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use kube::api::Api;
 use serde_json::json;
@@ -141,9 +139,7 @@ fn container(spec: Option<&k8s_openapi::api::core::v1::PodSpec>) -> Container {
 /// `GET /ready` of a node's admin endpoint: its status code.
 fn ready(admin: SocketAddr) -> Option<u16> {
     let mut stream = std::net::TcpStream::connect_timeout(&admin, Duration::from_secs(1)).ok()?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(2)))
-        .ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
     write!(
         stream,
         "GET /ready HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n"
@@ -193,7 +189,10 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
     );
 
     // Every object is there, and nothing else was in the kustomization.
-    let listed = kubectl(&kubeconfig, &["get", "-k", dir.to_str().unwrap(), "-o", "name"]);
+    let listed = kubectl(
+        &kubeconfig,
+        &["get", "-k", dir.to_str().unwrap(), "-o", "name"],
+    );
     assert!(listed.status.success(), "{listed:?}");
     let mut names: Vec<String> = String::from_utf8_lossy(&listed.stdout)
         .lines()
@@ -247,7 +246,12 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
     // RBAC. The node's account: no Secrets anywhere, no pods, nothing of the cluster.
     let all = ["--all-namespaces"];
     for verb in ["get", "list", "watch"] {
-        for scope in [&all[..], &["-n", NS], &["-n", "default"], &["-n", "kube-system"]] {
+        for scope in [
+            &all[..],
+            &["-n", NS],
+            &["-n", "default"],
+            &["-n", "kube-system"],
+        ] {
             assert!(
                 !can_i(&kubeconfig, NODE_SA, verb, "secrets", scope),
                 "the node's account may {verb} secrets ({scope:?})"
@@ -384,7 +388,14 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
     // TokenRequest API, in a kubeconfig instead of the pod's mounted one.
     let token = kubectl(
         &kubeconfig,
-        &["create", "token", "flatmesh-control", "-n", NS, "--duration=1h"],
+        &[
+            "create",
+            "token",
+            "flatmesh-control",
+            "-n",
+            NS,
+            "--duration=1h",
+        ],
     );
     assert!(token.status.success(), "{token:?}");
     let token = String::from_utf8(token.stdout).unwrap().trim().to_string();
@@ -441,9 +452,12 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
                 .is_some_and(|c| c.listeners.iter().any(|l| l.address == vip))
         }
     };
-    let got = tokio::time::timeout(Duration::from_secs(60), served.wait_for(listener_at(&web_vip)))
-        .await
-        .is_ok();
+    let got = tokio::time::timeout(
+        Duration::from_secs(60),
+        served.wait_for(listener_at(&web_vip)),
+    )
+    .await
+    .is_ok();
     assert!(
         got,
         "node-1 is not served shop/web by `flatmesh control` as flatmesh-control; its log:\n{}",
@@ -457,9 +471,12 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
     )
     .await;
     let api_vip = api.spec.unwrap().cluster_ip.unwrap();
-    let got = tokio::time::timeout(Duration::from_secs(10), served.wait_for(listener_at(&api_vip)))
-        .await
-        .is_ok();
+    let got = tokio::time::timeout(
+        Duration::from_secs(10),
+        served.wait_for(listener_at(&api_vip)),
+    )
+    .await
+    .is_ok();
     assert!(got, "a new Service did not arrive; log:\n{}", control.log());
     let log = control.log();
     for refusal in ["Forbidden", "forbidden"] {
@@ -517,7 +534,10 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
         .into_iter()
         .map(|a| {
             a.replace("$(NODE_NAME)", "node-empty")
-                .replace(&format!("flatmesh-control.{NS}:{xds_port}"), &xds.to_string())
+                .replace(
+                    &format!("flatmesh-control.{NS}:{xds_port}"),
+                    &xds.to_string(),
+                )
                 .replace(&mount, config_dir.to_str().unwrap())
         })
         .collect();
@@ -537,7 +557,11 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
     // preStop: the drain returns once the node has stopped.
     assert!(pre_stop[0].ends_with("/flatmesh"), "{pre_stop:?}");
     let drain = Command::new(&bin)
-        .args(pre_stop[1..].iter().map(|a| a.replace(&probe_admin, &admin.to_string())))
+        .args(
+            pre_stop[1..]
+                .iter()
+                .map(|a| a.replace(&probe_admin, &admin.to_string())),
+        )
         .output()
         .unwrap();
     assert!(
@@ -558,7 +582,11 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    assert!(status.success(), "the node exited with {status}:\n{}", node.log());
+    assert!(
+        status.success(),
+        "the node exited with {status}:\n{}",
+        node.log()
+    );
 
     node_1.stop().await;
     drop(control);

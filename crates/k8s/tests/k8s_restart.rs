@@ -153,7 +153,12 @@ async fn a_node_keeps_its_config_through_a_control_plane_restart_and_gets_the_sa
         flatmesh_xds::bootstrap::empty_config(),
         history.clone(),
     );
-    let shop = |c: &Config| c.listeners.iter().filter(|l| l.name.starts_with("shop/")).count();
+    let shop = |c: &Config| {
+        c.listeners
+            .iter()
+            .filter(|l| l.name.starts_with("shop/"))
+            .count()
+    };
     let logged = || std::fs::read_to_string(&log).unwrap_or_default();
     let first = Instant::now();
     while history.last().is_none_or(|c| shop(&c) != 2) {
@@ -191,14 +196,10 @@ async fn a_node_keeps_its_config_through_a_control_plane_restart_and_gets_the_sa
     // Started again on the same address: the node reconnects and ends with the same versions.
     running.0 = Some(control(&env.kubeconfig(), listen, &log));
     let streams = node.status().streams;
-    wait_until(
-        "the node to reconnect",
-        Duration::from_secs(60),
-        || {
-            let status = node.status();
-            status.connected && status.streams > streams && status.acked == acked
-        },
-    )
+    wait_until("the node to reconnect", Duration::from_secs(60), || {
+        let status = node.status();
+        status.connected && status.streams > streams && status.acked == acked
+    })
     .await;
     // Whatever it was handed meanwhile: never an empty or partial config, and now the same.
     tokio::time::sleep(Duration::from_millis(500)).await;

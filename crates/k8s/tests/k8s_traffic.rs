@@ -196,12 +196,18 @@ impl Load {
         (load, tasks)
     }
 
-    async fn finish(load: Arc<Load>, tasks: Vec<tokio::task::JoinHandle<()>>) -> (u64, Vec<String>) {
+    async fn finish(
+        load: Arc<Load>,
+        tasks: Vec<tokio::task::JoinHandle<()>>,
+    ) -> (u64, Vec<String>) {
         load.stop.send_replace(true);
         for t in tasks {
             t.await.unwrap();
         }
-        (load.done.load(Ordering::Relaxed), load.failures.lock().clone())
+        (
+            load.done.load(Ordering::Relaxed),
+            load.failures.lock().clone(),
+        )
     }
 }
 
@@ -340,9 +346,16 @@ async fn traffic() {
     let moved = Instant::now();
     set_slice(&slices, "web-1", "web", &[POD_B]).await;
     let took = until_served(web, "/", "b", Duration::from_secs(5)).await;
-    eprintln!("endpoints a -> b: traffic followed in {:?}", moved.elapsed().max(took));
+    eprintln!(
+        "endpoints a -> b: traffic followed in {:?}",
+        moved.elapsed().max(took)
+    );
     for _ in 0..20 {
-        assert_eq!(get(web, "/").await, Ok((200, "b".into())), "every request now goes to b");
+        assert_eq!(
+            get(web, "/").await,
+            Ok((200, "b".into())),
+            "every request now goes to b"
+        );
     }
 
     // 3. A mesh route (GAMMA: an HTTPRoute whose parent is the Service) moves /v2 to web-v2.
@@ -381,11 +394,16 @@ async fn traffic() {
     tokio::time::sleep(Duration::from_millis(700)).await;
     a.kill();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    pods.delete("web-a", &DeleteParams::default()).await.unwrap();
+    pods.delete("web-a", &DeleteParams::default())
+        .await
+        .unwrap();
     set_slice(&slices, "web-1", "web", &[POD_B]).await;
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let (done, failures) = Load::finish(load, tasks).await;
-    eprintln!("pod a died under load: {done} requests, {} failed", failures.len());
+    eprintln!(
+        "pod a died under load: {done} requests, {} failed",
+        failures.len()
+    );
     assert!(done > 50, "the load ran ({done} requests)");
     assert!(
         failures.is_empty(),
@@ -402,7 +420,10 @@ async fn traffic() {
     env.start_apiserver(&argv);
     wait_ready(&client, &env.dir).await;
     let (done, failures) = Load::finish(load, tasks).await;
-    eprintln!("kube-apiserver restarted under load: {done} requests, {} failed", failures.len());
+    eprintln!(
+        "kube-apiserver restarted under load: {done} requests, {} failed",
+        failures.len()
+    );
     assert!(
         failures.is_empty(),
         "{} of {done} requests failed while kube-apiserver restarted: {:?}",
@@ -422,7 +443,10 @@ async fn traffic() {
         {
             Ok(_) => break,
             Err(e) => {
-                assert!(Instant::now() < deadline, "cannot patch after the restart: {e}");
+                assert!(
+                    Instant::now() < deadline,
+                    "cannot patch after the restart: {e}"
+                );
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }

@@ -4,8 +4,8 @@
 //! port, and releasing it would let another PU bind it too.
 //!
 //! The probe binds the port itself, as one IPv6 dual-stack socket on `[::]:port` (falling back
-//! to IPv4 `0.0.0.0:port` where IPv6 is off), with SO_REUSEADDR, and listens with a backlog of
-//! 1. It conflicts with every bind of the port on this PU (127.0.0.1, 0.0.0.0, ::1, [::], with
+//! to IPv4 `0.0.0.0:port` where IPv6 is off), with SO_REUSEADDR, and listens with a backlog
+//! of one. It conflicts with every bind of the port on this PU (127.0.0.1, 0.0.0.0, ::1, [::], with
 //! or without SO_REUSEADDR/SO_REUSEPORT), so if it binds, nothing here holds the port; and while
 //! it is held, no app on this PU can bind the port, so the agent can release it without an app
 //! slipping in between the check and the release. SO_REUSEADDR lets it bind over TIME_WAIT

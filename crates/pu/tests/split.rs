@@ -204,7 +204,7 @@ fn two_pus_racing_for_a_port_exactly_one_wins() {
                         .map(|round| {
                             start.wait();
                             // Both families: bind4 and bind6 consult one table.
-                            try_bind(7600 + round, (round as usize + i) % 2 == 0)
+                            try_bind(7600 + round, (round as usize + i).is_multiple_of(2))
                         })
                         .collect::<Vec<_>>()
                 })
@@ -214,9 +214,8 @@ fn two_pus_racing_for_a_port_exactly_one_wins() {
     });
     let table = pod.table().read().unwrap();
     let mut wins = [0; 2];
-    for round in 0..ROUNDS as usize {
+    for (round, (a, b)) in results[0].iter().zip(&results[1]).enumerate() {
         let port = 7600 + round as u16;
-        let (a, b) = (&results[0][round], &results[1][round]);
         let winner = match (a, b) {
             (Ok(_), Err(libc::EADDRINUSE)) => "a",
             (Err(libc::EADDRINUSE), Ok(_)) => "b",

@@ -127,7 +127,6 @@ fn bench(c: &mut Criterion<ThreadCpu>) {
                 query: None,
                 headers: (&headers).into(),
                 message: None,
-                message: None,
             };
             let got = program.route(web, &req).map(|r| r.id);
             assert_eq!(got, *want, "bench case {label} routed wrong");

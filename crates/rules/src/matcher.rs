@@ -290,6 +290,11 @@ impl GrpcFieldCond {
         let value = match field {
             protobuf::FieldValue::Bytes(bytes) => bytes,
             protobuf::FieldValue::Varint(v) => decimal(v, &mut digits),
+            // Only its start was read: a prefix within it can match, an exact value cannot
+            // (it would have to be longer than the bytes read).
+            protobuf::FieldValue::Partial { start, .. } => {
+                return matches!(&self.value, ValueMatch::Prefix(p) if start.starts_with(p.as_bytes()));
+            }
         };
         self.value.matches_value(Some(value))
     }

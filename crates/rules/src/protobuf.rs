@@ -17,6 +17,9 @@ pub enum FieldValue<'m> {
     Varint(u64),
     /// Wire type 2 (string, bytes, sub-messages, packed repeated fields).
     Bytes(&'m [u8]),
+    /// A wire type 2 value that runs past the bytes read: its start, and its whole length.
+    /// A prefix can still be compared; an exact value cannot.
+    Partial { start: &'m [u8], len: u64 },
 }
 
 /// A protobuf varint at the start of `bytes`: its value and length, or `None` if it is cut
@@ -56,13 +59,21 @@ pub fn find_field(message: &[u8], number: u32) -> Option<FieldValue<'_>> {
             1 => 8,
             2 => {
                 let (len, used) = varint(rest)?;
-                let len = usize::try_from(len).ok()?;
-                let end = used.checked_add(len)?;
-                let value = rest.get(used..end)?;
-                if field == u64::from(number) {
-                    return Some(FieldValue::Bytes(value));
+                let end = usize::try_from(len).ok().and_then(|l| used.checked_add(l));
+                match end.and_then(|end| rest.get(used..end)) {
+                    Some(value) if field == u64::from(number) => {
+                        return Some(FieldValue::Bytes(value))
+                    }
+                    Some(value) => used + value.len(),
+                    // The value runs past what was read: the walk ends here either way.
+                    None if field == u64::from(number) => {
+                        return Some(FieldValue::Partial {
+                            start: &rest[used..],
+                            len,
+                        })
+                    }
+                    None => return None,
                 }
-                end
             }
             5 => 4,
             _ => return None,
@@ -144,6 +155,19 @@ mod tests {
     }
 
     #[test]
+    fn a_value_cut_off_by_the_window_is_partial() {
+        let msg = string_field(1, b"vip-0123456789");
+        assert_eq!(
+            find_field(&msg[..8], 1),
+            Some(FieldValue::Partial {
+                start: b"vip-01",
+                len: 14
+            })
+        );
+        assert_eq!(find_field(&msg[..8], 2), None);
+    }
+
+    #[test]
     fn first_occurrence_counts() {
         let mut msg = string_field(1, b"first");
         msg.extend(string_field(1, b"second"));
@@ -154,10 +178,20 @@ mod tests {
     fn cut_off_or_malformed_bytes_end_the_walk() {
         let msg = string_field(1, b"abcdef");
         for cut in 0..msg.len() {
-            assert_eq!(find_field(&msg[..cut], 1), None, "cut at {cut}");
+            // Cut in the key or the length: nothing; cut in the value: its start.
+            match find_field(&msg[..cut], 1) {
+                None => assert!(cut < 2, "cut at {cut}"),
+                Some(FieldValue::Partial { start, len: 6 }) => {
+                    assert_eq!(start, &b"abcdef"[..cut - 2]);
+                }
+                other => panic!("cut at {cut}: {other:?}"),
+            }
         }
-        // A length far past the end, a group, an over-long varint.
-        assert_eq!(find_field(&[0x0a, 0xff, 0xff, 0xff, 0x0f, b'x'], 1), None);
+        // A length far past the end of another field, a group, an over-long varint.
+        assert_eq!(
+            find_field(&[0x12, 0xff, 0xff, 0xff, 0x0f, b'x', 0x0a, 0], 1),
+            None
+        );
         assert_eq!(find_field(&[0x0b, 0x0c], 1), None);
         let mut long_varint = vec![0x08];
         long_varint.extend([0x80; 10]);

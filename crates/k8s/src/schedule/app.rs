@@ -236,7 +236,7 @@ fn app_of(name: &str, pods: &[&Pod]) -> Result<App, String> {
     for stage_name in order {
         let stage = &stages[&stage_name];
         let per_shard = replicas as usize + 1;
-        if stage.pods.len() % per_shard != 0 {
+        if !stage.pods.len().is_multiple_of(per_shard) {
             return Err(format!(
                 "stage {stage_name} has {} pods, not a multiple of {per_shard} (a primary and {replicas} backups per shard, {REPLICAS_ANNOTATION})",
                 stage.pods.len()

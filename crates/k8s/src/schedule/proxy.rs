@@ -59,7 +59,8 @@ pub fn proxy_choices(
         }
     }
     // Per host: (pods asking dpu, pods asking host, pods asking something else).
-    let mut asks: BTreeMap<&str, (Vec<String>, Vec<String>, Vec<String>)> = BTreeMap::new();
+    type Asks = (Vec<String>, Vec<String>, Vec<String>);
+    let mut asks: BTreeMap<&str, Asks> = BTreeMap::new();
     for pod in pods.iter().filter(|p| is_ours(p)) {
         let key = PodKey::of(pod);
         let Some(host) = nodes.get(&key).and_then(|n| host_of.get(n.as_str())) else {

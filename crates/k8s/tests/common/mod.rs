@@ -177,4 +177,3 @@ where
     .await
     .unwrap()
 }
-

@@ -21,7 +21,9 @@ fuzz_target!(|data: &[u8]| {
     assert!(message.len() <= MESSAGE_PREFIX_MAX);
     // Small field numbers are the ones a random message holds; 0 must never be found.
     for n in [0, u32::from(number % 16), u32::from(number)] {
-        if let Some(FieldValue::Bytes(value)) = find_field(message, n) {
+        if let Some(FieldValue::Bytes(value) | FieldValue::Partial { start: value, .. }) =
+            find_field(message, n)
+        {
             assert!(n != 0, "field 0 does not exist");
             let start = message.as_ptr() as usize;
             let at = value.as_ptr() as usize;
