@@ -272,13 +272,7 @@ fn main() {
 }
 
 async fn run(a: Args) {
-    let binary =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/release/flatmesh");
-    assert!(
-        binary.is_file(),
-        "{} is missing: run `cargo build --release -p flatmesh` first",
-        binary.display()
-    );
+    let binary = common::flatmesh_bin();
     eprintln!("starting kube-apiserver and etcd (testenv)");
     let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
     let client = flatmesh_k8s::connect(Some(&env.kubeconfig()))

@@ -11,7 +11,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-use common::{create, wait_ready, TestEnv};
+use common::{create, flatmesh_bin, wait_ready, TestEnv};
 
 use std::io::{Read as _, Write as _};
 use std::net::SocketAddr;
@@ -32,23 +32,6 @@ const NODE_SA: &str = "system:serviceaccount:flatmesh-system:flatmesh-node";
 
 fn manifests() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/kubernetes")
-}
-
-/// The release binary next to this test's (target/release/flatmesh), or $FLATMESH_BIN.
-fn flatmesh_bin() -> PathBuf {
-    let path = match std::env::var_os("FLATMESH_BIN") {
-        Some(path) => PathBuf::from(path),
-        None => {
-            let exe = std::env::current_exe().unwrap();
-            exe.parent().unwrap().parent().unwrap().join("flatmesh")
-        }
-    };
-    assert!(
-        path.is_file(),
-        "no flatmesh binary at {}: run `cargo build --release -p flatmesh` first (or set FLATMESH_BIN)",
-        path.display()
-    );
-    path
 }
 
 fn kubectl(kubeconfig: &Path, args: &[&str]) -> std::process::Output {
@@ -342,18 +325,21 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
     let control_container = container(control_spec);
     // The Service sends the xDS port to the Deployment's pods.
     let service_spec = service.spec.as_ref().unwrap();
-    assert_eq!(
-        service_spec.selector.as_ref(),
-        deployment
-            .spec
-            .as_ref()
-            .unwrap()
-            .template
-            .metadata
-            .as_ref()
-            .unwrap()
-            .labels
-            .as_ref()
+    let pod_labels = deployment
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .clone()
+        .unwrap_or_default();
+    let selector = service_spec.selector.clone().unwrap_or_default();
+    assert!(
+        !selector.is_empty() && selector.iter().all(|(k, v)| pod_labels.get(k) == Some(v)),
+        "the Service's selector {selector:?} must select the Deployment's pods {pod_labels:?}"
     );
     let xds_port = service_spec.ports.as_ref().unwrap()[0].port;
     let node_args = node_container.args.clone().unwrap();

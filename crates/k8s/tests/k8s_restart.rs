@@ -10,35 +10,18 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-use common::{create, wait_ready, TestEnv};
+use common::{create, flatmesh_bin, wait_ready, TestEnv};
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flatmesh_config::Config;
-use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Service, ServiceAccount};
 use kube::api::Api;
 use parking_lot::Mutex;
 use serde_json::json;
-
-fn flatmesh_bin() -> PathBuf {
-    let path = match std::env::var_os("FLATMESH_BIN") {
-        Some(path) => PathBuf::from(path),
-        None => {
-            let exe = std::env::current_exe().unwrap();
-            exe.parent().unwrap().parent().unwrap().join("flatmesh")
-        }
-    };
-    assert!(
-        path.is_file(),
-        "no flatmesh binary at {}: run `cargo build --release -p flatmesh` first (or set FLATMESH_BIN)",
-        path.display()
-    );
-    path
-}
 
 /// Every config the node was handed, in order.
 #[derive(Clone, Default)]
@@ -125,6 +108,9 @@ async fn a_node_keeps_its_config_through_a_control_plane_restart_and_gets_the_sa
         )
         .await;
     }
+    // No controller-manager runs here to create a namespace's `default` account.
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), "shop");
+    create(&accounts, json!({ "metadata": { "name": "default" } })).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "shop");
     create(
         &pods,

@@ -2,8 +2,8 @@
 //! (testenv), the controller and xDS server of `flatmesh control --kubeconfig`, and a real
 //! `flatmesh node` (its proxy, fed by its xDS client as `flatmesh node --xds` runs it), all
 //! in this process, in a network namespace of the test's own. There is no kubelet, so the
-//! "pods" are small HTTP servers of the test, on addresses of a dummy link (the API server
-//! refuses loopback addresses in EndpointSlices). The Service range is routed to loopback as
+//! "pods" are small HTTP servers of the test, on 10.244/16 addresses of the namespace's
+//! loopback (the API server refuses 127/8 addresses in EndpointSlices). The Service range is routed to loopback as
 //! `local`, so the node binds every ClusterIP it is given and clients dial ClusterIPs as in a
 //! cluster (kube-proxy's IPVS mode holds ClusterIPs on a dummy device the same way).
 //!
@@ -256,11 +256,10 @@ fn nix_is_root() -> bool {
 }
 
 async fn traffic() {
-    // The namespace's addresses: pods on a dummy link, every ClusterIP local.
-    ip("link add pods type dummy");
-    ip("link set pods up");
+    // The namespace's addresses: pods on its loopback (not 127/8, which EndpointSlices refuse;
+    // these kernels have no dummy links), every ClusterIP local.
     for pod in [POD_A, POD_B, POD_V2, POD_A2] {
-        ip(&format!("addr add {pod}/32 dev pods"));
+        ip(&format!("addr add {pod}/32 dev lo"));
     }
     ip(&format!("route add local {SERVICE_RANGE} dev lo"));
 

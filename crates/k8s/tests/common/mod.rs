@@ -177,3 +177,21 @@ where
     .await
     .unwrap()
 }
+
+/// The release binary next to this test's or example's (target/release/flatmesh), or
+/// $FLATMESH_BIN.
+pub fn flatmesh_bin() -> PathBuf {
+    let path = match std::env::var_os("FLATMESH_BIN") {
+        Some(path) => PathBuf::from(path),
+        None => {
+            let exe = std::env::current_exe().unwrap();
+            exe.parent().unwrap().parent().unwrap().join("flatmesh")
+        }
+    };
+    assert!(
+        path.is_file(),
+        "no flatmesh binary at {}: run `cargo build --release -p flatmesh` first (or set FLATMESH_BIN)",
+        path.display()
+    );
+    path
+}
