@@ -361,6 +361,9 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
     )
     .await;
     let web_vip = web.spec.unwrap().cluster_ip.unwrap();
+    // No controller-manager runs here to create a namespace's `default` account.
+    let shop_accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), "shop");
+    create(&shop_accounts, json!({ "metadata": { "name": "default" } })).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "shop");
     create(
         &pods,

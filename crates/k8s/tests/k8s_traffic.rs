@@ -234,6 +234,7 @@ async fn set_slice(slices: &Api<EndpointSlice>, name: &str, service: &str, addre
 }
 
 #[test]
+#[ignore = "fails as of 2026-11-27 at step 4: a pod that dies under load costs ~6% of requests (503 connection refused), as the retry budget (20% + 10/s) caps the retries and nothing ejects the dead endpoint; steps 1-3 pass (docs/kubernetes.md, Not done yet)"]
 fn traffic_follows_the_api_server() {
     assert!(
         nix_is_root(),
@@ -261,6 +262,13 @@ async fn traffic() {
     for pod in [POD_A, POD_B, POD_V2, POD_A2] {
         ip(&format!("addr add {pod}/32 dev lo"));
     }
+    // kube-apiserver needs a default route to pick the address it advertises: a veth pair of
+    // the namespace's own gives it one.
+    ip("link add fmk0 type veth peer name fmk1");
+    ip("link set fmk0 up");
+    ip("link set fmk1 up");
+    ip("addr add 10.250.0.1/24 dev fmk0");
+    ip("route add default via 10.250.0.2 dev fmk0");
     ip(&format!("route add local {SERVICE_RANGE} dev lo"));
 
     let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
