@@ -16,6 +16,13 @@
 //! Blind spot: a socket bound with SO_REUSEADDR and not (yet) listening does not conflict with
 //! the probe (two SO_REUSEADDR sockets may share a port until one listens), so such a port is
 //! released although that socket still holds it.
+//!
+//! Cost to apps: for the moment the probe holds a port (bind, the table delete, close: micro-
+//! seconds, longer if the agent is preempted), a bind of that port on this PU fails with
+//! EADDRINUSE, as it would against any socket on one host. Only ports nothing on the PU has held
+//! for two polls are probed, so an app that restarts hits this only if its new bind falls in
+//! that moment. Not built: counting a port's bound sockets in the kernel (the bind hook plus a
+//! cgroup sock_release program), which would let the agent release without a probe.
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 

@@ -118,7 +118,10 @@ fn port_conflicts_across_pus() {
     }
 
     // A socket bound but not listening still holds the port: b's agent does not release it.
+    // The bind waits for the release of `held`'s port: while the agent releases a port it holds
+    // it for a moment with its probe (probe.rs), and a bind on the PU in that moment fails.
     drop(held);
+    wait_owner(&pod, 7201, None);
     let bound = pod
         .on("b", || {
             let s =

@@ -36,13 +36,22 @@ pub fn bin() -> PathBuf {
     );
 }
 
-/// A running Envoy; killed when dropped.
-pub struct Envoy(Child);
+/// A running Envoy and the file its log goes to; killed when dropped.
+pub struct Envoy(Child, PathBuf);
 
 impl Drop for Envoy {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+        // A failing test shows what Envoy said (a port taken, a rejected resource).
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(&self.1).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            eprintln!("--- the last lines of {} ---", self.1.display());
+            for line in tail.iter().rev() {
+                eprintln!("{line}");
+            }
+        }
     }
 }
 
@@ -50,7 +59,8 @@ impl Drop for Envoy {
 pub fn run(dir: &Path, name: &str, yaml: &str) -> Envoy {
     let path = dir.join(format!("{name}.yaml"));
     std::fs::write(&path, yaml).unwrap();
-    let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
+    let log_path = dir.join(format!("{name}.log"));
+    let log = std::fs::File::create(&log_path).unwrap();
     let child = Command::new(bin())
         .arg("-c")
         .arg(&path)
@@ -65,7 +75,7 @@ pub fn run(dir: &Path, name: &str, yaml: &str) -> Envoy {
         .stderr(log)
         .spawn()
         .unwrap();
-    Envoy(child)
+    Envoy(child, log_path)
 }
 
 /// Envoy following flatmesh's xDS server at `xds` over ADS (delta or state of the world), with
