@@ -97,6 +97,7 @@ pub fn translate(objects: &Objects, trust_domain: &str) -> Translation {
             "name": port.name,
             "endpoints": endpoints,
             "protocol": if grpc { "http2" } else { "http1" },
+            "circuit_breaker": translated_breaker(),
         }));
         let address = SocketAddr::new(port.cluster_ip, port.port).to_string();
         if routes.is_empty() && !port.http && !grpc {
@@ -160,9 +161,19 @@ pub fn translate(objects: &Objects, trust_domain: &str) -> Translation {
 
 /// Every forwarding route's retry policy, Istio's default: two more tries when the endpoint
 /// cannot be reached (a pod that died before its endpoint was removed) or a gRPC endpoint
-/// answers UNAVAILABLE or CANCELLED, within the cluster's retry budget (20% + 10/s).
+/// answers UNAVAILABLE or CANCELLED (a connect failure's retry spends no retry budget).
 fn default_retries() -> Value {
     json!({ "attempts": 2, "on": ["connect-failure", "unavailable", "cancelled"] })
+}
+
+/// Every translated cluster's circuit breaker: as many retries outstanding as requests. Envoy's
+/// default of 3 retries at once (ours too) refuses the retries a pod that died under load
+/// needs (half the requests of a two-pod Service fail at once); Istio lifts it the same way
+/// (its `maxRetries` defaults to 2^32-1). The route's `attempts` and the retry budget still
+/// bound retries.
+fn translated_breaker() -> Value {
+    let requests = flatmesh_config::CircuitBreaker::default().max_requests;
+    json!({ "max_retries": requests })
 }
 
 /// One port of a Service that has a ClusterIP.

@@ -90,7 +90,6 @@ async fn wait_until(what: &str, within: Duration, mut ok: impl FnMut() -> bool) 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails as of 2026-11-27: after the SIGKILLed control plane starts again, the node's status does not reach connected + the same acked versions within 60 s; not diagnosed yet (docs/kubernetes.md, Not done yet)"]
 async fn a_node_keeps_its_config_through_a_control_plane_restart_and_gets_the_same_again() {
     flatmesh_bin();
     let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
@@ -146,12 +145,20 @@ async fn a_node_keeps_its_config_through_a_control_plane_restart_and_gets_the_sa
             .filter(|l| l.name.starts_with("shop/"))
             .count()
     };
+    // The API server writes its own Service's EndpointSlice a few seconds after it starts: the
+    // config is settled once that is in too.
+    let settled = |c: &Config| {
+        shop(c) == 2
+            && c.clusters
+                .iter()
+                .any(|cl| cl.name == "default/kubernetes:443" && !cl.endpoints.entries().is_empty())
+    };
     let logged = || std::fs::read_to_string(&log).unwrap_or_default();
     let first = Instant::now();
-    while history.last().is_none_or(|c| shop(&c) != 2) {
+    while history.last().is_none_or(|c| !settled(&c)) {
         assert!(
             first.elapsed() < Duration::from_secs(60),
-            "node-1 never got shop/web and shop/api; control's log:\n{}",
+            "node-1 never got shop/web, shop/api and the API server's endpoint; control's log:\n{}",
             logged()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -183,11 +190,24 @@ async fn a_node_keeps_its_config_through_a_control_plane_restart_and_gets_the_sa
     // Started again on the same address: the node reconnects and ends with the same versions.
     running.0 = Some(control(&env.kubeconfig(), listen, &log));
     let streams = node.status().streams;
-    wait_until("the node to reconnect", Duration::from_secs(60), || {
+    let reconnecting = Instant::now();
+    loop {
         let status = node.status();
-        status.connected && status.streams > streams && status.acked == acked
-    })
-    .await;
+        if status.connected && status.streams > streams && status.acked == acked {
+            break;
+        }
+        assert!(
+            reconnecting.elapsed() < Duration::from_secs(60),
+            "the node did not reconnect with the same versions within 60 s: connected {}, \
+             streams {} (before {streams}), acked now {:?}, before {acked:?}; the config is the \
+             same: {}",
+            status.connected,
+            status.streams,
+            status.acked,
+            history.last().as_ref() == Some(&held)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // Whatever it was handed meanwhile: never an empty or partial config, and now the same.
     tokio::time::sleep(Duration::from_millis(500)).await;
     for config in history.since(before_restart) {

@@ -234,7 +234,6 @@ async fn set_slice(slices: &Api<EndpointSlice>, name: &str, service: &str, addre
 }
 
 #[test]
-#[ignore = "fails as of 2026-11-27 at step 4: a pod that dies under load costs ~6% of requests (503 connection refused), as the retry budget (20% + 10/s) caps the retries and nothing ejects the dead endpoint; steps 1-3 pass (docs/kubernetes.md, Not done yet)"]
 fn traffic_follows_the_api_server() {
     assert!(
         nix_is_root(),

@@ -25,6 +25,10 @@
 //! under `max_requests` before its first try (none left: answered 503 at once), and a retry
 //! takes one under `max_retries`. Each retry also takes one from the cluster's retry budget
 //! (`crate::resilience::budget`). Either refuses: the answer or failure in hand goes back.
+//! A retry after a connection that could not be opened takes nothing from the budget: the
+//! request reached no app, so its retry adds no work where the budget guards against a retry
+//! storm, and an endpoint that died before its removal reached the node (a pod killed under
+//! load) is exactly when retries must not run out. `attempts` and `max_retries` still bound it.
 //! Each try's outcome goes to the cluster's outlier detection, which may eject the endpoint.
 
 use std::future::Future;
@@ -202,13 +206,13 @@ impl<'a> Retry<'a> {
         // One place under `max_retries` for all of this request's retries, taken at its
         // first; then one retry of the budget for each.
         let mut retrying: Option<Permit> = None;
-        let mut may_retry = || {
+        let mut may_retry = |reached_the_app: bool| {
             let permitted = retrying.is_some() || {
                 retrying = guard.breaker.acquire(Overflow::Retries).ok();
                 retrying.is_some()
             };
             permitted && {
-                let budgeted = guard.budget.try_retry(&self.budget);
+                let budgeted = !reached_the_app || guard.budget.try_retry(&self.budget);
                 if !budgeted {
                     self.plan.stats.retries_over_budget.add(self.worker, 1);
                 }
@@ -251,7 +255,7 @@ impl<'a> Retry<'a> {
                     if !last
                         && self.retries_answer(&answer)
                         && codec.can_resend()
-                        && may_retry() => {}
+                        && may_retry(true) => {}
                 Ok(answer) => {
                     in_flight.hold(request.take());
                     return Ok(Answered {
@@ -274,7 +278,7 @@ impl<'a> Retry<'a> {
                     if last
                         || !self.retries_failure(err.kind)
                         || !codec.can_resend()
-                        || !may_retry()
+                        || !may_retry(err.kind != Kind::ConnectFailed)
                     {
                         err.endpoint = Some(endpoint);
                         return Err(err);
@@ -829,5 +833,46 @@ clusters:
         assert_eq!(retries, 10);
         assert_eq!(answered.iter().sum::<usize>(), 110);
         assert!(stats.retries_over_budget.sum() >= 90);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_that_could_not_be_opened_is_retried_outside_the_budget() {
+        // The same empty budget: every refused connection is still retried, within `attempts`.
+        let policy = "        retries: { attempts: 2, on: [ connect-failure, 5xx ], budget: { ratio: 0.1, min_per_s: 0 } }";
+        let view = testing::view(&config(policy));
+        let view = view.load();
+        for _ in 0..100 {
+            let retry = driver(&view, true);
+            let mut codec = Scripted {
+                steps: [
+                    Step::Fail(UpstreamError::connect("refused")),
+                    Step::Answer(200),
+                ]
+                .into(),
+                tried: Vec::new(),
+            };
+            let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
+            assert_eq!(outcome.unwrap(), 200);
+        }
+        let stats = &view.snapshot.clusters[0].stats;
+        assert_eq!(stats.retries.sum(), 100);
+        assert_eq!(stats.retries_over_budget.sum(), 0);
+        // An answer that reached the app still spends it: 10 requests' worth is there.
+        let mut retried = 0;
+        for _ in 0..100 {
+            let retry = driver(&view, true);
+            let mut codec = Scripted {
+                steps: [Step::Answer(503), Step::Answer(200)].into(),
+                tried: Vec::new(),
+            };
+            if retry.drive(&mut codec).await.map(|a| a.answer.0).unwrap() == 200 {
+                retried += 1;
+            }
+        }
+        assert!(
+            retried <= 20,
+            "{retried} retries of answers from a budget of 20"
+        );
+        assert!(stats.retries_over_budget.sum() >= 80);
     }
 }

@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 /// Set to the test's name in the re-run: the body runs there.
 const INSIDE: &str = "FM_NETNS_TEST";
+/// A file the re-run creates once the body has returned: a re-run that ran no test (a name
+/// that matched nothing) exits 0 too, and must not pass.
+const DONE: &str = "FM_NETNS_DONE";
 
 pub fn in_netns<F, Fut>(test: &str, limit: Duration, body: F)
 where
@@ -30,14 +33,27 @@ where
             .build()
             .unwrap();
         rt.block_on(body());
+        if let Some(done) = std::env::var_os(DONE) {
+            std::fs::write(done, test).unwrap();
+        }
         return;
     }
     let exe = std::env::current_exe().unwrap();
+    let done = std::env::temp_dir().join(format!("fm-netns-{}-{test}.done", std::process::id()));
+    let _ = std::fs::remove_file(&done);
+    // `--include-ignored`: this process runs, so the test was asked for, ignored or not.
     let mut child = std::process::Command::new("unshare")
         .arg("--net")
         .arg(exe)
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .args([
+            test,
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "--include-ignored",
+        ])
         .env(INSIDE, test)
+        .env(DONE, &done)
         .spawn()
         .expect("run `unshare --net` (util-linux) to give the test its own network namespace");
     let deadline = Instant::now() + limit;
@@ -54,5 +70,9 @@ where
     assert!(
         status.success(),
         "{test} failed in its network namespace (output above)"
+    );
+    assert!(
+        std::fs::remove_file(&done).is_ok(),
+        "{test} did not run in its network namespace (the re-run matched no test)"
     );
 }
