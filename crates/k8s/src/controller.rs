@@ -19,6 +19,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use flatmesh_config::Config;
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -299,8 +300,17 @@ async fn publish(
                     .collect(),
             );
         }
+        // Nodes that share a config get it translated, packed and held once.
+        let mut by_config: BTreeMap<usize, (&Config, Vec<&str>)> = BTreeMap::new();
         for (node, snapshot) in &translation.nodes {
-            store.node(node).publish_config(&snapshot.config);
+            by_config
+                .entry(Arc::as_ptr(&snapshot.config) as usize)
+                .or_insert_with(|| (&snapshot.config, Vec::new()))
+                .1
+                .push(node);
+        }
+        for (config, nodes) in by_config.into_values() {
+            store.publish_config_to(nodes, config);
         }
         // A node whose last pod is gone keeps nothing of the mesh.
         for gone in nodes.iter().filter(|n| !translation.nodes.contains_key(*n)) {

@@ -40,8 +40,9 @@ pub struct Objects {
 /// What one node is given.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NodeSnapshot {
-    /// Its listeners (one per Service port, at the ClusterIP), routes, clusters and endpoints.
-    pub config: Config,
+    /// Its listeners (one per Service port, at the ClusterIP), routes, clusters and endpoints:
+    /// today the same for every node, shared.
+    pub config: std::sync::Arc<Config>,
     /// The SPIFFE IDs of the pods scheduled on it.
     pub identities: BTreeSet<String>,
 }
@@ -136,6 +137,7 @@ pub fn translate(objects: &Objects, trust_domain: &str) -> Translation {
             }
         };
 
+    let config = std::sync::Arc::new(config);
     let mut nodes: BTreeMap<String, NodeSnapshot> = BTreeMap::new();
     for pod in &objects.pods {
         let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) else {

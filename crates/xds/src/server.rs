@@ -132,7 +132,9 @@ fn hash_hex(bytes: &[u8]) -> String {
 #[derive(Clone)]
 pub struct Store {
     tx: Arc<watch::Sender<Arc<Published>>>,
-    current: Arc<Mutex<Resources>>,
+    /// Shared with the other nodes' stores a config was published to at once
+    /// ([`Store::publish_config_to`]): a thousand nodes with one config hold it once.
+    current: Arc<Mutex<Arc<Resources>>>,
     nacks: Arc<Mutex<Vec<String>>>,
     stats: Arc<StreamStats>,
     /// Set by [`Store::node`]: each node's streams serve that node's own state from then on.
@@ -198,7 +200,7 @@ impl Store {
         let (tx, _) = watch::channel(Arc::new(Published::build(&Resources::default())));
         Store {
             tx: Arc::new(tx),
-            current: Arc::new(Mutex::new(Resources::default())),
+            current: Arc::new(Mutex::new(Arc::new(Resources::default()))),
             nacks: Arc::new(Mutex::new(Vec::new())),
             stats: Arc::default(),
             nodes: Arc::default(),
@@ -260,8 +262,33 @@ impl Store {
             &resources,
             Some((&current, &previous)),
         ));
-        *current = resources;
+        *current = Arc::new(resources);
         self.tx.send_replace(published);
+    }
+
+    /// Serve one flatmesh config to each of `nodes` (see [`Store::node`]): translated and
+    /// packed once, and held once however many nodes get it.
+    pub fn publish_config_to<'a>(&self, nodes: impl IntoIterator<Item = &'a str>, config: &Config) {
+        let stores: Vec<Store> = nodes.into_iter().map(|id| self.node(id)).collect();
+        let Some(first) = stores.first() else {
+            return;
+        };
+        let resources = crate::from_model::resources(config);
+        // Resources that did not change keep their packed form and version: reused from the
+        // first node's last state (the nodes of one config had the same one before, as a rule).
+        let published = {
+            let current = first.current.lock().clone();
+            let previous = first.tx.borrow().clone();
+            Arc::new(Published::build_from(
+                &resources,
+                Some((&current, &previous)),
+            ))
+        };
+        let resources = Arc::new(resources);
+        for store in &stores {
+            *store.current.lock() = resources.clone();
+            store.tx.send_replace(published.clone());
+        }
     }
 
     /// Serve a flatmesh config (validated by the caller).
@@ -272,7 +299,7 @@ impl Store {
     /// Replace the endpoints of one cluster (the control center's endpoint feed). Unknown
     /// clusters get an assignment too, which is harmless until a cluster uses it.
     pub fn set_endpoints(&self, cluster: &str, endpoints: &[SocketAddr]) {
-        let mut resources = self.current.lock().clone();
+        let mut resources = Resources::clone(&self.current.lock());
         resources.endpoints.insert(
             cluster.to_string(),
             crate::from_model::assignment(cluster, endpoints),
@@ -286,7 +313,7 @@ impl Store {
     }
 
     pub fn resources(&self) -> Resources {
-        self.current.lock().clone()
+        Resources::clone(&self.current.lock())
     }
 
     /// NACKs received from clients (error details), oldest first.
