@@ -17,7 +17,7 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -178,7 +178,12 @@ async fn sim_node(
             Ok(r) => r.into_inner(),
             Err(e) => panic!("{id}: cannot open the xDS stream: {e}"),
         };
-        let mut state = Resources::default();
+        // Only what a node needs to subscribe and to know it is complete: the EDS and RDS
+        // names each cluster and listener asks for, and the names of the assignments it
+        // holds. (A real node holds the decoded resources; a thousand of them in one process
+        // would hold a thousand copies.)
+        let mut wants: [BTreeMap<String, BTreeSet<String>>; 2] = Default::default();
+        let mut endpoints_held: BTreeSet<String> = BTreeSet::new();
         let mut subscribed: [(&str, BTreeSet<String>); 2] =
             [(ENDPOINT, BTreeSet::new()), (ROUTE, BTreeSet::new())];
         let mut told_ready = false;
@@ -194,8 +199,31 @@ async fn sim_node(
                         hit = true;
                     }
                 }
-                state.put(resource);
+                let name = resource.name().to_string();
+                let mut one = Resources::default();
+                one.put(resource);
+                match response.type_url.as_str() {
+                    CLUSTER => {
+                        wants[0].insert(name, one.wanted_endpoints());
+                    }
+                    LISTENER => {
+                        wants[1].insert(name, one.wanted_routes());
+                    }
+                    ENDPOINT => {
+                        endpoints_held.insert(name);
+                    }
+                    _ => {}
+                }
             }
+            for name in &response.removed_resources {
+                match response.type_url.as_str() {
+                    CLUSTER => wants[0].remove(name).map(drop),
+                    LISTENER => wants[1].remove(name).map(drop),
+                    ENDPOINT => endpoints_held.remove(name).then_some(()),
+                    _ => None,
+                };
+            }
+            let wanted_endpoints: BTreeSet<String> = wants[0].values().flatten().cloned().collect();
             let _ = tx
                 .send(DeltaDiscoveryRequest {
                     type_url: response.type_url.clone(),
@@ -208,9 +236,9 @@ async fn sim_node(
             }
             for (type_url, held) in &mut subscribed {
                 let wanted = if *type_url == ENDPOINT {
-                    state.wanted_endpoints()
+                    wanted_endpoints.clone()
                 } else {
-                    state.wanted_routes()
+                    wants[1].values().flatten().cloned().collect()
                 };
                 if wanted != *held {
                     let _ = tx
@@ -225,8 +253,8 @@ async fn sim_node(
                     *held = wanted;
                 }
             }
-            let complete = !state.names(ENDPOINT).is_empty()
-                && state.wanted_endpoints().len() == state.names(ENDPOINT).len();
+            let complete =
+                !endpoints_held.is_empty() && wanted_endpoints.len() == endpoints_held.len();
             if complete && !told_ready {
                 told_ready = true;
                 let _ = ready.send(()).await;
