@@ -477,17 +477,28 @@ clusters:
     ) -> (Result<u16, UpstreamError>, Vec<(SocketAddr, bool)>, u64) {
         let view = testing::view(&config(retries));
         let view = view.load();
-        let retry = driver(&view, replayable);
+        let (outcome, tried) = drive(&view, replayable, steps).await;
+        (
+            outcome,
+            tried,
+            view.snapshot.clusters[0].stats.retries.sum(),
+        )
+    }
+
+    /// One request through `view`'s driver, its tries following `steps`: the status it ends
+    /// with, and the endpoints its tries went to.
+    async fn drive(
+        view: &crate::context::WorkerView,
+        replayable: bool,
+        steps: Vec<Step>,
+    ) -> (Result<u16, UpstreamError>, Vec<(SocketAddr, bool)>) {
+        let retry = driver(view, replayable);
         let mut codec = Scripted {
             steps: steps.into(),
             tried: Vec::new(),
         };
         let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
-        (
-            outcome,
-            codec.tried,
-            view.snapshot.clusters[0].stats.retries.sum(),
-        )
+        (outcome, codec.tried)
     }
 
     const RETRY_ALL: &str = "        retries: { attempts: 2, on: [ connect-failure, reset, 5xx ] }";
@@ -790,19 +801,14 @@ clusters:
             ));
             let view = view.load();
             for _ in 0..200 {
-                let retry = driver(&view, true);
-                let mut codec = Scripted {
-                    steps: vec![
-                        Step::Answer(503),
-                        Step::Fail(UpstreamError::connect("refused")),
-                        Step::Answer(200),
-                    ]
-                    .into(),
-                    tried: Vec::new(),
-                };
-                let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
+                let steps = vec![
+                    Step::Answer(503),
+                    Step::Fail(UpstreamError::connect("refused")),
+                    Step::Answer(200),
+                ];
+                let (outcome, tried) = drive(&view, true, steps).await;
                 assert_eq!(outcome.unwrap(), 200);
-                let mut ports: Vec<u16> = codec.tried.iter().map(|(e, _)| e.port()).collect();
+                let mut ports: Vec<u16> = tried.iter().map(|(e, _)| e.port()).collect();
                 ports.sort_unstable();
                 assert_eq!(ports, [10, 11, 12], "{lb}: three tries, three endpoints");
             }
@@ -818,14 +824,10 @@ clusters:
         let view = view.load();
         let mut answered = Vec::new();
         for _ in 0..100 {
-            let retry = driver(&view, true);
-            let mut codec = Scripted {
-                steps: (0..4).map(|_| Step::Answer(503)).collect(),
-                tried: Vec::new(),
-            };
-            let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
+            let steps = (0..4).map(|_| Step::Answer(503)).collect();
+            let (outcome, tried) = drive(&view, true, steps).await;
             assert_eq!(outcome.unwrap(), 503);
-            answered.push(codec.tried.len());
+            answered.push(tried.len());
         }
         let stats = &view.snapshot.clusters[0].stats;
         let retries = stats.retries.sum();
@@ -842,17 +844,11 @@ clusters:
         let view = testing::view(&config(policy));
         let view = view.load();
         for _ in 0..100 {
-            let retry = driver(&view, true);
-            let mut codec = Scripted {
-                steps: [
-                    Step::Fail(UpstreamError::connect("refused")),
-                    Step::Answer(200),
-                ]
-                .into(),
-                tried: Vec::new(),
-            };
-            let outcome = retry.drive(&mut codec).await.map(|a| a.answer.0);
-            assert_eq!(outcome.unwrap(), 200);
+            let steps = vec![
+                Step::Fail(UpstreamError::connect("refused")),
+                Step::Answer(200),
+            ];
+            assert_eq!(drive(&view, true, steps).await.0.unwrap(), 200);
         }
         let stats = &view.snapshot.clusters[0].stats;
         assert_eq!(stats.retries.sum(), 100);
@@ -860,12 +856,8 @@ clusters:
         // An answer that reached the app still spends it: 10 requests' worth is there.
         let mut retried = 0;
         for _ in 0..100 {
-            let retry = driver(&view, true);
-            let mut codec = Scripted {
-                steps: [Step::Answer(503), Step::Answer(200)].into(),
-                tried: Vec::new(),
-            };
-            if retry.drive(&mut codec).await.map(|a| a.answer.0).unwrap() == 200 {
+            let steps = vec![Step::Answer(503), Step::Answer(200)];
+            if drive(&view, true, steps).await.0.unwrap() == 200 {
                 retried += 1;
             }
         }
