@@ -31,11 +31,15 @@ use crate::sds::SecretSource;
 
 const MAX_MESSAGE: usize = 64 * 1024 * 1024;
 
+/// One type's resources, packed: name -> (Any, version).
+pub type Packed = BTreeMap<String, (Any, String)>;
+
 /// One published state: every resource, packed, with its version.
 #[derive(Debug, Default)]
 pub struct Published {
-    /// type URL -> name -> (Any, version).
-    pub by_type: BTreeMap<&'static str, BTreeMap<String, (Any, String)>>,
+    /// type URL -> name -> (Any, version). A type whose set is the same as in the previous
+    /// publish keeps its map (the same `Arc`): a delta stream that diffed it already skips it.
+    pub by_type: BTreeMap<&'static str, Arc<Packed>>,
     /// type URL -> version of the whole set (SotW).
     pub versions: BTreeMap<&'static str, String>,
 }
@@ -108,8 +112,15 @@ impl Published {
             version.hash(&mut all);
             named.insert(name.clone(), (any, version));
         }
-        self.versions
-            .insert(type_url, format!("{:016x}", all.finish()));
+        let version = format!("{:016x}", all.finish());
+        // The same set as before (the version hashes every name and version): share its map.
+        let named = match published
+            .and_then(|p| Some((p.by_type.get(type_url)?, p.versions.get(type_url)?)))
+        {
+            Some((same, was)) if *was == version => same.clone(),
+            _ => Arc::new(named),
+        };
+        self.versions.insert(type_url, version);
         self.by_type.insert(type_url, named);
     }
 
@@ -117,7 +128,7 @@ impl Published {
         self.versions.get(type_url).cloned().unwrap_or_default()
     }
 
-    fn resources(&self, type_url: &str) -> Option<&BTreeMap<String, (Any, String)>> {
+    fn resources(&self, type_url: &str) -> Option<&Arc<Packed>> {
         self.by_type.get(type_url)
     }
 }
@@ -711,7 +722,7 @@ fn sotw_response(
     nonce: u64,
 ) -> DiscoveryResponse {
     sotw_response_of(
-        published.resources(type_url),
+        published.resources(type_url).map(|all| &**all),
         published.version(type_url),
         type_url,
         names,
@@ -752,6 +763,10 @@ struct DeltaType {
     held: BTreeMap<String, String>,
     /// The first request always gets a response, even an empty one (it ends Envoy's warming).
     answered: bool,
+    /// The set last diffed, while no request of this type came since: a publish that left
+    /// this type's set as it was (the same `Arc`) has nothing to send here, without a diff.
+    /// A thousand nodes, an endpoint change: one type diffed per stream, not four.
+    diffed: Option<Arc<Packed>>,
 }
 
 async fn delta_stream(
@@ -838,7 +853,9 @@ async fn delta_stream(
                     names: BTreeSet::new(),
                     held: request.initial_resource_versions.clone().into_iter().collect(),
                     answered: false,
+                    diffed: None,
                 });
+                t.diffed = None;
                 if first && !request.initial_resource_versions.is_empty() {
                     t.held = request.initial_resource_versions.clone().into_iter().collect();
                 }
@@ -871,13 +888,18 @@ fn delta_response(
     nonce: &mut u64,
 ) -> Option<DeltaDiscoveryResponse> {
     let all = published.resources(type_url)?;
-    delta_response_of(all, published.version(type_url), type_url, t, nonce)
+    if t.diffed.as_ref().is_some_and(|d| Arc::ptr_eq(d, all)) {
+        return None;
+    }
+    let response = delta_response_of(all, published.version(type_url), type_url, t, nonce);
+    t.diffed = Some(all.clone());
+    response
 }
 
 /// A delta response of what in `all` the client wants and does not hold, and of what it holds
 /// that is gone; `None` if there is nothing to say.
 fn delta_response_of(
-    all: &BTreeMap<String, (Any, String)>,
+    all: &Packed,
     system_version: String,
     type_url: &str,
     t: &mut DeltaType,

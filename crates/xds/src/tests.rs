@@ -3054,3 +3054,30 @@ static_resources:
     let back = crate::to_model::translate(&resources, &bootstrap::empty_config()).unwrap();
     assert_eq!(back.cluster("passthrough"), config.cluster("passthrough"));
 }
+
+#[test]
+fn a_type_a_publish_left_as_it_was_keeps_its_packed_set() {
+    use crate::resources::{CLUSTER, ENDPOINT, LISTENER};
+    let config = model::parse(
+        "listeners: [ { name: t, address: 127.0.0.1:9000, protocol: tcp, cluster: c } ]\nclusters: [ { name: c, endpoints: [ 127.0.0.1:1 ] } ]\n",
+        "t.yaml",
+    )
+    .unwrap();
+    let store = crate::server::Store::new();
+    store.publish_config(&config);
+    let before = store.published();
+    store.set_endpoints("c", &["127.0.0.1:2".parse().unwrap()]);
+    let after = store.published();
+    // Delta streams skip the types whose set is the same `Arc` as the one they diffed last.
+    for same in [LISTENER, CLUSTER] {
+        assert!(std::sync::Arc::ptr_eq(
+            &before.by_type[same],
+            &after.by_type[same]
+        ));
+    }
+    assert!(!std::sync::Arc::ptr_eq(
+        &before.by_type[ENDPOINT],
+        &after.by_type[ENDPOINT]
+    ));
+    assert_ne!(before.versions[ENDPOINT], after.versions[ENDPOINT]);
+}
