@@ -133,6 +133,27 @@ impl Published {
     }
 }
 
+/// Serves `resources` to every store of `stores` (not empty), packed once and held once.
+/// Resources that did not change keep their packed form and version, reused from the first
+/// store's last state (the stores of one config had the same one before, as a rule); its lock
+/// is held throughout, so two publishes to it do not interleave.
+fn publish_to(stores: &[Store], resources: Resources) {
+    let first = &stores[0];
+    let mut current = first.current.lock();
+    let previous = first.tx.borrow().clone();
+    let published = Arc::new(Published::build_from(
+        &resources,
+        Some((&current, &previous)),
+    ));
+    let resources = Arc::new(resources);
+    for store in &stores[1..] {
+        *store.current.lock() = resources.clone();
+        store.tx.send_replace(published.clone());
+    }
+    *current = resources;
+    first.tx.send_replace(published);
+}
+
 fn hash_hex(bytes: &[u8]) -> String {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     bytes.hash(&mut h);
@@ -267,38 +288,15 @@ impl Store {
 
     /// Serve exactly `resources` from now on.
     pub fn publish(&self, resources: Resources) {
-        let mut current = self.current.lock();
-        let previous = self.tx.borrow().clone();
-        let published = Arc::new(Published::build_from(
-            &resources,
-            Some((&current, &previous)),
-        ));
-        *current = Arc::new(resources);
-        self.tx.send_replace(published);
+        publish_to(std::slice::from_ref(self), resources);
     }
 
     /// Serve one flatmesh config to each of `nodes` (see [`Store::node`]): translated and
     /// packed once, and held once however many nodes get it.
     pub fn publish_config_to<'a>(&self, nodes: impl IntoIterator<Item = &'a str>, config: &Config) {
         let stores: Vec<Store> = nodes.into_iter().map(|id| self.node(id)).collect();
-        let Some(first) = stores.first() else {
-            return;
-        };
-        let resources = crate::from_model::resources(config);
-        // Resources that did not change keep their packed form and version: reused from the
-        // first node's last state (the nodes of one config had the same one before, as a rule).
-        let published = {
-            let current = first.current.lock().clone();
-            let previous = first.tx.borrow().clone();
-            Arc::new(Published::build_from(
-                &resources,
-                Some((&current, &previous)),
-            ))
-        };
-        let resources = Arc::new(resources);
-        for store in &stores {
-            *store.current.lock() = resources.clone();
-            store.tx.send_replace(published.clone());
+        if !stores.is_empty() {
+            publish_to(&stores, crate::from_model::resources(config));
         }
     }
 
