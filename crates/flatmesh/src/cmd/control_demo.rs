@@ -55,7 +55,7 @@ struct DemoOpts {
     /// CPU work per KVS/Count/EMA request on a host core, µs (the gateway does a third of it).
     #[arg(long, default_value_t = 220)]
     work_us: u64,
-    /// End this many seconds after the first migration (the recovery shown), not at --duration,
+    /// End this many seconds after the last migration (the recovery shown), not at --duration,
     /// which stays the limit.
     #[arg(long)]
     end_after_move: Option<u64>,

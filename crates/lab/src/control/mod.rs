@@ -107,8 +107,9 @@ pub struct DemoConfig {
     pub work_us: u64,
     /// Keep the working directory (logs, configs, checkpoints) after the run.
     pub keep: bool,
-    /// End the run this long after the first migration instead of at `duration` (which stays the
-    /// limit): long enough to watch the recovery, without guessing how soon detection comes.
+    /// End the run this long after the last migration instead of at `duration` (which stays the
+    /// limit): long enough to watch the recovery, without guessing how soon detection comes or
+    /// how many moves relieve a node (each move pushes the end back).
     pub end_after_move: Option<Duration>,
 }
 
@@ -626,7 +627,8 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.tick().await;
         let mut last_ok = 0;
-        let deadline = tokio::time::sleep(cfg.duration);
+        let limit = tokio::time::Instant::now() + cfg.duration;
+        let deadline = tokio::time::sleep_until(limit);
         tokio::pin!(deadline);
         let mut stopping = false;
         loop {
@@ -671,11 +673,10 @@ pub async fn run(cfg: DemoConfig, events: mpsc::UnboundedSender<DemoEvent>) -> R
                             detections.push(Detection { node, signal, at_s: at.as_secs_f64(), exec_us });
                         }
                         LogEntry::Migrated { instance, from, to, .. } => {
-                            if let (true, Some(settle)) = (migrations.is_empty(), cfg.end_after_move) {
-                                let end = tokio::time::Instant::now() + settle;
-                                if end < deadline.deadline() {
-                                    deadline.as_mut().reset(end);
-                                }
+                            if let Some(settle) = cfg.end_after_move {
+                                // Never past the first deadline (`duration`), which stays the limit.
+                                let end = (tokio::time::Instant::now() + settle).min(limit);
+                                deadline.as_mut().reset(end);
                             }
                             migrations.push(Migration {
                                 instance: instance.clone(), from: from.clone(), to: to.clone(), at_s: at.as_secs_f64(),
