@@ -8,7 +8,9 @@
 //!
 //!   cargo build --release -p flatmesh
 //!   cargo run --release -p flatmesh-k8s --example scale -- [--nodes 1000] [--pods 10000]
-//!       [--services 2000] [--changes 5]
+//!       [--services 2000] [--changes 5] [--perf FILE]
+//!
+//! `--perf FILE` records the control plane with `perf record -g` during the changes.
 //!
 //! Needs what crates/k8s/tests need (testenv: go, etcd, openssl, kubectl). Prints a Markdown
 //! table for BENCHMARKS.md.
@@ -42,6 +44,8 @@ struct Args {
     pods: usize,
     services: usize,
     changes: usize,
+    /// `perf record -g` of the control plane during the changes, into this file.
+    perf: Option<String>,
 }
 
 fn args() -> Args {
@@ -50,16 +54,23 @@ fn args() -> Args {
         pods: 10_000,
         services: 2000,
         changes: 5,
+        perf: None,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     for pair in argv.chunks(2) {
+        if pair[0] == "--perf" {
+            a.perf = Some(pair.get(1).expect("--perf needs a file").clone());
+            continue;
+        }
         let value = pair.get(1).and_then(|v| v.parse().ok());
         let slot = match pair[0].as_str() {
             "--nodes" => &mut a.nodes,
             "--pods" => &mut a.pods,
             "--services" => &mut a.services,
             "--changes" => &mut a.changes,
-            other => panic!("unknown argument {other}: use --nodes, --pods, --services, --changes"),
+            other => panic!(
+                "unknown argument {other}: use --nodes, --pods, --services, --changes, --perf FILE"
+            ),
         };
         *slot = value.unwrap_or_else(|| panic!("{} needs a number", pair[0]));
     }
@@ -223,7 +234,6 @@ async fn sim_node(
                     _ => None,
                 };
             }
-            let wanted_endpoints: BTreeSet<String> = wants[0].values().flatten().cloned().collect();
             let _ = tx
                 .send(DeltaDiscoveryRequest {
                     type_url: response.type_url.clone(),
@@ -234,9 +244,13 @@ async fn sim_node(
             if hit {
                 acked_tx.send_replace(Some(Instant::now()));
             }
-            for (type_url, held) in &mut subscribed {
-                let wanted = if *type_url == ENDPOINT {
-                    wanted_endpoints.clone()
+            // Only clusters and listeners change what the node subscribes to. (Recomputing
+            // it on every endpoint push would cost this one process, which runs a thousand
+            // nodes on the control plane's cores, more than the control plane's push.)
+            let reshaped = matches!(response.type_url.as_str(), CLUSTER | LISTENER);
+            for (type_url, held) in subscribed.iter_mut().filter(|_| reshaped) {
+                let wanted: BTreeSet<String> = if *type_url == ENDPOINT {
+                    wants[0].values().flatten().cloned().collect()
                 } else {
                     wants[1].values().flatten().cloned().collect()
                 };
@@ -254,7 +268,7 @@ async fn sim_node(
                 }
             }
             let complete =
-                !endpoints_held.is_empty() && wanted_endpoints.len() == endpoints_held.len();
+                !endpoints_held.is_empty() && subscribed[0].1.len() == endpoints_held.len();
             if complete && !told_ready {
                 told_ready = true;
                 let _ = ready.send(()).await;
@@ -453,6 +467,23 @@ async fn run(a: Args) {
     );
 
     // Changes: one EndpointSlice gains an address; time to every node's ACK.
+    // The profile covers the changes only, not the initial sync.
+    let perf = a.perf.as_ref().map(|file| {
+        std::process::Command::new("perf")
+            .args([
+                "record",
+                "-F",
+                "499",
+                "-g",
+                "-o",
+                file,
+                "-p",
+                &pid.to_string(),
+            ])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("--perf: cannot run perf ({e}); install linux-perf"))
+    });
     let mut rows = Vec::new();
     for c in 0..a.changes {
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -499,6 +530,17 @@ async fn run(a: Args) {
             percentile(&took, 0.5),
             percentile(&took, 0.99),
             took.last().unwrap()
+        );
+    }
+    if let Some(mut perf) = perf {
+        // perf writes its file when interrupted.
+        let _ = std::process::Command::new("kill")
+            .args(["-INT", &perf.id().to_string()])
+            .status();
+        let _ = perf.wait();
+        eprintln!(
+            "profile in {} (perf report -i FILE --no-children)",
+            a.perf.as_deref().unwrap_or_default()
         );
     }
 

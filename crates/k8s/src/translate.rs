@@ -85,12 +85,18 @@ pub fn translate(objects: &Objects, trust_domain: &str) -> Translation {
 
     let ports = service_ports(objects, &live);
     let known: BTreeSet<String> = ports.iter().map(|p| p.name.clone()).collect();
+    let slices = slices_by_service(objects);
+    let parents = routes_by_parent(objects);
+    let no_slices = Vec::new();
     let mut clusters = Vec::new();
     let mut listeners = Vec::new();
     for port in &ports {
-        let routes = attached_routes(objects, port);
+        let routes = attached_routes(&parents, port);
         let grpc = port.grpc || routes.iter().any(|r| r.kind == RouteKind::Grpc);
-        let endpoints: Vec<String> = endpoints_of(objects, port)
+        let owned = slices
+            .get(&(port.namespace.as_str(), port.service.as_str()))
+            .unwrap_or(&no_slices);
+        let endpoints: Vec<String> = endpoints_of(owned, port)
             .into_iter()
             .map(|a| a.to_string())
             .collect();
@@ -249,21 +255,34 @@ fn speaks(port: &ServicePort) -> (bool, bool) {
     (http, grpc)
 }
 
-/// The ready endpoints of a Service port, in address order.
-fn endpoints_of(objects: &Objects, port: &ServicePortInfo) -> BTreeSet<SocketAddr> {
-    let mut out = BTreeSet::new();
+/// The EndpointSlices of each Service (by namespace and name), FQDN ones left out: looked up per
+/// Service port, so the translation is linear in the cluster's size, not quadratic.
+fn slices_by_service(objects: &Objects) -> BTreeMap<(&str, &str), Vec<&EndpointSlice>> {
+    let mut out: BTreeMap<(&str, &str), Vec<&EndpointSlice>> = BTreeMap::new();
     for slice in &objects.slices {
-        let owner = slice
+        let Some(owner) = slice
             .metadata
             .labels
             .as_ref()
-            .and_then(|l| l.get(SERVICE_NAME_LABEL));
-        if owner != Some(&port.service)
-            || slice.metadata.namespace.as_deref().unwrap_or("default") != port.namespace
-            || slice.address_type == "FQDN"
-        {
+            .and_then(|l| l.get(SERVICE_NAME_LABEL))
+        else {
+            continue;
+        };
+        if slice.address_type == "FQDN" {
             continue;
         }
+        let namespace = slice.metadata.namespace.as_deref().unwrap_or("default");
+        out.entry((namespace, owner.as_str()))
+            .or_default()
+            .push(slice);
+    }
+    out
+}
+
+/// The ready endpoints of a Service port (from its Service's slices), in address order.
+fn endpoints_of(slices: &[&EndpointSlice], port: &ServicePortInfo) -> BTreeSet<SocketAddr> {
+    let mut out = BTreeSet::new();
+    for slice in slices {
         let Some(target) = slice
             .ports
             .iter()
@@ -289,20 +308,35 @@ fn endpoints_of(objects: &Objects, port: &ServicePortInfo) -> BTreeSet<SocketAdd
     out
 }
 
+/// The mesh routes whose parents name each Service (by namespace and name), with the port the
+/// parent names, if any.
+type RoutesByParent<'a> = BTreeMap<(String, String), Vec<(&'a MeshRoute, Option<i32>)>>;
+
+fn routes_by_parent(objects: &Objects) -> RoutesByParent<'_> {
+    let mut out: RoutesByParent<'_> = BTreeMap::new();
+    for route in &objects.routes {
+        for (namespace, name, port) in route.services() {
+            out.entry((namespace, name))
+                .or_default()
+                .push((route, port));
+        }
+    }
+    out
+}
+
 /// The mesh routes attached to a Service port, by namespace and name.
-fn attached_routes<'a>(objects: &'a Objects, port: &ServicePortInfo) -> Vec<&'a MeshRoute> {
-    let mut out: Vec<&MeshRoute> = objects
-        .routes
-        .iter()
-        .filter(|r| {
-            r.services().any(|(namespace, name, p)| {
-                namespace == port.namespace
-                    && name == port.service
-                    && p.is_none_or(|p| p == i32::from(port.port))
-            })
-        })
+fn attached_routes<'a>(parents: &RoutesByParent<'a>, port: &ServicePortInfo) -> Vec<&'a MeshRoute> {
+    let key = (port.namespace.clone(), port.service.clone());
+    let mut out: Vec<&MeshRoute> = parents
+        .get(&key)
+        .into_iter()
+        .flatten()
+        .filter(|(_, p)| p.is_none_or(|p| p == i32::from(port.port)))
+        .map(|(route, _)| *route)
         .collect();
     out.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    // A route with two parents on this port is attached once.
+    out.dedup_by(|a, b| std::ptr::eq(*a, *b));
     out
 }
 

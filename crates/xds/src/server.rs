@@ -42,6 +42,21 @@ pub struct Published {
     pub by_type: BTreeMap<&'static str, Arc<Packed>>,
     /// type URL -> version of the whole set (SotW).
     pub versions: BTreeMap<&'static str, String>,
+    /// type URL -> what changed since the set this one was built from: a delta stream that
+    /// diffed that set looks at these names only. A thousand nodes, one endpoint move: a
+    /// thousand lookups of one name, not a thousand diffs of every assignment.
+    changes: BTreeMap<&'static str, Changes>,
+}
+
+/// The names of one type that differ between two published sets.
+#[derive(Debug)]
+struct Changes {
+    /// The set these are relative to. Weak: it is only compared with the set a stream holds
+    /// (which keeps it alive while the stream needs it), never read.
+    since: std::sync::Weak<Packed>,
+    /// New, or of another version.
+    changed: Vec<String>,
+    removed: Vec<String>,
 }
 
 impl Published {
@@ -118,7 +133,12 @@ impl Published {
             .and_then(|p| Some((p.by_type.get(type_url)?, p.versions.get(type_url)?)))
         {
             Some((same, was)) if *was == version => same.clone(),
-            _ => Arc::new(named),
+            _ => {
+                if let Some(old) = old {
+                    self.changes.insert(type_url, Changes::between(old, &named));
+                }
+                Arc::new(named)
+            }
         };
         self.versions.insert(type_url, version);
         self.by_type.insert(type_url, named);
@@ -130,6 +150,27 @@ impl Published {
 
     fn resources(&self, type_url: &str) -> Option<&Arc<Packed>> {
         self.by_type.get(type_url)
+    }
+}
+
+impl Changes {
+    fn between(old: &Arc<Packed>, now: &Packed) -> Changes {
+        let changed = now
+            .iter()
+            // The version is the hash of the encoding: what a stream compares too.
+            .filter(|(name, (_, version))| old.get(*name).is_none_or(|(_, was)| was != version))
+            .map(|(name, _)| name.clone())
+            .collect();
+        let removed = old
+            .keys()
+            .filter(|name| !now.contains_key(*name))
+            .cloned()
+            .collect();
+        Changes {
+            since: Arc::downgrade(old),
+            changed,
+            removed,
+        }
     }
 }
 
@@ -761,9 +802,10 @@ struct DeltaType {
     held: BTreeMap<String, String>,
     /// The first request always gets a response, even an empty one (it ends Envoy's warming).
     answered: bool,
-    /// The set last diffed, while no request of this type came since: a publish that left
-    /// this type's set as it was (the same `Arc`) has nothing to send here, without a diff.
-    /// A thousand nodes, an endpoint change: one type diffed per stream, not four.
+    /// The set last diffed, while the stream's subscription stayed as it was: a publish that
+    /// left this type's set as it was (the same `Arc`) has nothing to send here, without a
+    /// diff, and one whose [`Changes`] are relative to it is diffed on the changed names only.
+    /// A thousand nodes, an endpoint change: one name looked up per stream.
     diffed: Option<Arc<Packed>>,
 }
 
@@ -853,7 +895,14 @@ async fn delta_stream(
                     answered: false,
                     diffed: None,
                 });
-                t.diffed = None;
+                // A request that changes what the stream wants makes the next diff a full one;
+                // an ACK or a NACK changes nothing of it (and every push gets one).
+                if first
+                    || !request.resource_names_subscribe.is_empty()
+                    || !request.resource_names_unsubscribe.is_empty()
+                {
+                    t.diffed = None;
+                }
                 if first && !request.initial_resource_versions.is_empty() {
                     t.held = request.initial_resource_versions.clone().into_iter().collect();
                 }
@@ -886,10 +935,28 @@ fn delta_response(
     nonce: &mut u64,
 ) -> Option<DeltaDiscoveryResponse> {
     let all = published.resources(type_url)?;
-    if t.diffed.as_ref().is_some_and(|d| Arc::ptr_eq(d, all)) {
-        return None;
-    }
-    let response = delta_response_of(all, published.version(type_url), type_url, t, nonce);
+    let version = published.version(type_url);
+    let response = match (&t.diffed, published.changes.get(type_url)) {
+        (Some(diffed), _) if Arc::ptr_eq(diffed, all) => return None,
+        // The stream diffed the set these changes are relative to, and no request of this
+        // type came since: only the changed names can differ from what the client holds.
+        (Some(diffed), Some(changes))
+            if std::ptr::eq(changes.since.as_ptr(), Arc::as_ptr(diffed)) =>
+        {
+            let candidates = changes
+                .changed
+                .iter()
+                .filter_map(|name| all.get_key_value(name));
+            let removed = changes
+                .removed
+                .iter()
+                .filter(|name| t.held.contains_key(*name))
+                .cloned()
+                .collect();
+            respond(candidates, removed, version, type_url, t, nonce)
+        }
+        _ => delta_response_of(all, version, type_url, t, nonce),
+    };
     t.diffed = Some(all.clone());
     response
 }
@@ -903,9 +970,28 @@ fn delta_response_of(
     t: &mut DeltaType,
     nonce: &mut u64,
 ) -> Option<DeltaDiscoveryResponse> {
+    let removed: Vec<String> = t
+        .held
+        .keys()
+        .filter(|name| !all.contains_key(*name))
+        .cloned()
+        .collect();
+    respond(all.iter(), removed, system_version, type_url, t, nonce)
+}
+
+/// The response that sends what of `candidates` the client wants and does not hold, and
+/// removes `removed` (names it holds); `None` if there is nothing to say.
+fn respond<'a>(
+    candidates: impl Iterator<Item = (&'a String, &'a (Any, String))>,
+    removed: Vec<String>,
+    system_version: String,
+    type_url: &str,
+    t: &mut DeltaType,
+    nonce: &mut u64,
+) -> Option<DeltaDiscoveryResponse> {
     let wanted = |name: &str| t.wildcard || t.names.contains(name);
     let mut resources = Vec::new();
-    for (name, (any, version)) in all {
+    for (name, (any, version)) in candidates {
         if wanted(name) && t.held.get(name) != Some(version) {
             resources.push(DeltaResource {
                 name: name.clone(),
@@ -915,12 +1001,6 @@ fn delta_response_of(
             });
         }
     }
-    let removed: Vec<String> = t
-        .held
-        .keys()
-        .filter(|name| !all.contains_key(*name))
-        .cloned()
-        .collect();
     if resources.is_empty() && removed.is_empty() && t.answered {
         return None;
     }
@@ -940,4 +1020,101 @@ fn delta_response_of(
         nonce: nonce.to_string(),
         ..Default::default()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resources::ENDPOINT;
+
+    fn config(clusters: &[(&str, &str)]) -> flatmesh_config::Config {
+        let mut text = String::from(
+            "listeners: [ { name: t, address: 127.0.0.1:9000, protocol: tcp, cluster: c } ]\nclusters:\n",
+        );
+        for (name, endpoint) in clusters {
+            text += &format!("  - {{ name: {name}, endpoints: [ {endpoint} ] }}\n");
+        }
+        flatmesh_config::parse(&text, "t.yaml").unwrap()
+    }
+
+    fn stream(wildcard: bool, names: &[&str]) -> DeltaType {
+        DeltaType {
+            wildcard,
+            names: names.iter().map(|n| n.to_string()).collect(),
+            held: BTreeMap::new(),
+            answered: false,
+            diffed: None,
+        }
+    }
+
+    /// What a response says: (name, version) sent, and names removed.
+    type Said = (Vec<(String, String)>, Vec<String>);
+
+    fn said(r: Option<DeltaDiscoveryResponse>) -> Option<Said> {
+        r.map(|r| {
+            let sent = r
+                .resources
+                .into_iter()
+                .map(|d| (d.name, d.version))
+                .collect();
+            (sent, r.removed_resources)
+        })
+    }
+
+    #[test]
+    fn a_stream_that_diffed_the_last_set_sends_what_a_full_diff_would() {
+        let store = Store::new();
+        store.publish_config(&config(&[
+            ("a", "127.0.0.1:1"),
+            ("b", "127.0.0.1:2"),
+            ("c", "127.0.0.1:3"),
+        ]));
+        let first = store.published();
+        // Publishes that change a, remove b, add d, keep c; then one that changes nothing of
+        // the endpoints but a's again.
+        let next = [
+            config(&[
+                ("a", "127.0.0.1:9"),
+                ("c", "127.0.0.1:3"),
+                ("d", "127.0.0.1:4"),
+            ]),
+            config(&[
+                ("a", "127.0.0.1:8"),
+                ("c", "127.0.0.1:3"),
+                ("d", "127.0.0.1:4"),
+            ]),
+        ];
+        for (wildcard, names) in [(true, &[][..]), (false, &["a", "b", "d"][..])] {
+            let mut fast = stream(wildcard, names);
+            let mut nonce = 0;
+            assert!(delta_response(&first, ENDPOINT, &mut fast, &mut nonce).is_some());
+            for (i, config) in next.iter().enumerate() {
+                store.publish_config(config);
+                let published = store.published();
+                assert!(
+                    published.changes.contains_key(ENDPOINT),
+                    "built from the last set"
+                );
+                // The same stream state, diffed in full.
+                let mut full = DeltaType {
+                    wildcard: fast.wildcard,
+                    names: fast.names.clone(),
+                    held: fast.held.clone(),
+                    answered: fast.answered,
+                    diffed: None,
+                };
+                let expected = said(delta_response(&published, ENDPOINT, &mut full, &mut nonce));
+                let got = said(delta_response(&published, ENDPOINT, &mut fast, &mut nonce));
+                assert_eq!(got, expected);
+                assert_eq!(fast.held, full.held);
+                let (sent, removed) = got.expect("a changed every time");
+                let sent: Vec<&str> = sent.iter().map(|(n, _)| n.as_str()).collect();
+                if i == 0 {
+                    assert_eq!((sent, removed), (vec!["a", "d"], vec!["b".to_string()]));
+                } else {
+                    assert_eq!((sent, removed), (vec!["a"], vec![]));
+                }
+            }
+        }
+    }
 }

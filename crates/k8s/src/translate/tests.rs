@@ -317,3 +317,27 @@ fn the_same_objects_give_the_same_snapshot_whatever_their_order() {
     reversed.pods.reverse();
     assert_eq!(translate(&objects, "td"), translate(&reversed, "td"));
 }
+
+#[test]
+fn a_route_naming_its_service_twice_is_attached_once() {
+    let mut objects = shop();
+    objects.routes.push(http_route(
+        "shop",
+        "twice",
+        json!({
+            "parentRefs": [ { "group": "", "kind": "Service", "name": "web" },
+                            { "group": "", "kind": "Service", "name": "web", "port": 80 } ],
+            "rules": [ { "backendRefs": [ { "name": "db", "port": 5432 } ] } ],
+        }),
+    ));
+    let t = translate(&objects, "cluster.local");
+    let web = t.nodes["node-a"]
+        .config
+        .listeners
+        .iter()
+        .find(|l| l.name == "shop/web:80")
+        .unwrap()
+        .clone();
+    assert_eq!(web.routes.len(), 1, "{:?}", web.routes);
+    assert_eq!(web.routes[0].cluster.as_deref(), Some("shop/db:5432"));
+}
