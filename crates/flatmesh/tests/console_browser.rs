@@ -14,7 +14,9 @@
 mod common;
 
 use std::io::{Read as _, Write as _};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
+
+use common::free_port;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -32,14 +34,6 @@ fn require_browser() {
              install both with `apt-get install chromium chromium-driver` (package {package})"
         );
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// One HTTP/1.1 exchange on its own connection: (status, body). The body ends at its

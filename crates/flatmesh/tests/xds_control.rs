@@ -162,13 +162,9 @@ fn wait_for(what: &str, logs: &[&Path], mut check: impl FnMut() -> bool) {
     );
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+#[path = "../../proxy/tests/common/ports.rs"]
+mod ports;
+use ports::free_port;
 
 /// Node `i`'s heartbeat key.
 fn key(node: u32) -> HeartbeatKey {

@@ -11,7 +11,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-use common::{create, flatmesh_bin, wait_ready, TestEnv};
+use common::{create, flatmesh_bin, free_port, wait_ready, TestEnv};
 
 use std::io::{Read as _, Write as _};
 use std::net::SocketAddr;
@@ -64,14 +64,6 @@ fn can_i(kubeconfig: &Path, account: &str, verb: &str, resource: &str, scope: &[
             String::from_utf8_lossy(&out.stderr)
         ),
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A child process killed on drop, its stderr in a file.

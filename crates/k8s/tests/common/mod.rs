@@ -2,6 +2,11 @@
 //! ../shared/k8s/testenv or $FLATMESH_K8S_TESTENV), started per test and stopped on drop.
 #![allow(clippy::unwrap_used, dead_code)]
 
+#[path = "../../../proxy/tests/common/ports.rs"]
+mod ports;
+#[allow(unused_imports)] // not every test binary asks for a port
+pub use ports::free_port;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -272,14 +272,12 @@ pub fn shm_mappings_tree(pid: u32) -> usize {
     total
 }
 
-/// A free TCP port on loopback (bound and released; fine for tests on a private host).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+// Never the same port twice in one test process (two tests of one binary asking at once could
+// otherwise be handed the same one): the proxy tests' helper.
+#[path = "../../../proxy/tests/common/ports.rs"]
+mod ports;
+#[allow(unused_imports)] // not every test binary asks for a port
+pub use ports::free_port;
 
 /// Waits until something listens on the port (connecting without the library).
 pub fn wait_listening(port: u16, within: Duration) {

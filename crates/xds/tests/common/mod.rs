@@ -98,14 +98,12 @@ pub fn request(addr: SocketAddr, method: &str, host: &str, path: &str) -> Option
     Some((status, body))
 }
 
-/// A loopback port that was free a moment ago.
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+// Never the same port twice in one test process (two tests of one binary asking at once could
+// otherwise be handed the same one): the proxy tests' helper.
+#[path = "../../../proxy/tests/common/ports.rs"]
+mod ports;
+#[allow(unused_imports)] // not every test binary asks for a port
+pub use ports::free_port;
 
 /// Poll `check` every 50 ms for up to 20 s; panics with `what` if it never holds.
 pub fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
