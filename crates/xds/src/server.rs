@@ -611,7 +611,7 @@ impl AggregatedDiscoveryService for Ads {
         let secrets = self.secrets_for(&request);
         let cut_off = self.cut_off(request.metadata());
         let requests = request.into_inner();
-        let (tx, rx) = mpsc::channel(16);
+        let (tx, rx) = mpsc::channel(DELTA_QUEUE);
         tokio::spawn(delta_stream(
             self.store.clone(),
             requests,
@@ -833,8 +833,8 @@ async fn delta_stream(
         if let (Some(source), Some(t)) = (&secrets, types.get_mut(SECRET)) {
             if std::mem::take(&mut secrets_stale) || !t.answered {
                 let (all, version) = source.get(&t.names);
-                if let Some(response) = delta_response_of(&all, version, SECRET, t, &mut nonce) {
-                    if tx.send(Ok(response)).await.is_err() {
+                if let Some(delta) = delta_of(&all, version, SECRET, t) {
+                    if !send_delta(&tx, delta, &mut nonce).await {
                         return;
                     }
                 }
@@ -842,8 +842,8 @@ async fn delta_stream(
         }
         for type_url in ORDER.iter().filter(|_| answer) {
             if let Some(t) = types.get_mut(*type_url) {
-                if let Some(response) = delta_response(&published, type_url, t, &mut nonce) {
-                    if tx.send(Ok(response)).await.is_err() {
+                if let Some(delta) = delta_response(&published, type_url, t) {
+                    if !send_delta(&tx, delta, &mut nonce).await {
                         return;
                     }
                     StreamStats::count(&store.stats.pushes);
@@ -928,15 +928,76 @@ async fn delta_stream(
     }
 }
 
-fn delta_response(
-    published: &Published,
-    type_url: &str,
-    t: &mut DeltaType,
+/// Resources per delta response at most. A node's first push of 2,000 clusters goes out in
+/// pieces, each packed when the stream's channel has room for it, so a thousand streams syncing
+/// at once hold a piece or two each instead of every resource twice (the response and its
+/// encoding, waiting on flow control). Delta xDS allows any split; SotW does not (an LDS or CDS
+/// response is the whole set).
+const DELTA_PIECE: usize = 256;
+
+/// Responses a delta stream has packed and not yet handed to the connection: with the piece
+/// size, the bound on what a slow client makes the server hold.
+const DELTA_QUEUE: usize = 2;
+
+/// What one delta diff decided to tell a client: resources of a published set (by reference)
+/// and names to remove. The stream's state already counts it as held.
+struct Delta<'a> {
+    system_version: String,
+    type_url: &'a str,
+    send: Vec<(&'a String, &'a (Any, String))>,
+    removed: Vec<String>,
+}
+
+impl<'a> Delta<'a> {
+    /// The responses that carry it, [`DELTA_PIECE`] resources each (the removals ride in the
+    /// first), each packed when asked for; without nonces.
+    fn responses(mut self) -> impl Iterator<Item = DeltaDiscoveryResponse> + 'a {
+        let pieces = self.send.len().div_ceil(DELTA_PIECE).max(1);
+        (0..pieces).map(move |i| {
+            let piece = &self.send[i * DELTA_PIECE..((i + 1) * DELTA_PIECE).min(self.send.len())];
+            DeltaDiscoveryResponse {
+                system_version_info: self.system_version.clone(),
+                resources: piece
+                    .iter()
+                    .map(|(name, (any, version))| DeltaResource {
+                        name: (*name).clone(),
+                        version: version.clone(),
+                        resource: Some(any.clone()),
+                        ..Default::default()
+                    })
+                    .collect(),
+                type_url: self.type_url.to_string(),
+                removed_resources: std::mem::take(&mut self.removed),
+                ..Default::default()
+            }
+        })
+    }
+}
+
+/// Sends a delta's responses in order, each with the next nonce; false once the client is gone.
+async fn send_delta(
+    tx: &mpsc::Sender<std::result::Result<DeltaDiscoveryResponse, tonic::Status>>,
+    delta: Delta<'_>,
     nonce: &mut u64,
-) -> Option<DeltaDiscoveryResponse> {
+) -> bool {
+    for mut response in delta.responses() {
+        *nonce += 1;
+        response.nonce = nonce.to_string();
+        if tx.send(Ok(response)).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
+fn delta_response<'a>(
+    published: &'a Published,
+    type_url: &'a str,
+    t: &mut DeltaType,
+) -> Option<Delta<'a>> {
     let all = published.resources(type_url)?;
     let version = published.version(type_url);
-    let response = match (&t.diffed, published.changes.get(type_url)) {
+    let delta = match (&t.diffed, published.changes.get(type_url)) {
         (Some(diffed), _) if Arc::ptr_eq(diffed, all) => return None,
         // The stream diffed the set these changes are relative to, and no request of this
         // type came since: only the changed names can differ from what the client holds.
@@ -953,72 +1014,59 @@ fn delta_response(
                 .filter(|name| t.held.contains_key(*name))
                 .cloned()
                 .collect();
-            respond(candidates, removed, version, type_url, t, nonce)
+            decide(candidates, removed, version, type_url, t)
         }
-        _ => delta_response_of(all, version, type_url, t, nonce),
+        _ => delta_of(all, version, type_url, t),
     };
     t.diffed = Some(all.clone());
-    response
+    delta
 }
 
-/// A delta response of what in `all` the client wants and does not hold, and of what it holds
-/// that is gone; `None` if there is nothing to say.
-fn delta_response_of(
-    all: &Packed,
+/// What in `all` the client wants and does not hold, and what it holds that is gone; `None` if
+/// there is nothing to say.
+fn delta_of<'a>(
+    all: &'a Packed,
     system_version: String,
-    type_url: &str,
+    type_url: &'a str,
     t: &mut DeltaType,
-    nonce: &mut u64,
-) -> Option<DeltaDiscoveryResponse> {
+) -> Option<Delta<'a>> {
     let removed: Vec<String> = t
         .held
         .keys()
         .filter(|name| !all.contains_key(*name))
         .cloned()
         .collect();
-    respond(all.iter(), removed, system_version, type_url, t, nonce)
+    decide(all.iter(), removed, system_version, type_url, t)
 }
 
-/// The response that sends what of `candidates` the client wants and does not hold, and
-/// removes `removed` (names it holds); `None` if there is nothing to say.
-fn respond<'a>(
+/// What of `candidates` the client wants and does not hold, and the removal of `removed`
+/// (names it holds), counted as held from now on; `None` if there is nothing to say.
+fn decide<'a>(
     candidates: impl Iterator<Item = (&'a String, &'a (Any, String))>,
     removed: Vec<String>,
     system_version: String,
-    type_url: &str,
+    type_url: &'a str,
     t: &mut DeltaType,
-    nonce: &mut u64,
-) -> Option<DeltaDiscoveryResponse> {
+) -> Option<Delta<'a>> {
     let wanted = |name: &str| t.wildcard || t.names.contains(name);
-    let mut resources = Vec::new();
-    for (name, (any, version)) in candidates {
-        if wanted(name) && t.held.get(name) != Some(version) {
-            resources.push(DeltaResource {
-                name: name.clone(),
-                version: version.clone(),
-                resource: Some(any.clone()),
-                ..Default::default()
-            });
-        }
-    }
-    if resources.is_empty() && removed.is_empty() && t.answered {
+    let send: Vec<_> = candidates
+        .filter(|(name, (_, version))| wanted(name) && t.held.get(*name) != Some(version))
+        .collect();
+    if send.is_empty() && removed.is_empty() && t.answered {
         return None;
     }
     t.answered = true;
-    for r in &resources {
-        t.held.insert(r.name.clone(), r.version.clone());
+    for (name, (_, version)) in &send {
+        t.held.insert((*name).clone(), version.clone());
     }
     for name in &removed {
         t.held.remove(name);
     }
-    *nonce += 1;
-    Some(DeltaDiscoveryResponse {
-        system_version_info: system_version,
-        resources,
-        type_url: type_url.to_string(),
-        removed_resources: removed,
-        nonce: nonce.to_string(),
-        ..Default::default()
+    Some(Delta {
+        system_version,
+        type_url,
+        send,
+        removed,
     })
 }
 
@@ -1047,18 +1095,43 @@ mod tests {
         }
     }
 
-    /// What a response says: (name, version) sent, and names removed.
+    /// What a delta's responses say: (name, version) sent, and names removed.
     type Said = (Vec<(String, String)>, Vec<String>);
 
-    fn said(r: Option<DeltaDiscoveryResponse>) -> Option<Said> {
-        r.map(|r| {
-            let sent = r
-                .resources
-                .into_iter()
-                .map(|d| (d.name, d.version))
-                .collect();
-            (sent, r.removed_resources)
+    fn said(delta: Option<Delta<'_>>) -> Option<Said> {
+        delta.map(|d| {
+            let (mut sent, mut removed) = (Vec::new(), Vec::new());
+            for r in d.responses() {
+                sent.extend(r.resources.into_iter().map(|d| (d.name, d.version)));
+                removed.extend(r.removed_resources);
+            }
+            (sent, removed)
         })
+    }
+
+    #[test]
+    fn a_large_delta_goes_out_in_pieces_with_the_removals_in_the_first() {
+        let all: Packed = (0..600)
+            .map(|i| (format!("r{i:03}"), (Any::default(), format!("v{i}"))))
+            .collect();
+        let mut t = stream(true, &[]);
+        t.held.insert("gone".into(), "v".into());
+        let delta = delta_of(&all, "sys".into(), ENDPOINT, &mut t).unwrap();
+        let responses: Vec<_> = delta.responses().collect();
+        let sizes: Vec<usize> = responses.iter().map(|r| r.resources.len()).collect();
+        assert_eq!(sizes, [DELTA_PIECE, DELTA_PIECE, 600 - 2 * DELTA_PIECE]);
+        let removed: Vec<&Vec<String>> = responses.iter().map(|r| &r.removed_resources).collect();
+        assert_eq!(removed, [&vec!["gone".to_string()], &vec![], &vec![]]);
+        let names: Vec<&str> = responses
+            .iter()
+            .flat_map(|r| &r.resources)
+            .map(|r| r.name.as_str())
+            .collect();
+        let expected: Vec<&str> = all.keys().map(String::as_str).collect();
+        assert_eq!(names, expected, "every resource once, in order");
+        assert_eq!(t.held.len(), 600);
+        // Nothing new: nothing to say.
+        assert!(delta_of(&all, "sys".into(), ENDPOINT, &mut t).is_none());
     }
 
     #[test]
@@ -1086,8 +1159,7 @@ mod tests {
         ];
         for (wildcard, names) in [(true, &[][..]), (false, &["a", "b", "d"][..])] {
             let mut fast = stream(wildcard, names);
-            let mut nonce = 0;
-            assert!(delta_response(&first, ENDPOINT, &mut fast, &mut nonce).is_some());
+            assert!(delta_response(&first, ENDPOINT, &mut fast).is_some());
             for (i, config) in next.iter().enumerate() {
                 store.publish_config(config);
                 let published = store.published();
@@ -1103,8 +1175,8 @@ mod tests {
                     answered: fast.answered,
                     diffed: None,
                 };
-                let expected = said(delta_response(&published, ENDPOINT, &mut full, &mut nonce));
-                let got = said(delta_response(&published, ENDPOINT, &mut fast, &mut nonce));
+                let expected = said(delta_response(&published, ENDPOINT, &mut full));
+                let got = said(delta_response(&published, ENDPOINT, &mut fast));
                 assert_eq!(got, expected);
                 assert_eq!(fast.held, full.held);
                 let (sent, removed) = got.expect("a changed every time");
