@@ -296,14 +296,7 @@ fn a_route_for_another_port_or_parent_is_not_attached() {
                         { "group": "", "kind": "Service", "name": "web", "namespace": "other" } ],
         "rules": [ { "backendRefs": [ { "name": "db", "port": 5432 } ] } ],
     })));
-    let t = translate(&objects, "cluster.local");
-    let web = t.nodes["node-a"]
-        .config
-        .listeners
-        .iter()
-        .find(|l| l.name == "shop/web:80")
-        .unwrap()
-        .clone();
+    let web = web_listener(&objects);
     assert_eq!(web.routes.len(), 1);
     assert_eq!(web.routes[0].cluster.as_deref(), Some("shop/web:80"));
 }
@@ -330,14 +323,18 @@ fn a_route_naming_its_service_twice_is_attached_once() {
             "rules": [ { "backendRefs": [ { "name": "db", "port": 5432 } ] } ],
         }),
     ));
-    let t = translate(&objects, "cluster.local");
-    let web = t.nodes["node-a"]
+    let web = web_listener(&objects);
+    assert_eq!(web.routes.len(), 1, "{:?}", web.routes);
+    assert_eq!(web.routes[0].cluster.as_deref(), Some("shop/db:5432"));
+}
+
+/// The listener of shop/web:80 on node-a, translated from `objects`.
+fn web_listener(objects: &Objects) -> flatmesh_config::Listener {
+    translate(objects, "cluster.local").nodes["node-a"]
         .config
         .listeners
         .iter()
         .find(|l| l.name == "shop/web:80")
         .unwrap()
-        .clone();
-    assert_eq!(web.routes.len(), 1, "{:?}", web.routes);
-    assert_eq!(web.routes[0].cluster.as_deref(), Some("shop/db:5432"));
+        .clone()
 }
