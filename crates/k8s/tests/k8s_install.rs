@@ -35,9 +35,19 @@ fn manifests() -> PathBuf {
 }
 
 fn kubectl(kubeconfig: &Path, args: &[&str]) -> std::process::Output {
+    // kubectl caches an API server's discovery under ~/.kube/cache by host and port, for hours;
+    // test API servers reuse ports, so another run's server (one without the Gateway API CRDs)
+    // would answer for this one ("no" to a granted verb on httproutes). Each server gets its own
+    // cache, next to its kubeconfig.
+    let cache = kubeconfig
+        .parent()
+        .expect("a kubeconfig in the test server's directory")
+        .join("kubectl-cache");
     Command::new("kubectl")
         .arg("--kubeconfig")
         .arg(kubeconfig)
+        .arg("--cache-dir")
+        .arg(cache)
         .args(args)
         .output()
         .expect("run kubectl (apt-get install kubectl, or see scripts/setup)")
