@@ -87,7 +87,6 @@ pub fn translate(objects: &Objects, trust_domain: &str) -> Translation {
     let known: BTreeSet<String> = ports.iter().map(|p| p.name.clone()).collect();
     let slices = slices_by_service(objects);
     let parents = routes_by_parent(objects);
-    let no_slices = Vec::new();
     let mut clusters = Vec::new();
     let mut listeners = Vec::new();
     for port in &ports {
@@ -95,7 +94,7 @@ pub fn translate(objects: &Objects, trust_domain: &str) -> Translation {
         let grpc = port.grpc || routes.iter().any(|r| r.kind == RouteKind::Grpc);
         let owned = slices
             .get(&(port.namespace.as_str(), port.service.as_str()))
-            .unwrap_or(&no_slices);
+            .map_or(&[][..], Vec::as_slice);
         let endpoints: Vec<String> = endpoints_of(owned, port)
             .into_iter()
             .map(|a| a.to_string())
