@@ -13,7 +13,11 @@ import json
 import math
 import os
 import re
+import select
 import subprocess
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -289,10 +293,72 @@ def parse_iperf3(stdout: str, rc: int = 0) -> LoadResult:
     return LoadResult(int(recv["bytes"]), float(recv["seconds"]), float(recv["bits_per_second"]), None, 0, raw)
 
 
+# ---------------------------------------------------------------- idle connections
+
+
+def run_idle(port: int, path: str, load: Load, env: dict | None, on_hold: Callable[[], dict] | None) -> LoadResult:
+    """Opens `connections` keep-alive connections (one request each, `concurrency` opening at
+    once) with fmbench.idleconns on the load CPU, holds them idle for `duration` seconds, calls
+    `on_hold` (which reads the system's memory) and closes them. The rate is connections opened
+    per second; the latencies are each connection's connect + first request."""
+    conns, concurrency = load.params["connections"], load.params.get("concurrency", 64)
+    timeout = 10.0
+    argv = [sys.executable, "-m", "fmbench.idleconns", str(port), path, str(conns), str(concurrency), str(timeout)]
+    full_env = dict(os.environ, **(env or {}), PYTHONPATH=str(paths.BENCH))
+    try:
+        p = subprocess.Popen(
+            procs.pinned(procs.LOAD_CPU, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=full_env,
+        )
+    except OSError as e:
+        raise LoadError(f"cannot run the idle-connection client: {e}")
+    try:
+        holding = _read_tagged(p, "HOLDING", 60 + conns / 100)
+        time.sleep(load.duration)
+        measured = on_hold() if on_hold else {}
+        p.stdin.write("close\n")
+        p.stdin.flush()
+        done = _read_tagged(p, "DONE", 60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    return parse_idle(holding, done, measured)
+
+
+def _read_tagged(p: subprocess.Popen, tag: str, timeout: float) -> dict:
+    """The JSON after `tag` on the next stdout line of `p`, within `timeout` seconds."""
+    ready, _, _ = select.select([p.stdout], [], [], timeout)
+    line = p.stdout.readline() if ready else ""
+    if not line.startswith(tag + " "):
+        p.kill()
+        err = p.stderr.read()[-500:]
+        got = line.strip()[:200] or ("nothing" if ready else f"nothing within {timeout:.0f}s")
+        raise LoadError(f"the idle-connection client said {got!r}, not {tag}: {err.strip()}")
+    return json.loads(line[len(tag) + 1 :])
+
+
+def parse_idle(holding: dict, done: dict, measured: dict) -> LoadResult:
+    held = int(holding["held"])
+    open_s = float(holding["open_s"])
+    closed = int(done.get("closed_while_held", 0))
+    raw = {
+        "held": held,
+        "open_s": open_s,
+        "reasons": holding.get("reasons", []),
+        "closed_while_held": closed,
+        **measured,
+    }
+    errors = int(holding["errors"]) + closed
+    return LoadResult(held, open_s, held / open_s if open_s else 0.0, percentiles(done.get("latencies_us", [])), errors, raw)
+
+
 # ---------------------------------------------------------------- dispatch
 
 
-def run(scenario: Scenario, load: Load, port: int, env: dict | None, tmp: Path) -> LoadResult:
+def run(
+    scenario: Scenario, load: Load, port: int, env: dict | None, tmp: Path, on_hold: Callable[[], dict] | None = None
+) -> LoadResult:
     url = f"http://{HOST}:{port}{scenario.path}"
     if load.tool == "wrk":
         return run_wrk(url, load, env)
@@ -306,4 +372,6 @@ def run(scenario: Scenario, load: Load, port: int, env: dict | None, tmp: Path) 
         return run_sockperf(port, load, env)
     if load.tool == "iperf3":
         return run_iperf3(port, load, env)
+    if load.tool == "idle":
+        return run_idle(port, scenario.path, load, env, on_hold)
     raise LoadError(f"unknown load tool {load.tool!r} in scenario {scenario.name}")

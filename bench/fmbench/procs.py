@@ -28,6 +28,23 @@ class ProcError(RuntimeError):
     pass
 
 
+def raise_fd_limit(need: int) -> None:
+    """Raises this process's open-file limit (soft, and hard as root) to at least `need`; the
+    processes it starts inherit it. A clear error when it cannot."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= need:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, max(need, hard)))
+    except (ValueError, OSError) as e:
+        raise ProcError(
+            f"{need} open files are needed; the limit is {soft} (hard {hard}) and cannot be raised ({e}): "
+            "run as root or raise `ulimit -n`"
+        )
+
+
 def pinned(cpu: str, argv: list[str]) -> list[str]:
     return ["taskset", "-c", cpu, *argv]
 

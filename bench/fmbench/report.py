@@ -39,6 +39,8 @@ def summarize(records: list[dict]) -> list[dict]:
                 "host_cpu_per_unit": _median([r.get("host_cpu_per_unit") for r in rs]),
                 "peak_rss_kb": _median([r["peak_rss_kb"] for r in rs]),
                 "idle_rss_kb": _median([r["idle_rss_kb"] for r in rs]),
+                "held_rss_kb": _median([(r.get("raw") or {}).get("held_rss_kb") for r in rs]),
+                "held": _median([(r.get("raw") or {}).get("held") for r in rs]),
                 "errors": sum(r["errors"] for r in rs),
                 "ops": sum(r["ops"] for r in rs),
                 "hop_tls": merge_hop([r.get("hop_tls") for r in rs]),
@@ -140,6 +142,8 @@ def scenario_table(s: Scenario, rows: list[dict], systems: list[str]) -> list[st
         return []
     if s.sweep:
         return sweep_table(s, rows, systems)
+    if s.topology.hold_connections:
+        return held_table(s, rows, systems)
     cols = [rate_header(s), "× Envoy", *(LAT_NAMES[k] for k in LAT_KEYS), "p99 × Envoy", cpu_header(s), "CPU × Envoy", "host " + cpu_header(s), "peak RSS MB", "idle RSS MB", "errors"]
     if s.name == "tcp_pingpong":
         cols.insert(6, "added p50 vs direct")
@@ -160,6 +164,39 @@ def scenario_table(s: Scenario, rows: list[dict], systems: list[str]) -> list[st
         ]
         if s.name == "tcp_pingpong":
             cells.insert(6, f_lat(r["added_p50_us"]))
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def held_memory_per_connection_kb(r: dict) -> float | None:
+    """What each held connection costs the system: (RSS while held - idle RSS) / connections."""
+    held, idle, n = r.get("held_rss_kb"), r.get("idle_rss_kb"), r.get("held")
+    if held is None or idle is None or not n:
+        return None
+    return (held - idle) / n
+
+
+def held_table(s: Scenario, rows: list[dict], systems: list[str]) -> list[str]:
+    """The idle_connections scenario: memory while the connections are held, per connection."""
+    rs = {r["system"]: r for r in rows if r["scenario"] == s.name}
+    per = {name: held_memory_per_connection_kb(r) for name, r in rs.items()}
+    envoy = per.get(REFERENCE)
+    cols = ["connections held", "idle RSS MB", "RSS held MB", "KiB per connection", "× Envoy", "opened/s", "p99 first request", cpu_header(s), "errors"]
+    out = ["| system | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name in _order(systems, set(rs)):
+        r = rs[name]
+        kib = per[name]
+        cells = [
+            f"{r['held']:,.0f}" if r.get("held") is not None else "–",
+            f_mb(r["idle_rss_kb"]),
+            f_mb(r.get("held_rss_kb")),
+            "–" if kib is None else f"{kib:.1f}",
+            f_x(_ratio(kib, envoy)),
+            f_rate(r["rate"], s.unit),
+            f_lat(r["lat_us"]["p99"]),
+            f_cpu(r["cpu_per_unit"]),
+            str(r["errors"]),
+        ]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     return out
 

@@ -98,13 +98,14 @@ def measure_system(
             _log(f"  {system.name}: checks ok ({'; '.join(passed)})")
         where = "load"
         for i, load in enumerate(scenario.points):
-            if i == 0 and load.tool not in ("iperf3",):
+            # No warm-up for a bulk stream or for the idle connections (whose figure is memory).
+            if i == 0 and load.tool not in ("iperf3", "idle"):
                 loadgen.run(scenario, replace(load, duration=WARMUP_S), port, system.client_env, workdir)
             if i == 0 and isinstance(sniffer, wire.HelloSniffer):
                 hop = sniffer.stop()
                 _log(f"  {system.name}: between the nodes (start-up, checks, warm-up): {wire.describe(hop)}")
             meter = procs.Meter([p.pid for p in started])
-            res = loadgen.run(scenario, load, port, system.client_env, workdir)
+            res = loadgen.run(scenario, load, port, system.client_env, workdir, on_hold=lambda: held_memory(started))
             usage = meter.finish()
             rec = _record(system, scenario, rep, load, res, usage, idle_kb, meter.host_cpu_s())
             if hop is not None:
@@ -132,6 +133,12 @@ def measure_system(
             sniffer.stop()
         for proc in reversed(started):
             procs.stop(proc)
+
+
+def held_memory(started: list) -> dict:
+    """The system's resident memory now (the idle_connections scenario reads it while the
+    connections are held)."""
+    return {"held_rss_kb": procs.rss_kb([pid for p in started for pid in procs.tree(p.pid)])}
 
 
 def hop_sniffer(scenario: Scenario, system: System):
@@ -199,6 +206,10 @@ def run(
     scenarios: list[Scenario], systems: list[System], repeats: int, workroot: Path, stop_on_failure: bool
 ) -> RunOutcome:
     outcome = RunOutcome()
+    held = max((s.topology.hold_connections or 0 for s in scenarios), default=0)
+    if held:
+        # Every system inherits this: the connections held, and room for the upstream pools.
+        procs.raise_fd_limit(held + 4096)
     try:
         issue_certs(scenarios, systems, workroot)
     except (certs.CertError, SystemError_) as e:

@@ -94,6 +94,9 @@ class Topology:
     # Distributed tracing (issue 22): the share of requests sampled, exported over OTLP/gRPC to
     # the collector on OTLP_PORT (the "jaeger" or "stalled_collector" backend).
     trace_sample: float | None = None
+    # Client connections the system must hold at once when more than its usual limits allow
+    # (the idle_connections scenario): each system's connection caps are raised above it.
+    hold_connections: int | None = None
 
     def cluster(self, name: str) -> Cluster:
         for c in self.clusters:
@@ -121,7 +124,7 @@ class Check:
 
 @dataclass(frozen=True)
 class Load:
-    tool: str  # wrk | h2load | ghz | fortio | sockperf | iperf3
+    tool: str  # wrk | h2load | ghz | fortio | sockperf | iperf3 | idle (fmbench.idleconns)
     duration: float  # seconds
     params: dict = field(default_factory=dict)
     x: float | None = None  # sweep coordinate (QPS, connections)
@@ -229,6 +232,7 @@ TEN_CHECKS = (
     Check("http", NO_ROUTE_PATH, 404, None, routed_only=True),
 )
 FIXED_QPS = (1000, 2500, 5000, 10000, 15000)
+IDLE_CONNECTIONS = 10_000
 CONNECTIONS = (1, 2, 4, 8, 16, 32, 64)
 WRK_CONNS = 32
 
@@ -370,6 +374,21 @@ def all_scenarios(scale: float = 1.0) -> list[Scenario]:
             checks=(Check("grpc"),),
             backends=frozenset({"grpc"}),
             unit="stream",
+        ),
+        Scenario(
+            # Issue 19, item 5: the memory a proxy spends on idle keep-alive connections. Each
+            # connection sends one request (at most 64 being opened at once, so upstream pools
+            # stay small), then all are held idle for a few seconds and the system's RSS is read.
+            name="idle_connections",
+            title=f"{IDLE_CONNECTIONS:,} idle HTTP/1.1 keep-alive connections, one request each (RSS while held)",
+            topology=replace(ten_routes(), hold_connections=IDLE_CONNECTIONS),
+            listener="web",
+            path=TEN_PATH,
+            direct_port=HTTP_BACKEND_BASE + TARGET,
+            points=(Load("idle", d(5), {"connections": IDLE_CONNECTIONS, "concurrency": 64}),),
+            checks=TEN_CHECKS,
+            backends=frozenset({"http"}),
+            unit="connection",
         ),
         Scenario(
             name="fixed_rate",

@@ -4,6 +4,7 @@ Run: python3 -m unittest discover -s bench/tests -v
 They need no tools installed; tool outputs are captured fixtures from real runs.
 """
 
+import asyncio
 import json
 import struct
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from fmbench import certs, loadgen, profile, report, scenarios, svg, systems, wire
+from fmbench import certs, idleconns, loadgen, profile, report, scenarios, svg, systems, wire
 
 FX = HERE / "fixtures"
 
@@ -91,6 +92,46 @@ class ParserTests(unittest.TestCase):
         self.assertEqual(r.ops, d["bytes"])
         self.assertAlmostEqual(r.rate, d["bits_per_second"])
         self.assertIsNone(r.lat_us)
+
+    def test_idle_client_result_counts_connections_dropped_while_held(self):
+        holding = {"held": 9998, "errors": 2, "reasons": ["ConnectionResetError: reset"], "open_s": 5.0}
+        done = dict(holding, latencies_us=[100.0, 200.0, 300.0], closed_while_held=3)
+        r = loadgen.parse_idle(holding, done, {"held_rss_kb": 50_000})
+        self.assertEqual((r.ops, r.errors), (9998, 5))
+        self.assertAlmostEqual(r.rate, 9998 / 5.0)
+        self.assertEqual(r.lat_us["p50"], 200.0)
+        self.assertEqual(r.raw["held_rss_kb"], 50_000)
+        self.assertEqual(r.raw["reasons"], ["ConnectionResetError: reset"])
+
+    def test_idle_client_holds_its_connections_and_sees_a_server_drop_them(self):
+        async def run():
+            writers = []
+
+            async def serve(reader, writer):
+                await reader.readuntil(b"\r\n\r\n")
+                status = b"200 OK" if len(writers) < 7 else b"503 Service Unavailable"
+                writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 3\r\n\r\nok\n")
+                writers.append(writer)
+
+            server = await asyncio.start_server(serve, "127.0.0.1", 0)
+            port = server.sockets[0].getsockname()[1]
+            seen = {}
+
+            async def release():
+                # The server drops two of the held connections; the client must notice.
+                for w in writers[:2]:
+                    w.close()
+                await asyncio.sleep(0.2)
+
+            result = await idleconns.hold(port, "/x", 10, 3, 5.0, seen.update, release)
+            server.close()
+            return seen, result
+
+        seen, result = asyncio.run(run())
+        self.assertEqual((seen["held"], seen["errors"]), (7, 3))
+        self.assertIn("status 503", seen["reasons"][0])
+        self.assertEqual(result["closed_while_held"], 2)
+        self.assertEqual(len(result["latencies_us"]), 7)
 
     def test_iperf3_error_field_is_an_error(self):
         with self.assertRaises(loadgen.LoadError):
@@ -236,6 +277,25 @@ clusters:
         self.assertIn("load_module", tcp)
         self.assertNotIn("http {", tcp)
 
+    def test_idle_connections_raise_every_connection_cap(self):
+        topo = scenario("idle_connections").topology
+        held = scenarios.IDLE_CONNECTIONS
+        self.assertEqual(topo.hold_connections, held)
+        self.assertGreater(systems.flatmesh_config(topo)["limits"]["max_connections"], held)
+        self.assertNotIn("limits", systems.flatmesh_config(scenario("http1_keepalive").topology))
+        hap = systems.haproxy_config(topo)
+        self.assertIn(f"  maxconn {held + 1000}", hap)
+        self.assertIn("  no strict-limits", hap)
+        self.assertNotIn("strict-limits", systems.haproxy_config(scenario("http1_keepalive").topology))
+        work = Path("/tmp/fmbench-test")
+        ngx = systems.nginx_proxy_config(topo, work)
+        self.assertIn(f"events {{ worker_connections {held + 1000}; }}", ngx)
+        self.assertIn("worker_rlimit_nofile", ngx)
+        self.assertIn("events { worker_connections 8192; }", systems.nginx_proxy_config(scenario("http1_keepalive").topology, work))
+        ok, why = systems.Direct().supports(scenario("idle_connections"))
+        self.assertFalse(ok)
+        self.assertIn("no proxy", why)
+
     def test_direct_targets_the_backend_of_the_route(self):
         d = systems.Direct()
         self.assertEqual(d.target_port(scenario("http1_keepalive")), scenarios.HTTP_BACKEND_BASE + 9)
@@ -274,6 +334,19 @@ class ReportTests(unittest.TestCase):
         self.assertAlmostEqual(fm["rate_vs_envoy"], 3.0)
         self.assertAlmostEqual(fm["p99_vs_envoy"], 1 / 3)
         self.assertAlmostEqual(fm["cpu_vs_envoy"], 0.25)
+
+    def test_held_connections_table_is_memory_per_connection(self):
+        def held(system, idle_kb, held_kb):
+            r = rec(system, "idle_connections", 2000, 100, 900, idle=idle_kb)
+            r["raw"] = {"held": 10_000, "held_rss_kb": held_kb}
+            return r
+
+        rows = report.summarize([held("envoy", 64_000, 224_000), held("flatmesh", 13_000, 53_000)])
+        fm = next(r for r in rows if r["system"] == "flatmesh")
+        self.assertAlmostEqual(report.held_memory_per_connection_kb(fm), 4.0)
+        table = report.scenario_table(scenario("idle_connections"), rows, ["flatmesh", "envoy"])
+        self.assertIn("KiB per connection", table[0])
+        self.assertTrue(table[2].startswith("| flatmesh | 10,000 | 12.7 | 51.8 | 4.0 | 0.25× |"), table[2])
 
     def test_targets_pass_and_fail(self):
         recs = [

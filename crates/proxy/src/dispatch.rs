@@ -50,21 +50,32 @@ pub(crate) async fn serve(ctx: Arc<ConnContext>, stream: TcpStream) {
     if let Some(s) = &stats {
         s.connections_opened.add_shared(worker, 1);
     }
+    // Each protocol's future is boxed: this one lives as long as the connection, and unboxed
+    // it would be as large as the largest of them whichever the connection speaks.
     match (ctx.protocol, plan.and_then(|l| l.tls.clone())) {
         (protocol, Some(tls)) => {
-            serve_tls(ctx.clone(), &tls, stream, protocol, &current.snapshot).await
+            Box::pin(serve_tls(
+                ctx.clone(),
+                &tls,
+                stream,
+                protocol,
+                &current.snapshot,
+            ))
+            .await
         }
-        (ListenerProtocol::Tcp, None) => crate::tcp::relay(ctx, Stream::Plain(stream)).await,
+        (ListenerProtocol::Tcp, None) => {
+            Box::pin(crate::tcp::relay(ctx, Stream::Plain(stream))).await
+        }
         // Validation requires an hbone listener's `tls`: never tunnel in the clear.
         (ListenerProtocol::Hbone, None) => {}
         (ListenerProtocol::Http, None) => match &ctx.kernel {
             Some(k) if plan.is_some_and(|l| l.kernel_l7) => {
                 let k = k.clone();
-                serve_http_with_kernel(ctx, &k, stream, &current).await
+                Box::pin(serve_http_with_kernel(ctx, &k, stream, &current)).await
             }
             _ => {
                 let _ = stream.set_nodelay(true);
-                serve_http(ctx, stream, &current.snapshot).await
+                Box::pin(serve_http(ctx, stream, &current.snapshot)).await
             }
         },
     }
@@ -213,7 +224,8 @@ where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let limits = &listener_limits(&ctx, snapshot);
-    let mut first = bytes::BytesMut::with_capacity(16 * 1024);
+    // Small: a connection that has sent nothing yet, or one request head, needs no more.
+    let mut first = bytes::BytesMut::with_capacity(crate::h1::IDLE_BUFFER);
     let mut deadline = tokio::time::Instant::now() + limits.idle_timeout;
     let protocol = loop {
         if let Some(protocol) = sniff(&first) {
@@ -228,7 +240,16 @@ where
         deadline = deadline.min(tokio::time::Instant::now() + limits.header_read_timeout);
     };
     match protocol {
-        Protocol::Http2 => crate::h2::serve(ctx, Rewind::new(first.to_vec(), stream), limits).await,
+        // Boxed: hyper's HTTP/2 connection is large, and an HTTP/1 connection need not carry
+        // room for it.
+        Protocol::Http2 => {
+            Box::pin(crate::h2::serve(
+                ctx,
+                Rewind::new(first.to_vec(), stream),
+                limits,
+            ))
+            .await
+        }
         Protocol::Http1 => crate::h1::serve(ctx, stream, first).await,
     }
 }
@@ -295,6 +316,25 @@ listeners:
         c.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
         assert_eq!(c.read(&mut [0u8; 16]).await.unwrap(), 0);
         assert_eq!(started.elapsed(), Duration::from_secs(2));
+    }
+
+    /// Each connection's future lives as long as the connection: an idle keep-alive one must
+    /// not carry room for a request's forwarding, retries or HTTP/2 (they are boxed while
+    /// they run). It was 20 KB per connection before, more than Envoy's whole connection.
+    #[tokio::test]
+    async fn an_idle_http1_connection_holds_a_small_future() {
+        let ctx = testing::context(&testing::view(CONFIG));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap());
+        let (client, accepted) = tokio::join!(client, listener.accept());
+        let (client, (accepted, _)) = (client.unwrap(), accepted.unwrap());
+        let view = ctx.view.load_full();
+        let connection = std::mem::size_of_val(&super::serve(ctx.clone(), accepted));
+        let http = std::mem::size_of_val(&super::serve_http(ctx, client, &view.snapshot));
+        assert!(
+            connection <= 512 && http <= 2048,
+            "a connection's future is {connection} bytes and its HTTP part {http}: box what grew"
+        );
     }
 
     #[tokio::test(start_paused = true)]

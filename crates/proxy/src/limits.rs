@@ -24,8 +24,10 @@ use prometheus_client::encoding::DescriptorEncoder;
 
 use crate::metrics::{counter, gauge};
 
-/// What the budget of a new client connection covers at once: its first read buffer. The
-/// buffers it grows later are reserved as they fill (HTTP/2 response data, the TCP relay's).
+/// What the budget of a new client connection covers at once: its read buffer as a request
+/// head fills it (an idle HTTP/1.1 connection holds about 4 KiB in all: a 2 KiB buffer and its
+/// task, BENCHMARKS.md `idle_connections`). The buffers it grows later are reserved as they
+/// fill (HTTP/2 response data, the TCP relay's).
 pub const CONNECTION_BASE_BYTES: usize = 16 * 1024;
 
 /// Sockets the data plane must leave free whatever `limits.reserved_fds` says: past this

@@ -39,6 +39,11 @@ use crate::upstream::Pool;
 
 /// Read buffer of a client connection; grows up to `limits.max_header_bytes` for a head.
 const READ_BUFFER: usize = 16 * 1024;
+/// What a client connection holds while it waits for its next request: a typical request
+/// head fits in one read. A bigger head reads on into [`READ_BUFFER`], and the buffer shrinks
+/// back between requests, so 10,000 idle keep-alive connections hold 20 MB of buffers, not
+/// the 320 MB a kept 32 KiB buffer made (BENCHMARKS.md, `idle_connections`).
+pub(crate) const IDLE_BUFFER: usize = 2 * 1024;
 /// A request body the proxy answered without forwarding is read and dropped up to this
 /// size, so the connection can carry the next request; beyond it the connection is closed.
 const MAX_DRAIN: u64 = 1 << 20;
@@ -107,14 +112,17 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let mut client = Client { io, buf };
-    client.buf.reserve(READ_BUFFER);
     let mut draining = ctx.draining.clone();
     loop {
         // The snapshot is read once the next request has begun to arrive, so a request
         // that comes after a reload, on a connection older than it, meets the new config.
         if client.buf.is_empty() {
             let idle = ctx.view.load().snapshot.config.limits.idle_timeout;
-            client.buf.reserve(READ_BUFFER);
+            if client.buf.capacity() > 2 * IDLE_BUFFER {
+                // A big head or body grew it: let it go rather than hold it while idle.
+                client.buf = BytesMut::new();
+            }
+            client.buf.reserve(IDLE_BUFFER);
             let read = tokio::io::AsyncReadExt::read_buf(&mut client.io, &mut client.buf);
             let next = tokio::select! {
                 read = tokio::time::timeout(idle, read) => Some(read),
@@ -130,83 +138,110 @@ where
                 }
             }
         }
-        let view = ctx.view.load_full();
-        let limits = &view.snapshot.config.limits;
-        let Some((exchange, action)) = next_request(&ctx, &view, &mut client, limits).await else {
-            return;
-        };
-        let done = match action {
-            Action::Refuse(refusal) => {
-                let resp = text_response(
-                    StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::BAD_REQUEST),
-                    format!("bad request: {}\n", refusal.reason),
-                    true,
-                );
-                let _ = respond(&mut client.io, resp, false, exchange.http10, true).await;
-                finish(&ctx, &exchange, None, refusal.status, None, None);
+        // One request, boxed: its state (reading the head, forwarding, retries, the answer) is
+        // most of this future's size and lives only while the request does, so an idle
+        // keep-alive connection holds just this loop's (BENCHMARKS.md, `idle_connections`).
+        match Box::pin(one_request(&ctx, &mut client)).await {
+            After::Next => {}
+            After::Close => {
                 close_gracefully(&mut client.io).await;
                 return;
             }
-            Action::Reply(route, resp) => {
-                // An unread body must go before the next request can be read.
-                let drained = drain(&mut client, &exchange, limits).await;
-                let close = !drained || !exchange.keep_alive;
-                let (status, close) = answer(&mut client.io, &exchange, resp, close).await;
-                finish(&ctx, &exchange, route, status, None, None);
-                Done {
-                    status,
-                    cluster: None,
-                    upstream: None,
-                    close,
-                }
+            After::Stop => return,
+        }
+    }
+}
+
+/// What the connection does after a request.
+enum After {
+    /// Read the next request.
+    Next,
+    /// Close it gracefully ([`close_gracefully`]).
+    Close,
+    /// It is closed already, or was answered and closed by the request's own path.
+    Stop,
+}
+
+/// Reads one request from `client` and serves it.
+async fn one_request<S>(ctx: &ConnContext, client: &mut Client<S>) -> After
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let view = ctx.view.load_full();
+    let limits = &view.snapshot.config.limits;
+    let Some((exchange, action)) = next_request(ctx, &view, client, limits).await else {
+        return After::Stop;
+    };
+    let done = match action {
+        Action::Refuse(refusal) => {
+            let resp = text_response(
+                StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::BAD_REQUEST),
+                format!("bad request: {}\n", refusal.reason),
+                true,
+            );
+            let _ = respond(&mut client.io, resp, false, exchange.http10, true).await;
+            finish(ctx, &exchange, None, refusal.status, None, None);
+            return After::Close;
+        }
+        Action::Reply(route, resp) => {
+            // An unread body must go before the next request can be read.
+            let drained = drain(client, &exchange, limits).await;
+            let close = !drained || !exchange.keep_alive;
+            let (status, close) = answer(&mut client.io, &exchange, resp, close).await;
+            finish(ctx, &exchange, route, status, None, None);
+            Done {
+                status,
+                cluster: None,
+                upstream: None,
+                close,
             }
-            Action::Forward {
+        }
+        Action::Forward {
+            route,
+            cluster,
+            pool,
+            head,
+            key,
+        } => {
+            let target = Target {
                 route,
                 cluster,
                 pool,
-                head,
-                key,
-            } => {
-                let target = Target {
-                    route,
-                    cluster,
-                    pool,
-                };
-                let done = forward(&ctx, &mut client, &exchange, target, head, key, limits).await;
-                finish(
-                    &ctx,
-                    &exchange,
-                    Some(route),
-                    done.status,
-                    done.cluster,
-                    done.upstream,
-                );
-                done
-            }
-            Action::Bridge {
-                route,
-                cluster,
-                parts,
-                delayed,
-            } => {
-                let target = (route, cluster, delayed);
-                let done = bridge(&ctx, &mut client, &exchange, target, parts, limits).await;
-                finish(
-                    &ctx,
-                    &exchange,
-                    Some(route),
-                    done.status,
-                    done.cluster,
-                    done.upstream,
-                );
-                done
-            }
-        };
-        if done.close || !exchange.keep_alive {
-            close_gracefully(&mut client.io).await;
-            return;
+            };
+            let done = forward(ctx, client, &exchange, target, head, key, limits).await;
+            finish(
+                ctx,
+                &exchange,
+                Some(route),
+                done.status,
+                done.cluster,
+                done.upstream,
+            );
+            done
         }
+        Action::Bridge {
+            route,
+            cluster,
+            parts,
+            delayed,
+        } => {
+            let target = (route, cluster, delayed);
+            let done = bridge(ctx, client, &exchange, target, parts, limits).await;
+            finish(
+                ctx,
+                &exchange,
+                Some(route),
+                done.status,
+                done.cluster,
+                done.upstream,
+            );
+            done
+        }
+    };
+    if done.close || !exchange.keep_alive {
+        return After::Close;
     }
+    After::Next
 }
 
 /// Closes a connection the proxy is done with without losing its last answer: close()
@@ -217,7 +252,9 @@ async fn close_gracefully<S: AsyncRead + AsyncWrite + Unpin + Send>(io: &mut S) 
     if io.shutdown().await.is_err() {
         return;
     }
-    let mut scratch = [0u8; 4096];
+    // On the heap: this runs once per connection, and an array here would be in every
+    // connection's future for its whole life.
+    let mut scratch = vec![0u8; 4096];
     let mut left = 256 * 1024usize;
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
         while let Ok(n @ 1..) = tokio::io::AsyncReadExt::read(io, &mut scratch).await {

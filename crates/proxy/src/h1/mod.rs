@@ -9,3 +9,4 @@ pub mod head;
 pub mod pool;
 
 pub use conn::serve;
+pub(crate) use conn::IDLE_BUFFER;
