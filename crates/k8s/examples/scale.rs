@@ -16,7 +16,7 @@
 //! table for BENCHMARKS.md.
 #![allow(clippy::unwrap_used)]
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../tests/api/common/mod.rs"]
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -7,7 +7,7 @@
 //! kube-apiserver (minutes). Missing testenv or a failed build fails the test: it never skips.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -7,7 +7,7 @@
 //! Needs what k8s_control.rs needs (testenv: go, etcd, openssl, kubectl); fails, never skips.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 use common::{create, wait_ready, TestEnv};
 
 use std::collections::BTreeSet;

@@ -10,7 +10,7 @@
 //! -p flatmesh`, or $FLATMESH_BIN); fails, never skips, without them.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 use common::{create, flatmesh_bin, free_port, wait_ready, TestEnv};
 
 use std::io::{Read as _, Write as _};

@@ -9,7 +9,7 @@
 //! flatmesh`, or $FLATMESH_BIN); fails, never skips, without them.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 use common::{create, flatmesh_bin, wait_ready, TestEnv};
 
 use std::net::SocketAddr;

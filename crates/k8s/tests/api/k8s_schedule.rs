@@ -8,7 +8,7 @@
 //! Missing testenv or a failed build fails the test: it never skips.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

@@ -17,8 +17,8 @@
 //! never skips, without them.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-#[path = "../../proxy/tests/common/netns.rs"]
+use crate::common;
+#[path = "../../../proxy/tests/common/netns.rs"]
 mod netns;
 
 use std::net::SocketAddr;
@@ -239,8 +239,11 @@ fn traffic_follows_the_api_server() {
         nix_is_root(),
         "this test needs root (it makes a network namespace); run the tests as root"
     );
+    // The body runs in a re-run of this test inside the namespace, another process: this
+    // one keeps the binary's turn meanwhile, so no other test runs beside it.
+    let _turn = (!netns::inside()).then(common::Turn::take);
     netns::in_netns(
-        "traffic_follows_the_api_server",
+        "k8s_traffic::traffic_follows_the_api_server",
         Duration::from_secs(300),
         traffic,
     );

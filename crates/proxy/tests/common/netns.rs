@@ -13,6 +13,13 @@ const INSIDE: &str = "FM_NETNS_TEST";
 /// that matched nothing) exits 0 too, and must not pass.
 const DONE: &str = "FM_NETNS_DONE";
 
+/// True in the re-run inside the namespace (a test that holds something for the whole run,
+/// such as a turn, takes it outside only).
+#[allow(dead_code)] // not every test binary asks
+pub fn inside() -> bool {
+    std::env::var_os(INSIDE).is_some()
+}
+
 pub fn in_netns<F, Fut>(test: &str, limit: Duration, body: F)
 where
     F: FnOnce() -> Fut,

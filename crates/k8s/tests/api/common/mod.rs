@@ -1,8 +1,9 @@
 //! What the tests against a real API server share: `testenv` (a kube-apiserver and etcd,
-//! ../shared/k8s/testenv or $FLATMESH_K8S_TESTENV), started per test and stopped on drop.
+//! ../shared/k8s/testenv or $FLATMESH_K8S_TESTENV), started per test and stopped on drop, one
+//! test at a time ([`Turn`]).
 #![allow(clippy::unwrap_used, dead_code)]
 
-#[path = "../../../proxy/tests/common/ports.rs"]
+#[path = "../../../../proxy/tests/common/ports.rs"]
 mod ports;
 #[allow(unused_imports)] // not every test binary asks for a port
 pub use ports::free_port;
@@ -13,12 +14,35 @@ use std::time::{Duration, Instant};
 
 use kube::api::{Api, PostParams};
 
+/// The test binary's one running test: taken before a test's API server starts, given back
+/// when it is stopped (or when starting it failed), so the tests run one after another.
+pub struct Turn;
+
+static TAKEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+impl Turn {
+    pub fn take() -> Turn {
+        while TAKEN.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Turn
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        TAKEN.store(false, std::sync::atomic::Ordering::Release);
+    }
+}
+
 /// `testenv stop` on drop, whatever happened.
 pub struct TestEnv {
     script: PathBuf,
     pub dir: PathBuf,
     /// The kube-apiserver this test started again (to reap it).
     restarted: parking_lot::Mutex<Option<std::process::Child>>,
+    /// Given back after `testenv stop` (fields drop after `Drop::drop`).
+    _turn: Turn,
 }
 
 impl TestEnv {
@@ -32,6 +56,7 @@ impl TestEnv {
             "testenv not found at {}: set FLATMESH_K8S_TESTENV to the testenv script (see scripts/setup)",
             script.display()
         );
+        let turn = Turn::take();
         // One directory per start: tests of one binary may each start one.
         static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -40,6 +65,7 @@ impl TestEnv {
             script,
             dir,
             restarted: Default::default(),
+            _turn: turn,
         };
         let out = Command::new(&env.script)
             .arg("start")
