@@ -226,7 +226,9 @@ pub struct Store {
 pub struct StreamStats {
     /// Streams open now (SotW and delta).
     pub open: std::sync::atomic::AtomicU64,
-    /// Responses sent.
+    /// Updates sent: a SotW response, or one delta however many responses carry it (a large
+    /// delta goes out in pieces of [`DELTA_PIECE`] resources, each ACKed on its own, so `acks`
+    /// can exceed this).
     pub pushes: std::sync::atomic::AtomicU64,
     /// Requests that acknowledged a response (its nonce, no error).
     pub acks: std::sync::atomic::AtomicU64,
