@@ -37,6 +37,9 @@ const MAX_MESSAGE: usize = 64 * 1024 * 1024;
 /// strings (BENCHMARKS.md, "Kubernetes control plane at scale").
 pub type Packed = BTreeMap<Arc<str>, (Any, Arc<str>)>;
 
+/// One resource of a [`Packed`] set, by reference: (name, (Any, version)).
+type PackedRef<'a> = (&'a Arc<str>, &'a (Any, Arc<str>));
+
 /// One published state: every resource, packed, with its version.
 #[derive(Debug, Default)]
 pub struct Published {
@@ -949,7 +952,7 @@ const DELTA_QUEUE: usize = 2;
 struct Delta<'a> {
     system_version: String,
     type_url: &'a str,
-    send: Vec<(&'a Arc<str>, &'a (Any, Arc<str>))>,
+    send: Vec<PackedRef<'a>>,
     removed: Vec<Arc<str>>,
 }
 
@@ -1058,7 +1061,7 @@ fn held_from(versions: &std::collections::HashMap<String, String>) -> BTreeMap<A
 /// What of `candidates` the client wants and does not hold, and the removal of `removed`
 /// (names it holds), counted as held from now on; `None` if there is nothing to say.
 fn decide<'a>(
-    candidates: impl Iterator<Item = (&'a Arc<str>, &'a (Any, Arc<str>))>,
+    candidates: impl Iterator<Item = PackedRef<'a>>,
     removed: Vec<Arc<str>>,
     system_version: String,
     type_url: &'a str,
