@@ -209,15 +209,7 @@ where
                 pool,
             };
             let done = forward(ctx, client, &exchange, target, head, key, limits).await;
-            finish(
-                ctx,
-                &exchange,
-                Some(route),
-                done.status,
-                done.cluster,
-                done.upstream,
-            );
-            done
+            finish_forwarded(ctx, &exchange, route, done)
         }
         Action::Bridge {
             route,
@@ -227,15 +219,7 @@ where
         } => {
             let target = (route, cluster, delayed);
             let done = bridge(ctx, client, &exchange, target, parts, limits).await;
-            finish(
-                ctx,
-                &exchange,
-                Some(route),
-                done.status,
-                done.cluster,
-                done.upstream,
-            );
-            done
+            finish_forwarded(ctx, &exchange, route, done)
         }
     };
     if done.close || !exchange.keep_alive {
@@ -265,6 +249,24 @@ async fn close_gracefully<S: AsyncRead + AsyncWrite + Unpin + Send>(io: &mut S) 
         }
     })
     .await;
+}
+
+/// [`finish`] for a request a route forwarded; hands `done` back.
+fn finish_forwarded(
+    ctx: &ConnContext,
+    exchange: &Exchange<'_>,
+    route: &CompiledRoute,
+    done: Done,
+) -> Done {
+    finish(
+        ctx,
+        exchange,
+        Some(route),
+        done.status,
+        done.cluster,
+        done.upstream,
+    );
+    done
 }
 
 fn finish(
