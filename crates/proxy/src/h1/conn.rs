@@ -312,7 +312,10 @@ where
     let mut head_deadline = None;
     loop {
         if !client.buf.is_empty() {
-            match prepare(ctx, view, listener, &client.buf) {
+            // Only the limit's worth is parsed: a head that ends past it is refused however
+            // the reads fell (one read can bring a whole 70 KiB head).
+            let within = &client.buf[..client.buf.len().min(limits.max_header_bytes)];
+            match prepare(ctx, view, listener, within) {
                 Ok(Some((head_len, exchange, action))) => {
                     client.buf.advance(head_len);
                     return Some((exchange, action));
@@ -387,7 +390,7 @@ fn prepare<'v>(
     ctx: &ConnContext,
     view: &'v WorkerView,
     listener: Option<ListenerId>,
-    buf: &BytesMut,
+    buf: &[u8],
 ) -> Result<Option<Prepared<'v>>, httparse::Error> {
     let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut lines);
@@ -1291,6 +1294,28 @@ clusters:
             .await
             .unwrap();
         assert_eq!(reply.body, "direct");
+    }
+
+    /// The head limit holds however the bytes arrived: here the whole 70 KiB head is in the
+    /// connection's first read (the protocol sniff's), where a parse of everything read would
+    /// have found it complete and taken it.
+    #[tokio::test(start_paused = true)]
+    async fn a_head_over_the_limit_in_one_read_gets_431() {
+        let ctx = testing::context(&testing::view(&config(&[dead_endpoint()], "")));
+        let mut head = String::from("GET /direct HTTP/1.1\r\nhost: t\r\n");
+        for i in 0..10 {
+            head.push_str(&format!("x-big-{i}: {}\r\n", "a".repeat(7 * 1024)));
+        }
+        head.push_str("\r\n");
+        assert!(head.len() > 70 * 1024);
+        let (mut client, server) = tokio::io::duplex(256 * 1024);
+        tokio::spawn(super::serve(
+            ctx,
+            server,
+            bytes::BytesMut::from(head.as_bytes()),
+        ));
+        let reply = read_reply(&mut client, &mut Vec::new()).await.unwrap();
+        assert_eq!(reply.status, 431, "{reply:?}");
     }
 
     #[tokio::test(start_paused = true)]
