@@ -11,7 +11,7 @@
 //!                         accepts one, waits for BYTES to be buffered, forks, and the parent
 //!                         closes its copy before the child runs; prints "child ok|failed ..."
 //! shm_probe client <port> <integrity|small:N|burst:MIB|dup|fork|nonblocking|epollout-thread|
-//!                          half-close-full[:BYTES]|wake-race:SECS|pingpong:SECS|
+//!                          half-close-full[:BYTES]|wake-race:SECS|pingpong:TRIPS|
 //!                          stale|crash|
 //!                          crash-burst:PID|many:N|fork-close-first:BYTES|from:SOURCE_PORT>
 //! ```
@@ -1216,66 +1216,63 @@ fn small_messages(port: u16, count: usize) {
     sender.join().unwrap();
 }
 
-/// sockperf-style ping-pong for `secs` seconds: one 16-byte message at a time (a sequence
+/// sockperf-style ping-pong of `trips` round trips: one 16-byte message at a time (a sequence
 /// number and a checksum of it), sendto() then recvfrom() with an address buffer, the client
 /// pinned to the last CPU so that the echo server runs on another one (the fast cross-CPU
 /// hand-off). Every reply must be the message just sent, whole: a torn, stale, repeated or
 /// shifted read fails the run.
-fn ping_pong(port: u16, secs: u64) {
+fn ping_pong(port: u16, trips: u64) {
     pin_last_cpu();
     let stream = connect(port);
     stream.set_nodelay(true).unwrap();
     let fd = stream.as_raw_fd();
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    let mut sequence = 0u64;
-    while Instant::now() < deadline {
-        for _ in 0..1000 {
-            sequence += 1;
-            let mut message = [0u8; 16];
-            message[..8].copy_from_slice(&sequence.to_be_bytes());
-            message[8..]
-                .copy_from_slice(&(sequence.wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes());
-            // SAFETY: sendto reads 16 bytes of `message`, a live local of 16; a null address
-            // of length 0 is allowed on a connected socket.
-            let sent =
-                unsafe { libc::sendto(fd, message.as_ptr().cast(), 16, 0, std::ptr::null(), 0) };
-            assert_eq!(sent, 16, "sendto: {}", std::io::Error::last_os_error());
-            let mut reply = [0u8; 16];
-            let mut got = 0usize;
-            while got < 16 {
-                // SAFETY: sockaddr_storage is integers and bytes, for which all-zero bytes are
-                // valid.
-                let mut address: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-                let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-                // SAFETY: recvfrom writes at most `16 - got` bytes into `reply[got..]`, which is
-                // that long, and at most `len` (its size) bytes into `address`, a live local,
-                // with the length into `len`.
-                let n = unsafe {
-                    libc::recvfrom(
-                        fd,
-                        reply[got..].as_mut_ptr().cast(),
-                        16 - got,
-                        0,
-                        (&mut address as *mut libc::sockaddr_storage).cast(),
-                        &mut len,
-                    )
-                };
-                assert!(
-                    n > 0,
-                    "recvfrom returned {n}: {}",
-                    std::io::Error::last_os_error()
-                );
-                got += n as usize;
-            }
-            assert_eq!(
-                reply,
-                message,
-                "reply to message {sequence} is not that message (sequence {} came back)",
-                u64::from_be_bytes(reply[..8].try_into().unwrap())
+    let started = Instant::now();
+    for sequence in 1..=trips {
+        let mut message = [0u8; 16];
+        message[..8].copy_from_slice(&sequence.to_be_bytes());
+        message[8..].copy_from_slice(&(sequence.wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes());
+        // SAFETY: sendto reads 16 bytes of `message`, a live local of 16; a null address
+        // of length 0 is allowed on a connected socket.
+        let sent = unsafe { libc::sendto(fd, message.as_ptr().cast(), 16, 0, std::ptr::null(), 0) };
+        assert_eq!(sent, 16, "sendto: {}", std::io::Error::last_os_error());
+        let mut reply = [0u8; 16];
+        let mut got = 0usize;
+        while got < 16 {
+            // SAFETY: sockaddr_storage is integers and bytes, for which all-zero bytes are
+            // valid.
+            let mut address: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+            // SAFETY: recvfrom writes at most `16 - got` bytes into `reply[got..]`, which is
+            // that long, and at most `len` (its size) bytes into `address`, a live local,
+            // with the length into `len`.
+            let n = unsafe {
+                libc::recvfrom(
+                    fd,
+                    reply[got..].as_mut_ptr().cast(),
+                    16 - got,
+                    0,
+                    (&mut address as *mut libc::sockaddr_storage).cast(),
+                    &mut len,
+                )
+            };
+            assert!(
+                n > 0,
+                "recvfrom returned {n}: {}",
+                std::io::Error::last_os_error()
             );
+            got += n as usize;
         }
+        assert_eq!(
+            reply,
+            message,
+            "reply to message {sequence} is not that message (sequence {} came back)",
+            u64::from_be_bytes(reply[..8].try_into().unwrap())
+        );
     }
-    println!("pingpong round-trips {sequence}");
+    println!(
+        "pingpong round-trips {trips} in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
 }
 
 /// Writes `mib` MiB without reading anything back (far more than a local record: only the
