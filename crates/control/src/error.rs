@@ -47,6 +47,7 @@ pub enum ControlError {
     #[error("{origin}: {why}")]
     HeartbeatKeys { origin: String, why: String },
     /// The xDS side of `flatmesh control` (its state file, its server); the message says what to do.
+    #[cfg(feature = "serve")]
     #[error(transparent)]
     Xds(#[from] flatmesh_xds::XdsError),
     #[error("{what}: {source}")]

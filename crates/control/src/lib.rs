@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod agent;
+#[cfg(feature = "serve")]
 pub mod console;
 pub mod endpoints;
 pub mod energy;
@@ -14,6 +15,7 @@ pub mod heartbeat;
 pub mod model;
 pub mod orchestrator;
 pub mod placement;
+#[cfg(feature = "serve")]
 pub mod serve;
 pub mod simulate;
 pub mod topology;

@@ -107,7 +107,10 @@ async fn serve_big(
             continue;
         };
         let fd = stream.as_raw_fd();
-        conns.push((fd, Box::pin(answer_big(stream, body_len, answering.clone()))));
+        conns.push((
+            fd,
+            Box::pin(answer_big(stream, body_len, answering.clone())),
+        ));
         open.store(conns.len(), Ordering::Relaxed);
         peak.fetch_max(conns.len(), Ordering::Relaxed);
     }
