@@ -297,13 +297,14 @@ def parse_iperf3(stdout: str, rc: int = 0) -> LoadResult:
 
 
 def run_idle(port: int, path: str, load: Load, env: dict | None, on_hold: Callable[[], dict] | None) -> LoadResult:
-    """Opens `connections` keep-alive connections (one request each, `concurrency` opening at
-    once) with fmbench.idleconns on the load CPU, holds them idle for `duration` seconds, calls
+    """Opens `connections` keep-alive connections (HTTP/1.1, or h2c when `protocol` is "h2"; one
+    request each, `concurrency` opening at once) with fmbench.idleconns on the load CPU, holds them idle for `duration` seconds, calls
     `on_hold` (which reads the system's memory) and closes them. The rate is connections opened
     per second; the latencies are each connection's connect + first request."""
     conns, concurrency = load.params["connections"], load.params.get("concurrency", 64)
+    protocol = load.params.get("protocol", "h1")
     timeout = 10.0
-    argv = [sys.executable, "-m", "fmbench.idleconns", str(port), path, str(conns), str(concurrency), str(timeout)]
+    argv = [sys.executable, "-m", "fmbench.idleconns", str(port), path, str(conns), str(concurrency), str(timeout), protocol]
     full_env = dict(os.environ, **(env or {}), PYTHONPATH=str(paths.BENCH))
     try:
         p = subprocess.Popen(

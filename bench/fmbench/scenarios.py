@@ -391,6 +391,20 @@ def all_scenarios(scale: float = 1.0) -> list[Scenario]:
             unit="connection",
         ),
         Scenario(
+            # The same over h2c: each connection keeps reading and answers PINGs, as an idle
+            # gRPC client's does.
+            name="idle_connections_h2",
+            title=f"{IDLE_CONNECTIONS:,} idle h2c connections, one request each (RSS while held)",
+            topology=replace(ten_routes(h2=True), hold_connections=IDLE_CONNECTIONS),
+            listener="web",
+            path=TEN_PATH,
+            direct_port=H2C_BACKEND_BASE + TARGET,
+            points=(Load("idle", d(5), {"connections": IDLE_CONNECTIONS, "concurrency": 64, "protocol": "h2"}),),
+            checks=(Check("h2", TEN_PATH, 200, svc_body(TARGET)),),
+            backends=frozenset({"http"}),
+            unit="connection",
+        ),
+        Scenario(
             name="fixed_rate",
             title="Latency at fixed request rates, HTTP/1.1, 16 connections (fortio; FlatProxy Fig. 17)",
             topology=ten_routes(),

@@ -103,6 +103,61 @@ class ParserTests(unittest.TestCase):
         self.assertEqual(r.raw["held_rss_kb"], 50_000)
         self.assertEqual(r.raw["reasons"], ["ConnectionResetError: reset"])
 
+    def test_h2_request_block_is_plain_hpack(self):
+        self.assertEqual(idleconns.hpack_int(10, 5), b"\x0a")
+        # RFC 7541, C.1.2: 1337 with a 5-bit prefix.
+        self.assertEqual(idleconns.hpack_int(1337, 5), b"\x1f\x9a\x0a")
+        block = idleconns.h2_request_block("127.0.0.1:80", "/svc9/item")
+        self.assertEqual(block, b"\x82\x86\x04\x0a/svc9/item\x01\x0c127.0.0.1:80")
+        self.assertEqual(idleconns.h2_status(0, b"\x88"), 200)
+        with self.assertRaisesRegex(RuntimeError, "starts 8d"):
+            idleconns.h2_status(0, b"\x8d")
+
+    def test_idle_h2_client_answers_pings_while_held(self):
+        f = idleconns.h2_frame
+
+        async def run():
+            pings_answered = []
+            writers = []
+
+            async def serve(reader, writer):
+                preface = await reader.readexactly(len(idleconns.H2_PREFACE))
+                assert preface == idleconns.H2_PREFACE, preface
+                writer.write(f(idleconns.SETTINGS, 0, 0))
+                while True:
+                    try:
+                        kind, flags, stream, payload = await idleconns.h2_next_frame(reader)
+                    except asyncio.IncompleteReadError:
+                        return
+                    if kind == idleconns.HEADERS:
+                        status = b"\x88" if len(writers) < 4 else b"\x8d"
+                        writer.write(f(idleconns.HEADERS, 0x4, stream, status))
+                        writer.write(f(idleconns.DATA, idleconns.END_STREAM, stream, b"ok"))
+                        writers.append(writer)
+                    elif kind == idleconns.PING and flags & idleconns.ACK:
+                        pings_answered.append(payload)
+
+            server = await asyncio.start_server(serve, "127.0.0.1", 0)
+            port = server.sockets[0].getsockname()[1]
+            seen = {}
+
+            async def release():
+                # While held: every connection is pinged, and one is closed by the server.
+                for i, w in enumerate(writers):
+                    w.write(f(idleconns.PING, 0, 0, bytes([i]) * 8))
+                writers[0].close()
+                await asyncio.sleep(0.3)
+
+            result = await idleconns.hold(port, "/x", 5, 2, 5.0, seen.update, release, h2=True)
+            server.close()
+            return seen, result, pings_answered
+
+        seen, result, pings = asyncio.run(run())
+        self.assertEqual((seen["held"], seen["errors"]), (4, 1))
+        self.assertIn("starts 8d", seen["reasons"][0])
+        self.assertEqual(sorted(pings), [bytes([i]) * 8 for i in range(1, 4)])
+        self.assertEqual(result["closed_while_held"], 1)
+
     def test_idle_client_holds_its_connections_and_sees_a_server_drop_them(self):
         async def run():
             writers = []

@@ -24,7 +24,7 @@ impl Activity {
         );
     }
 
-    fn get(&self) -> u64 {
+    pub fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
 }

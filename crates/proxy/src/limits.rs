@@ -231,19 +231,22 @@ const TRIM_AFTER_FREED: usize = 1 << 20;
 /// the node runs. glibc's malloc keeps freed memory in its arenas (a burst of a few thousand
 /// hostile streams left the node twice its resident size after they closed, measured by
 /// `tests/h2_memory.rs`); `malloc_trim` returns it. It runs only when the memory budget's use
-/// fell by [`TRIM_AFTER_FREED`] since its peak, so a steady node never pays for it.
+/// fell by [`TRIM_AFTER_FREED`] since its peak, or idle connections gave that much back
+/// (`NodeBudget::count_idle_freed`), so a steady node never pays for it.
 pub async fn trim_after_bursts(budget: Arc<NodeBudget>) {
     let mut tick = tokio::time::interval(TRIM_CHECK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let (peak, now) = budget.memory.take_peak();
-        if peak - now >= TRIM_AFTER_FREED {
+        let idle_freed = budget.idle_freed.swap(0, Ordering::Relaxed);
+        if (peak - now) + idle_freed >= TRIM_AFTER_FREED {
             release_free_heap();
             tracing::debug!(
                 peak,
                 now,
-                "burst over; freed heap handed back to the kernel"
+                idle_freed,
+                "burst over or connections idle; freed heap handed back to the kernel"
             );
         }
     }
@@ -278,6 +281,9 @@ pub struct NodeBudget {
     refused: Mutex<BTreeMap<(String, Refusal), u64>>,
     /// HTTP/2 streams the node reset or refused to bound a client, by reason.
     stream_resets: Mutex<BTreeMap<&'static str, u64>>,
+    /// Heap bytes idle connections gave back since the trimmer last looked (the HTTP/2
+    /// server's buffers), which it hands back to the kernel too.
+    idle_freed: AtomicUsize,
 }
 
 /// A client connection let in: its share of every budget, given back when it drops.
@@ -299,6 +305,12 @@ impl Drop for Admitted {
 impl NodeBudget {
     pub fn new() -> Arc<NodeBudget> {
         Arc::new(NodeBudget::default())
+    }
+
+    /// An idle connection freed `bytes` of heap (`trim_after_bursts` returns them to the
+    /// kernel once enough have been).
+    pub fn count_idle_freed(&self, bytes: usize) {
+        self.idle_freed.fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// The open-connection count of the listener called `name`.

@@ -18,12 +18,15 @@
 //!   its window, or does not read) is reset, which frees its buffers and its upstream;
 //! - at most `max_upstream_per_downstream` upstream connections held by one connection's
 //!   streams at once;
-//! - a connection that moves no byte for `idle_timeout` is closed.
+//! - a connection that moves no byte for `idle_timeout` is closed;
+//! - a connection with no stream that moves no byte for [`RELEASE_AFTER`] gives back its read
+//!   and write buffers (h2 holds 24 KiB per connection otherwise; vendor/h2/FLATMESH.md).
 
 pub(crate) mod client;
 mod stream;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use flatmesh_config::Limits;
 use tokio::task::JoinSet;
@@ -32,6 +35,17 @@ use crate::context::ConnContext;
 use crate::idle::{idle, Activity, ActivityTap};
 use crate::tap::Tapped;
 use stream::{ConnBudget, Metered};
+
+/// How long a connection with no stream and no traffic keeps its buffers before h2 gives them
+/// back. Long enough that a client sending one call after another never pays for it.
+const RELEASE_AFTER: Duration = Duration::from_secs(1);
+
+/// What h2 gives back for an idle connection: its 16 KiB write and 8 KiB read buffers.
+const IDLE_BUFFER_BYTES: usize = 24 * 1024;
+
+/// How often a connection whose buffers were given back looks again: if it moved bytes
+/// meanwhile (a PING, say) without opening a stream, they were allocated again.
+const RECHECK_RELEASED: Duration = Duration::from_secs(30);
 
 /// Serves an HTTP/2 client connection until it ends or stays idle for `idle_timeout`.
 pub(crate) async fn serve<S>(ctx: Arc<ConnContext>, stream: S, limits: &Limits)
@@ -45,7 +59,7 @@ where
     };
     let budget = Arc::new(ConnBudget::new(&ctx, limits));
     tokio::select! {
-        _ = run(ctx, io, limits, budget) => {}
+        _ = run(ctx, io, limits, budget, &activity) => {}
         // Dropping the connection (and its streams' tasks) closes the socket.
         _ = idle(&activity, limits.idle_timeout) => {
             tracing::debug!("closing idle downstream connection");
@@ -54,8 +68,13 @@ where
 }
 
 /// The connection's handshake and its streams, each on a task of its own.
-async fn run<S>(ctx: Arc<ConnContext>, io: S, limits: &Limits, budget: Arc<ConnBudget>)
-where
+async fn run<S>(
+    ctx: Arc<ConnContext>,
+    io: S,
+    limits: &Limits,
+    budget: Arc<ConnBudget>,
+    activity: &Activity,
+) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let mut builder = h2::server::Builder::new();
@@ -76,6 +95,7 @@ where
     let mut streams = JoinSet::new();
     let mut draining = ctx.draining.clone();
     let mut goaway_sent = false;
+    let mut quiet = Quiet::new(activity);
     loop {
         tokio::select! {
             // The node drains: GOAWAY; the streams open now finish, no new one is taken, and
@@ -96,7 +116,59 @@ where
                 None => break,
             },
             Some(_) = streams.join_next(), if !streams.is_empty() => {}
+            // Checked only while no stream runs: a stream's task may be between reads.
+            () = quiet.next_check(), if streams.is_empty() => {
+                if quiet.check(activity) && conn.release_idle_buffers() {
+                    budget.node.count_idle_freed(IDLE_BUFFER_BYTES);
+                }
+            }
         }
+    }
+}
+
+/// When a connection has been quiet long enough to give its buffers back: one timer per
+/// connection, firing every [`RELEASE_AFTER`] while traffic goes on and every
+/// [`RECHECK_RELEASED`] once released (an idle connection costs a wake-up per 30 s).
+struct Quiet {
+    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
+    /// The activity count at the last check.
+    seen: u64,
+    released: bool,
+}
+
+impl Quiet {
+    fn new(activity: &Activity) -> Quiet {
+        Quiet {
+            timer: Box::pin(tokio::time::sleep(RELEASE_AFTER)),
+            seen: activity.get(),
+            released: false,
+        }
+    }
+
+    async fn next_check(&mut self) {
+        self.timer.as_mut().await;
+    }
+
+    /// Whether to release now: nothing moved since the last check and the buffers are not
+    /// already given back. Arms the next check.
+    fn check(&mut self, activity: &Activity) -> bool {
+        let now = activity.get();
+        let release = if now != self.seen {
+            self.seen = now;
+            self.released = false;
+            false
+        } else {
+            !std::mem::replace(&mut self.released, true)
+        };
+        let wait = if self.released {
+            RECHECK_RELEASED
+        } else {
+            RELEASE_AFTER
+        };
+        self.timer
+            .as_mut()
+            .reset(tokio::time::Instant::now() + wait);
+        release
     }
 }
 

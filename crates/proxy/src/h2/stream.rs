@@ -31,7 +31,7 @@ use crate::upstream::Pool;
 
 /// What one client connection may hold, shared by its streams.
 pub(super) struct ConnBudget {
-    node: Arc<NodeBudget>,
+    pub(super) node: Arc<NodeBudget>,
     /// Response bytes queued in h2 for this connection's streams.
     queued: Arc<ByteBudget>,
     per_connection: usize,
