@@ -153,13 +153,11 @@ impl Quiet {
     /// already given back. Arms the next check.
     fn check(&mut self, activity: &Activity) -> bool {
         let now = activity.get();
-        let release = if now != self.seen {
-            self.seen = now;
-            self.released = false;
-            false
-        } else {
-            !std::mem::replace(&mut self.released, true)
-        };
+        let quiet = now == self.seen;
+        self.seen = now;
+        // Released now if quiet and not before; a byte moved means h2 allocated them again.
+        let release = quiet && !self.released;
+        self.released = quiet;
         let wait = if self.released {
             RECHECK_RELEASED
         } else {
