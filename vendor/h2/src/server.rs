@@ -566,9 +566,10 @@ where
 
     /// flatmesh: on a connection with no stream open, gives back the memory of its empty read
     /// and write buffers (24 KiB) and of its stream table; they are allocated again when the
-    /// next frame is read or written. Returns whether the connection was idle. Call it from a
-    /// connection that has been quiet for a while: on a busy one it would only churn memory.
-    pub fn release_idle_buffers(&mut self) -> bool {
+    /// next frame is read or written. Returns the bytes of capacity given back (0 when they
+    /// were given back already), or `None` when a stream is open. Call it from a connection
+    /// that has been quiet for a while: on a busy one it would only churn memory.
+    pub fn release_idle_buffers(&mut self) -> Option<usize> {
         self.connection.release_idle_buffers()
     }
 

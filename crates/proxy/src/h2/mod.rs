@@ -40,9 +40,6 @@ use stream::{ConnBudget, Metered};
 /// back. Long enough that a client sending one call after another never pays for it.
 const RELEASE_AFTER: Duration = Duration::from_secs(1);
 
-/// What h2 gives back for an idle connection: its 16 KiB write and 8 KiB read buffers.
-const IDLE_BUFFER_BYTES: usize = 24 * 1024;
-
 /// How often a connection whose buffers were given back looks again: if it moved bytes
 /// meanwhile (a PING, say) without opening a stream, they were allocated again.
 const RECHECK_RELEASED: Duration = Duration::from_secs(30);
@@ -118,8 +115,12 @@ async fn run<S>(
             Some(_) = streams.join_next(), if !streams.is_empty() => {}
             // Checked only while no stream runs: a stream's task may be between reads.
             () = quiet.next_check(), if streams.is_empty() => {
-                if quiet.check(activity) && conn.release_idle_buffers() {
-                    budget.node.count_idle_freed(IDLE_BUFFER_BYTES);
+                // h2 says what it gave back: its write and read buffers (16 and 8 KiB) and
+                // its stream table; nothing when they were given back already.
+                if quiet.check(activity) {
+                    if let Some(freed) = conn.release_idle_buffers() {
+                        budget.node.count_idle_freed(freed);
+                    }
                 }
             }
         }

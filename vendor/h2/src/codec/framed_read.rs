@@ -73,13 +73,15 @@ impl<T> FramedRead<T> {
     }
 
     /// flatmesh: gives the read buffer's memory back when it holds no byte (an idle
-    /// connection keeps none); the next read allocates it again. Returns whether it was empty.
-    pub fn release_if_empty(&mut self) -> bool {
+    /// connection keeps none); the next read allocates it again. Returns the bytes of capacity
+    /// given back (0 when given back already), or `None` when it was not empty.
+    pub fn release_if_empty(&mut self) -> Option<usize> {
         if !self.inner.read_buffer().is_empty() {
-            return false;
+            return None;
         }
+        let freed = self.inner.read_buffer().capacity();
         *self.inner.read_buffer_mut() = BytesMut::new();
-        true
+        Some(freed)
     }
 
     pub fn get_mut(&mut self) -> &mut T {

@@ -354,14 +354,15 @@ impl<T, B> FramedWrite<T, B> {
     }
 
     /// flatmesh: gives the write buffer's memory back when nothing is waiting in it (an idle
-    /// connection keeps none); the next frame buffered allocates it again. Returns whether it
-    /// was empty.
-    pub fn release_if_empty(&mut self) -> bool {
+    /// connection keeps none); the next frame buffered allocates it again. Returns the bytes
+    /// of capacity given back (0 when given back already), or `None` when it was not empty.
+    pub fn release_if_empty(&mut self) -> Option<usize> {
         if self.encoder.next.is_some() || !self.encoder.buf.get_ref().is_empty() {
-            return false;
+            return None;
         }
+        let freed = self.encoder.buf.get_ref().capacity();
         self.encoder.buf = Cursor::new(BytesMut::new());
-        true
+        Some(freed)
     }
 
     pub fn get_mut(&mut self) -> &mut T {

@@ -117,11 +117,11 @@ impl<T, B> Codec<T, B> {
     }
 
     /// flatmesh: gives back the read and write buffers' memory where they hold nothing.
-    /// Returns whether both were empty.
-    pub(crate) fn release_idle_buffers(&mut self) -> bool {
+    /// Returns the bytes of capacity given back.
+    pub(crate) fn release_idle_buffers(&mut self) -> usize {
         let written = self.framed_write().release_if_empty();
         let read = self.inner.release_if_empty();
-        written && read
+        written.unwrap_or(0) + read.unwrap_or(0)
     }
 
     /// Takes the data payload value that was fully written to the socket

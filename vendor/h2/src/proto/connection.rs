@@ -288,13 +288,12 @@ where
     }
 
     /// flatmesh: with no stream open, gives back the memory of the codec's empty buffers and
-    /// of the stream table; returns whether it did.
-    pub(crate) fn release_idle_buffers(&mut self) -> bool {
+    /// of the stream table; returns the bytes given back, or `None` when a stream is open.
+    pub(crate) fn release_idle_buffers(&mut self) -> Option<usize> {
         if self.inner.streams.has_streams() {
-            return false;
+            return None;
         }
-        self.inner.streams.release_if_empty();
-        self.codec.release_idle_buffers()
+        Some(self.inner.streams.release_if_empty() + self.codec.release_idle_buffers())
     }
 
     /// Checks if there are any streams or references left

@@ -181,20 +181,34 @@ impl Drop for TestEnv {
     }
 }
 
-/// Until the API server answers (a minute at most).
+/// Until the API server answers and can give Services their cluster IPs (a minute at most).
+///
+/// `/readyz` says ok before the server's own controller has made the default ServiceCIDR
+/// ("kubernetes") ready; until then every Service create fails with "failed to allocate a
+/// serviceIP: range is full" (Kubernetes 1.33+, where ServiceCIDR is GA).
 pub async fn wait_ready(client: &kube::Client, dir: &Path) {
+    use k8s_openapi::api::networking::v1::ServiceCIDR;
     let deadline = Instant::now() + Duration::from_secs(60);
+    let cidrs: Api<ServiceCIDR> = Api::all(client.clone());
     loop {
-        match client.apiserver_version().await {
-            Ok(_) => return,
-            Err(e) => assert!(
-                Instant::now() < deadline,
-                "kube-apiserver is not ready ({e}); see {}/apiserver.log",
-                dir.display()
-            ),
-        }
+        let state = match cidrs.get_opt("kubernetes").await {
+            Ok(Some(cidr)) if service_cidr_ready(&cidr) => return,
+            Ok(Some(_)) => "the default ServiceCIDR is not ready yet".to_string(),
+            Ok(None) => "the default ServiceCIDR does not exist yet".to_string(),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            Instant::now() < deadline,
+            "kube-apiserver is not ready ({state}); see {}/apiserver.log",
+            dir.display()
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+fn service_cidr_ready(cidr: &k8s_openapi::api::networking::v1::ServiceCIDR) -> bool {
+    let conditions = cidr.status.as_ref().and_then(|s| s.conditions.as_ref());
+    conditions.is_some_and(|all| all.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
 pub async fn create<K>(api: &Api<K>, value: serde_json::Value) -> K

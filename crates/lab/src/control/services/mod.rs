@@ -130,15 +130,13 @@ pub async fn serve(cfg: ServiceConfig) -> Result<()> {
         Some(path) => load_checkpoint(path, cfg.kind)?,
         None => Data::new(cfg.kind, cfg.rate, cfg.burst),
     };
-    let listener = TcpListener::bind(cfg.listen)
-        .await
-        .map_err(|e| LabError::Demo {
-            what: format!("{} service", cfg.kind.name()),
-            message: format!(
-                "cannot listen on {}: {e}; is the address in this network namespace and free?",
-                cfg.listen
-            ),
-        })?;
+    let listener = listen(cfg.listen).map_err(|e| LabError::Demo {
+        what: format!("{} service", cfg.kind.name()),
+        message: format!(
+            "cannot listen on {}: {e}; is the address in this network namespace and free?",
+            cfg.listen
+        ),
+    })?;
     let engine = Arc::new(Engine {
         data: Mutex::new(Some(data)),
         mode: watch::Sender::new(Mode::Serve),
@@ -180,6 +178,23 @@ pub async fn serve(cfg: ServiceConfig) -> Result<()> {
             }
         }
     }
+}
+
+/// Connections the kernel queues for an instance that has not accepted them yet.
+/// An overloaded instance (throttled to its node's CPU share, busy with the requests it has)
+/// accepts late; once its queue is full the kernel drops SYNs, and clients see a connect
+/// timeout instead of a slow answer. tokio's default is 1024; the kernel caps this at
+/// net.core.somaxconn (4096 by default).
+const ACCEPT_BACKLOG: u32 = 4096;
+
+fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(ACCEPT_BACKLOG)
 }
 
 fn load_checkpoint(path: &std::path::Path, kind: Kind) -> Result<Data> {

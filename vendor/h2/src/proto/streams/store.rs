@@ -80,12 +80,18 @@ pub(super) trait Resolve {
 
 impl Store {
     /// flatmesh: with no stream in it (so no `Key` to any), starts again from empty tables,
-    /// giving back the memory they grew to.
-    pub(super) fn release_if_empty(&mut self) {
-        if self.slab.is_empty() && self.ids.is_empty() {
-            self.slab = slab::Slab::new();
-            self.ids = IndexMap::new();
+    /// giving back the memory they grew to. Returns the bytes of their entries' capacity, at
+    /// least (a slab entry is a stream or a free-list link; the index's hash table, a word or
+    /// two per entry, is left out).
+    pub(super) fn release_if_empty(&mut self) -> usize {
+        if !(self.slab.is_empty() && self.ids.is_empty()) {
+            return 0;
         }
+        let freed = self.slab.capacity() * std::mem::size_of::<Stream>()
+            + self.ids.capacity() * std::mem::size_of::<(StreamId, SlabIndex)>();
+        self.slab = slab::Slab::new();
+        self.ids = IndexMap::new();
+        freed
     }
 
     pub fn new() -> Self {

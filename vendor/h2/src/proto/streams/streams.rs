@@ -1144,10 +1144,11 @@ where
         me.counts.has_streams()
     }
 
-    /// flatmesh: gives back the stream table's memory when it holds no stream.
-    pub fn release_if_empty(&self) {
+    /// flatmesh: gives back the stream table's memory when it holds no stream; returns the
+    /// bytes given back.
+    pub fn release_if_empty(&self) -> usize {
         let mut me = self.inner.lock().unwrap();
-        me.store.release_if_empty();
+        me.store.release_if_empty()
     }
 
     pub fn has_streams_or_other_references(&self) -> bool {
