@@ -314,9 +314,22 @@ fn main() {
 }
 
 async fn run(a: Args) {
-    let binary = common::flatmesh_bin();
     eprintln!("starting kube-apiserver and etcd (testenv)");
     let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
+    // Interrupted (Ctrl-C, or a `timeout`'s SIGTERM), the run stops here and `env` and the
+    // control plane's process are dropped: testenv stops kube-apiserver and etcd rather than
+    // leaving them running. (SIGKILL cannot be caught: `testenv stop DIR` cleans up after it.)
+    let mut terminate =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).unwrap();
+    tokio::select! {
+        () = measure(a, &env) => {}
+        _ = tokio::signal::ctrl_c() => eprintln!("interrupted; stopping testenv"),
+        _ = terminate.recv() => eprintln!("terminated; stopping testenv"),
+    }
+}
+
+async fn measure(a: Args, env: &TestEnv) {
+    let binary = common::flatmesh_bin();
     let client = flatmesh_k8s::connect(Some(&env.kubeconfig()))
         .await
         .unwrap();
