@@ -180,6 +180,9 @@ pub enum Refusal {
         from: IpAddr,
         registered: IpAddr,
     },
+    /// The node's address is not known yet, and the gate requires one
+    /// ([`Gate::require_address`]). Counted as `wrong_source`.
+    NoAddress { node: u32 },
     /// The tag does not verify with the node's key.
     BadTag { node: u32 },
     /// A sequence number at or below the last one taken from the node.
@@ -211,7 +214,7 @@ impl Refusal {
         match self {
             Refusal::Length { .. } => 0,
             Refusal::UnknownNode { .. } => 1,
-            Refusal::WrongSource { .. } => 2,
+            Refusal::WrongSource { .. } | Refusal::NoAddress { .. } => 2,
             Refusal::BadTag { .. } => 3,
             Refusal::Replayed { .. } => 4,
             Refusal::Stale { .. } => 5,
@@ -238,6 +241,10 @@ impl std::fmt::Display for Refusal {
             } => write!(
                 f,
                 "node {node} is registered at {registered} but this came from {from}: spoofed, or the node's address (--addresses) is wrong"
+            ),
+            Refusal::NoAddress { node } => write!(
+                f,
+                "node {node}'s address is not known yet, so nothing can be taken from it: give its Node an InternalIP"
             ),
             Refusal::BadTag { node } => write!(
                 f,
@@ -321,6 +328,8 @@ pub struct Gate {
     stats: Arc<GateStats>,
     /// Per reason: when it was last logged, and how many were not logged since.
     logged: [(Option<Instant>, u64); REASONS.len()],
+    /// A node without an address is refused ([`Gate::require_address`]).
+    address_required: bool,
 }
 
 impl Gate {
@@ -339,11 +348,27 @@ impl Gate {
             cfg,
             stats: Arc::default(),
             logged: [(None, 0); REASONS.len()],
+            address_required: false,
         }
     }
 
     pub fn stats(&self) -> Arc<GateStats> {
         Arc::clone(&self.stats)
+    }
+
+    /// Refuses heartbeats of a node whose address is not known (set none yet, or `None`),
+    /// instead of taking them from anywhere.
+    pub fn require_address(&mut self) {
+        self.address_required = true;
+    }
+
+    /// Node `node`'s address from now on (its IP changed, or became known). What the gate
+    /// remembers of the node (its last sequence number) stays. An index past the gate's nodes
+    /// is ignored: such a node has no key.
+    pub fn set_address(&mut self, node: usize, address: Option<IpAddr>) {
+        if let Some(Some(state)) = self.nodes.get_mut(node) {
+            state.credentials.address = address;
+        }
     }
 
     /// Admits one datagram received from `from` at `now_unix_us` (the receiver's clock), or
@@ -383,14 +408,16 @@ impl Gate {
             .ok_or(Refusal::UnknownNode { node })?;
         // The address first: it costs nothing, and a flood from elsewhere costs no HMAC.
         let from_ip = from.ip().to_canonical();
-        if let Some(registered) = state.credentials.address {
-            if from_ip != registered.to_canonical() {
+        match state.credentials.address {
+            Some(registered) if from_ip != registered.to_canonical() => {
                 return Err(Refusal::WrongSource {
                     node,
                     from: from_ip,
                     registered,
-                });
+                })
             }
+            None if self.address_required => return Err(Refusal::NoAddress { node }),
+            _ => {}
         }
         let hb = match sealed.open(&state.credentials.key) {
             Ok(hb) => hb,
@@ -557,6 +584,45 @@ mod tests {
                 accepted: 3,
                 ..GateCounts::default()
             }
+        );
+    }
+
+    /// Kubernetes: nodes come with no address, which is set once their Node shows one and
+    /// changed when it changes; until then nothing of theirs is taken, and a new address keeps
+    /// what the gate knows of the node (a replay stays a replay).
+    #[test]
+    fn a_gate_that_requires_addresses_takes_each_node_from_its_current_one() {
+        let mut g = Gate::new(
+            vec![Some(NodeCredentials {
+                key: key(1),
+                address: None,
+            })],
+            GateConfig::default(),
+        );
+        g.require_address();
+        let first = beat(0).seal(NOW, &key(1));
+        assert_eq!(
+            g.admit(&first, from([10, 0, 0, 1]), NOW),
+            Err(Refusal::NoAddress { node: 0 })
+        );
+        g.set_address(0, Some([10, 0, 0, 1].into()));
+        g.set_address(7, Some([10, 0, 0, 7].into())); // no such node: ignored
+        assert!(g.admit(&first, from([10, 0, 0, 1]), NOW).is_ok());
+        g.set_address(0, Some([10, 0, 0, 2].into()));
+        let second = beat(0).seal(NOW + 1, &key(1));
+        assert!(matches!(
+            g.admit(&second, from([10, 0, 0, 1]), NOW),
+            Err(Refusal::WrongSource { .. })
+        ));
+        assert!(matches!(
+            g.admit(&first, from([10, 0, 0, 2]), NOW),
+            Err(Refusal::Replayed { .. })
+        ));
+        assert!(g.admit(&second, from([10, 0, 0, 2]), NOW).is_ok());
+        let counts = g.stats().read();
+        assert_eq!(
+            (counts.accepted, counts.wrong_source, counts.replayed),
+            (2, 2, 1)
         );
     }
 

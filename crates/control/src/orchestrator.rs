@@ -242,9 +242,29 @@ const HOST_NOTE_EVERY: Duration = Duration::from_secs(5);
 
 /// The primaries on `node`, in slot order (the order agents report execution times in).
 pub fn slots(st: &State, node: usize) -> Vec<usize> {
-    (0..st.wl.instances.len())
+    slots_in(st, node, SlotOrder::Workload)
+}
+
+/// Which order a node's slots are in: what its agent and the controller agree on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SlotOrder {
+    /// The workload's instance order (`flatmesh place --json`), which the demo's agents know.
+    #[default]
+    Workload,
+    /// By instance id (`NS/APP/STAGE-SHARD` on Kubernetes), which an agent can compute from
+    /// the pods on its node alone.
+    InstanceId,
+}
+
+/// The primaries on `node`, in `order`.
+pub fn slots_in(st: &State, node: usize, order: SlotOrder) -> Vec<usize> {
+    let mut on_node: Vec<usize> = (0..st.wl.instances.len())
         .filter(|&i| st.assign[i] == Some(node) && st.wl.instances[i].is_primary())
-        .collect()
+        .collect();
+    if order == SlotOrder::InstanceId {
+        on_node.sort_by(|&a, &b| st.wl.instances[a].id.cmp(&st.wl.instances[b].id));
+    }
+    on_node
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -325,6 +345,8 @@ pub struct Controller<'a, R: Runtime, E: EndpointSink> {
     started: Instant,
     /// No new migration from a node until its statistics have re-settled.
     cooldown_until: Vec<Instant>,
+    /// The order of each node's slots in its heartbeats.
+    pub slot_order: SlotOrder,
 }
 
 impl<'a, R: Runtime, E: EndpointSink> Controller<'a, R, E> {
@@ -342,6 +364,7 @@ impl<'a, R: Runtime, E: EndpointSink> Controller<'a, R, E> {
             observer: None,
             started: now,
             cooldown_until: vec![now; nodes],
+            slot_order: SlotOrder::Workload,
         };
         c.publish()?;
         Ok(c)
@@ -380,12 +403,16 @@ impl<'a, R: Runtime, E: EndpointSink> Controller<'a, R, E> {
                     let Some(hb) = hb else { return Ok(()) };
                     self.on_heartbeat(&hb).await;
                 }
-                _ = tick.tick() => {
-                    for s in self.detector.sweep(Instant::now()) {
-                        self.handle_logged(s).await;
-                    }
-                }
+                _ = tick.tick() => self.tick().await,
             }
+        }
+    }
+
+    /// Judges liveness: a node silent for `dead_after` is failed over. Call every `interval`
+    /// (what [`Controller::run`] does; a caller with its own loop calls it instead).
+    pub async fn tick(&mut self) {
+        for s in self.detector.sweep(Instant::now()) {
+            self.handle_logged(s).await;
         }
     }
 
@@ -439,7 +466,7 @@ impl<'a, R: Runtime, E: EndpointSink> Controller<'a, R, E> {
         // The microservice with the highest CPU use: measured (execution time EMA x its request
         // rate = cores busy) when every slot has reported, else the model's (Table 1's cost at
         // its design rate).
-        let on_node = slots(&self.state, node);
+        let on_node = slots_in(&self.state, node, self.slot_order);
         let measured: Option<Vec<f64>> = on_node
             .iter()
             .enumerate()
@@ -800,6 +827,23 @@ mod tests {
                     }
                 }
             });
+        }
+    }
+
+    /// Kubernetes agents number their slots by instance id; the demo's by workload order.
+    /// Both orders hold the same primaries.
+    #[test]
+    fn slots_by_instance_id_are_the_workload_slots_sorted_by_id() {
+        let (topo, wl) = setup("preset:3xType1-SmartNIC", "preset:NFV-FIN");
+        let mut st = State::new(&topo, &wl);
+        hcm::run(&mut st).unwrap();
+        for node in 0..topo.nodes.len() {
+            let mut by_workload = slots(&st, node);
+            let by_id = slots_in(&st, node, SlotOrder::InstanceId);
+            let ids: Vec<&str> = by_id.iter().map(|&i| wl.instances[i].id.as_str()).collect();
+            assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
+            by_workload.sort_by(|&a, &b| wl.instances[a].id.cmp(&wl.instances[b].id));
+            assert_eq!(by_workload, by_id);
         }
     }
 

@@ -72,6 +72,31 @@ impl HeartbeatKeys {
         .or_else(fail)
     }
 
+    /// The node ids, in the order of [`HeartbeatKeys::gate_by_name`]'s indices (sorted).
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.keys.keys().map(String::as_str)
+    }
+
+    /// A gate for nodes that are numbered by this file rather than by a topology (Kubernetes,
+    /// where nodes come and go): node `i` is the `i`th name in [`HeartbeatKeys::names`].
+    /// Their addresses are set as they become known ([`Gate::set_address`]); until then a
+    /// node's heartbeats are refused.
+    pub fn gate_by_name(&self, cfg: GateConfig) -> Gate {
+        let nodes = self
+            .keys
+            .values()
+            .map(|key| {
+                Some(NodeCredentials {
+                    key: key.clone(),
+                    address: None,
+                })
+            })
+            .collect();
+        let mut gate = Gate::new(nodes, cfg);
+        gate.require_address();
+        gate
+    }
+
     /// The receiver's gate: node `i` (its position in the topology, the heartbeat's node field)
     /// with its key and, as its only source address, its IP from the addresses file.
     pub fn gate(&self, topo: &Topology, addresses: &Addresses, cfg: GateConfig) -> Gate {

@@ -67,11 +67,14 @@ pub struct Args {
     addresses: Option<PathBuf>,
     /// Run the orchestrator on the node heartbeats received on this UDP address
     /// (docs/control.md): overload migrates, silence fails over, and the endpoints follow.
-    #[arg(long, value_name = "HOST:PORT", requires_all = ["cluster", "heartbeat_keys"])]
+    /// With --cluster; or with --kubeconfig/--in-cluster and --schedule, where a move
+    /// re-creates the pod on its new node (docs/kubernetes.md, "Orchestrator").
+    #[arg(long, value_name = "HOST:PORT", requires = "heartbeat_keys")]
     heartbeats: Option<SocketAddr>,
-    /// Each node's heartbeat key (YAML, mode 0600): node id -> 64 hex digits
-    /// (`openssl rand -hex 32`), the key that node's agent seals its heartbeats with. A
-    /// heartbeat must also come from the node's IP in --addresses; others are dropped.
+    /// Each node's heartbeat key (YAML, mode 0600): node id (on Kubernetes, the node name) ->
+    /// 64 hex digits (`openssl rand -hex 32`), the key that node's agent seals its heartbeats
+    /// with. A heartbeat must also come from the node's IP in --addresses (on Kubernetes, its
+    /// InternalIP); others are dropped.
     #[arg(long, value_name = "FILE", requires = "heartbeats")]
     heartbeat_keys: Option<PathBuf>,
     /// Run PROGRAM STEP INSTANCE FROM TO for each step of a migration or failover restart
@@ -132,6 +135,26 @@ fn serve(args: Args) -> anyhow::Result<()> {
         || (args.state.is_none()
             && args.cluster.is_none()
             && std::env::var_os("KUBERNETES_SERVICE_HOST").is_some());
+    if args.heartbeats.is_some() && args.cluster.is_none() && !(kubernetes && args.schedule) {
+        anyhow::bail!(
+            "--heartbeats runs the orchestrator on a placement: give --cluster (with --app and --addresses), or --kubeconfig with --schedule"
+        );
+    }
+    if args.step_command.is_some() && args.cluster.is_none() {
+        anyhow::bail!(
+            "--step-command drives the instances of --cluster; on Kubernetes a migration re-creates the pod on its new node and needs no command"
+        );
+    }
+    // On Kubernetes: the orchestrator's socket and keys, read before anything starts.
+    let k8s_orchestrator = match (&args.heartbeats, &args.heartbeat_keys) {
+        (Some(at), Some(keys)) if args.cluster.is_none() => Some((
+            std::net::UdpSocket::bind(at).with_context(|| {
+                format!("cannot receive heartbeats on {at}; pick a free address with --heartbeats")
+            })?,
+            flatmesh_control::serve::heartbeat_keys::HeartbeatKeys::load(keys)?,
+        )),
+        _ => None,
+    };
     if args.state.is_none() && args.cluster.is_none() && !kubernetes {
         anyhow::bail!(
             "nothing to serve: give --state FILE (a flatmesh config), --cluster with --app and --addresses (a placement), or --kubeconfig FILE (a Kubernetes cluster; in a pod its own is used)"
@@ -221,12 +244,30 @@ fn serve(args: Args) -> anyhow::Result<()> {
             }
             false => None,
         };
-        // E3 as the scheduler of the pods of `schedulerName: flatmesh`.
+        // E3 as the scheduler of the pods of `schedulerName: flatmesh`, and with heartbeats,
+        // its orchestrator.
         let _scheduler = match kubernetes && args.schedule {
-            true => Some(flatmesh_k8s::schedule::Scheduler::spawn(
-                flatmesh_k8s::connect(args.kubeconfig.as_deref()).await?,
-                flatmesh_k8s::schedule::Options::default(),
-            )),
+            true => {
+                let client = flatmesh_k8s::connect(args.kubeconfig.as_deref()).await?;
+                let scheduler = flatmesh_k8s::schedule::Scheduler::spawn(
+                    client.clone(),
+                    flatmesh_k8s::schedule::Options::default(),
+                );
+                let orchestrator = match k8s_orchestrator {
+                    Some((socket, keys)) => Some(flatmesh_k8s::schedule::Orchestrator::spawn(
+                        client,
+                        scheduler.subscribe(),
+                        flatmesh_k8s::schedule::OrchestratorOptions {
+                            socket,
+                            keys,
+                            detector: flatmesh_k8s::schedule::orchestrate::detector(),
+                            observer: None,
+                        },
+                    )?),
+                    None => None,
+                };
+                Some((scheduler, orchestrator))
+            }
             false => None,
         };
         let result = center.run(stop_signal(), None).await;

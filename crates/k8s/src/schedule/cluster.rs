@@ -74,6 +74,8 @@ pub struct Cluster {
     pub node_names: BTreeMap<String, String>,
     /// Kubernetes node name -> its processing unit.
     pub pus: BTreeMap<String, Pu>,
+    /// Kubernetes node name -> its `InternalIP` (where its agent's heartbeats come from).
+    pub addresses: BTreeMap<String, std::net::IpAddr>,
     /// Nodes left out, and why (one line each, for the log).
     pub warnings: Vec<String>,
 }
@@ -103,6 +105,7 @@ struct Unit {
     spec: NodeSpec,
     /// Whether the bandwidth was given (a host's default depends on its SmartNICs).
     bandwidth_given: bool,
+    address: Option<std::net::IpAddr>,
 }
 
 /// The cluster of `nodes` (those with [`PU_LABEL`] that are not cordoned), with `reserved`
@@ -194,15 +197,20 @@ pub fn cluster_from_nodes(
             servers,
         });
     }
-    let pus = node_names
+    let placed: Vec<&Unit> = node_names
         .values()
         .filter_map(|n| units.iter().find(|u| &u.name == n))
-        .map(|u| (u.name.clone(), u.pu))
+        .collect();
+    let pus = placed.iter().map(|u| (u.name.clone(), u.pu)).collect();
+    let addresses = placed
+        .iter()
+        .filter_map(|u| Some((u.name.clone(), u.address?)))
         .collect();
     Cluster {
         spec,
         node_names,
         pus,
+        addresses,
         warnings,
     }
 }
@@ -299,10 +307,20 @@ fn read_unit(node: &Node, reserved: &BTreeMap<String, Reserved>) -> Result<Optio
             .unwrap_or_else(|| "rack0".into()),
         host: annotations.get(HOST_ANNOTATION).cloned(),
         bandwidth_given: annotations.contains_key(BANDWIDTH_ANNOTATION),
+        address: internal_ip(node),
         name,
         pu,
         spec,
     }))
+}
+
+/// The node's first `InternalIP` that parses.
+fn internal_ip(node: &Node) -> Option<std::net::IpAddr> {
+    let addresses = node.status.as_ref()?.addresses.as_ref()?;
+    addresses
+        .iter()
+        .filter(|a| a.type_ == "InternalIP")
+        .find_map(|a| a.address.parse().ok())
 }
 
 #[cfg(test)]

@@ -9,12 +9,14 @@
 //! - [`plan`]: Nodes and Pods -> the bindings, by HCM. Pure.
 //! - [`bind`]: the writes: Bindings, Events, a migration as a re-creation of the pod.
 //! - [`scheduler`]: the watches and the rounds.
+//! - [`orchestrate`]: E3's orchestrator on the rounds: heartbeats in, pods re-created out.
 //!
 //! docs/kubernetes.md, "Scheduler", lists the labels and annotations.
 
 pub mod app;
 pub mod bind;
 pub mod cluster;
+pub mod orchestrate;
 pub mod plan;
 pub mod proxy;
 pub mod quantity;
@@ -23,5 +25,6 @@ pub mod scheduler;
 pub use app::{apps_from_pods, App, PodKey, SCHEDULER_NAME};
 pub use bind::{recreate_on, Migrator, ScheduleError};
 pub use cluster::{cluster_from_nodes, Cluster, Pu};
+pub use orchestrate::{Orchestrator, OrchestratorOptions};
 pub use plan::{plan, Binding, Plan};
 pub use scheduler::{Options, Round, Scheduler};

@@ -42,6 +42,9 @@ pub struct Plan {
     pub unplaced: Vec<(PodKey, String)>,
     /// Where the node proxy of each host node with our pods runs (HeteroK8s-Mesh).
     pub proxies: Vec<ProxyChoice>,
+    /// The node of every pod of ours once the bindings are made (the bound ones' and the
+    /// new ones').
+    pub placed: HashMap<PodKey, String>,
 }
 
 /// Places the pending pods of `schedulerName: flatmesh` on `nodes`. `bound` are bindings this
@@ -109,6 +112,7 @@ pub fn plan(nodes: &[Node], pods: &[Pod], bound: &HashMap<String, String>) -> Pl
         bindings,
         unplaced,
         proxies,
+        placed: final_nodes,
     }
 }
 

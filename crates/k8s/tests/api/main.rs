@@ -10,6 +10,7 @@ mod common;
 mod k8s_control;
 mod k8s_identities;
 mod k8s_install;
+mod k8s_orchestrate;
 mod k8s_restart;
 mod k8s_schedule;
 mod k8s_traffic;

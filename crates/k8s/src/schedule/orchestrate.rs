@@ -1,0 +1,362 @@
+//! E3's orchestrator on a Kubernetes cluster (E3 §3.4–3.5; `flatmesh control --kubeconfig
+//! --schedule --heartbeats ADDR --heartbeat-keys FILE`): the node agents' heartbeats in, and a
+//! migration or failover out as the re-creation of the moved pods on their new nodes
+//! ([`Migrator`]). The pods' EndpointSlices then follow them; the orchestrator publishes no
+//! endpoints of its own.
+//!
+//! It works on the scheduler's latest round: the cluster of the labelled Nodes, the apps of the
+//! pods of `schedulerName: flatmesh`, and the node of each. When a round shows something else
+//! (a node or pod came or went, a pod is on another node than the orchestrator put it), the
+//! orchestrator starts again from it; a migration of its own shows up as no change.
+//!
+//! The heartbeat's node field is the node's position in the `--heartbeat-keys` file, whose
+//! names are Kubernetes node names, in sorted order (the file does not change while the control
+//! plane runs, so neither do the numbers). A heartbeat is taken only from its node's
+//! `InternalIP`. A node's slots are its pods of `schedulerName: flatmesh` ordered by E3
+//! instance id ([`SlotOrder::InstanceId`]): what an agent on the node can work out alone.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use flatmesh_control::agent::{unix_now_us, Gate, GateConfig};
+use flatmesh_control::endpoints::{EndpointSink, EndpointSnapshot};
+use flatmesh_control::heartbeat::WIRE_LEN;
+use flatmesh_control::model::parse_cluster;
+use flatmesh_control::orchestrator::{Controller, DetectorConfig, LogEntry, SlotOrder};
+use flatmesh_control::placement::State;
+use flatmesh_control::serve::heartbeat_keys::HeartbeatKeys;
+use flatmesh_control::topology::Topology;
+use flatmesh_control::workload::Workload;
+use tokio::net::UdpSocket;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+use super::bind::Migrator;
+use super::scheduler::Round;
+
+/// E3's detector, but a node is failed over after 5 s of silence rather than 150 ms: on
+/// Kubernetes a failover re-creates every pod of the node elsewhere, which an agent's restart
+/// must not cost.
+pub fn detector() -> DetectorConfig {
+    DetectorConfig {
+        dead_after: std::time::Duration::from_secs(5),
+        ..DetectorConfig::default()
+    }
+}
+
+/// What the orchestrator needs besides the scheduler's rounds.
+pub struct OrchestratorOptions {
+    /// Where the heartbeats arrive (bound by the caller, so a busy address fails at start).
+    pub socket: std::net::UdpSocket,
+    /// Each Kubernetes node's heartbeat key.
+    pub keys: HeartbeatKeys,
+    pub detector: DetectorConfig,
+    /// Receives a copy of every decision (besides the log).
+    pub observer: Option<mpsc::UnboundedSender<LogEntry>>,
+}
+
+/// The running orchestrator; dropping it stops it.
+pub struct Orchestrator {
+    task: JoinHandle<()>,
+}
+
+impl Drop for Orchestrator {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Orchestrator {
+    /// Runs on the current tokio runtime, on the rounds of a [`super::Scheduler`].
+    pub fn spawn(
+        client: kube::Client,
+        rounds: watch::Receiver<Option<Arc<Round>>>,
+        options: OrchestratorOptions,
+    ) -> std::io::Result<Orchestrator> {
+        options.socket.set_nonblocking(true)?;
+        let socket = UdpSocket::from_std(options.socket)?;
+        let (log_tx, log_rx) = mpsc::unbounded_channel();
+        tokio::spawn(log_entries(log_rx, options.observer));
+        let names: Vec<String> = options.keys.names().map(str::to_string).collect();
+        let gate = options.keys.gate_by_name(GateConfig::default());
+        tracing::info!(
+            address = ?socket.local_addr().ok(),
+            nodes = ?names.iter().enumerate().collect::<Vec<_>>(),
+            "orchestrator: receiving heartbeats (node number = position in --heartbeat-keys)"
+        );
+        let run = Run {
+            client,
+            socket,
+            names,
+            gate,
+            detector: options.detector,
+            log: log_tx,
+        };
+        Ok(Orchestrator {
+            task: tokio::spawn(run.run(rounds)),
+        })
+    }
+}
+
+struct Run {
+    client: kube::Client,
+    socket: UdpSocket,
+    /// Heartbeat node number -> Kubernetes node name.
+    names: Vec<String>,
+    gate: Gate,
+    detector: DetectorConfig,
+    log: mpsc::UnboundedSender<LogEntry>,
+}
+
+impl Run {
+    async fn run(mut self, mut rounds: watch::Receiver<Option<Arc<Round>>>) {
+        let mut said = String::new();
+        loop {
+            let round = rounds.borrow_and_update().clone();
+            let model = match round.as_deref().map(|r| Model::of(r, &self.names)) {
+                Some(Ok(model)) => Some(model),
+                Some(Err(why)) => {
+                    if why != said {
+                        tracing::warn!("orchestrator: waiting: {why}");
+                        said = why;
+                    }
+                    None
+                }
+                None => None,
+            };
+            if let Some(round) = &round {
+                self.set_addresses(round);
+            }
+            match model {
+                Some(model) => {
+                    said.clear();
+                    if !self.orchestrate(&model, &mut rounds).await {
+                        return;
+                    }
+                }
+                None => {
+                    if rounds.changed().await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs E3's controller on `model` until a round shows a different one (true) or the
+    /// scheduler or the socket is gone (false).
+    async fn orchestrate(
+        &mut self,
+        model: &Model,
+        rounds: &mut watch::Receiver<Option<Arc<Round>>>,
+    ) -> bool {
+        let mut state = State::new(&model.topo, &model.wl);
+        for (i, node) in model.assign.iter().enumerate() {
+            if let Some(n) = *node {
+                state.place(i, n);
+            }
+        }
+        let migrator = Migrator {
+            client: self.client.clone(),
+            pods: model.pods.clone(),
+            nodes: model.node_names.clone(),
+        };
+        let mut controller =
+            match Controller::new(state, self.detector.clone(), migrator, EndpointSlicesFollow) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!("orchestrator: {e}");
+                    return rounds.changed().await.is_ok();
+                }
+            };
+        controller.slot_order = SlotOrder::InstanceId;
+        controller.observer = Some(self.log.clone());
+        let mut tick = tokio::time::interval(self.detector.interval);
+        let mut buf = [0u8; WIRE_LEN + 1];
+        loop {
+            tokio::select! {
+                // Heartbeats first, as `Controller::run` does: a busy orchestrator must not take
+                // its own delay for silent nodes.
+                biased;
+                received = self.socket.recv_from(&mut buf) => {
+                    let (n, from) = match received {
+                        Ok(r) => r,
+                        Err(e) => {
+                            tracing::error!(error = %e, "heartbeat socket failed; the orchestrator stops");
+                            return false;
+                        }
+                    };
+                    let Ok(mut beat) = self.gate.admit(&buf[..n], from, unix_now_us()) else {
+                        continue;
+                    };
+                    match model.wire_to_topo.get(beat.node as usize).copied().flatten() {
+                        Some(node) => {
+                            beat.node = node as u32;
+                            controller.on_heartbeat(&beat).await;
+                        }
+                        None => tracing::debug!(
+                            node = self.names.get(beat.node as usize).map(String::as_str),
+                            "heartbeat of a node the scheduler does not place on"
+                        ),
+                    }
+                }
+                _ = tick.tick() => controller.tick().await,
+                changed = rounds.changed() => {
+                    if changed.is_err() {
+                        return false;
+                    }
+                    let Some(next) = rounds.borrow_and_update().clone() else { continue };
+                    self.set_addresses(&next);
+                    if Shape::of_round(&next) != model.shape_with(&controller.state.assign) {
+                        tracing::info!("orchestrator: the cluster or its pods changed; starting again from the scheduler's round");
+                        return true;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes each node's heartbeats from its `InternalIP` in `round` (none without one).
+    fn set_addresses(&mut self, round: &Round) {
+        for (k, name) in self.names.iter().enumerate() {
+            let address = round.plan.cluster.addresses.get(name).copied();
+            self.gate.set_address(k, address);
+        }
+    }
+}
+
+/// What the orchestrator works on, from one round.
+struct Model {
+    topo: Topology,
+    wl: Workload,
+    /// Instance -> topology node.
+    assign: Vec<Option<usize>>,
+    /// Heartbeat node number -> topology node.
+    wire_to_topo: Vec<Option<usize>>,
+    /// E3 instance id -> pod.
+    pods: BTreeMap<String, super::PodKey>,
+    /// E3 node id -> Kubernetes node name.
+    node_names: BTreeMap<String, String>,
+    shape: Shape,
+}
+
+/// What makes two rounds the same to the orchestrator: the cluster, the apps, and which
+/// Kubernetes node each instance is on.
+#[derive(Debug, PartialEq)]
+struct Shape {
+    cluster: String,
+    apps: Vec<String>,
+    placed: BTreeMap<String, String>,
+}
+
+impl Shape {
+    fn of_round(round: &Round) -> Shape {
+        let plan = &round.plan;
+        let failed: Vec<&super::PodKey> = round.failed.iter().map(|(b, _)| &b.pod).collect();
+        let placed = plan
+            .apps
+            .iter()
+            .flat_map(|app| &app.pods)
+            .filter(|(_, pod)| !failed.contains(pod))
+            .filter_map(|(id, pod)| Some((id.clone(), plan.placed.get(pod)?.clone())))
+            .collect();
+        Shape {
+            cluster: plan.cluster.yaml(),
+            apps: plan.apps.iter().map(|a| a.yaml()).collect(),
+            placed,
+        }
+    }
+}
+
+impl Model {
+    fn of(round: &Round, names: &[String]) -> Result<Model, String> {
+        let plan = &round.plan;
+        if plan.apps.is_empty() {
+            return Err("no pods of schedulerName: flatmesh".into());
+        }
+        let spec = parse_cluster("kubernetes", &plan.cluster.yaml())
+            .map_err(|e| format!("the nodes do not make an E3 cluster: {e}"))?;
+        let topo = Topology::build(&spec).map_err(|e| e.to_string())?;
+        let specs: Vec<_> = plan.apps.iter().map(|a| a.spec.clone()).collect();
+        let wl = Workload::from_apps(&specs).map_err(|e| e.to_string())?;
+        let shape = Shape::of_round(round);
+        let topo_node = |name: &str| {
+            plan.cluster
+                .node_id(name)
+                .and_then(|id| topo.node_index(id))
+        };
+        let assign = wl
+            .instances
+            .iter()
+            .map(|inst| topo_node(shape.placed.get(&inst.id)?))
+            .collect();
+        let wire_to_topo = names.iter().map(|name| topo_node(name)).collect();
+        Ok(Model {
+            assign,
+            wire_to_topo,
+            pods: plan.apps.iter().flat_map(|app| app.pods.clone()).collect(),
+            node_names: plan.cluster.node_names.clone(),
+            shape,
+            topo,
+            wl,
+        })
+    }
+
+    /// The shape of this model with the instances where `assign` has them (the controller's
+    /// state after its own migrations).
+    fn shape_with(&self, assign: &[Option<usize>]) -> Shape {
+        let placed = self
+            .wl
+            .instances
+            .iter()
+            .zip(assign)
+            .filter_map(|(inst, node)| {
+                let id = &self.topo.nodes[(*node)?].id;
+                Some((inst.id.clone(), self.node_names.get(id)?.clone()))
+            })
+            .collect();
+        Shape {
+            cluster: self.shape.cluster.clone(),
+            apps: self.shape.apps.clone(),
+            placed,
+        }
+    }
+}
+
+/// Kubernetes moves the endpoints itself: a re-created pod's EndpointSlice entry follows it,
+/// and the control plane's watch of EndpointSlices serves that to the nodes.
+struct EndpointSlicesFollow;
+
+impl EndpointSink for EndpointSlicesFollow {
+    fn publish(&mut self, _snapshot: &EndpointSnapshot) -> flatmesh_control::error::Result<()> {
+        Ok(())
+    }
+}
+
+async fn log_entries(
+    mut entries: mpsc::UnboundedReceiver<LogEntry>,
+    observer: Option<mpsc::UnboundedSender<LogEntry>>,
+) {
+    while let Some(entry) = entries.recv().await {
+        match &entry {
+            LogEntry::Detected(signal) => tracing::warn!(?signal, "orchestrator: detected"),
+            LogEntry::Migrated {
+                instance, from, to, ..
+            } => {
+                tracing::info!(%instance, %from, %to, "orchestrator: migrated (the pod is re-created on its new node)")
+            }
+            LogEntry::NotMigrated { node, reason } => {
+                tracing::warn!(%node, %reason, "orchestrator: not migrated")
+            }
+            LogEntry::FailedOver { node, moved, .. } => tracing::warn!(
+                %node,
+                moved = moved.len(),
+                "orchestrator: failed over (the pods are re-created on their new nodes)"
+            ),
+            LogEntry::Error(e) => tracing::error!(error = %e, "orchestrator"),
+        }
+        if let Some(observer) = &observer {
+            let _ = observer.send(entry);
+        }
+    }
+}
