@@ -475,6 +475,42 @@ fn control_refuses_incomplete_addresses_and_names_what_is_missing() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(stderr.contains("--addresses"), "{stderr}");
+
+    // The orchestrator needs a placement: --cluster, or Kubernetes with --schedule; and on
+    // Kubernetes a move is a re-creation, which takes no step command. Both are refused
+    // before anything starts (no API server is asked).
+    for (args, says) in [
+        (
+            &["--kubeconfig", "none.yaml"][..],
+            "give --cluster (with --app and --addresses), or --kubeconfig with --schedule",
+        ),
+        (
+            &[
+                "--kubeconfig",
+                "none.yaml",
+                "--schedule",
+                "--step-command",
+                "/bin/true",
+            ][..],
+            "--step-command drives the instances of --cluster",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_flatmesh"))
+            .current_dir(&dir)
+            .args([
+                "control",
+                "--heartbeats",
+                "127.0.0.1:0",
+                "--heartbeat-keys",
+                "keys.yaml",
+            ])
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
 }
 
 fn run_ok(args: &[&str]) -> String {

@@ -14,14 +14,14 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use flatmesh_config::Config;
-use flatmesh_k8s::{connect, Controller};
+use flatmesh_k8s::Controller;
 use k8s_openapi::api::core::v1::{Namespace, Pod, Service, ServiceAccount};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::json;
 use tokio::sync::watch;
 
-use common::{create, wait_ready, TestEnv};
+use common::{api_server, create};
 
 /// The configs an xDS client hands its node, latest last.
 struct Applied(watch::Sender<Option<Config>>);
@@ -121,9 +121,7 @@ fn slice(addresses: &[&str]) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nodes_follow_the_api_server_and_keep_their_config_through_its_restart() {
-    let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
-    let client = connect(Some(&env.kubeconfig())).await.unwrap();
-    wait_ready(&client, &env.dir).await;
+    let (env, client) = api_server().await;
 
     // The cluster: a namespace, a Service with a mesh route, its endpoints, pods on two nodes.
     let namespaces: Api<Namespace> = Api::all(client.clone());

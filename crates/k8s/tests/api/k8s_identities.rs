@@ -8,7 +8,7 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::common;
-use common::{create, wait_ready, TestEnv};
+use common::{api_server, create};
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -170,11 +170,7 @@ async fn pod(pods: &Api<Pod>, name: &str, node: &str, account: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_gets_its_own_pods_identities_over_sds_and_loses_them_with_the_pod() {
-    let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
-    let client = flatmesh_k8s::connect(Some(&env.kubeconfig()))
-        .await
-        .unwrap();
-    wait_ready(&client, &env.dir).await;
+    let (env, client) = api_server().await;
     let namespaces: Api<Namespace> = Api::all(client.clone());
     create(&namespaces, json!({ "metadata": { "name": "shop" } })).await;
     let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), "shop");

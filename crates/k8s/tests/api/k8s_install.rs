@@ -11,7 +11,7 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::common;
-use common::{create, flatmesh_bin, free_port, wait_ready, TestEnv};
+use common::{api_server, create, flatmesh_bin, free_port};
 
 use std::io::{Read as _, Write as _};
 use std::net::SocketAddr;
@@ -148,10 +148,8 @@ impl flatmesh_xds::client::Apply for Applied {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_manifests_apply_grant_least_privilege_and_run() {
     let bin = flatmesh_bin();
-    let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
+    let (env, client) = api_server().await;
     let kubeconfig = env.kubeconfig();
-    let client = flatmesh_k8s::connect(Some(&kubeconfig)).await.unwrap();
-    wait_ready(&client, &env.dir).await;
 
     // Applied as a user would, server-side (kubectl's kustomize).
     let dir = manifests();

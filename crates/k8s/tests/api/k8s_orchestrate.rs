@@ -18,13 +18,12 @@ use flatmesh_control::agent::unix_now_us;
 use flatmesh_control::heartbeat::{Heartbeat, HeartbeatKey, NO_SAMPLE, SLOTS_PER_HEARTBEAT};
 use flatmesh_control::orchestrator::LogEntry;
 use flatmesh_control::serve::heartbeat_keys::HeartbeatKeys;
-use flatmesh_k8s::connect;
 use flatmesh_k8s::schedule::{Options, Orchestrator, OrchestratorOptions, Scheduler};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
 use kube::api::{Api, ListParams};
 use serde_json::json;
 
-use common::{create, wait_ready, TestEnv};
+use common::{api_server, create};
 
 const NIC_KEY: &str = "1111111111111111111111111111111111111111111111111111111111111111";
 const HOST_KEY: &str = "2222222222222222222222222222222222222222222222222222222222222222";
@@ -94,9 +93,7 @@ impl Agent {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_overloaded_smartnic_sheds_its_hottest_pod_to_the_host_by_recreation() {
-    let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
-    let client = connect(Some(&env.kubeconfig())).await.unwrap();
-    wait_ready(&client, &env.dir).await;
+    let (_env, client) = api_server().await;
 
     // Two servers: a 2-core host with a LiquidIO of 12 wimpy cores (E3's Type1-SmartNIC),
     // and a 12-core host without one. Their agents send from loopback addresses of their own.

@@ -10,7 +10,7 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::common;
-use common::{create, flatmesh_bin, wait_ready, TestEnv};
+use common::{api_server, create, flatmesh_bin};
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -92,11 +92,7 @@ async fn wait_until(what: &str, within: Duration, mut ok: impl FnMut() -> bool) 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_keeps_its_config_through_a_control_plane_restart_and_gets_the_same_again() {
     flatmesh_bin();
-    let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
-    let client = flatmesh_k8s::connect(Some(&env.kubeconfig()))
-        .await
-        .unwrap();
-    wait_ready(&client, &env.dir).await;
+    let (env, client) = api_server().await;
     let namespaces: Api<Namespace> = Api::all(client.clone());
     create(&namespaces, json!({ "metadata": { "name": "shop" } })).await;
     let services: Api<Service> = Api::namespaced(client.clone(), "shop");

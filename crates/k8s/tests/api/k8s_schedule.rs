@@ -18,7 +18,6 @@ use flatmesh_control::orchestrator::{Runtime as _, Step};
 use flatmesh_control::placement::{place, Algorithm};
 use flatmesh_control::topology::Topology;
 use flatmesh_control::workload::Workload;
-use flatmesh_k8s::connect;
 use flatmesh_k8s::schedule::proxy::ProxyPu;
 use flatmesh_k8s::schedule::{Migrator, Options, PodKey, Scheduler};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
@@ -26,7 +25,7 @@ use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams};
 use serde_json::json;
 
-use common::{create, wait_ready, TestEnv};
+use common::{api_server, create};
 
 /// The cluster as nodes: two servers of E3's Type1-SmartNIC (a 12-core host and a LiquidIO
 /// with 12 wimpy cores and 4 GB; the first one's is a DPU), a Beefy in another rack, and a
@@ -190,9 +189,7 @@ async fn until_pods(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scheduler_binds_what_flatmesh_place_gives_and_migrates_by_recreation() {
-    let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
-    let client = connect(Some(&env.kubeconfig())).await.unwrap();
-    wait_ready(&client, &env.dir).await;
+    let (_env, client) = api_server().await;
 
     let node_api: Api<Node> = Api::all(client.clone());
     for node in nodes() {

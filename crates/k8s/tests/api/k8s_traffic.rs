@@ -26,8 +26,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{create, wait_ready, TestEnv};
-use flatmesh_k8s::{connect, Controller};
+use common::{api_server, create, wait_ready};
+use flatmesh_k8s::Controller;
 use flatmesh_proxy::{ConfigSource, Node};
 use k8s_openapi::api::core::v1::{Namespace, Pod, Service, ServiceAccount};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -273,9 +273,7 @@ async fn traffic() {
     ip("route add default via 10.250.0.2 dev fmk0");
     ip(&format!("route add local {SERVICE_RANGE} dev lo"));
 
-    let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
-    let client = connect(Some(&env.kubeconfig())).await.unwrap();
-    wait_ready(&client, &env.dir).await;
+    let (env, client) = api_server().await;
 
     let a = Backend::start(POD_A, "a").await;
     let _b = Backend::start(POD_B, "b").await;

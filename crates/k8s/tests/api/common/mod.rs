@@ -181,6 +181,16 @@ impl Drop for TestEnv {
     }
 }
 
+/// This test's own kube-apiserver and etcd, and a client of it once it is ready.
+pub async fn api_server() -> (TestEnv, kube::Client) {
+    let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
+    let client = flatmesh_k8s::connect(Some(&env.kubeconfig()))
+        .await
+        .unwrap();
+    wait_ready(&client, &env.dir).await;
+    (env, client)
+}
+
 /// Until the API server answers and can give Services their cluster IPs (a minute at most).
 ///
 /// `/readyz` says ok before the server's own controller has made the default ServiceCIDR
