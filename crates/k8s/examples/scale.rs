@@ -24,7 +24,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{wait_ready, TestEnv};
+use common::{wait_ready, wait_service_ips, TestEnv};
 use envoy_types::pb::envoy::config::core::v3::Node as XdsNode;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
 use envoy_types::pb::envoy::service::discovery::v3::{
@@ -334,6 +334,7 @@ async fn measure(a: Args, env: &TestEnv) {
         .await
         .unwrap();
     wait_ready(&client, &env.dir).await;
+    wait_service_ips(&client, &env.dir).await;
 
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces

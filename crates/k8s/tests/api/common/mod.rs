@@ -188,37 +188,55 @@ pub async fn api_server() -> (TestEnv, kube::Client) {
         .await
         .unwrap();
     wait_ready(&client, &env.dir).await;
+    wait_service_ips(&client, &env.dir).await;
     (env, client)
 }
 
-/// Until the API server answers and can give Services their cluster IPs (a minute at most).
-///
-/// `/readyz` says ok before the server's own controller has made the default ServiceCIDR
-/// ("kubernetes") ready; until then every Service create fails with "failed to allocate a
-/// serviceIP: range is full" (Kubernetes 1.33+, where ServiceCIDR is GA).
+/// Until the API server answers (a minute at most).
 pub async fn wait_ready(client: &kube::Client, dir: &Path) {
-    use k8s_openapi::api::networking::v1::ServiceCIDR;
     let deadline = Instant::now() + Duration::from_secs(60);
-    let cidrs: Api<ServiceCIDR> = Api::all(client.clone());
     loop {
-        let state = match cidrs.get_opt("kubernetes").await {
-            Ok(Some(cidr)) if service_cidr_ready(&cidr) => return,
-            Ok(Some(_)) => "the default ServiceCIDR is not ready yet".to_string(),
-            Ok(None) => "the default ServiceCIDR does not exist yet".to_string(),
-            Err(e) => e.to_string(),
-        };
-        assert!(
-            Instant::now() < deadline,
-            "kube-apiserver is not ready ({state}); see {}/apiserver.log",
-            dir.display()
-        );
+        match client.apiserver_version().await {
+            Ok(_) => return,
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "kube-apiserver is not ready ({e}); see {}/apiserver.log",
+                dir.display()
+            ),
+        }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
-fn service_cidr_ready(cidr: &k8s_openapi::api::networking::v1::ServiceCIDR) -> bool {
-    let conditions = cidr.status.as_ref().and_then(|s| s.conditions.as_ref());
-    conditions.is_some_and(|all| all.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+/// Until a new API server gives Services their ClusterIPs (a minute at most), found by
+/// creating one (in `default`) and deleting it again. On Kubernetes 1.33+ (ServiceCIDR GA)
+/// `/readyz` says ok, and even the default ServiceCIDR says Ready, before the server's IP
+/// allocator has seen that CIDR; until it has, every Service create fails with "failed to
+/// allocate a serviceIP: range is full". Call it before anything watches Services.
+pub async fn wait_service_ips(client: &kube::Client, dir: &Path) {
+    use k8s_openapi::api::core::v1::Service;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let services: Api<Service> = Api::namespaced(client.clone(), "default");
+    let probe: Service = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "testenv-ip-probe" },
+        "spec": { "ports": [ { "port": 80 } ] },
+    }))
+    .unwrap();
+    loop {
+        match services.create(&PostParams::default(), &probe).await {
+            Ok(_) => break,
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "kube-apiserver gives Services no ClusterIP ({e}); see {}/apiserver.log",
+                dir.display()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    services
+        .delete("testenv-ip-probe", &Default::default())
+        .await
+        .unwrap();
 }
 
 pub async fn create<K>(api: &Api<K>, value: serde_json::Value) -> K
