@@ -1015,9 +1015,11 @@ fn lower_tiers_answer_as_the_user_tier_wherever_they_decide() {
     }
     let counts = counts.into_inner();
     println!("{counts:?}");
-    // Not vacuous: both lower tiers decided a good share of what they were asked.
+    // Not vacuous: both lower tiers decided a good share of what they were asked. The seed is
+    // random, so the bounds leave room: spliced requests run about 1% (883 of 98,884 in one
+    // CI run), and 1 in 400 is still hundreds of requests checked.
     assert!(counts.programs >= 400, "{counts:?}");
     assert!(counts.kernel > counts.plain / 50, "{counts:?}");
-    assert!(counts.spliced > counts.requests / 100, "{counts:?}");
+    assert!(counts.spliced > counts.requests / 400, "{counts:?}");
     assert!(counts.nic > counts.requests / 10, "{counts:?}");
 }
