@@ -13,6 +13,7 @@ pub mod destination;
 pub mod duration;
 pub mod endpoints;
 pub mod error;
+pub mod load_report;
 pub mod locate;
 pub mod model;
 pub mod suggest;

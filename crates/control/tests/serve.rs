@@ -174,6 +174,7 @@ fn control_center_serves_the_placement_and_the_orchestrator_moves_it() {
                 protocol: Protocol::Sotw,
                 security: Default::default(),
                 sds_dir: None,
+                load_reports: None,
             },
             flatmesh_xds::bootstrap::empty_config(),
             node.clone(),

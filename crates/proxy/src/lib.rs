@@ -40,6 +40,7 @@ mod l7;
 mod lb;
 mod limits;
 mod listener;
+mod load_report;
 pub mod logging;
 mod metrics;
 mod node;
@@ -62,6 +63,7 @@ mod workload;
 
 pub use drain::Draining;
 pub use error::ProxyError;
+pub use load_report::EndpointReport;
 pub use node::{ConfigSource, Node};
 pub use tls::check_files as check_tls_files;
 /// The OTLP trace messages the node exports (for a receiver in tests and tools).

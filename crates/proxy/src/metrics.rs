@@ -430,6 +430,8 @@ pub struct Metrics {
     pub rate_limits: crate::resilience::rate_limit::Registry,
     /// Every cluster's load-balancing tables: priority levels and slow start (`crate::lb`).
     pub lb: crate::lb::Registry,
+    /// Every endpoint's load, for the control plane's load reports (`crate::load_report`).
+    pub loads: crate::load_report::LoadReports,
     /// Spans exported and dropped (`crate::trace`).
     pub tracing: Arc<crate::trace::TraceCounts>,
 }
@@ -467,6 +469,7 @@ impl Metrics {
             tracing: Arc::default(),
             rate_limits: crate::resilience::rate_limit::Registry::default(),
             lb: crate::lb::Registry::default(),
+            loads: crate::load_report::LoadReports::new(workers),
         })
     }
 

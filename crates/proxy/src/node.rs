@@ -166,6 +166,12 @@ impl Node {
             .map(|(_, a)| a)
     }
 
+    /// Each endpoint's load since the last call, for the control plane's load reports (the
+    /// xDS client's LRS stream, `flatmesh_xds::lrs`). One caller: each call starts a period.
+    pub fn take_load_reports(&self) -> Vec<crate::EndpointReport> {
+        self.shared.metrics.loads.take()
+    }
+
     /// Apply a new config with a zero-drop swap.
     pub fn reload(&self, config: Config) -> Result<(), ProxyError> {
         let result = self.shared.apply(config);

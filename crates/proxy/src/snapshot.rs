@@ -143,6 +143,8 @@ pub struct ClusterPlan {
     /// `type: original_dst`: each connection or request goes to where its client dialled,
     /// within the cluster's allow-list; `endpoints` is empty.
     pub original_dst: Option<Arc<OriginalDstPlan>>,
+    /// Each endpoint's load counters, in `endpoints` order (`crate::load_report`).
+    pub load: Arc<[Arc<crate::load_report::EndpointLoad>]>,
 }
 
 impl Snapshot {
@@ -218,6 +220,7 @@ impl Snapshot {
                     name: c.name.clone(),
                     authorities,
                     table: metrics.lb.tables(c, node_locality, guard.out()),
+                    load: metrics.loads.cluster(&c.name, &endpoints),
                     endpoints,
                     policy: c.lb,
                     protocol: c.protocol,

@@ -102,6 +102,7 @@ fn main() {
                 protocol,
                 security: Default::default(),
                 sds_dir: None,
+                load_reports: None,
             };
             let mut base = flatmesh_xds::bootstrap::empty_config();
             base.admin = "127.0.0.1:0".parse().unwrap();

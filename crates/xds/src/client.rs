@@ -55,6 +55,8 @@ pub struct Options {
     pub security: crate::secure::ChannelSecurity,
     /// Where SDS secrets are written (`--sds-dir`); without it a pushed secret is NACKed.
     pub sds_dir: Option<std::path::PathBuf>,
+    /// With a source, the node reports its load to the server over LRS (`crate::lrs`).
+    pub load_reports: Option<crate::lrs::LoadSource>,
 }
 
 /// Where translated configs go: the node proxy in production, anything in tests.
@@ -88,6 +90,8 @@ pub struct Client {
     status: Arc<Mutex<Status>>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
+    /// The load reports' stream, when the node reports load.
+    reporting: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Client {
@@ -96,6 +100,10 @@ impl Client {
         let status = Arc::new(Mutex::new(Status::default()));
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
         let secrets = options.sds_dir.clone().map(SecretDir::new);
+        let reporting = options
+            .load_reports
+            .clone()
+            .map(|source| tokio::spawn(crate::lrs::report(options.clone(), source)));
         let session = Session {
             secrets,
             written: BTreeMap::new(),
@@ -115,6 +123,7 @@ impl Client {
             status,
             stop: Some(stop_tx),
             task: Some(task),
+            reporting,
         }
     }
 
@@ -124,6 +133,9 @@ impl Client {
 
     /// Stop the client and wait for it.
     pub async fn stop(mut self) {
+        if let Some(reporting) = self.reporting.take() {
+            reporting.abort();
+        }
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -137,6 +149,9 @@ impl Drop for Client {
     fn drop(&mut self) {
         if let Some(task) = &self.task {
             task.abort();
+        }
+        if let Some(reporting) = &self.reporting {
+            reporting.abort();
         }
     }
 }

@@ -96,7 +96,7 @@ fn ads() -> ConfigSource {
     }
 }
 
-fn duration(d: Duration) -> pbuf::Duration {
+pub(crate) fn duration(d: Duration) -> pbuf::Duration {
     pbuf::Duration {
         // A valid model's durations are at most 365 days; saturate rather than wrap anyway.
         seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),

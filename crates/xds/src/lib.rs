@@ -31,6 +31,7 @@ pub mod from_model;
 pub mod hbone;
 pub mod identities;
 pub mod local_ratelimit;
+pub mod lrs;
 pub mod original_dst;
 pub mod rbac;
 pub mod resources;

@@ -405,6 +405,8 @@ pub struct ServeOptions {
     pub certificates: Option<crate::certificates::CertificateServer>,
     /// SDS: each node's secrets. Needs `tls` and `tokens` (a secret may carry a private key).
     pub secrets: Option<Arc<dyn crate::sds::SecretSource>>,
+    /// LRS: the nodes' load reports (`crate::lrs`).
+    pub load_reports: Option<crate::lrs::LoadReportServer>,
 }
 
 /// Serve ADS on `address`, plaintext and open to any caller, until `shutdown` resolves.
@@ -475,6 +477,20 @@ pub async fn serve_with(
         ads,
         check.clone(),
     ));
+    let routes = match options.load_reports {
+        Some(server) => routes.add_service(tonic::service::interceptor::InterceptedService::new(
+            envoy_types::pb::envoy::service::load_stats::v3::load_reporting_service_server::LoadReportingServiceServer::new(
+                crate::lrs::Served {
+                    server,
+                    tokens: options.tokens.clone(),
+                    closing: fired_rx.clone(),
+                },
+            )
+            .max_decoding_message_size(crate::lrs::MAX_MESSAGE),
+            check.clone(),
+        )),
+        None => routes,
+    };
     let routes = match options.certificates {
         Some(certificates) => routes.add_service(
             tonic::service::interceptor::InterceptedService::new(certificates, check),

@@ -366,6 +366,7 @@ fn a_node_over_xds_tunnels_into_a_flatmesh_hbone_listener() {
         protocol: Protocol::Delta,
         security: Default::default(),
         sds_dir: None,
+        load_reports: None,
     };
     let _client = rt.block_on(async { Client::spawn(options, base, apply) });
     wait_for("the node over xDS tunnels to the echo backend", || {

@@ -89,6 +89,7 @@ fn scenario(protocol: Protocol) {
         protocol,
         security: Default::default(),
         sds_dir: None,
+        load_reports: None,
     };
     let client = rt.block_on(async { Client::spawn(options, base, apply) });
     let v1 = || {
@@ -277,6 +278,7 @@ fn unreachable_control_plane_is_retried_with_backoff() {
         protocol: Protocol::Sotw,
         security: Default::default(),
         sds_dir: None,
+        load_reports: None,
     };
     let client = rt
         .block_on(async { Client::spawn(options, flatmesh_xds::bootstrap::empty_config(), apply) });

@@ -126,6 +126,7 @@ fn scenario(protocol: Protocol) {
         protocol,
         security: Default::default(),
         sds_dir: None,
+        load_reports: None,
     };
     let client = rt.block_on(async { Client::spawn(options, base, apply) });
 

@@ -124,6 +124,8 @@ pub struct ControlCenter {
     placement_stats: Arc<metrics::PlacementStats>,
     /// The bound console socket and what it shows.
     ui: Option<(std::net::TcpListener, Console)>,
+    /// Where the nodes' load reports go, when something reads them ([`ControlCenter::read_load_reports`]).
+    load_reports: Option<flatmesh_xds::lrs::LoadReportServer>,
 }
 
 /// The state file and when it was last read.
@@ -214,7 +216,23 @@ impl ControlCenter {
             pods,
             metrics,
             placement_stats: Arc::default(),
+            load_reports: None,
         })
+    }
+
+    /// Serves LRS beside ADS: the nodes report their endpoints' load every `period`, and each
+    /// report is sent to the returned receiver (Kubernetes' orchestrator reads it). Reports
+    /// are dropped while the receiver lags behind by more than a few.
+    pub fn read_load_reports(
+        &mut self,
+        period: Duration,
+    ) -> tokio::sync::mpsc::Receiver<flatmesh_xds::lrs::NodeLoad> {
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        self.load_reports = Some(flatmesh_xds::lrs::LoadReportServer {
+            period,
+            reports: tx,
+        });
+        rx
     }
 
     /// What is served. A clone follows every later change (state file, placement, moves).
@@ -307,8 +325,10 @@ impl ControlCenter {
                 tokens: Some(ca.clone()),
                 certificates: Some(CertificateServer::new(ca.clone())),
                 secrets: Some(secrets),
+                load_reports: None,
             };
         }
+        serve_options.load_reports = self.load_reports.clone();
         let server = flatmesh_xds::server::serve_with(
             self.listen,
             self.feed.store().clone(),

@@ -77,6 +77,12 @@ pub struct Args {
     /// InternalIP); others are dropped.
     #[arg(long, value_name = "FILE", requires = "heartbeats")]
     heartbeat_keys: Option<PathBuf>,
+    /// On Kubernetes with --schedule: run the orchestrator on the node proxies' load reports
+    /// (LRS), asked for every PERIOD (like `1s`): each pod's execution time is the time it
+    /// takes to answer the proxies that call it. Overload migrates (by re-creating the pod);
+    /// node failures are left to Kubernetes (docs/kubernetes.md, "The orchestrator, live").
+    #[arg(long, value_name = "PERIOD", conflicts_with = "heartbeats", value_parser = parse_period)]
+    load_reports: Option<std::time::Duration>,
     /// Run PROGRAM STEP INSTANCE FROM TO for each step of a migration or failover restart
     /// (STEP: push-binary, remove, cleanup, migrate-state, restart); a non-zero exit fails the
     /// step. Without it the steps are only logged (instances are managed elsewhere).
@@ -128,6 +134,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
 }
 
+/// A load report period: 100 ms to 5 minutes.
+fn parse_period(text: &str) -> Result<std::time::Duration, String> {
+    let period = flatmesh_config::duration::parse(text)?;
+    if !(std::time::Duration::from_millis(100)..=std::time::Duration::from_secs(300))
+        .contains(&period)
+    {
+        return Err(format!(
+            "{text} is out of range: give a period from 100ms to 5m (1s is usual)"
+        ));
+    }
+    Ok(period)
+}
+
 fn serve(args: Args) -> anyhow::Result<()> {
     crate::cmd::init_logging();
     let kubernetes = args.kubeconfig.is_some()
@@ -140,19 +159,28 @@ fn serve(args: Args) -> anyhow::Result<()> {
             "--heartbeats runs the orchestrator on a placement: give --cluster (with --app and --addresses), or --kubeconfig with --schedule"
         );
     }
+    if args.load_reports.is_some() && !(kubernetes && args.schedule) {
+        anyhow::bail!(
+            "--load-reports runs Kubernetes' orchestrator on the nodes' load reports: give --kubeconfig (or run in a pod) with --schedule"
+        );
+    }
     if args.step_command.is_some() && args.cluster.is_none() {
         anyhow::bail!(
             "--step-command drives the instances of --cluster; on Kubernetes a migration re-creates the pod on its new node and needs no command"
         );
     }
     // On Kubernetes: the orchestrator's socket and keys, read before anything starts.
-    let k8s_orchestrator = match (&args.heartbeats, &args.heartbeat_keys) {
-        (Some(at), Some(keys)) if args.cluster.is_none() => Some((
-            std::net::UdpSocket::bind(at).with_context(|| {
-                format!("cannot receive heartbeats on {at}; pick a free address with --heartbeats")
-            })?,
-            flatmesh_control::serve::heartbeat_keys::HeartbeatKeys::load(keys)?,
-        )),
+    let k8s_beats = match (&args.heartbeats, &args.heartbeat_keys) {
+        (Some(at), Some(keys)) if args.cluster.is_none() => {
+            Some(flatmesh_k8s::schedule::orchestrate::Beats::Sealed {
+                socket: std::net::UdpSocket::bind(at).with_context(|| {
+                    format!(
+                        "cannot receive heartbeats on {at}; pick a free address with --heartbeats"
+                    )
+                })?,
+                keys: flatmesh_control::serve::heartbeat_keys::HeartbeatKeys::load(keys)?,
+            })
+        }
         _ => None,
     };
     if args.state.is_none() && args.cluster.is_none() && !kubernetes {
@@ -213,7 +241,18 @@ fn serve(args: Args) -> anyhow::Result<()> {
         .build()
         .context("cannot start the xDS server runtime")?;
     rt.block_on(async {
-        let center = ControlCenter::new(&options)?;
+        let mut center = ControlCenter::new(&options)?;
+        let k8s_beats = match (k8s_beats, args.load_reports) {
+            (Some(beats), _) => Some((beats, flatmesh_k8s::schedule::orchestrate::detector())),
+            (None, Some(period)) => Some((
+                flatmesh_k8s::schedule::orchestrate::Beats::LoadReports {
+                    reports: center.read_load_reports(period),
+                    period,
+                },
+                flatmesh_k8s::schedule::orchestrate::load_report_detector(period),
+            )),
+            (None, None) => None,
+        };
         let stop_polling = Arc::new(AtomicBool::new(false));
         if let (Some(console), Some(at)) = (center.console(), center.ui_addr()) {
             tracing::info!("web console: http://{at}/ui");
@@ -253,14 +292,13 @@ fn serve(args: Args) -> anyhow::Result<()> {
                     client.clone(),
                     flatmesh_k8s::schedule::Options::default(),
                 );
-                let orchestrator = match k8s_orchestrator {
-                    Some((socket, keys)) => Some(flatmesh_k8s::schedule::Orchestrator::spawn(
+                let orchestrator = match k8s_beats {
+                    Some((beats, detector)) => Some(flatmesh_k8s::schedule::Orchestrator::spawn(
                         client,
                         scheduler.subscribe(),
                         flatmesh_k8s::schedule::OrchestratorOptions {
-                            socket,
-                            keys,
-                            detector: flatmesh_k8s::schedule::orchestrate::detector(),
+                            beats,
+                            detector,
                             observer: None,
                         },
                     )?),

@@ -3,6 +3,7 @@
 //! settings and static resources), or from an Envoy v3 bootstrap (`--envoy-config`).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::Context as _;
 use flatmesh_proxy::{ConfigSource, Draining, Node};
@@ -145,6 +146,17 @@ fn run_xds(args: &Args, server: String) -> anyhow::Result<()> {
         },
         security,
         sds_dir: args.sds_dir.clone(),
+        // Every node reports its endpoints' load over LRS; a control plane without LRS
+        // refuses the stream and the node asks again only now and then.
+        load_reports: Some(flatmesh_xds::lrs::LoadSource(Arc::new({
+            let node = node.clone();
+            move || {
+                node.lock()
+                    .as_ref()
+                    .map(Node::take_load_reports)
+                    .unwrap_or_default()
+            }
+        }))),
     };
     let client = rt.block_on(async { Client::spawn(options, base, apply) });
     // The client runs on `rt`'s own worker thread while this one waits for a signal.

@@ -31,6 +31,12 @@ pub enum ScheduleError {
     UnknownInstance { instance: String },
     #[error("node {node} of the E3 cluster is not a Kubernetes node this scheduler knows")]
     UnknownNode { node: String },
+    #[error("the API server refused to label node {node} flatmesh.io/node-proxy={value}: {source}; may this account patch nodes (deploy/kubernetes/rbac.yaml)? Retried next round")]
+    Label {
+        node: String,
+        value: &'static str,
+        source: kube::Error,
+    },
 }
 
 /// Binds the pod to its node through the Binding API (`pods/binding`), as kube-scheduler

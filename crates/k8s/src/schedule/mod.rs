@@ -6,6 +6,7 @@
 //! - [`cluster`]: Nodes -> E3's cluster (hosts and their SmartNICs/DPUs as servers). Pure.
 //! - [`app`]: Pods -> E3 applications (the DAG from annotations). Pure.
 //! - [`proxy`]: HeteroK8s-Mesh's choice of where a server's node proxy runs. Pure.
+//! - [`proxy_labels`]: the choice applied: the node label the node proxies' DaemonSets follow.
 //! - [`plan`]: Nodes and Pods -> the bindings, by HCM. Pure.
 //! - [`bind`]: the writes: Bindings, Events, a migration as a re-creation of the pod.
 //! - [`scheduler`]: the watches and the rounds.
@@ -19,6 +20,7 @@ pub mod cluster;
 pub mod orchestrate;
 pub mod plan;
 pub mod proxy;
+pub mod proxy_labels;
 pub mod quantity;
 pub mod scheduler;
 
@@ -27,4 +29,5 @@ pub use bind::{recreate_on, Migrator, ScheduleError};
 pub use cluster::{cluster_from_nodes, Cluster, Pu};
 pub use orchestrate::{Orchestrator, OrchestratorOptions};
 pub use plan::{plan, Binding, Plan};
+pub use proxy_labels::{LabelChange, NODE_PROXY_LABEL};
 pub use scheduler::{Options, Round, Scheduler};

@@ -9,24 +9,38 @@
 //! (a node or pod came or went, a pod is on another node than the orchestrator put it), the
 //! orchestrator starts again from it; a migration of its own shows up as no change.
 //!
-//! The heartbeat's node field is the node's position in the `--heartbeat-keys` file, whose
-//! names are Kubernetes node names, in sorted order (the file does not change while the control
-//! plane runs, so neither do the numbers). A heartbeat is taken only from its node's
-//! `InternalIP`. A node's slots are its pods of `schedulerName: flatmesh` ordered by E3
-//! instance id ([`SlotOrder::InstanceId`]): what an agent on the node can work out alone.
+//! Its input is one of two ([`Beats`]):
+//!
+//! - **Sealed heartbeats** from node agents (`--heartbeats ADDR --heartbeat-keys FILE`), E3's
+//!   own transport. The heartbeat's node field is the node's position in the keys file, whose
+//!   names are Kubernetes node names, in sorted order (the file does not change while the
+//!   control plane runs, so neither do the numbers). A heartbeat is taken only from its node's
+//!   `InternalIP`. A node's slots are its pods of `schedulerName: flatmesh` ordered by E3
+//!   instance id ([`SlotOrder::InstanceId`]): what an agent on the node can work out alone.
+//! - **The node proxies' load reports** (`--load-reports PERIOD`, LRS): every node proxy
+//!   reports, per period, the time each endpoint took to answer it. An endpoint that is a pod
+//!   of ours (by `status.podIPs`) gives its E3 instance's execution time: the mean over every
+//!   caller's answered tries, weighted by their number. Each period, the orchestrator makes
+//!   every node's heartbeat of that ([`LoadWindow`]). Load reports carry no link utilisation
+//!   or queue, so they drive E3's overload signal only (not its starvation signal), and
+//!   every node counts as alive: a dead node is Kubernetes' own to handle (the node
+//!   lifecycle controller taints it and its pods are evicted).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
-use flatmesh_control::agent::{unix_now_us, Gate, GateConfig};
+use flatmesh_control::agent::{unix_now_us, Gate, GateConfig, HeartbeatBuilder, NodeSample};
 use flatmesh_control::endpoints::{EndpointSink, EndpointSnapshot};
-use flatmesh_control::heartbeat::WIRE_LEN;
+use flatmesh_control::heartbeat::{Heartbeat, WIRE_LEN};
 use flatmesh_control::model::parse_cluster;
-use flatmesh_control::orchestrator::{Controller, DetectorConfig, LogEntry, SlotOrder};
+use flatmesh_control::orchestrator::{slots_in, Controller, DetectorConfig, LogEntry, SlotOrder};
 use flatmesh_control::placement::State;
 use flatmesh_control::serve::heartbeat_keys::HeartbeatKeys;
 use flatmesh_control::topology::Topology;
 use flatmesh_control::workload::Workload;
+use flatmesh_xds::lrs::NodeLoad;
 use tokio::net::UdpSocket;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -44,12 +58,37 @@ pub fn detector() -> DetectorConfig {
     }
 }
 
+/// E3's detector on load reports of `period`: one sample per period, and an overload must
+/// last two periods (one slow period of a shared machine moves nothing). Every node is sent a
+/// heartbeat each period, so none is ever found dead here.
+pub fn load_report_detector(period: Duration) -> DetectorConfig {
+    DetectorConfig {
+        interval: period,
+        overload_beats: 2,
+        dead_after: period.saturating_mul(10),
+        ..DetectorConfig::default()
+    }
+}
+
+/// Where the orchestrator learns how the nodes do.
+pub enum Beats {
+    /// Node agents' sealed heartbeats over UDP.
+    Sealed {
+        /// Where they arrive (bound by the caller, so a busy address fails at start).
+        socket: std::net::UdpSocket,
+        /// Each Kubernetes node's heartbeat key.
+        keys: HeartbeatKeys,
+    },
+    /// The node proxies' load reports (the control plane's LRS server), every `period`.
+    LoadReports {
+        reports: mpsc::Receiver<NodeLoad>,
+        period: Duration,
+    },
+}
+
 /// What the orchestrator needs besides the scheduler's rounds.
 pub struct OrchestratorOptions {
-    /// Where the heartbeats arrive (bound by the caller, so a busy address fails at start).
-    pub socket: std::net::UdpSocket,
-    /// Each Kubernetes node's heartbeat key.
-    pub keys: HeartbeatKeys,
+    pub beats: Beats,
     pub detector: DetectorConfig,
     /// Receives a copy of every decision (besides the log).
     pub observer: Option<mpsc::UnboundedSender<LogEntry>>,
@@ -73,22 +112,36 @@ impl Orchestrator {
         rounds: watch::Receiver<Option<Arc<Round>>>,
         options: OrchestratorOptions,
     ) -> std::io::Result<Orchestrator> {
-        options.socket.set_nonblocking(true)?;
-        let socket = UdpSocket::from_std(options.socket)?;
+        let source = match options.beats {
+            Beats::Sealed { socket, keys } => {
+                socket.set_nonblocking(true)?;
+                let socket = UdpSocket::from_std(socket)?;
+                let names: Vec<String> = keys.names().map(str::to_string).collect();
+                tracing::info!(
+                    address = ?socket.local_addr().ok(),
+                    nodes = ?names.iter().enumerate().collect::<Vec<_>>(),
+                    "orchestrator: receiving heartbeats (node number = position in --heartbeat-keys)"
+                );
+                Source::Sealed {
+                    socket,
+                    gate: keys.gate_by_name(GateConfig::default()),
+                    names,
+                }
+            }
+            Beats::LoadReports { reports, period } => {
+                tracing::info!(?period, "orchestrator: on the node proxies' load reports");
+                Source::LoadReports {
+                    reports,
+                    period,
+                    window: LoadWindow::default(),
+                }
+            }
+        };
         let (log_tx, log_rx) = mpsc::unbounded_channel();
         tokio::spawn(log_entries(log_rx, options.observer));
-        let names: Vec<String> = options.keys.names().map(str::to_string).collect();
-        let gate = options.keys.gate_by_name(GateConfig::default());
-        tracing::info!(
-            address = ?socket.local_addr().ok(),
-            nodes = ?names.iter().enumerate().collect::<Vec<_>>(),
-            "orchestrator: receiving heartbeats (node number = position in --heartbeat-keys)"
-        );
         let run = Run {
             client,
-            socket,
-            names,
-            gate,
+            source,
             detector: options.detector,
             log: log_tx,
         };
@@ -100,12 +153,75 @@ impl Orchestrator {
 
 struct Run {
     client: kube::Client,
-    socket: UdpSocket,
-    /// Heartbeat node number -> Kubernetes node name.
-    names: Vec<String>,
-    gate: Gate,
+    source: Source,
     detector: DetectorConfig,
     log: mpsc::UnboundedSender<LogEntry>,
+}
+
+enum Source {
+    Sealed {
+        socket: UdpSocket,
+        gate: Gate,
+        /// Heartbeat node number -> Kubernetes node name.
+        names: Vec<String>,
+    },
+    LoadReports {
+        reports: mpsc::Receiver<NodeLoad>,
+        period: Duration,
+        window: LoadWindow,
+    },
+}
+
+/// The load reports of the current period, summed per E3 instance.
+#[derive(Default)]
+struct LoadWindow {
+    /// Pod IP -> E3 instance id, from the scheduler's latest round.
+    instances: HashMap<IpAddr, String>,
+    /// Instance id -> (answered tries, their summed time in µs).
+    answered: HashMap<String, (u64, u64)>,
+    /// Each topology node's heartbeat builder (it rotates the slot base past four slots).
+    builders: HashMap<usize, HeartbeatBuilder>,
+    /// When the current period ends (set by the first wait).
+    ends: Option<tokio::time::Instant>,
+}
+
+impl LoadWindow {
+    fn add(&mut self, load: &NodeLoad) {
+        for e in &load.endpoints {
+            if let Some(instance) = self.instances.get(&e.endpoint.ip()) {
+                let sum = self.answered.entry(instance.clone()).or_default();
+                sum.0 = sum.0.saturating_add(e.answered);
+                sum.1 = sum.1.saturating_add(e.answer_us);
+            }
+        }
+    }
+
+    /// Every node's heartbeat of the period that ends, its slots as `controller` orders them;
+    /// then a new period.
+    fn heartbeats(&mut self, controller: &K8sController<'_>, period: Duration) -> Vec<Heartbeat> {
+        let state = &controller.state;
+        let mut beats = Vec::with_capacity(state.topo.nodes.len());
+        for node in 0..state.topo.nodes.len() {
+            let exec_us = slots_in(state, node, controller.slot_order)
+                .into_iter()
+                .map(|i| {
+                    let (n, us) = *self.answered.get(&state.wl.instances[i].id)?;
+                    (n > 0).then(|| us / n)
+                })
+                .collect();
+            let builder = self
+                .builders
+                .entry(node)
+                .or_insert_with(|| HeartbeatBuilder::new(node as u32, 1, period));
+            beats.push(builder.build(&NodeSample {
+                queue_len: 0,
+                bytes: 0,
+                exec_us,
+            }));
+        }
+        self.answered.clear();
+        beats
+    }
 }
 
 impl Run {
@@ -113,7 +229,7 @@ impl Run {
         let mut said = String::new();
         loop {
             let round = rounds.borrow_and_update().clone();
-            let model = match round.as_deref().map(|r| Model::of(r, &self.names)) {
+            let model = match round.as_deref().map(|r| Model::of(r, self.source.names())) {
                 Some(Ok(model)) => Some(model),
                 Some(Err(why)) => {
                     if why != said {
@@ -172,32 +288,15 @@ impl Run {
         controller.slot_order = SlotOrder::InstanceId;
         controller.observer = Some(self.log.clone());
         let mut tick = tokio::time::interval(self.detector.interval);
-        let mut buf = [0u8; WIRE_LEN + 1];
         loop {
             tokio::select! {
                 // Heartbeats first, as `Controller::run` does: a busy orchestrator must not take
                 // its own delay for silent nodes.
                 biased;
-                received = self.socket.recv_from(&mut buf) => {
-                    let (n, from) = match received {
-                        Ok(r) => r,
-                        Err(e) => {
-                            tracing::error!(error = %e, "heartbeat socket failed; the orchestrator stops");
-                            return false;
-                        }
-                    };
-                    let Ok(mut beat) = self.gate.admit(&buf[..n], from, unix_now_us()) else {
-                        continue;
-                    };
-                    match model.wire_to_topo.get(beat.node as usize).copied().flatten() {
-                        Some(node) => {
-                            beat.node = node as u32;
-                            controller.on_heartbeat(&beat).await;
-                        }
-                        None => tracing::debug!(
-                            node = self.names.get(beat.node as usize).map(String::as_str),
-                            "heartbeat of a node the scheduler does not place on"
-                        ),
+                beats = self.source.next(model, &controller) => {
+                    let Some(beats) = beats else { return false };
+                    for beat in &beats {
+                        controller.on_heartbeat(beat).await;
                     }
                 }
                 _ = tick.tick() => controller.tick().await,
@@ -216,11 +315,110 @@ impl Run {
         }
     }
 
-    /// Takes each node's heartbeats from its `InternalIP` in `round` (none without one).
+    /// Follows the addresses in `round`: each node's heartbeats are taken from its
+    /// `InternalIP` (none without one); each pod's load is known by its IPs.
     fn set_addresses(&mut self, round: &Round) {
-        for (k, name) in self.names.iter().enumerate() {
-            let address = round.plan.cluster.addresses.get(name).copied();
-            self.gate.set_address(k, address);
+        let plan = &round.plan;
+        match &mut self.source {
+            Source::Sealed { gate, names, .. } => {
+                for (k, name) in names.iter().enumerate() {
+                    gate.set_address(k, plan.cluster.addresses.get(name).copied());
+                }
+            }
+            Source::LoadReports { window, .. } => {
+                let instance_of: HashMap<&super::PodKey, &String> = plan
+                    .apps
+                    .iter()
+                    .flat_map(|app| app.pods.iter().map(|(id, pod)| (pod, id)))
+                    .collect();
+                window.instances = plan
+                    .addresses
+                    .iter()
+                    .filter_map(|(ip, pod)| Some((*ip, (*instance_of.get(pod)?).clone())))
+                    .collect();
+            }
+        }
+    }
+}
+
+type K8sController<'a> = Controller<'a, Migrator, EndpointSlicesFollow>;
+
+impl Source {
+    /// Heartbeat node number -> Kubernetes node name (sealed heartbeats only).
+    fn names(&self) -> &[String] {
+        match self {
+            Source::Sealed { names, .. } => names,
+            Source::LoadReports { .. } => &[],
+        }
+    }
+
+    /// The next heartbeats, with topology node numbers; `None` once the source is gone.
+    async fn next(
+        &mut self,
+        model: &Model,
+        controller: &K8sController<'_>,
+    ) -> Option<Vec<Heartbeat>> {
+        match self {
+            Source::Sealed {
+                socket,
+                gate,
+                names,
+            } => {
+                let mut buf = [0u8; WIRE_LEN + 1];
+                loop {
+                    let (n, from) = match socket.recv_from(&mut buf).await {
+                        Ok(r) => r,
+                        Err(e) => {
+                            tracing::error!(error = %e, "heartbeat socket failed; the orchestrator stops");
+                            return None;
+                        }
+                    };
+                    let Ok(mut beat) = gate.admit(&buf[..n], from, unix_now_us()) else {
+                        continue;
+                    };
+                    match model
+                        .wire_to_topo
+                        .get(beat.node as usize)
+                        .copied()
+                        .flatten()
+                    {
+                        Some(node) => {
+                            beat.node = node as u32;
+                            return Some(vec![beat]);
+                        }
+                        None => tracing::debug!(
+                            node = names.get(beat.node as usize).map(String::as_str),
+                            "heartbeat of a node the scheduler does not place on"
+                        ),
+                    }
+                }
+            }
+            Source::LoadReports {
+                reports,
+                period,
+                window,
+            } => loop {
+                // The period's end is kept in the window: this future is dropped whenever the
+                // orchestrator's other work comes first.
+                let ends = *window
+                    .ends
+                    .get_or_insert_with(|| tokio::time::Instant::now() + *period);
+                tokio::select! {
+                    load = reports.recv() => match load {
+                        Some(load) => window.add(&load),
+                        None => {
+                            tracing::error!("the load reports stopped; the orchestrator stops");
+                            return None;
+                        }
+                    },
+                    () = tokio::time::sleep_until(ends) => {
+                        let now = tokio::time::Instant::now();
+                        // A late wake-up starts the next period now rather than catching up.
+                        window.ends = Some(ends.max(now.checked_sub(*period).unwrap_or(now)) + *period);
+                        return Some(window.heartbeats(controller, *period));
+                    }
+                }
+            },
         }
     }
 }

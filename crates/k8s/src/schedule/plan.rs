@@ -45,6 +45,9 @@ pub struct Plan {
     /// The node of every pod of ours once the bindings are made (the bound ones' and the
     /// new ones').
     pub placed: HashMap<PodKey, String>,
+    /// The IPs of every pod of ours that has one (its `status.podIPs`): the addresses the
+    /// nodes' load reports name.
+    pub addresses: HashMap<std::net::IpAddr, PodKey>,
 }
 
 /// Places the pending pods of `schedulerName: flatmesh` on `nodes`. `bound` are bindings this
@@ -113,7 +116,27 @@ pub fn plan(nodes: &[Node], pods: &[Pod], bound: &HashMap<String, String>) -> Pl
         unplaced,
         proxies,
         placed: final_nodes,
+        addresses: pod_addresses(pods),
     }
+}
+
+/// Each IP of a pod of ours, and the pod.
+fn pod_addresses(pods: &[Pod]) -> HashMap<std::net::IpAddr, PodKey> {
+    pods.iter()
+        .filter(|p| is_ours(p))
+        .flat_map(|p| {
+            let status = p.status.as_ref();
+            let ips = status
+                .and_then(|s| s.pod_ips.as_ref())
+                .into_iter()
+                .flatten()
+                .map(|ip| ip.ip.as_str())
+                .chain(status.and_then(|s| s.pod_ip.as_deref()));
+            ips.filter_map(|ip| ip.parse().ok())
+                .map(move |ip| (ip, PodKey::of(p)))
+                .collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 /// Per app: its new bindings, or why its pending pods stay pending. Err when the cluster

@@ -1,6 +1,7 @@
 //! The running scheduler: reflectors keep Nodes and Pods current; on a change (debounced, so
 //! one app's pods are placed together) and every [`Options::resync`], a round plans
-//! ([`super::plan`]) and binds.
+//! ([`super::plan`]), binds, and labels the nodes with where each server's node proxy runs
+//! ([`super::proxy_labels`]).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use super::app::PodKey;
 use super::bind::{bind, is_settled, recorder, warn_pod};
 use super::plan::{plan, Binding, Plan};
 use super::proxy::ProxyPu;
+use super::proxy_labels::{label_changes, label_of, node_proxy_labels, patch_label, LabelChange};
 use crate::controller::watch_kind;
 
 #[derive(Debug, Clone)]
@@ -44,6 +46,10 @@ pub struct Round {
     pub bound: Vec<Binding>,
     /// The bindings it refused, and why.
     pub failed: Vec<(Binding, String)>,
+    /// The node-proxy labels it wrote ([`super::proxy_labels`]).
+    pub labelled: Vec<LabelChange>,
+    /// The label writes the API server refused, and why (retried next round).
+    pub label_failures: Vec<(LabelChange, String)>,
 }
 
 /// The running scheduler; dropping it stops it.
@@ -102,6 +108,10 @@ async fn run(
     // What was said already (log and events once per pod and reason).
     let mut said: BTreeSet<(String, String)> = BTreeSet::new();
     let mut warned: BTreeSet<String> = BTreeSet::new();
+    // Node-proxy labels written that the node watch may not show yet: node -> value.
+    let mut written: HashMap<String, Option<String>> = HashMap::new();
+    // Label writes refused, as said (node -> error), so each is logged once until it changes.
+    let mut refused: HashMap<String, String> = HashMap::new();
     loop {
         let nodes: Vec<Node> = nodes.state().iter().map(|n| (**n).clone()).collect();
         let pods: Vec<Pod> = pods.state().iter().map(|p| (**p).clone()).collect();
@@ -124,6 +134,8 @@ async fn run(
             plan: plan.clone(),
             bound: Vec::new(),
             failed: Vec::new(),
+            labelled: Vec::new(),
+            label_failures: Vec::new(),
         };
         for binding in &plan.bindings {
             match bind(&client, binding).await {
@@ -158,12 +170,73 @@ async fn run(
         for proxy in &plan.proxies {
             tracing::debug!(host = %proxy.host, pu = ?proxy.pu, dpu = ?proxy.dpu, "node proxy: {}", proxy.reason);
         }
+        // Once the watch shows a write (or the node is gone), the node speaks for itself.
+        written.retain(|name, value| {
+            nodes
+                .iter()
+                .find(|n| n.metadata.name.as_deref() == Some(name.as_str()))
+                .is_some_and(|n| label_of(n) != *value)
+        });
+        refused.retain(|name, _| {
+            nodes
+                .iter()
+                .any(|n| n.metadata.name.as_deref() == Some(name.as_str()))
+        });
+        let desired = node_proxy_labels(&nodes, &plan.proxies);
+        for change in label_changes(&nodes, &desired, &written) {
+            match patch_label(&client, &change).await {
+                Ok(()) => {
+                    refused.remove(&change.node);
+                    say_label(&plan, &change);
+                    written.insert(change.node.clone(), change.value.map(str::to_string));
+                    round.labelled.push(change);
+                }
+                Err(e) => {
+                    let why = e.to_string();
+                    if refused.get(&change.node) != Some(&why) {
+                        tracing::warn!(node = %change.node, error = %e, "cannot label the node; retried next round");
+                        refused.insert(change.node.clone(), why.clone());
+                    }
+                    round.label_failures.push((change, why));
+                }
+            }
+        }
         rounds.send_replace(Some(Arc::new(round)));
         tokio::select! {
             _ = changed.notified() => {}
             _ = tokio::time::sleep(options.resync) => {}
         }
         tokio::time::sleep(options.debounce).await;
+    }
+}
+
+/// The log line of a label written: info when a server's node proxy moves to the node (or is
+/// placed there first), debug for the rest.
+fn say_label(plan: &Plan, change: &LabelChange) {
+    let server = change.server.as_deref().unwrap_or("-");
+    if change.value == Some(super::proxy_labels::ON) {
+        let reason = plan
+            .proxies
+            .iter()
+            .find(|p| Some(p.host.as_str()) == change.server.as_deref())
+            .map(|p| p.reason.as_str())
+            .unwrap_or("no pod of ours on the server: the host CPU");
+        let pu = super::plan::pu_of(&plan.cluster, &change.node);
+        tracing::info!(
+            server,
+            node = %change.node,
+            pu = ?pu,
+            was = change.was.as_deref().unwrap_or("unlabelled"),
+            "the server's node proxy moves to this node: {reason}"
+        );
+    } else {
+        tracing::debug!(
+            server,
+            node = %change.node,
+            label = change.value.unwrap_or("(removed)"),
+            was = change.was.as_deref().unwrap_or("unlabelled"),
+            "node-proxy label"
+        );
     }
 }
 

@@ -49,6 +49,7 @@ fn node(
             protocol: flatmesh_xds::client::Protocol::Delta,
             security: Default::default(),
             sds_dir: None,
+            load_reports: None,
         },
         flatmesh_xds::bootstrap::empty_config(),
         Applied(tx),

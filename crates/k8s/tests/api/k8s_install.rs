@@ -1,6 +1,7 @@
 //! The install manifests (deploy/kubernetes, issue 20 item 2) against a real API server:
 //! `kubectl apply -k` (server-side), every object there, the RBAC of both service accounts
-//! (`kubectl auth can-i --as`), and the programs as the manifests run them: `flatmesh control`
+//! (`kubectl auth can-i --as`), the two node-proxy DaemonSets' node affinities against the
+//! scheduler's `flatmesh.io/node-proxy` labels, and the programs as the manifests run them: `flatmesh control`
 //! with the Deployment's arguments, as the control plane's service account (a TokenRequest
 //! token), lists and watches the cluster and serves a node; `flatmesh node` with the
 //! DaemonSet's arguments and ConfigMap becomes ready on its readiness probe's path and stops
@@ -20,7 +21,13 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
-use k8s_openapi::api::core::v1::{ConfigMap, Container, Namespace, Pod, Service, ServiceAccount};
+use std::collections::BTreeMap;
+
+use flatmesh_k8s::schedule::proxy::{ProxyChoice, ProxyPu};
+use flatmesh_k8s::schedule::proxy_labels::node_proxy_labels;
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, Namespace, Node, NodeSelector, Pod, Service, ServiceAccount,
+};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use kube::api::Api;
 use serde_json::json;
@@ -74,6 +81,36 @@ fn can_i(kubeconfig: &Path, account: &str, verb: &str, resource: &str, scope: &[
             String::from_utf8_lossy(&out.stderr)
         ),
     }
+}
+
+/// The required node affinity of a DaemonSet's pods.
+fn required_affinity(daemonset: &DaemonSet) -> NodeSelector {
+    let spec = daemonset.spec.as_ref().unwrap().template.spec.as_ref();
+    spec.and_then(|s| s.affinity.as_ref()?.node_affinity.as_ref())
+        .and_then(|a| {
+            a.required_during_scheduling_ignored_during_execution
+                .clone()
+        })
+        .expect("a required node affinity")
+}
+
+/// Whether a node with `labels` matches `selector`, as the DaemonSet controller decides it
+/// (any term; every expression of a term). Only the operators of these manifests.
+fn selects(selector: &NodeSelector, labels: &BTreeMap<String, String>) -> bool {
+    selector.node_selector_terms.iter().any(|term| {
+        assert!(term.match_fields.is_none(), "{term:?}");
+        term.match_expressions.iter().flatten().all(|e| {
+            let values = e.values.clone().unwrap_or_default();
+            let value = labels.get(&e.key);
+            match e.operator.as_str() {
+                "In" => value.is_some_and(|v| values.contains(v)),
+                "NotIn" => value.is_none_or(|v| !values.contains(v)),
+                "Exists" => value.is_some(),
+                "DoesNotExist" => value.is_none(),
+                other => panic!("operator {other} in {e:?}"),
+            }
+        })
+    })
 }
 
 /// A child process killed on drop, its stderr in a file.
@@ -189,6 +226,7 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
             "clusterrolebinding.rbac.authorization.k8s.io/flatmesh-control",
             "configmap/flatmesh-node",
             "daemonset.apps/flatmesh-node",
+            "daemonset.apps/flatmesh-node-dpu",
             "deployment.apps/flatmesh-control",
             "namespace/flatmesh-system",
             "service/flatmesh-control",
@@ -221,6 +259,10 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
         .get("flatmesh-node")
         .await
         .unwrap();
+    let dpu_daemonset = Api::<DaemonSet>::namespaced(client.clone(), NS)
+        .get("flatmesh-node-dpu")
+        .await
+        .unwrap();
     let node_config = Api::<ConfigMap>::namespaced(client.clone(), NS)
         .get("flatmesh-node")
         .await
@@ -249,6 +291,7 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
         ("list", "nodes"),
         ("create", "pods"),
         ("create", "pods/binding"),
+        ("patch", "nodes"),
     ] {
         assert!(
             !can_i(&kubeconfig, NODE_SA, verb, resource, &all),
@@ -277,6 +320,7 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
         ("create", "bindings"),
         ("create", "pods"),
         ("delete", "pods"),
+        ("patch", "nodes"),
     ] {
         assert!(
             can_i(&kubeconfig, CONTROL_SA, verb, resource, &all),
@@ -294,12 +338,130 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
         ("create", "endpointslices.discovery.k8s.io"),
         ("update", "httproutes.gateway.networking.k8s.io"),
         ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
+        ("update", "nodes"),
+        ("create", "nodes"),
+        ("delete", "nodes"),
+        ("patch", "nodes/status"),
     ] {
         assert!(
             !can_i(&kubeconfig, CONTROL_SA, verb, resource, &all),
             "the control plane's account may {verb} {resource}"
         );
     }
+
+    // The node proxies: the DPU's DaemonSet runs the same proxy as the host's (same container,
+    // volumes, account, network), only elsewhere.
+    let host_pod = daemonset
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .clone()
+        .unwrap();
+    let dpu_pod = dpu_daemonset
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .clone()
+        .unwrap();
+    assert_eq!(dpu_pod.containers, host_pod.containers);
+    assert_eq!(dpu_pod.volumes, host_pod.volumes);
+    assert_eq!(
+        (
+            &dpu_pod.service_account_name,
+            dpu_pod.host_network,
+            &dpu_pod.tolerations
+        ),
+        (
+            &host_pod.service_account_name,
+            host_pod.host_network,
+            &host_pod.tolerations
+        )
+    );
+    // Where each runs, with the labels the scheduler writes: server a offloads its proxy to
+    // its DPU, server b keeps it on the host (its SmartNIC unused), server c has no pods (no
+    // choice) and no DPU; a node that is not the scheduler's; and server d before the
+    // scheduler labelled anything. Each server runs exactly one proxy, where the choice says.
+    let node = |name: &str, pu: Option<&str>, host: Option<&str>| -> Node {
+        serde_json::from_value(json!({ "metadata": {
+            "name": name,
+            "labels": pu.map(|pu| json!({ "flatmesh.io/pu": pu })).unwrap_or(json!({})),
+            "annotations": host.map(|h| json!({ "flatmesh.io/host": h })).unwrap_or(json!({})),
+        } }))
+        .unwrap()
+    };
+    let nodes = [
+        node("host-a", Some("host"), None),
+        node("a-dpu", Some("dpu"), Some("host-a")),
+        node("host-b", Some("host"), None),
+        node("b-nic", Some("smartnic"), Some("host-b")),
+        node("host-c", Some("host"), None),
+        node("plain", None, None),
+    ];
+    let choices = [
+        ProxyChoice {
+            host: "host-a".into(),
+            pu: ProxyPu::Dpu,
+            dpu: Some("a-dpu".into()),
+            reason: String::new(),
+        },
+        ProxyChoice {
+            host: "host-b".into(),
+            pu: ProxyPu::Host,
+            dpu: None,
+            reason: String::new(),
+        },
+    ];
+    let written = node_proxy_labels(&nodes, &choices);
+    let mut labelled: Vec<(String, BTreeMap<String, String>)> = nodes
+        .iter()
+        .map(|n| {
+            let name = n.metadata.name.clone().unwrap();
+            let mut labels = n.metadata.labels.clone().unwrap_or_default();
+            if let Some(Some(value)) = written.get(&name) {
+                labels.insert("flatmesh.io/node-proxy".into(), value.to_string());
+            }
+            (name, labels)
+        })
+        .collect();
+    // Server d, unlabelled yet.
+    for (name, pu) in [("host-d", "host"), ("d-dpu", "dpu")] {
+        labelled.push((
+            name.into(),
+            BTreeMap::from([("flatmesh.io/pu".to_string(), pu.to_string())]),
+        ));
+    }
+    let (on_host, on_dpu) = (
+        required_affinity(&daemonset),
+        required_affinity(&dpu_daemonset),
+    );
+    let runs: BTreeMap<&str, Vec<&str>> = labelled
+        .iter()
+        .map(|(name, labels)| {
+            let mut runs = Vec::new();
+            if selects(&on_host, labels) {
+                runs.push("flatmesh-node");
+            }
+            if selects(&on_dpu, labels) {
+                runs.push("flatmesh-node-dpu");
+            }
+            (name.as_str(), runs)
+        })
+        .collect();
+    let expected: BTreeMap<&str, Vec<&str>> = BTreeMap::from([
+        ("host-a", vec![]),
+        ("a-dpu", vec!["flatmesh-node-dpu"]),
+        ("host-b", vec!["flatmesh-node"]),
+        ("b-nic", vec![]),
+        ("host-c", vec!["flatmesh-node"]),
+        ("plain", vec!["flatmesh-node"]),
+        ("host-d", vec!["flatmesh-node"]),
+        ("d-dpu", vec![]),
+    ]);
+    assert_eq!(runs, expected, "the labels: {labelled:?}");
 
     // What the workloads look like: the node's pods take the node's account, the host network
     // and NODE_NAME from the downward API; the control plane's its own account.
@@ -430,6 +592,7 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
             protocol: flatmesh_xds::client::Protocol::Sotw,
             security: Default::default(),
             sds_dir: None,
+            load_reports: None,
         },
         flatmesh_xds::bootstrap::empty_config(),
         Applied(tx),

@@ -131,6 +131,7 @@ async fn a_node_keeps_its_config_through_a_control_plane_restart_and_gets_the_sa
             protocol: flatmesh_xds::client::Protocol::Sotw,
             security: Default::default(),
             sds_dir: None,
+            load_reports: None,
         },
         flatmesh_xds::bootstrap::empty_config(),
         history.clone(),

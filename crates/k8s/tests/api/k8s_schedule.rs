@@ -3,7 +3,9 @@
 //! through the API of a kube-apiserver started by `testenv`; the scheduler binds every pod,
 //! and its bindings are what `flatmesh place` gives for the same cluster and app written by
 //! hand (E3's Table 4 server types); a pod that cannot be placed stays pending with an event;
-//! a migration re-creates a pod on its new node. There is no kubelet: bound pods never run.
+//! a migration re-creates a pod on its new node; each server's node proxy is where its pods ask
+//! (the `flatmesh.io/node-proxy` labels), and moves back to the host when they stop asking or
+//! go. There is no kubelet: bound pods never run.
 //!
 //! Missing testenv or a failed build fails the test: it never skips.
 #![allow(clippy::unwrap_used)]
@@ -19,10 +21,12 @@ use flatmesh_control::placement::{place, Algorithm};
 use flatmesh_control::topology::Topology;
 use flatmesh_control::workload::Workload;
 use flatmesh_k8s::schedule::proxy::ProxyPu;
+use flatmesh_k8s::schedule::proxy_labels::FIELD_MANAGER;
+use flatmesh_k8s::schedule::NODE_PROXY_LABEL;
 use flatmesh_k8s::schedule::{Migrator, Options, PodKey, Scheduler};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
-use kube::api::{Api, ListParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use serde_json::json;
 
 use common::{api_server, create};
@@ -185,6 +189,56 @@ async fn until_pods(
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Node -> its `flatmesh.io/node-proxy` label.
+async fn node_proxy_labels(api: &Api<Node>) -> BTreeMap<String, Option<String>> {
+    api.list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|n| {
+            let label = n
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(NODE_PROXY_LABEL))
+                .cloned();
+            (n.metadata.name.unwrap(), label)
+        })
+        .collect()
+}
+
+/// Until the nodes carry the `expected` node-proxy labels (30 s at most).
+async fn until_labels(api: &Api<Node>, what: &str, expected: &[(&str, Option<&str>)]) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let got = node_proxy_labels(api).await;
+        if expected
+            .iter()
+            .all(|(node, label)| got.get(*node).map(Option::as_deref) == Some(*label))
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not within 30 s; expected {expected:?}, the nodes' labels: {got:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The live pods of the namespace on `nodes`, by name.
+async fn pods_on(api: &Api<Pod>, nodes: &[&str]) -> Vec<String> {
+    api.list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|p| node_of(p).is_some_and(|n| nodes.contains(&n.as_str())))
+        .map(|p| p.metadata.name.unwrap())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -350,6 +404,57 @@ async fn the_scheduler_binds_what_flatmesh_place_gives_and_migrates_by_recreatio
             other => panic!("a proxy choice for {other}: {choice:?}"),
         }
     }
+    // ... and the scheduler applies it: the DaemonSets follow the node's `flatmesh.io/node-proxy`
+    // label, `on` where the server's proxy runs, `off` on its other nodes.
+    assert!(
+        got.values().any(|n| n == "host-a" || n == "a-dpu"),
+        "server a runs no pod of the app: {got:?}"
+    );
+    let b_offloaded = got.values().any(|n| n == "host-b" || n == "b-nic");
+    let (host_b, b_nic) = if b_offloaded {
+        (Some("off"), Some("on"))
+    } else {
+        (Some("on"), Some("off"))
+    };
+    until_labels(
+        &node_api,
+        "the node proxies where the pods ask",
+        &[
+            ("host-a", Some("off")),
+            ("a-dpu", Some("on")),
+            ("host-b", host_b),
+            ("b-nic", b_nic),
+            ("host-c", Some("on")),
+            ("plain", None),
+        ],
+    )
+    .await;
+    // Written by the scheduler's field manager, and not again once the nodes show it.
+    let a_dpu = node_api.get("a-dpu").await.unwrap();
+    let managers: Vec<&str> = a_dpu
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter_map(|f| f.manager.as_deref())
+        .collect();
+    assert!(managers.contains(&FIELD_MANAGER), "{managers:?}");
+    let round = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            rounds.changed().await.unwrap();
+            let round = rounds.borrow_and_update().clone().unwrap();
+            if round.labelled.is_empty() {
+                return round;
+            }
+        }
+    })
+    .await
+    .expect("a round that labels nothing once the nodes are labelled");
+    assert!(
+        round.label_failures.is_empty(),
+        "{:?}",
+        round.label_failures
+    );
 
     // A migration, as the orchestrator asks its runtime: count-0 restarts on another node.
     // Kubernetes cannot move a pod: it is deleted and re-created there.
@@ -398,5 +503,68 @@ async fn the_scheduler_binds_what_flatmesh_place_gives_and_migrates_by_recreatio
         node_of(&pods.get("count-0").await.unwrap()).as_deref(),
         Some(to)
     );
+
+    // The pods of server a stop asking for the DPU: its proxy moves back to the host.
+    let on_a = pods_on(&pods, &["host-a", "a-dpu"]).await;
+    assert!(!on_a.is_empty());
+    let ask = |pu: &str| {
+        Patch::Merge(json!({ "metadata": { "annotations": { "flatmesh.io/proxy-pu": pu } } }))
+    };
+    for name in &on_a {
+        pods.patch(name, &PatchParams::default(), &ask("host"))
+            .await
+            .unwrap();
+    }
+    until_labels(
+        &node_api,
+        "server a's proxy back on its host once its pods ask for the host",
+        &[("host-a", Some("on")), ("a-dpu", Some("off"))],
+    )
+    .await;
+    // They ask for the DPU again: it moves there again.
+    for name in &on_a {
+        pods.patch(name, &PatchParams::default(), &ask("dpu"))
+            .await
+            .unwrap();
+    }
+    until_labels(
+        &node_api,
+        "server a's proxy on its DPU again",
+        &[("host-a", Some("off")), ("a-dpu", Some("on"))],
+    )
+    .await;
+    // The pods of server b go: no pod asks for its SmartNIC, the proxy returns to the host CPU.
+    let on_b = pods_on(&pods, &["host-b", "b-nic"]).await;
+    assert!(!on_b.is_empty(), "no pod on server b");
+    until_labels(
+        &node_api,
+        "server b's proxy on its SmartNIC",
+        &[("host-b", Some("off")), ("b-nic", Some("on"))],
+    )
+    .await;
+    for name in &on_b {
+        pods.delete(
+            name,
+            &DeleteParams {
+                grace_period_seconds: Some(0),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    }
+    until_labels(
+        &node_api,
+        "server b's proxy back on its host once its pods are gone",
+        &[
+            ("host-b", Some("on")),
+            ("b-nic", Some("off")),
+            ("host-a", Some("off")),
+            ("a-dpu", Some("on")),
+            ("host-c", Some("on")),
+            ("plain", None),
+        ],
+    )
+    .await;
     drop(scheduler);
 }

@@ -19,7 +19,7 @@
 
 use crate::common;
 #[path = "../../../proxy/tests/common/netns.rs"]
-mod netns;
+pub(crate) mod netns;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,14 +37,14 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-const SERVICE_RANGE: &str = "10.96.0.0/16";
+pub(crate) const SERVICE_RANGE: &str = "10.96.0.0/16";
 const POD_A: &str = "10.244.0.1";
 const POD_B: &str = "10.244.0.2";
 const POD_V2: &str = "10.244.0.3";
 const POD_A2: &str = "10.244.0.4";
-const POD_PORT: u16 = 8080;
+pub(crate) const POD_PORT: u16 = 8080;
 
-fn ip(args: &str) {
+pub(crate) fn ip(args: &str) {
     let status = std::process::Command::new("ip")
         .args(args.split_whitespace())
         .status()
@@ -54,16 +54,20 @@ fn ip(args: &str) {
 
 /// A pod's stand-in: answers every HTTP/1.1 request with its name, keep-alive, until stopped;
 /// stopping closes its listener and every connection (the process died).
-struct Backend {
+pub(crate) struct Backend {
     stop: watch::Sender<bool>,
+    /// How long it takes to answer, in microseconds.
+    delay_us: Arc<AtomicU64>,
 }
 
 impl Backend {
-    async fn start(address: &str, name: &'static str) -> Backend {
+    pub(crate) async fn start(address: &str, name: &'static str) -> Backend {
         let listener = TcpListener::bind((address, POD_PORT))
             .await
             .unwrap_or_else(|e| panic!("bind {address}:{POD_PORT}: {e}"));
         let (stop, stopped) = watch::channel(false);
+        let delay_us = Arc::new(AtomicU64::new(0));
+        let delay = delay_us.clone();
         tokio::spawn(async move {
             let mut stopped_accept = stopped.clone();
             loop {
@@ -75,23 +79,30 @@ impl Backend {
                     _ = stopped_accept.changed() => return,
                 };
                 let mut stopped = stopped.clone();
+                let delay = delay.clone();
                 tokio::spawn(async move {
                     tokio::select! {
-                        _ = serve(conn, name) => {}
+                        _ = serve(conn, name, &delay) => {}
                         _ = stopped.changed() => {}
                     }
                 });
             }
         });
-        Backend { stop }
+        Backend { stop, delay_us }
     }
 
     fn kill(&self) {
         self.stop.send_replace(true);
     }
+
+    /// From now on each answer takes `delay` (the pod slows down).
+    pub(crate) fn set_delay(&self, delay: Duration) {
+        self.delay_us
+            .store(delay.as_micros() as u64, Ordering::Relaxed);
+    }
 }
 
-async fn serve(mut conn: TcpStream, name: &str) {
+async fn serve(mut conn: TcpStream, name: &str, delay_us: &AtomicU64) {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
     loop {
@@ -106,6 +117,10 @@ async fn serve(mut conn: TcpStream, name: &str) {
         }
         let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
         buf.drain(..end);
+        let delay = delay_us.load(Ordering::Relaxed);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_micros(delay)).await;
+        }
         let response = format!(
             "HTTP/1.1 200 OK\r\ncontent-length: {}\r\ncontent-type: text/plain\r\n\r\n{name}",
             name.len()
@@ -117,7 +132,7 @@ async fn serve(mut conn: TcpStream, name: &str) {
 }
 
 /// One GET to `address` on a connection of its own: the status and the body.
-async fn get(address: SocketAddr, path: &str) -> Result<(u16, String), String> {
+pub(crate) async fn get(address: SocketAddr, path: &str) -> Result<(u16, String), String> {
     let exchange = async {
         let mut conn = TcpStream::connect(address)
             .await
@@ -147,7 +162,12 @@ async fn get(address: SocketAddr, path: &str) -> Result<(u16, String), String> {
 }
 
 /// Asks until the answer is 200 with `body` (at most `within`); returns how long it took.
-async fn until_served(address: SocketAddr, path: &str, body: &str, within: Duration) -> Duration {
+pub(crate) async fn until_served(
+    address: SocketAddr,
+    path: &str,
+    body: &str,
+    within: Duration,
+) -> Duration {
     let start = Instant::now();
     let mut last = Err("nothing asked yet".to_string());
     while start.elapsed() < within {
@@ -161,14 +181,17 @@ async fn until_served(address: SocketAddr, path: &str, body: &str, within: Durat
 }
 
 /// Requests in a loop from `clients` tasks until stopped: how many, and every failure.
-struct Load {
+pub(crate) struct Load {
     stop: watch::Sender<bool>,
     done: AtomicU64,
     failures: parking_lot::Mutex<Vec<String>>,
 }
 
 impl Load {
-    fn start(address: SocketAddr, clients: usize) -> (Arc<Load>, Vec<tokio::task::JoinHandle<()>>) {
+    pub(crate) fn start(
+        address: SocketAddr,
+        clients: usize,
+    ) -> (Arc<Load>, Vec<tokio::task::JoinHandle<()>>) {
         let load = Arc::new(Load {
             stop: watch::channel(false).0,
             done: AtomicU64::new(0),
@@ -196,7 +219,7 @@ impl Load {
         (load, tasks)
     }
 
-    async fn finish(
+    pub(crate) async fn finish(
         load: Arc<Load>,
         tasks: Vec<tokio::task::JoinHandle<()>>,
     ) -> (u64, Vec<String>) {
@@ -211,7 +234,45 @@ impl Load {
     }
 }
 
-fn slice(name: &str, service: &str, addresses: &[&str]) -> serde_json::Value {
+/// A node proxy fed by the xDS server at `xds`, as `flatmesh node --xds ADDR --node-id ID`
+/// runs one: its load reported over LRS when the server takes it.
+pub(crate) fn node_on_xds(
+    xds: SocketAddr,
+    node_id: &str,
+) -> (
+    flatmesh_xds::client::Client,
+    flatmesh_xds::apply::SharedNode<Node>,
+) {
+    let mut base = flatmesh_xds::bootstrap::empty_config();
+    base.workers = Some(2);
+    let (apply, node) = flatmesh_xds::apply::StartThenReload::new(
+        |config| Node::start(config, ConfigSource::Inline).map_err(|e| e.to_string()),
+        |node: &Node, config| node.reload(config).map_err(|e| e.to_string()),
+    );
+    let reported = node.clone();
+    let client = flatmesh_xds::client::Client::spawn(
+        flatmesh_xds::client::Options {
+            server: xds.to_string(),
+            node_id: node_id.into(),
+            node_cluster: node_id.into(),
+            protocol: flatmesh_xds::client::Protocol::Delta,
+            security: Default::default(),
+            sds_dir: None,
+            load_reports: Some(flatmesh_xds::lrs::LoadSource(Arc::new(move || {
+                reported
+                    .lock()
+                    .as_ref()
+                    .map(Node::take_load_reports)
+                    .unwrap_or_default()
+            }))),
+        },
+        base,
+        apply,
+    );
+    (client, node)
+}
+
+pub(crate) fn slice(name: &str, service: &str, addresses: &[&str]) -> serde_json::Value {
     json!({
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": { "name": name, "namespace": "shop",
@@ -222,7 +283,12 @@ fn slice(name: &str, service: &str, addresses: &[&str]) -> serde_json::Value {
     })
 }
 
-async fn set_slice(slices: &Api<EndpointSlice>, name: &str, service: &str, addresses: &[&str]) {
+pub(crate) async fn set_slice(
+    slices: &Api<EndpointSlice>,
+    name: &str,
+    service: &str,
+    addresses: &[&str],
+) {
     slices
         .patch(
             name,
@@ -249,7 +315,7 @@ fn traffic_follows_the_api_server() {
     );
 }
 
-fn nix_is_root() -> bool {
+pub(crate) fn nix_is_root() -> bool {
     std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
         s.lines()
             .find(|l| l.starts_with("Uid:"))
@@ -326,24 +392,7 @@ async fn traffic() {
         },
     ));
     let xds = bound_rx.await.unwrap();
-    let mut base = flatmesh_xds::bootstrap::empty_config();
-    base.workers = Some(2);
-    let (apply, node) = flatmesh_xds::apply::StartThenReload::new(
-        |config| Node::start(config, ConfigSource::Inline).map_err(|e| e.to_string()),
-        |node: &Node, config| node.reload(config).map_err(|e| e.to_string()),
-    );
-    let xds_client = flatmesh_xds::client::Client::spawn(
-        flatmesh_xds::client::Options {
-            server: xds.to_string(),
-            node_id: "node-a".into(),
-            node_cluster: "node-a".into(),
-            protocol: flatmesh_xds::client::Protocol::Delta,
-            security: Default::default(),
-            sds_dir: None,
-        },
-        base,
-        apply,
-    );
+    let (xds_client, node) = node_on_xds(xds, "node-a");
 
     // 1. The Service answers at its ClusterIP, from its one endpoint.
     let first = until_served(web, "/", "a", Duration::from_secs(20)).await;

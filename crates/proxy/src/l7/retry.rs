@@ -41,6 +41,7 @@ use tokio::sync::watch;
 
 use super::error::{Kind, UpstreamError};
 use crate::lb::InFlight;
+use crate::load_report::TryEnd;
 use crate::original_dst::Dialled;
 use crate::resilience::{Outcome, Overflow, Permit};
 use crate::snapshot::ClusterPlan;
@@ -89,6 +90,25 @@ pub(crate) struct Answered<A> {
     pub answer: A,
     pub endpoint: SocketAddr,
     pub in_flight: InFlight,
+}
+
+/// What a try came to, as far as the endpoint is concerned: `None` when the try ended by
+/// nobody's fault that is the endpoint's. Outlier detection and the load report both judge
+/// by it.
+fn endpoint_outcome<A: Answer>(tried: &Result<A, UpstreamError>) -> Option<Outcome> {
+    match tried {
+        Ok(answer) => Some(Outcome::Answered(answer.status())),
+        // A pooled connection the endpoint closed while idle is not its failure.
+        Err(err) if err.is_stale_connection() => None,
+        Err(err) => match err.kind {
+            Kind::ConnectFailed => Some(Outcome::ConnectFailed),
+            Kind::Closed | Kind::Timeout | Kind::PerTryTimeout | Kind::InvalidResponse => {
+                Some(Outcome::Failed)
+            }
+            // The client's doing, or the proxy's own refusal: not the endpoint's.
+            _ => None,
+        },
+    }
 }
 
 /// One request's retry plan: where it goes and what the route's policy allows.
@@ -239,6 +259,11 @@ impl<'a> Retry<'a> {
                 }
             };
             let last = tries + 1 >= self.attempts;
+            let load = self.plan.load.get(index);
+            if let Some(load) = load {
+                load.begin(self.worker);
+            }
+            let began = tokio::time::Instant::now();
             let attempt = self.bounded(codec.attempt(Try {
                 index,
                 endpoint,
@@ -249,7 +274,18 @@ impl<'a> Retry<'a> {
                 tried = attempt => tried,
                 err = &mut timer => Err(err),
             };
-            self.observe(index, &tried);
+            let outcome = endpoint_outcome(&tried);
+            if let (Some(outlier), Some(outcome)) = (&self.plan.guard.outlier, outcome) {
+                outlier.report(index, outcome);
+            }
+            if let Some(load) = load {
+                let end = match outcome {
+                    Some(Outcome::Answered(status)) => TryEnd::Answered(status, began.elapsed()),
+                    Some(_) => TryEnd::Unanswered,
+                    None => TryEnd::Uncounted,
+                };
+                load.end(self.worker, end);
+            }
             match tried {
                 Ok(answer)
                     if !last
@@ -330,27 +366,6 @@ impl<'a> Retry<'a> {
         doubled
             .min(self.backoff.max())
             .mul_f64(jitter.clamp(0.0, 1.0))
-    }
-
-    /// Tells the cluster's outlier detection what the try at endpoint `index` came to.
-    fn observe<A: Answer>(&self, index: usize, tried: &Result<A, UpstreamError>) {
-        let Some(outlier) = &self.plan.guard.outlier else {
-            return;
-        };
-        let outcome = match tried {
-            Ok(answer) => Outcome::Answered(answer.status()),
-            // A pooled connection the endpoint closed while idle is not its failure.
-            Err(err) if err.is_stale_connection() => return,
-            Err(err) => match err.kind {
-                Kind::ConnectFailed => Outcome::ConnectFailed,
-                Kind::Closed | Kind::Timeout | Kind::PerTryTimeout | Kind::InvalidResponse => {
-                    Outcome::Failed
-                }
-                // The client's doing, or the proxy's own refusal: not the endpoint's.
-                _ => return,
-            },
-        };
-        outlier.report(index, outcome);
     }
 
     fn retries_failure(&self, kind: Kind) -> bool {

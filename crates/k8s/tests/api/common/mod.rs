@@ -182,6 +182,14 @@ impl Drop for TestEnv {
 }
 
 /// This test's own kube-apiserver and etcd, and a client of it once it is ready.
+/// The scheduler's options for tests: a round 300 ms after a change, and every second.
+pub fn fast_scheduler() -> flatmesh_k8s::schedule::Options {
+    flatmesh_k8s::schedule::Options {
+        debounce: std::time::Duration::from_millis(300),
+        resync: std::time::Duration::from_secs(1),
+    }
+}
+
 pub async fn api_server() -> (TestEnv, kube::Client) {
     let env = tokio::task::spawn_blocking(TestEnv::start).await.unwrap();
     let client = flatmesh_k8s::connect(Some(&env.kubeconfig()))
