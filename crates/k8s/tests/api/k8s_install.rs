@@ -321,6 +321,8 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
         ("create", "pods"),
         ("delete", "pods"),
         ("patch", "nodes"),
+        ("create", "events.events.k8s.io"),
+        ("patch", "events.events.k8s.io"),
     ] {
         assert!(
             can_i(&kubeconfig, CONTROL_SA, verb, resource, &all),
