@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use flatmesh_config::Config;
 use futures::StreamExt as _;
-use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, ApiResource, DynamicObject};
 use kube::runtime::reflector::{self, reflector, Store as Reader};
@@ -123,6 +123,7 @@ struct Readers {
     services: Reader<Service>,
     slices: Reader<EndpointSlice>,
     pods: Reader<Pod>,
+    nodes: Reader<Node>,
     http_routes: Reader<DynamicObject>,
     grpc_routes: Reader<DynamicObject>,
 }
@@ -144,6 +145,8 @@ impl Controller {
         let slices =
             watch_kind::<EndpointSlice>(Api::all(client.clone()), (), &changed, &mut tasks);
         let pods = watch_kind::<Pod>(Api::all(client.clone()), (), &changed, &mut tasks);
+        // For the servers whose node proxy runs on their DPU (`flatmesh.io/node-proxy`).
+        let nodes = watch_kind::<Node>(Api::all(client.clone()), (), &changed, &mut tasks);
         let routes = |resource: ApiResource, tasks: &mut Vec<JoinHandle<()>>| {
             watch_kind::<DynamicObject>(
                 Api::all_with(client.clone(), &resource),
@@ -159,6 +162,7 @@ impl Controller {
             services,
             slices,
             pods,
+            nodes,
             http_routes,
             grpc_routes,
         };
@@ -278,6 +282,7 @@ async fn publish(
             services: readers.services.state(),
             slices: readers.slices.state(),
             pods: readers.pods.state(),
+            nodes: readers.nodes.state(),
             routes,
         };
         let mut translation = translate(&objects, &options.trust_domain);

@@ -11,14 +11,18 @@
 //!   route is attached; an `http` listener's routes are the attached HTTPRoutes' and
 //!   GRPCRoutes' rules, or, with none, one route to its own cluster;
 //! - a node (a `spec.nodeName` of a live pod) gets every Service (there is no per-workload
-//!   scope yet), and the identities `spiffe://TD/ns/NS/sa/SA` of its own pods only.
+//!   scope yet), and the identities `spiffe://TD/ns/NS/sa/SA` of its own pods only;
+//! - except where the scheduler says which node runs a server's node proxy (the
+//!   `flatmesh.io/node-proxy` labels on a host and on the DPU nodes that name it in
+//!   `flatmesh.io/host`): one proxy serves the whole server, so that node is given the
+//!   identities of every pod of the server, and the server's other nodes nothing.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use flatmesh_config::Config;
-use k8s_openapi::api::core::v1::{Namespace, Pod, Service, ServicePort};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service, ServicePort};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde_json::{json, Value};
 
@@ -34,6 +38,7 @@ pub struct Objects {
     pub services: Vec<Arc<Service>>,
     pub slices: Vec<Arc<EndpointSlice>>,
     pub pods: Vec<Arc<Pod>>,
+    pub nodes: Vec<Arc<Node>>,
     pub routes: Vec<MeshRoute>,
 }
 
@@ -143,11 +148,13 @@ pub fn translate(objects: &Objects, trust_domain: &str) -> Translation {
         };
 
     let config = std::sync::Arc::new(config);
+    let proxy_of = server_proxies(&objects.nodes);
     let mut nodes: BTreeMap<String, NodeSnapshot> = BTreeMap::new();
     for pod in &objects.pods {
         let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) else {
             continue; // not scheduled yet
         };
+        let node = proxy_of.get(node).map_or(node, String::as_str);
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
         if matches!(phase, Some("Succeeded") | Some("Failed"))
             || !live(pod.metadata.namespace.as_deref())
@@ -164,6 +171,57 @@ pub fn translate(objects: &Objects, trust_domain: &str) -> Translation {
             .insert(pod_identity(trust_domain, pod));
     }
     Translation { nodes, warnings }
+}
+
+/// Node -> the node that runs its server's proxy, where that is another node: for a server
+/// (a host and the SmartNIC/DPU nodes that name it in `flatmesh.io/host`) whose DPU the
+/// scheduler labelled `flatmesh.io/node-proxy=on`, the host and its other DPUs map to that
+/// DPU; for one whose DPU is labelled `off` and whose host is not, the DPU maps to the host.
+/// Nodes the scheduler has not labelled keep their own proxy.
+fn server_proxies(nodes: &[Arc<Node>]) -> BTreeMap<String, String> {
+    use crate::schedule::cluster::{HOST_ANNOTATION, PU_LABEL};
+    use crate::schedule::proxy_labels::{NODE_PROXY_LABEL, OFF, ON};
+    let by_name: BTreeMap<&str, &Node> = nodes
+        .iter()
+        .filter_map(|n| Some((n.metadata.name.as_deref()?, &**n)))
+        .collect();
+    // Server (host name) -> its DPU nodes, by name.
+    let mut servers: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (name, node) in &by_name {
+        let host = node
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(HOST_ANNOTATION));
+        if let (Some("smartnic" | "dpu"), Some(host)) = (label(node, PU_LABEL), host) {
+            servers.entry(host.as_str()).or_default().push(name);
+        }
+    }
+    let mut out = BTreeMap::new();
+    for (host, dpus) in servers {
+        let offloaded_to = dpus
+            .iter()
+            .find(|d| label(by_name[*d], NODE_PROXY_LABEL) == Some(ON));
+        let host_runs_one = by_name
+            .get(host)
+            .is_some_and(|h| label(h, NODE_PROXY_LABEL) != Some(OFF));
+        let proxy = match offloaded_to {
+            Some(dpu) => *dpu,
+            None if host_runs_one => host,
+            None => continue,
+        };
+        for node in dpus.iter().copied().chain([host]) {
+            if node != proxy {
+                out.insert(node.to_string(), proxy.to_string());
+            }
+        }
+    }
+    out
+}
+
+/// The value of `node`'s label `key`.
+fn label<'a>(node: &'a Node, key: &str) -> Option<&'a str> {
+    node.metadata.labels.as_ref()?.get(key).map(String::as_str)
 }
 
 /// Every forwarding route's retry policy, Istio's default: two more tries when the endpoint

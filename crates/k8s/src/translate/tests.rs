@@ -95,8 +95,60 @@ fn shop() -> Objects {
                 json!({ "metadata": { "name": "pending", "namespace": "shop" }, "spec": { "containers": [] } }),
             ),
         ],
+        nodes: Vec::new(),
         routes: Vec::new(),
     }
+}
+
+/// A node of processing unit `pu`, on server `host` when it is a DPU, with its node-proxy
+/// label.
+fn node(name: &str, pu: &str, host: Option<&str>, proxy: Option<&str>) -> Arc<Node> {
+    let mut labels = json!({ "flatmesh.io/pu": pu });
+    if let Some(proxy) = proxy {
+        labels["flatmesh.io/node-proxy"] = json!(proxy);
+    }
+    let annotations = host.map_or(json!({}), |h| json!({ "flatmesh.io/host": h }));
+    object(json!({ "metadata": { "name": name, "labels": labels, "annotations": annotations } }))
+}
+
+#[test]
+fn a_server_whose_proxy_runs_on_its_dpu_is_served_there() {
+    let mut objects = shop();
+    // node-a's proxy is offloaded to a-dpu; node-b has a DPU whose label says off.
+    objects.nodes = vec![
+        node("node-a", "host", None, Some("off")),
+        node("a-dpu", "dpu", Some("node-a"), Some("on")),
+        node("node-b", "host", None, Some("on")),
+        node("b-dpu", "dpu", Some("node-b"), Some("off")),
+    ];
+    let t = translate(&objects, "td.example");
+    assert_eq!(
+        t.nodes.keys().collect::<Vec<_>>(),
+        ["a-dpu", "node-b"],
+        "node-a's snapshot goes to its DPU"
+    );
+    let dpu: Vec<_> = t.nodes["a-dpu"].identities.iter().cloned().collect();
+    assert_eq!(dpu, ["spiffe://td.example/ns/shop/sa/web"]);
+    assert!(!t.nodes["a-dpu"].config.listeners.is_empty());
+    // Pods on a DPU whose label is off are the host's proxy's to serve.
+    objects.pods.push(pod("shop", "cache", "b-dpu", "cache"));
+    let t = translate(&objects, "td.example");
+    let b: Vec<_> = t.nodes["node-b"].identities.iter().cloned().collect();
+    assert_eq!(
+        b,
+        [
+            "spiffe://td.example/ns/shop/sa/cache",
+            "spiffe://td.example/ns/shop/sa/db"
+        ]
+    );
+    assert!(!t.nodes.contains_key("b-dpu"));
+    // Nodes the scheduler has not labelled keep their own proxies and snapshots.
+    objects.nodes.truncate(0);
+    let t = translate(&objects, "td.example");
+    assert_eq!(
+        t.nodes.keys().collect::<Vec<_>>(),
+        ["b-dpu", "node-a", "node-b"]
+    );
 }
 
 #[test]

@@ -23,7 +23,7 @@ use flatmesh_control::workload::Workload;
 use flatmesh_k8s::schedule::proxy::ProxyPu;
 use flatmesh_k8s::schedule::proxy_labels::FIELD_MANAGER;
 use flatmesh_k8s::schedule::NODE_PROXY_LABEL;
-use flatmesh_k8s::schedule::{Migrator, Options, PodKey, Scheduler};
+use flatmesh_k8s::schedule::{Migrator, PodKey, Scheduler};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
@@ -210,6 +210,25 @@ async fn node_proxy_labels(api: &Api<Node>) -> BTreeMap<String, Option<String>> 
         .collect()
 }
 
+/// Until the controller serves server a's pods (all of their identities) to `proxy` and
+/// nothing to `other` (10 s at most).
+async fn until_served_by(controller: &flatmesh_k8s::Controller, proxy: &str, other: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let t = controller.translation();
+        let served = t.nodes.get(proxy).map(|s| s.identities.len());
+        if served.is_some_and(|n| n > 0) && !t.nodes.contains_key(other) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "server a's pods are not served by {proxy} alone: {:?}",
+            t.nodes.keys().collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Until the nodes carry the `expected` node-proxy labels (30 s at most).
 async fn until_labels(api: &Api<Node>, what: &str, expected: &[(&str, Option<&str>)]) {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -290,12 +309,13 @@ async fn the_scheduler_binds_what_flatmesh_place_gives_and_migrates_by_recreatio
     )
     .await;
 
-    let scheduler = Scheduler::spawn(
+    let scheduler = Scheduler::spawn(client.clone(), common::fast_scheduler());
+    // The control plane's controller beside it: it serves each server's pods to the node
+    // that runs the server's proxy.
+    let controller = flatmesh_k8s::Controller::spawn(
         client.clone(),
-        Options {
-            debounce: Duration::from_millis(300),
-            resync: Duration::from_secs(1),
-        },
+        flatmesh_xds::server::Store::new(),
+        Default::default(),
     );
     let mut rounds = scheduler.subscribe();
 
@@ -521,6 +541,7 @@ async fn the_scheduler_binds_what_flatmesh_place_gives_and_migrates_by_recreatio
         &[("host-a", Some("on")), ("a-dpu", Some("off"))],
     )
     .await;
+    until_served_by(&controller, "host-a", "a-dpu").await;
     // They ask for the DPU again: it moves there again.
     for name in &on_a {
         pods.patch(name, &PatchParams::default(), &ask("dpu"))
@@ -533,6 +554,7 @@ async fn the_scheduler_binds_what_flatmesh_place_gives_and_migrates_by_recreatio
         &[("host-a", Some("off")), ("a-dpu", Some("on"))],
     )
     .await;
+    until_served_by(&controller, "a-dpu", "host-a").await;
     // The pods of server b go: no pod asks for its SmartNIC, the proxy returns to the host CPU.
     let on_b = pods_on(&pods, &["host-b", "b-nic"]).await;
     assert!(!on_b.is_empty(), "no pod on server b");
