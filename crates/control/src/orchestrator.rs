@@ -331,6 +331,28 @@ pub enum LogEntry {
     Error(String),
 }
 
+impl LogEntry {
+    /// Logs the entry; `moved_by` says how a move takes effect where this orchestrator runs
+    /// ("endpoints pushed over EDS", "the pod is re-created on its new node").
+    pub fn log(&self, moved_by: &str) {
+        match self {
+            LogEntry::Detected(signal) => tracing::warn!(?signal, "orchestrator: detected"),
+            LogEntry::Migrated {
+                instance, from, to, ..
+            } => tracing::info!(%instance, %from, %to, "orchestrator: migrated; {moved_by}"),
+            LogEntry::NotMigrated { node, reason } => {
+                tracing::warn!(%node, %reason, "orchestrator: not migrated")
+            }
+            LogEntry::FailedOver { node, moved, .. } => tracing::warn!(
+                %node,
+                moved = moved.len(),
+                "orchestrator: failed over; {moved_by}"
+            ),
+            LogEntry::Error(e) => tracing::error!(error = %e, "orchestrator"),
+        }
+    }
+}
+
 /// The control loop: heartbeats in, migrations and failovers out, endpoints published.
 pub struct Controller<'a, R: Runtime, E: EndpointSink> {
     pub state: State<'a>,

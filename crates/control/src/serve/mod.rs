@@ -609,7 +609,7 @@ impl Placed {
         let names = (node_ids.clone(), instance_ids);
         tokio::spawn(async move {
             while let Some(entry) = log_rx.recv().await {
-                log_entry(&entry);
+                entry.log("endpoints pushed over EDS");
                 if let Some(console) = &console_log {
                     let name = |list: &[String], i: usize| {
                         list.get(i).cloned().unwrap_or_else(|| i.to_string())
@@ -655,23 +655,5 @@ impl Placed {
         receiver.abort();
         tee.abort();
         result
-    }
-}
-
-fn log_entry(entry: &LogEntry) {
-    match entry {
-        LogEntry::Detected(signal) => tracing::warn!(?signal, "orchestrator: detected"),
-        LogEntry::Migrated {
-            instance, from, to, ..
-        } => {
-            tracing::info!(%instance, %from, %to, "orchestrator: migrated; endpoints pushed over EDS")
-        }
-        LogEntry::NotMigrated { node, reason } => {
-            tracing::warn!(%node, %reason, "orchestrator: not migrated")
-        }
-        LogEntry::FailedOver { node, moved, .. } => {
-            tracing::warn!(%node, moved = moved.len(), "orchestrator: failed over; endpoints pushed over EDS")
-        }
-        LogEntry::Error(e) => tracing::error!(error = %e, "orchestrator"),
     }
 }

@@ -536,23 +536,7 @@ async fn log_entries(
     observer: Option<mpsc::UnboundedSender<LogEntry>>,
 ) {
     while let Some(entry) = entries.recv().await {
-        match &entry {
-            LogEntry::Detected(signal) => tracing::warn!(?signal, "orchestrator: detected"),
-            LogEntry::Migrated {
-                instance, from, to, ..
-            } => {
-                tracing::info!(%instance, %from, %to, "orchestrator: migrated (the pod is re-created on its new node)")
-            }
-            LogEntry::NotMigrated { node, reason } => {
-                tracing::warn!(%node, %reason, "orchestrator: not migrated")
-            }
-            LogEntry::FailedOver { node, moved, .. } => tracing::warn!(
-                %node,
-                moved = moved.len(),
-                "orchestrator: failed over (the pods are re-created on their new nodes)"
-            ),
-            LogEntry::Error(e) => tracing::error!(error = %e, "orchestrator"),
-        }
+        entry.log("the pod is re-created on its new node");
         if let Some(observer) = &observer {
             let _ = observer.send(entry);
         }

@@ -200,20 +200,33 @@ pub async fn api_server() -> (TestEnv, kube::Client) {
     (env, client)
 }
 
-/// Until the API server answers (a minute at most).
-pub async fn wait_ready(client: &kube::Client, dir: &Path) {
+/// Calls `attempt` every 200 ms until it succeeds (a minute at most); then fails with `what`,
+/// the last error and where the API server's log is.
+async fn until_ok<T, E: std::fmt::Display, F: std::future::Future<Output = Result<T, E>>>(
+    what: &str,
+    dir: &Path,
+    mut attempt: impl FnMut() -> F,
+) -> T {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        match client.apiserver_version().await {
-            Ok(_) => return,
+        match attempt().await {
+            Ok(done) => return done,
             Err(e) => assert!(
                 Instant::now() < deadline,
-                "kube-apiserver is not ready ({e}); see {}/apiserver.log",
+                "{what} ({e}); see {}/apiserver.log",
                 dir.display()
             ),
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Until the API server answers (a minute at most).
+pub async fn wait_ready(client: &kube::Client, dir: &Path) {
+    until_ok("kube-apiserver is not ready", dir, || {
+        client.apiserver_version()
+    })
+    .await;
 }
 
 /// Until a new API server gives Services their ClusterIPs (a minute at most), found by
@@ -223,24 +236,17 @@ pub async fn wait_ready(client: &kube::Client, dir: &Path) {
 /// allocate a serviceIP: range is full". Call it before anything watches Services.
 pub async fn wait_service_ips(client: &kube::Client, dir: &Path) {
     use k8s_openapi::api::core::v1::Service;
-    let deadline = Instant::now() + Duration::from_secs(60);
     let services: Api<Service> = Api::namespaced(client.clone(), "default");
     let probe: Service = serde_json::from_value(serde_json::json!({
         "metadata": { "name": "testenv-ip-probe" },
         "spec": { "ports": [ { "port": 80 } ] },
     }))
     .unwrap();
-    loop {
-        match services.create(&PostParams::default(), &probe).await {
-            Ok(_) => break,
-            Err(e) => assert!(
-                Instant::now() < deadline,
-                "kube-apiserver gives Services no ClusterIP ({e}); see {}/apiserver.log",
-                dir.display()
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let post = PostParams::default();
+    until_ok("kube-apiserver gives Services no ClusterIP", dir, || {
+        services.create(&post, &probe)
+    })
+    .await;
     services
         .delete("testenv-ip-probe", &Default::default())
         .await
