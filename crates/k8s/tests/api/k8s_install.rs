@@ -353,22 +353,8 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
 
     // The node proxies: the DPU's DaemonSet runs the same proxy as the host's (same container,
     // volumes, account, network), only elsewhere.
-    let host_pod = daemonset
-        .spec
-        .as_ref()
-        .unwrap()
-        .template
-        .spec
-        .clone()
-        .unwrap();
-    let dpu_pod = dpu_daemonset
-        .spec
-        .as_ref()
-        .unwrap()
-        .template
-        .spec
-        .clone()
-        .unwrap();
+    let pod_of = |ds: &DaemonSet| ds.spec.as_ref().unwrap().template.spec.clone().unwrap();
+    let (host_pod, dpu_pod) = (pod_of(&daemonset), pod_of(&dpu_daemonset));
     assert_eq!(dpu_pod.containers, host_pod.containers);
     assert_eq!(dpu_pod.volumes, host_pod.volumes);
     assert_eq!(

@@ -297,19 +297,11 @@ fn a_slow_pod_seen_in_the_node_proxies_load_reports_is_moved() {
 }
 
 async fn slow_pod_moved() {
-    use k8s_traffic::{ip, set_slice, Backend, Load, POD_PORT, SERVICE_RANGE};
+    use k8s_traffic::{set_slice, Backend, Load, POD_PORT};
     const KVS_0: &str = "10.244.1.1";
     const KVS_1: &str = "10.244.1.2";
     const PERIOD: Duration = Duration::from_millis(500);
-    for pod in [KVS_0, KVS_1] {
-        ip(&format!("addr add {pod}/32 dev lo"));
-    }
-    ip("link add fmk0 type veth peer name fmk1");
-    ip("link set fmk0 up");
-    ip("link set fmk1 up");
-    ip("addr add 10.250.0.1/24 dev fmk0");
-    ip("route add default via 10.250.0.2 dev fmk0");
-    ip(&format!("route add local {SERVICE_RANGE} dev lo"));
+    k8s_traffic::cluster_network(&[KVS_0, KVS_1]);
 
     let (_env, client) = api_server().await;
     create_shop(&client, ["10.250.0.11", "10.250.0.12", "10.250.0.13"]).await;

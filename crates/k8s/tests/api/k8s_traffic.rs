@@ -37,14 +37,14 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-pub(crate) const SERVICE_RANGE: &str = "10.96.0.0/16";
+const SERVICE_RANGE: &str = "10.96.0.0/16";
 const POD_A: &str = "10.244.0.1";
 const POD_B: &str = "10.244.0.2";
 const POD_V2: &str = "10.244.0.3";
 const POD_A2: &str = "10.244.0.4";
 pub(crate) const POD_PORT: u16 = 8080;
 
-pub(crate) fn ip(args: &str) {
+fn ip(args: &str) {
     let status = std::process::Command::new("ip")
         .args(args.split_whitespace())
         .status()
@@ -324,20 +324,24 @@ pub(crate) fn nix_is_root() -> bool {
     })
 }
 
-async fn traffic() {
-    // The namespace's addresses: pods on its loopback (not 127/8, which EndpointSlices refuse;
-    // these kernels have no dummy links), every ClusterIP local.
-    for pod in [POD_A, POD_B, POD_V2, POD_A2] {
+/// The test namespace's network as a cluster's: `pods` on its loopback (not 127/8, which
+/// EndpointSlices refuse; these kernels have no dummy links), every ClusterIP local, and a
+/// default route, without which kube-apiserver cannot pick the address it advertises (a veth
+/// pair of the namespace's own gives it one).
+pub(crate) fn cluster_network(pods: &[&str]) {
+    for pod in pods {
         ip(&format!("addr add {pod}/32 dev lo"));
     }
-    // kube-apiserver needs a default route to pick the address it advertises: a veth pair of
-    // the namespace's own gives it one.
     ip("link add fmk0 type veth peer name fmk1");
     ip("link set fmk0 up");
     ip("link set fmk1 up");
     ip("addr add 10.250.0.1/24 dev fmk0");
     ip("route add default via 10.250.0.2 dev fmk0");
     ip(&format!("route add local {SERVICE_RANGE} dev lo"));
+}
+
+async fn traffic() {
+    cluster_network(&[POD_A, POD_B, POD_V2, POD_A2]);
 
     let (env, client) = api_server().await;
 
