@@ -14,6 +14,7 @@
 //! node id the stream claims (as ADS trusts it).
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -281,6 +282,18 @@ fn prost_types_duration(d: Duration) -> Option<envoy_types::pb::google::protobuf
 pub struct LoadReportServer {
     pub period: Duration,
     pub reports: mpsc::Sender<NodeLoad>,
+    /// Reports dropped because `reports` was full.
+    pub dropped: Arc<AtomicU64>,
+}
+
+impl LoadReportServer {
+    pub fn new(period: Duration, reports: mpsc::Sender<NodeLoad>) -> LoadReportServer {
+        LoadReportServer {
+            period,
+            reports,
+            dropped: Arc::default(),
+        }
+    }
 }
 
 /// What the xDS server gives the service: who a stream's token names, and the shutdown.
@@ -357,7 +370,12 @@ impl LoadReportingService for Served {
                 }
                 let load = read_report(node, &request.cluster_stats);
                 if server.reports.try_send(load).is_err() {
-                    tracing::warn!(%node, "a load report was dropped: its reader lags");
+                    // Said at the 1st, 2nd, 4th, 8th ... drop: a lagging reader must not
+                    // flood the log with one line per node per period.
+                    let dropped = server.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+                    if dropped.is_power_of_two() {
+                        tracing::warn!(%node, dropped, "load reports dropped so far: their reader lags");
+                    }
                 }
             }
         });

@@ -228,10 +228,7 @@ impl ControlCenter {
         period: Duration,
     ) -> tokio::sync::mpsc::Receiver<flatmesh_xds::lrs::NodeLoad> {
         let (tx, rx) = tokio::sync::mpsc::channel(64);
-        self.load_reports = Some(flatmesh_xds::lrs::LoadReportServer {
-            period,
-            reports: tx,
-        });
+        self.load_reports = Some(flatmesh_xds::lrs::LoadReportServer::new(period, tx));
         rx
     }
 

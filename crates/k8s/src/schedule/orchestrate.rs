@@ -250,11 +250,21 @@ impl Run {
                         return;
                     }
                 }
-                None => {
-                    if rounds.changed().await.is_err() {
-                        return;
+                None => loop {
+                    // Nothing to orchestrate yet: the nodes' load reports are read and let go,
+                    // so that their server does not find its reader lagging.
+                    tokio::select! {
+                        changed = rounds.changed() => {
+                            if changed.is_err() {
+                                return;
+                            }
+                            break;
+                        }
+                        alive = self.source.discard() => if !alive {
+                            return;
+                        },
                     }
-                }
+                },
             }
         }
     }
@@ -349,6 +359,15 @@ impl Source {
         match self {
             Source::Sealed { names, .. } => names,
             Source::LoadReports { .. } => &[],
+        }
+    }
+
+    /// Takes and drops what arrives while there is nothing to orchestrate (load reports; a
+    /// heartbeat socket is left to its buffer). False once the source is gone.
+    async fn discard(&mut self) -> bool {
+        match self {
+            Source::Sealed { .. } => std::future::pending().await,
+            Source::LoadReports { reports, .. } => reports.recv().await.is_some(),
         }
     }
 

@@ -344,10 +344,7 @@ async fn slow_pod_moved() {
         "127.0.0.1:0".parse().unwrap(),
         store,
         flatmesh_xds::server::ServeOptions {
-            load_reports: Some(flatmesh_xds::lrs::LoadReportServer {
-                period: PERIOD,
-                reports: reports_tx,
-            }),
+            load_reports: Some(flatmesh_xds::lrs::LoadReportServer::new(PERIOD, reports_tx)),
             ..Default::default()
         },
         Some(bound_tx),
