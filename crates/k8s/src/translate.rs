@@ -179,49 +179,41 @@ pub fn translate(objects: &Objects, trust_domain: &str) -> Translation {
 /// DPU; for one whose DPU is labelled `off` and whose host is not, the DPU maps to the host.
 /// Nodes the scheduler has not labelled keep their own proxy.
 fn server_proxies(nodes: &[Arc<Node>]) -> BTreeMap<String, String> {
-    use crate::schedule::cluster::{HOST_ANNOTATION, PU_LABEL};
-    use crate::schedule::proxy_labels::{NODE_PROXY_LABEL, OFF, ON};
+    use crate::schedule::cluster::Pu;
+    use crate::schedule::proxy_labels::{label_of, pu_of, server_of, OFF, ON};
     let by_name: BTreeMap<&str, &Node> = nodes
         .iter()
         .filter_map(|n| Some((n.metadata.name.as_deref()?, &**n)))
         .collect();
     // Server (host name) -> its DPU nodes, by name.
-    let mut servers: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    let mut servers: BTreeMap<String, Vec<&str>> = BTreeMap::new();
     for (name, node) in &by_name {
-        let host = node
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(HOST_ANNOTATION));
-        if let (Some("smartnic" | "dpu"), Some(host)) = (label(node, PU_LABEL), host) {
-            servers.entry(host.as_str()).or_default().push(name);
+        if matches!(pu_of(node), Some(Pu::Smartnic | Pu::Dpu)) {
+            if let Some(host) = server_of(node) {
+                servers.entry(host).or_default().push(name);
+            }
         }
     }
     let mut out = BTreeMap::new();
-    for (host, dpus) in servers {
+    for (host, dpus) in &servers {
         let offloaded_to = dpus
             .iter()
-            .find(|d| label(by_name[*d], NODE_PROXY_LABEL) == Some(ON));
+            .find(|d| label_of(by_name[*d]).as_deref() == Some(ON));
         let host_runs_one = by_name
-            .get(host)
-            .is_some_and(|h| label(h, NODE_PROXY_LABEL) != Some(OFF));
+            .get(host.as_str())
+            .is_some_and(|h| label_of(h).as_deref() != Some(OFF));
         let proxy = match offloaded_to {
             Some(dpu) => *dpu,
-            None if host_runs_one => host,
+            None if host_runs_one => host.as_str(),
             None => continue,
         };
-        for node in dpus.iter().copied().chain([host]) {
+        for node in dpus.iter().copied().chain([host.as_str()]) {
             if node != proxy {
                 out.insert(node.to_string(), proxy.to_string());
             }
         }
     }
     out
-}
-
-/// The value of `node`'s label `key`.
-fn label<'a>(node: &'a Node, key: &str) -> Option<&'a str> {
-    node.metadata.labels.as_ref()?.get(key).map(String::as_str)
 }
 
 /// Every forwarding route's retry policy, Istio's default: two more tries when the endpoint

@@ -236,7 +236,7 @@ fn cluster_stats(
             out.push(ClusterStats {
                 cluster_name: r.cluster.clone(),
                 upstream_locality_stats: vec![UpstreamLocalityStats::default()],
-                load_report_interval: prost_types_duration(period),
+                load_report_interval: Some(crate::from_model::duration(period)),
                 ..Default::default()
             });
         }
@@ -267,10 +267,6 @@ fn cluster_stats(
             });
     }
     out
-}
-
-fn prost_types_duration(d: Duration) -> Option<envoy_types::pb::google::protobuf::Duration> {
-    Some(crate::from_model::duration(d))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -357,7 +353,7 @@ impl LoadReportingService for Served {
                     answered = true;
                     let asked = LoadStatsResponse {
                         send_all_clusters: true,
-                        load_reporting_interval: prost_types_duration(period),
+                        load_reporting_interval: Some(crate::from_model::duration(period)),
                         report_endpoint_granularity: true,
                         ..Default::default()
                     };

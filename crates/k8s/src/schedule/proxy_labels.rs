@@ -145,12 +145,12 @@ pub async fn patch_label(client: &kube::Client, change: &LabelChange) -> Result<
 }
 
 /// The node's processing unit; None without a valid [`PU_LABEL`].
-fn pu_of(node: &Node) -> Option<Pu> {
+pub(crate) fn pu_of(node: &Node) -> Option<Pu> {
     Pu::parse(node.metadata.labels.as_ref()?.get(PU_LABEL)?)
 }
 
 /// The host node of the node's server.
-fn server_of(node: &Node) -> Option<String> {
+pub(crate) fn server_of(node: &Node) -> Option<String> {
     match pu_of(node)? {
         Pu::Host => node.metadata.name.clone(),
         Pu::Smartnic | Pu::Dpu => node
