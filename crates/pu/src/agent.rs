@@ -17,6 +17,7 @@ use crate::error::{PuError, Result};
 use crate::probe;
 use crate::rules::{self, Desired};
 use crate::scan;
+use crate::shm_proof::ProofService;
 use crate::table::{PortTable, TableState};
 use crate::topology::Topology;
 
@@ -87,6 +88,13 @@ impl Agent {
     /// it is now (after a restart: the table the previous run left). Calling it
     /// again on a started agent resynchronises it.
     pub fn start(&mut self, backend: &dyn PuBackend) -> Result<TickReport> {
+        self.register(backend)?;
+        self.applied = None;
+        self.tick()
+    }
+
+    /// The first half of `start`: the PU check and the agent lock, without a pass.
+    fn register(&mut self, backend: &dyn PuBackend) -> Result<()> {
         backend.check_on(self.me)?;
         self.netns = Some(
             crate::netns::current_id()
@@ -95,8 +103,7 @@ impl Agent {
         if self.instance.is_none() {
             self.instance = Some(self.lock_instance()?);
         }
-        self.applied = None;
-        self.tick()
+        Ok(())
     }
 
     /// Takes the PU's agent lock and writes this process's pid into it (for `status`).
@@ -249,6 +256,18 @@ impl Agent {
     ) -> Result<()> {
         let mut agent = Agent::new(config, pu)?;
         backend.enter_thread(agent.me)?;
+        // hetero-socket's proof service for this PU's acceptors (`shm_proof`), bound once this
+        // agent holds the PU's lock (it replaces a dead service's socket) and before the first
+        // pass claims a port, so that it is there for the first connection between PUs. It
+        // serves on a thread of its own that inherits this thread's PU, and stops with the agent.
+        agent.register(backend)?;
+        let service = match ProofService::bind(config, agent.me, backend) {
+            Ok(service) => Some(service),
+            Err(e) => {
+                tracing::warn!(pu, error = %e, "no shm proof service: connections from other PUs stay on TCP");
+                None
+            }
+        };
         let first = agent.start(backend)?;
         tracing::info!(
             pu,
@@ -256,6 +275,17 @@ impl Agent {
             remote = first.remote,
             "pu agent started"
         );
+        std::thread::scope(|scope| {
+            if let Some(service) = service {
+                scope.spawn(move || service.serve(stop));
+            }
+            agent.poll(config, pu, stop)
+        })
+    }
+
+    /// The agent's loop: a pass every poll interval until `stop` is set.
+    fn poll(&mut self, config: &SplitConfig, pu: &str, stop: &AtomicBool) -> Result<()> {
+        let agent = self;
         let interval = Duration::from_millis(config.poll_interval_ms);
         let mut last_error: Option<String> = None;
         while !stop.load(Ordering::Relaxed) {

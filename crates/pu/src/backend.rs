@@ -45,6 +45,8 @@ pub struct Emulated {
     cpusets: Vec<Cpuset>,
     cpus_text: Vec<Option<String>>,
     ports: PortTable,
+    /// The directory the PUs share for hetero-socket (`shm_proof::group_dir`).
+    shm_group: std::path::PathBuf,
 }
 
 impl Emulated {
@@ -61,6 +63,7 @@ impl Emulated {
             cpusets,
             cpus_text: config.pus.iter().map(|p| p.cpus.clone()).collect(),
             ports: PortTable::new(config),
+            shm_group: crate::shm_proof::group_dir(config),
         }
     }
 
@@ -124,6 +127,7 @@ impl PuBackend for Emulated {
             })
             .collect::<Result<Vec<u64>>>()?;
         self.ports.create(&cookies)?;
+        crate::shm_proof::create_group_dir(&self.shm_group)?;
         for a in 0..t.pus.len() {
             for link in t.links(a).into_iter().filter(|l| l.peer > a) {
                 let back = t.link_to(link.peer, a).ok_or_else(|| PuError::Command {
@@ -267,6 +271,11 @@ impl PuBackend for Emulated {
         let mut procs = self.cpusets[pu].procs_file()?;
         let cpus = self.cpusets[pu].cpus.clone();
         let mut command = Command::new(program);
+        // With the hetero-socket library preloaded, connections to the other PUs use shared
+        // memory too (docs/shm.md "Between PUs"); without it, the variable is never read.
+        if std::env::var_os("FLATMESH_SHM_GROUP").is_none() {
+            command.env("FLATMESH_SHM_GROUP", &self.shm_group);
+        }
         // SAFETY: the closure runs between fork and exec and makes only async-signal-safe calls
         // (setns, write, sched_setaffinity) on descriptors opened before the fork.
         unsafe {

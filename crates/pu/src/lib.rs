@@ -13,6 +13,8 @@
 //!   holds a port before releasing it.
 //! - [`rules`]: the nftables rules of §4.1.1 (reverse mapping) and §4.1.2 (split interception).
 //! - [`agent`]: the per-PU daemon that ties them together.
+//! - [`shm_proof`]: the agent's service that proves, for hetero-socket (crates/shm), that a
+//!   connection accepted on this PU ends in a given socket on another.
 //! - [`relay`]: a small original-destination TCP relay (what a sidecar proxy does with
 //!   SO_ORIGINAL_DST), used by the demo and tests.
 //! - [`cleanup`]: finding and removing what a crashed split namespace left behind.
@@ -32,6 +34,7 @@ pub mod probe;
 pub mod relay;
 pub mod rules;
 pub mod scan;
+pub mod shm_proof;
 pub mod table;
 pub mod topology;
 

@@ -20,7 +20,10 @@
 //! the pipe in the set; default 5, 0 = no pipe traffic), `SHM_PROBE_WAIT_MS` (epoll/poll
 //! servers: the timeout of one wait; default 1000, -1 = none) and `SHM_PROBE_HOLD_SECS` (`many:N`:
 //! how long the connections stay open and idle) and `SHM_PROBE_ACCEPT_WHEN_QUEUED` (`serve`: wait
-//! until that many connections are queued before the first accept, so a test fixes the order).
+//! until that many connections are queued before the first accept, so a test fixes the order),
+//! `SHM_PROBE_PORT` (`serve`: listen on this port instead of a free one) and
+//! `SHM_PROBE_SERVER_IP` (`client`: the address to dial instead of 127.0.0.1, e.g. a service
+//! address that interception rules redirect).
 #![allow(clippy::unwrap_used)]
 
 use std::io::{Read, Write};
@@ -103,7 +106,11 @@ fn set_nonblocking(fd: RawFd) {
 
 /// A listener on a free loopback port, announced to the test as `ready PORT` on stdout.
 fn announced_listener() -> TcpListener {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port: u16 = std::env::var("SHM_PROBE_PORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
     println!("ready {}", listener.local_addr().unwrap().port());
     std::io::stdout().flush().unwrap();
     listener
@@ -619,7 +626,8 @@ impl Stream {
 }
 
 fn connect(port: u16) -> TcpStream {
-    TcpStream::connect(("127.0.0.1", port)).unwrap()
+    let ip = std::env::var("SHM_PROBE_SERVER_IP").unwrap_or_else(|_| "127.0.0.1".to_string());
+    TcpStream::connect((ip.as_str(), port)).unwrap()
 }
 
 fn roundtrip(stream: &mut TcpStream, message: &[u8]) {

@@ -10,6 +10,8 @@
 //! - [`arena`]: per-core shared arenas, speculative allocation, commit, per-process limits;
 //! - [`conn`]: a connection as one process sees it, and the fd table;
 //! - [`negotiate`]: rendezvous at connect/accept, with fallback to plain TCP;
+//! - [`group`]: the same between the network namespaces (PUs) of one split namespace;
+//!   [`intercept`]: the split namespace's interception rules, as the connector reads them;
 //! - [`proof`]: the kernel's word that an accepted connection is the one a region was made for;
 //! - [`io`]: send/receive and the poll-then-sleep waits (user-mode NAPI);
 //! - [`multiplex`]: epoll/poll/select over kernel and shared-memory fds;

@@ -3,6 +3,8 @@
 // sources). One concept per module; see lib.rs.
 mod arena;
 mod conn;
+mod group;
+mod intercept;
 #[cfg(not(test))]
 mod interpose;
 mod io;

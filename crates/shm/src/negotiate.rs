@@ -14,8 +14,14 @@
 //!
 //! If the acceptor does not run the library, or loses the race, or anything fails, nothing is
 //! ever attached and the connection simply stays TCP.
+//!
+//! Between the PUs of a split namespace (different network namespaces), steps 1 to 3 go through
+//! a directory the PUs share instead, and the PU agent gives the proof: see `group`. The
+//! allow-list (`FLATMESH_SHM_PORTS`) is checked at each step: a port not on it is never
+//! advertised, offered or attached.
 
 use crate::conn::{self, Conn, Role};
+use crate::group;
 use crate::proof;
 use crate::real;
 use crate::region::{Region, ATTACHED, ATTACHING, PENDING};
@@ -28,20 +34,55 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// Listening fd -> its advertisement socket.
-static ADVERTS: Mutex<BTreeMap<c_int, c_int>> = Mutex::new(BTreeMap::new());
+/// A listening fd's advertisements: the abstract socket for its own network namespace, and
+/// the path socket for the other PUs of its split namespace (`group`).
+struct Advert {
+    local: c_int,
+    /// The socket, its port, and the process that bound it (only that one removes the name:
+    /// a forked child closing its copy of the listener leaves the parent's advertisement).
+    group: Option<(c_int, u16, u32)>,
+}
 
-fn advert_address(port: u16) -> (libc::sockaddr_un, libc::socklen_t) {
+/// Listening fd -> its advertisements.
+static ADVERTS: Mutex<BTreeMap<c_int, Advert>> = Mutex::new(BTreeMap::new());
+
+/// A Unix socket address: `name` in the abstract namespace (per network namespace, gone with
+/// its socket) or as a path. `None` if it does not fit.
+pub fn unix_address(name: &[u8], abstract_name: bool) -> Option<(libc::sockaddr_un, libc::socklen_t)> {
     // SAFETY: sockaddr_un is integers and a byte array, for which all-zero bytes are valid.
     let mut address: libc::sockaddr_un = unsafe { std::mem::zeroed() };
     address.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    let name = format!("flatmesh-shm/l/{port}");
-    // sun_path[0] stays 0: abstract namespace.
-    for (slot, byte) in address.sun_path[1..].iter_mut().zip(name.bytes()) {
-        *slot = byte as libc::c_char;
+    // An abstract name starts with a NUL byte; a path ends with one.
+    let skip = usize::from(abstract_name);
+    if name.contains(&0) || skip + name.len() + 1 > address.sun_path.len() {
+        return None;
     }
-    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + name.len();
-    (address, len as libc::socklen_t)
+    for (slot, byte) in address.sun_path[skip..].iter_mut().zip(name) {
+        *slot = *byte as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>()
+        + skip
+        + name.len()
+        + usize::from(!abstract_name);
+    Some((address, len as libc::socklen_t))
+}
+
+fn advert_address(port: u16) -> Option<(libc::sockaddr_un, libc::socklen_t)> {
+    unix_address(format!("flatmesh-shm/l/{port}").as_bytes(), true)
+}
+
+/// Whether a datagram socket is bound at `address` (a connect to it succeeds).
+pub fn unix_bound(address: &libc::sockaddr_un, len: libc::socklen_t) -> bool {
+    // SAFETY: socket takes no pointer; the new fd is ours.
+    let probe = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if probe < 0 {
+        return false;
+    }
+    // SAFETY: connect reads `len` bytes of `address`, a live sockaddr_un of at least that size.
+    let rc = unsafe { real::connect(probe, (address as *const libc::sockaddr_un).cast(), len) };
+    // SAFETY: `probe` is ours, handed to nobody, and closed once.
+    unsafe { real::close(probe) };
+    rc == 0
 }
 
 fn socket_address(fd: c_int, peer: bool) -> Option<SocketAddr> {
@@ -119,26 +160,33 @@ fn is_tcp_stream(fd: c_int) -> bool {
         && option(libc::SO_PROTOCOL) == Some(libc::IPPROTO_TCP)
 }
 
-/// After a successful listen(): advertise the port (once per listening fd).
+/// After a successful listen(): advertise the port (once per listening fd), in this network
+/// namespace and, with a group, to the other PUs.
 pub fn advertise(listen_fd: c_int) {
-    if !settings::get().enabled || !is_tcp_stream(listen_fd) {
+    let settings = settings::get();
+    if !settings.enabled || !is_tcp_stream(listen_fd) {
         return;
     }
     let Some(local) = socket_address(listen_fd, false) else {
         return;
     };
+    if !settings.port_allowed(local.port()) {
+        return;
+    }
     let mut adverts = ADVERTS.lock();
     if adverts.contains_key(&listen_fd) {
         return;
     }
+    let Some((address, len)) = advert_address(local.port()) else {
+        return;
+    };
     // SAFETY: socket takes no pointer; the new fd is ours.
     let advert = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if advert < 0 {
         return;
     }
-    let (address, len) = advert_address(local.port());
-    // SAFETY: bind reads `len` bytes of `address`, a live local sockaddr_un, and `len` (family,
-    // NUL and a name of at most 20 bytes) is within its size.
+    // SAFETY: bind reads `len` bytes of `address`, a live local sockaddr_un that
+    // `unix_address` filled with a name of that length.
     let rc = unsafe { libc::bind(advert, (&address as *const libc::sockaddr_un).cast(), len) };
     if rc != 0 {
         // EADDRINUSE: another library process (or a sibling worker) already advertises the port.
@@ -146,39 +194,45 @@ pub fn advertise(listen_fd: c_int) {
         unsafe { real::close(advert) };
         return;
     }
-    adverts.insert(listen_fd, advert);
+    let group = group::advertise(local.port())
+        .map(|socket| (socket, local.port(), crate::process::pid()));
+    adverts.insert(
+        listen_fd,
+        Advert {
+            local: advert,
+            group,
+        },
+    );
 }
 
-/// When a listening fd closes, its advertisement goes too.
-/// Also called for every other closing fd: if the application closes our advertisement fd
-/// (daemons close all fds), forget it rather than later closing someone else's fd.
+/// When a listening fd closes, its advertisements go too.
+/// Also called for every other closing fd: if the application closes one of our advertisement
+/// fds (daemons close all fds), forget it rather than later closing someone else's fd.
 pub fn forget_listener(fd: c_int) {
     let mut adverts = ADVERTS.lock();
     if adverts.is_empty() {
         return;
     }
     if let Some(advert) = adverts.remove(&fd) {
-        // SAFETY: `advert` is the socket `advertise` opened. It was still in ADVERTS, so it is
-        // still ours (an application close of that fd number would have removed it: `retain`
-        // below), and removing it here makes this the one close.
-        unsafe { real::close(advert) };
+        // SAFETY: the sockets `advertise` opened. The entry was still in ADVERTS, so they are
+        // still ours (an application close of either fd number would have removed it: `retain`
+        // below), and removing the entry here makes this the one close.
+        unsafe { real::close(advert.local) };
+        if let Some((socket, port, owner)) = advert.group {
+            if owner == crate::process::pid() {
+                group::withdraw(port);
+            }
+            // SAFETY: as above.
+            unsafe { real::close(socket) };
+        }
     }
-    adverts.retain(|_, advert| *advert != fd);
+    adverts.retain(|_, advert| {
+        advert.local != fd && advert.group.is_none_or(|(socket, _, _)| socket != fd)
+    });
 }
 
 fn port_advertised(port: u16) -> bool {
-    // SAFETY: socket takes no pointer; the new fd is ours.
-    let probe = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if probe < 0 {
-        return false;
-    }
-    let (address, len) = advert_address(port);
-    // SAFETY: connect reads `len` bytes of `address`, a live local sockaddr_un of at least
-    // that size (as in `advertise`).
-    let rc = unsafe { real::connect(probe, (&address as *const libc::sockaddr_un).cast(), len) };
-    // SAFETY: `probe` is ours, handed to nobody, and closed once.
-    unsafe { real::close(probe) };
-    rc == 0
+    advert_address(port).is_some_and(|(address, len)| unix_bound(&address, len))
 }
 
 fn is_local(ip: IpAddr) -> bool {
@@ -239,7 +293,7 @@ fn to_sockaddr(address: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t)
     (storage, len as libc::socklen_t)
 }
 
-fn netns_id() -> u64 {
+pub fn netns_id() -> u64 {
     static CACHE: AtomicU64 = AtomicU64::new(0);
     crate::process::namespace_id("net", &CACHE)
 }
@@ -297,13 +351,24 @@ pub unsafe fn connect(fd: c_int, address: *const libc::sockaddr, len: libc::sock
     let Some(server) = (unsafe { parse_address(address, len) }) else {
         return plain();
     };
-    if server.port() == 0
-        || !is_tcp_stream(fd)
-        || !port_advertised(server.port())
-        || !is_local(server.ip())
+    if server.port() == 0 || !settings::get().port_allowed(server.port()) || !is_tcp_stream(fd)
     {
         return plain();
     }
+    // A listener in this network namespace; or in another PU of the group, dialled there
+    // (`Some(its port)`) or reached through the split namespace's interception rules (`Some(the
+    // proxy's port)`: the proxy accepts the call on that port).
+    let across_pus = if port_advertised(server.port()) && is_local(server.ip()) {
+        None
+    } else if group::reachable(server.ip()) && group::advertised(server.port()) {
+        Some(server.port())
+    } else if let Some(proxy) = group::intercepted(server)
+        .filter(|proxy| !port_advertised(*proxy) && group::advertised(*proxy))
+    {
+        Some(proxy)
+    } else {
+        return plain();
+    };
     // Bind now so the source port (half of the rendezvous name) is known before the SYN leaves.
     let Some(mut local) = socket_address(fd, false) else {
         return plain();
@@ -335,7 +400,11 @@ pub unsafe fn connect(fd: c_int, address: *const libc::sockaddr, len: libc::sock
             None => return plain(),
         }
     }
-    let Some(path) = handoff_path(server, local.port()) else {
+    let path = match across_pus {
+        Some(listener_port) => group::region_path(listener_port, local.port()),
+        None => handoff_path(server, local.port()),
+    };
+    let Some(path) = path else {
         return plain();
     };
     // The acceptor attaches only if the kernel says its connection ends in this very socket.
@@ -372,25 +441,42 @@ pub fn accepted(fd: c_int, nonblocking: bool) {
     let (Some(local), Some(peer)) = (socket_address(fd, false), socket_address(fd, true)) else {
         return;
     };
-    let Some(path) = handoff_path(local, peer.port()) else {
-        return;
-    };
-    // SAFETY: `path` is a CString, so NUL-terminated.
-    let file = unsafe {
-        libc::open(
-            path.as_ptr(),
-            libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW,
-        )
-    };
-    if file < 0 {
+    if !settings::get().port_allowed(local.port()) {
         return;
     }
+    let open = |path: &CString| {
+        // SAFETY: `path` is a CString, so NUL-terminated.
+        let file = unsafe {
+            libc::open(
+                path.as_ptr(),
+                libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+            )
+        };
+        (file >= 0).then_some(file)
+    };
+    // A connector in this network namespace, or in another PU of the group.
+    let same_netns = handoff_path(local, peer.port()).and_then(|path| Some((open(&path)?, path)));
+    let (file, path, across_pus) = match same_netns {
+        Some((file, path)) => (file, path, false),
+        None => {
+            let Some(path) = group::dir().and(group::region_path(local.port(), peer.port())) else {
+                return;
+            };
+            let Some(file) = open(&path) else { return };
+            (file, path, true)
+        }
+    };
     let region = Region::attach(file);
     // SAFETY: `file` was opened above and is ours, closed once; the mapping outlives it.
     unsafe { real::close(file) };
     let Some(region) = region else { return };
     let control = region.control();
-    if !proof::proven(local, peer, control.connector_cookie) {
+    let proven = if across_pus {
+        group::proven(fd, control.connector_cookie, netns_id())
+    } else {
+        proof::proven(local, peer, control.connector_cookie)
+    };
+    if !proven {
         crate::stats::bump(&crate::stats::get().unproven);
         return;
     }

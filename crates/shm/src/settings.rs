@@ -10,6 +10,8 @@
 //! | `FLATMESH_SHM_CONN_KIB` | arena bytes one direction of a connection may hold; 0 = none | 4096 |
 //! | `FLATMESH_SHM_SPIN_US` | how long a waiter polls before it sleeps; 0 = never | 50 |
 //! | `FLATMESH_SHM_STATS` | `1`: print counters and arena usage on stderr at exit; an absolute path: append them to that file | off |
+//! | `FLATMESH_SHM_PORTS` | the allow-list: only connections to these server ports use shared memory; comma-separated ports and ranges (`8080,9000-9099`), at most 64 entries | every port |
+//! | `FLATMESH_SHM_GROUP` | a directory the network namespaces of one split namespace share (set by `flatmesh pu run`): connections between them use shared memory too (`group`); an absolute path of at most 80 bytes | within one network namespace only |
 
 use crate::arena;
 use crate::region::{DEFAULT_LOCAL_BYTES, MAX_LOCAL_BYTES, MIN_LOCAL_BYTES};
@@ -18,6 +20,11 @@ use std::time::Duration;
 
 pub struct Settings {
     pub enabled: bool,
+    /// `FLATMESH_SHM_PORTS`: the server ports whose connections may use shared memory; `None`:
+    /// every port.
+    pub ports: Option<Vec<std::ops::RangeInclusive<u16>>>,
+    /// `FLATMESH_SHM_GROUP`: the directory shared with the other PUs of a split namespace.
+    pub group: Option<std::ffi::CString>,
     pub local_bytes: usize,
     pub spin: Duration,
     pub arena_bytes: u64,
@@ -38,6 +45,13 @@ pub fn stats_target() -> &'static Option<Option<std::ffi::CString>> {
 }
 
 impl Settings {
+    /// Whether a connection to server port `port` may use shared memory (the allow-list).
+    pub fn port_allowed(&self, port: u16) -> bool {
+        self.ports
+            .as_ref()
+            .is_none_or(|ranges| ranges.iter().any(|range| range.contains(&port)))
+    }
+
     /// Records in each per-core arena.
     pub fn arena_records_per_core(&self) -> u32 {
         if self.arena_bytes == 0 {
@@ -49,9 +63,13 @@ impl Settings {
 }
 
 fn warn(name: &str, value: &str, rule: &str) {
-    let message = format!(
-        "flatmesh-shm: {name}={value:?} ignored: {rule}; using the default (see docs/shm.md)\n"
-    );
+    warn_then(name, value, rule, "using the default");
+}
+
+/// As `warn`, saying what is done instead.
+fn warn_then(name: &str, value: &str, rule: &str, instead: &str) {
+    let message =
+        format!("flatmesh-shm: {name}={value:?} ignored: {rule}; {instead} (see docs/shm.md)\n");
     // SAFETY: SYS_write reads `message.len()` bytes of a live local String. The raw system
     // call, not std's stderr: no std lock inside a preload hook, and `write` is interposed.
     unsafe { libc::syscall(libc::SYS_write, 2, message.as_ptr(), message.len()) };
@@ -67,6 +85,34 @@ fn number(name: &str, range: std::ops::RangeInclusive<u64>, rule: &str) -> Optio
             None
         }
     }
+}
+
+/// Most entries `FLATMESH_SHM_PORTS` may list.
+const MAX_PORT_RANGES: usize = 64;
+const PORTS_RULE: &str = "must be comma-separated ports (1-65535) or ranges of them (8080,9000-9099), at most 64 entries";
+/// Longest `FLATMESH_SHM_GROUP`: the directory's socket names (`<dir>/proof-<20 digits>`) must
+/// fit a Unix socket address (108 bytes).
+const MAX_GROUP_LEN: usize = 80;
+const GROUP_RULE: &str = "must be an absolute directory path of at most 80 bytes";
+
+/// `FLATMESH_SHM_PORTS` read: `None` if it is not a valid list.
+fn parse_ports(value: &str) -> Option<Vec<std::ops::RangeInclusive<u16>>> {
+    let entries: Vec<&str> = value.split(',').map(str::trim).collect();
+    if entries.len() > MAX_PORT_RANGES {
+        return None;
+    }
+    entries
+        .into_iter()
+        .map(|entry| {
+            let (low, high) = entry.split_once('-').unwrap_or((entry, entry));
+            let (low, high) = (low.trim().parse::<u16>().ok()?, high.trim().parse::<u16>().ok()?);
+            (low >= 1 && low <= high).then_some(low..=high)
+        })
+        .collect()
+}
+
+fn group_ok(value: &str) -> bool {
+    value.starts_with('/') && value.len() <= MAX_GROUP_LEN && !value.contains('\0')
 }
 
 /// Checks every variable; one message per bad one (used by `flatmesh shm run` through the
@@ -87,6 +133,16 @@ pub fn problems() -> Vec<String> {
             found.push(format!(
                 "FLATMESH_SHM_STATS={value:?}: must be 1 (report on stderr at exit) or an absolute file path"
             ));
+        }
+    }
+    if let Ok(value) = std::env::var("FLATMESH_SHM_PORTS") {
+        if parse_ports(&value).is_none() {
+            found.push(format!("FLATMESH_SHM_PORTS={value:?}: {PORTS_RULE}"));
+        }
+    }
+    if let Ok(value) = std::env::var("FLATMESH_SHM_GROUP") {
+        if !group_ok(&value) {
+            found.push(format!("FLATMESH_SHM_GROUP={value:?}: {GROUP_RULE}"));
         }
     }
     found.extend(RULES.iter().filter_map(|(name, range, rule)| {
@@ -153,8 +209,36 @@ pub fn get() -> &'static Settings {
             .div_ceil(arena::RECORD_BYTES as u64)
             .min(u32::MAX as u64) as u32;
         let spin_us = number(spin.0, spin.1, spin.2).unwrap_or(50);
+        // A bad allow-list is an empty one (nothing uses shared memory), not "every port": the
+        // list exists to keep connections off shared memory.
+        let ports = var("FLATMESH_SHM_PORTS").map(|value| {
+            parse_ports(&value).unwrap_or_else(|| {
+                warn_then(
+                    "FLATMESH_SHM_PORTS",
+                    &value,
+                    PORTS_RULE,
+                    "no connection uses shared memory",
+                );
+                Vec::new()
+            })
+        });
+        let group = var("FLATMESH_SHM_GROUP").and_then(|value| {
+            if group_ok(&value) {
+                std::ffi::CString::new(value).ok()
+            } else {
+                warn_then(
+                    "FLATMESH_SHM_GROUP",
+                    &value,
+                    GROUP_RULE,
+                    "shared memory only within this network namespace",
+                );
+                None
+            }
+        });
         let mut settings = Settings {
             enabled,
+            ports,
+            group,
             local_bytes,
             spin: Duration::from_micros(spin_us),
             arena_bytes,

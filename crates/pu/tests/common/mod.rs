@@ -19,6 +19,8 @@ pub const STATE_DIR: &str = "/run/flatmesh/pu-test";
 /// The tags of the tests in this directory; only namespaces named `<tag><digits>` are reaped.
 pub const TAGS: &[&str] = &[
     "dir", "cfl", "icp", "uid", "mov", "rst", "chn", "cln", "lck", "hst", "now", "rce",
+    // crates/shm/tests/pus.rs (hetero-socket between PUs), which includes this module.
+    "smx", "smi", "sma", "smp", "smc",
 ];
 
 pub fn require_root() {

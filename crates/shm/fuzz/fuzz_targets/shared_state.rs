@@ -1,6 +1,6 @@
 //! Fuzzes what a peer can write into shared memory: the connection region (header, counters,
 //! chain state, ring bytes), region files offered at accept, arena files, the descriptors
-//! of arena records, and the sock_diag answer that proves an accepted connection's peer. The library must never read or write outside a mapping, panic, or loop
+//! of arena records, and the netlink answers that prove an accepted connection's peer. The library must never read or write outside a mapping, panic, or loop
 //! forever, whatever the peer wrote; at worst it refuses (TCP fallback) or resets the
 //! connection.
 //!
@@ -12,6 +12,8 @@
 
 #[path = "../../src/arena.rs"]
 mod arena;
+#[path = "../../src/intercept.rs"]
+mod intercept;
 #[path = "../../src/lock.rs"]
 mod lock;
 #[path = "../../src/process.rs"]
@@ -133,9 +135,19 @@ fn run(data: &[u8]) {
             // SAFETY: the memfd made above, ours and closed once; nothing uses it any more.
             unsafe { libc::close(fd) };
         }
-        // The kernel's answer to the accept-time proof, as bytes of any shape.
+        // The kernel's answers to the accept-time proof (the socket table's and, across the
+        // PUs of a split namespace, the connection tracking table's), as bytes of any shape.
         3 => {
-            let _ = proof::parse_answer(input.take(1024));
+            let bytes = input.take(4096);
+            let _ = flatmesh_netlink::sock_diag::parse_answer(bytes);
+            let _ = flatmesh_netlink::conntrack::parse_answer(bytes);
+            // The interception rules a PU agent writes into the (world-writable) group
+            // directory.
+            if let Ok(text) = std::str::from_utf8(bytes) {
+                let rules = intercept::parse(text);
+                let server = std::net::SocketAddr::from((input.u32().to_be_bytes(), 80));
+                let _ = intercept::proxy_port(&rules, server);
+            }
         }
         // A live connection whose peer scribbles on the shared state between our calls.
         _ => {
