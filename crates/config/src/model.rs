@@ -361,6 +361,49 @@ pub struct Listener {
     /// TCP listeners: connections per second the listener admits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub connection_rate_limit: Option<ConnectionRateLimit>,
+    /// `qnp` listeners: the local workers and the rules that pick one for each request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qnp: Option<QnpListener>,
+}
+
+/// Local workers a `qnp` listener can dispatch to: the kernel dispatcher's socket array holds
+/// this many (`flatmesh_qnp::kernel_rsd::MAX_WORKERS`).
+pub const QNP_MAX_WORKERS: usize = 64;
+/// Bytes of skip-and-check rules a `qnp` listener may carry, inline or in its file. The
+/// Matcher's tables hold 512 entries, far fewer rules than fit in this.
+pub const QNP_MAX_RULES_BYTES: usize = 1 << 20;
+/// Client sessions a `qnp` listener may hold per worker thread, at most.
+pub const QNP_MAX_SESSIONS: usize = 65_536;
+
+/// A `qnp` listener's `qnp:` section (docs/qnp.md, "QNP in the node").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QnpListener {
+    /// The local workers' UDP addresses, in queue order: a rule's `-> Q` sends to
+    /// `workers[Q]`.
+    pub workers: Vec<SocketAddr>,
+    /// The skip-and-check rules, in the syntax `flatmesh qnp rules compile` reads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rules: Option<String>,
+    /// The same, in a file (read at load and at every reload).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rules_file: Option<std::path::PathBuf>,
+    /// A client's session with a worker (the node's socket towards it) closes after this long
+    /// without a packet either way (Envoy's udp_proxy `idle_timeout`).
+    #[serde(default = "default_qnp_idle_timeout", with = "crate::duration")]
+    pub idle_timeout: Duration,
+    /// Client sessions each worker thread of the node holds for this listener; a packet that
+    /// would open one more is dropped (and counted).
+    #[serde(default = "default_qnp_max_sessions")]
+    pub max_sessions: usize,
+}
+
+fn default_qnp_idle_timeout() -> Duration {
+    Duration::from_secs(60)
+}
+
+fn default_qnp_max_sessions() -> usize {
+    4096
 }
 
 /// An `hbone` listener's `hbone:`: the destinations its tunnels may reach. Without it (or
@@ -618,6 +661,9 @@ pub enum ListenerProtocol {
     /// HBONE tunnels in: HTTP/2 CONNECT streams over mutual TLS, each relayed to the
     /// destination its `:authority` names.
     Hbone,
+    /// QingNiao requests over UDP (docs/qnp.md), each dispatched to a local worker by
+    /// skip-and-check rules: in the kernel when tier K is attached, else in user space.
+    Qnp,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -2309,3 +2309,121 @@ fn allow_and_max_destinations_belong_to_original_dst_clusters() {
     let yaml = "listeners:\n  - { name: t, address: 127.0.0.1:15001, protocol: tcp, cluster: out }\nclusters:\n  - name: out\n";
     only(yaml, 4, 5, "has no endpoints");
 }
+
+/// A qnp listener; `qnp` (indented by 4) starts on line 5.
+fn qnp(section: &str) -> String {
+    format!(
+        "listeners:\n  - name: kv\n    address: 127.0.0.1:7000\n    protocol: qnp\n{section}{CLUSTERS}"
+    )
+}
+
+#[test]
+fn qnp_listeners() {
+    let ok = parse(
+        &qnp("    qnp:\n      workers: [ 127.0.0.1:7001, 127.0.0.1:7002 ]\n      rules: |\n        rule 1 0 0 \"a\" -> 0\n        default 1 0 -> 1\n"),
+        "t.yaml",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(ok.listeners[0].protocol, ListenerProtocol::Qnp);
+    let q = ok.listeners[0]
+        .qnp
+        .as_ref()
+        .unwrap_or_else(|| unreachable!());
+    assert_eq!(q.workers.len(), 2);
+    assert_eq!(q.idle_timeout, std::time::Duration::from_secs(60));
+    assert_eq!(q.max_sessions, 4096);
+    assert!(q
+        .rules
+        .as_deref()
+        .is_some_and(|r| r.contains("default 1 0 -> 1")));
+    // The JSON form (`/config`) parses back.
+    let back = parse(&ok.to_json(), "t.json").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(back, ok);
+
+    only(&qnp(""), 2, 5, "has no `qnp` section");
+    only(
+        &qnp("    qnp: { workers: [], rules_file: kv.rules }\n"),
+        5,
+        21,
+        "has no workers",
+    );
+    only(
+        &qnp("    qnp: { workers: [ 0.0.0.0:7001 ], rules_file: kv.rules }\n"),
+        5,
+        23,
+        "cannot be sent to",
+    );
+    only(
+        &qnp("    qnp: { workers: [ 127.0.0.1:7001, 127.0.0.1:7001 ], rules_file: kv.rules }\n"),
+        5,
+        39,
+        "listed twice",
+    );
+    only(
+        &qnp("    qnp: { workers: [ 127.0.0.1:7000 ], rules_file: kv.rules }\n"),
+        5,
+        23,
+        "requests would loop",
+    );
+    only(
+        &qnp("    qnp: { workers: [ 127.0.0.1:7001 ] }\n"),
+        5,
+        5,
+        "has no rules",
+    );
+    only(
+        &qnp("    qnp: { workers: [ 127.0.0.1:7001 ], rules: \"\", rules_file: kv.rules }\n"),
+        5,
+        52,
+        "sets both",
+    );
+    only(
+        &qnp("    qnp: { workers: [ 127.0.0.1:7001 ], rules_file: kv.rules, max_sessions: 0 }\n"),
+        5,
+        77,
+        "max_sessions is 0",
+    );
+    only(
+        &qnp("    qnp: { workers: [ 127.0.0.1:7001 ], rules_file: kv.rules, idle_timeout: 0s }\n"),
+        5,
+        77,
+        "is zero",
+    );
+    let many: Vec<String> = (0..=QNP_MAX_WORKERS)
+        .map(|k| format!("127.0.0.1:{}", 10_000 + k))
+        .collect();
+    only(
+        &qnp(&format!(
+            "    qnp: {{ workers: [ {} ], rules_file: kv.rules }}\n",
+            many.join(", ")
+        )),
+        5,
+        21,
+        "more than the 64",
+    );
+    let long = format!(
+        "    qnp:\n      workers: [ 127.0.0.1:7001 ]\n      rules: \"{}\"\n",
+        "#".repeat(QNP_MAX_RULES_BYTES + 1)
+    );
+    only(&qnp(&long), 7, 14, "bytes, more than");
+    // What a qnp listener does not use, and `qnp:` where it means nothing.
+    only(
+        &qnp("    cluster: db\n    qnp: { workers: [ 127.0.0.1:7001 ], rules_file: kv.rules }\n"),
+        5,
+        5,
+        "which it does not use",
+    );
+    only(
+        &format!("listeners:\n  - name: db\n    address: 127.0.0.1:5432\n    protocol: tcp\n    cluster: db\n    qnp: {{ workers: [ 127.0.0.1:7001 ], rules_file: kv.rules }}\n{CLUSTERS}"),
+        6,
+        5,
+        "only qnp listeners use",
+    );
+    // Its address clashes with another listener's like any listener's.
+    only(
+        &format!("listeners:\n  - name: db\n    address: 127.0.0.1:7000\n    protocol: tcp\n    cluster: db\n  - name: kv\n    address: 127.0.0.1:7000\n    protocol: qnp\n    qnp: {{ workers: [ 127.0.0.1:7001 ], rules_file: kv.rules }}\n{CLUSTERS}"),
+        7,
+        14,
+        "clashes with listener `db`",
+    );
+}

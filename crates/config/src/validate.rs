@@ -404,6 +404,7 @@ impl Checker<'_> {
                 ListenerProtocol::Http => self.http_listener(i, listener),
                 ListenerProtocol::Tcp => self.tcp_listener(i, listener),
                 ListenerProtocol::Hbone => self.hbone_listener(i, listener),
+                ListenerProtocol::Qnp => self.qnp_listener(i, listener),
             }
             self.listener_rate_limits(&at, listener);
             if listener.hbone.is_some() && listener.protocol != ListenerProtocol::Hbone {
@@ -412,6 +413,15 @@ impl Checker<'_> {
                     Target::Key,
                     format!("listener `{name}` sets `hbone`, which only hbone listeners use"),
                     "remove it, or set `protocol: hbone` to accept HBONE tunnels".into(),
+                );
+            }
+            if listener.qnp.is_some() && listener.protocol != ListenerProtocol::Qnp {
+                self.report(
+                    format!("{at}.qnp"),
+                    Target::Key,
+                    format!("listener `{name}` sets `qnp`, which only qnp listeners use"),
+                    "remove it, or set `protocol: qnp` to dispatch QNP requests to local workers"
+                        .into(),
                 );
             }
         }
@@ -634,6 +644,135 @@ impl Checker<'_> {
                     "write an address block (10.0.0.0/8), an IP (10.0.0.7) or an IP:PORT (10.0.0.7:8080)".into(),
                 );
             }
+        }
+    }
+
+    /// A `qnp` listener: local workers to dispatch to (concrete, distinct, not the listener
+    /// itself, at most [`QNP_MAX_WORKERS`]) and one source of rules, bounded. What the rules
+    /// say (their syntax, their queues, whether they fit the Matcher's tables) is checked when
+    /// they are compiled, at load and by `flatmesh check` (`flatmesh_qnp::listener`).
+    fn qnp_listener(&mut self, i: usize, listener: &Listener) {
+        let at = format!("listeners[{i}]");
+        let name = &listener.name;
+        for (key, set) in [
+            ("cluster", listener.cluster.is_some()),
+            ("routes", !listener.routes.is_empty()),
+            ("tls", listener.tls.is_some()),
+            ("authorization", listener.authorization.is_some()),
+            ("limits", !listener.limits.is_empty()),
+            ("normalize_path", listener.normalize_path.is_some()),
+            ("merge_slashes", listener.merge_slashes.is_some()),
+            (
+                "path_with_escaped_slashes_action",
+                listener.path_with_escaped_slashes_action.is_some(),
+            ),
+        ] {
+            if set {
+                self.report(
+                    format!("{at}.{key}"),
+                    Target::Key,
+                    format!("qnp listener `{name}` sets `{key}`, which it does not use"),
+                    "remove it: a qnp listener sends each request to one of `qnp.workers`, picked by `qnp.rules`".into(),
+                );
+            }
+        }
+        let Some(qnp) = &listener.qnp else {
+            self.report(
+                at,
+                Target::Key,
+                format!("qnp listener `{name}` has no `qnp` section"),
+                "add `qnp: { workers: [ 127.0.0.1:7001, 127.0.0.1:7002 ], rules_file: kv.rules }` (docs/qnp.md, \"QNP in the node\")".into(),
+            );
+            return;
+        };
+        let at = format!("{at}.qnp");
+        if qnp.workers.is_empty() {
+            self.report(
+                format!("{at}.workers"),
+                Target::Value,
+                format!("qnp listener `{name}` has no workers"),
+                "list the UDP addresses of the local workers, e.g. `workers: [ 127.0.0.1:7001 ]`; a rule's `-> Q` sends to the Q-th (from 0)".into(),
+            );
+        } else if qnp.workers.len() > QNP_MAX_WORKERS {
+            self.report(
+                format!("{at}.workers"),
+                Target::Value,
+                format!(
+                    "qnp listener `{name}` has {} workers, more than the {QNP_MAX_WORKERS} a dispatcher can choose from",
+                    qnp.workers.len()
+                ),
+                format!("list at most {QNP_MAX_WORKERS} workers"),
+            );
+        }
+        for (k, worker) in qnp.workers.iter().enumerate() {
+            let path = format!("{at}.workers[{k}]");
+            if worker.ip().is_unspecified() || worker.port() == 0 {
+                self.report(
+                    path,
+                    Target::Value,
+                    format!("worker {worker} cannot be sent to"),
+                    "write the worker's concrete IP and port, e.g. 127.0.0.1:7001".into(),
+                );
+            } else if let Some(first) = qnp.workers[..k].iter().position(|w| w == worker) {
+                self.report_duplicate(
+                    path,
+                    format!("{at}.workers[{first}]"),
+                    format!("worker {worker} is listed twice"),
+                    "list each worker once: its position is the queue number rules send to".into(),
+                );
+            } else if addresses_clash(listener.address, *worker) {
+                self.report(
+                    path,
+                    Target::Value,
+                    format!(
+                        "worker {worker} is the listener's own address {}: requests would loop",
+                        listener.address
+                    ),
+                    "give the worker its own port".into(),
+                );
+            }
+        }
+        match (&qnp.rules, &qnp.rules_file) {
+            (Some(_), Some(_)) => self.report(
+                format!("{at}.rules_file"),
+                Target::Key,
+                format!("qnp listener `{name}` sets both `rules` and `rules_file`"),
+                "keep one: the rules inline, or the path of a rule file".into(),
+            ),
+            (None, None) => self.report(
+                at.clone(),
+                Target::Key,
+                format!("qnp listener `{name}` has no rules: every request would be dropped"),
+                "add `rules: |` with lines such as `rule 1 0 0 \"a\" -> 0` and `default 1 0 -> 1`, or `rules_file: PATH` (docs/qnp.md, \"Skip-and-check rules\")".into(),
+            ),
+            (Some(text), None) if text.len() > QNP_MAX_RULES_BYTES => self.report(
+                format!("{at}.rules"),
+                Target::Value,
+                format!(
+                    "the rules are {} bytes, more than {QNP_MAX_RULES_BYTES}",
+                    text.len()
+                ),
+                "the Matcher's tables hold 512 entries: keep the rules that far shorter".into(),
+            ),
+            (_, Some(path)) if path.as_os_str().is_empty() => self.report(
+                format!("{at}.rules_file"),
+                Target::Value,
+                "qnp.rules_file is empty".into(),
+                "write the path of the rule file".into(),
+            ),
+            _ => {}
+        }
+        self.positive_duration(&format!("{at}.idle_timeout"), qnp.idle_timeout);
+        if qnp.max_sessions == 0 || qnp.max_sessions > QNP_MAX_SESSIONS {
+            self.report(
+                format!("{at}.max_sessions"),
+                Target::Value,
+                format!(
+                    "qnp.max_sessions is {}: it must be between 1 and {QNP_MAX_SESSIONS}",
+                    qnp.max_sessions
+                ),
+                "leave it out for the default, 4096".into(),
+            );
         }
     }
 
@@ -2347,6 +2486,7 @@ mod tests {
                 hbone: None,
                 rate_limit: None,
                 connection_rate_limit: None,
+                qnp: None,
             }],
             clusters: vec![],
             kernel: None,

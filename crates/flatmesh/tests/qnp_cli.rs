@@ -295,3 +295,63 @@ fn bench_smoke_run_pins_every_mode_and_reports_cpu() {
         text(&out.stderr)
     );
 }
+
+/// `flatmesh check` compiles a qnp listener's rules as the node does: `--explain` prints the
+/// Matcher image `rules compile --explain` prints for the same rules, and a rule that names a
+/// worker the listener does not list is refused with its line.
+#[test]
+fn check_explain_shows_a_qnp_listener_s_image() {
+    let dir = Scratch::new("check");
+    let rules = examples().join("rules/example.rules").display().to_string();
+    let image = dir.path("example.img");
+    let compiled = flatmesh(&[
+        "qnp",
+        "rules",
+        "compile",
+        &rules,
+        "--image",
+        &image,
+        "--explain",
+    ]);
+    assert!(compiled.status.success(), "{}", text(&compiled.stderr));
+    let explained = text(&compiled.stdout);
+    let image_text = &explained[..explained.find("wrote ").unwrap()];
+    let queues = std::fs::read_to_string(&rules)
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.rsplit_once("->"))
+        .filter_map(|(_, q)| q.trim().parse::<usize>().ok())
+        .max()
+        .unwrap();
+    let workers: Vec<String> = (0..=queues)
+        .map(|q| format!("127.0.0.1:{}", 7101 + q))
+        .collect();
+    let config = |rules_file: &str| {
+        format!(
+            "listeners:\n  - name: kv\n    address: 127.0.0.1:7100\n    protocol: qnp\n    qnp: {{ workers: [ {} ], rules_file: {rules_file} }}\n",
+            workers.join(", ")
+        )
+    };
+    let ok = dir.write("ok.yaml", &config(&rules));
+    let out = flatmesh(&["check", "--config", &ok, "--explain"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}{stdout}", text(&out.stderr));
+    assert!(
+        stdout.contains("listener 0 `kv` qnp 127.0.0.1:7100"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("qnp listener `kv`:"), "{stdout}");
+    assert!(
+        stdout.contains(image_text),
+        "the image differs from `rules compile --explain`:\n{stdout}"
+    );
+
+    let bad = dir.write("bad.rules", "default 1 0 -> 0\nrule 1 0 0 \"a\" -> 99\n");
+    let out = flatmesh(&["check", "--config", &dir.write("bad.yaml", &config(&bad))]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("bad.rules:2:") && err.contains("queue 99"),
+        "{err}"
+    );
+}

@@ -20,6 +20,7 @@ use crate::error::ProxyError;
 use crate::kernel::KernelBinding;
 use crate::listener::bind_group;
 use crate::metrics::{Metrics, RouteTiers};
+use crate::qnp::{QnpGroup, QnpSocket};
 use crate::snapshot::Snapshot;
 use crate::upstream::Upstreams;
 use crate::worker::{Command, ListenerKey, WorkerHandle};
@@ -47,6 +48,8 @@ pub struct ReloadStatus {
 pub(crate) struct State {
     pub snapshot: Arc<Snapshot>,
     pub bound: HashMap<ListenerKey, Bound>,
+    /// The qnp listeners' socket groups and kernel dispatchers (`crate::qnp`).
+    pub qnp: HashMap<ListenerKey, QnpGroup>,
     pub status: ReloadStatus,
 }
 
@@ -198,11 +201,36 @@ impl Shared {
         };
         // Bind new listeners first: if one fails, nothing has changed yet.
         let mut new_sockets = Vec::new();
+        let mut new_qnp = Vec::new();
         for (key, name) in &wanted {
-            if !state.bound.contains_key(key) {
-                let (actual, sockets) =
-                    bind_group(&format!("listener `{name}`"), key.0, self.workers.len())?;
-                new_sockets.push((*key, name.to_string(), actual, sockets));
+            if state.bound.contains_key(key) {
+                continue;
+            }
+            match qnp_plan(&snapshot, *key) {
+                Some(plan) => {
+                    let (group, sockets) = QnpGroup::bind(
+                        name,
+                        key.0,
+                        &plan,
+                        self.workers.len(),
+                        // Its dispatcher is a program of its own, which the config's
+                        // `kernel:` section asks for, whatever else of tier K is attached.
+                        snapshot.config.kernel.is_some(),
+                    )?;
+                    new_qnp.push((*key, name.to_string(), group, sockets));
+                }
+                None => {
+                    let (actual, sockets) =
+                        bind_group(&format!("listener `{name}`"), key.0, self.workers.len())?;
+                    new_sockets.push((*key, name.to_string(), actual, sockets));
+                }
+            }
+        }
+        // qnp listeners that tier K dispatches get a socket for each worker the reload adds.
+        let mut grown: Vec<(ListenerKey, Vec<QnpSocket>)> = Vec::new();
+        for (key, group) in state.qnp.iter_mut() {
+            if let Some(plan) = qnp_plan(&snapshot, *key) {
+                grown.push((*key, group.grow(&plan)?));
             }
         }
         if let Some(tracer) = tracer {
@@ -226,6 +254,21 @@ impl Shared {
             }
             state.bound.insert(key, Bound { name, actual });
         }
+        for (key, name, group, sockets) in new_qnp {
+            send_qnp(&self.workers, key, sockets);
+            let actual = group.actual;
+            state.qnp.insert(key, group);
+            state.bound.insert(key, Bound { name, actual });
+        }
+        for (key, sockets) in grown {
+            send_qnp(&self.workers, key, sockets);
+        }
+        // The kernel dispatchers take the new rules once the user-space side has them.
+        for (key, group) in state.qnp.iter_mut() {
+            if let Some(plan) = qnp_plan(&snapshot, *key) {
+                group.install(&plan);
+            }
+        }
         let removed: Vec<ListenerKey> = state
             .bound
             .keys()
@@ -237,6 +280,8 @@ impl Shared {
                 w.send(Command::Unlisten { key });
             }
             state.bound.remove(&key);
+            // Its sockets close as the workers drop them, which detaches the program.
+            state.qnp.remove(&key);
         }
         for (key, name) in &wanted {
             if let Some(b) = state.bound.get_mut(key) {
@@ -303,6 +348,19 @@ fn warn_if_everything_goes(old: &Snapshot, new: &Snapshot) {
             after,
             "this reload removes more than half of the node's routes"
         );
+    }
+}
+
+/// The plan of the qnp listener at `key` in `snapshot`, if it is one.
+fn qnp_plan(snapshot: &Snapshot, key: ListenerKey) -> Option<Arc<crate::qnp::QnpPlan>> {
+    let lid = snapshot.listener_at(key.0, key.1)?;
+    snapshot.listeners[lid].qnp.clone()
+}
+
+/// Hands a qnp listener's sockets to the workers, round robin.
+pub(crate) fn send_qnp(workers: &[WorkerHandle], key: ListenerKey, sockets: Vec<QnpSocket>) {
+    for (w, socket) in workers.iter().cycle().zip(sockets) {
+        w.send(Command::ListenQnp { key, socket });
     }
 }
 

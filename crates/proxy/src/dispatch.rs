@@ -68,6 +68,8 @@ pub(crate) async fn serve(ctx: Arc<ConnContext>, stream: TcpStream) {
         }
         // Validation requires an hbone listener's `tls`: never tunnel in the clear.
         (ListenerProtocol::Hbone, None) => {}
+        // A qnp listener's sockets are UDP (`crate::qnp`): no connection ever comes here.
+        (ListenerProtocol::Qnp, None) => {}
         (ListenerProtocol::Http, None) => match &ctx.kernel {
             Some(k) if plan.is_some_and(|l| l.kernel_l7) => {
                 let k = k.clone();
@@ -214,6 +216,8 @@ async fn serve_tls(
                 crate::hbone::server::serve(ctx, stream, snapshot.clone(), lid).await
             }
         }
+        // Validation refuses `tls` on a qnp listener, whose sockets are UDP anyway.
+        ListenerProtocol::Qnp => {}
     }
 }
 

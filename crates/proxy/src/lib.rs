@@ -11,13 +11,15 @@
 //! HTTP/1 codec (`h1/`) or the HTTP/2 codec (`h2/`, on hyper), thin adapters over the
 //! codec-neutral L7 layer (`l7/`: decide, retry driver, error type, replies) → `lb.rs` picks
 //! an endpoint and `upstream.rs` a pooled connection (a socket, or for a tunnel cluster an
-//! HBONE stream: `upstream/transport.rs`) → the response streams back.
+//! HBONE stream: `upstream/transport.rs`) → the response streams back. A QNP request (UDP)
+//! takes `qnp/`: decided by the kernel's sk_reuseport program or by the user-space matcher,
+//! then relayed to its local worker through the client's session.
 //!
 //! Files depend on each other in one direction only: base pieces (`snapshot`, `metrics`,
 //! `lb`, `tap`, `relay`, `read_ahead` (under TLS), `sniff`, `body`, `trailers`, the HTTP/1 framing in `h1/head`, `h1/chunked`, `h1/body`)
 //! → HBONE's stream and tunnel pool (`hbone/stream`, `hbone/pool`) → the upstream transport
 //! (`upstream/transport`) → upstream pools and clients (`h1/pool`, `h1/client`, `h2/client`, `upstream`) and tier K
-//! (`kernel/`) → `workload` → `context` → the L7 layer (`l7/`) and the L4 relay (`tcp`, `hbone/client`, `hbone/server`) → the codecs'
+//! (`kernel/`) → `workload` → `context` → the L7 layer (`l7/`), the L4 relay (`tcp`, `hbone/client`, `hbone/server`) and the QNP relay (`qnp/serve`, `qnp/session`, `qnp/group`; the plan in `qnp/mod` is a base piece of `snapshot`) → the codecs'
 //! server sides (`h1/conn`, `h2`) → `dispatch` → `worker` → `control` → `admin`, `node`.
 // One exception, with its SAFETY note: `limits::release_free_heap` (glibc's malloc_trim).
 #![deny(unsafe_code)]
@@ -45,6 +47,7 @@ pub mod logging;
 mod metrics;
 mod node;
 mod original_dst;
+mod qnp;
 mod read_ahead;
 mod relay;
 mod resilience;

@@ -502,6 +502,7 @@ mod tests {
             hbone: None,
             rate_limit: None,
             connection_rate_limit: None,
+            qnp: None,
         }
     }
 

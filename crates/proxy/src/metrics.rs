@@ -165,6 +165,101 @@ pub struct ListenerStats {
     pub tls: TlsCounts,
     /// hbone listeners: CONNECT streams relayed, and refused by reason.
     pub hbone: StreamCounts,
+    /// qnp listeners: requests dispatched and packets dropped (created by the first
+    /// snapshot that has the listener as a qnp listener).
+    pub qnp: std::sync::OnceLock<QnpCounts>,
+}
+
+/// Why a qnp listener dropped a packet: the `reason` label of
+/// `flatmesh_qnp_packets_dropped_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QnpDrop {
+    /// Not a QNP packet (shorter than the header).
+    Malformed = 0,
+    /// No rule and no default for its app and type, or a follow-on packet whose first
+    /// packet this socket did not see.
+    NoRule,
+    /// Its queue names no worker of the config in force (a reload removed it).
+    NoWorker,
+    /// It would open one more client session than `qnp.max_sessions`.
+    SessionsFull,
+    /// Sending it to the worker failed (the worker's socket is closed, say).
+    SendFailed,
+}
+
+impl QnpDrop {
+    const ALL: [QnpDrop; 5] = [
+        QnpDrop::Malformed,
+        QnpDrop::NoRule,
+        QnpDrop::NoWorker,
+        QnpDrop::SessionsFull,
+        QnpDrop::SendFailed,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            QnpDrop::Malformed => "malformed",
+            QnpDrop::NoRule => "no_rule",
+            QnpDrop::NoWorker => "no_worker",
+            QnpDrop::SessionsFull => "sessions_full",
+            QnpDrop::SendFailed => "send_failed",
+        }
+    }
+}
+
+/// A qnp listener's counters. The worker label is bounded by
+/// `flatmesh_config::QNP_MAX_WORKERS`, the tier label by two values.
+pub struct QnpCounts {
+    /// Requests (first packets) sent to each worker: user-space decisions, then the
+    /// kernel's, `QNP_MAX_WORKERS` each.
+    requests: Box<[WorkerCounter]>,
+    dropped: [WorkerCounter; 5],
+    /// Client sessions opened towards the workers.
+    pub sessions: WorkerCounter,
+}
+
+impl QnpCounts {
+    fn new(workers: usize) -> QnpCounts {
+        QnpCounts {
+            requests: (0..2 * flatmesh_config::QNP_MAX_WORKERS)
+                .map(|_| WorkerCounter::new(workers))
+                .collect(),
+            dropped: std::array::from_fn(|_| WorkerCounter::new(workers)),
+            sessions: WorkerCounter::new(workers),
+        }
+    }
+
+    /// Counts a request that `worker` (a thread of the node) sent to queue `queue`, decided in
+    /// the kernel or in user space.
+    #[inline]
+    pub fn request(&self, worker: usize, queue: u8, kernel: bool) {
+        let i = usize::from(kernel) * flatmesh_config::QNP_MAX_WORKERS + usize::from(queue);
+        if let Some(c) = self.requests.get(i) {
+            c.add(worker, 1);
+        }
+    }
+
+    #[inline]
+    pub fn dropped(&self, worker: usize, why: QnpDrop) {
+        self.dropped[why as usize].add(worker, 1);
+    }
+
+    /// Requests sent so far, per (queue, tier), for tests and `/metrics`.
+    pub fn requests(&self) -> Vec<(u8, &'static str, u64)> {
+        let per = flatmesh_config::QNP_MAX_WORKERS;
+        self.requests
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                (
+                    (i % per) as u8,
+                    if i < per { "user" } else { "kernel" },
+                    c.sum(),
+                )
+            })
+            .filter(|(_, _, n)| *n > 0)
+            .collect()
+    }
 }
 
 /// HBONE CONNECT streams on one side, a listener's (tunnels in) or a cluster's (tunnels
@@ -288,6 +383,62 @@ fn tls_families<'a>(
         &format!("{prefix}handshake_failures"),
         &format!("TLS handshakes with {side} that failed, by reason"),
         &failed,
+    )
+}
+
+/// The qnp listeners' families: requests per worker and tier, drops per reason, sessions.
+fn qnp_families(
+    enc: &mut DescriptorEncoder,
+    listeners: &[(String, Arc<ListenerStats>)],
+) -> Result<(), std::fmt::Error> {
+    let qnp: Vec<(&str, &QnpCounts)> = listeners
+        .iter()
+        .filter_map(|(n, s)| Some((n.as_str(), s.qnp.get()?)))
+        .collect();
+    let mut requests = Vec::new();
+    for (n, q) in &qnp {
+        for (queue, tier, v) in q.requests() {
+            requests.push((
+                [
+                    ("listener", (*n).to_owned()),
+                    ("worker", queue.to_string()),
+                    ("tier", tier.to_owned()),
+                ],
+                v,
+            ));
+        }
+    }
+    counter(
+        enc,
+        "flatmesh_qnp_requests",
+        "QNP requests a qnp listener sent to each of its workers (by index), by the tier that decided",
+        &requests,
+    )?;
+    let mut dropped = Vec::new();
+    for (n, q) in &qnp {
+        for why in QnpDrop::ALL {
+            let v = q.dropped[why as usize].sum();
+            if v > 0 {
+                dropped.push(([("listener", *n), ("reason", why.label())], v));
+            }
+        }
+    }
+    counter(
+        enc,
+        "flatmesh_qnp_packets_dropped",
+        "Packets a qnp listener dropped in user space, by reason (the kernel dispatcher's drops are not counted)",
+        &dropped,
+    )?;
+    let sessions: Vec<_> = qnp
+        .iter()
+        .map(|(n, q)| ([("listener", *n)], q.sessions.sum()))
+        .filter(|(_, v)| *v > 0)
+        .collect();
+    counter(
+        enc,
+        "flatmesh_qnp_sessions",
+        "Client sessions a qnp listener opened towards its workers",
+        &sessions,
     )
 }
 
@@ -498,6 +649,7 @@ impl Metrics {
                     kernel_spliced: WorkerCounter::new(w),
                     tls: TlsCounts::new(w),
                     hbone: StreamCounts::new(w),
+                    qnp: std::sync::OnceLock::new(),
                 })
             })
             .clone()
@@ -520,6 +672,11 @@ impl Metrics {
                 })
             })
             .clone()
+    }
+
+    /// The qnp counters of a listener, created on first use (a snapshot build, never a packet).
+    pub fn qnp_counts<'a>(&self, stats: &'a ListenerStats) -> &'a QnpCounts {
+        stats.qnp.get_or_init(|| QnpCounts::new(self.workers))
     }
 
     /// Keep only the series `keep` uses: a reload drops those of what it removed. Requests
@@ -769,6 +926,7 @@ impl Collector for Scrape {
             "listener",
             listeners.iter().map(|(n, s)| (n.as_str(), &s.hbone)),
         )?;
+        qnp_families(&mut enc, &listeners)?;
 
         let mut clusters: Vec<_> = m
             .clusters

@@ -12,12 +12,13 @@ use parking_lot::Mutex;
 
 use crate::access_log::AccessLog;
 use crate::context::WorkerView;
-use crate::control::{kernel_plan, Bound, Shared, State};
+use crate::control::{kernel_plan, send_qnp, Bound, Shared, State};
 pub use crate::control::{ConfigSource, ReloadStatus};
 use crate::drain::{DrainSignal, Draining};
 use crate::error::ProxyError;
 use crate::listener::bind_group;
 use crate::metrics::Metrics;
+use crate::qnp::QnpGroup;
 use crate::snapshot::Snapshot;
 use crate::upstream::Upstreams;
 use crate::worker::{self, Command};
@@ -60,7 +61,7 @@ impl Node {
         let (admin_socket, admin) = crate::admin::bind(&snapshot.config.admin)?;
         let mut bound = HashMap::new();
         let mut sockets = Vec::new();
-        for l in &snapshot.listeners {
+        for l in snapshot.listeners.iter().filter(|l| l.qnp.is_none()) {
             let (actual, group) =
                 bind_group(&format!("listener `{}`", l.name), l.address, workers)?;
             bound.insert(
@@ -91,6 +92,32 @@ impl Node {
                     .count_kernel_drops(Box::new(move || k.conn_limit_drops()));
             }
         }
+        // qnp listeners: a UDP socket group each, dispatched by their own sk_reuseport program
+        // when the config has a `kernel:` section (`crate::qnp`).
+        let mut qnp = HashMap::new();
+        let mut qnp_sockets = Vec::new();
+        for l in &snapshot.listeners {
+            let Some(plan) = &l.qnp else {
+                continue;
+            };
+            let key = (l.address, l.protocol);
+            let (group, sockets) = QnpGroup::bind(
+                &l.name,
+                l.address,
+                plan,
+                workers,
+                snapshot.config.kernel.is_some(),
+            )?;
+            bound.insert(
+                key,
+                Bound {
+                    name: l.name.clone(),
+                    actual: group.actual,
+                },
+            );
+            qnp.insert(key, group);
+            qnp_sockets.push((key, sockets));
+        }
         let drain = DrainSignal::new();
         let mut handles = Vec::with_capacity(workers);
         for id in 0..workers {
@@ -111,6 +138,7 @@ impl Node {
         let state = State {
             snapshot,
             bound,
+            qnp,
             status: ReloadStatus::default(),
         };
         // Maps before listening: the first connection already finds its routes and ports.
@@ -121,6 +149,9 @@ impl Node {
             for (w, socket) in handles.iter().zip(group) {
                 w.send(Command::Listen { key, socket });
             }
+        }
+        for (key, sockets) in qnp_sockets {
+            send_qnp(&handles, key, sockets);
         }
         let shared = Arc::new(Shared {
             metrics,

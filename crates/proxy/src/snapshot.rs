@@ -72,6 +72,8 @@ pub struct ListenerPlan {
     /// listeners (streams by destination workload): per workload, then for none. Empty
     /// without `workloads:`.
     pub workload_stats: Vec<Arc<WorkerCounter>>,
+    /// qnp listeners: their workers and checked rules (`crate::qnp`).
+    pub qnp: Option<Arc<crate::qnp::QnpPlan>>,
 }
 
 /// What a rate limit's buckets are told apart by, ready for the request path.
@@ -315,7 +317,7 @@ impl Snapshot {
                     .tcp_cluster(lid)
                     .is_some_and(|c| clusters[c].tunnel_port.is_some()),
                 ListenerProtocol::Hbone => true,
-                ListenerProtocol::Http => false,
+                ListenerProtocol::Http | ListenerProtocol::Qnp => false,
             };
             let workload_stats = if by_workload && !workloads.is_empty() {
                 workloads
@@ -326,7 +328,17 @@ impl Snapshot {
             } else {
                 Vec::new()
             };
+            let stats = series.listener(metrics, &l.name);
+            let qnp = match l.protocol {
+                ListenerProtocol::Qnp => Some(Arc::new(crate::qnp::QnpPlan::build(
+                    l,
+                    stats.clone(),
+                    metrics,
+                )?)),
+                _ => None,
+            };
             listeners.push(ListenerPlan {
+                qnp,
                 workload_stats,
                 rate_limit,
                 route_limits,
@@ -336,7 +348,7 @@ impl Snapshot {
                 name: l.name.clone(),
                 address: l.address,
                 protocol: l.protocol,
-                stats: series.listener(metrics, &l.name),
+                stats,
                 route_stats,
                 no_route_stats: series.requests(metrics, &l.name, "none", ""),
                 kernel_l7: program.kernel().l7_listener() == Some(lid),

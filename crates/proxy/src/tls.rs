@@ -112,7 +112,7 @@ impl ListenerTlsPlan {
         let alpn: &[&[u8]] = match protocol {
             ListenerProtocol::Http => &HTTP_ALPN,
             ListenerProtocol::Hbone => &[flatmesh_identity::tls::ALPN_H2],
-            ListenerProtocol::Tcp => &[],
+            ListenerProtocol::Tcp | ListenerProtocol::Qnp => &[],
         };
         let config = server_config(&svid, client_auth, alpn).map_err(identity_error(&at))?;
         Ok(ListenerTlsPlan {

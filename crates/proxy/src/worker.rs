@@ -28,6 +28,11 @@ pub enum Command {
         key: ListenerKey,
         socket: std::net::TcpListener,
     },
+    /// One more socket of a qnp listener to serve (a worker may serve several).
+    ListenQnp {
+        key: ListenerKey,
+        socket: crate::qnp::QnpSocket,
+    },
     Unlisten {
         key: ListenerKey,
     },
@@ -124,7 +129,7 @@ fn run(services: Accepting, mut rx: mpsc::UnboundedReceiver<Command>) {
         let trimming = (id == 0).then(|| {
             tokio::spawn(crate::limits::trim_after_bursts(shared.budget.clone()))
         });
-        let mut accepting: HashMap<ListenerKey, tokio::task::JoinHandle<()>> = HashMap::new();
+        let mut accepting: HashMap<ListenerKey, Vec<tokio::task::JoinHandle<()>>> = HashMap::new();
         let mut drain = Duration::ZERO;
         let mut stopped_accepting = false;
         loop {
@@ -136,7 +141,7 @@ fn run(services: Accepting, mut rx: mpsc::UnboundedReceiver<Command>) {
                 // The drain stops accepting at once: the listening sockets close.
                 _ = draining.begun(), if !stopped_accepting => {
                     stopped_accepting = true;
-                    for (_, task) in accepting.drain() {
+                    for task in accepting.drain().flat_map(|(_, tasks)| tasks) {
                         task.abort();
                     }
                     continue;
@@ -144,18 +149,22 @@ fn run(services: Accepting, mut rx: mpsc::UnboundedReceiver<Command>) {
             };
             match command {
                 // A listener that a reload adds during the drain is not opened.
-                Command::Listen { .. } if stopped_accepting => {}
+                Command::Listen { .. } | Command::ListenQnp { .. } if stopped_accepting => {}
                 Command::Listen { key, socket } => match tokio::net::TcpListener::from_std(socket) {
                     Ok(listener) => {
                         let task = tokio::spawn(accept_loop(key, listener, shared.clone()));
-                        if let Some(old) = accepting.insert(key, task) {
+                        for old in accepting.insert(key, vec![task]).into_iter().flatten() {
                             old.abort();
                         }
                     }
                     Err(err) => tracing::error!(worker = id, address = %key.0, error = %err, "cannot use listening socket"),
                 },
+                Command::ListenQnp { key, socket } => {
+                    let task = tokio::spawn(crate::qnp::serve(key, socket, id, shared.view.clone()));
+                    accepting.entry(key).or_default().push(task);
+                }
                 Command::Unlisten { key } => {
-                    if let Some(task) = accepting.remove(&key) {
+                    for task in accepting.remove(&key).into_iter().flatten() {
                         task.abort();
                     }
                 }
@@ -165,7 +174,7 @@ fn run(services: Accepting, mut rx: mpsc::UnboundedReceiver<Command>) {
                 }
             }
         }
-        for task in accepting.into_values().chain(trimming) {
+        for task in accepting.into_values().flatten().chain(trimming) {
             task.abort();
         }
         // Let in-flight connections finish, up to the drain time.

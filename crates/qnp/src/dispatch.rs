@@ -143,8 +143,9 @@ impl Rsd {
     }
 }
 
-/// Refuses rules that send to a queue no worker serves: their requests would vanish.
-fn check_queues(set: &RuleSet, workers: usize) -> Result<(), QnpError> {
+/// Refuses rules that send to a queue no worker serves: their requests would vanish. `file`
+/// names the rules in the error.
+pub(crate) fn check_queues(file: &str, set: &RuleSet, workers: usize) -> Result<(), QnpError> {
     let too_far = set
         .rules
         .iter()
@@ -158,10 +159,10 @@ fn check_queues(set: &RuleSet, workers: usize) -> Result<(), QnpError> {
     match too_far {
         None => Ok(()),
         Some((q, line, what)) => Err(QnpError::Rules {
-            file: "dispatch rules".into(),
+            file: file.into(),
             line,
             msg: format!(
-                "the {what} sends to queue {q} but the server has {workers} worker(s), queues 0..={}; send to an existing queue or start more workers",
+                "the {what} sends to queue {q} but there are {workers} worker(s), queues 0..={}; send to an existing queue or add workers",
                 workers.saturating_sub(1)
             ),
         }),
@@ -367,7 +368,7 @@ impl DispatchServer {
     ) -> Result<DispatchServer, QnpError> {
         cfg.validate()?;
         let workers = workers.max(1);
-        check_queues(&rsd.rules(), workers)?;
+        check_queues("dispatch rules", &rsd.rules(), workers)?;
         let direct = matches!(mode, Mode::Reuseport | Mode::Kernel);
         let dispatchers = if direct { 0 } else { dispatchers.max(1) };
         // Lower before binding anything, so rules the kernel cannot run fail early.
@@ -491,7 +492,7 @@ impl DispatchServer {
     /// matcher, and in kernel mode the program's maps); other apps' traffic is not disturbed.
     /// In kernel mode the new rules are lowered first, so rules that do not fit change nothing.
     pub fn reconfigure_app(&self, app_id: u8, app_rules: &RuleSet) -> Result<(), QnpError> {
-        check_queues(app_rules, self.counters.handled.len())?;
+        check_queues("dispatch rules", app_rules, self.counters.handled.len())?;
         if let Some(kernel) = &self.kernel {
             // One reconfiguration at a time: the kernel maps and the rules change together.
             let mut kernel = kernel.lock();

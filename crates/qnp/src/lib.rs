@@ -10,6 +10,7 @@
 //!   (shared with tier N of the rule program: `flatmesh_rules::image`), and `rules eval` inputs.
 //! - [`kernel_rsd`]: the sk_reuseport eBPF dispatcher and the lowering of rules into its maps.
 //! - [`dispatch`]: receive-side dispatch across per-core shared-nothing workers.
+//! - [`listener`]: the rules of a node's `qnp` listener, read and checked (crates/proxy runs it).
 //! - [`cpu`]: pinning threads to CPUs.
 //! - [`apps`]: generated messages of the example applications.
 //!
@@ -24,6 +25,7 @@ pub mod header;
 pub mod idl;
 pub mod image;
 pub mod kernel_rsd;
+pub mod listener;
 pub mod rules;
 pub mod tlv;
 pub mod transport;

@@ -197,7 +197,7 @@ fn rules_for_queues_no_worker_serves_are_refused() {
     assert!(matches!(e, QnpError::Rules { line: 2, .. }), "{e}");
     assert!(
         e.to_string()
-            .contains("queue 2 but the server has 2 worker(s), queues 0..=1"),
+            .contains("queue 2 but there are 2 worker(s), queues 0..=1"),
         "{e}"
     );
     let e = start("default 1 0 -> 5\n").err().unwrap();

@@ -67,6 +67,29 @@ impl RuleProgram {
                     explain_authz(&mut out, l);
                     self.explain_listener_rate_limit(&mut out, l, node);
                 }
+                TableKind::Qnp(rule) => {
+                    let _ = writeln!(
+                        out,
+                        "listener {lid} `{}` qnp {}: skip-and-check rules over {} workers (their image: below, after the program)",
+                        l.name, l.address, rule.workers
+                    );
+                    let (tier, why) = qnp_place(&rule.placement);
+                    let row = vec![
+                        "*".into(),
+                        l.name.clone(),
+                        "first packet: app, type, TLV field bytes".into(),
+                        format!(
+                            "send to one of workers 0..={} by the rules",
+                            rule.workers.saturating_sub(1)
+                        ),
+                        rule.placement.eligible.label(),
+                        if tier == Tier::Kernel { "image" } else { "-" }.into(),
+                        "image".into(),
+                        tier.to_string(),
+                        why.into_owned(),
+                    ];
+                    table(&mut out, &header, &[row]);
+                }
                 TableKind::Hbone(rule) => {
                     let _ = writeln!(
                         out,
@@ -365,6 +388,21 @@ impl RuleProgram {
                         "authorization": l.authz.as_ref().map(|a| a.summary()),
                         "rate_limit": l.rate_limit,
                         "rate_limit_tier": l.rate_limit.as_ref().map(|_| self.conn_limit_tier(l, node).as_str()),
+                    })
+                }
+                TableKind::Qnp(rule) => {
+                    let (tier, reason) = qnp_place(&rule.placement);
+                    json!({
+                        "id": id,
+                        "name": l.name,
+                        "address": l.address.to_string(),
+                        "protocol": "qnp",
+                        "rule": {
+                            "action": { "dispatch": { "workers": rule.workers } },
+                            "eligible": rule.placement.eligible,
+                            "tier": tier,
+                            "reason": reason,
+                        },
                     })
                 }
                 TableKind::Hbone(rule) => {
@@ -852,4 +890,12 @@ fn describe_outlier(o: &flatmesh_config::OutlierDetection) -> String {
         duration::format(&o.base_ejection_time),
         o.max_ejection_percent,
     )
+}
+
+/// Where a qnp listener's rules run: tier K's sk_reuseport program is a program of its own,
+/// loaded per listener when the config has a `kernel:` section, whatever else of tier K the
+/// node attached. A node that cannot load it for a listener says so once in its log and
+/// counts that listener's requests with `tier="user"` (`flatmesh_qnp_requests_total`).
+fn qnp_place(p: &crate::Placement) -> (Tier, std::borrow::Cow<'static, str>) {
+    (p.tier, p.reason.to_string().into())
 }

@@ -40,7 +40,7 @@ pub use lower::{Lowering, Verdict};
 pub use matcher::RuleMatch;
 pub use normalize::{Normalized, PathNormalization, PathRejection};
 pub use program::{
-    compile, ClusterInfo, CompiledRoute, HboneRule, HttpTable, ListenerTable, RouteAction,
+    compile, ClusterInfo, CompiledRoute, HboneRule, HttpTable, ListenerTable, QnpRule, RouteAction,
     RuleProgram, TableKind, TcpRule,
 };
 pub use reason::Reason;

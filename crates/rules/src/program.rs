@@ -100,6 +100,17 @@ pub enum TableKind {
     Http(HttpTable),
     /// HBONE tunnels in: each CONNECT stream goes to the destination it names.
     Hbone(HboneRule),
+    /// QNP requests in: each goes to one of the listener's local workers, picked by its
+    /// skip-and-check rules. The rules themselves are QingNiao's (`flatmesh_qnp::listener`
+    /// reads and compiles them into the Matcher image); this table says where they run.
+    Qnp(QnpRule),
+}
+
+/// A qnp listener's dispatch: its workers, and the tier its skip-and-check rules run in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QnpRule {
+    pub workers: usize,
+    pub placement: Placement,
 }
 
 /// An hbone listener's one rule: deliver each stream to its (allowed) destination.
@@ -273,7 +284,7 @@ impl RuleProgram {
     pub fn tcp_cluster(&self, listener: ListenerId) -> Option<ClusterId> {
         match &self.listeners.get(listener)?.kind {
             TableKind::Tcp(rule) => Some(rule.cluster),
-            TableKind::Http(_) | TableKind::Hbone(_) => None,
+            TableKind::Http(_) | TableKind::Hbone(_) | TableKind::Qnp(_) => None,
         }
     }
 }
@@ -323,6 +334,10 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
             ListenerProtocol::Hbone => TableKind::Hbone(HboneRule {
                 placement: UNPLACED,
             }),
+            ListenerProtocol::Qnp => TableKind::Qnp(QnpRule {
+                workers: l.qnp.as_ref().map_or(0, |q| q.workers.len()),
+                placement: qnp_placement(cfg),
+            }),
         };
         listeners.push(ListenerTable {
             name: l.name.clone(),
@@ -354,6 +369,21 @@ pub fn compile(cfg: &Config) -> Result<RuleProgram, RulesError> {
         nic,
         kernel_configured: cfg.kernel.is_some(),
     })
+}
+
+/// A qnp listener's rules run in tier K's sk_reuseport program when the node has tier K, in
+/// the user-space dispatcher otherwise; their image is the NIC's (tier N) form.
+fn qnp_placement(cfg: &Config) -> Placement {
+    let kernel = cfg.kernel.is_some();
+    Placement {
+        eligible: TierSet::of(&[Tier::Kernel, Tier::UserL7, Tier::Nic]),
+        tier: if kernel { Tier::Kernel } else { Tier::UserL7 },
+        reason: if kernel {
+            Reason::KernelDispatchesQnp
+        } else {
+            Reason::NoKernelSection
+        },
+    }
 }
 
 fn compile_tcp(l: &Listener, clusters: &HashMap<String, ClusterId>) -> Result<TcpRule, RulesError> {

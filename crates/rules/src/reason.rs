@@ -13,6 +13,8 @@ pub enum Reason {
     KernelDecides,
     /// Tier K splices a tcp listener's connections.
     KernelSplices,
+    /// Tier K's sk_reuseport program dispatches a qnp listener's requests by its Matcher image.
+    KernelDispatchesQnp,
     /// The NIC image decides the route.
     ImageDecides,
 
@@ -141,6 +143,7 @@ impl Reason {
                 | Reason::TcpSpliceOff
                 | Reason::ListenerTls
                 | Reason::HboneListener
+                | Reason::KernelDispatchesQnp
                 | Reason::Authorization
                 | Reason::ListenerRateLimit
                 | Reason::SpliceRoute { .. }
@@ -169,6 +172,9 @@ impl std::fmt::Display for Reason {
             Reason::KernelSplices => {
                 f.write_str("L4 only: spliced in the kernel (sk_skb), kernel.tcp_splice")
             }
+            Reason::KernelDispatchesQnp => f.write_str(
+                "dispatched in the kernel (sk_reuseport) by the listener's Matcher image, one lookup walk per first packet; user space if the program cannot load",
+            ),
             Reason::ImageDecides => f.write_str("decided by the NIC image"),
             Reason::HostMatch => f.write_str("host match needs the full request head"),
             Reason::HeaderMatch => f.write_str("header match needs the full request head"),

@@ -137,6 +137,8 @@ pub(crate) fn place(
                     reason: verdict.reason().unwrap_or(Reason::KernelSplices),
                 };
             }
+            // Placed when compiled (`program::qnp_placement`): no lowering here decides it.
+            TableKind::Qnp(_) => {}
             TableKind::Hbone(rule) => {
                 rule.placement = Placement {
                     eligible: TierSet::of(&[Tier::UserL4]),

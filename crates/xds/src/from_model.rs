@@ -72,6 +72,11 @@ pub fn resources(config: &model::Config) -> Resources {
         out.endpoints.insert(c.name.clone(), assignment);
     }
     for l in &config.listeners {
+        // A qnp listener dispatches to this node's own workers by QingNiao rules, which no
+        // Envoy listener can say: it stays in the node's own config, as `workloads` do.
+        if l.protocol == model::ListenerProtocol::Qnp {
+            continue;
+        }
         if l.protocol == model::ListenerProtocol::Hbone {
             // Its CONNECT route's ORIGINAL_DST cluster (crate::hbone, "Termination").
             let c = hbone_termination_cluster(l, config);
@@ -464,6 +469,8 @@ fn listener(l: &model::Listener, config: &model::Config) -> Listener {
         ..Default::default()
     };
     let filter = match l.protocol {
+        // Never sent (`resources` leaves qnp listeners out): no Envoy filter says QingNiao.
+        model::ListenerProtocol::Qnp => Filter::default(),
         model::ListenerProtocol::Hbone => Filter {
             name: HCM_NAME.into(),
             config_type: Some(filter::ConfigType::TypedConfig(pack(

@@ -423,6 +423,23 @@ fn missing_clusters_answer_503_and_empty_eds_is_allowed() {
     assert!(back.cluster("c").unwrap().endpoints.is_empty());
 }
 
+/// A qnp listener dispatches to the node's own workers by QingNiao rules, which no Envoy
+/// listener can say: it is not served over xDS; the node's other listeners are.
+#[test]
+fn qnp_listeners_stay_in_the_node_s_own_config() {
+    let config = model::parse(
+        "listeners:\n  - { name: t, address: 127.0.0.1:9000, protocol: tcp, cluster: c }\n  - { name: kv, address: 127.0.0.1:7000, protocol: qnp, qnp: { workers: [ 127.0.0.1:7001 ], rules: \"default 1 0 -> 0\" } }\nclusters: [ { name: c, endpoints: [ 127.0.0.1:1 ] } ]\n",
+        "t.yaml",
+    )
+    .unwrap();
+    let resources = crate::from_model::resources(&config);
+    assert_eq!(
+        resources.listeners.keys().collect::<Vec<_>>(),
+        vec!["t"],
+        "only the tcp listener is served"
+    );
+}
+
 /// A bootstrap with `admin.address` written as `admin_address` and one tcp listener.
 fn with_admin(admin_address: &str) -> String {
     format!(

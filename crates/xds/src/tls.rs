@@ -54,7 +54,7 @@ fn listener_alpn(protocol: model::ListenerProtocol) -> &'static [&'static str] {
     match protocol {
         model::ListenerProtocol::Http => &[ALPN_H2, ALPN_HTTP11],
         model::ListenerProtocol::Hbone => &[ALPN_H2],
-        model::ListenerProtocol::Tcp => &[],
+        model::ListenerProtocol::Tcp | model::ListenerProtocol::Qnp => &[],
     }
 }
 
@@ -248,7 +248,7 @@ pub(crate) fn listener_tls(
                 "flatmesh's http listeners speak h2 and http/1.1 and offer both"
             }
             model::ListenerProtocol::Hbone => "an hbone listener speaks h2 and offers only it",
-            model::ListenerProtocol::Tcp => {
+            model::ListenerProtocol::Tcp | model::ListenerProtocol::Qnp => {
                 "a tcp listener offers no application protocol in flatmesh; remove alpn_protocols"
             }
         },

@@ -607,6 +607,7 @@ fn listener(
                 hbone: (!destinations.is_empty()).then_some(model::HboneListener { destinations }),
                 rate_limit: None,
                 connection_rate_limit: None,
+                qnp: None,
             }));
         }
         if allow_connect {
@@ -648,6 +649,7 @@ fn listener(
             hbone: None,
             rate_limit: options.rate_limit.take(),
             connection_rate_limit: None,
+            qnp: None,
         }))
     } else if any.type_url == TcpProxy::type_url() {
         let mut tcp: TcpProxy = unpack(any, &at_filter)?;
@@ -706,6 +708,7 @@ fn listener(
             hbone: None,
             rate_limit: None,
             connection_rate_limit,
+            qnp: None,
         }))
     } else {
         Err(XdsError::resource(

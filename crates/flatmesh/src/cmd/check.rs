@@ -38,8 +38,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         // Certificates, keys and roots are read as the node reads them at start.
         flatmesh_proxy::check_tls_files(&config)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        // So are the qnp listeners' rules, compiled into their Matcher images.
+        let qnp = qnp_images(&config).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         if args.explain && args.admin.is_none() {
             print!("{}", program.explain());
+            print!("{qnp}");
             print!("{}", explain_workloads(&config));
         }
         if let Some(out) = &args.nic_image {
@@ -57,6 +60,33 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         print!("{}", node_rules(admin, token.as_deref())?);
     }
     Ok(())
+}
+
+/// Reads and checks every qnp listener's rules as the node does; returns the image of each,
+/// as `flatmesh qnp rules compile --explain` prints it.
+fn qnp_images(config: &flatmesh_config::Config) -> Result<String, flatmesh_qnp::QnpError> {
+    let mut out = String::new();
+    for l in &config.listeners {
+        let Some(q) = &l.qnp else {
+            continue;
+        };
+        let compiled = flatmesh_qnp::listener::compile(&l.name, q)?;
+        out += &format!(
+            "\nqnp listener `{}`: {} rules over {} workers ({}); the Matcher image its dispatcher walks:\n",
+            l.name,
+            compiled.rules.rules.len(),
+            q.workers.len(),
+            q.workers
+                .iter()
+                .enumerate()
+                .map(|(i, w)| format!("queue {i} = {w}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        out += &compiled.image.explain();
+        out.push('\n');
+    }
+    Ok(out)
 }
 
 /// The workloads the node speaks for: how it recognises each and what it presents for it.

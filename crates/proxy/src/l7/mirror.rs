@@ -280,7 +280,7 @@ impl Copy {
 fn route_of(snap: &Snapshot, listener: ListenerId, id: RouteId) -> Option<&CompiledRoute> {
     match &snap.program.listeners().get(listener)?.kind {
         TableKind::Http(table) => table.routes.get(id),
-        TableKind::Tcp(_) | TableKind::Hbone(_) => None,
+        TableKind::Tcp(_) | TableKind::Hbone(_) | TableKind::Qnp(_) => None,
     }
 }
 

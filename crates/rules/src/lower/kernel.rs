@@ -487,6 +487,11 @@ impl KernelLowering {
                     ListenerVerdicts::Tcp(Verdict::Host(Reason::ListenerTls))
                 }
                 TableKind::Hbone(_) => ListenerVerdicts::Tcp(Verdict::Host(Reason::HboneListener)),
+                // Tier K runs a qnp listener's rules in its own program (sk_reuseport), not in
+                // the sk_skb route table this lowering fills.
+                TableKind::Qnp(_) => {
+                    ListenerVerdicts::Tcp(Verdict::Host(Reason::KernelDispatchesQnp))
+                }
                 TableKind::Tcp(rule) if clusters.get(rule.cluster).is_some_and(|c| c.tunnel) => {
                     ListenerVerdicts::Tcp(Verdict::Host(Reason::Tunnel))
                 }

@@ -54,6 +54,7 @@ pub fn large_config(port: u16, endpoints: impl Fn(usize) -> Vec<SocketAddr>) -> 
         hbone: None,
         rate_limit: None,
         connection_rate_limit: None,
+        qnp: None,
         merge_slashes: None,
         path_with_escaped_slashes_action: None,
     });
