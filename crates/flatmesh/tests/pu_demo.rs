@@ -1,6 +1,9 @@
 //! `flatmesh pu demo` for real (root; CI runs as root): every row passes, including the calls
 //! carried by the `flatmesh node` proxy on the other PU with SO_ORIGINAL_DST intact; nothing is
-//! left behind; and a run killed with SIGKILL is cleaned up by the next one.
+//! left behind; and a run killed with SIGKILL is cleaned up by the next one. And `flatmesh pu
+//! demo --mesh` (HeteroK8s-Mesh-All): every request answered with the node proxy on the host, on
+//! the DPU over veth and on the DPU over shared memory, where the client's connections did move
+//! to shared memory; the charts written; nothing left behind.
 
 #![allow(clippy::unwrap_used)]
 
@@ -29,7 +32,11 @@ fn demo(namespace: &str) -> Command {
 
 /// Runs the demo to its end (killed after `limit`: a hung demo must not hang CI).
 fn run_to_end(namespace: &str, limit: Duration) -> (bool, String) {
-    let mut child = demo(namespace)
+    run_command_to_end(demo(namespace), limit)
+}
+
+fn run_command_to_end(mut command: Command, limit: Duration) -> (bool, String) {
+    let mut child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -155,4 +162,53 @@ fn pu_demo_goes_through_the_node_proxy_and_cleans_up_even_after_kill_9() {
     );
     assert_eq!(leftovers(&ns), Vec::<String>::new());
     let _ = std::fs::remove_dir(STATE_DIR);
+}
+
+/// The preload library `cargo test` builds (crates/shm builds it as an example: see its
+/// Cargo.toml), next to this binary's profile directory.
+fn preload_library() -> std::path::PathBuf {
+    let bin = Path::new(env!("CARGO_BIN_EXE_flatmesh"));
+    let library = bin
+        .parent()
+        .unwrap()
+        .join("examples/libflatmesh_shm_preload.so");
+    assert!(
+        library.is_file(),
+        "{} is missing: build it with `cargo build --release -p flatmesh-shm --examples` (cargo test --workspace does)",
+        library.display()
+    );
+    library
+}
+
+#[test]
+fn the_mesh_scenario_answers_every_request_in_all_three_placements() {
+    common::require_root("this test creates network namespaces and nftables rules");
+    let ns = format!("fmm{}", std::process::id());
+    let _remove = Remove(ns.clone());
+    let plots = std::env::temp_dir().join(format!("flatmesh-pu-mesh-{}", std::process::id()));
+    let mut command = demo(&ns);
+    command
+        .args(["--mesh", "--rounds", "1", "--seconds", "1", "--plots"])
+        .arg(&plots)
+        .env("FLATMESH_SHM_LIB", preload_library());
+    let (ok, out) = run_command_to_end(command, Duration::from_secs(120));
+    // It fails when a request fails or placement (c) moved no connection to shared memory.
+    assert!(ok, "the mesh demo failed:\n{out}");
+    for needle in [
+        "(a) proxy on host CPU, loopback",
+        "(b) proxy on DPU, veth",
+        "(c) proxy on DPU, shared memory",
+        "target <= 1.2x",
+    ] {
+        assert!(out.contains(needle), "missing {needle:?} in:\n{out}");
+    }
+    for chart in ["pu-mesh-latency.svg", "pu-mesh-cpu.svg"] {
+        let svg = std::fs::read_to_string(plots.join(chart)).unwrap();
+        assert!(
+            svg.starts_with("<svg") && svg.contains("(c) DPU, shm"),
+            "{chart}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&plots);
+    assert_eq!(leftovers(&ns), Vec::<String>::new());
 }

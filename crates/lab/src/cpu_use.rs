@@ -80,6 +80,25 @@ impl CpuTimes {
     }
 }
 
+/// User + system CPU time a live process has used, in seconds, from `/proc/<pid>/stat`
+/// (0 once it is gone).
+pub fn process_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // The command name (field 2) may hold spaces and parentheses: count fields after its last
+    // `)`. utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (ticks(11) + ticks(12)) / clock_ticks_per_sec()
+}
+
 /// The unit of `/proc/stat` (USER_HZ, 100 on Linux).
 fn clock_ticks_per_sec() -> f64 {
     // SAFETY: sysconf has no preconditions.
@@ -95,6 +114,25 @@ fn clock_ticks_per_sec() -> f64 {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn a_process_cpu_time_grows_with_work_and_is_zero_when_gone() {
+        let before = process_seconds(std::process::id());
+        // Work until the kernel has charged at least one clock tick to this process.
+        let mut x = 1u64;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while process_seconds(std::process::id()) <= before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no CPU time charged in 20 s of work"
+            );
+            for i in 0..100_000u64 {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(i);
+            }
+            std::hint::black_box(x);
+        }
+        assert_eq!(process_seconds(u32::MAX), 0.0);
+    }
 
     #[test]
     fn cpu_times_count_softirq_as_busy_and_steal_as_not() {

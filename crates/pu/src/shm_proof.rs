@@ -162,7 +162,7 @@ impl<'a> ProofService<'a> {
         let (_, inode) = crate::netns::current_id()
             .map_err(|e| PuError::io("cannot identify this thread's network namespace", e))?;
         let path = socket_path(&dir, inode);
-        let io = |what: &str, e| PuError::io(&format!("{what} {}", path.display()), e);
+        let io = |what: &str, e| PuError::io(format!("{what} {}", path.display()), e);
         // This PU's agent lock is held (one agent per PU), so a name here is a dead service's.
         let _ = std::fs::remove_file(&path);
         let listener = Socket::new(Domain::UNIX, Type::SEQPACKET, None)

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use comfy_table::Table;
-use flatmesh_lab::pu::demo;
+use flatmesh_lab::pu::{demo, mesh};
 use flatmesh_pu::backend::{for_config, run_on};
 use flatmesh_pu::{cleanup, SplitConfig};
 
@@ -58,9 +58,54 @@ enum Sub {
         /// Do not start `flatmesh node` on the dpu PU (skips the rows through it).
         #[arg(long)]
         no_node_proxy: bool,
+        /// HeteroK8s-Mesh-All instead (papers/004 Fig. 8): client and server on the host PU, the
+        /// node proxy on the host, on the DPU over veth, and on the DPU over shared memory,
+        /// measured side by side (latency and CPU per request, a table and two SVG charts).
+        #[arg(long)]
+        mesh: bool,
+        /// --mesh: interleaved rounds per placement.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// --mesh: seconds of load per round.
+        #[arg(long, default_value_t = 3)]
+        seconds: u64,
+        /// --mesh: client connections (one request in flight on each).
+        #[arg(long, default_value_t = 1)]
+        connections: usize,
+        /// --mesh: where the charts go (pu-mesh-latency.svg, pu-mesh-cpu.svg).
+        #[arg(long, default_value = ".")]
+        plots: PathBuf,
+        /// --mesh: hold the CPUs out of idle states for the run (/dev/cpu_dma_latency = 0), so
+        /// that a wake-up on the other CPU does not measure a VM's halted vCPU.
+        #[arg(long)]
+        cpus_awake: bool,
+    },
+    /// The microservices of `demo --mesh` (run on a PU by the demo itself).
+    #[command(hide = true)]
+    App {
+        #[command(subcommand)]
+        app: App,
     },
     /// Benchmarks: mapping cost vs a plain veth path, and rule update time vs port count.
     Bench(BenchArgs),
+}
+
+#[derive(clap::Subcommand)]
+enum App {
+    /// An HTTP/1.1 service answering every request.
+    Serve {
+        #[arg(long)]
+        listen: std::net::SocketAddr,
+    },
+    /// Closed-loop HTTP/1.1 load; prints one JSON line.
+    Load {
+        #[arg(long)]
+        target: std::net::SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        connections: usize,
+        #[arg(long, default_value_t = 3)]
+        seconds: u64,
+    },
 }
 
 #[derive(clap::Args)]
@@ -163,8 +208,44 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Sub::Demo {
             namespace,
             state_dir,
+            mesh: true,
+            rounds,
+            seconds,
+            connections,
+            plots,
+            cpus_awake,
+            ..
+        } => run_mesh(
+            mesh::MeshOptions {
+                namespace,
+                state_dir,
+                flatmesh: std::env::current_exe().context("cannot find the flatmesh binary")?,
+                library: crate::cmd::shm::find_library()?,
+                rounds,
+                seconds,
+                connections,
+                cpus_awake,
+            },
+            &plots,
+        ),
+        Sub::Demo {
+            namespace,
+            state_dir,
             no_node_proxy,
+            ..
         } => run_demo(namespace, state_dir, no_node_proxy),
+        Sub::App { app } => match app {
+            App::Serve { listen } => Ok(mesh::serve(listen)?),
+            App::Load {
+                target,
+                connections,
+                seconds,
+            } => {
+                let line = mesh::load(target, connections, seconds)?;
+                println!("{}", serde_json::to_string(&line)?);
+                Ok(())
+            }
+        },
         Sub::Bench(b) => bench(b),
     }
 }
@@ -213,6 +294,91 @@ fn run_demo(namespace: String, state_dir: PathBuf, no_node_proxy: bool) -> anyho
     let failed = report.rows.iter().filter(|r| !r.ok).count();
     if failed > 0 {
         anyhow::bail!("{failed} demo row(s) failed");
+    }
+    Ok(())
+}
+
+fn run_mesh(opts: mesh::MeshOptions, plots: &std::path::Path) -> anyhow::Result<()> {
+    println!(
+        "HeteroK8s-Mesh-All in split namespace `{}`: client and server on PU host (CPU 0), the flatmesh node proxy on host or on PU dpu (CPU 1); {} round(s) of {} s per placement, {} connection(s){} ...",
+        opts.namespace,
+        opts.rounds,
+        opts.seconds,
+        opts.connections,
+        if opts.cpus_awake { ", CPUs held out of idle states" } else { "" }
+    );
+    let steps = (opts.rounds * mesh::Placement::ALL.len()) as u64;
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(steps),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let results = mesh::run_mesh(&opts, &|step| {
+        if bar.message().is_empty() {
+            bar.set_message(step.to_string());
+        } else {
+            bar.inc(1);
+            bar.set_message(step.to_string());
+        }
+    })?;
+    bar.finish_and_clear();
+    let mut table = Table::new();
+    table.set_header([
+        "placement",
+        "p50 (µs)",
+        "p99 (µs)",
+        "requests/s",
+        "host CPU per request (µs)",
+        "DPU CPU per request (µs)",
+        "on shared memory (client, node proxy)",
+        "errors",
+    ]);
+    for r in &results {
+        table.add_row([
+            r.placement.label().to_string(),
+            format!("{:.0}", r.p50_us),
+            format!("{:.0}", r.p99_us),
+            format!("{:.0}", r.requests_per_second()),
+            format!("{:.1}", r.host_cpu_us),
+            format!("{:.1}", r.dpu_cpu_us),
+            format!("{}, {}", r.shm_connections, r.shm_node_connections),
+            r.errors.to_string(),
+        ]);
+    }
+    println!("{table}");
+    let by = |p: mesh::Placement| results.iter().find(|r| r.placement == p);
+    if let (Some(host), Some(veth), Some(shm)) = (
+        by(mesh::Placement::Host),
+        by(mesh::Placement::DpuVeth),
+        by(mesh::Placement::DpuShm),
+    ) {
+        println!(
+            "p50, proxy on the DPU over shared memory vs on the host CPU: {:.2}x (target <= 1.2x); over veth: {:.2}x",
+            shm.p50_us / host.p50_us,
+            veth.p50_us / host.p50_us
+        );
+        println!(
+            "host CPU per request, proxy on the DPU over shared memory vs on the host CPU: {:.2}x",
+            shm.host_cpu_us / host.host_cpu_us
+        );
+    }
+    std::fs::create_dir_all(plots).with_context(|| format!("cannot create {}", plots.display()))?;
+    let (latency, cpu) = mesh::charts(&results);
+    for (name, svg) in [("pu-mesh-latency.svg", latency), ("pu-mesh-cpu.svg", cpu)] {
+        let path = plots.join(name);
+        std::fs::write(&path, svg).with_context(|| format!("cannot write {}", path.display()))?;
+        println!("chart: {}", path.display());
+    }
+    let failed: u64 = results.iter().map(|r| r.errors).sum();
+    let shm = by(mesh::Placement::DpuShm).map_or(0, |r| r.shm_connections);
+    if shm == 0 {
+        anyhow::bail!("placement (c) never moved a connection to shared memory; see the node log under the state directory");
+    }
+    if failed > 0 {
+        anyhow::bail!("{failed} request(s) failed");
     }
     Ok(())
 }

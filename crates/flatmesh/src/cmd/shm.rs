@@ -39,7 +39,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// Where the library is: FLATMESH_SHM_LIB, else next to this binary.
-fn find_library() -> anyhow::Result<PathBuf> {
+pub(crate) fn find_library() -> anyhow::Result<PathBuf> {
     if let Some(path) = std::env::var_os("FLATMESH_SHM_LIB") {
         let path = PathBuf::from(path);
         if !path.is_file() {

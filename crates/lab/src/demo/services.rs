@@ -86,7 +86,21 @@ pub async fn spawn_http(
     name: &'static str,
     versions: HttpVersions,
 ) -> Result<(SocketAddr, JoinHandle<()>), LabError> {
-    let listener = bind(name).await?;
+    spawn_http_at(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), name, versions).await
+}
+
+/// As [`spawn_http`], on a given address.
+pub async fn spawn_http_at(
+    address: SocketAddr,
+    name: &'static str,
+    versions: HttpVersions,
+) -> Result<(SocketAddr, JoinHandle<()>), LabError> {
+    let listener = TcpListener::bind(address)
+        .await
+        .map_err(|source| LabError::Bind {
+            service: name,
+            source,
+        })?;
     let addr = local_addr(name, &listener)?;
     let task = tokio::spawn(async move {
         loop {

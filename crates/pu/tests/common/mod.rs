@@ -25,8 +25,9 @@ pub const TAGS: &[&str] = &[
 
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
     assert!(
-        unsafe { libc::geteuid() } == 0,
+        euid == 0,
         "these tests create network namespaces and nftables rules: run them as root (CI does)"
     );
     for (tool, package) in [("nft", "nftables"), ("ip", "iproute2")] {
