@@ -420,6 +420,46 @@ fn ratios(points: &[Point]) -> String {
             }
         }
     }
+    out.push_str(&overheads(points));
+    out
+}
+
+/// The target that does not depend on the core count (issue 21, "Speed"): what dispatching
+/// costs per request over plain SO_REUSEPORT, which does no L7 work. Counted on the server's
+/// CPUs, plus the kernel program's own run time (on loopback it runs in the sender's system call,
+/// on the load CPUs, so the server's CPUs alone would leave it out): the kernel's overhead must
+/// be at most a third of the software dispatcher's.
+fn overheads(points: &[Point]) -> String {
+    let get = |m: Mode| points.iter().find(|p| p.mode == m);
+    let (Some(plain), Some(kernel)) = (get(Mode::Reuseport), get(Mode::Kernel)) else {
+        return String::new();
+    };
+    let Some(program_ns) = kernel.kernel_ns else {
+        return "- dispatch overhead over reuseport: n/a (the kernel program's run time was not measured: run with --bpf-stats)\n".to_string();
+    };
+    let base = plain.server_cpus_us.median;
+    let kernel_overhead = kernel.server_cpus_us.median + program_ns / 1000.0 - base;
+    let mut out = String::new();
+    for software in [Mode::SoftwareUds, Mode::SoftwareQueue] {
+        let Some(s) = get(software) else { continue };
+        let software_overhead = s.server_cpus_us.median - base;
+        let verdict = if software_overhead <= 0.0 {
+            "not measurable: the software dispatcher cost no more than reuseport in this run"
+                .to_string()
+        } else {
+            let ratio = kernel_overhead / software_overhead;
+            format!(
+                "kernel / {} = **{ratio:.2}** (target ≤ 0.33: {})",
+                mode_name(software),
+                if ratio <= 1.0 / 3.0 { "met" } else { "missed" }
+            )
+        };
+        let _ = writeln!(
+            out,
+            "- dispatch overhead over reuseport, server CPUs µs per request (+ the kernel program's {program_ns:.0} ns): kernel {kernel_overhead:.2}, {} {software_overhead:.2}; {verdict}",
+            mode_name(software),
+        );
+    }
     out
 }
 
@@ -758,6 +798,12 @@ mod tests {
             md.contains("- skip-and-checks 48: kernel / reuseport"),
             "{md}"
         );
+        // Every mode at 9 µs of server CPUs; the kernel program adds 0.4 µs: no software
+        // overhead to compare against.
+        assert!(
+            md.contains("kernel 0.40, software-uds 0.00; not measurable"),
+            "{md}"
+        );
         assert!(
             md.contains("against the number of rules, 4 skip-and-checks each"),
             "{md}"
@@ -769,6 +815,40 @@ mod tests {
             assert!(cells.iter().all(|c| *c == cells[0]), "{table}");
         }
         assert_eq!(report.svgs().len(), 6);
+    }
+
+    #[test]
+    fn the_dispatch_overhead_is_compared_over_reuseport() {
+        let pt = |mode, server: f64, ns: Option<f64>| Point {
+            mode,
+            x: 0,
+            rps: Spread::of(&[1.0]),
+            p50_us: Spread::of(&[1.0]),
+            p99_us: Spread::of(&[1.0]),
+            errors: 0,
+            misdispatched: 0,
+            kernel_ns: ns,
+            cpu_us: Spread::of(&[1.0]),
+            server_cpus_us: Spread::of(&[server]),
+            server_busy: Spread::of(&[1.0]),
+            load_busy: Spread::of(&[1.0]),
+            load_idle: None,
+        };
+        let points = [
+            pt(Mode::Reuseport, 10.0, None),
+            pt(Mode::Kernel, 10.5, Some(500.0)),
+            pt(Mode::SoftwareUds, 14.0, None),
+        ];
+        let text = overheads(&points);
+        assert!(
+            text.contains("kernel 1.00, software-uds 4.00; kernel / software-uds = **0.25** (target ≤ 0.33: met)"),
+            "{text}"
+        );
+        let unmeasured = [
+            pt(Mode::Reuseport, 10.0, None),
+            pt(Mode::Kernel, 10.5, None),
+        ];
+        assert!(overheads(&unmeasured).contains("run with --bpf-stats"));
     }
 
     #[test]
