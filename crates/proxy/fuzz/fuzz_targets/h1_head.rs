@@ -34,7 +34,9 @@ clusters:
     });
     match &program.listeners()[0].kind {
         TableKind::Http(table) => &table.routes[0],
-        TableKind::Tcp(_) | TableKind::Hbone(_) => unreachable!("an http listener"),
+        TableKind::Tcp(_) | TableKind::Hbone(_) | TableKind::Qnp(_) => {
+            unreachable!("an http listener")
+        }
     }
 }
 
