@@ -613,25 +613,21 @@ impl Checker<'_> {
             ),
             Some(_) => {}
         }
-        for (key, set) in [
-            ("cluster", listener.cluster.is_some()),
-            ("routes", !listener.routes.is_empty()),
-            ("normalize_path", listener.normalize_path.is_some()),
-            ("merge_slashes", listener.merge_slashes.is_some()),
-            (
-                "path_with_escaped_slashes_action",
-                listener.path_with_escaped_slashes_action.is_some(),
-            ),
-        ] {
-            if set {
-                self.report(
-                    format!("{at}.{key}"),
-                    Target::Key,
-                    format!("hbone listener `{name}` sets `{key}`, which it does not use"),
-                    "remove it: each tunnel goes to the destination its CONNECT names, within `hbone.destinations`".into(),
-                );
-            }
-        }
+        self.unused_keys(
+            &at,
+            &format!("hbone listener `{name}`"),
+            &[
+                ("cluster", listener.cluster.is_some()),
+                ("routes", !listener.routes.is_empty()),
+                ("normalize_path", listener.normalize_path.is_some()),
+                ("merge_slashes", listener.merge_slashes.is_some()),
+                (
+                    "path_with_escaped_slashes_action",
+                    listener.path_with_escaped_slashes_action.is_some(),
+                ),
+            ],
+            "remove it: each tunnel goes to the destination its CONNECT names, within `hbone.destinations`",
+        );
         let Some(hbone) = &listener.hbone else {
             return;
         };
@@ -647,6 +643,19 @@ impl Checker<'_> {
         }
     }
 
+    /// Reports each of `keys` (name, whether it is set) that `listener` (e.g. "qnp listener
+    /// `kv`") sets but does not use, with the same `fix`.
+    fn unused_keys(&mut self, at: &str, listener: &str, keys: &[(&str, bool)], fix: &str) {
+        for (key, _) in keys.iter().filter(|(_, set)| *set) {
+            self.report(
+                format!("{at}.{key}"),
+                Target::Key,
+                format!("{listener} sets `{key}`, which it does not use"),
+                fix.into(),
+            );
+        }
+    }
+
     /// A `qnp` listener: local workers to dispatch to (concrete, distinct, not the listener
     /// itself, at most [`QNP_MAX_WORKERS`]) and one source of rules, bounded. What the rules
     /// say (their syntax, their queues, whether they fit the Matcher's tables) is checked when
@@ -654,28 +663,24 @@ impl Checker<'_> {
     fn qnp_listener(&mut self, i: usize, listener: &Listener) {
         let at = format!("listeners[{i}]");
         let name = &listener.name;
-        for (key, set) in [
-            ("cluster", listener.cluster.is_some()),
-            ("routes", !listener.routes.is_empty()),
-            ("tls", listener.tls.is_some()),
-            ("authorization", listener.authorization.is_some()),
-            ("limits", !listener.limits.is_empty()),
-            ("normalize_path", listener.normalize_path.is_some()),
-            ("merge_slashes", listener.merge_slashes.is_some()),
-            (
-                "path_with_escaped_slashes_action",
-                listener.path_with_escaped_slashes_action.is_some(),
-            ),
-        ] {
-            if set {
-                self.report(
-                    format!("{at}.{key}"),
-                    Target::Key,
-                    format!("qnp listener `{name}` sets `{key}`, which it does not use"),
-                    "remove it: a qnp listener sends each request to one of `qnp.workers`, picked by `qnp.rules`".into(),
-                );
-            }
-        }
+        self.unused_keys(
+            &at,
+            &format!("qnp listener `{name}`"),
+            &[
+                ("cluster", listener.cluster.is_some()),
+                ("routes", !listener.routes.is_empty()),
+                ("tls", listener.tls.is_some()),
+                ("authorization", listener.authorization.is_some()),
+                ("limits", !listener.limits.is_empty()),
+                ("normalize_path", listener.normalize_path.is_some()),
+                ("merge_slashes", listener.merge_slashes.is_some()),
+                (
+                    "path_with_escaped_slashes_action",
+                    listener.path_with_escaped_slashes_action.is_some(),
+                ),
+            ],
+            "remove it: a qnp listener sends each request to one of `qnp.workers`, picked by `qnp.rules`",
+        );
         let Some(qnp) = &listener.qnp else {
             self.report(
                 at,

@@ -51,14 +51,14 @@ impl Netlink {
     }
 
     /// Sends one request and reads the one answer into `answer`, returning its length. The kernel
-    /// answers a lookup of one object before `sendto` returns, so the read never waits
-    /// (`MSG_DONTWAIT`): a missing answer is `None`, not a blocked caller.
+    /// answers a lookup of one object with one datagram before `sendto` returns, so the read
+    /// never waits (`MSG_DONTWAIT`: a missing answer is `None`, not a blocked caller) and nothing
+    /// is ever left queued for the next request (an answer longer than `answer` is cut, and its
+    /// rest discarded with it).
     fn ask<'a>(&self, request: &[u8], answer: &'a mut [u64; 512]) -> Option<&'a [u8]> {
         // SAFETY: sockaddr_nl is integers, for which all-zero bytes are valid (pid 0: the kernel).
         let mut kernel: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
         kernel.nl_family = libc::AF_NETLINK as libc::sa_family_t;
-        // Drop an answer left over from an earlier request that timed out on our side.
-        while self.receive(answer).is_some() {}
         // SAFETY: sendto reads `request.len()` bytes of `request`, a live slice, and a
         // sockaddr_nl of the size given from `kernel`, a live local.
         let sent = unsafe {

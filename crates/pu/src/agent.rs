@@ -285,12 +285,11 @@ impl Agent {
 
     /// The agent's loop: a pass every poll interval until `stop` is set.
     fn poll(&mut self, config: &SplitConfig, pu: &str, stop: &AtomicBool) -> Result<()> {
-        let agent = self;
         let interval = Duration::from_millis(config.poll_interval_ms);
         let mut last_error: Option<String> = None;
         while !stop.load(Ordering::Relaxed) {
             std::thread::sleep(interval);
-            match agent.tick() {
+            match self.tick() {
                 Ok(report) => {
                     last_error = None;
                     if !report.claimed.is_empty() || !report.released.is_empty() {
@@ -307,7 +306,7 @@ impl Agent {
                 }
             }
         }
-        agent.stop()
+        self.stop()
     }
 }
 

@@ -61,15 +61,20 @@ pub fn current_id() -> std::io::Result<(u64, u64)> {
 /// The cookie of the calling thread's network namespace (SO_NETNS_COOKIE): what eBPF
 /// programs see of it (`bpf_get_netns_cookie`).
 pub fn cookie() -> std::io::Result<u64> {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    cookie_of(std::os::fd::AsFd::as_fd(&socket))
+}
+
+/// The cookie of the network namespace socket `socket` belongs to.
+pub fn cookie_of(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Result<u64> {
     /// SO_NETNS_COOKIE (Linux 5.14); not in every libc crate version.
     const SO_NETNS_COOKIE: libc::c_int = 71;
-    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
     let mut cookie: u64 = 0;
     let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
     // SAFETY: the kernel writes at most `len` bytes into `cookie`, which is that large.
     let rc = unsafe {
         libc::getsockopt(
-            std::os::fd::AsRawFd::as_raw_fd(&socket),
+            socket.as_raw_fd(),
             libc::SOL_SOCKET,
             SO_NETNS_COOKIE,
             (&mut cookie as *mut u64).cast(),

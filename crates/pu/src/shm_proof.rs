@@ -21,7 +21,7 @@
 //! `CLIENT_WAIT` for a request, and an acceptor gives up after 250 ms (crates/shm/src/group.rs).
 
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -246,7 +246,9 @@ impl<'a> ProofService<'a> {
         connection: &OwnedFd,
         cookie: u64,
     ) -> std::result::Result<(), &'static str> {
-        if cookie == 0 || netns_cookie_of(connection) != Some(self.netns_cookie) {
+        if cookie == 0
+            || crate::netns::cookie_of(connection.as_fd()).ok() != Some(self.netns_cookie)
+        {
             return Err("not a socket of this PU");
         }
         let socket = socket2::SockRef::from(connection);
@@ -331,24 +333,6 @@ impl<'a> ProofService<'a> {
             _ => None,
         }
     }
-}
-
-/// The network namespace cookie of socket `fd` (`SO_NETNS_COOKIE`).
-fn netns_cookie_of(fd: &OwnedFd) -> Option<u64> {
-    const SO_NETNS_COOKIE: libc::c_int = 71;
-    let mut cookie = 0u64;
-    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` (8) bytes into `cookie`, a live local u64.
-    let rc = unsafe {
-        libc::getsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            SO_NETNS_COOKIE,
-            (&mut cookie as *mut u64).cast(),
-            &mut len,
-        )
-    };
-    (rc == 0 && len as usize == std::mem::size_of::<u64>()).then_some(cookie)
 }
 
 /// Reads one request: exactly eight bytes (the cookie) and exactly one descriptor. Every

@@ -25,7 +25,7 @@
 //!   answer in time, or no: the connection stays TCP.
 
 use crate::intercept;
-use crate::negotiate::{unix_address, unix_bound};
+use crate::negotiate::{bind_unix, unix_address, unix_bound};
 use crate::real;
 use parking_lot::Mutex;
 use std::os::unix::ffi::OsStrExt as _;
@@ -97,29 +97,17 @@ pub fn advertise(port: u16) -> Option<c_int> {
     let path = advert_path(port)?;
     let (address, len) = unix_address(&path, false)?;
     for _ in 0..2 {
-        // SAFETY: socket takes no pointer; the new fd is ours.
-        let advert =
-            unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-        if advert < 0 {
-            return None;
-        }
-        // SAFETY: bind reads `len` bytes of `address`, a live local sockaddr_un that
-        // `unix_address` filled with a path of that length.
-        let rc = unsafe { libc::bind(advert, (&address as *const libc::sockaddr_un).cast(), len) };
-        if rc == 0 {
-            return Some(advert);
-        }
-        let code = real::errno();
-        // SAFETY: `advert` is ours, handed to nobody, and closed once.
-        unsafe { real::close(advert) };
-        if code != libc::EADDRINUSE || unix_bound(&address, len) {
+        match bind_unix(&address, len) {
+            Ok(advert) => return Some(advert),
+            // A stale name: its socket is closed. Remove it and bind again (once).
+            Err(libc::EADDRINUSE) if !unix_bound(&address, len) => {
+                if let Ok(name) = CString::new(path.clone()) {
+                    // SAFETY: `name` is a CString, so NUL-terminated.
+                    unsafe { libc::unlink(name.as_ptr()) };
+                }
+            }
             // A live listener of this port (a sibling worker of this PU), or no room.
-            return None;
-        }
-        // A stale name: its socket is closed. Remove it and bind again (once).
-        if let Ok(name) = CString::new(path.clone()) {
-            // SAFETY: `name` is a CString, so NUL-terminated.
-            unsafe { libc::unlink(name.as_ptr()) };
+            Err(_) => return None,
         }
     }
     None

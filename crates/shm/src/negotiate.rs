@@ -71,6 +71,24 @@ fn advert_address(port: u16) -> Option<(libc::sockaddr_un, libc::socklen_t)> {
     unix_address(format!("flatmesh-shm/l/{port}").as_bytes(), true)
 }
 
+/// A new datagram socket bound at `address`, or bind's errno.
+pub fn bind_unix(address: &libc::sockaddr_un, len: libc::socklen_t) -> Result<c_int, c_int> {
+    // SAFETY: socket takes no pointer; the new fd is ours.
+    let socket = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if socket < 0 {
+        return Err(real::errno());
+    }
+    // SAFETY: bind reads `len` bytes of `address`, a live sockaddr_un of at least that size
+    // (`unix_address` made both).
+    if unsafe { libc::bind(socket, (address as *const libc::sockaddr_un).cast(), len) } == 0 {
+        return Ok(socket);
+    }
+    let code = real::errno();
+    // SAFETY: `socket` is ours, handed to nobody, and closed once.
+    unsafe { real::close(socket) };
+    Err(code)
+}
+
 /// Whether a datagram socket is bound at `address` (a connect to it succeeds).
 pub fn unix_bound(address: &libc::sockaddr_un, len: libc::socklen_t) -> bool {
     // SAFETY: socket takes no pointer; the new fd is ours.
@@ -177,23 +195,11 @@ pub fn advertise(listen_fd: c_int) {
     if adverts.contains_key(&listen_fd) {
         return;
     }
-    let Some((address, len)) = advert_address(local.port()) else {
+    // EADDRINUSE: another library process (or a sibling worker) already advertises the port.
+    let Some(Ok(advert)) = advert_address(local.port()).map(|(address, len)| bind_unix(&address, len))
+    else {
         return;
     };
-    // SAFETY: socket takes no pointer; the new fd is ours.
-    let advert = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if advert < 0 {
-        return;
-    }
-    // SAFETY: bind reads `len` bytes of `address`, a live local sockaddr_un that
-    // `unix_address` filled with a name of that length.
-    let rc = unsafe { libc::bind(advert, (&address as *const libc::sockaddr_un).cast(), len) };
-    if rc != 0 {
-        // EADDRINUSE: another library process (or a sibling worker) already advertises the port.
-        // SAFETY: `advert` is ours, handed to nobody, and closed once.
-        unsafe { real::close(advert) };
-        return;
-    }
     let group = group::advertise(local.port())
         .map(|socket| (socket, local.port(), crate::process::pid()));
     adverts.insert(

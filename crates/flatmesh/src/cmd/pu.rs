@@ -316,13 +316,10 @@ fn run_mesh(opts: mesh::MeshOptions, plots: &std::path::Path) -> anyhow::Result<
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    // `pos` counts the steps started: the one running is shown with its number.
     let results = mesh::run_mesh(&opts, &|step| {
-        if bar.message().is_empty() {
-            bar.set_message(step.to_string());
-        } else {
-            bar.inc(1);
-            bar.set_message(step.to_string());
-        }
+        bar.inc(1);
+        bar.set_message(step.to_string());
     })?;
     bar.finish_and_clear();
     let mut table = Table::new();

@@ -196,6 +196,18 @@ fn start_node(pod: &mut Pod, exe: &std::path::Path) -> Result<(u32, PathBuf)> {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log);
+    die_with_parent(&mut command);
+    let child = command
+        .spawn()
+        .map_err(|e| LabError::io(format!("cannot start {}", exe.display()), e))?;
+    let pid = child.id();
+    pod.adopt(child);
+    Ok((pid, log_path))
+}
+
+/// Makes the process `command` starts die (SIGKILL) when this one does, also on `kill -9`, so
+/// that a demo killed half-way leaves no proxy or app running.
+pub(crate) fn die_with_parent(command: &mut std::process::Command) {
     // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of ours.
     unsafe {
         command.pre_exec(|| {
@@ -205,12 +217,6 @@ fn start_node(pod: &mut Pod, exe: &std::path::Path) -> Result<(u32, PathBuf)> {
             Ok(())
         });
     }
-    let child = command
-        .spawn()
-        .map_err(|e| LabError::io(format!("cannot start {}", exe.display()), e))?;
-    let pid = child.id();
-    pod.adopt(child);
-    Ok((pid, log_path))
 }
 
 /// `flatmesh_downstream_connections_total{listener="NAME"}` from the node's admin port, read

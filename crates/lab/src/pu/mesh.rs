@@ -17,7 +17,6 @@
 //! fixed time from a separate client process, and reads the CPU time every process used.
 
 use std::net::SocketAddr;
-use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -209,15 +208,7 @@ fn flatmesh_on(
     if let Some(stats) = stats {
         command.env("FLATMESH_SHM_STATS", stats);
     }
-    // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of ours.
-    unsafe {
-        command.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    crate::pu::demo::die_with_parent(&mut command);
     Ok(command)
 }
 
@@ -261,7 +252,7 @@ fn round(
     pod: &Pod,
     opts: &MeshOptions,
     placement: Placement,
-    servers: &[(u16, u32)],
+    server_pids: &[u32],
 ) -> Result<Round> {
     let dir = pod.config.table_dir();
     let library = placement.shared_memory().then_some(opts.library.as_path());
@@ -307,7 +298,7 @@ fn round(
     let client_stats = dir.join("mesh-client.stats");
     let _ = std::fs::remove_file(&client_stats);
     let (connections, seconds) = (opts.connections.to_string(), opts.seconds.to_string());
-    let client = flatmesh_on(
+    let mut client = flatmesh_on(
         pod,
         opts,
         "host",
@@ -330,16 +321,14 @@ fn round(
             .map(|p| crate::cpu_use::process_seconds(*p))
             .sum::<f64>()
     };
-    let server_pids: Vec<u32> = servers.iter().map(|(_, pid)| *pid).collect();
     let (servers_before, node_before) =
-        (cpu(&server_pids), crate::cpu_use::process_seconds(node_pid));
-    let output = { client }
+        (cpu(server_pids), crate::cpu_use::process_seconds(node_pid));
+    let output = client
         .stderr(Stdio::piped())
         .stdout(Stdio::piped())
         .output()
         .map_err(|e| LabError::io("cannot run the load client", e))?;
-    let (servers_after, node_after) =
-        (cpu(&server_pids), crate::cpu_use::process_seconds(node_pid));
+    let (servers_after, node_after) = (cpu(server_pids), crate::cpu_use::process_seconds(node_pid));
     stop(node);
     let text = String::from_utf8_lossy(&output.stdout);
     let line: LoadLine = text
@@ -422,7 +411,7 @@ pub fn run_mesh(opts: &MeshOptions, progress: &dyn Fn(&str)) -> Result<Vec<Place
     pod.start_agent("host")?;
     pod.start_agent("dpu")?;
     // The server, on the host: plain for the TCP placements, preloaded for shared memory.
-    let mut servers = Vec::new();
+    let mut server_pids = Vec::new();
     for (port, library) in [
         (SERVER_TCP, None),
         (SERVER_SHM, Some(opts.library.as_path())),
@@ -437,7 +426,7 @@ pub fn run_mesh(opts: &MeshOptions, progress: &dyn Fn(&str)) -> Result<Vec<Place
             None,
         )?;
         let server = spawn(server, "the server")?;
-        servers.push((port, server.id()));
+        server_pids.push(server.id());
         pod.adopt(server);
     }
     let listening = pod.wait_for_table(Duration::from_secs(10), |s| {
@@ -459,7 +448,7 @@ pub fn run_mesh(opts: &MeshOptions, progress: &dyn Fn(&str)) -> Result<Vec<Place
                 opts.rounds,
                 placement.label()
             ));
-            runs[i].push(round(&pod, opts, *placement, &servers)?);
+            runs[i].push(round(&pod, opts, *placement, &server_pids)?);
         }
     }
     pod.down()?;
