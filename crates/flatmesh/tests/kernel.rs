@@ -427,12 +427,13 @@ fn a_thousand_concurrent_connections_go_socket_direct() {
                 "open connections 30 s after all closed\n{}",
                 pins.status()
             );
-            // Every relay has ended, and each removed its shortcuts as it did.
-            let st = pins.status();
-            assert!(
-                st.entries("fm_shortcuts") == 0 && st.entries("fm_direct_bytes") == 0,
-                "shortcuts left behind by connections that have ended\n{st}"
-            );
+            // Every relay has ended, and each removed its shortcuts as it did (a relay's removal
+            // may trail the connection count by a moment: failed once in CI; 30 s at most).
+            until("the ended connections' shortcuts to be removed", || {
+                let st = pins.status();
+                st.entries("fm_shortcuts") == 0 && st.entries("fm_direct_bytes") == 0
+            })
+            .await;
             until("the sockhash to empty", || {
                 pins.status().entries("fm_redirect_socks") == 0
             })
