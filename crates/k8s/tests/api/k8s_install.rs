@@ -1,6 +1,6 @@
 //! The install manifests (deploy/kubernetes, issue 20 item 2) against a real API server:
 //! `kubectl apply -k` (server-side), every object there, the RBAC of both service accounts
-//! (`kubectl auth can-i --as`), the two node-proxy DaemonSets' node affinities against the
+//! (SubjectAccessReviews), the two node-proxy DaemonSets' node affinities against the
 //! scheduler's `flatmesh.io/node-proxy` labels, and the programs as the manifests run them: `flatmesh control`
 //! with the Deployment's arguments, as the control plane's service account (a TokenRequest
 //! token), lists and watches the cluster and serves a node; `flatmesh node` with the
@@ -25,6 +25,9 @@ use std::collections::BTreeMap;
 
 use flatmesh_k8s::schedule::proxy::{ProxyChoice, ProxyPu};
 use flatmesh_k8s::schedule::proxy_labels::node_proxy_labels;
+use k8s_openapi::api::authorization::v1::{
+    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Namespace, Node, NodeSelector, Pod, Service, ServiceAccount,
 };
@@ -60,41 +63,74 @@ fn kubectl(kubeconfig: &Path, args: &[&str]) -> std::process::Output {
         .expect("run kubectl (apt-get install kubectl, or see scripts/setup)")
 }
 
-/// `kubectl auth can-i VERB RESOURCE --as ACCOUNT [scope]`: exits 0 for yes, 1 for no. A
-/// `RESOURCE/SUBRESOURCE` is asked with `--subresource` (kubectl reads `pods/x` as pod `x`).
-fn can_i(kubeconfig: &Path, account: &str, verb: &str, resource: &str, scope: &[&str]) -> bool {
+/// Whether `account` (a service account's user name) may `verb` `resource` in `namespace`
+/// (`None`: cluster-wide), as the API server's authorizer answers a SubjectAccessReview.
+/// `RESOURCE[.GROUP][/SUBRESOURCE]`, as kubectl spells it. Asked through the API with the
+/// group spelled out, not `kubectl auth can-i`: kubectl resolves the resource through discovery,
+/// and a CRD that discovery does not list yet (the Gateway API's, just applied) turns into a
+/// resource named `httproutes.gateway.networking.k8s.io` in the core group, which is denied.
+async fn can_i(
+    client: &kube::Client,
+    account: &str,
+    verb: &str,
+    resource: &str,
+    namespace: Option<&str>,
+) -> bool {
     let (resource, subresource) = match resource.split_once('/') {
-        Some((resource, sub)) => (resource, Some(format!("--subresource={sub}"))),
+        Some((resource, sub)) => (resource, Some(sub.to_string())),
         None => (resource, None),
     };
-    let mut args = vec!["auth", "can-i", verb, resource, "--as", account];
-    args.extend(subresource.as_deref());
-    args.extend_from_slice(scope);
-    let out = kubectl(kubeconfig, &args);
-    let answer = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    match out.status.code() {
-        Some(0) => true,
-        Some(1) if answer.starts_with("no") => false,
-        _ => panic!(
-            "kubectl auth can-i {verb} {resource} --as {account}: {}\n{answer}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    }
+    let (resource, group) = resource.split_once('.').unwrap_or((resource, ""));
+    // The groups the service-account authenticator gives a token of `account`.
+    let sa_namespace = account
+        .strip_prefix("system:serviceaccount:")
+        .and_then(|rest| rest.split(':').next())
+        .expect("a service account's user name");
+    let review = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: Some(account.to_string()),
+            groups: Some(vec![
+                "system:serviceaccounts".to_string(),
+                format!("system:serviceaccounts:{sa_namespace}"),
+                "system:authenticated".to_string(),
+            ]),
+            resource_attributes: Some(ResourceAttributes {
+                verb: Some(verb.to_string()),
+                group: Some(group.to_string()),
+                resource: Some(resource.to_string()),
+                subresource,
+                namespace: namespace.map(str::to_string),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let answer = Api::<SubjectAccessReview>::all(client.clone())
+        .create(&Default::default(), &review)
+        .await
+        .unwrap_or_else(|e| panic!("SubjectAccessReview {verb} {resource}: {e}"));
+    answer.status.is_some_and(|status| status.allowed)
 }
 
 /// `can_i` for a right that must be granted: asked again for up to 10 s, since the RBAC
 /// authorizer reads roles and bindings through its own watch, a moment behind `kubectl apply`.
-fn granted(kubeconfig: &Path, account: &str, verb: &str, resource: &str, scope: &[&str]) -> bool {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+async fn granted(
+    client: &kube::Client,
+    account: &str,
+    verb: &str,
+    resource: &str,
+    namespace: Option<&str>,
+) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        if can_i(kubeconfig, account, verb, resource, scope) {
+        if can_i(client, account, verb, resource, namespace).await {
             return true;
         }
-        if std::time::Instant::now() >= deadline {
+        if Instant::now() >= deadline {
             return false;
         }
-        std::thread::sleep(std::time::Duration::from_millis(200));
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
@@ -286,7 +322,7 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
     // RBAC. The control plane's account: every verb the controller and the scheduler use,
     // cluster-wide (asked first: once these grants are seen, the authorizer has caught up with
     // the apply, so a denial further down is a real one) ...
-    let all = ["--all-namespaces"];
+    let all = None;
     for resource in [
         "namespaces",
         "services",
@@ -298,7 +334,7 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
     ] {
         for verb in ["get", "list", "watch"] {
             assert!(
-                granted(&kubeconfig, CONTROL_SA, verb, resource, &all),
+                granted(&client, CONTROL_SA, verb, resource, all).await,
                 "the control plane's account may not {verb} {resource}"
             );
         }
@@ -313,7 +349,7 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
         ("patch", "events.events.k8s.io"),
     ] {
         assert!(
-            granted(&kubeconfig, CONTROL_SA, verb, resource, &all),
+            granted(&client, CONTROL_SA, verb, resource, all).await,
             "the control plane's account may not {verb} {resource}"
         );
     }
@@ -334,21 +370,16 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
         ("patch", "nodes/status"),
     ] {
         assert!(
-            !can_i(&kubeconfig, CONTROL_SA, verb, resource, &all),
+            !can_i(&client, CONTROL_SA, verb, resource, all).await,
             "the control plane's account may {verb} {resource}"
         );
     }
 
     // The node's account: no Secrets anywhere, no pods, nothing of the cluster.
     for verb in ["get", "list", "watch"] {
-        for scope in [
-            &all[..],
-            &["-n", NS],
-            &["-n", "default"],
-            &["-n", "kube-system"],
-        ] {
+        for scope in [all, Some(NS), Some("default"), Some("kube-system")] {
             assert!(
-                !can_i(&kubeconfig, NODE_SA, verb, "secrets", scope),
+                !can_i(&client, NODE_SA, verb, "secrets", scope).await,
                 "the node's account may {verb} secrets ({scope:?})"
             );
         }
@@ -364,7 +395,7 @@ async fn the_manifests_apply_grant_least_privilege_and_run() {
         ("patch", "nodes"),
     ] {
         assert!(
-            !can_i(&kubeconfig, NODE_SA, verb, resource, &all),
+            !can_i(&client, NODE_SA, verb, resource, all).await,
             "the node's account may {verb} {resource}"
         );
     }
