@@ -21,7 +21,9 @@
 //! servers: the timeout of one wait; default 1000, -1 = none) and `SHM_PROBE_HOLD_SECS` (`many:N`:
 //! how long the connections stay open and idle) and `SHM_PROBE_ACCEPT_WHEN_QUEUED` (`serve`: wait
 //! until that many connections are queued before the first accept, so a test fixes the order),
-//! `SHM_PROBE_PORT` (`serve`: listen on this port instead of a free one) and
+//! `SHM_PROBE_PORT` (`serve`: listen on this port instead of a free one),
+//! `SHM_PROBE_THINK_US` (`pingpong`: pause between round trips, so the echo server's waits
+//! outlast its polling and it sleeps) and
 //! `SHM_PROBE_SERVER_IP` (`client`: the address to dial instead of 127.0.0.1, e.g. a service
 //! address that interception rules redirect).
 #![allow(clippy::unwrap_used)]
@@ -118,6 +120,7 @@ fn announced_listener() -> TcpListener {
 
 fn serve(mode: &str, connections: usize) {
     let listener = announced_listener();
+    let cpu_before = process_cpu_seconds();
     if let Some(queued) = std::env::var("SHM_PROBE_ACCEPT_WHEN_QUEUED")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -131,6 +134,8 @@ fn serve(mode: &str, connections: usize) {
         _ => panic!("unknown mode {mode}"),
     };
     println!("served {connections} attached {attached} ticks {ticks}");
+    // From "ready" on: the serving, not the program's start.
+    println!("server_cpu_s {:.4}", process_cpu_seconds() - cpu_before);
 }
 
 /// Waits (up to 20 s) until `count` connections wait in the listener's accept queue, so that a
@@ -1235,7 +1240,19 @@ fn ping_pong(port: u16, trips: u64) {
     stream.set_nodelay(true).unwrap();
     let fd = stream.as_raw_fd();
     let started = Instant::now();
+    let cpu_before = process_cpu_seconds();
+    let mut round_trips_ns: Vec<u64> = Vec::with_capacity(trips.min(10_000_000) as usize);
+    let think = Duration::from_micros(
+        std::env::var("SHM_PROBE_THINK_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+    );
     for sequence in 1..=trips {
+        if !think.is_zero() {
+            std::thread::sleep(think);
+        }
+        let trip_started = Instant::now();
         let mut message = [0u8; 16];
         message[..8].copy_from_slice(&sequence.to_be_bytes());
         message[8..].copy_from_slice(&(sequence.wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes());
@@ -1276,11 +1293,34 @@ fn ping_pong(port: u16, trips: u64) {
             "reply to message {sequence} is not that message (sequence {} came back)",
             u64::from_be_bytes(reply[..8].try_into().unwrap())
         );
+        round_trips_ns.push(trip_started.elapsed().as_nanos() as u64);
     }
+    let elapsed = started.elapsed().as_secs_f64();
+    round_trips_ns.sort_unstable();
+    let percentile = |p: f64| {
+        let index = ((round_trips_ns.len() as f64 - 1.0) * p).round() as usize;
+        round_trips_ns.get(index).copied().unwrap_or(0) as f64 / 1000.0
+    };
+    // A ping-pong's one-way latency is half the round trip (sockperf reports it so).
     println!(
-        "pingpong round-trips {trips} in {:.2} s",
-        started.elapsed().as_secs_f64()
+        "pingpong round-trips {trips} in {elapsed:.2} s p50_us {:.3} p99_us {:.3} client_cpu_s {:.4}",
+        percentile(0.5) / 2.0,
+        percentile(0.99) / 2.0,
+        process_cpu_seconds() - cpu_before
     );
+}
+
+/// CPU time (user + system) this process used so far.
+fn process_cpu_seconds() -> f64 {
+    // SAFETY: rusage is plain integers, valid when zeroed; getrusage writes one into `usage`,
+    // a live local.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage
+    };
+    let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    seconds(usage.ru_utime) + seconds(usage.ru_stime)
 }
 
 /// Writes `mib` MiB without reading anything back (far more than a local record: only the

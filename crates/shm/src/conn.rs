@@ -7,7 +7,7 @@ use arc_swap::ArcSwapOption;
 use crate::lock::SpinGuard;
 use crate::region::{Pipe, Region, ATTACHED};
 use std::ffi::CString;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -56,6 +56,12 @@ pub struct Conn {
     pub epoll_watched: AtomicBool,
     /// fds of this process that refer to the connection.
     fds: AtomicUsize,
+    /// Notify-on-RW (`notify`): this side's userfaultfd until the peer took a copy, and our
+    /// copy of the peer's (or `notify::NOT_TRIED` / `UNAVAILABLE`).
+    pub own_fault_fd: AtomicI32,
+    pub peer_fault_fd: AtomicI32,
+    /// Per `notify::Awaited`: the peer's counter (+ 1) when a sleep ended in its fault; 0 none.
+    pub fault_seen: [AtomicU64; 2],
 }
 
 impl Conn {
@@ -65,7 +71,7 @@ impl Conn {
         handoff_path: Option<CString>,
         nonblocking: bool,
     ) -> Conn {
-        Conn {
+        let conn = Conn {
             region,
             role,
             handoff_path,
@@ -79,15 +85,26 @@ impl Conn {
             local_sleepers: AtomicU32::new(0),
             epoll_watched: AtomicBool::new(false),
             fds: AtomicUsize::new(0),
-        }
+            own_fault_fd: AtomicI32::new(-1),
+            peer_fault_fd: AtomicI32::new(crate::notify::NOT_TRIED),
+            fault_seen: [AtomicU64::new(0), AtomicU64::new(0)],
+        };
+        conn.own_fault_fd
+            .store(crate::notify::publish_fault_channel(&conn), Ordering::Release);
+        conn
     }
 
-    fn side(&self) -> usize {
+    /// This process's side of the region: 0 connector, 1 acceptor.
+    pub fn side(&self) -> usize {
         if self.role == Role::Connector {
             0
         } else {
             1
         }
+    }
+
+    pub fn peer_side(&self) -> usize {
+        1 - self.side()
     }
 
     /// One more process (a forked child) holds this side. Counted in the parent before the
@@ -216,6 +233,7 @@ impl Conn {
 
 impl Drop for Conn {
     fn drop(&mut self) {
+        crate::notify::close_fault_channels(self);
         if let Some(path) = &self.handoff_path {
             if !self.attached() {
                 // SAFETY: `path` is a CString (NUL-terminated) that outlives the call.
@@ -331,6 +349,7 @@ pub fn after_fork_in_child() {
             conn.add_hold_count();
         }
         conn.region.add_pid(conn.side());
+        crate::notify::forget_own_fault_channel_in_child(conn);
     }
     for conn in counted {
         if !present.iter().any(|(_, c)| Arc::ptr_eq(c, &conn)) && conn.release_process_hold() {

@@ -7,6 +7,7 @@
 
 use crate::conn::{Conn, Inbound};
 use crate::lock::SpinGuard;
+use crate::notify::{self, Awaited};
 use crate::region::{BytePointer, Corrupt};
 use crate::real::{self, errno, set_errno};
 use crate::settings;
@@ -75,14 +76,10 @@ pub fn send_wake(fd: c_int) -> bool {
     sent >= 0 || matches!(errno(), libc::EAGAIN | libc::EINTR)
 }
 
-/// Sends a wake-up byte if the peer's reader announced that it sleeps.
+/// Wakes the peer's reader if it announced that it sleeps (`notify::wake`).
 pub fn wake_reader(fd: c_int, conn: &Conn) {
     let control = &conn.outbound().control.control.0;
-    fence(Ordering::SeqCst);
-    if control.reader_wants_wake.load(Ordering::Relaxed) != 0
-        && control.reader_wants_wake.swap(0, Ordering::AcqRel) != 0
-        && !send_wake(fd)
-    {
+    if !notify::wake(fd, conn, &control.reader_wants_wake, &control.reader_thread) {
         conn.kernel_error.store(libc::EPIPE, Ordering::Release);
     }
 }
@@ -95,9 +92,8 @@ fn wake_writer(fd: c_int, conn: &Conn) {
     fence(Ordering::SeqCst);
     if control.writer_wants_wake.load(Ordering::Relaxed) != 0
         && inbound.readable() <= inbound.wake_threshold()
-        && control.writer_wants_wake.swap(0, Ordering::AcqRel) != 0
     {
-        send_wake(fd);
+        notify::wake(fd, conn, &control.writer_wants_wake, &control.writer_thread);
     }
 }
 
@@ -191,36 +187,55 @@ fn release_local_sleepers(conn: &Conn) {
     }
 }
 
-/// Sleeps until a wake-up byte, EOF or reset arrives on the kernel socket (or `events`), or
-/// until another thread of this process did so. `prepare` announces the sleep to the peer and
-/// returns true if the awaited condition already holds. Returns Err(EAGAIN) on timeout.
+/// Asks the peer for a wake-up byte, then looks once more: true if `ready` holds.
+fn announce_and_look(conn: &Conn, awaited: Awaited, ready: &dyn Fn() -> bool) -> bool {
+    notify::arm_byte(conn, awaited);
+    fence(Ordering::SeqCst);
+    ready()
+}
+
+/// Sleeps until the peer wakes this thread (`notify`: a wake-up byte, a signal or a fault),
+/// EOF or reset arrives on the kernel socket (or `events`), or another thread of this process
+/// did so. `awaited` says what the sleep is for and `ready` whether it holds already. Returns
+/// Err(EAGAIN) on timeout.
 fn sleep_on_kernel(
     fd: c_int,
     conn: &Conn,
     events: i16,
     timeout_ms: c_int,
-    prepare: &dyn Fn() -> bool,
+    awaited: Awaited,
+    ready: &dyn Fn() -> bool,
 ) -> Result<(), c_int> {
     let sequence = conn.local_sequence.load(Ordering::SeqCst);
     if let Some(role) = conn.kernel_waiter.try_lock() {
         // Drain old wake-ups, then announce the sleep, then look once more: a wake-up sent
-        // after the announcement stays queued and ends the poll.
-        let state = drain(fd, conn, libc::MSG_DONTWAIT);
-        let result = if !matches!(state, KernelState::Open) || prepare() {
+        // after the announcement stays queued (byte, signal) or blocks the peer (fault) and
+        // ends the sleep.
+        let result = if !matches!(drain(fd, conn, libc::MSG_DONTWAIT), KernelState::Open) {
             Ok(())
         } else {
-            stats::bump(&stats::get().sleeps);
-            match poll_one(fd, events | libc::POLLIN, timeout_ms) {
-                Ok(0) => Err(libc::EAGAIN),
-                Ok(_) => Ok(()),
-                Err(code) => Err(code),
-            }
+            let armed = notify::arm(conn, awaited);
+            fence(Ordering::SeqCst);
+            let result = if ready() {
+                Ok(())
+            } else {
+                stats::bump(&stats::get().sleeps);
+                match notify::sleep(fd, events, timeout_ms, &armed) {
+                    Ok(0) => Err(libc::EAGAIN),
+                    Ok(_) => Ok(()),
+                    Err(code) => Err(code),
+                }
+            };
+            notify::disarm(conn, awaited, armed);
+            result
         };
         drop(role);
         release_local_sleepers(conn);
         return result;
     }
-    if prepare() {
+    // Another thread holds the kernel-waiter role: it sleeps on the socket, so a wake-up byte
+    // reaches it, and it wakes this thread when it lets the role go.
+    if announce_and_look(conn, awaited, ready) {
         return Ok(());
     }
     conn.local_sleepers.fetch_add(1, Ordering::SeqCst);
@@ -619,19 +634,9 @@ fn wait_readable(fd: c_int, conn: &Conn, deadline: &mut Deadline) -> Result<(), 
     let Some(timeout) = deadline.poll_ms(fd, None) else {
         return Err(libc::EAGAIN);
     };
-    let prepare = || {
-        conn.inbound()
-            .control
-            .control
-            .0
-            .reader_wants_wake
-            .store(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        ready()
-    };
     if !on_ring {
         // Kernel bytes are data here: wait for them like plain TCP (nothing is drained).
-        if prepare() {
+        if announce_and_look(conn, Awaited::Data, &ready) {
             return Ok(());
         }
         return match poll_one(fd, libc::POLLIN, timeout)? {
@@ -639,7 +644,7 @@ fn wait_readable(fd: c_int, conn: &Conn, deadline: &mut Deadline) -> Result<(), 
             _ => Ok(()),
         };
     }
-    sleep_on_kernel(fd, conn, 0, timeout, &prepare)
+    sleep_on_kernel(fd, conn, 0, timeout, Awaited::Data, &ready)
 }
 
 /// send/write/writev/sendmsg on a shared-memory connection.
@@ -778,15 +783,6 @@ fn wait_writable(
     if !futile && spin_until(ready) {
         return Ok(());
     }
-    let prepare = || {
-        ring.control
-            .control
-            .0
-            .writer_wants_wake
-            .store(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        ready()
-    };
     let can_drain = conn.inbound_source() == Inbound::Ring;
     if can_drain {
         if let KernelState::Error = kernel_check(fd, conn) {
@@ -797,7 +793,7 @@ fn wait_writable(
         // The peer sent FIN (it may still read: half-close) or unread prefix data sits in the
         // kernel: wake-ups cannot arrive over the kernel socket then. Or no record is to be had
         // (`futile`): nothing announces one coming free. Either way, sleep in short steps.
-        if prepare() {
+        if announce_and_look(conn, Awaited::Room, &ready) {
             return Ok(());
         }
         if conn.kernel_eof.load(Ordering::Acquire)
@@ -820,7 +816,7 @@ fn wait_writable(
     let Some(timeout) = deadline.poll_ms(fd, None) else {
         return Err(libc::EAGAIN);
     };
-    match sleep_on_kernel(fd, conn, 0, timeout, &prepare) {
+    match sleep_on_kernel(fd, conn, 0, timeout, Awaited::Room, &ready) {
         Err(libc::EAGAIN) => Err(libc::EAGAIN),
         Err(code) => Err(code),
         Ok(()) if conn.kernel_error.load(Ordering::Acquire) != 0 => Err(libc::EPIPE),

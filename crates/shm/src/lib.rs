@@ -14,6 +14,7 @@
 //!   [`intercept`]: the split namespace's interception rules, as the connector reads them;
 //! - [`proof`]: the kernel's word that an accepted connection is the one a region was made for;
 //! - [`io`]: send/receive and the poll-then-sleep waits (user-mode NAPI);
+//!   [`notify`]: how a sleeping waiter is woken (wake-up byte, signal, or Notify-on-RW);
 //! - [`multiplex`]: epoll/poll/select over kernel and shared-memory fds;
 //! - `interpose`: the exported libc functions;
 //! - [`real`]: the real libc functions behind them; [`settings`]: environment knobs;

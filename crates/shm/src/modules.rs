@@ -11,6 +11,7 @@ mod io;
 mod lock;
 mod multiplex;
 mod negotiate;
+mod notify;
 mod process;
 mod proof;
 mod real;

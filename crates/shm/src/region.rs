@@ -23,7 +23,7 @@ use std::ffi::CStr;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 pub const MAGIC: u64 = 0x3268_736d_7461_6c66; // "flatmsh2"
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 /// Metadata at the start of each local record.
 pub const HEADER_BYTES: usize = 1024;
 /// Default size of each local record (header included); `FLATMESH_SHM_LOCAL_KIB` overrides it.
@@ -82,7 +82,8 @@ pub struct Direction {
 
 #[repr(C)]
 pub struct DirectionControl {
-    /// Set by a reader before it sleeps; the writer that clears it sends a wake-up byte.
+    /// Set by a reader before it sleeps; the writer that clears it wakes it, as the value
+    /// says (`notify::Arming`: a wake-up byte or a signal; nothing for a fault).
     pub reader_wants_wake: AtomicU32,
     /// Set by a writer before it sleeps on a full pipe; the reader that clears it wakes it.
     pub writer_wants_wake: AtomicU32,
@@ -96,7 +97,13 @@ pub struct DirectionControl {
     pub kernel_sent: AtomicU64,
     /// Direction 0 only: prefix bytes the acceptor has consumed from the kernel socket.
     pub kernel_consumed: AtomicU64,
+    /// The sleeping reader's thread (`tgid << 32 | tid`) when it asked for a signal.
+    pub reader_thread: AtomicU64,
+    /// Likewise for a sleeping writer.
+    pub writer_thread: AtomicU64,
 }
+
+const _: () = assert!(std::mem::size_of::<DirectionControl>() <= 64);
 
 /// The arena-record chain of one direction.
 #[repr(C)]
@@ -140,6 +147,12 @@ pub struct Control {
     pub pids: [[AtomicU32; PIDS_PER_SIDE]; 2],
     /// More processes held a side than there are pid slots: liveness is unknown.
     pub pids_overflow: [AtomicU32; 2],
+    /// Notify-on-RW (`notify`): each side's userfaultfd over its mapping of the region
+    /// (`pid << 32 | fd number + 1`, 0 = none), how far the hand-over got, and where that
+    /// mapping starts in the owner's memory.
+    pub fault_owner: [AtomicU64; 2],
+    pub fault_state: [AtomicU32; 2],
+    pub mapping: [AtomicU64; 2],
 }
 
 #[repr(C)]
@@ -311,6 +324,16 @@ impl Region {
             len,
             local_bytes,
         })
+    }
+
+    /// Where this process mapped the region, and its length.
+    pub fn mapping(&self) -> (usize, usize) {
+        (self.base as usize, self.len)
+    }
+
+    /// Offset of record `index` (direction `index`'s header) in the region.
+    pub fn record_offset(&self, index: usize) -> usize {
+        (index & 1) * self.local_bytes
     }
 
     pub fn control(&self) -> &Control {

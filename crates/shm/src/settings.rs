@@ -9,6 +9,7 @@
 //! | `FLATMESH_SHM_PROCESS_RECORDS` | arena records one process may hold | a quarter of the arena |
 //! | `FLATMESH_SHM_CONN_KIB` | arena bytes one direction of a connection may hold; 0 = none | 4096 |
 //! | `FLATMESH_SHM_SPIN_US` | how long a waiter polls before it sleeps; 0 = never | 50 |
+//! | `FLATMESH_SHM_NOTIFY` | how a sleeping waiter is woken (`notify`): `sync` (a wake-up byte over the kernel socket), `async` (a signal to the sleeping thread), `norw` (Notify-on-RW: the peer's store to a write-protected page) | sync |
 //! | `FLATMESH_SHM_STATS` | `1`: print counters and arena usage on stderr at exit; an absolute path: append them to that file | off |
 //! | `FLATMESH_SHM_PORTS` | the allow-list: only connections to these server ports use shared memory; comma-separated ports and ranges (`8080,9000-9099`), at most 64 entries | every port |
 //! | `FLATMESH_SHM_GROUP` | a directory the network namespaces of one split namespace share (set by `flatmesh pu run`): connections between them use shared memory too (`group`); an absolute path of at most 80 bytes | within one network namespace only |
@@ -17,6 +18,28 @@ use crate::arena;
 use crate::region::{DEFAULT_LOCAL_BYTES, MAX_LOCAL_BYTES, MIN_LOCAL_BYTES};
 use std::sync::OnceLock;
 use std::time::Duration;
+
+/// `FLATMESH_SHM_NOTIFY`: how a sleeping waiter is woken (`notify`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum NotifyMode {
+    /// A wake-up byte over the kernel socket.
+    Sync,
+    /// A signal to the sleeping thread.
+    Async,
+    /// The peer's store to a page the sleeper write-protected.
+    NotifyOnRw,
+}
+
+impl NotifyMode {
+    pub fn parse(value: &str) -> Option<NotifyMode> {
+        match value.trim() {
+            "sync" => Some(NotifyMode::Sync),
+            "async" => Some(NotifyMode::Async),
+            "norw" => Some(NotifyMode::NotifyOnRw),
+            _ => None,
+        }
+    }
+}
 
 pub struct Settings {
     pub enabled: bool,
@@ -27,6 +50,7 @@ pub struct Settings {
     pub group: Option<std::ffi::CString>,
     pub local_bytes: usize,
     pub spin: Duration,
+    pub notify: NotifyMode,
     pub arena_bytes: u64,
     pub process_records: u32,
     pub conn_records: u32,
@@ -94,6 +118,7 @@ const PORTS_RULE: &str = "must be comma-separated ports (1-65535) or ranges of t
 /// fit a Unix socket address (108 bytes).
 const MAX_GROUP_LEN: usize = 80;
 const GROUP_RULE: &str = "must be an absolute directory path of at most 80 bytes";
+const NOTIFY_RULE: &str = "must be sync, async or norw";
 
 /// `FLATMESH_SHM_PORTS` read: `None` if it is not a valid list.
 fn parse_ports(value: &str) -> Option<Vec<std::ops::RangeInclusive<u16>>> {
@@ -143,6 +168,11 @@ pub fn problems() -> Vec<String> {
     if let Ok(value) = std::env::var("FLATMESH_SHM_GROUP") {
         if !group_ok(&value) {
             found.push(format!("FLATMESH_SHM_GROUP={value:?}: {GROUP_RULE}"));
+        }
+    }
+    if let Ok(value) = std::env::var("FLATMESH_SHM_NOTIFY") {
+        if NotifyMode::parse(&value).is_none() {
+            found.push(format!("FLATMESH_SHM_NOTIFY={value:?}: {NOTIFY_RULE}"));
         }
     }
     found.extend(RULES.iter().filter_map(|(name, range, rule)| {
@@ -235,12 +265,22 @@ pub fn get() -> &'static Settings {
                 None
             }
         });
+        let notify = var("FLATMESH_SHM_NOTIFY")
+            .and_then(|value| {
+                let mode = NotifyMode::parse(&value);
+                if mode.is_none() {
+                    warn("FLATMESH_SHM_NOTIFY", &value, NOTIFY_RULE);
+                }
+                mode
+            })
+            .unwrap_or(NotifyMode::Sync);
         let mut settings = Settings {
             enabled,
             ports,
             group,
             local_bytes,
             spin: Duration::from_micros(spin_us),
+            notify,
             arena_bytes,
             process_records: 0,
             conn_records,

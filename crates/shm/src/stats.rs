@@ -13,6 +13,10 @@ pub struct Counters {
     pub accelerated: AtomicU64,
     /// Wake-up bytes sent to a sleeping peer.
     pub wakeups_sent: AtomicU64,
+    /// Signals sent to a sleeping peer thread (`FLATMESH_SHM_NOTIFY=async`).
+    pub wake_signals: AtomicU64,
+    /// Sleeps ended by the peer's fault on a protected page (`FLATMESH_SHM_NOTIFY=norw`).
+    pub wake_faults: AtomicU64,
     /// Times a waiter went to sleep in the kernel (poll/epoll/futex) after polling.
     pub sleeps: AtomicU64,
     /// Non-blocking looks at the kernel socket for wake-ups, EOF or reset.
@@ -31,6 +35,8 @@ pub struct Counters {
 static COUNTERS: Counters = Counters {
     accelerated: AtomicU64::new(0),
     wakeups_sent: AtomicU64::new(0),
+    wake_signals: AtomicU64::new(0),
+    wake_faults: AtomicU64::new(0),
     sleeps: AtomicU64::new(0),
     kernel_checks: AtomicU64::new(0),
     records_allocated: AtomicU64::new(0),
@@ -55,10 +61,12 @@ pub fn report() -> String {
     let c = get();
     let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
     let mut out = format!(
-        "flatmesh-shm pid {} accelerated {} wakeups_sent {} sleeps {} kernel_checks {} records_allocated {} records_committed {} records_freed {} records_held {} refused_limit {} refused_exhausted {} commits_rejected {} unproven {}\n",
+        "flatmesh-shm pid {} accelerated {} wakeups_sent {} wake_signals {} wake_faults {} sleeps {} kernel_checks {} records_allocated {} records_committed {} records_freed {} records_held {} refused_limit {} refused_exhausted {} commits_rejected {} unproven {}\n",
         crate::process::pid(),
         load(&c.accelerated),
         load(&c.wakeups_sent),
+        load(&c.wake_signals),
+        load(&c.wake_faults),
         load(&c.sleeps),
         load(&c.kernel_checks),
         load(&c.records_allocated),

@@ -18,6 +18,7 @@ struct Outcome {
     attached: usize,
     ticks: usize,
     client_output: String,
+    client_errors: String,
     /// Exit reports of both processes (`FLATMESH_SHM_STATS`).
     stats: Vec<BTreeMap<String, u64>>,
 }
@@ -42,6 +43,23 @@ fn echo_with(
     client_preload: bool,
     client_env: &[(&str, &str)],
 ) -> Outcome {
+    echo_with_both(
+        mode,
+        test,
+        (server_preload, &[]),
+        (client_preload, client_env),
+        connections,
+    )
+}
+
+/// As `echo`, with extra environment for each side: `(preload, environment)`.
+fn echo_with_both(
+    mode: &str,
+    test: &str,
+    (server_preload, server_env): (bool, &[(&str, &str)]),
+    (client_preload, client_env): (bool, &[(&str, &str)]),
+    connections: usize,
+) -> Outcome {
     require_root();
     let stats = stats_path(&format!("{mode}-{}", test.replace([':', '/'], "_")));
     let mut server = command(probe(), server_preload);
@@ -59,6 +77,7 @@ fn echo_with(
         // Never poll: every wait for data or room is a sleep that needs a wake-up.
         server.env("FLATMESH_SHM_SPIN_US", "0");
     }
+    server.envs(server_env.iter().copied());
     let mut server = Running::spawn(server);
     let port = server.expect_line("ready ", Duration::from_secs(10))[6..]
         .trim()
@@ -104,6 +123,7 @@ fn echo_with(
         attached: field("attached"),
         ticks: field("ticks"),
         client_output: stdout,
+        client_errors: stderr,
         stats: reports,
     }
 }
@@ -482,4 +502,137 @@ fn a_parent_closing_right_after_fork_leaves_the_child_every_byte() {
     assert_eq!(child, "child ok attached 1", "client:\n{stdout}\n{stderr}");
     assert!(ok, "client failed:\n{stdout}\n{stderr}");
     assert!(server.wait(Duration::from_secs(10)).success());
+}
+
+/// U-NAPI's asynchronous mode (`FLATMESH_SHM_NOTIFY=async`): with no polling, every wait is a
+/// sleep, and the peer wakes it with a signal to the sleeping thread, never a wake-up byte.
+/// The wake-up race run (random sizes and pauses, 5 s bounds) fails on a lost wake-up.
+#[test]
+fn async_mode_wakes_sleepers_with_signals_and_loses_none() {
+    let env = [
+        ("FLATMESH_SHM_NOTIFY", "async"),
+        ("FLATMESH_SHM_SPIN_US", "0"),
+    ];
+    let outcome = echo_with_both("thread", "wake-race:3", (true, &env), (true, &env), 1);
+    assert_eq!(outcome.attached, 1);
+    assert!(
+        outcome.client_output.contains("wake-race bytes"),
+        "{}",
+        outcome.client_output
+    );
+    let (signals, bytes) = (
+        total(&outcome.stats, "wake_signals"),
+        total(&outcome.stats, "wakeups_sent"),
+    );
+    assert!(
+        signals > 100,
+        "too few signal wake-ups: {:?}",
+        outcome.stats
+    );
+    // A byte only before the acceptor attached (the connector's first wait is a kernel one).
+    assert!(
+        bytes <= 4,
+        "{bytes} wake-up bytes in async mode: {:?}",
+        outcome.stats
+    );
+}
+
+/// Notify-on-RW (`FLATMESH_SHM_NOTIFY=norw`): a sleeper write-protects the peer's header page
+/// through the peer's userfaultfd and is woken by the peer's fault; the wake-up race run loses
+/// nothing, and some sleeps end in a fault.
+#[test]
+fn notify_on_rw_wakes_sleepers_by_the_peers_fault_and_loses_none() {
+    let env = [
+        ("FLATMESH_SHM_NOTIFY", "norw"),
+        ("FLATMESH_SHM_SPIN_US", "0"),
+    ];
+    let outcome = echo_with_both("thread", "wake-race:3", (true, &env), (true, &env), 1);
+    assert_eq!(outcome.attached, 1);
+    assert!(
+        outcome.client_output.contains("wake-race bytes"),
+        "{}",
+        outcome.client_output
+    );
+    let faults = total(&outcome.stats, "wake_faults");
+    assert!(faults > 50, "too few fault wake-ups: {:?}", outcome.stats);
+    // A forked server: the child, whose stores the parent's userfaultfd does not see, wakes
+    // the client with bytes; nothing is lost either.
+    let outcome = echo_with_both("fork", "pingpong:2000", (true, &env), (true, &env), 1);
+    assert_eq!(outcome.attached, 1);
+    assert!(
+        outcome.client_output.contains("round-trips 2000 "),
+        "{}",
+        outcome.client_output
+    );
+}
+
+/// Each side wakes its peer the way the peer asked, whatever its own mode: an async server
+/// with a sync client, and a Notify-on-RW client whose server offers no userfaultfd (it falls
+/// back to wake-up bytes), both answer every message.
+#[test]
+fn mixed_notification_modes_interoperate() {
+    let no_spin = ("FLATMESH_SHM_SPIN_US", "0");
+    let outcome = echo_with_both(
+        "thread",
+        "pingpong:2000",
+        (true, &[("FLATMESH_SHM_NOTIFY", "async"), no_spin]),
+        (true, &[("FLATMESH_SHM_NOTIFY", "sync"), no_spin]),
+        1,
+    );
+    assert_eq!(outcome.attached, 1);
+    assert!(
+        outcome.client_output.contains("round-trips 2000 "),
+        "{}",
+        outcome.client_output
+    );
+    assert!(
+        total(&outcome.stats, "wake_signals") > 100,
+        "{:?}",
+        outcome.stats
+    );
+    assert!(
+        total(&outcome.stats, "wakeups_sent") > 100,
+        "{:?}",
+        outcome.stats
+    );
+
+    let outcome = echo_with_both(
+        "thread",
+        "pingpong:2000",
+        (true, &[("FLATMESH_SHM_NOTIFY", "sync"), no_spin]),
+        (true, &[("FLATMESH_SHM_NOTIFY", "norw"), no_spin]),
+        1,
+    );
+    assert_eq!(outcome.attached, 1);
+    assert!(
+        outcome.client_output.contains("round-trips 2000 "),
+        "{}",
+        outcome.client_output
+    );
+    assert_eq!(
+        total(&outcome.stats, "wake_faults"),
+        0,
+        "{:?}",
+        outcome.stats
+    );
+}
+
+/// A bad `FLATMESH_SHM_NOTIFY` is reported (and the default used), not a failed program.
+#[test]
+fn a_bad_notification_mode_is_reported_and_the_default_used() {
+    let outcome = echo_with_both(
+        "thread",
+        "pingpong:200",
+        (true, &[]),
+        (true, &[("FLATMESH_SHM_NOTIFY", "interrupts")]),
+        1,
+    );
+    assert_eq!(outcome.attached, 1);
+    assert!(
+        outcome
+            .client_errors
+            .contains("FLATMESH_SHM_NOTIFY=\"interrupts\" ignored: must be sync, async or norw"),
+        "{}",
+        outcome.client_errors
+    );
 }
