@@ -296,15 +296,42 @@ pub fn receive_packets(cfg: QnpConfig, packets: &[(&[u8], u16)]) -> (RxStats, Ve
     (t.stats, delivered)
 }
 
+/// Whether a UDP receive error concerns one packet (an ICMP error for an earlier datagram, an
+/// interrupted call): the next receive may well succeed. Anything else (a closed or broken
+/// socket, no memory) would fail again at once, so a receive loop must not retry it in a
+/// tight loop.
+pub fn receive_error_is_per_packet(error: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        error.kind(),
+        ConnectionRefused
+            | ConnectionReset
+            | HostUnreachable
+            | NetworkUnreachable
+            | Interrupted
+            | WouldBlock
+            | TimedOut
+    )
+}
+
+/// How long a receive loop waits after an error that is not per packet, so that a broken
+/// socket costs a log line per interval, not a spinning core.
+pub const RECEIVE_ERROR_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
 async fn receive_loop<S: Datagram>(shared: Arc<Shared<S>>, requests: mpsc::Sender<Request>) {
     let mut buf = vec![0u8; shared.cfg.max_packet_bytes + 1];
     loop {
         let (n, from) = match shared.sock.recv_from(&mut buf).await {
             Ok(x) => x,
             Err(e) if e.kind() == std::io::ErrorKind::NotConnected => return,
-            Err(e) => {
+            Err(e) if receive_error_is_per_packet(&e) => {
                 // A stray ICMP error on a UDP socket must not stop the endpoint.
                 tracing::debug!(error = %e, "qnp: receive error");
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "qnp: receive failed; retrying shortly");
+                tokio::time::sleep(RECEIVE_ERROR_PAUSE).await;
                 continue;
             }
         };
@@ -433,6 +460,25 @@ mod tests {
         srv.abort();
         let seen = seen.lock().clone();
         (seen, server.stats())
+    }
+
+    #[test]
+    fn only_per_packet_receive_errors_are_retried_at_once() {
+        use std::io::{Error, ErrorKind};
+        for kind in [
+            ErrorKind::ConnectionRefused,
+            ErrorKind::Interrupted,
+            ErrorKind::WouldBlock,
+        ] {
+            assert!(receive_error_is_per_packet(&Error::from(kind)), "{kind:?}");
+        }
+        // EBADF, ENOMEM: they would come back at once; the loops pause instead of spinning.
+        for code in [libc::EBADF, libc::ENOMEM] {
+            assert!(
+                !receive_error_is_per_packet(&Error::from_raw_os_error(code)),
+                "{code}"
+            );
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -7,6 +7,7 @@ use arc_swap::ArcSwap;
 use flatmesh_qnp::dispatch::{Stash, STASH_DEPTH};
 use flatmesh_qnp::header::QnpHeader;
 use flatmesh_qnp::rules::Decision;
+use flatmesh_qnp::transport::{receive_error_is_per_packet, RECEIVE_ERROR_PAUSE};
 
 use super::session::{RelayError, Sessions};
 use super::{QnpPlan, QnpSocket};
@@ -51,7 +52,12 @@ pub async fn serve(
         let (n, client) = match listener.recv_from(&mut buf).await {
             Ok(got) => got,
             // An ICMP error for an earlier answer: per packet, not the socket's end.
-            Err(_) => continue,
+            Err(e) if receive_error_is_per_packet(&e) => continue,
+            Err(e) => {
+                tracing::warn!(worker, address = %key.0, error = %e, "qnp: receive failed; retrying shortly");
+                tokio::time::sleep(RECEIVE_ERROR_PAUSE).await;
+                continue;
+            }
         };
         let pkt = &buf[..n];
         let Some(plan) = plan_in_force(&view, key, &mut current) else {
