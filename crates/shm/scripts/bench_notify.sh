@@ -39,10 +39,10 @@ for tool in python3 taskset; do
   command -v $tool >/dev/null || { echo "$tool is missing: apt-get install -y $tool" >&2; exit 1; }
 done
 
-TRIPS=${TRIPS:-20000}; ROUNDS=${ROUNDS:-3}; THINK_US=${THINK_US:-100}
+TRIPS=${TRIPS:-20000}; ROUNDS=${ROUNDS:-3}; THINK_US=${THINK_US:-100}  # MODES and SPINS narrow the matrix
 if [ $QUICK = 1 ]; then TRIPS=500; ROUNDS=1; fi
-MODES="sync async norw"
-SPINS="0 10 50 1000000"
+MODES=${MODES:-sync async norw}
+SPINS=${SPINS:-0 10 50 1000000}
 RES=$(mktemp -d /tmp/flatmesh-shm-notify.XXXXXX)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$RES"; }
