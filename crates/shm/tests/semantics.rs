@@ -504,6 +504,25 @@ fn a_parent_closing_right_after_fork_leaves_the_child_every_byte() {
     assert!(server.wait(Duration::from_secs(10)).success());
 }
 
+/// 2,000 round trips against a `mode` server, each side with its environment; checks that
+/// the connection moved and that every round trip came back.
+fn ping_pong_2000(mode: &str, server_env: &[(&str, &str)], client_env: &[(&str, &str)]) -> Outcome {
+    let outcome = echo_with_both(
+        mode,
+        "pingpong:2000",
+        (true, server_env),
+        (true, client_env),
+        1,
+    );
+    assert_eq!(outcome.attached, 1, "{mode}: not on shared memory");
+    assert!(
+        outcome.client_output.contains("round-trips 2000 "),
+        "{}",
+        outcome.client_output
+    );
+    outcome
+}
+
 /// U-NAPI's asynchronous mode (`FLATMESH_SHM_NOTIFY=async`): with no polling, every wait is a
 /// sleep, and the peer wakes it with a signal to the sleeping thread, never a wake-up byte.
 /// The wake-up race run (random sizes and pauses, 5 s bounds) fails on a lost wake-up.
@@ -557,13 +576,7 @@ fn notify_on_rw_wakes_sleepers_by_the_peers_fault_and_loses_none() {
     assert!(faults > 50, "too few fault wake-ups: {:?}", outcome.stats);
     // A forked server: the child, whose stores the parent's userfaultfd does not see, wakes
     // the client with bytes; nothing is lost either.
-    let outcome = echo_with_both("fork", "pingpong:2000", (true, &env), (true, &env), 1);
-    assert_eq!(outcome.attached, 1);
-    assert!(
-        outcome.client_output.contains("round-trips 2000 "),
-        "{}",
-        outcome.client_output
-    );
+    ping_pong_2000("fork", &env, &env);
 }
 
 /// Each side wakes its peer the way the peer asked, whatever its own mode: an async server
@@ -572,42 +585,22 @@ fn notify_on_rw_wakes_sleepers_by_the_peers_fault_and_loses_none() {
 #[test]
 fn mixed_notification_modes_interoperate() {
     let no_spin = ("FLATMESH_SHM_SPIN_US", "0");
-    let outcome = echo_with_both(
+    let outcome = ping_pong_2000(
         "thread",
-        "pingpong:2000",
-        (true, &[("FLATMESH_SHM_NOTIFY", "async"), no_spin]),
-        (true, &[("FLATMESH_SHM_NOTIFY", "sync"), no_spin]),
-        1,
+        &[("FLATMESH_SHM_NOTIFY", "async"), no_spin],
+        &[("FLATMESH_SHM_NOTIFY", "sync"), no_spin],
     );
-    assert_eq!(outcome.attached, 1);
-    assert!(
-        outcome.client_output.contains("round-trips 2000 "),
-        "{}",
-        outcome.client_output
-    );
-    assert!(
-        total(&outcome.stats, "wake_signals") > 100,
-        "{:?}",
-        outcome.stats
-    );
-    assert!(
-        total(&outcome.stats, "wakeups_sent") > 100,
-        "{:?}",
-        outcome.stats
-    );
-
-    let outcome = echo_with_both(
+    for counter in ["wake_signals", "wakeups_sent"] {
+        assert!(
+            total(&outcome.stats, counter) > 100,
+            "{counter}: {:?}",
+            outcome.stats
+        );
+    }
+    let outcome = ping_pong_2000(
         "thread",
-        "pingpong:2000",
-        (true, &[("FLATMESH_SHM_NOTIFY", "sync"), no_spin]),
-        (true, &[("FLATMESH_SHM_NOTIFY", "norw"), no_spin]),
-        1,
-    );
-    assert_eq!(outcome.attached, 1);
-    assert!(
-        outcome.client_output.contains("round-trips 2000 "),
-        "{}",
-        outcome.client_output
+        &[("FLATMESH_SHM_NOTIFY", "sync"), no_spin],
+        &[("FLATMESH_SHM_NOTIFY", "norw"), no_spin],
     );
     assert_eq!(
         total(&outcome.stats, "wake_faults"),
@@ -620,14 +613,7 @@ fn mixed_notification_modes_interoperate() {
 /// A bad `FLATMESH_SHM_NOTIFY` is reported (and the default used), not a failed program.
 #[test]
 fn a_bad_notification_mode_is_reported_and_the_default_used() {
-    let outcome = echo_with_both(
-        "thread",
-        "pingpong:200",
-        (true, &[]),
-        (true, &[("FLATMESH_SHM_NOTIFY", "interrupts")]),
-        1,
-    );
-    assert_eq!(outcome.attached, 1);
+    let outcome = ping_pong_2000("thread", &[], &[("FLATMESH_SHM_NOTIFY", "interrupts")]);
     assert!(
         outcome
             .client_errors
