@@ -4,8 +4,8 @@
 #
 #   crates/shm/scripts/bench_notify.sh [--quick] [target-dir] [output.svg]
 #
-# A 16-byte ping-pong over shared memory (shm_probe: a blocking echo server on CPU 0, the
-# client on CPU 1) with a pause between round trips (THINK_US, 100 µs by default) longer than
+# A 16-byte ping-pong over shared memory (shm_probe: a blocking echo server on CPU 0, or with
+# SERVER=epoll one that waits in epoll_wait; the client on CPU 1) with a pause between round trips (THINK_US, 100 µs by default) longer than
 # short polling budgets, so the server has to sleep between requests, as a real server with
 # gaps between requests does. Every mode runs with each polling budget (FLATMESH_SHM_SPIN_US):
 #
@@ -40,6 +40,7 @@ for tool in python3 taskset; do
 done
 
 TRIPS=${TRIPS:-20000}; ROUNDS=${ROUNDS:-3}; THINK_US=${THINK_US:-100}  # MODES and SPINS narrow the matrix
+SERVER=${SERVER:-thread}  # or epoll: the echo server waits in epoll_wait (no other fd ticking)
 if [ $QUICK = 1 ]; then TRIPS=500; ROUNDS=1; fi
 MODES=${MODES:-sync async norw}
 SPINS=${SPINS:-0 10 50 1000000}
@@ -58,7 +59,7 @@ CLIENT_CPU=$(( $(nproc) > 1 ? 1 : 0 ))
 one() { # mode spin round
   local env=(env LD_PRELOAD="$LIB" FLATMESH_SHM_NOTIFY=$1 FLATMESH_SHM_SPIN_US=$2)
   local out=$RES/server-$1-$2-$3
-  "${env[@]}" taskset -c 0 "$PROBE" serve thread 1 > "$out" 2>&1 & local server=$!
+  "${env[@]}" SHM_PROBE_TICK_MS=0 SHM_PROBE_WAIT_MS=-1 taskset -c 0 "$PROBE" serve $SERVER 1 > "$out" 2>&1 & local server=$!
   for _ in $(seq 200); do grep -q '^ready' "$out" && break; sleep 0.02; done
   local port
   port=$(awk '/^ready/{print $2}' "$out")
@@ -69,7 +70,7 @@ one() { # mode spin round
   echo "$1 $2 $3 $(echo "$client" | grep '^pingpong') $(grep '^server_cpu_s' "$out")" >> "$RES/runs"
 }
 
-echo "U-NAPI notification modes: $(date -u +%FT%TZ), $(nproc) CPUs, kernel $(uname -r)${POLLING}, $TRIPS round trips per run, ${THINK_US} µs pause, $ROUNDS rounds$([ $QUICK = 1 ] && echo ', QUICK (numbers meaningless)')" >&2
+echo "U-NAPI notification modes: $(date -u +%FT%TZ), $(nproc) CPUs, kernel $(uname -r)${POLLING}, $SERVER echo server, $TRIPS round trips per run, ${THINK_US} µs pause, $ROUNDS rounds$([ $QUICK = 1 ] && echo ', QUICK (numbers meaningless)')" >&2
 total=$(( ROUNDS * $(echo $MODES | wc -w) * $(echo $SPINS | wc -w) )); done_runs=0
 for round in $(seq $ROUNDS); do
   for spin in $SPINS; do

@@ -897,23 +897,14 @@ pub fn readiness(fd: c_int, conn: &Conn, kernel_activity: bool) -> Readiness {
 }
 
 /// Announces that this thread is about to sleep waiting for `events` on the connection, so the
-/// peer sends a wake-up byte when it changes the ring.
-pub fn arm(conn: &Conn, want_in: bool, want_out: bool) {
+/// peer wakes it when it changes the ring: with a signal if `signal`
+/// (`notify::event_waits_use_signals`), otherwise with a wake-up byte.
+pub fn arm(conn: &Conn, want_in: bool, want_out: bool, signal: bool) {
     if want_in {
-        conn.inbound()
-            .control
-            .control
-            .0
-            .reader_wants_wake
-            .store(1, Ordering::SeqCst);
+        notify::arm_event_wait(conn, Awaited::Data, signal);
     }
     if want_out && conn.outbound_on_ring() && !conn.outbound().write_ready() {
-        conn.outbound()
-            .control
-            .control
-            .0
-            .writer_wants_wake
-            .store(1, Ordering::SeqCst);
+        notify::arm_event_wait(conn, Awaited::Room, signal);
     }
     fence(Ordering::SeqCst);
 }

@@ -11,6 +11,7 @@
 
 use crate::conn::{self, Conn, Inbound};
 use crate::io::{self, Readiness};
+use crate::notify;
 use crate::real::{self, errno, set_errno};
 use libc::{c_int, epoll_event};
 use parking_lot::Mutex;
@@ -435,13 +436,14 @@ fn collect(epfd: c_int, out: &mut [epoll_event], fired: &[c_int]) -> usize {
     written
 }
 
-fn arm_set(epfd: c_int) {
+fn arm_set(epfd: c_int, signal: bool) {
     if let Some(set) = EPOLLS.lock().set(epfd) {
         for watch in set.watches.iter().filter(|w| !w.disabled) {
             io::arm(
                 &watch.conn,
                 watch.events & libc::EPOLLIN as u32 != 0,
                 watch.events & libc::EPOLLOUT as u32 != 0,
+                signal,
             );
         }
     }
@@ -555,7 +557,9 @@ pub unsafe fn epoll_wait(
                 continue;
             }
         }
-        arm_set(epfd);
+        // `async` mode: the peers signal this thread, which sleeps with the signal unblocked.
+        let signal = notify::event_waits_use_signals();
+        arm_set(epfd, signal);
         let count = collect(epfd, out, &[]);
         if count > 0 {
             return count as c_int;
@@ -564,10 +568,20 @@ pub unsafe fn epoll_wait(
             return 0;
         };
         let wait_ms = cap_for_unwakeable(epfd, wait_ms);
-        // SAFETY: `out` is `max` writable events (above); `mask` is the caller's (null or a
-        // sigset, this function's `# Safety`).
-        let rc = unsafe { real::epoll_pwait(epfd, out.as_mut_ptr(), max, wait_ms, mask) };
+        let signal_mask = signal.then(|| notify::event_wait_mask(mask));
+        let sleep_mask = signal_mask
+            .as_ref()
+            .map_or(mask, |(unblocked, _)| unblocked as *const libc::sigset_t);
+        // SAFETY: `out` is `max` writable events (above); `sleep_mask` is the caller's `mask`
+        // (null or a sigset, this function's `# Safety`) or a live local sigset.
+        let rc = unsafe { real::epoll_pwait(epfd, out.as_mut_ptr(), max, wait_ms, sleep_mask) };
         if rc < 0 {
+            if let Some((_, before)) = signal_mask {
+                if errno() == libc::EINTR && notify::woken_by_signal(before) {
+                    // A peer's wake-up, not the program's signal: look at the rings again.
+                    continue;
+                }
+            }
             return rc;
         }
         fired.clear();
@@ -744,10 +758,12 @@ pub unsafe fn poll(
             }
         }
         for (index, conn) in &shm {
+            // poll and select sleep with the caller's signal mask: bytes, not signals.
             io::arm(
                 conn,
                 entries[*index].events & libc::POLLIN != 0,
                 entries[*index].events & libc::POLLOUT != 0,
+                false,
             );
         }
         for entry in copy.iter_mut() {

@@ -9,7 +9,8 @@
 //!   signal (tgkill, [`SIGNAL`]) instead, so no TCP stack runs on either side; the thread's
 //!   handler does nothing but end the sleep, and the thread goes back to polling. The waiter
 //!   still sleeps on the socket, so EOF, a reset and wake-up bytes from `sync` threads of its
-//!   own process still end the sleep.
+//!   own process still end the sleep. Blocking calls and epoll waits use it; poll and select
+//!   waits ask for bytes.
 //! - `norw`, Notify-on-RW: the waiter revokes the peer's write permission on the header page of
 //!   the direction it waits on (through the peer's userfaultfd, write-protect mode), and sleeps
 //!   on that userfaultfd and the socket. The peer does nothing special: its next store to that
@@ -147,6 +148,53 @@ pub fn arm_byte(conn: &Conn, awaited: Awaited) {
     watched(conn, awaited).1.store(WAKE_BYTE, Ordering::SeqCst);
 }
 
+/// Announces a sleep with a signal to this thread.
+fn arm_signal(flag: &AtomicU32, thread: &AtomicU64) {
+    // SAFETY: getpid and gettid take no arguments and cannot fail.
+    let (tgid, tid) = unsafe { (libc::getpid() as u32, libc::gettid() as u32) };
+    thread.store(u64::from(tgid) << 32 | u64::from(tid), Ordering::Release);
+    flag.store(WAKE_SIGNAL, Ordering::SeqCst);
+}
+
+/// Whether this thread's event waits (epoll) ask for signals: `async` mode, with the signal
+/// usable in this thread.
+pub fn event_waits_use_signals() -> bool {
+    settings::get().notify == Mode::Async && signals_usable()
+}
+
+/// Announces an event wait (epoll, poll, select) for `awaited`: with a signal if `signal`
+/// (see [`event_waits_use_signals`]; the wait must then unblock it, [`event_wait_mask`]),
+/// otherwise with a byte.
+pub fn arm_event_wait(conn: &Conn, awaited: Awaited, signal: bool) {
+    let (_, flag, thread) = watched(conn, awaited);
+    if signal {
+        arm_signal(flag, thread);
+    } else {
+        flag.store(WAKE_BYTE, Ordering::SeqCst);
+    }
+}
+
+/// For an event wait armed with signals: the mask to sleep with (`mask`, the caller's, or
+/// else this thread's, without [`SIGNAL`]) and the count of signals received so far, for
+/// [`woken_by_signal`].
+pub fn event_wait_mask(mask: *const libc::sigset_t) -> (libc::sigset_t, u32) {
+    let mut unblocked = if mask.is_null() {
+        thread_mask()
+    } else {
+        // SAFETY: a non-null `mask` is the caller's sigset (epoll_pwait(2)'s contract), read once.
+        unsafe { *mask }
+    };
+    // SAFETY: sigdelset writes into `unblocked`, a live local sigset_t.
+    unsafe { libc::sigdelset(&mut unblocked, SIGNAL) };
+    (unblocked, SIGNALS_RECEIVED.load(Ordering::SeqCst))
+}
+
+/// Whether a wait that failed with EINTR was ended by a wake-up signal (received after
+/// `before`, from [`event_wait_mask`]) rather than by one of the program's own signals.
+pub fn woken_by_signal(before: u32) -> bool {
+    SIGNALS_RECEIVED.load(Ordering::SeqCst) != before
+}
+
 /// Announces that this thread is about to sleep for `awaited`, in this process's mode. The
 /// caller then looks at the ring once more (after a full fence) and sleeps with [`sleep`]
 /// unless it is ready, and calls [`disarm`] either way.
@@ -154,10 +202,7 @@ pub fn arm(conn: &Conn, awaited: Awaited) -> Armed {
     let (direction, flag, thread) = watched(conn, awaited);
     match settings::get().notify {
         Mode::Async if signals_usable() => {
-            // SAFETY: getpid and gettid take no arguments and cannot fail.
-            let (tgid, tid) = unsafe { (libc::getpid() as u32, libc::gettid() as u32) };
-            thread.store(u64::from(tgid) << 32 | u64::from(tid), Ordering::Release);
-            flag.store(WAKE_SIGNAL, Ordering::SeqCst);
+            arm_signal(flag, thread);
             Armed::Signal
         }
         Mode::NotifyOnRw => match (!peer_still_faulting(conn, awaited))

@@ -524,36 +524,39 @@ fn ping_pong_2000(mode: &str, server_env: &[(&str, &str)], client_env: &[(&str, 
 }
 
 /// U-NAPI's asynchronous mode (`FLATMESH_SHM_NOTIFY=async`): with no polling, every wait is a
-/// sleep, and the peer wakes it with a signal to the sleeping thread, never a wake-up byte.
-/// The wake-up race run (random sizes and pauses, 5 s bounds) fails on a lost wake-up.
+/// sleep, and the peer wakes it with a signal to the sleeping thread, never a wake-up byte;
+/// a blocking server and an epoll one (the paper's case for async: an event added to an epoll
+/// set). The wake-up race run (random sizes and pauses, 5 s bounds) fails on a lost wake-up.
 #[test]
 fn async_mode_wakes_sleepers_with_signals_and_loses_none() {
     let env = [
         ("FLATMESH_SHM_NOTIFY", "async"),
         ("FLATMESH_SHM_SPIN_US", "0"),
     ];
-    let outcome = echo_with_both("thread", "wake-race:3", (true, &env), (true, &env), 1);
-    assert_eq!(outcome.attached, 1);
-    assert!(
-        outcome.client_output.contains("wake-race bytes"),
-        "{}",
-        outcome.client_output
-    );
-    let (signals, bytes) = (
-        total(&outcome.stats, "wake_signals"),
-        total(&outcome.stats, "wakeups_sent"),
-    );
-    assert!(
-        signals > 100,
-        "too few signal wake-ups: {:?}",
-        outcome.stats
-    );
-    // A byte only before the acceptor attached (the connector's first wait is a kernel one).
-    assert!(
-        bytes <= 4,
-        "{bytes} wake-up bytes in async mode: {:?}",
-        outcome.stats
-    );
+    for mode in ["thread", "epoll"] {
+        let outcome = echo_with_both(mode, "wake-race:3", (true, &env), (true, &env), 1);
+        assert_eq!(outcome.attached, 1);
+        assert!(
+            outcome.client_output.contains("wake-race bytes"),
+            "{}",
+            outcome.client_output
+        );
+        let (signals, bytes) = (
+            total(&outcome.stats, "wake_signals"),
+            total(&outcome.stats, "wakeups_sent"),
+        );
+        assert!(
+            signals > 100,
+            "{mode}: too few signal wake-ups: {:?}",
+            outcome.stats
+        );
+        // A byte only before the acceptor attached (the connector's first wait is a kernel one).
+        assert!(
+            bytes <= 4,
+            "{mode}: {bytes} wake-up bytes: {:?}",
+            outcome.stats
+        );
+    }
 }
 
 /// Notify-on-RW (`FLATMESH_SHM_NOTIFY=norw`): a sleeper write-protects the peer's header page
