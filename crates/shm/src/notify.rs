@@ -585,9 +585,8 @@ fn close_own_fault_channel_once_taken(conn: &Conn) {
         .compare_exchange(fd, -1, Ordering::AcqRel, Ordering::Relaxed)
         .is_ok()
     {
-        // SAFETY: `fd` is this connection's own userfaultfd, taken out of `own_fault_fd` by
-        // the exchange above, so it is closed once.
-        unsafe { real::close(fd) };
+        // Taken out of `own_fault_fd` by the exchange above, so closed once.
+        close_userfaultfd(fd);
         conn.region.control().fault_state[conn.side()].store(OWNER_CLOSED, Ordering::Release);
     }
 }
@@ -658,6 +657,17 @@ fn take_peer_fault_channel(conn: &Conn) -> Option<c_int> {
     Some(fd)
 }
 
+/// Closes `fd`, one of this module's userfaultfds, unless the program closed that number behind
+/// the library's back (a blanket close of its fds) and it now names something of the
+/// program's, which must not be closed.
+fn close_userfaultfd(fd: c_int) {
+    if is_userfaultfd(fd) {
+        // SAFETY: `fd` is a userfaultfd (checked just now) that the caller took out of its slot,
+        // so this is its one close.
+        unsafe { real::close(fd) };
+    }
+}
+
 fn is_userfaultfd(fd: c_int) -> bool {
     std::fs::read_link(format!("/proc/self/fd/{fd}"))
         .is_ok_and(|target| target.as_os_str() == "anon_inode:[userfaultfd]")
@@ -677,8 +687,8 @@ pub fn close_fault_channels(conn: &Conn) {
     for slot in [&conn.own_fault_fd, &conn.peer_fault_fd] {
         let fd = slot.swap(UNAVAILABLE, Ordering::AcqRel);
         if fd >= 0 {
-            // SAFETY: `fd` was taken out of its slot by the swap, so it is closed once.
-            unsafe { real::close(fd) };
+            // Taken out of its slot by the swap, so closed once.
+            close_userfaultfd(fd);
         }
     }
 }
@@ -689,7 +699,7 @@ pub fn close_fault_channels(conn: &Conn) {
 pub fn forget_own_fault_channel_in_child(conn: &Conn) {
     let fd = conn.own_fault_fd.swap(-1, Ordering::AcqRel);
     if fd >= 0 {
-        // SAFETY: the child's inherited copy, taken out of its slot by the swap; closed once.
-        unsafe { real::close(fd) };
+        // The child's inherited copy, taken out of its slot by the swap; closed once.
+        close_userfaultfd(fd);
     }
 }
