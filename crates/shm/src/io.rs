@@ -187,9 +187,17 @@ fn release_local_sleepers(conn: &Conn) {
     }
 }
 
+/// A poll-style timeout in milliseconds (negative: none) as a timespec (None: none).
+pub fn timespec_of_ms(timeout_ms: c_int) -> Option<libc::timespec> {
+    (timeout_ms >= 0).then(|| libc::timespec {
+        tv_sec: (timeout_ms / 1000) as libc::time_t,
+        tv_nsec: (timeout_ms % 1000) as libc::c_long * 1_000_000,
+    })
+}
+
 /// Asks the peer for a wake-up byte, then looks once more: true if `ready` holds.
 fn announce_and_look(conn: &Conn, awaited: Awaited, ready: &dyn Fn() -> bool) -> bool {
-    notify::arm_byte(conn, awaited);
+    notify::announce(conn, awaited, false);
     fence(Ordering::SeqCst);
     ready()
 }
@@ -211,23 +219,9 @@ fn sleep_on_kernel(
         // Drain old wake-ups, then announce the sleep, then look once more: a wake-up sent
         // after the announcement stays queued (byte, signal) or blocks the peer (fault) and
         // ends the sleep.
-        let result = if !matches!(drain(fd, conn, libc::MSG_DONTWAIT), KernelState::Open) {
-            Ok(())
-        } else {
-            let armed = notify::arm(conn, awaited);
-            fence(Ordering::SeqCst);
-            let result = if ready() {
-                Ok(())
-            } else {
-                stats::bump(&stats::get().sleeps);
-                match notify::sleep(fd, events, timeout_ms, &armed) {
-                    Ok(0) => Err(libc::EAGAIN),
-                    Ok(_) => Ok(()),
-                    Err(code) => Err(code),
-                }
-            };
-            notify::disarm(conn, awaited, armed);
-            result
+        let result = match drain(fd, conn, libc::MSG_DONTWAIT) {
+            KernelState::Open => armed_sleep(fd, conn, events, timeout_ms, awaited, ready),
+            KernelState::Eof | KernelState::Error => Ok(()),
         };
         drop(role);
         release_local_sleepers(conn);
@@ -240,10 +234,7 @@ fn sleep_on_kernel(
     }
     conn.local_sleepers.fetch_add(1, Ordering::SeqCst);
     stats::bump(&stats::get().sleeps);
-    let timeout = (timeout_ms >= 0).then(|| libc::timespec {
-        tv_sec: (timeout_ms / 1000) as libc::time_t,
-        tv_nsec: (timeout_ms % 1000) as libc::c_long * 1_000_000,
-    });
+    let timeout = timespec_of_ms(timeout_ms);
     // SAFETY: FUTEX_WAIT atomically reads `local_sequence`, a live aligned AtomicU32 of `conn`
     // (borrowed across the call); the timeout is null or points to the local `timeout`, alive
     // until the call returns.
@@ -265,6 +256,32 @@ fn sleep_on_kernel(
         (_, libc::ETIMEDOUT) => Err(libc::EAGAIN),
         (_, code) => Err(code),
     }
+}
+
+/// The kernel waiter's sleep: announce it (`notify::arm`), look once more, sleep unless
+/// ready, withdraw the announcement.
+fn armed_sleep(
+    fd: c_int,
+    conn: &Conn,
+    events: i16,
+    timeout_ms: c_int,
+    awaited: Awaited,
+    ready: &dyn Fn() -> bool,
+) -> Result<(), c_int> {
+    let armed = notify::arm(conn, awaited);
+    fence(Ordering::SeqCst);
+    let result = if ready() {
+        Ok(())
+    } else {
+        stats::bump(&stats::get().sleeps);
+        match notify::sleep(fd, events, timeout_ms, &armed) {
+            Ok(0) => Err(libc::EAGAIN),
+            Ok(_) => Ok(()),
+            Err(code) => Err(code),
+        }
+    };
+    notify::disarm(conn, awaited, armed);
+    result
 }
 
 /// Before the last process on this side closes the kernel socket: give back arena records
@@ -901,10 +918,10 @@ pub fn readiness(fd: c_int, conn: &Conn, kernel_activity: bool) -> Readiness {
 /// (`notify::event_waits_use_signals`), otherwise with a wake-up byte.
 pub fn arm(conn: &Conn, want_in: bool, want_out: bool, signal: bool) {
     if want_in {
-        notify::arm_event_wait(conn, Awaited::Data, signal);
+        notify::announce(conn, Awaited::Data, signal);
     }
     if want_out && conn.outbound_on_ring() && !conn.outbound().write_ready() {
-        notify::arm_event_wait(conn, Awaited::Room, signal);
+        notify::announce(conn, Awaited::Room, signal);
     }
     fence(Ordering::SeqCst);
 }

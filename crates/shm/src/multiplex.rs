@@ -568,7 +568,7 @@ pub unsafe fn epoll_wait(
             return 0;
         };
         let wait_ms = cap_for_unwakeable(epfd, wait_ms);
-        let signal_mask = signal.then(|| notify::event_wait_mask(mask));
+        let signal_mask = signal.then(|| notify::signal_sleep_mask(mask));
         let sleep_mask = signal_mask
             .as_ref()
             .map_or(mask, |(unblocked, _)| unblocked as *const libc::sigset_t);

@@ -29,7 +29,7 @@
 //! Calls to functions the library interposes (poll, ppoll, read, ioctl) go to `real`: the
 //! interposer of ppoll, say, would treat the socket as a shared-memory connection again.
 
-use crate::conn::{Conn, Role};
+use crate::conn::Conn;
 use crate::real::{self, errno};
 use crate::settings::{self, NotifyMode as Mode};
 use crate::stats;
@@ -60,15 +60,15 @@ pub enum Awaited {
 
 /// The direction a waiter watches, its flag and its thread word.
 fn watched(conn: &Conn, awaited: Awaited) -> (usize, &AtomicU32, &AtomicU64) {
-    let inbound = if conn.role == Role::Connector { 1 } else { 0 };
+    // Each side writes the direction of its own number: the peer's is our inbound one.
     match awaited {
         Awaited::Data => {
-            let control = &conn.region.direction(inbound).control.control.0;
-            (inbound, &control.reader_wants_wake, &control.reader_thread)
+            let control = &conn.region.direction(conn.peer_side()).control.control.0;
+            (conn.peer_side(), &control.reader_wants_wake, &control.reader_thread)
         }
         Awaited::Room => {
-            let control = &conn.region.direction(1 - inbound).control.control.0;
-            (1 - inbound, &control.writer_wants_wake, &control.writer_thread)
+            let control = &conn.region.direction(conn.side()).control.control.0;
+            (conn.side(), &control.writer_wants_wake, &control.writer_thread)
         }
     }
 }
@@ -143,41 +143,31 @@ fn progress(conn: &Conn, awaited: Awaited) -> u64 {
     }
 }
 
-/// Announces a sleep with a wake-up byte (the mode every waiter can use).
-pub fn arm_byte(conn: &Conn, awaited: Awaited) {
-    watched(conn, awaited).1.store(WAKE_BYTE, Ordering::SeqCst);
-}
-
-/// Announces a sleep with a signal to this thread.
-fn arm_signal(flag: &AtomicU32, thread: &AtomicU64) {
-    // SAFETY: getpid and gettid take no arguments and cannot fail.
-    let (tgid, tid) = unsafe { (libc::getpid() as u32, libc::gettid() as u32) };
-    thread.store(u64::from(tgid) << 32 | u64::from(tid), Ordering::Release);
-    flag.store(WAKE_SIGNAL, Ordering::SeqCst);
-}
-
 /// Whether this thread's event waits (epoll) ask for signals: `async` mode, with the signal
 /// usable in this thread.
 pub fn event_waits_use_signals() -> bool {
     settings::get().notify == Mode::Async && signals_usable()
 }
 
-/// Announces an event wait (epoll, poll, select) for `awaited`: with a signal if `signal`
-/// (see [`event_waits_use_signals`]; the wait must then unblock it, [`event_wait_mask`]),
-/// otherwise with a byte.
-pub fn arm_event_wait(conn: &Conn, awaited: Awaited, signal: bool) {
+/// Announces a wait for `awaited`: with a signal to this thread if `signal` (see
+/// [`event_waits_use_signals`]; the sleep must then unblock it, [`signal_sleep_mask`]),
+/// otherwise with a wake-up byte (which every waiter can use).
+pub fn announce(conn: &Conn, awaited: Awaited, signal: bool) {
     let (_, flag, thread) = watched(conn, awaited);
     if signal {
-        arm_signal(flag, thread);
+        // SAFETY: getpid and gettid take no arguments and cannot fail.
+        let (tgid, tid) = unsafe { (libc::getpid() as u32, libc::gettid() as u32) };
+        thread.store(u64::from(tgid) << 32 | u64::from(tid), Ordering::Release);
+        flag.store(WAKE_SIGNAL, Ordering::SeqCst);
     } else {
         flag.store(WAKE_BYTE, Ordering::SeqCst);
     }
 }
 
-/// For an event wait armed with signals: the mask to sleep with (`mask`, the caller's, or
-/// else this thread's, without [`SIGNAL`]) and the count of signals received so far, for
+/// For a sleep announced with a signal: the mask to sleep with (`mask`, the caller's, or else
+/// this thread's, without [`SIGNAL`]) and the count of signals received so far, for
 /// [`woken_by_signal`].
-pub fn event_wait_mask(mask: *const libc::sigset_t) -> (libc::sigset_t, u32) {
+pub fn signal_sleep_mask(mask: *const libc::sigset_t) -> (libc::sigset_t, u32) {
     let mut unblocked = if mask.is_null() {
         thread_mask()
     } else {
@@ -189,8 +179,8 @@ pub fn event_wait_mask(mask: *const libc::sigset_t) -> (libc::sigset_t, u32) {
     (unblocked, SIGNALS_RECEIVED.load(Ordering::SeqCst))
 }
 
-/// Whether a wait that failed with EINTR was ended by a wake-up signal (received after
-/// `before`, from [`event_wait_mask`]) rather than by one of the program's own signals.
+/// Whether a sleep that failed with EINTR was ended by a wake-up signal (received after
+/// `before`, from [`signal_sleep_mask`]) rather than by one of the program's own signals.
 pub fn woken_by_signal(before: u32) -> bool {
     SIGNALS_RECEIVED.load(Ordering::SeqCst) != before
 }
@@ -199,105 +189,85 @@ pub fn woken_by_signal(before: u32) -> bool {
 /// caller then looks at the ring once more (after a full fence) and sleeps with [`sleep`]
 /// unless it is ready, and calls [`disarm`] either way.
 pub fn arm(conn: &Conn, awaited: Awaited) -> Armed {
-    let (direction, flag, thread) = watched(conn, awaited);
+    let (direction, flag, _) = watched(conn, awaited);
     match settings::get().notify {
         Mode::Async if signals_usable() => {
-            arm_signal(flag, thread);
-            Armed::Signal
+            announce(conn, awaited, true);
+            return Armed::Signal;
         }
-        Mode::NotifyOnRw => match (!peer_still_faulting(conn, awaited))
-            .then(|| protect_peer_page(conn, direction))
-            .flatten()
-        {
-            Some((uffd, page)) => {
+        Mode::NotifyOnRw if !peer_still_faulting(conn, awaited) => {
+            if let Some((uffd, page)) = protect_peer_page(conn, direction) {
                 flag.store(WAKE_FAULT, Ordering::SeqCst);
-                Armed::Fault {
+                return Armed::Fault {
                     uffd,
                     page,
                     faulted: std::cell::Cell::new(false),
-                }
+                };
             }
-            None => {
-                flag.store(WAKE_BYTE, Ordering::SeqCst);
-                Armed::Byte
-            }
-        },
-        _ => {
-            flag.store(WAKE_BYTE, Ordering::SeqCst);
-            Armed::Byte
         }
+        _ => {}
     }
+    announce(conn, awaited, false);
+    Armed::Byte
 }
 
 /// Sleeps on the kernel socket `fd` for `events` (POLLIN is always added: wake-up bytes, EOF,
 /// reset) and whatever `armed` adds, at most `timeout_ms` (-1: no limit). Ok(0) on timeout,
 /// otherwise Ok(non-zero): woken, look again.
 pub fn sleep(fd: c_int, events: i16, timeout_ms: c_int, armed: &Armed) -> Result<i16, c_int> {
+    let socket = libc::pollfd {
+        fd,
+        events: events | libc::POLLIN,
+        revents: 0,
+    };
+    // A fault wakes the sleeper through the peer's userfaultfd, so that is polled too.
+    let uffd = match armed {
+        Armed::Fault { uffd, .. } => *uffd,
+        _ => -1,
+    };
     let mut entries = [
+        socket,
         libc::pollfd {
-            fd,
-            events: events | libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: -1,
+            fd: uffd,
             events: libc::POLLIN,
             revents: 0,
         },
     ];
-    let timeout = (timeout_ms >= 0).then(|| libc::timespec {
-        tv_sec: (timeout_ms / 1000) as libc::time_t,
-        tv_nsec: (timeout_ms % 1000) as libc::c_long * 1_000_000,
-    });
-    let timeout = timeout
+    // The signal stays blocked in this thread (`signals_usable`) except inside ppoll, so one
+    // sent before the sleep began is not lost: it ends the ppoll at once.
+    let signal = matches!(armed, Armed::Signal).then(|| signal_sleep_mask(std::ptr::null()));
+    let mask = signal
         .as_ref()
-        .map_or(std::ptr::null(), |t| t as *const libc::timespec);
-    match *armed {
-        Armed::Byte => {
-            // SAFETY: poll reads and writes one pollfd (n = 1), `entries[0]`, a live local.
-            let rc = unsafe { real::poll(entries.as_mut_ptr(), 1, timeout_ms) };
-            if rc < 0 {
-                return Err(errno());
-            }
-            Ok(entries[0].revents)
-        }
-        Armed::Signal => {
-            // The signal stays blocked in this thread (`signals_usable`) except inside ppoll,
-            // so one sent before the sleep began is not lost: it ends the ppoll at once.
-            let mut unblocked = thread_mask();
-            // SAFETY: sigdelset writes into `unblocked`, a live local sigset_t.
-            unsafe { libc::sigdelset(&mut unblocked, SIGNAL) };
-            let received = SIGNALS_RECEIVED.load(Ordering::SeqCst);
-            // SAFETY: ppoll reads and writes one pollfd (n = 1), `entries[0]`, a live local;
-            // reads the timeout (null or a live local) and the mask, a live local.
-            let rc = unsafe { real::ppoll(entries.as_mut_ptr(), 1, timeout, &unblocked) };
-            if rc < 0 {
-                let code = errno();
-                if code == libc::EINTR && SIGNALS_RECEIVED.load(Ordering::SeqCst) != received {
-                    return Ok(libc::POLLIN);
-                }
-                return Err(code);
-            }
-            Ok(entries[0].revents)
-        }
-        Armed::Fault {
-            uffd, ref faulted, ..
-        } => {
-            entries[1].fd = uffd;
-            // SAFETY: poll reads and writes two pollfds (n = 2), `entries`, a live local array.
-            let rc = unsafe { real::poll(entries.as_mut_ptr(), 2, timeout_ms) };
-            if rc < 0 {
-                return Err(errno());
-            }
-            if entries[1].revents != 0 {
-                stats::bump(&stats::get().wake_faults);
-                read_fault_events(uffd);
-                faulted.set(true);
-                return Ok(libc::POLLIN);
-            }
-            Ok(entries[0].revents)
+        .map_or(std::ptr::null(), |(unblocked, _)| unblocked as *const libc::sigset_t);
+    let timeout = crate::io::timespec_of_ms(timeout_ms);
+    // SAFETY: ppoll reads and writes `entries`, a live local array of two (a negative fd is
+    // ignored); reads the timeout (null or a live local) and the mask (null or a live local).
+    let rc = unsafe {
+        real::ppoll(
+            entries.as_mut_ptr(),
+            entries.len() as libc::nfds_t,
+            timeout
+                .as_ref()
+                .map_or(std::ptr::null(), |t| t as *const libc::timespec),
+            mask,
+        )
+    };
+    if rc < 0 {
+        let code = errno();
+        return match signal {
+            Some((_, before)) if code == libc::EINTR && woken_by_signal(before) => Ok(libc::POLLIN),
+            _ => Err(code),
+        };
+    }
+    if let Armed::Fault { faulted, .. } = armed {
+        if entries[1].revents != 0 {
+            stats::bump(&stats::get().wake_faults);
+            read_fault_events(uffd);
+            faulted.set(true);
+            return Ok(libc::POLLIN);
         }
     }
+    Ok(entries[0].revents)
 }
 
 /// Ends an armed sleep: withdraws the request (a peer that already took it sends its

@@ -83,7 +83,7 @@ pub struct Direction {
 #[repr(C)]
 pub struct DirectionControl {
     /// Set by a reader before it sleeps; the writer that clears it wakes it, as the value
-    /// says (`notify::Arming`: a wake-up byte or a signal; nothing for a fault).
+    /// says (`notify::WAKE_*`: a wake-up byte or a signal; nothing for a fault).
     pub reader_wants_wake: AtomicU32,
     /// Set by a writer before it sleeps on a full pipe; the reader that clears it wakes it.
     pub writer_wants_wake: AtomicU32,
