@@ -230,7 +230,26 @@ async fn nodes_follow_the_api_server_and_keep_their_config_through_its_restart()
         && l.address == format!("{}:80", cluster_ips["web-v2"]).parse().unwrap()));
 
     // Each node holds its own pods' identities only; a node without pods is served nothing.
-    let translation = controller.translation();
+    // Node A's config can arrive before the controller has seen node B's pod, so wait (bounded)
+    // until the translation covers both nodes before reading it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let translation = loop {
+        let translation = controller.translation();
+        if ["node-a", "node-b"].iter().all(|n| {
+            translation
+                .nodes
+                .get(*n)
+                .is_some_and(|node| !node.identities.is_empty())
+        }) {
+            break translation;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the controller's translation did not cover node-a and node-b within 10 s: {:?}",
+            translation.nodes.keys().collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     let ids = |n: &str| {
         translation.nodes[n]
             .identities
