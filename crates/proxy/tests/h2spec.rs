@@ -3,7 +3,8 @@
 //! that forwards to a backend and a `direct_response` route (the node answers before the
 //! request ends, and the stream stays open until the client ends it). Every case must pass
 //! in every run; each target runs [`RUNS`] times so a case that passes only sometimes fails
-//! the test. Two exceptions, each named with its reason in [`Exception`].
+//! the test. One exception, named with its reason in [`Exception`]: a port that serves
+//! HTTP/1.1 and h2c together answers an opening that is not the preface as HTTP/1.1.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -32,17 +33,6 @@ struct Exception {
 const MIXED_PORT: Exception = Exception {
     case: "http2/3.5: Sends invalid connection preface",
     why: "an `http` listener answers a non-preface opening as HTTP/1.1",
-};
-
-/// The node answers a `direct_response` route's request before the request ends, so the
-/// stream is closed on the node's side (half-closed local) when the client's WINDOW_UPDATEs
-/// come if they come after the answer; h2 (0.4, src/proto/streams/prioritize.rs,
-/// `recv_stream_window_update`) ignores WINDOW_UPDATE on a stream it can send nothing more
-/// on, overflow or not, so whether the RST_STREAM FLOW_CONTROL_ERROR comes depends on
-/// timing. Streams whose answer comes after the request (a forwarding route) pass.
-const EARLY_ANSWER_WINDOW: Exception = Exception {
-    case: "http2/6.9.1: Sends multiple WINDOW_UPDATE frames increasing the flow control window to above 2^31-1 on a stream",
-    why: "h2 ignores a WINDOW_UPDATE on a stream whose answer it has sent in full",
 };
 
 /// Where h2spec is: `FLATMESH_H2SPEC`, else `bench/.bin/h2spec` (scripts/setup installs it
@@ -186,8 +176,8 @@ async fn every_h2spec_case_passes_against_the_http2_server() {
     tokio::task::spawn_blocking(move || {
         every_case_passes(tls, "/", true, &[]);
         every_case_passes(h2c, "/", false, &[MIXED_PORT]);
-        every_case_passes(tls, "/direct", true, &[EARLY_ANSWER_WINDOW]);
-        every_case_passes(h2c, "/direct", false, &[MIXED_PORT, EARLY_ANSWER_WINDOW]);
+        every_case_passes(tls, "/direct", true, &[]);
+        every_case_passes(h2c, "/direct", false, &[MIXED_PORT]);
     })
     .await
     .unwrap();

@@ -298,6 +298,13 @@ impl Prioritize {
         let _e = span.enter();
 
         if stream.state.is_send_closed() && stream.buffered_send_data == 0 {
+            // flatmesh: a half-closed (local) stream is still open for the peer, whose
+            // WINDOW_UPDATEs must keep the window within 2^31-1 (RFC 9113 6.9.1): count them,
+            // so an overflow resets the stream with FLOW_CONTROL_ERROR even when the answer
+            // was sent in full before they came. A closed stream still ignores them (6.9).
+            if !stream.state.is_closed() {
+                stream.send_flow.inc_window(inc)?;
+            }
             // We can't send any data, so don't bother doing anything else.
             return Ok(());
         }
