@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 rounds=${1:-5}
 secs=${2:-6}
 work=$(mktemp -d /tmp/flatmesh-grpc-ab.XXXXXX)
-mkdir -p "$work/nginx-tmp"
+. bench/scripts/nginx_conf.sh
 cat > "$work/flatmesh.yaml" <<YAML
 admin: "127.0.0.1:19000"
 workers: 1
@@ -26,22 +26,11 @@ clusters:
     endpoints: ["127.0.0.1:18090"]
     protocol: http2
 YAML
-cat > "$work/nginx.conf" <<CONF
-worker_processes 1;
-daemon off;
-pid $work/nginx.pid;
-error_log $work/nginx-error.log warn;
-events { worker_connections 1024; }
-http {
-  access_log off;
-  client_body_temp_path $work/nginx-tmp;
-  upstream grpc { server 127.0.0.1:18090; keepalive 64; keepalive_requests 10000000; }
+nginx_conf "$work" nginx '  upstream grpc { server 127.0.0.1:18090; keepalive 64; keepalive_requests 10000000; }
   server {
     listen 127.0.0.1:19080 http2;
     location ^~ / { grpc_pass grpc://grpc; }
-  }
-}
-CONF
+  }'
 call() { # PORT SECONDS: prints p50, p90 and calls/s of one ghz run
   taskset -c 0 bench/.bin/ghz --insecure --proto bench/grpc-backend/echo.proto \
     --call bench.Echo.Unary -d '{"payload":"aGVsbG8gZmxhdG1lc2ggYmVuY2ggMDEyMzQ1Njc4OQ=="}' \

@@ -18,7 +18,7 @@ cd "$(dirname "$0")/../.."
 mode=${1:-grpc}
 flatmesh=${FLATMESH_BIN:-target/release/flatmesh}
 work=$(mktemp -d /tmp/flatmesh-percall.XXXXXX)
-mkdir -p "$work/nginx-tmp"
+. bench/scripts/nginx_conf.sh
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
@@ -69,18 +69,8 @@ backend app
       for i in $(seq 0 9); do printf '  acl r%s path_beg /svc%s/\n  use_backend svc-%s if r%s\n' "$i" "$i" "$i" "$i"; done
       for i in $(seq 0 9); do printf 'backend svc-%s\n  mode http\n  server s1 127.0.0.1:%s\n' "$i" $((18100 + i)); done)
     servers=$(for i in $(seq 0 9); do printf "  server { listen 127.0.0.1:%s; location / { return 200 'svc%s'; } }\n" $((18100 + i)) "$i"; done)
-    cat > "$work/backend.conf" <<CONF
-worker_processes 1;
-daemon off;
-pid $work/backend.pid;
-error_log $work/backend-error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  keepalive_requests 100000000;
-$servers
-}
-CONF
+    nginx_conf "$work" backend "  keepalive_requests 100000000;
+$servers"
     taskset -c 0 nginx -c "$work/backend.conf" > "$work/backend.log" 2>&1 &
     ;;
   *) echo "usage: $0 grpc [CALLS] | http1 [SECONDS]" >&2; exit 2 ;;
@@ -98,18 +88,7 @@ $routes
 clusters:
 $clusters
 YAML
-cat > "$work/nginx.conf" <<CONF
-worker_processes 1;
-daemon off;
-pid $work/nginx.pid;
-error_log $work/nginx-error.log warn;
-events { worker_connections 1024; }
-http {
-  access_log off;
-  client_body_temp_path $work/nginx-tmp;
-$nginx_http
-}
-CONF
+nginx_conf "$work" nginx "$nginx_http"
 
 cat > "$work/haproxy.cfg" <<CONF
 global
