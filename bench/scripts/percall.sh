@@ -6,8 +6,8 @@
 # (from /proc/PID/stat), system calls (perf's raw_syscalls:sys_enter), context switches, and
 # the latency. With PROFILE=1 it also samples flatmesh (`perf record --call-graph fp`) and
 # splits its CPU by the task the sample ran in (the h2 server connection, the stream's L7
-# task, hyper's client connection and its dispatch task; the HTTP/1 connection task), user
-# space and kernel apart. Call stacks need frame pointers: build with
+# task, hyper's client tasks and its dispatch; the HTTP/1 connection task), user space and
+# kernel apart. Call stacks need frame pointers: build with
 #   RUSTFLAGS="-C force-frame-pointers=yes" cargo build --release -p flatmesh --target-dir /tmp/fp
 # and pass FLATMESH_BIN=/tmp/fp/release/flatmesh. Root; tools from `bench/run --install-only`.
 #
@@ -178,7 +178,7 @@ PY
 import collections, sys
 # The task a sample ran in: the first of these found walking from the leaf to the root.
 TASKS = [
-    ("hyper client connection", "H2ClientFuture"),
+    ("hyper client tasks", "H2ClientFuture"),
     ("hyper client dispatch", "ClientTask"),
     ("h2 server connection", "h2::server::Connection"),
     ("HTTP/2 stream (L7)", "h2::stream::serve"),
