@@ -187,14 +187,6 @@ fn release_local_sleepers(conn: &Conn) {
     }
 }
 
-/// A poll-style timeout in milliseconds (negative: none) as a timespec (None: none).
-pub fn timespec_of_ms(timeout_ms: c_int) -> Option<libc::timespec> {
-    (timeout_ms >= 0).then(|| libc::timespec {
-        tv_sec: (timeout_ms / 1000) as libc::time_t,
-        tv_nsec: (timeout_ms % 1000) as libc::c_long * 1_000_000,
-    })
-}
-
 /// Asks the peer for a wake-up byte, then looks once more: true if `ready` holds.
 fn announce_and_look(conn: &Conn, awaited: Awaited, ready: &dyn Fn() -> bool) -> bool {
     notify::announce(conn, awaited, false);
@@ -234,7 +226,7 @@ fn sleep_on_kernel(
     }
     conn.local_sleepers.fetch_add(1, Ordering::SeqCst);
     stats::bump(&stats::get().sleeps);
-    let timeout = timespec_of_ms(timeout_ms);
+    let timeout = real::timespec_of_ms(timeout_ms);
     // SAFETY: FUTEX_WAIT atomically reads `local_sequence`, a live aligned AtomicU32 of `conn`
     // (borrowed across the call); the timeout is null or points to the local `timeout`, alive
     // until the call returns.

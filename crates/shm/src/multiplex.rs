@@ -624,24 +624,11 @@ pub unsafe fn poll(
     mask: Option<*const libc::sigset_t>,
 ) -> c_int {
     // SAFETY: `fds` is the caller's array of `count` pollfds (this function's `# Safety`) or
-    // `copy`, a live Vec of exactly `count`; `mask` is the caller's; `spec` lives through the
-    // call.
+    // `copy`, a live Vec of exactly `count`; `mask` is the caller's.
     let real_poll = |fds: *mut libc::pollfd, timeout: c_int| unsafe {
         match mask {
             None => real::poll(fds, count, timeout),
-            Some(mask) => {
-                let spec = (timeout >= 0).then(|| libc::timespec {
-                    tv_sec: (timeout / 1000) as libc::time_t,
-                    tv_nsec: (timeout % 1000) as libc::c_long * 1_000_000,
-                });
-                real::ppoll(
-                    fds,
-                    count,
-                    spec.as_ref()
-                        .map_or(std::ptr::null(), |s| s as *const libc::timespec),
-                    mask,
-                )
-            }
+            Some(mask) => real::ppoll_ms(fds, count, timeout, mask),
         }
     };
     if !conn::any_live() || fds.is_null() || count == 0 {

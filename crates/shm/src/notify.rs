@@ -239,16 +239,13 @@ pub fn sleep(fd: c_int, events: i16, timeout_ms: c_int, armed: &Armed) -> Result
     let mask = signal
         .as_ref()
         .map_or(std::ptr::null(), |(unblocked, _)| unblocked as *const libc::sigset_t);
-    let timeout = crate::io::timespec_of_ms(timeout_ms);
     // SAFETY: ppoll reads and writes `entries`, a live local array of two (a negative fd is
-    // ignored); reads the timeout (null or a live local) and the mask (null or a live local).
+    // ignored); `mask` is null or points into `signal`, a live local.
     let rc = unsafe {
-        real::ppoll(
+        real::ppoll_ms(
             entries.as_mut_ptr(),
             entries.len() as libc::nfds_t,
-            timeout
-                .as_ref()
-                .map_or(std::ptr::null(), |t| t as *const libc::timespec),
+            timeout_ms,
             mask,
         )
     };

@@ -95,6 +95,33 @@ real! {
     __recvfrom_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t, flags: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> ssize_t;
 }
 
+/// A poll-style timeout in milliseconds (negative: none) as a timespec (None: none).
+pub fn timespec_of_ms(timeout_ms: c_int) -> Option<timespec> {
+    (timeout_ms >= 0).then(|| timespec {
+        tv_sec: (timeout_ms / 1000) as libc::time_t,
+        tv_nsec: (timeout_ms % 1000) as libc::c_long * 1_000_000,
+    })
+}
+
+/// The real `ppoll` with a poll-style timeout in milliseconds (negative: none).
+///
+/// # Safety
+///
+/// As ppoll(2): `fds` is valid for `n` pollfds, read and written; `mask` is null or points
+/// to a live sigset_t.
+pub unsafe fn ppoll_ms(
+    fds: *mut pollfd,
+    n: nfds_t,
+    timeout_ms: c_int,
+    mask: *const sigset_t,
+) -> c_int {
+    let timeout = timespec_of_ms(timeout_ms);
+    let timeout = timeout.as_ref().map_or(std::ptr::null(), std::ptr::from_ref);
+    // SAFETY: `fds` and `mask` are the caller's (this function's `# Safety`); `timeout` is
+    // null or points to the local above, alive until the call returns.
+    unsafe { ppoll(fds, n, timeout, mask) }
+}
+
 /// Reads `errno`.
 pub fn errno() -> c_int {
     // SAFETY: __errno_location returns this thread's errno slot: non-null, aligned and live
