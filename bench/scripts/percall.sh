@@ -6,13 +6,15 @@
 # (from /proc/PID/stat), system calls (perf's raw_syscalls:sys_enter), context switches, and
 # the latency. With PROFILE=1 it also samples flatmesh (`perf record --call-graph fp`) and
 # splits its CPU by the task the sample ran in (the h2 server connection, the stream's L7
-# task, hyper's client tasks and its dispatch; the HTTP/1 connection task), user space and
+# task, the h2 client connection and a streaming call's request body task; the HTTP/1
+# connection task; PROFILE_TASK=<name> lists the functions inside one of them), user space and
 # kernel apart. Call stacks need frame pointers: build with
 #   RUSTFLAGS="-C force-frame-pointers=yes" cargo build --release -p flatmesh --target-dir /tmp/fp
 # and pass FLATMESH_BIN=/tmp/fp/release/flatmesh. Root; tools from `bench/run --install-only`.
 #
 #   bench/scripts/percall.sh grpc [CALLS]     one gRPC unary call at a time (ghz -c 1)
 #   bench/scripts/percall.sh http1 [SECONDS]  HTTP/1.1 keep-alive, 32 connections (wrk)
+#   SYSTEMS="flatmesh nginx" ...               only these systems (default: flatmesh nginx haproxy)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mode=${1:-grpc}
@@ -133,7 +135,7 @@ warm() { if [ "$mode" = grpc ]; then load 500 > /dev/null; else load 1 > /dev/nu
 exec 3> /dev/cpu_dma_latency
 printf '\x00\x00\x00\x00' >&3
 printf '%-9s %9s %10s %10s %10s %10s %9s\n' system requests "user us" "kernel us" syscalls "switches" "p50 us"
-for system in flatmesh nginx haproxy; do
+for system in ${SYSTEMS:-flatmesh nginx haproxy}; do
   case "$system" in
     flatmesh) taskset -c 1 "$flatmesh" node --config "$work/flatmesh.yaml" > "$work/node.log" 2>&1 & ;;
     nginx) taskset -c 1 nginx -c "$work/nginx.conf" > "$work/nginx.log" 2>&1 & ;;
@@ -175,17 +177,22 @@ PY
     kill -INT $rec; wait $rec 2>/dev/null || true
     perf script -i "$work/perf.data" -F ip,sym,dso 2> /dev/null > "$work/stacks.txt"
     python3 - "$work/stacks.txt" <<'PY'
-import collections, sys
+import collections, os, re, sys
 # The task a sample ran in: the first of these found walking from the leaf to the root.
 TASKS = [
-    ("hyper client tasks", "H2ClientFuture"),
-    ("hyper client dispatch", "ClientTask"),
+    ("h2 client connection", "h2::client::Connection"),
+    ("request body to the endpoint", "RequestPipe"),
     ("h2 server connection", "h2::server::Connection"),
     ("HTTP/2 stream (L7)", "h2::stream::serve"),
     ("HTTP/1 connection (L7)", "h1::conn::serve"),
     ("runtime: waiting for I/O", "Context::park"),
 ]
 share = collections.defaultdict(lambda: [0, 0])
+# With PROFILE_TASK set to one of the names above: the functions that task's samples ran in,
+# counted once per sample (inclusive), to find which callee holds its time.
+focus = os.environ.get("PROFILE_TASK")
+inside = collections.Counter()
+focused = 0
 total = 0
 for sample in open(sys.argv[1]).read().split("\n\n"):
     frames = [l.strip() for l in sample.strip().split("\n") if l.strip()]
@@ -195,9 +202,16 @@ for sample in open(sys.argv[1]).read().split("\n\n"):
     kernel = "kernel.kallsyms" in frames[0]
     task = next((name for f in frames for name, mark in TASKS if mark in f), "other (scheduler, timers)")
     share[task][0 if kernel else 1] += 1
+    if task == focus:
+        focused += 1
+        inside.update({re.sub(r"::h[0-9a-f]{16}$", "", f.split(" ", 1)[-1].rsplit(" (", 1)[0]) for f in frames})
 print(f"\nflatmesh's CPU by task ({total} samples): kernel / user space, % of all samples")
 for task, (k, u) in sorted(share.items(), key=lambda kv: -sum(kv[1])):
     print(f"  {task:28s} {100 * k / total:5.1f} / {100 * u / total:5.1f}")
+if focus:
+    print(f"\n{focus}: functions by share of its {focused} samples (inclusive)")
+    for name, n in inside.most_common(60):
+        print(f"  {100 * n / max(focused, 1):5.1f}  {name[:150]}")
 PY
   fi
   kill "$proxy"; wait "$proxy" 2>/dev/null || true

@@ -1,6 +1,6 @@
 //! What an accepted connection becomes: a `tcp` listener's goes to the L4 relay; an `http`
 //! listener's is offered to tier K first when it decides this listener's first requests,
-//! then its first bytes tell HTTP/2 (hyper's server, `crate::h2`) from HTTP/1 (flatmesh's
+//! then its first bytes tell HTTP/2 (the server on `h2`, `crate::h2`) from HTTP/1 (flatmesh's
 //! own, `crate::h1`).
 
 use std::sync::Arc;
@@ -222,7 +222,7 @@ async fn serve_tls(
 }
 
 /// An http listener's connection: the first bytes tell the protocol. The HTTP/2 preface goes
-/// to hyper's HTTP/2 server, anything else to flatmesh's own HTTP/1 path.
+/// to the HTTP/2 server (`crate::h2`), anything else to flatmesh's own HTTP/1 path.
 pub(crate) async fn serve_http<S>(ctx: Arc<ConnContext>, mut stream: S, snapshot: &Snapshot)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -244,7 +244,7 @@ where
         deadline = deadline.min(tokio::time::Instant::now() + limits.header_read_timeout);
     };
     match protocol {
-        // Boxed: hyper's HTTP/2 connection is large, and an HTTP/1 connection need not carry
+        // Boxed: an HTTP/2 connection is large, and an HTTP/1 connection need not carry
         // room for it.
         Protocol::Http2 => {
             Box::pin(crate::h2::serve(
@@ -343,7 +343,7 @@ listeners:
 
     #[tokio::test(start_paused = true)]
     async fn the_http2_preface_goes_to_the_http2_server_however_it_is_split() {
-        // Whole, through hyper's client.
+        // Whole, through hyper's client (the test's HTTP/2 client).
         let mut h2 = testing::h2_client(testing::context(&testing::view(CONFIG))).await;
         let req = http::Request::get("http://t.local/a")
             .body(http_body_util::Full::new(bytes::Bytes::new()))

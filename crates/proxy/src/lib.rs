@@ -8,7 +8,7 @@
 //! which hands a tunnel cluster's connections to `hbone/client.rs`, presenting the identity of
 //! the workload `workload/` found for the client), HBONE tunnels in
 //! (`hbone/server.rs`), tier K's first-request hand-off (`kernel/`), or the protocol sniff (`sniff.rs`) → the
-//! HTTP/1 codec (`h1/`) or the HTTP/2 codec (`h2/`, on hyper), thin adapters over the
+//! HTTP/1 codec (`h1/`) or the HTTP/2 codec (`h2/`, on the `h2` crate), thin adapters over the
 //! codec-neutral L7 layer (`l7/`: decide, retry driver, error type, replies) → `lb.rs` picks
 //! an endpoint and `upstream.rs` a pooled connection (a socket, or for a tunnel cluster an
 //! HBONE stream: `upstream/transport.rs`) → the response streams back. A QNP request (UDP)

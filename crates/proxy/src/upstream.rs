@@ -7,6 +7,7 @@
 //! (shared-nothing) and survive config reloads when the cluster's connection settings did
 //! not change.
 
+pub mod dials;
 pub mod transport;
 
 use std::collections::HashMap;
@@ -17,7 +18,7 @@ use std::time::Duration;
 use flatmesh_config::UpstreamProtocol;
 
 use crate::h1::pool::H1Pool;
-use crate::h2::client::{build_client, HttpClient, Tunnels};
+use crate::h2::client::H2Pool;
 use crate::hbone::pool::TunnelPool;
 use crate::lb::{Balancer, InFlight};
 use crate::original_dst::{Dialled, Refused};
@@ -29,8 +30,9 @@ pub struct PoolKey {
     cluster: String,
     protocol: UpstreamProtocol,
     connect_timeout: Duration,
-    /// HTTP/2 clusters: the client's per-stream send buffer.
+    /// HTTP/2 clusters: the client's per-stream send buffer, and the largest response head.
     send_buffer: u32,
+    max_header_bytes: usize,
     /// A TLS cluster's snapshot generation: its pool is never carried over a reload (the
     /// files are read again at each one), so a new certificate, root or `server_ids` holds
     /// for every connection from the reload on.
@@ -98,8 +100,8 @@ impl Upstream {
 pub enum Pool {
     /// Keep-alive HTTP/1.1 connections per endpoint (`crate::h1`), for every client.
     Http1(Arc<H1Pool>),
-    /// hyper's client: one multiplexed HTTP/2 connection per endpoint.
-    Http2(Box<HttpClient>),
+    /// One multiplexed HTTP/2 connection per endpoint (`crate::h2::client`).
+    Http2(Arc<H2Pool>),
 }
 
 /// A worker's upstream state for one snapshot.
@@ -133,13 +135,13 @@ impl Upstreams {
             .clusters
             .iter()
             .zip(&tunnels)
-            .enumerate()
-            .map(|(cluster, (plan, tunnel))| {
+            .map(|(plan, tunnel)| {
                 let key = PoolKey {
                     cluster: plan.name.clone(),
                     protocol: plan.protocol,
                     connect_timeout: plan.connect_timeout,
                     send_buffer: snapshot.config.limits.http2_stream_window,
+                    max_header_bytes: snapshot.config.limits.max_header_bytes,
                     tls: plan.tls.is_some().then_some(snapshot.generation),
                     max_destinations: plan.original_dst.as_ref().map(|o| o.max_destinations),
                 };
@@ -149,19 +151,11 @@ impl Upstreams {
                         UpstreamProtocol::Http1 => {
                             Pool::Http1(H1Pool::new(tunnel.clone(), key.max_destinations))
                         }
-                        UpstreamProtocol::Http2 => {
-                            let tunnels = tunnel.as_ref().map(|pool| Tunnels {
-                                pool: pool.clone(),
-                                snapshot: snapshot.clone(),
-                                cluster,
-                            });
-                            Pool::Http2(Box::new(build_client(
-                                plan,
-                                worker,
-                                key.send_buffer,
-                                tunnels,
-                            )))
-                        }
+                        UpstreamProtocol::Http2 => Pool::Http2(Arc::new(H2Pool::new(
+                            tunnel.clone(),
+                            key.send_buffer,
+                            key.max_header_bytes,
+                        ))),
                     });
                 pools.insert(key, pool.clone());
                 Upstream {

@@ -87,7 +87,7 @@ impl<S: Sink + Send> Sink for Kept<'_, S> {
     }
 }
 
-/// The body channel of a request handed to hyper's client (an HTTP/2 upstream).
+/// The body channel of a request handed to the HTTP/2 client (an HTTP/2 upstream).
 pub struct ChannelSink(pub mpsc::Sender<Result<Bytes, BoxError>>);
 
 impl Sink for ChannelSink {

@@ -1,4 +1,4 @@
-//! Requests that arrive through hyper (HTTP/2 clients) and go to an HTTP/1.1 cluster: the
+//! Requests held in `http` types (from HTTP/2 clients) that go to an HTTP/1.1 cluster: the
 //! same pooled connections as the HTTP/1 path, with the request written from an
 //! `http::Request` and the answer handed back as an `http::Response` whose body streams
 //! straight from the connection (and returns it to the pool when it ends).
@@ -95,12 +95,12 @@ async fn read_answer(
         match conn.response_head(max_head, false) {
             HeadState::Final => break,
             HeadState::Invalid(why) => return Err(UpstreamError::invalid(why)),
-            // hyper's server sends no informational answers of its own: skip them.
+            // The HTTP/2 server sends no informational answers of its own: skip them.
             HeadState::Informational { len, .. } => conn.buf.advance(len),
             HeadState::Incomplete => conn.read_more().await?,
         }
     }
-    // The response head, copied into hyper's types; its borrow of the buffer ends here.
+    // The response head, copied into `http` types; its borrow of the buffer ends here.
     let (builder, len, framing, reusable) = {
         let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut resp = httparse::Response::new(&mut lines);

@@ -5,7 +5,7 @@
 //! over the connection's read buffer; the match is the rule program run on borrowed header
 //! lines (no header map is built); the deparser writes the upstream head straight from the
 //! parsed lines with the route's edits. Bodies are streamed in their own framing. Requests
-//! for an HTTP/2 cluster cross over to hyper's client (`crate::l7::forward`). Tries, retries
+//! for an HTTP/2 cluster cross over to the HTTP/2 client (`crate::l7::forward`). Tries, retries
 //! and failure replies are the L7 layer's (`crate::l7`); this file is the HTTP/1 adapter.
 
 use std::net::SocketAddr;

@@ -17,16 +17,12 @@ use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use parking_lot::Mutex;
-use tokio::net::TcpStream;
 
 use super::head::{self, Framing, MAX_HEADERS};
 use crate::hbone::pool::TunnelPool;
 use crate::l7::error::UpstreamError;
-use crate::limits::upstream_socket;
-use crate::metrics::ClusterStats;
-use crate::resilience::{Overflow, Permit};
+use crate::resilience::Permit;
 use crate::snapshot::ClusterPlan;
-use crate::tls::{ClusterTlsPlan, Stream};
 use crate::upstream::transport::{self, Transport};
 
 /// Idle connections kept per endpoint and how long one may stay idle. hyper-util's defaults
@@ -65,32 +61,6 @@ impl UpstreamConn {
     /// seen the socket become readable.
     fn is_stale(&mut self) -> bool {
         self.stream.is_stale()
-    }
-
-    /// Makes the cluster's TLS handshake on a new connection.
-    async fn secure(
-        self,
-        plan: &ClusterPlan,
-        tls: &ClusterTlsPlan,
-        worker: usize,
-    ) -> io::Result<UpstreamConn> {
-        let Transport::Direct {
-            stream: Stream::Plain(tcp),
-            _slot: slot,
-        } = self.stream
-        else {
-            return Ok(self);
-        };
-        match tls.originate(tcp, &plan.stats, worker).await {
-            Ok(stream) => Ok(UpstreamConn {
-                stream: Transport::direct(stream, slot),
-                ..self
-            }),
-            Err(err) => Err(io::Error::new(
-                io::ErrorKind::ConnectionRefused,
-                format!("TLS handshake with the endpoint failed: {err}"),
-            )),
-        }
     }
 }
 
@@ -276,85 +246,34 @@ pub async fn acquire(
     if let Some(conn) = pool.checkout(endpoint) {
         return Ok(conn);
     }
-    let breaker = &plan.guard.breaker;
-    let _pending = breaker
-        .acquire(Overflow::Pending)
-        .map_err(UpstreamError::overflow)?;
-    if breaker.open(Overflow::Connections) >= breaker.limit(Overflow::Connections) {
-        pool.evict_one();
-    }
-    let counted = breaker
-        .acquire(Overflow::Connections)
-        .map_err(UpstreamError::overflow)?;
-    let mut conn = match &pool.tunnels {
-        Some(tunnels) => UpstreamConn::new(
-            transport::tunnel(tunnels, plan, worker, endpoint)
-                .await
-                .map_err(UpstreamError::connect)?,
-        ),
-        None => {
-            let conn = connect(endpoint, plan.connect_timeout, &plan.stats, worker)
-                .await
-                .map_err(UpstreamError::connect)?;
-            match &plan.tls {
-                None => conn,
-                Some(tls) => conn
-                    .secure(plan, tls, worker)
-                    .await
-                    .map_err(UpstreamError::connect)?,
-            }
-        }
-    };
+    let (stream, counted) =
+        transport::open(plan, worker, endpoint, pool.tunnels.as_deref(), || {
+            pool.evict_one()
+        })
+        .await?;
+    let mut conn = UpstreamConn::new(stream);
     conn.counted = Some(counted);
     Ok(conn)
-}
-
-/// Opens a connection to `endpoint` within `timeout`, counting it (or its failure) for the
-/// cluster.
-pub async fn connect(
-    endpoint: SocketAddr,
-    timeout: Duration,
-    stats: &ClusterStats,
-    worker: usize,
-) -> io::Result<UpstreamConn> {
-    let slot = match upstream_socket() {
-        Ok(slot) => slot,
-        Err(err) => {
-            stats.connect_failures.add_shared(worker, 1);
-            return Err(err);
-        }
-    };
-    let connected = match tokio::time::timeout(timeout, TcpStream::connect(endpoint)).await {
-        Ok(result) => result,
-        Err(_) => Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            format!(
-                "connect timed out after {}",
-                flatmesh_config::duration::format(&timeout)
-            ),
-        )),
-    };
-    match connected {
-        Ok(stream) => {
-            // Connect outcomes are rare next to requests and may race a scrape.
-            stats.connections.add_shared(worker, 1);
-            let _ = stream.set_nodelay(true);
-            Ok(UpstreamConn::new(Transport::direct(
-                Stream::Plain(stream),
-                slot,
-            )))
-        }
-        Err(err) => {
-            stats.connect_failures.add_shared(worker, 1);
-            Err(err)
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
+
+    /// A new connection to `addr`, as the pool would open it.
+    async fn connect(
+        addr: SocketAddr,
+        timeout: Duration,
+        stats: &crate::metrics::ClusterStats,
+        worker: usize,
+    ) -> io::Result<UpstreamConn> {
+        let (tcp, slot) = transport::connect(addr, timeout, stats, worker).await?;
+        Ok(UpstreamConn::new(Transport::direct(
+            crate::tls::Stream::Plain(tcp),
+            slot,
+        )))
+    }
 
     #[tokio::test]
     async fn closed_and_chatty_idle_connections_are_not_handed_out() {

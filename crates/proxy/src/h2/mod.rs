@@ -1,5 +1,5 @@
 //! The HTTP/2 codec: its server for HTTP/2 clients (h2c with prior knowledge, gRPC), on the
-//! `h2` crate, and in [`client`], hyper's client for `protocol: http2` clusters. Both are thin
+//! `h2` crate, and in [`client`], the client of `protocol: http2` clusters, on `h2` too. Both are thin
 //! adapters over the L7 layer (`crate::l7`): a request is decided there, forwarded through
 //! its retry driver, and answered with its replies.
 //!
@@ -23,6 +23,7 @@
 //!   and write buffers (h2 holds 24 KiB per connection otherwise; vendor/h2/FLATMESH.md).
 
 pub(crate) mod client;
+mod received;
 mod stream;
 
 use std::sync::Arc;

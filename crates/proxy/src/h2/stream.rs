@@ -19,6 +19,7 @@ use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::BodyExt as _;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::received::Received;
 use crate::body::BoxError;
 use crate::context::ConnContext;
 use crate::l7::body::ResponseBody;
@@ -366,14 +367,11 @@ fn strip_connection_headers(headers: &mut HeaderMap) {
 /// it leaves the stream in its [`Unread`].
 struct RequestBody {
     /// `None` once dropped.
-    recv: Option<RecvStream>,
+    recv: Option<Received>,
     unread: Unread,
     /// Raised when the client's side of the body breaks (a reset, a length that does not
     /// add up): the failure is then the client's, not the upstream's.
     failed: Arc<AtomicBool>,
-    /// What `content-length` says is left, when it says.
-    left: Option<u64>,
-    data_done: bool,
     /// Frames already read to decide the request (its first gRPC message, for a
     /// `grpc_field` route), handed on first.
     peeked: VecDeque<Frame<Bytes>>,
@@ -394,35 +392,15 @@ impl http_body::Body for RequestBody {
         let Some(recv) = this.recv.as_mut() else {
             return Poll::Ready(None);
         };
-        if !this.data_done {
-            match ready!(recv.poll_data(cx)) {
-                Some(Ok(data)) => {
-                    // The upstream has the bytes: the client may send as many more.
-                    let _ = recv.flow_control().release_capacity(data.len());
-                    if let Some(left) = &mut this.left {
-                        *left = left.saturating_sub(data.len() as u64);
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                Some(Err(err)) => {
-                    this.failed.store(true, Ordering::Relaxed);
-                    return Poll::Ready(Some(Err(err.into())));
-                }
-                None => this.data_done = true,
-            }
+        let frame = ready!(recv.poll_frame(cx));
+        if let Some(Err(_)) = &frame {
+            this.failed.store(true, Ordering::Relaxed);
         }
-        match ready!(recv.poll_trailers(cx)) {
-            Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
-            Ok(None) => Poll::Ready(None),
-            Err(err) => {
-                this.failed.store(true, Ordering::Relaxed);
-                Poll::Ready(Some(Err(err.into())))
-            }
-        }
+        Poll::Ready(frame.map(|f| f.map_err(BoxError::from)))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.peeked.is_empty() && self.recv.as_ref().is_none_or(RecvStream::is_end_stream)
+        self.peeked.is_empty() && self.recv.as_ref().is_none_or(Received::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -431,7 +409,7 @@ impl http_body::Body for RequestBody {
             .iter()
             .filter_map(|f| f.data_ref().map(|d| d.len() as u64))
             .sum();
-        match self.left {
+        match self.recv.as_ref().map_or(Some(0), Received::left) {
             Some(left) => SizeHint::with_exact(left.saturating_add(peeked)),
             None => SizeHint::default(),
         }
@@ -443,16 +421,10 @@ impl RequestBody {
     /// `unread` when dropped early.
     fn wrap(req: Request<RecvStream>, unread: &Unread) -> Request<RequestBody> {
         let (parts, recv) = req.into_parts();
-        let left = parts
-            .headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok()?.parse().ok());
         let body = RequestBody {
-            recv: Some(recv),
+            recv: Some(Received::new(recv, &parts.headers)),
             unread: unread.clone(),
             failed: Arc::new(AtomicBool::new(false)),
-            left,
-            data_done: false,
             peeked: VecDeque::new(),
         };
         Request::from_parts(parts, body)
@@ -483,7 +455,7 @@ impl Drop for RequestBody {
     fn drop(&mut self) {
         if let Some(recv) = self.recv.take() {
             if !recv.is_end_stream() {
-                *self.unread.0.lock() = Some(recv);
+                *self.unread.0.lock() = Some(recv.into_inner());
             }
         }
     }

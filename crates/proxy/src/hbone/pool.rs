@@ -20,12 +20,12 @@ use h2::client::SendRequest;
 use http::{Method, Request, StatusCode, Uri};
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
-use tokio::sync::watch;
 
 use super::stream::H2Stream;
 use super::Refusal;
 use crate::snapshot::ClusterPlan;
 use crate::tls::{ClusterTlsPlan, Stream};
+use crate::upstream::dials::{Dials, Turn};
 
 /// One worker's tunnel connections of one tunnel cluster.
 pub struct TunnelPool {
@@ -39,37 +39,11 @@ pub struct TunnelPool {
     /// Per peer node and presented identity: its open tunnel connections (whose tasks run
     /// on this worker).
     pool: Mutex<HashMap<PoolKey, Vec<Pooled>>>,
-    /// The dials in progress, per peer node and presented identity, each with its outcome
-    /// for the streams waiting on it (`None` until it ends).
-    dialing: Mutex<HashMap<PoolKey, watch::Receiver<Option<DialOutcome>>>>,
+    /// The dials in progress, per peer node and presented identity.
+    dials: Dials<PoolKey, Refusal>,
 }
 
 type PoolKey = (SocketAddr, Presenting);
-
-/// How a dial ended, for the streams that waited on it: on success they look in the pool
-/// again (the new connection may have room for them).
-type DialOutcome = Result<(), Refusal>;
-
-/// The one dial in progress to a peer: taken out of `dialing` when it ends or is cancelled,
-/// and its outcome sent to the waiting streams (dropped unsent when cancelled, so that they
-/// dial themselves).
-struct Dial<'a> {
-    pool: &'a TunnelPool,
-    key: PoolKey,
-    outcome: Option<DialOutcome>,
-    tell: watch::Sender<Option<DialOutcome>>,
-}
-
-impl Drop for Dial<'_> {
-    fn drop(&mut self) {
-        // Out of the map before the waiters wake: one that finds no room must start a new
-        // dial, not join this finished one.
-        self.pool.dialing.lock().remove(&self.key);
-        if let Some(outcome) = self.outcome.take() {
-            let _ = self.tell.send(Some(outcome));
-        }
-    }
-}
 
 /// Whose identity a tunnel connection presents: the cluster's own certificate (`None`) or a
 /// workload's.
@@ -106,7 +80,7 @@ impl TunnelPool {
             stream_window: limits.http2_stream_window,
             connection_window: limits.http2_connection_window,
             pool: Mutex::default(),
-            dialing: Mutex::default(),
+            dials: Dials::default(),
         }
     }
 
@@ -124,38 +98,12 @@ impl TunnelPool {
             if let Some(found) = self.pooled(peer, who) {
                 return Ok(found);
             }
-            let in_progress = {
-                let mut dialing = self.dialing.lock();
-                match dialing.get(&(peer, who)) {
-                    Some(dial) => Ok(dial.clone()),
-                    None => {
-                        let (tell, waiting) = watch::channel(None);
-                        dialing.insert((peer, who), waiting);
-                        Err(tell)
-                    }
-                }
-            };
-            match in_progress {
-                Ok(mut dial) => {
-                    // Bounded by the dialer's own connect and handshake timeouts.
-                    let outcome = match dial.wait_for(Option::is_some).await {
-                        Ok(outcome) => *outcome,
-                        // The dialer was cancelled (its request went away): dial again.
-                        Err(_) => None,
-                    };
-                    if let Some(Err(reason)) = outcome {
-                        return Err(reason);
-                    }
-                }
-                Err(tell) => {
-                    let mut dial = Dial {
-                        pool: self,
-                        key: (peer, who),
-                        outcome: None,
-                        tell,
-                    };
+            match self.dials.turn((peer, who)).await {
+                Turn::Waited(Ok(())) => {}
+                Turn::Waited(Err(reason)) => return Err(reason),
+                Turn::Lead(mut dial) => {
                     let dialled = self.connect(worker, cluster, tls, peer, who).await;
-                    dial.outcome = Some(dialled.as_ref().map(|_| ()).map_err(|reason| *reason));
+                    dial.finish(dialled.as_ref().map(|_| ()).map_err(|reason| *reason));
                     return dialled;
                 }
             }

@@ -7,14 +7,14 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use http_body_util::Full;
-use hyper::body::Incoming;
 
 use crate::body::BoxError;
 use crate::h1::client::H1Body;
+use crate::h2::client::H2Body;
 
 pub enum ResponseBody {
-    /// From an HTTP/2 endpoint (hyper's client).
-    Http2(Incoming),
+    /// From an HTTP/2 endpoint (`crate::h2::client`).
+    Http2(H2Body),
     /// From an HTTP/1.1 endpoint (`crate::h1::client`).
     Http1(Box<H1Body>),
     /// Made by the proxy.
@@ -31,9 +31,9 @@ impl http_body::Body for ResponseBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
             // Trailers from an HTTP/2 endpoint lose the fields no trailer may carry.
-            ResponseBody::Http2(b) => Pin::new(b).poll_frame(cx).map(|frame| {
-                frame.map(|f| f.map(crate::trailers::filter_frame).map_err(BoxError::from))
-            }),
+            ResponseBody::Http2(b) => Pin::new(b)
+                .poll_frame(cx)
+                .map(|frame| frame.map(|f| f.map(crate::trailers::filter_frame))),
             ResponseBody::Http1(b) => Pin::new(b).poll_frame(cx),
             ResponseBody::Local(b) => Pin::new(b).poll_frame(cx).map_err(|never| match never {}),
         }

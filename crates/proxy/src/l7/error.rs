@@ -55,7 +55,7 @@ pub enum Kind {
 }
 
 /// A failed upstream exchange.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct UpstreamError {
     pub source: Source,
     pub kind: Kind,

@@ -1,7 +1,7 @@
 //! Forwarding a request held in `http` types — an HTTP/2 client's, or an HTTP/1 client's
 //! bound for an HTTP/2 cluster — to either kind of cluster, through the retry driver: the
 //! upstream request is edited once, and each try goes out on the cluster's pool (flatmesh's
-//! HTTP/1 client, or hyper's HTTP/2 client).
+//! HTTP/1 client, or its HTTP/2 client).
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
@@ -80,18 +80,20 @@ impl Attempt for MessageTry<'_> {
             )
             .await
             .map(|resp| resp.map(|body| ResponseBody::Http1(Box::new(body)))),
-            Pool::Http2(client) => {
+            Pool::Http2(pool) => {
                 let headers = if to.last {
                     std::mem::take(&mut self.parts.headers)
                 } else {
                     self.parts.headers.clone()
                 };
                 crate::h2::client::send(
-                    client,
+                    pool,
                     self.parts,
                     headers,
                     self.plan,
+                    self.ctx.worker,
                     to.index,
+                    to.endpoint,
                     body,
                     self.downstream_failed,
                 )

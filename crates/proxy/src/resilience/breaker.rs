@@ -47,33 +47,6 @@ impl Overflow {
     }
 }
 
-/// A refusal as an error value, for paths that carry a boxed error (hyper's connector): the
-/// codec finds it in the error's chain with [`Overflowed::find`].
-#[derive(Debug)]
-pub struct Overflowed(pub Overflow);
-
-impl std::fmt::Display for Overflowed {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "circuit breaker overflow ({})", self.0.key())
-    }
-}
-
-impl std::error::Error for Overflowed {}
-
-impl Overflowed {
-    /// The overflow somewhere in `err`'s chain of causes, if one is.
-    pub fn find(err: &(dyn std::error::Error + 'static)) -> Option<Overflow> {
-        let mut cause = Some(err);
-        while let Some(e) = cause {
-            if let Some(o) = e.downcast_ref::<Overflowed>() {
-                return Some(o.0);
-            }
-            cause = e.source();
-        }
-        None
-    }
-}
-
 /// Overflows of one cluster by kind. Kept by cluster name across reloads (a counter must not
 /// go back), while a breaker whose limits change is replaced.
 #[derive(Default)]

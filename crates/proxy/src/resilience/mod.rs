@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use prometheus_client::encoding::DescriptorEncoder;
 use tokio::sync::mpsc;
 
-pub use breaker::{Breaker, Overflow, OverflowCounts, Overflowed, Permit};
+pub use breaker::{Breaker, Overflow, OverflowCounts, Permit};
 pub use health::{ClusterHealth, ProbeCounts, ProbeResult};
 pub use outlier::{EjectionCounts, Outcome, Outlier, Reason};
 

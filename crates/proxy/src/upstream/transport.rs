@@ -1,14 +1,15 @@
 //! The one upstream connection type of the HTTP pools: the bytes of an HTTP/1.1 pooled
-//! connection or of hyper's HTTP/2 connection, whichever way they travel. Either a socket of
-//! the node's own to the endpoint (in the clear or inside the cluster's TLS), or, for a
+//! connection or of an HTTP/2 cluster's connection, whichever way they travel. Either a socket
+//! of the node's own to the endpoint (in the clear or inside the cluster's TLS), or, for a
 //! `tunnel: hbone` cluster, one HBONE CONNECT stream to the endpoint through its node's tunnel
-//! port ([`crate::hbone::pool`]). The HTTP/1 pool and the HTTP/2 client read, write, pool and
-//! judge a [`Transport`] without knowing which it is.
+//! port ([`crate::hbone::pool`]). The HTTP/1 pool and the HTTP/2 client open it with
+//! [`open`], and read, write, pool and judge a [`Transport`] without knowing which it is.
 
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -16,7 +17,10 @@ use tokio::net::TcpStream;
 
 use crate::hbone::pool::{Slot, TunnelPool};
 use crate::hbone::stream::H2Stream;
-use crate::limits::SocketSlot;
+use crate::l7::error::UpstreamError;
+use crate::limits::{upstream_socket, SocketSlot};
+use crate::metrics::ClusterStats;
+use crate::resilience::{Overflow, Permit};
 use crate::snapshot::ClusterPlan;
 use crate::tls::Stream;
 
@@ -28,6 +32,88 @@ pub enum Transport {
     /// holding its place among that connection's streams (the tunnel connection holds the
     /// socket).
     Tunnel { stream: H2Stream, _slot: Slot },
+}
+
+/// A new connection to `endpoint` of cluster `plan` for worker `worker`, if the cluster's
+/// circuit breaker has room for it: the try counts as pending while it opens, and the
+/// connection holds its place under `max_connections` (the permit returned) while it is open.
+/// `make_room` is called first when the breaker is full, to close an idle connection of the
+/// caller's. Through `tunnels` for a `tunnel: hbone` cluster, else a socket of the node's own,
+/// in the cluster's TLS if it has one.
+pub async fn open(
+    plan: &ClusterPlan,
+    worker: usize,
+    endpoint: SocketAddr,
+    tunnels: Option<&TunnelPool>,
+    make_room: impl FnOnce(),
+) -> Result<(Transport, Permit), UpstreamError> {
+    let breaker = &plan.guard.breaker;
+    let _pending = breaker
+        .acquire(Overflow::Pending)
+        .map_err(UpstreamError::overflow)?;
+    if breaker.open(Overflow::Connections) >= breaker.limit(Overflow::Connections) {
+        make_room();
+    }
+    let counted = breaker
+        .acquire(Overflow::Connections)
+        .map_err(UpstreamError::overflow)?;
+    let transport = match tunnels {
+        Some(tunnels) => tunnel(tunnels, plan, worker, endpoint)
+            .await
+            .map_err(UpstreamError::connect)?,
+        None => {
+            let (tcp, slot) = connect(endpoint, plan.connect_timeout, &plan.stats, worker)
+                .await
+                .map_err(UpstreamError::connect)?;
+            let stream = match &plan.tls {
+                None => Stream::Plain(tcp),
+                Some(tls) => tls
+                    .originate(tcp, &plan.stats, worker)
+                    .await
+                    .map_err(|err| {
+                        UpstreamError::connect(format!(
+                            "TLS handshake with the endpoint failed: {err}"
+                        ))
+                    })?,
+            };
+            Transport::direct(stream, slot)
+        }
+    };
+    Ok((transport, counted))
+}
+
+/// Opens a socket to `endpoint` within `timeout`, holding its place in the node's fd budget,
+/// and counts it (or its failure) for the cluster.
+pub async fn connect(
+    endpoint: SocketAddr,
+    timeout: Duration,
+    stats: &ClusterStats,
+    worker: usize,
+) -> io::Result<(TcpStream, SocketSlot)> {
+    // Connect outcomes are rare next to requests and can come from any task of the worker;
+    // the shared add keeps them exact.
+    let slot = upstream_socket().inspect_err(|_| stats.connect_failures.add_shared(worker, 1))?;
+    let connected = match tokio::time::timeout(timeout, TcpStream::connect(endpoint)).await {
+        Ok(result) => result,
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "connect timed out after {}",
+                flatmesh_config::duration::format(&timeout)
+            ),
+        )),
+    };
+    match connected {
+        Ok(stream) => {
+            stats.connections.add_shared(worker, 1);
+            let _ = stream.set_nodelay(true);
+            Ok((stream, slot))
+        }
+        Err(err) => {
+            stats.connect_failures.add_shared(worker, 1);
+            Err(err)
+        }
+    }
 }
 
 /// Opens a connection to `endpoint` of tunnel cluster `plan` on worker `worker`: one CONNECT
@@ -69,14 +155,6 @@ impl Transport {
         Transport::Direct {
             stream,
             _slot: slot,
-        }
-    }
-
-    /// The TCP socket to the endpoint, if the connection has one of its own.
-    pub fn tcp(&self) -> Option<&TcpStream> {
-        match self {
-            Transport::Direct { stream, .. } => Some(stream.tcp()),
-            Transport::Tunnel { .. } => None,
         }
     }
 
