@@ -189,6 +189,10 @@ impl ByteBudget {
 
     /// Waits until `n` bytes fit within `limit`, then takes them.
     pub async fn take(self: &Arc<Self>, n: usize, limit: usize) -> Reservation {
+        // Most takes fit at once: no waiter to register for them.
+        if let Some(r) = self.try_take(n, limit) {
+            return r;
+        }
         loop {
             let returned = self.returned.notified();
             tokio::pin!(returned);

@@ -209,6 +209,8 @@ impl H2Pool {
             let mut seen = state.tries.load(Ordering::Relaxed);
             loop {
                 tokio::select! {
+                    // The connection first: it is what wakes the task, for every frame.
+                    biased;
                     ended = &mut connection => {
                         if let Err(err) = ended {
                             tracing::debug!(%cluster, %endpoint, error = %err,

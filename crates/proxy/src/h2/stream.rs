@@ -60,6 +60,14 @@ impl ConnBudget {
         }
     }
 
+    /// `n` bytes of the connection's budget and of the node's, if both have room now.
+    fn try_reserve(&self, n: usize) -> Option<Queued> {
+        Some(Queued {
+            _own: self.queued.try_take(n, self.per_connection)?,
+            _node: self.node.memory.try_take(n, self.memory_budget)?,
+        })
+    }
+
     /// `n` bytes of the connection's budget and of the node's, waiting for both.
     async fn reserve(&self, n: usize) -> Queued {
         let own = self.queued.take(n, self.per_connection).await;
@@ -243,9 +251,14 @@ async fn send_body(
     loop {
         // The next piece of the body first, then capacity for it: capacity reserved ahead
         // of data would sit on the connection's window (hyper#4003).
-        let frame = tokio::select! {
-            frame = body.frame() => frame,
-            reset = poll_fn(|cx| tx.poll_reset(cx)) => {
+        let frame = poll_fn(|cx| match Pin::new(&mut *body).poll_frame(cx) {
+            Poll::Ready(frame) => Poll::Ready(Ok(frame)),
+            Poll::Pending => tx.poll_reset(cx).map(Err),
+        })
+        .await;
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(reset) => {
                 tracing::debug!(reason = ?reset, "client reset the stream mid-answer");
                 return Err(Cut::Gone);
             }
@@ -267,13 +280,13 @@ async fn send_body(
                 loop {
                     let n = room(tx, data.len(), budget).await?;
                     let piece = data.split_to(n.min(data.len()));
+                    // Usually both budgets have room: no timer for that.
                     let queued = match piece.len() {
                         0 => None,
-                        len => Some(budget.reserve(len)),
-                    };
-                    let queued = match queued {
-                        Some(q) => Some(stalled_after(budget.stall, q).await?),
-                        None => None,
+                        len => match budget.try_reserve(len) {
+                            Some(q) => Some(q),
+                            None => Some(stalled_after(budget.stall, budget.reserve(len)).await?),
+                        },
                     };
                     tx.send_data(
                         Metered {
@@ -322,6 +335,11 @@ async fn room(
     }
     let want = want.min(budget.per_connection);
     tx.reserve_capacity(want);
+    // Usually the window has room already: no timer for that.
+    let now = tx.capacity();
+    if now > 0 {
+        return Ok(now.min(want));
+    }
     let capacity = stalled_after(budget.stall, async {
         loop {
             let now = tx.capacity();

@@ -20,14 +20,19 @@ const HOP_BY_HOP: [HeaderName; 6] = [
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
-fn is_hop_by_hop(name: &HeaderName) -> bool {
-    HOP_BY_HOP.contains(name) || name == header::TE
+/// Whether a header is hop-by-hop: `te` only when it carries more than "trailers" (what
+/// every gRPC request sends, and may go on).
+fn is_hop_by_hop(name: &HeaderName, value: &HeaderValue) -> bool {
+    HOP_BY_HOP.contains(name) || (name == header::TE && value.as_bytes() != b"trailers")
 }
 
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Fast path: most requests carry none, and one pass over the names is far cheaper than
     // a hashed remove per hop-by-hop name.
-    if !headers.keys().any(is_hop_by_hop) {
+    if !headers
+        .iter()
+        .any(|(name, value)| is_hop_by_hop(name, value))
+    {
         return;
     }
     // Headers named in `Connection` are hop-by-hop too.
@@ -144,6 +149,17 @@ mod tests {
         let mut grpc = headers(&[("te", "trailers")]);
         strip_hop_by_hop(&mut grpc);
         assert!(grpc.get("te").is_some(), "gRPC's te: trailers must pass");
+        // Alone, another `te` is still hop-by-hop; beside `connection`, trailers still pass.
+        let mut te = headers(&[("te", "gzip"), ("x-keep", "1")]);
+        strip_hop_by_hop(&mut te);
+        assert!(te.get("te").is_none() && te.get("x-keep").is_some());
+        let mut both = headers(&[
+            ("te", "trailers"),
+            ("connection", "x-secret"),
+            ("x-secret", "1"),
+        ]);
+        strip_hop_by_hop(&mut both);
+        assert!(both.get("x-secret").is_none() && both.get("te").is_some());
     }
 
     #[test]
