@@ -205,6 +205,12 @@ def rss_kb(pids: list[int]) -> int:
     return sum(_status_kb(pid, "VmRSS") for pid in pids)
 
 
+def anon_kb(pids: list[int]) -> int:
+    """Sum of RssAnon: the memory the processes allocated, without the pages of their binaries
+    and libraries, whose count follows the page cache (fault-around) more than the program."""
+    return sum(_status_kb(pid, "RssAnon") for pid in pids)
+
+
 def peak_rss_kb(pids: list[int]) -> int:
     """Sum of VmHWM (peak resident set) over the processes."""
     return sum(_status_kb(pid, "VmHWM") for pid in pids)

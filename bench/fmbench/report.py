@@ -39,6 +39,7 @@ def summarize(records: list[dict]) -> list[dict]:
                 "host_cpu_per_unit": _median([r.get("host_cpu_per_unit") for r in rs]),
                 "peak_rss_kb": _median([r["peak_rss_kb"] for r in rs]),
                 "idle_rss_kb": _median([r["idle_rss_kb"] for r in rs]),
+                "idle_anon_kb": _median([r.get("idle_anon_kb") for r in rs]),
                 "held_rss_kb": _median([(r.get("raw") or {}).get("held_rss_kb") for r in rs]),
                 "held": _median([(r.get("raw") or {}).get("held") for r in rs]),
                 "errors": sum(r["errors"] for r in rs),
@@ -120,6 +121,12 @@ def f_mb(kb) -> str:
     return "–" if kb is None else f"{kb / 1024:.1f}"
 
 
+def f_idle(r: dict) -> str:
+    """Idle VmRSS, with the anonymous part (what the system allocated) beside it when known."""
+    anon = r.get("idle_anon_kb")
+    return f_mb(r["idle_rss_kb"]) + ("" if anon is None else f" ({f_mb(anon)})")
+
+
 def f_cpu(v) -> str:
     return "–" if v is None else f"{v:.3f}"
 
@@ -144,7 +151,7 @@ def scenario_table(s: Scenario, rows: list[dict], systems: list[str]) -> list[st
         return sweep_table(s, rows, systems)
     if s.topology.hold_connections:
         return held_table(s, rows, systems)
-    cols = [rate_header(s), "× Envoy", *(LAT_NAMES[k] for k in LAT_KEYS), "p99 × Envoy", cpu_header(s), "CPU × Envoy", "host " + cpu_header(s), "peak RSS MB", "idle RSS MB", "errors"]
+    cols = [rate_header(s), "× Envoy", *(LAT_NAMES[k] for k in LAT_KEYS), "p99 × Envoy", cpu_header(s), "CPU × Envoy", "host " + cpu_header(s), "peak RSS MB", "idle RSS (anon) MB", "errors"]
     if s.name == "tcp_pingpong":
         cols.insert(6, "added p50 vs direct")
     out = ["| system | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
@@ -159,7 +166,7 @@ def scenario_table(s: Scenario, rows: list[dict], systems: list[str]) -> list[st
             f_x(r["cpu_vs_envoy"]),
             f_cpu(r.get("host_cpu_per_unit")),
             f_mb(r["peak_rss_kb"]),
-            f_mb(r["idle_rss_kb"]),
+            f_idle(r),
             str(r["errors"]),
         ]
         if s.name == "tcp_pingpong":
@@ -269,7 +276,8 @@ def targets(rows: list[dict]) -> list[dict]:
     else:
         add("req/s ≥ HAProxy", None, "flatmesh or HAProxy not measured")
     if fm and fm["idle_rss_kb"]:
-        add("idle RSS ≤ 15 MB", fm["idle_rss_kb"] <= MB15_KB, f"{fm['idle_rss_kb'] / 1024:.1f} MB" + (f" (Envoy {env['idle_rss_kb'] / 1024:.1f} MB)" if env and env["idle_rss_kb"] else ""))
+        anon = f", {fm['idle_anon_kb'] / 1024:.1f} MB of it anonymous" if fm.get("idle_anon_kb") else ""
+        add("idle RSS ≤ 15 MB", fm["idle_rss_kb"] <= MB15_KB, f"{fm['idle_rss_kb'] / 1024:.1f} MB{anon}" + (f" (Envoy {env['idle_rss_kb'] / 1024:.1f} MB)" if env and env["idle_rss_kb"] else ""))
     else:
         add("idle RSS ≤ 15 MB", None, "flatmesh not measured")
     fp, ep = get("tcp_pingpong", "flatmesh"), get("tcp_pingpong", "envoy")

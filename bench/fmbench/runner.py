@@ -41,7 +41,7 @@ def _per_unit(scenario: Scenario, cpu_s: float | None, ops: float) -> float | No
 
 
 def _record(
-    system: System, scenario: Scenario, rep: int, load, res: loadgen.LoadResult, usage, idle_kb, host_cpu_s=None
+    system: System, scenario: Scenario, rep: int, load, res: loadgen.LoadResult, usage, idle_kb, host_cpu_s=None, idle_anon_kb=None
 ) -> dict:
     per = _per_unit(scenario, usage.cpu_s, res.ops) if usage else None
     return {
@@ -62,6 +62,7 @@ def _record(
         "host_cpu_per_unit": _per_unit(scenario, host_cpu_s, res.ops),
         "peak_rss_kb": usage.peak_rss_kb if usage else None,
         "idle_rss_kb": idle_kb,
+        "idle_anon_kb": idle_anon_kb,
         "raw": res.raw,
     }
 
@@ -80,7 +81,7 @@ def measure_system(
     hop = None if not isinstance(sniffer, dict) else sniffer
     try:
         launches = system.launches(scenario, workdir)
-        idle_kb = None
+        idle_kb = idle_anon_kb = None
         if launches:
             # Every process of the system (both nodes of an mTLS pair) on the SUT CPU, each
             # ready before the next starts (the server node before the client node).
@@ -91,7 +92,8 @@ def measure_system(
                 procs.wait_ready(proc, launch.ports, launch.ready_url, 30, workdir)
             system.after_ready(workdir)
             time.sleep(SETTLE_S)
-            idle_kb = procs.rss_kb([pid for p in started for pid in procs.tree(p.pid)])
+            pids = [pid for p in started for pid in procs.tree(p.pid)]
+            idle_kb, idle_anon_kb = procs.rss_kb(pids), procs.anon_kb(pids)
         where = "correctness check"
         passed = checks.run_checks(scenario, port, system.is_proxy, workdir, system.client_env)
         if rep == 0:
@@ -107,7 +109,7 @@ def measure_system(
             meter = procs.Meter([p.pid for p in started])
             res = loadgen.run(scenario, load, port, system.client_env, workdir, on_hold=lambda: held_memory(started))
             usage = meter.finish()
-            rec = _record(system, scenario, rep, load, res, usage, idle_kb, meter.host_cpu_s())
+            rec = _record(system, scenario, rep, load, res, usage, idle_kb, meter.host_cpu_s(), idle_anon_kb)
             if hop is not None:
                 rec["hop_tls"] = hop
             outcome.records.append(rec)

@@ -403,6 +403,18 @@ class ReportTests(unittest.TestCase):
         self.assertIn("KiB per connection", table[0])
         self.assertTrue(table[2].startswith("| flatmesh | 10,000 | 12.7 | 51.8 | 4.0 | 0.25× |"), table[2])
 
+    def test_idle_memory_shows_the_anonymous_part_beside_the_rss(self):
+        with_anon = rec("flatmesh", "http1_keepalive", 26_000, 300, 1400, idle=14 * 1024)
+        with_anon["idle_anon_kb"] = 1536
+        rows = report.summarize([with_anon, rec("envoy", "http1_keepalive", 10_000, 1000, 3000, idle=64 * 1024)])
+        table = report.scenario_table(scenario("http1_keepalive"), rows, ["flatmesh", "envoy"])
+        self.assertIn("idle RSS (anon) MB", table[0])
+        self.assertIn("| 14.0 (1.5) |", table[2])
+        # A record from before the anonymous part was kept shows the RSS alone.
+        self.assertIn("| 64.0 |", table[3])
+        t = {x["target"]: x["measured"] for x in report.targets(rows)}
+        self.assertIn("1.5 MB of it anonymous", t["idle RSS ≤ 15 MB"])
+
     def test_targets_pass_and_fail(self):
         recs = [
             rec("envoy", "http1_keepalive", 10_000, 1000, 3000, idle=64 * 1024),
