@@ -14,6 +14,9 @@
 #
 #   bench/scripts/percall.sh grpc [CALLS]     one gRPC unary call at a time (ghz -c 1)
 #   bench/scripts/percall.sh http1 [SECONDS]  HTTP/1.1 keep-alive, 32 connections (wrk)
+#   bench/scripts/percall.sh http2 [SECONDS]  h2c, 16 connections x 10 streams (h2load), the
+#                                             same routes and HTTP/1.1 backends; the last
+#                                             column is h2load's mean, not a p50
 #   SYSTEMS="flatmesh nginx" ...               only these systems (default: flatmesh nginx haproxy)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -54,20 +57,24 @@ backend app
     taskset -c 0 bench/.bin/grpc-backend -addr 127.0.0.1:18090 > "$work/backend.log" 2>&1 &
     pids+=($!)
     ;;
-  http1)
+  http1|http2)
     secs=${2:-8}
-    command -v wrk > /dev/null || { echo "percall.sh http1 needs wrk" >&2; exit 1; }
+    tool=wrk; [ "$mode" = http2 ] && tool=h2load
+    command -v $tool > /dev/null || { echo "percall.sh $mode needs $tool" >&2; exit 1; }
+    # HTTP/2 clients (h2c with prior knowledge) on the proxy's side; HTTP/1.1 to the backends.
+    h2=""; [ "$mode" = http2 ] && h2=" http2"
+    h2proto=""; [ "$mode" = http2 ] && h2proto=" proto h2"
     routes=$(for i in $(seq 0 9); do printf '      - match: { path: { prefix: /svc%s/ } }\n        cluster: svc-%s\n' "$i" "$i"; done)
     clusters=$(for i in $(seq 0 9); do printf '  - name: svc-%s\n    endpoints: ["127.0.0.1:%s"]\n' "$i" $((18100 + i)); done)
     nginx_http=$(for i in $(seq 0 9); do
       printf '  upstream svc%s { server 127.0.0.1:%s; keepalive 64; keepalive_requests 100000000; }\n' "$i" $((18100 + i))
     done
-    printf '  server { listen 127.0.0.1:19180; keepalive_requests 100000000;\n'
+    printf '  server { listen 127.0.0.1:19180%s; keepalive_requests 100000000;\n' "$h2"
     for i in $(seq 0 9); do
       printf '    location /svc%s/ { proxy_pass http://svc%s; proxy_http_version 1.1; proxy_set_header Connection ""; }\n' "$i" "$i"
     done
     printf '  }')
-    haproxy_http=$(printf 'frontend web\n  mode http\n  bind 127.0.0.1:19180\n'
+    haproxy_http=$(printf 'frontend web\n  mode http\n  bind 127.0.0.1:19180%s\n' "$h2proto"
       for i in $(seq 0 9); do printf '  acl r%s path_beg /svc%s/\n  use_backend svc-%s if r%s\n' "$i" "$i" "$i" "$i"; done
       for i in $(seq 0 9); do printf 'backend svc-%s\n  mode http\n  server s1 127.0.0.1:%s\n' "$i" $((18100 + i)); done)
     servers=$(for i in $(seq 0 9); do printf "  server { listen 127.0.0.1:%s; location / { return 200 'svc%s'; } }\n" $((18100 + i)) "$i"; done)
@@ -75,7 +82,7 @@ backend app
 $servers"
     taskset -c 0 nginx -c "$work/backend.conf" > "$work/backend.log" 2>&1 &
     ;;
-  *) echo "usage: $0 grpc [CALLS] | http1 [SECONDS]" >&2; exit 2 ;;
+  *) echo "usage: $0 grpc [CALLS] | http1 [SECONDS] | http2 [SECONDS]" >&2; exit 2 ;;
 esac
 
 cat > "$work/flatmesh.yaml" <<YAML
@@ -116,6 +123,17 @@ d = json.load(open(sys.argv[1]))
 lat = sorted(x["latency"] / 1000 for x in d["details"] if x["status"] == "OK")
 print(len(lat), f"{lat[len(lat) // 2]:.1f}")
 PY
+  elif [ "$mode" = http2 ]; then
+    # h2load gives no percentiles: the last column is its mean time per request.
+    taskset -c 0 h2load -c16 -m10 -D "$1" http://127.0.0.1:19180/svc3/x > "$work/h2load.txt"
+    python3 - "$work/h2load.txt" <<'PY'
+import re, sys
+t = open(sys.argv[1]).read()
+n = int(re.search(r"requests: \d+ total, \d+ started, \d+ done, (\d+) succeeded", t).group(1))
+m = re.search(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)", t)
+mean = float(m.group(1)) * {"us": 1, "ms": 1e3, "s": 1e6}[m.group(2)]
+print(n, f"{mean:.1f}")
+PY
   else
     taskset -c 0 wrk -t1 -c32 -d"$1s" --latency http://127.0.0.1:19180/svc3/x > "$work/wrk.txt"
     python3 - "$work/wrk.txt" <<'PY'
@@ -128,7 +146,7 @@ print(n, f"{p50:.1f}")
 PY
   fi
 }
-# The load's size: calls for gRPC, seconds for HTTP/1.
+# The load's size: calls for gRPC, seconds for HTTP/1.1 and HTTP/2.
 size() { if [ "$mode" = grpc ]; then echo "$calls"; else echo "$secs"; fi; }
 warm() { if [ "$mode" = grpc ]; then load 500 > /dev/null; else load 1 > /dev/null; fi; }
 

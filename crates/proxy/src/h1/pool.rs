@@ -246,11 +246,16 @@ pub async fn acquire(
     if let Some(conn) = pool.checkout(endpoint) {
         return Ok(conn);
     }
-    let (stream, counted) =
-        transport::open(plan, worker, endpoint, pool.tunnels.as_deref(), || {
-            pool.evict_one()
-        })
-        .await?;
+    // Boxed: opening (TLS handshake and all) is a large future, and every request's task
+    // would otherwise carry room for it.
+    let (stream, counted) = Box::pin(transport::open(
+        plan,
+        worker,
+        endpoint,
+        pool.tunnels.as_deref(),
+        || pool.evict_one(),
+    ))
+    .await?;
     let mut conn = UpstreamConn::new(stream);
     conn.counted = Some(counted);
     Ok(conn)

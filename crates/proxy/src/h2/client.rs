@@ -163,7 +163,9 @@ impl H2Pool {
                 Turn::Waited(Ok(())) => {}
                 Turn::Waited(Err(err)) => return Err(err),
                 Turn::Lead(mut dial) => {
-                    let opened = self.open(plan, worker, endpoint).await;
+                    // Boxed: opening (TLS handshake and all) is a large future, and every
+                    // request's task would otherwise carry room for it.
+                    let opened = Box::pin(self.open(plan, worker, endpoint)).await;
                     dial.finish(opened.as_ref().map(|_| ()).map_err(UpstreamError::clone));
                     return opened.map(|(conn, in_use)| (conn, in_use, true));
                 }

@@ -635,3 +635,57 @@ async fn handle(
     finish(ctx, snap, lid, started, &outcome, logged);
     (resp, held)
 }
+
+#[cfg(test)]
+mod tests {
+    //! What a stream's task costs to start. Spawning moves the whole future: its size (the
+    //! largest state it can reach) is copied for every stream.
+    #![allow(clippy::unwrap_used)]
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::testing;
+
+    /// A request's future is about 6.5 KiB (release build) since opening a connection was
+    /// boxed; it was 13 KiB before, with the TLS handshake's future inline (BENCHMARKS.md).
+    const MAX_FUTURE: usize = 8 * 1024;
+
+    #[test]
+    fn a_request_s_future_stays_small_with_connection_opening_boxed() {
+        let view = testing::view(
+            "listeners:\n  - name: web\n    address: 127.0.0.1:1\n    protocol: http\n    routes:\n      - match: { path: { prefix: / } }\n        cluster: app\nclusters:\n  - name: app\n    endpoints: [ 127.0.0.1:9 ]\n",
+        );
+        let ctx = testing::context(&view);
+        let budget = Arc::new(ConnBudget::new(&ctx, &Limits::default()));
+        let req = Request::new(RequestBody {
+            recv: None,
+            unread: Unread::default(),
+            failed: Arc::default(),
+            peeked: VecDeque::default(),
+        });
+        let handled = handle(&ctx, req, &budget);
+        let size = std::mem::size_of_val(&handled);
+        assert!(
+            size <= MAX_FUTURE,
+            "a stream's request future is {size} bytes"
+        );
+        let (parts, ()) = Request::new(()).into_parts();
+        let pool = crate::h2::client::H2Pool::new(None, 1, 1);
+        let failed = AtomicBool::new(false);
+        let snap = &view.load().snapshot;
+        let sent = crate::h2::client::send(
+            &pool,
+            &parts,
+            HeaderMap::new(),
+            &snap.clusters[0],
+            0,
+            0,
+            "127.0.0.1:9".parse().unwrap(),
+            crate::body::empty(),
+            &failed,
+        );
+        let size = std::mem::size_of_val(&sent);
+        assert!(size <= 2048, "an HTTP/2 try's future is {size} bytes");
+    }
+}
