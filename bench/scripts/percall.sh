@@ -123,26 +123,19 @@ d = json.load(open(sys.argv[1]))
 lat = sorted(x["latency"] / 1000 for x in d["details"] if x["status"] == "OK")
 print(len(lat), f"{lat[len(lat) // 2]:.1f}")
 PY
-  elif [ "$mode" = http2 ]; then
-    # h2load gives no percentiles: the last column is its mean time per request.
-    taskset -c 0 h2load -c16 -m10 -D "$1" http://127.0.0.1:19180/svc3/x > "$work/h2load.txt"
-    python3 - "$work/h2load.txt" <<'PY'
-import re, sys
-t = open(sys.argv[1]).read()
-n = int(re.search(r"requests: \d+ total, \d+ started, \d+ done, (\d+) succeeded", t).group(1))
-m = re.search(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)", t)
-mean = float(m.group(1)) * {"us": 1, "ms": 1e3, "s": 1e6}[m.group(2)]
-print(n, f"{mean:.1f}")
-PY
   else
-    taskset -c 0 wrk -t1 -c32 -d"$1s" --latency http://127.0.0.1:19180/svc3/x > "$work/wrk.txt"
-    python3 - "$work/wrk.txt" <<'PY'
+    # h2load gives no percentiles: for HTTP/2 the last column is its mean time per request.
+    if [ "$mode" = http2 ]; then
+      taskset -c 0 h2load -c16 -m10 -D "$1" http://127.0.0.1:19180/svc3/x > "$work/load.txt"
+    else
+      taskset -c 0 wrk -t1 -c32 -d"$1s" --latency http://127.0.0.1:19180/svc3/x > "$work/load.txt"
+    fi
+    python3 - "$work/load.txt" <<'PY'
 import re, sys
 t = open(sys.argv[1]).read()
-n = int(re.search(r"(\d+) requests in", t).group(1))
-m = re.search(r"50%\s+([\d.]+)(us|ms|s)", t)
-p50 = float(m.group(1)) * {"us": 1, "ms": 1e3, "s": 1e6}[m.group(2)]
-print(n, f"{p50:.1f}")
+done = re.search(r"(\d+) requests in", t) or re.search(r"requests: \d+ total, \d+ started, \d+ done, (\d+) succeeded", t)
+m = re.search(r"50%\s+([\d.]+)(us|ms|s)", t) or re.search(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)", t)
+print(int(done.group(1)), f"{float(m.group(1)) * {'us': 1, 'ms': 1e3, 's': 1e6}[m.group(2)]:.1f}")
 PY
   fi
 }
