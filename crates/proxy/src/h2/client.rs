@@ -262,9 +262,18 @@ pub(crate) async fn send(
     // out (h2 says so when asked for room): then once more, on a fresh one.
     let (response, stream, in_use) = loop {
         let (conn, in_use, fresh) = pool.connection(plan, worker, endpoint).await?;
+        // The connection failed before it took the request, so sending it again is safe: a
+        // fresh one failed as a connect does; a pooled one was closed while it sat idle.
         let gone = |err: h2::Error| {
             conn.state.close();
-            UpstreamError::closed(error_chain(&err), !fresh, false)
+            let detail = error_chain(&err);
+            if fresh {
+                UpstreamError::connect(format!(
+                    "the HTTP/2 connection failed before it took the request: {detail}"
+                ))
+            } else {
+                UpstreamError::closed(detail, true, false)
+            }
         };
         let mut send = match conn.send.clone().ready().await {
             Ok(send) => send,
