@@ -73,7 +73,6 @@ struct Pooled {
 }
 
 /// What the pool and the connection's task know of one connection.
-#[derive(Default)]
 struct ConnState {
     /// Streams using it, with [`CLOSED`] set once it may take no more.
     in_use: AtomicUsize,
@@ -194,10 +193,12 @@ impl H2Pool {
         let (send, connection) = builder.handshake::<_, Bytes>(io).await.map_err(|err| {
             UpstreamError::connect(format!("HTTP/2 handshake with the endpoint failed: {err}"))
         })?;
-        let state = Arc::new(ConnState::default());
-        let in_use = state
-            .take()
-            .ok_or_else(|| UpstreamError::connect("closed at once"))?;
+        // Born with the opening try's stream on it.
+        let state = Arc::new(ConnState {
+            in_use: AtomicUsize::new(1),
+            tries: AtomicU64::new(1),
+        });
+        let in_use = InUse(state.clone());
         let conn = Pooled {
             send,
             state: state.clone(),
@@ -260,7 +261,7 @@ pub(crate) async fn send(
     let end_of_stream = body.is_end_stream();
     // A pooled connection the endpoint has closed meanwhile fails before the request goes
     // out (h2 says so when asked for room): then once more, on a fresh one.
-    let (response, stream, in_use) = loop {
+    let (mut response, stream, in_use) = loop {
         let (conn, in_use, fresh) = pool.connection(plan, worker, endpoint).await?;
         // The connection failed before it took the request, so sending it again is safe: a
         // fresh one failed as a connect does; a pooled one was closed while it sat idle.
@@ -294,7 +295,6 @@ pub(crate) async fn send(
         }
     };
     let mut upload = (!end_of_stream).then(|| RequestPipe { body, stream });
-    let mut response = response;
     let answer = poll_fn(|cx| {
         if let Some(pipe) = upload.as_mut() {
             match pipe.poll_send(cx) {
